@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Lint, start the local services the tests need (loopback only), run the suite, stop what we started.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+
+.venv/bin/ruff check .
+
+pids=()
+cleanup() { for pid in "${pids[@]:-}"; do [[ -n "$pid" ]] && kill "$pid" 2>/dev/null || true; done; }
+trap cleanup EXIT
+
+if [[ -f scripts/services.sh ]]; then
+    # services.sh prints "NAME=VALUE" lines for the environment and "PID=<pid>" for each server.
+    while IFS='=' read -r key value; do
+        if [[ "$key" == PID ]]; then pids+=("$value"); else export "$key=$value"; fi
+    done < <(bash scripts/services.sh)
+fi
+
+set +e
+"$PY" -m pytest "$@"
+rc=$?
+set -e
+exit $rc
