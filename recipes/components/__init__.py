@@ -1,0 +1,1 @@
+"""Small example models and data modules that recipes combine (the libraries ship the real components)."""

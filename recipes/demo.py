@@ -1,0 +1,36 @@
+"""The README's main command: train each shipped strategy briefly on this machine's CPU.
+
+Each run is the real recipe entry point in its own process (``python -m recipes.train experiment=...``), as a
+user would launch it, so multi-process strategies start their own workers through Lightning's launcher.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from recipes.paths import CONFIG_DIR, REPO_ROOT
+
+# (experiment, extra overrides, what the run shows)
+DEMO_RUNS: list[tuple[str, list[str], str]] = [
+    ("plain_mlp", [], "baseline: a small classifier with Lightning's default strategy"),
+]
+
+
+def main() -> int:
+    for experiment, overrides, what in DEMO_RUNS:
+        if not (CONFIG_DIR / "experiment" / f"{experiment}.yaml").exists():
+            raise FileNotFoundError(f"demo recipe {experiment!r} is missing from {CONFIG_DIR / 'experiment'}")
+        print(f"\n=== demo: {experiment} — {what} ===", flush=True)
+        cmd = [sys.executable, "-m", "recipes.train", f"experiment={experiment}", *overrides]
+        print("$ " + " ".join(cmd[1:]), flush=True)
+        result = subprocess.run(cmd, cwd=REPO_ROOT)
+        if result.returncode != 0:
+            print(f"demo: {experiment} failed with exit code {result.returncode}", file=sys.stderr)
+            return result.returncode
+    print("\ndemo: all runs finished", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
