@@ -1,0 +1,154 @@
+"""The GPT example model, its byte-level token data, and the ``bamboo_gpt`` recipe end to end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_bamboo.models import GPT, build_pipeline
+from lightning_bamboo.models.gpt import warmup_cosine
+from recipes.components.text import VOCAB_SIZE, TokenDataModule, TokenWindows, corpus_tokens
+from recipes.paths import REPO_ROOT
+
+TINY = {"block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
+
+
+def test_pipeline_elements_take_and_return_one_tensor() -> None:
+    pipeline = build_pipeline(vocab_size=VOCAB_SIZE, **TINY)
+    assert len(pipeline) == TINY["n_layer"] + 2
+    x: Tensor = torch.randint(0, VOCAB_SIZE, (3, 16))  # (B, T)
+    shapes = []
+    for layer in pipeline:
+        x = layer(x)
+        shapes.append(tuple(x.shape))
+    assert shapes == [(3, 16, 32), (3, 16, 32), (3, 16, 32), (3, 16, VOCAB_SIZE)]
+
+
+def test_attention_is_causal() -> None:
+    """Changing the last token must leave the logits of every earlier position unchanged."""
+    torch.manual_seed(0)
+    model = GPT(**TINY).eval()
+    idx = torch.randint(0, VOCAB_SIZE, (1, 16))
+    changed = idx.clone()
+    changed[0, -1] = (idx[0, -1] + 1) % VOCAB_SIZE
+    torch.testing.assert_close(model(idx)[:, :-1], model(changed)[:, :-1])
+    assert not torch.allclose(model(idx)[:, -1], model(changed)[:, -1])
+
+
+def test_training_step_is_the_pipeline_contract() -> None:
+    """training_step == pipeline_loss(pipeline(pipeline_inputs(batch)), batch), what a pipeline strategy runs."""
+    torch.manual_seed(0)
+    model = GPT(**TINY)
+    inputs, targets = torch.randint(0, VOCAB_SIZE, (2, 4, 16))
+    batch = (inputs, targets)
+    assert model.pipeline_inputs(batch) is inputs
+    logits = model.pipeline(inputs)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1))
+    torch.testing.assert_close(model.pipeline_loss(logits, batch), expected)
+    model.log = lambda *args, **kwargs: None  # type: ignore[method-assign]  # no trainer attached
+    torch.testing.assert_close(model.training_step(batch, 0), expected)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"n_head": 3, "n_embd": 32}, r"n_head \(3\) does not divide n_embd \(32\): n_embd % n_head = 2"),
+        ({"n_layer": 0}, r"n_layer must be a positive integer, got 0"),
+        ({"dropout": 1.0}, r"dropout must be in \[0, 1\), got 1.0"),
+        ({"lr": 0.0}, r"lr must be positive, got 0.0"),
+    ],
+)
+def test_bad_hyperparameters_are_named(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        GPT(**{**TINY, **kwargs})
+
+
+def test_sequence_longer_than_block_size_is_rejected() -> None:
+    model = GPT(**TINY)
+    with pytest.raises(ValueError, match=r"sequence length \(17\) exceeds block_size \(16\)"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_warmup_cosine_schedule() -> None:
+    factor = warmup_cosine(warmup=4, decay_steps=14, min_ratio=0.1)
+    assert [factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert factor(9) == pytest.approx(0.55)  # half way through the cosine
+    assert factor(14) == factor(100) == pytest.approx(0.1)
+
+
+def test_decay_steps_need_a_finite_run() -> None:
+    model = GPT(**TINY)
+    trainer = pl.Trainer(max_steps=-1, max_epochs=-1, logger=False, enable_checkpointing=False)
+    model.trainer = trainer
+    with pytest.raises(ValueError, match=r"decay_steps is None and trainer.estimated_stepping_batches is inf"):
+        model.configure_optimizers()
+
+
+def test_token_windows_are_shifted_bytes() -> None:
+    tokens = corpus_tokens(["textwrap"])
+    assert tokens.dtype == torch.int64 and int(tokens.max()) < VOCAB_SIZE
+    windows = TokenWindows(tokens, block_size=8)
+    assert len(windows) == (tokens.numel() - 1) // 8
+    x, y = windows[3]
+    torch.testing.assert_close(x, tokens[24:32])
+    torch.testing.assert_close(y, tokens[25:33])
+
+
+def test_data_module_batches_are_seeded_and_full(tmp_path: Path) -> None:
+    data = TokenDataModule(modules=["textwrap"], block_size=8, batch_size=5, seed=3)
+    data.setup("fit")
+    first = [b[0] for b in data.train_dataloader()]
+    again = [b[0] for b in data.train_dataloader()]
+    assert all(b.shape == (5, 8) for b in first)
+    torch.testing.assert_close(torch.stack(first), torch.stack(again))  # same seed -> same order on every rank
+    assert "TokenDataModule(modules=['textwrap'], block_size=8" in repr(data)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"modules": ["sys"]}, r"modules: 'sys' has no Python source file \(origin='built-in'\)"),
+        ({"modules": []}, r"modules: expected at least one module name, got an empty list"),
+        ({"val_fraction": 1.0}, r"val_fraction must be in \(0, 1\), got 1.0"),
+        ({"modules": ["this"], "batch_size": 1000}, r"training windows are fewer than batch_size \(1000\)"),
+    ],
+)
+def test_bad_data_arguments_are_named(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        data = TokenDataModule(**kwargs)
+        data.setup("fit")
+
+
+class _LossRecorder(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+@pytest.mark.slow
+def test_gpt_learns_under_the_default_strategy(tmp_path: Path) -> None:
+    """30 steps on stdlib bytes take the loss from ~ln(256) = 5.5 well down (bytes of code are predictable)."""
+    pl.seed_everything(0)
+    model = GPT(**TINY, lr=1e-2, warmup=5)
+    data = TokenDataModule(block_size=16, batch_size=16)
+    recorder = _LossRecorder()
+    trainer = pl.Trainer(
+        strategy="auto", accelerator="cpu", devices=1, max_steps=30, limit_val_batches=2, val_check_interval=30,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=[recorder],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, datamodule=data)
+    assert len(recorder.losses) == 30
+    assert recorder.losses[0] == pytest.approx(5.55, abs=0.15)
+    assert sum(recorder.losses[-5:]) / 5 < recorder.losses[0] - 1.5
+    assert trainer.callback_metrics["val_loss"] < recorder.losses[0] - 1.5
