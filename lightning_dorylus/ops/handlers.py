@@ -1,0 +1,119 @@
+"""The tensor-op handler: the code that runs inside an executor (local worker or AWS Lambda).
+
+``handle(payload) -> bytes`` decodes a request ``{"op": str, "attrs": {...}}`` + named arrays (see
+``lightning_dorylus.wire``), runs the op, and encodes ``{"op": str, "ok": true}`` + the outputs.
+``run_op`` is the same dispatch without the encoding (the "inline" executor calls it directly).
+
+Imports only the standard library, numpy, and sibling modules, so this package ships into a
+Lambda zip without torch (see ``lightning_dorylus.ops.bundle``).
+
+Ops (inputs -> outputs; every tensor needed for backward is an explicit input):
+
+================== ========================================================= ==========================
+op                 inputs [optional]                                         outputs [optional]
+================== ========================================================= ==========================
+apply_vertex.fwd   z, weight, [bias]; attrs activation                       h
+apply_vertex.bwd   z, weight, h, grad_h; attrs activation, has_bias          grad_z, grad_weight, [grad_bias]
+gat.project.fwd    x, weight, att_src, att_dst                               h, alpha_src, alpha_dst
+gat.project.bwd    x, weight, att_src, att_dst, h, grad_h, grad_alpha_src,   grad_x, grad_weight,
+                   grad_alpha_dst                                            grad_att_src, grad_att_dst
+apply_edge.fwd     alpha_src_e, alpha_dst, dst_ptr; attrs negative_slope     attention
+apply_edge.bwd     alpha_src_e, alpha_dst, dst_ptr, attention,               grad_alpha_src_e,
+                   grad_attention; attrs negative_slope                      grad_alpha_dst
+================== ========================================================= ==========================
+(".fwd"/".bwd" abbreviate ".forward"/".backward".)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import wire
+from . import gat, vertex
+
+OpFn = Callable[[dict[str, np.ndarray], dict[str, Any]], dict[str, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """An op's function and the array names it needs (``required``) or accepts (``optional``)."""
+
+    fn: OpFn
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+    integer_inputs: tuple[str, ...] = ()  # everything else must share one floating dtype
+
+
+OPS: dict[str, OpSpec] = {
+    "apply_vertex.forward": OpSpec(vertex.apply_vertex_forward, ("z", "weight"), ("bias",)),
+    "apply_vertex.backward": OpSpec(vertex.apply_vertex_backward, ("z", "weight", "h", "grad_h")),
+    "gat.project.forward": OpSpec(gat.project_forward, ("x", "weight", "att_src", "att_dst")),
+    "gat.project.backward": OpSpec(gat.project_backward, ("x", "weight", "att_src", "att_dst", "h", "grad_h",
+                                                          "grad_alpha_src", "grad_alpha_dst")),
+    "apply_edge.forward": OpSpec(gat.apply_edge_forward, ("alpha_src_e", "alpha_dst", "dst_ptr"),
+                                 integer_inputs=("dst_ptr",)),
+    "apply_edge.backward": OpSpec(gat.apply_edge_backward, ("alpha_src_e", "alpha_dst", "dst_ptr",
+                                                            "attention", "grad_attention"),
+                                  integer_inputs=("dst_ptr",)),
+}
+
+FLOAT_DTYPES = ("float16", "float32", "float64")
+
+
+def run_op(op: str, inputs: Mapping[str, np.ndarray], attrs: Mapping[str, Any] | None = None
+           ) -> dict[str, np.ndarray]:
+    """Validate and run one op on numpy arrays; outputs have the inputs' floating dtype.
+
+    Raises:
+        ValueError: unknown ``op`` (the message lists the valid ones), a missing or unexpected input
+            (named), mixed floating dtypes, or shapes that do not fit the op.
+    """
+    spec = OPS.get(op)
+    if spec is None:
+        raise ValueError(f"unknown op {op!r}; valid ops are {sorted(OPS)}")
+    missing = [k for k in spec.required if k not in inputs]
+    if missing:
+        raise ValueError(f"op {op!r} is missing input(s) {missing}; it needs {list(spec.required)}"
+                         + (f" and accepts {list(spec.optional)}" if spec.optional else ""))
+    unexpected = [k for k in inputs if k not in spec.required and k not in spec.optional]
+    if unexpected:
+        raise ValueError(f"op {op!r} got unexpected input(s) {unexpected}; it takes "
+                         f"{list(spec.required + spec.optional)}")
+    dtypes = {k: np.dtype(v.dtype).name for k, v in inputs.items() if k not in spec.integer_inputs}
+    if len(set(dtypes.values())) > 1 or not set(dtypes.values()) <= set(FLOAT_DTYPES):
+        raise ValueError(f"op {op!r} needs its floating inputs to share one dtype of {list(FLOAT_DTYPES)}; "
+                         f"got {dtypes}")
+    for k in spec.integer_inputs:
+        if np.dtype(inputs[k].dtype).kind not in "iu":
+            raise ValueError(f"op {op!r} input {k!r} must be an integer array, got {inputs[k].dtype}")
+    return spec.fn(dict(inputs), dict(attrs or {}))
+
+
+def handle(payload: bytes | bytearray | memoryview) -> bytes:
+    """Decode a request, run its op, encode the response (the Lambda/worker entry point's core)."""
+    header, arrays = wire.decode(payload)
+    op = header.get("op")
+    attrs = header.get("attrs", {})
+    if not isinstance(attrs, dict):
+        raise ValueError(f"request attrs must be a JSON object, got {attrs!r}")
+    outputs = run_op(op, arrays, attrs)  # type: ignore[arg-type]
+    return wire.encode(response_header(op), outputs)  # type: ignore[arg-type]
+
+
+def request_header(op: str, attrs: Mapping[str, Any] | None = None, interval: int = -1) -> dict[str, Any]:
+    """The header of a request payload (what executors send)."""
+    return {"op": op, "attrs": dict(attrs or {}), "interval": interval}
+
+
+def response_header(op: str) -> dict[str, Any]:
+    """The header of a successful response."""
+    return {"op": op, "ok": True}
+
+
+def error_header(op: Any, err: BaseException) -> dict[str, Any]:
+    """The header of a failed response: the error's type and message travel back, not a traceback object."""
+    return {"op": op, "ok": False, "error_type": type(err).__name__, "message": str(err)}
