@@ -1,0 +1,155 @@
+"""Input checks and normalisation: bad graphs fail here with an error naming what is wrong.
+
+``graph_tensors(data)`` turns a PyG ``Data`` into :class:`GraphTensors`: a coalesced edge list (self loops and
+duplicate edges removed, with a warning saying how many) plus features, labels and boolean masks of the
+right sizes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch_geometric.data import Data
+
+PARTITIONERS = ("metis", "bfs", "contiguous", "random")
+"""Valid ``partitioner`` strings (see :mod:`lightning_dorylus.data.partitioner`)."""
+
+MASK_NAMES = ("train_mask", "val_mask", "test_mask")
+
+
+@dataclass
+class GraphTensors:
+    """A validated, coalesced global graph (the partitioner's input)."""
+
+    edge_index: Tensor  # (2, E) int64 [src, dst], sorted by (dst, src), no duplicates, no self loops
+    num_nodes: int
+    x: Tensor  # (N, F) floating point
+    y: Tensor  # (N,) int64, -1 where unlabeled
+    train_mask: Tensor  # (N,) bool
+    val_mask: Tensor  # (N,) bool
+    test_mask: Tensor  # (N,) bool
+
+
+def check_partitioner(partitioner: str) -> str:
+    """Returns ``partitioner`` if valid, else raises naming the bad value and the valid ones."""
+    if partitioner not in PARTITIONERS:
+        raise ValueError(f"partitioner={partitioner!r} is not supported; expected one of {list(PARTITIONERS)}")
+    return partitioner
+
+
+def check_interval_size(interval_size: int) -> int:
+    """Returns ``interval_size`` if it is an int >= 1."""
+    if isinstance(interval_size, bool) or not isinstance(interval_size, int) or interval_size < 1:
+        raise ValueError(f"interval_size ({interval_size!r}) must be an integer >= 1 (vertices per interval)")
+    return interval_size
+
+
+def check_num_parts(num_parts: int, num_nodes: int) -> int:
+    """Returns ``num_parts`` if ``1 <= num_parts <= num_nodes``."""
+    if isinstance(num_parts, bool) or not isinstance(num_parts, int) or num_parts < 1:
+        raise ValueError(f"num_parts ({num_parts!r}) must be an integer >= 1")
+    if num_parts > num_nodes:
+        raise ValueError(f"num_parts ({num_parts}) is greater than the number of vertices ({num_nodes})")
+    return num_parts
+
+
+def graph_tensors(data: Data) -> GraphTensors:
+    """Validates ``data`` and returns its coalesced, normalised tensors.
+
+    Args:
+        data: A PyG graph with ``edge_index`` and ``x``; ``y`` and ``train_mask``/``val_mask``/``test_mask`` are
+            optional (missing labels become ``-1``, missing masks all ``False``).
+    """
+    if not isinstance(data, Data):
+        raise TypeError(f"data must be a torch_geometric.data.Data, got {type(data).__name__}")
+    num_nodes = data.num_nodes
+    if num_nodes is None or num_nodes < 1:
+        raise ValueError(f"data.num_nodes is {num_nodes!r}; the graph needs at least one vertex")
+    num_nodes = int(num_nodes)
+    edge_index = _check_edge_index(data.edge_index, num_nodes)
+    x = _check_x(data.x, num_nodes)
+    y = _check_y(data.y, num_nodes)
+    masks = {name: _check_mask(getattr(data, name, None), name, num_nodes) for name in MASK_NAMES}
+    return GraphTensors(edge_index=coalesce(edge_index, num_nodes), num_nodes=num_nodes, x=x, y=y, **masks)
+
+
+def coalesce(edge_index: Tensor, num_nodes: int) -> Tensor:
+    """Removes self loops and duplicate edges (warning with counts); returns edges sorted by ``(dst, src)``.
+
+    Self loops are dropped because the GNN layers add their own (``in_degree`` counts raw edges only).
+    """
+    src, dst = edge_index
+    loops = src == dst
+    num_loops = int(loops.sum())
+    if num_loops:
+        src, dst = src[~loops], dst[~loops]
+    key = torch.unique(dst * num_nodes + src)  # sorted: by dst, then src
+    num_dupes = int(src.numel() - key.numel())
+    if num_loops or num_dupes:
+        warnings.warn(
+            f"edge_index had {num_loops} self loops and {num_dupes} duplicate edges; they were removed "
+            "(the GNN layers add self loops themselves)",
+            stacklevel=3,
+        )
+    return torch.stack([key % num_nodes, key // num_nodes])
+
+
+def _check_edge_index(edge_index: Tensor | None, num_nodes: int) -> Tensor:
+    if edge_index is None:
+        raise ValueError("data.edge_index is None; expected an int64 tensor of shape (2, E)")
+    if edge_index.dim() != 2 or edge_index.size(0) != 2:
+        raise ValueError(f"edge_index must have shape (2, E), got {tuple(edge_index.shape)}")
+    if edge_index.dtype.is_floating_point or edge_index.dtype == torch.bool:
+        raise ValueError(f"edge_index must be an integer tensor, got dtype {edge_index.dtype}")
+    edge_index = edge_index.to(device="cpu", dtype=torch.long)
+    if edge_index.numel():
+        lo, hi = int(edge_index.min()), int(edge_index.max())
+        if lo < 0:
+            raise ValueError(f"edge_index contains negative node index {lo}")
+        if hi >= num_nodes:
+            raise ValueError(f"edge_index contains node index {hi} but num_nodes is {num_nodes}")
+    return edge_index
+
+
+def _check_x(x: Tensor | None, num_nodes: int) -> Tensor:
+    if x is None:
+        raise ValueError(f"data.x is None; expected node features of shape (num_nodes={num_nodes}, F)")
+    if x.dim() != 2 or x.size(0) != num_nodes:
+        raise ValueError(f"x has shape {tuple(x.shape)} but expected (num_nodes={num_nodes}, F)")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"x must be a floating point tensor, got dtype {x.dtype}")
+    x = x.cpu()
+    bad = ~torch.isfinite(x)
+    num_bad = int(bad.sum())
+    if num_bad:
+        first = int(bad.any(dim=1).nonzero()[0, 0])
+        raise ValueError(f"x contains {num_bad} non-finite values (NaN/inf), the first at node {first}")
+    return x.contiguous()
+
+
+def _check_y(y: Tensor | None, num_nodes: int) -> Tensor:
+    if y is None:
+        return torch.full((num_nodes,), -1, dtype=torch.long)
+    if y.dim() == 2 and y.size(1) == 1:
+        y = y.view(-1)
+    if y.dim() != 1 or y.size(0) != num_nodes:
+        raise ValueError(f"y has shape {tuple(y.shape)} but expected (num_nodes={num_nodes},) class labels")
+    if y.dtype.is_floating_point or y.dtype == torch.bool:
+        raise ValueError(f"y must hold integer class labels, got dtype {y.dtype}")
+    return y.to(device="cpu", dtype=torch.long).contiguous()
+
+
+def _check_mask(mask: Tensor | None, name: str, num_nodes: int) -> Tensor:
+    if mask is None:
+        return torch.zeros(num_nodes, dtype=torch.bool)
+    if mask.dtype != torch.bool:
+        raise ValueError(f"{name} must be a bool tensor of shape ({num_nodes},), got dtype {mask.dtype}")
+    if mask.dim() != 1 or mask.size(0) != num_nodes:
+        raise ValueError(
+            f"{name} has shape {tuple(mask.shape)} but expected ({num_nodes},) (one bool per node; "
+            "multi-split masks must be reduced to one split first)"
+        )
+    return mask.cpu().contiguous()
