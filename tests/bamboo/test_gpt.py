@@ -44,7 +44,7 @@ def test_attention_is_causal() -> None:
 
 
 def test_training_step_is_the_pipeline_contract() -> None:
-    """training_step == pipeline_loss(pipeline(pipeline_inputs(batch)), batch), what a pipeline strategy runs."""
+    """training_step is pipeline_loss(pipeline(pipeline_inputs(batch)), batch): the pipeline contract."""
     torch.manual_seed(0)
     model = GPT(**TINY)
     inputs, targets = torch.randint(0, VOCAB_SIZE, (2, 4, 16))
@@ -88,7 +88,8 @@ def test_decay_steps_need_a_finite_run() -> None:
     model = GPT(**TINY)
     trainer = pl.Trainer(max_steps=-1, max_epochs=-1, logger=False, enable_checkpointing=False)
     model.trainer = trainer
-    with pytest.raises(ValueError, match=r"decay_steps is None and trainer.estimated_stepping_batches is inf"):
+    match = r"decay_steps is None and trainer.estimated_stepping_batches is inf"
+    with pytest.raises(ValueError, match=match):
         model.configure_optimizers()
 
 
@@ -108,7 +109,8 @@ def test_data_module_batches_are_seeded_and_full(tmp_path: Path) -> None:
     first = [b[0] for b in data.train_dataloader()]
     again = [b[0] for b in data.train_dataloader()]
     assert all(b.shape == (5, 8) for b in first)
-    torch.testing.assert_close(torch.stack(first), torch.stack(again))  # same seed -> same order on every rank
+    # Same seed, same order: every rank of a pipeline sees the same batches.
+    torch.testing.assert_close(torch.stack(first), torch.stack(again))
     assert "TokenDataModule(modules=['textwrap'], block_size=8" in repr(data)
 
 
@@ -131,19 +133,20 @@ class _LossRecorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, idx) -> None:
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
         self.losses.append(float(outputs["loss"]))
 
 
 @pytest.mark.slow
 def test_gpt_learns_under_the_default_strategy(tmp_path: Path) -> None:
-    """30 steps on stdlib bytes take the loss from ~ln(256) = 5.5 well down (bytes of code are predictable)."""
+    """30 steps on stdlib bytes take the loss from ~ln(256) = 5.5 well down (source code is predictable)."""
     pl.seed_everything(0)
     model = GPT(**TINY, lr=1e-2, warmup=5)
     data = TokenDataModule(block_size=16, batch_size=16)
     recorder = _LossRecorder()
     trainer = pl.Trainer(
-        strategy="auto", accelerator="cpu", devices=1, max_steps=30, limit_val_batches=2, val_check_interval=30,
+        strategy="auto", accelerator="cpu", devices=1, max_steps=30,
+        limit_val_batches=2, val_check_interval=30,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=[recorder],
         default_root_dir=tmp_path,
     )

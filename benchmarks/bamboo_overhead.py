@@ -1,0 +1,294 @@
+"""What Bamboo's redundancy costs, and how its pipeline compares with PyTorch's own 1F1B.
+
+One run times an optimizer step of the same GPT on the same batch four ways:
+
+    (a) plain       one process, gradient accumulation over the same micro-batches
+    (b) torch_1f1b  torch.distributed.pipelining.Schedule1F1B over the same stages
+    (c) bamboo      the Bamboo pipeline engine, redundancy off
+    (d) bamboo_rc   the Bamboo pipeline engine, redundant computation on
+
+    python benchmarks/bamboo_overhead.py                      # 2 stages, one process per stage
+    python benchmarks/bamboo_overhead.py --stages 2 --microbatches 8 --steps 20
+
+(b)-(d) run as worker processes (this file re-run with ``--worker``; gloo; one thread each). Every step
+is bracketed by barriers so all ranks time the same interval, fill and drain included; the figure is
+the median over ``--steps`` steps after ``--warmup`` steps. Workers report JSON through a file. The last
+line printed is ``rc_overhead=<(d)/(c)> vs_torch_1f1b=<(c)/(b)>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_bamboo.models.gpt import build_pipeline
+from recipes.components.text import DEFAULT_MODULES, VOCAB_SIZE, TokenWindows, corpus_tokens
+
+MODES = ("plain", "torch_1f1b", "bamboo", "bamboo_rc")
+LABELS = {
+    "plain": "(a) one process, grad. accumulation",
+    "torch_1f1b": "(b) torch.distributed.pipelining 1F1B",
+    "bamboo": "(c) bamboo, redundancy off",
+    "bamboo_rc": "(d) bamboo, redundancy on",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages = worker processes")
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per optimizer step")
+    parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps (median reported)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps first")
+    parser.add_argument("--batch-size", type=int, default=32, help="sequences per optimizer step")
+    parser.add_argument("--block-size", type=int, default=64, help="sequence length T")
+    parser.add_argument("--n-layer", type=int, default=6, help="transformer blocks")
+    parser.add_argument("--n-embd", type=int, default=128, help="model width C")
+    parser.add_argument("--n-head", type=int, default=4, help="attention heads")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per multi-process part")
+    parser.add_argument("--worker", choices=MODES[1:], help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Reject sizes the pipeline cannot run, printing the arithmetic."""
+    sizes = ("stages", "microbatches", "steps", "batch_size", "block_size", "n_layer", "n_embd", "n_head")
+    for name in sizes:
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.stages < 2:
+        raise SystemExit(f"--stages must be >= 2 for a pipeline, got {args.stages}")
+    if args.batch_size % args.microbatches:
+        raise SystemExit(
+            f"--microbatches ({args.microbatches}) does not divide --batch-size ({args.batch_size}): "
+            f"{args.batch_size} % {args.microbatches} = {args.batch_size % args.microbatches}"
+        )
+    if args.microbatches < args.stages:
+        raise SystemExit(f"--microbatches ({args.microbatches}) must be >= --stages ({args.stages}) for 1F1B")
+    if args.n_layer + 2 < args.stages:
+        raise SystemExit(
+            f"--stages ({args.stages}) exceeds the pipeline's layers: n_layer + 2 = {args.n_layer + 2}"
+        )
+
+
+def build_model(args: argparse.Namespace) -> nn.Sequential:
+    """The GPT body, initialised from seed 0: every mode and every rank starts from the same weights."""
+    torch.manual_seed(0)
+    return build_pipeline(VOCAB_SIZE, args.block_size, args.n_layer, args.n_head, args.n_embd)
+
+
+def fixed_batch(args: argparse.Namespace) -> tuple[Tensor, Tensor]:
+    """The first ``batch_size`` windows of the stdlib byte corpus: inputs and targets, (B, T) int64 each."""
+    windows = TokenWindows(corpus_tokens(DEFAULT_MODULES), args.block_size)
+    pairs = [windows[i] for i in range(args.batch_size)]
+    return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+
+
+def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy, as ``GPT.pipeline_loss`` computes it."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def make_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def stage_bounds(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` layer ranges, as even as possible, earlier stages taking the remainder."""
+    base, extra = divmod(num_layers, num_stages)
+    bounds, start = [], 0
+    for s in range(num_stages):
+        stop = start + base + (1 if s < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def time_steps(step: Callable[[], float | None], args: argparse.Namespace, sync: bool) -> dict:
+    """Run ``warmup + steps`` optimizer steps; barriers around each one when ``sync`` (multi-process)."""
+    seconds, losses = [], []
+    for i in range(args.warmup + args.steps):
+        if sync:
+            dist.barrier()
+        start = time.perf_counter()
+        loss = step()
+        if sync:
+            dist.barrier()
+        elapsed = time.perf_counter() - start
+        if i >= args.warmup:
+            seconds.append(elapsed)
+        losses.append(loss)
+    return {"step_seconds": seconds, "losses": losses}
+
+
+# --------------------------------------------------------------------------------------------------
+# (a) one process
+
+
+def run_plain(args: argparse.Namespace) -> dict:
+    """Forward + backward of each micro-batch (loss / m, gradients accumulate), then one optimizer step."""
+    model = build_model(args)
+    optimizer = make_optimizer(list(model.parameters()))
+    inputs, targets = fixed_batch(args)
+    micro = list(zip(inputs.chunk(args.microbatches), targets.chunk(args.microbatches)))
+
+    def step() -> float:
+        optimizer.zero_grad()
+        total = 0.0
+        for x, y in micro:
+            loss = lm_loss(model(x), y)  # (B/m, T, V) logits -> scalar
+            (loss / args.microbatches).backward()
+            total += loss.item()
+        optimizer.step()
+        return total / args.microbatches
+
+    return time_steps(step, args, sync=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# (b) torch.distributed.pipelining
+
+
+def run_torch_1f1b(args: argparse.Namespace, rank: int, world_size: int) -> dict:
+    """``Schedule1F1B`` over ``PipelineStage``s cut at the same layer bounds as Bamboo's."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    start, stop = stage_bounds(len(build_model(args)), world_size)[rank]
+    submodule = nn.Sequential(*list(build_model(args))[start:stop])
+    stage = PipelineStage(submodule, rank, world_size, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, args.microbatches, loss_fn=lm_loss)  # scales grads by 1/m, like (a)
+    optimizer = make_optimizer(list(submodule.parameters()))
+    inputs, targets = fixed_batch(args)
+
+    def step() -> float | None:
+        optimizer.zero_grad()
+        losses: list[Tensor] = []
+        if rank == 0:
+            schedule.step(inputs)
+        elif rank == world_size - 1:
+            schedule.step(target=targets, losses=losses)
+        else:
+            schedule.step()
+        optimizer.step()
+        return sum(loss.item() for loss in losses) / len(losses) if losses else None
+
+    return time_steps(step, args, sync=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# (c), (d) Bamboo
+
+
+def run_bamboo(args: argparse.Namespace, rank: int, world_size: int, redundancy: bool) -> dict:
+    """The Bamboo pipeline engine on the same stages; ``redundancy`` turns redundant computation on."""
+    raise NotImplementedError("bamboo engine not wired yet")
+
+
+# --------------------------------------------------------------------------------------------------
+# processes
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    """One pipeline rank: time the steps, agree on each step's slowest rank, the last rank writes JSON."""
+    torch.set_num_threads(1)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    try:
+        if args.worker == "torch_1f1b":
+            result = run_torch_1f1b(args, rank, world_size)
+        else:
+            result = run_bamboo(args, rank, world_size, redundancy=args.worker == "bamboo_rc")
+        seconds = torch.tensor(result["step_seconds"], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        if rank == world_size - 1:  # the last stage computes the losses
+            result["step_seconds"] = seconds.tolist()
+            args.out.write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(mode: str, args: argparse.Namespace, argv: list[str]) -> dict:
+    """Start one worker per stage, wait (killing the group on timeout), read the last rank's JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+               "WORLD_SIZE": str(args.stages), "OMP_NUM_THREADS": "1"}
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, *argv, "--worker", mode, "--out", str(out)],
+                env={**env, "RANK": str(rank)}, start_new_session=True,
+            )
+            for rank in range(args.stages)
+        ]
+        deadline = time.monotonic() + args.timeout
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired as err:
+            raise SystemExit(f"{mode}: workers did not finish within --timeout ({args.timeout} s)") from err
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        codes = [proc.returncode for proc in procs]
+        if any(codes):
+            raise SystemExit(f"{mode}: worker exit codes {codes}")
+        return json.loads(out.read_text())
+
+
+def summarise(results: dict[str, dict]) -> dict[str, float]:
+    return {mode: statistics.median(result["step_seconds"]) for mode, result in results.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args)
+        return
+    torch.set_num_threads(1)
+    results = {"plain": run_plain(args)}
+    for mode in MODES[1:]:
+        results[mode] = launch(mode, args, argv)
+    medians = summarise(results)
+    print(f"GPT n_layer={args.n_layer} n_embd={args.n_embd} T={args.block_size}, batch {args.batch_size} in "
+          f"{args.microbatches} micro-batches, {args.stages} stages; median of {args.steps} steps after "
+          f"{args.warmup} warm-up")
+    print(f"{'mode':<42}{'s/step':>10}{'first loss':>12}{'last loss':>11}")
+    for mode in MODES:
+        losses = results[mode]["losses"]
+        print(f"{LABELS[mode]:<42}{medians[mode]:>10.4f}{losses[0]:>12.4f}{losses[-1]:>11.4f}")
+    rc_overhead = medians["bamboo_rc"] / medians["bamboo"]
+    vs_torch = medians["bamboo"] / medians["torch_1f1b"]
+    print(f"rc_overhead={rc_overhead:.2f} vs_torch_1f1b={vs_torch:.2f}")
+
+
+if __name__ == "__main__":
+    main()
