@@ -1,0 +1,34 @@
+"""Bamboo pipeline schedules as data: 1F1B, eager forward redundancy, validation, grids, failover remap.
+
+A schedule is ``dict[rank, list[Action | None]]`` (one entry per unit time slot, ``None`` = bubble), tested
+with no processes at all; the runtime only executes ``rank_program(schedule, rank)``. See
+``docs/bamboo-schedule.md``.
+"""
+
+from .actions import Action, ActionKind, Schedule, ScheduleError
+from .dependencies import dependencies, place_programs
+from .failover import remap_after_failure
+from .grid import bubble_fraction, format_grid, parse_grid, rank_program
+from .one_f_one_b import build_1f1b, one_f_one_b_program
+from .redundancy import add_forward_redundancy, forward_redundancy_windows, place_in_bubbles
+from .validate import validate_schedule
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "Schedule",
+    "ScheduleError",
+    "add_forward_redundancy",
+    "bubble_fraction",
+    "build_1f1b",
+    "dependencies",
+    "format_grid",
+    "forward_redundancy_windows",
+    "one_f_one_b_program",
+    "parse_grid",
+    "place_in_bubbles",
+    "place_programs",
+    "rank_program",
+    "remap_after_failure",
+    "validate_schedule",
+]

@@ -1,0 +1,93 @@
+"""Data dependencies between actions, and placing per-rank programs onto unit time slots.
+
+Time model: every action takes one slot; an action may run in slot ``t`` once everything it depends on ran
+in a slot ``< t`` (the tensor is sent at the end of a slot and is there at the start of the next one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from .actions import Action, ActionKind, Schedule, ScheduleError
+
+__all__ = ["DependencyFn", "dependencies", "place_programs"]
+
+DependencyFn = Callable[[Action], list[Action]]
+
+
+def dependencies(action: Action, num_stages: int, redundant: bool) -> list[Action]:
+    """The actions whose results ``action`` needs, in the normal layout (stage ``s`` on rank ``s``).
+
+    Args:
+        action: the action to look at.
+        num_stages: pipeline length; stage ``num_stages - 1`` sends no gradient back from a successor.
+        redundant: whether the schedule runs forward redundancy; then ``B(s, i)`` also waits for
+            ``FR(s+1, i)`` on the same rank, because a replica forward after the gradient came back would
+            protect nothing (the successor no longer needs its activations for that micro-batch). The
+            last rank's ``FR(0, i)`` reads the micro-batch itself and has no such deadline.
+    """
+    stage, mb = action.stage, action.microbatch
+    last = num_stages - 1
+    if action.kind is ActionKind.FORWARD:
+        return [Action(stage - 1, ActionKind.FORWARD, mb)] if stage > 0 else []
+    if action.kind is ActionKind.BACKWARD:
+        deps = [Action(stage, ActionKind.FORWARD, mb)]
+        if stage < last:
+            deps.append(Action(stage + 1, ActionKind.BACKWARD, mb))
+        if redundant and stage < last:
+            deps.append(Action((stage + 1) % num_stages, ActionKind.FORWARD_REDUNDANT, mb))
+        return deps
+    if action.kind is ActionKind.FORWARD_REDUNDANT:
+        # The replica of stage t reads stage t-1's output; the replica of stage 0 reads the micro-batch.
+        return [Action(stage - 1, ActionKind.FORWARD, mb)] if stage > 0 else []
+    # BACKWARD_REDUNDANT: the replica's own forward, and the gradient from the replicated stage's successor.
+    deps = [Action(stage, ActionKind.FORWARD_REDUNDANT, mb)]
+    if stage < last:
+        deps.append(Action(stage + 1, ActionKind.BACKWARD, mb))
+    return deps
+
+
+def place_programs(programs: Mapping[int, Sequence[Action]], deps: DependencyFn) -> Schedule:
+    """List-schedule fixed per-rank programs: each action goes in the first slot where it is ready.
+
+    The order inside each rank is kept; only the slots are chosen. Dependencies on actions that appear in no
+    program are an error (a missing producer would block the pipeline forever).
+
+    Raises:
+        ScheduleError: on a missing producer, or when no rank can make progress (deadlock).
+    """
+    present = {action for program in programs.values() for action in program}
+    for program in programs.values():
+        for action in program:
+            missing = [dep for dep in deps(action) if dep not in present]
+            if missing:
+                raise ScheduleError(f"{action} depends on {', '.join(map(str, missing))}, which no rank runs")
+    done_at: dict[Action, int] = {}
+    cursor = {rank: 0 for rank in programs}
+    schedule: Schedule = {rank: [] for rank in programs}
+    remaining = sum(len(program) for program in programs.values())
+    t = 0
+    while remaining:
+        placed = []
+        for rank, program in programs.items():
+            slot: Action | None = None
+            if cursor[rank] < len(program):
+                candidate = program[cursor[rank]]
+                if all(done_at.get(dep, t) < t for dep in deps(candidate)):
+                    slot = candidate
+            schedule[rank].append(slot)
+            if slot is not None:
+                placed.append(slot)
+                cursor[rank] += 1
+        if not placed:
+            blocked = {
+                rank: str(program[cursor[rank]])
+                for rank, program in programs.items()
+                if cursor[rank] < len(program)
+            }
+            raise ScheduleError(f"deadlock at step {t}: every rank waits (next actions: {blocked})")
+        for action in placed:
+            done_at[action] = t
+        remaining -= len(placed)
+        t += 1
+    return schedule

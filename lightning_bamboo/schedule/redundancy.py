@@ -1,0 +1,143 @@
+"""Bamboo's eager forward redundancy as a pass over a plain schedule.
+
+Rank ``s`` keeps a replica of stage ``s+1`` (ring: the last rank replicates stage 0) and runs that replica's
+forward (``FR``) on its own output of every micro-batch, so that if the successor is preempted the
+predecessor already holds the successor's layers *and* activations and can take over at once.
+
+Placement rule (the part that decides the cost):
+
+* Window. ``FR(s+1, i)`` on rank ``s`` may run once rank ``s`` has its own output of micro-batch ``i`` (after
+  ``F(s, i)``) and must run before ``B(s, i)``: once the successor's gradient for ``i`` has come back, the
+  successor no longer needs its activations of ``i``, so a later replica forward protects nothing. The last
+  rank replicates stage 0, whose input is the micro-batch itself, which is always there; its window is the
+  whole iteration.
+* Bubbles first. On each rank, bubbles are swept in time order and each is given to the waiting ``FR``
+  whose window closes first (earliest deadline first). For unit-time slots and interval windows this fills
+  as many bubbles as any assignment can. In 1F1B the first bubbles that open after a rank's own forwards are
+  exactly the ones where it waits for its successor's gradient, which is where Bamboo puts them.
+* Then new slots. Each ``FR`` left over gets a slot of its own, which is the real overhead of redundancy:
+  it is put either right after ``F(s, i)`` or right before ``B(s, i)`` (for the last rank: at the start or
+  right before ``B(s, i)``), whichever gives the shorter schedule, and right before ``B(s, i)`` on a tie.
+  With fixed per-rank orders one extra unit slot delays any later action by at most one slot, so the
+  schedule grows by at most the number of leftover ``FR``.
+"""
+
+from __future__ import annotations
+
+from ._checks import check_pipeline_shape
+from .actions import Action, ActionKind, Schedule
+from .dependencies import DependencyFn, dependencies, place_programs
+
+__all__ = ["add_forward_redundancy", "forward_redundancy_windows", "place_in_bubbles"]
+
+
+def forward_redundancy_windows(
+    schedule: Schedule, num_stages: int, num_microbatches: int
+) -> dict[int, dict[Action, tuple[int, int]]]:
+    """For each rank, each ``FR`` it must run -> the first and last slot (inclusive) it may use.
+
+    Slots are those of the plain ``schedule``; see the module docstring for the rule.
+    """
+    windows: dict[int, dict[Action, tuple[int, int]]] = {}
+    for rank in range(num_stages):
+        slot_of = {action: t for t, action in enumerate(schedule[rank]) if action is not None}
+        successor = (rank + 1) % num_stages
+        last_slot = len(schedule[rank]) - 1
+        windows[rank] = {}
+        for mb in range(num_microbatches):
+            fr = Action(successor, ActionKind.FORWARD_REDUNDANT, mb)
+            if successor == 0:
+                windows[rank][fr] = (0, last_slot)
+            else:
+                release = slot_of[Action(rank, ActionKind.FORWARD, mb)] + 1
+                deadline = slot_of[Action(rank, ActionKind.BACKWARD, mb)] - 1
+                windows[rank][fr] = (release, deadline)
+    return windows
+
+
+def place_in_bubbles(
+    schedule: Schedule, num_stages: int, num_microbatches: int
+) -> dict[int, dict[Action, int]]:
+    """For each rank, the ``FR`` actions that fit in a bubble of the plain ``schedule`` -> that bubble's slot.
+
+    Bubbles are swept in time order and each goes to the waiting ``FR`` whose window closes first (ties: lower
+    micro-batch), which fills as many bubbles as any assignment of unit actions to interval windows can.
+    ``FR`` missing from the result need a new slot.
+    """
+    windows = forward_redundancy_windows(schedule, num_stages, num_microbatches)
+    placement: dict[int, dict[Action, int]] = {}
+    for rank, window in windows.items():
+        assigned: dict[Action, int] = {}
+        for t, action in enumerate(schedule[rank]):
+            if action is not None:
+                continue
+            ready = [fr for fr, (lo, hi) in window.items() if fr not in assigned and lo <= t <= hi]
+            if ready:
+                assigned[min(ready, key=lambda fr: (window[fr][1], fr.microbatch))] = t
+        placement[rank] = assigned
+    return placement
+
+
+def add_forward_redundancy(schedule: Schedule, num_stages: int, num_microbatches: int) -> Schedule:
+    """Return a new schedule where rank ``s`` also runs ``FR(s+1 mod num_stages, i)`` for every micro-batch.
+
+    Args:
+        schedule: a plain schedule (``F``/``B`` only), e.g. from ``build_1f1b``; it is not modified.
+        num_stages: pipeline length, at least 2 (a single stage has no other stage to replicate).
+        num_microbatches: micro-batches per iteration.
+
+    Raises:
+        ValueError: on a bad shape, ``num_stages < 2``, or a schedule that already has redundant actions.
+    """
+    from .validate import validate_schedule
+
+    check_pipeline_shape(num_stages, num_microbatches)
+    if num_stages < 2:
+        raise ValueError(
+            f"forward redundancy needs num_stages >= 2 (a stage cannot be its own replica), got {num_stages}"
+        )
+    plain_kinds = (ActionKind.FORWARD, ActionKind.BACKWARD)
+    if any(a is not None and a.kind not in plain_kinds for slots in schedule.values() for a in slots):
+        raise ValueError("add_forward_redundancy expects a plain F/B schedule; this one already has FR/BR")
+    validate_schedule(schedule, num_stages, num_microbatches)
+
+    windows = forward_redundancy_windows(schedule, num_stages, num_microbatches)
+    bubbles = place_in_bubbles(schedule, num_stages, num_microbatches)
+    programs: dict[int, list[Action]] = {}
+    leftovers: list[tuple[int, Action]] = []
+    for rank in range(num_stages):
+        in_bubbles = bubbles[rank]
+        timed = [(t, a) for t, a in enumerate(schedule[rank]) if a is not None]
+        timed += [(t, fr) for fr, t in in_bubbles.items()]  # bubble slots: no two entries share a slot
+        programs[rank] = [action for _, action in sorted(timed, key=lambda entry: entry[0])]
+        leftovers += [(rank, fr) for fr in windows[rank] if fr not in in_bubbles]
+
+    def deps(action: Action) -> list[Action]:
+        return dependencies(action, num_stages, redundant=True)
+
+    for rank, fr in leftovers:
+        programs[rank] = _insert_leftover(programs, rank, fr, deps)
+    return place_programs(programs, deps)
+
+
+def _insert_leftover(
+    programs: dict[int, list[Action]], rank: int, fr: Action, deps: DependencyFn
+) -> list[Action]:
+    """``rank``'s program with ``fr`` in a new slot: before ``B(s, i)`` or eagerly, whichever ends sooner."""
+    program = programs[rank]
+    before_backward = program.index(Action(rank, ActionKind.BACKWARD, fr.microbatch))
+    eager = 0 if fr.stage == 0 else program.index(Action(rank, ActionKind.FORWARD, fr.microbatch)) + 1
+    placed = {action for prog in programs.values() for action in prog} | {fr}
+
+    def deps_so_far(action: Action) -> list[Action]:
+        # Leftover FRs that are not inserted yet must not count as missing producers.
+        return [d for d in deps(action) if d in placed or d.kind is not ActionKind.FORWARD_REDUNDANT]
+
+    best: tuple[int, list[Action]] | None = None
+    for position in dict.fromkeys((before_backward, eager)):  # on a tie the first one wins
+        trial = [*program[:position], fr, *program[position:]]
+        length = len(place_programs({**programs, rank: trial}, deps_so_far)[rank])
+        if best is None or length < best[0]:
+            best = (length, trial)
+    assert best is not None
+    return best[1]
