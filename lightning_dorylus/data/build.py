@@ -41,7 +41,7 @@ def partition_graph(
     """Partitions ``data`` into ``num_parts`` graph-server partitions (in memory; see ``cache`` for disk).
 
     Args:
-        data: A PyG graph (``edge_index``, ``x``; optional ``y`` and ``train_mask``/``val_mask``/``test_mask``).
+        data: A PyG graph (``edge_index``, ``x``; optional ``y`` and the ``train``/``val``/``test`` masks).
         num_parts: Number of graph servers.
         partitioner: ``"metis"`` (default), ``"bfs"``, ``"contiguous"`` or ``"random"``.
         interval_size: Vertices per interval (the unit of work sent to an executor), ``>= 1``.
@@ -66,7 +66,8 @@ def build_partitions(
     if assignment.shape != (n,):
         raise ValueError(f"assignment has shape {tuple(assignment.shape)} but expected ({n},)")
     if n and (int(assignment.min()) < 0 or int(assignment.max()) >= p_count):
-        raise ValueError(f"assignment values must lie in [0, {p_count}), got [{assignment.min()}, {assignment.max()}]")
+        lo, hi = int(assignment.min()), int(assignment.max())
+        raise ValueError(f"assignment values must lie in [0, {p_count}) (num_parts), got [{lo}, {hi}]")
     asg = assignment.to(torch.long)
 
     # Vertices: grouped by partition, ascending global id inside one (stable sort).
@@ -78,7 +79,7 @@ def build_partitions(
     local_id = pos - node_ptr[asg]  # (N,) local id inside its own partition
     empty = (n_local == 0).nonzero().view(-1).tolist()
     if empty:
-        warnings.warn(f"partitions {empty} own no vertices (num_parts={p_count}, num_nodes={n})", stacklevel=3)
+        warnings.warn(f"partitions {empty} own no vertices ({p_count} parts, {n} vertices)", stacklevel=2)
 
     # Edges: owned by the partition of dst; grouped by owner, keeping the (dst, src) order.
     src, dst = graph.edge_index
@@ -116,9 +117,8 @@ def build_partitions(
         ghosts = g_node[ghost_ptr[p] : ghost_ptr[p + 1]].clone()
         e_a, e_b = int(edge_ptr[p]), int(edge_ptr[p + 1])
         edge_index = torch.stack([local_src[e_a:e_b], local_dst[e_a:e_b]])
-        send_index = [
-            send_local[send_ptr[p * p_count + q] : send_ptr[p * p_count + q + 1]].clone() for q in range(p_count)
-        ]
+        row = send_ptr[p * p_count : (p + 1) * p_count + 1]
+        send_index = [send_local[row[q] : row[q + 1]].clone() for q in range(p_count)]
         parts.append(
             GraphPartition(
                 part_id=p,

@@ -29,8 +29,8 @@ class GraphPartition:
         ghost_owner: ``(n_ghost,)`` int64 owner partition of each ghost.
         recv_ptr: ``(num_parts + 1,)`` int64: ghosts owned by partition ``p`` are ghost slots
             ``recv_ptr[p]:recv_ptr[p+1]``.
-        send_index: Per partition ``p``, ``(k_p,)`` int64 LOCAL ids whose rows ``p`` holds as ghosts, in ``p``'s
-            ghost-slot order for this owner; ``send_index[part_id]`` is empty.
+        send_index: Per partition ``p``, ``(k_p,)`` int64 LOCAL ids whose rows ``p`` holds as ghosts, in
+            ``p``'s ghost-slot order for this owner; ``send_index[part_id]`` is empty.
         edge_index: ``(2, E_local)`` int64 ``[src, dst]`` in local ids; ``dst < n_local``, ``src`` may be a
             ghost. Every global edge is stored once, by the partition owning its ``dst``; sorted by
             ``(dst, src)``.

@@ -48,9 +48,9 @@ def partition_nodes(
             pymetis = importlib.import_module("pymetis")
         except ImportError:
             warnings.warn(
-                "partitioner='metis' needs pymetis (pip install 'lightning-bamboo-dorylus[metis]'), which is "
-                "not importable; falling back to partitioner='bfs' (breadth-first order cut into equal ranges, "
-                "a higher edge cut than METIS)",
+                "partitioner='metis' needs pymetis (pip install 'lightning-bamboo-dorylus[metis]'), "
+                "which is not importable; falling back to partitioner='bfs' (breadth-first order cut into "
+                "equal ranges, a higher edge cut than METIS)",
                 stacklevel=2,
             )
             return bfs_partition(edge_index, num_nodes, num_parts)

@@ -36,7 +36,9 @@ class GraphTensors:
 def check_partitioner(partitioner: str) -> str:
     """Returns ``partitioner`` if valid, else raises naming the bad value and the valid ones."""
     if partitioner not in PARTITIONERS:
-        raise ValueError(f"partitioner={partitioner!r} is not supported; expected one of {list(PARTITIONERS)}")
+        raise ValueError(
+            f"partitioner={partitioner!r} is not supported; expected one of {list(PARTITIONERS)}"
+        )
     return partitioner
 
 
@@ -60,8 +62,8 @@ def graph_tensors(data: Data) -> GraphTensors:
     """Validates ``data`` and returns its coalesced, normalised tensors.
 
     Args:
-        data: A PyG graph with ``edge_index`` and ``x``; ``y`` and ``train_mask``/``val_mask``/``test_mask`` are
-            optional (missing labels become ``-1``, missing masks all ``False``).
+        data: A PyG graph with ``edge_index`` and ``x``; ``y`` and ``train_mask``/``val_mask``/``test_mask``
+            are optional (missing labels become ``-1``, missing masks all ``False``).
     """
     if not isinstance(data, Data):
         raise TypeError(f"data must be a torch_geometric.data.Data, got {type(data).__name__}")
