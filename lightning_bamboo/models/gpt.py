@@ -262,7 +262,11 @@ class GPT(LightningModule):
         return loss
 
     def optimizer_groups(self) -> list[dict[str, Any]]:
-        """AdamW parameter groups: decay on matrices (dim >= 2), none on biases and norms."""
+        """AdamW parameter groups: decay on matrices (dim >= 2), none on biases and norms.
+
+        Always two groups, even when one is empty (a stage holding only the embedding has no biases): every
+        pipeline stage then builds the same group structure, which Bamboo's replica optimizer relies on.
+        """
         params = [p for p in self.parameters() if p.requires_grad]
         return [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.hparams.weight_decay},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -75,6 +76,17 @@ def test_sequence_longer_than_block_size_is_rejected() -> None:
     model = GPT(**TINY)
     with pytest.raises(ValueError, match=r"sequence length \(17\) exceeds block_size \(16\)"):
         model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_optimizer_groups_have_the_same_shape_on_every_stage() -> None:
+    """A stage holding only the embedding still gets two groups (the second empty), like every other stage."""
+    model = GPT(**TINY)
+    full = model.optimizer_groups()
+    assert [len(g["params"]) for g in full] == [2 + 2 * 4 + 1, 2 * 8 + 2]  # matrices; biases and LN params
+    model.pipeline = model.pipeline[:1]  # what a pipeline strategy leaves on stage 0
+    groups = model.optimizer_groups()
+    assert [len(g["params"]) for g in groups] == [2, 0]
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
 
 
 def test_warmup_cosine_schedule() -> None:
@@ -155,3 +167,27 @@ def test_gpt_learns_under_the_default_strategy(tmp_path: Path) -> None:
     assert recorder.losses[0] == pytest.approx(5.55, abs=0.15)
     assert sum(recorder.losses[-5:]) / 5 < recorder.losses[0] - 1.5
     assert trainer.callback_metrics["val_loss"] < recorder.losses[0] - 1.5
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_bamboo_gpt_recipe_trains_two_cpu_stages(tmp_path: Path) -> None:
+    """``python -m recipes.train experiment=bamboo_gpt``: 2 processes, layout and schedule grid printed."""
+    cmd = [sys.executable, "-m", "recipes.train", "experiment=bamboo_gpt", "trainer.max_steps=3",
+           "trainer.limit_val_batches=0", "+trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        output, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's children are in the same group
+        output, _ = proc.communicate()
+        pytest.fail(f"bamboo_gpt recipe did not finish in 240 s:\n{output[-4000:]}")
+    assert proc.returncode == 0, output[-4000:]
+    # The schedule grid (rank x step, see lightning_bamboo.schedule.format_grid): 1F1B with FR actions.
+    assert re.search(r"^step\s+0\s+1\s+2", output, re.MULTILINE), output[-4000:]
+    assert re.search(r"^rank0\s+0F0\b", output, re.MULTILINE), output[-4000:]
+    assert re.search(r"^rank1\s.*\b0FR0\b", output, re.MULTILINE), output[-4000:]
+    assert "Trainer.fit` stopped: `max_steps=3` reached" in output

@@ -1,0 +1,61 @@
+"""``benchmarks/bamboo_overhead.py`` in CI size: it runs all four parts and prints its summary line.
+
+No timing is asserted (the machine is shared); what is asserted is the output contract and that the four
+parts trained the same thing: same weights, same batch, same optimizer, hence the same losses.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from recipes.paths import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "benchmarks" / "bamboo_overhead.py"
+CI_SIZE = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--batch-size", "8",
+           "--microbatches", "4", "--stages", "2", "--steps", "2", "--warmup", "1", "--timeout", "150"]
+ROW = re.compile(r"^\((?P<part>[abcd])\) .*?\s(?P<sec>\d+\.\d+)\s+(?P<first>\d+\.\d+)\s+(?P<last>\d+\.\d+)$")
+
+
+def run_script(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run the benchmark in its own process group; kill the whole group (workers too) on timeout."""
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *args], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"benchmark did not finish in {timeout} s\n{stdout[-2000:]}\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_benchmark_runs_all_parts_and_prints_the_summary_line() -> None:
+    result = run_script(CI_SIZE, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert re.fullmatch(r"rc_overhead=\d+\.\d\d vs_torch_1f1b=\d+\.\d\d", lines[-1]), lines[-1]
+    rows = {m["part"]: m for m in map(ROW.match, lines) if m}
+    assert sorted(rows) == ["a", "b", "c", "d"], result.stdout
+    # Same initial weights and batch: the first step's loss is the same in all four parts ...
+    firsts = [float(rows[p]["first"]) for p in "abcd"]
+    assert max(firsts) - min(firsts) < 1e-3, firsts
+    # ... and the same gradients through the same AdamW keep them together after 3 steps.
+    lasts = [float(rows[p]["last"]) for p in "abcd"]
+    assert max(lasts) - min(lasts) < 1e-3, lasts
+    assert lasts[0] < firsts[0]
+
+
+def test_bad_sizes_are_rejected_with_the_arithmetic() -> None:
+    result = run_script([*CI_SIZE, "--microbatches", "3"], timeout=60)
+    assert result.returncode != 0
+    assert "--microbatches (3) does not divide --batch-size (8): 8 % 3 = 2" in result.stderr
