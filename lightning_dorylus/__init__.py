@@ -1,7 +1,15 @@
 """Dorylus: full-graph GNN training split into graph operations (on graph servers) and tensor
 operations (on serverless executors).
 
-``import lightning_dorylus`` registers ``Trainer(strategy="dorylus")`` with Lightning.
+``import lightning_dorylus`` registers ``Trainer(strategy="dorylus")`` (and ``"dorylus_inline"``)
+with Lightning.
 """
 
-__all__: list[str] = []
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_dorylus.models import GAT, GCN
+from lightning_dorylus.strategy import DorylusStrategy
+
+DorylusStrategy.register_strategies(StrategyRegistry)  # guarded: a second import registers nothing
+
+__all__ = ["GAT", "GCN", "DorylusStrategy"]

@@ -1,0 +1,24 @@
+"""Graph operations that run on the graph server: Gather (GA), Scatter (SC) and the structures they use."""
+
+from lightning_dorylus.graph.exchange import GhostExchange
+from lightning_dorylus.graph.gather import attention_gather, gcn_gather
+from lightning_dorylus.graph.structure import (
+    GCNAdjacency,
+    GraphCache,
+    GraphContext,
+    SelfLoopEdges,
+    gcn_adjacency,
+    self_loop_edges,
+)
+
+__all__ = [
+    "GCNAdjacency",
+    "GhostExchange",
+    "GraphCache",
+    "GraphContext",
+    "SelfLoopEdges",
+    "attention_gather",
+    "gcn_adjacency",
+    "gcn_gather",
+    "self_loop_edges",
+]

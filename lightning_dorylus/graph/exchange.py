@@ -1,0 +1,127 @@
+"""Scatter (SC): copy boundary rows to the graph servers that hold them as ghosts, with torch.distributed P2P.
+
+Forward sends ``h[send_index[p]]`` to every partition ``p`` and receives this partition's ghost rows into
+slots ``recv_ptr[q]:recv_ptr[q+1]`` from each owner ``q``. Backward (∇SC) is the mirror: the gradient of every
+ghost row goes back to its owner, which adds it to the gradient of the owned row. Only tensors cross the
+process boundary (``batch_isend_irecv``: works on gloo and NCCL).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_dorylus.data.partition import GraphPartition
+
+
+class GhostExchange:
+    """Moves rows between graph servers; one instance per graph server, owned by the strategy.
+
+    Args:
+        group: The process group whose rank ``r`` is the graph server of partition ``r`` (default: world).
+    """
+
+    def __init__(self, group: Any | None = None) -> None:
+        self.group = group
+
+    def fill_ghosts(self, h_local: Tensor, partition: GraphPartition) -> Tensor:
+        """SC as seen by the receiver: ``[h_local; ghost rows]`` of shape ``(n_local + n_ghost, F)``.
+
+        Differentiable: the gradient of the ghost rows is returned to their owners in backward.
+        """
+        if h_local.size(0) != partition.n_local:
+            raise ValueError(
+                f"h_local has {h_local.size(0)} rows but partition {partition.part_id} owns "
+                f"{partition.n_local} vertices"
+            )
+        if partition.num_parts == 1:
+            return h_local
+        ghosts = _Scatter.apply(h_local, self, partition)
+        return torch.cat([h_local, ghosts], dim=0)
+
+    def _peer_ranks(self, partition: GraphPartition) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                f"partition {partition.part_id} of {partition.num_parts} needs ghost rows from other graph "
+                "servers, but torch.distributed is not initialized: train it with "
+                f"Trainer(strategy='dorylus', "
+                f"devices={partition.num_parts}) or use a single partition"
+            )
+        world = dist.get_world_size(self.group)
+        rank = dist.get_rank(self.group)
+        if world != partition.num_parts or rank != partition.part_id:
+            raise RuntimeError(
+                f"graph server rank {rank} of world size {world} was given partition {partition.part_id} of "
+                f"{partition.num_parts}; expected partition {rank} of {world}"
+            )
+
+    def send_rows(self, h_local: Tensor, partition: GraphPartition) -> Tensor:
+        """Forward SC: returns the ``(n_ghost, F)`` ghost rows received from their owners."""
+        self._peer_ranks(partition)
+        recv_ptr = partition.recv_ptr.tolist()
+        out = h_local.new_empty((partition.n_ghost, *h_local.shape[1:]))
+        ops = []
+        for peer in range(partition.num_parts):
+            if peer == partition.part_id:
+                continue
+            index = partition.send_index[peer]
+            if index.numel() > 0:
+                rows = h_local.index_select(0, index).contiguous()
+                ops.append(dist.P2POp(dist.isend, rows, self._global(peer), self.group))
+            start, end = recv_ptr[peer], recv_ptr[peer + 1]
+            if end > start:
+                ops.append(dist.P2POp(dist.irecv, out[start:end], self._global(peer), self.group))
+        self._run(ops)
+        return out
+
+    def return_grads(self, grad_ghost: Tensor, partition: GraphPartition) -> Tensor:
+        """Backward SC: sends ghost gradients to their owners; returns the ``(n_local, F)`` sum received."""
+        self._peer_ranks(partition)
+        recv_ptr = partition.recv_ptr.tolist()
+        grad_ghost = grad_ghost.contiguous()
+        grad_local = grad_ghost.new_zeros((partition.n_local, *grad_ghost.shape[1:]))
+        ops, received = [], []
+        for peer in range(partition.num_parts):
+            if peer == partition.part_id:
+                continue
+            start, end = recv_ptr[peer], recv_ptr[peer + 1]
+            if end > start:
+                ops.append(dist.P2POp(dist.isend, grad_ghost[start:end], self._global(peer), self.group))
+            index = partition.send_index[peer]
+            if index.numel() > 0:
+                buf = grad_ghost.new_empty((index.numel(), *grad_ghost.shape[1:]))
+                ops.append(dist.P2POp(dist.irecv, buf, self._global(peer), self.group))
+                received.append((index, buf))
+        self._run(ops)
+        for index, buf in received:
+            grad_local.index_add_(0, index, buf)
+        return grad_local
+
+    def _global(self, peer: int) -> int:
+        return peer if self.group is None else dist.get_global_rank(self.group, peer)
+
+    @staticmethod
+    def _run(ops: list[dist.P2POp]) -> None:
+        if not ops:
+            return
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+class _Scatter(torch.autograd.Function):
+    """SC forward / ∇SC backward as one autograd node (the exchange itself is not differentiable by torch)."""
+
+    @staticmethod
+    def forward(ctx: Any, h_local: Tensor, exchange: GhostExchange, partition: GraphPartition) -> Tensor:
+        ctx.exchange = exchange
+        ctx.partition = partition
+        return exchange.send_rows(h_local.detach(), partition)
+
+    @staticmethod
+    def backward(ctx: Any, grad_ghost: Tensor) -> tuple[Tensor | None, None, None]:
+        grad_local = ctx.exchange.return_grads(grad_ghost, ctx.partition)
+        return grad_local, None, None

@@ -1,0 +1,169 @@
+"""Server-side graph structures derived once from a :class:`GraphPartition` and reused every epoch.
+
+The graph server keeps these next to its partition: the normalised GCN adjacency ``Â`` (and its transpose for
+∇GA) as sparse CSR matrices over local + ghost columns, and the in-edge list with self loops that GAT's
+ApplyEdge works on. Building them costs a sort over the edges, so :class:`GraphCache` keeps them for the
+partition a model sees again and again (Lightning hands the same partition to ``training_step`` every epoch).
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_dorylus.data.partition import GraphPartition
+
+
+@dataclass
+class GCNAdjacency:
+    """``Â = D^-1/2 (A + I) D^-1/2`` restricted to this partition's rows (PyG's ``gcn_norm``).
+
+    Attributes:
+        adj: ``(n_local, n_local + n_ghost)`` sparse CSR: row ``i`` holds the weights of ``i``'s in-edges.
+        adj_t: ``(n_local + n_ghost, n_local)`` sparse CSR: the transpose, used by ∇GA.
+    """
+
+    adj: Tensor
+    adj_t: Tensor
+
+
+@dataclass
+class SelfLoopEdges:
+    """In-edges of the local vertices plus one self loop per local vertex, sorted by ``dst`` (GAT's edge set).
+
+    Attributes:
+        src: ``(E',)`` int64 local/ghost ids.
+        dst: ``(E',)`` int64 local ids, ascending.
+        dst_ptr: ``(n_local + 1,)`` int64 CSR pointer over ``dst``.
+    """
+
+    src: Tensor
+    dst: Tensor
+    dst_ptr: Tensor
+
+
+def gcn_adjacency(partition: GraphPartition, dtype: torch.dtype) -> GCNAdjacency:
+    """Builds ``Â`` for the partition's rows with the GLOBAL degrees, so rows equal the full-graph ones.
+
+    PyG's ``gcn_norm`` adds self loops and weights edge ``j -> i`` by ``1 / sqrt(deg_j * deg_i)`` with
+    ``deg = in_degree + 1``; ghosts carry their global in-degree in ``partition.in_degree``.
+    """
+    n_local, n_total = partition.n_local, partition.n_local + partition.n_ghost
+    src, dst = partition.edge_index
+    keep = src != dst  # gcn_norm replaces existing self loops by one of weight 1
+    src, dst = src[keep], dst[keep]
+    loop = torch.arange(n_local, device=src.device)
+    src = torch.cat([src, loop])
+    dst = torch.cat([dst, loop])
+    deg_inv_sqrt = (partition.in_degree.to(torch.float64) + 1.0).rsqrt()
+    value = (deg_inv_sqrt[src] * deg_inv_sqrt[dst]).to(dtype)
+    return GCNAdjacency(
+        adj=_csr(dst, src, value, (n_local, n_total)), adj_t=_csr(src, dst, value, (n_total, n_local))
+    )
+
+
+def _csr(row: Tensor, col: Tensor, value: Tensor, size: tuple[int, int]) -> Tensor:
+    """A sparse CSR matrix from COO triplets (no duplicates), columns ascending within a row."""
+    order = torch.argsort(row * size[1] + col)
+    crow = torch.zeros(size[0] + 1, dtype=torch.long, device=row.device)
+    torch.cumsum(torch.bincount(row, minlength=size[0]), 0, out=crow[1:])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        return torch.sparse_csr_tensor(crow, col[order], value[order], size, check_invariants=False)
+
+
+def self_loop_edges(partition: GraphPartition) -> SelfLoopEdges:
+    """In-edges without self loops plus one self loop per local vertex (as PyG's GATConv)."""
+    n_local = partition.n_local
+    src, dst = partition.edge_index
+    keep = src != dst
+    loop = torch.arange(n_local, device=src.device)
+    src = torch.cat([src[keep], loop])
+    dst = torch.cat([dst[keep], loop])
+    order = torch.sort(dst, stable=True).indices  # each vertex's self loop ends its in-edge segment
+    src, dst = src[order], dst[order]
+    counts = torch.bincount(dst, minlength=n_local)
+    dst_ptr = torch.zeros(n_local + 1, dtype=torch.long, device=dst.device)
+    torch.cumsum(counts, 0, out=dst_ptr[1:])
+    return SelfLoopEdges(src=src, dst=dst, dst_ptr=dst_ptr)
+
+
+@dataclass
+class GraphContext:
+    """What a Dorylus layer needs about the graph in one forward: the partition and derived structures.
+
+    Structures are computed on first use, so a GCN never builds GAT's edge list and vice versa.
+    """
+
+    partition: GraphPartition
+    _gcn: dict[torch.dtype, GCNAdjacency] = field(default_factory=dict, repr=False)
+    _loops: SelfLoopEdges | None = field(default=None, repr=False)
+    _intervals: list[tuple[int, int]] | None = field(default=None, repr=False)
+
+    def gcn(self, dtype: torch.dtype) -> GCNAdjacency:
+        """The normalised adjacency with values of ``dtype`` (built on first use)."""
+        if dtype not in self._gcn:
+            self._gcn[dtype] = gcn_adjacency(self.partition, dtype)
+        return self._gcn[dtype]
+
+    @property
+    def self_loops(self) -> SelfLoopEdges:
+        """The self-loop-augmented in-edge list (built on first use)."""
+        if self._loops is None:
+            self._loops = self_loop_edges(self.partition)
+        return self._loops
+
+    @property
+    def intervals(self) -> list[tuple[int, int]]:
+        """Non-empty local vertex intervals ``(start, end)``: the unit of work sent to the executor."""
+        if self._intervals is None:
+            ptr = self.partition.interval_ptr.tolist()
+            if not ptr or ptr[0] != 0 or ptr[-1] != self.partition.n_local:
+                raise ValueError(
+                    f"interval_ptr must run from 0 to n_local ({self.partition.n_local}); got "
+                    f"{ptr[:1]} .. {ptr[-1:]}"
+                )
+            self._intervals = [(a, b) for a, b in itertools.pairwise(ptr) if b > a]
+        return self._intervals
+
+
+class GraphCache:
+    """Keeps the :class:`GraphContext` of the last few partitions a model has seen.
+
+    Lightning's batch transfer returns a new ``GraphPartition`` object each step, but its tensors are the same
+    storage when already on the device, so contexts are keyed by the storage of ``edge_index``
+    (the cached context holds a reference to it, so the key cannot be reused by another graph).
+
+    Args:
+        max_entries: How many partitions to remember (train/val/test share one; a device move makes another).
+    """
+
+    def __init__(self, max_entries: int = 4) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple, GraphContext] = OrderedDict()
+
+    def context(self, partition: GraphPartition) -> GraphContext:
+        """The cached context for ``partition`` (with ``partition``'s masks and features), or a new one."""
+        key = (
+            partition.part_id,
+            partition.num_parts,
+            partition.edge_index.data_ptr(),
+            tuple(partition.edge_index.shape),
+            str(partition.edge_index.device),
+        )
+        cached = self._entries.get(key)
+        if cached is None:
+            cached = GraphContext(partition)
+            self._entries[key] = cached
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        return cached

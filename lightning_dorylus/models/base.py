@@ -1,0 +1,82 @@
+"""``NodeClassifier``: the LightningModule side shared by Dorylus's GCN and GAT.
+
+``training_step`` receives this graph server's :class:`GraphPartition` (the whole graph under
+``strategy="auto"``) and returns ``Σ_local CE / num_train_global``: the sum of these losses over graph
+servers is the full-graph mean loss, so after the strategy SUM-all-reduces weight gradients every replica
+holds exactly the single-process full-graph gradient. Metrics are global too: sums of correct predictions
+and counts are reduced over graph servers before dividing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_dorylus.data.partition import GraphPartition
+from lightning_dorylus.graph import GraphCache, GraphContext
+
+
+class NodeClassifier(LightningModule):
+    """Full-graph node classification on a :class:`GraphPartition`; subclasses define ``forward``.
+
+    Args:
+        lr: Adam learning rate.
+        weight_decay: Adam weight decay (L2 on all parameters, as PyG's examples).
+    """
+
+    def __init__(self, lr: float, weight_decay: float) -> None:
+        super().__init__()
+        self.lr, self.weight_decay = lr, weight_decay
+        self._graphs = GraphCache()
+
+    def graph(self, batch: Any) -> GraphContext:
+        """The cached :class:`GraphContext` of ``batch``; rejects anything that is not a partition."""
+        if not isinstance(batch, GraphPartition):
+            raise TypeError(
+                f"{type(self).__name__} expects a GraphPartition batch (use lightning_dorylus.data."
+                f"DorylusDataModule), got {type(batch).__name__}"
+            )
+        return self._graphs.context(batch)
+
+    def _global_sum(self, value: Tensor) -> Tensor:
+        """Sum over graph servers (identity in a single process)."""
+        return self.trainer.strategy.reduce(value, reduce_op="sum")
+
+    @override
+    def training_step(self, batch: GraphPartition, batch_idx: int) -> Tensor:
+        logits = self(self.graph(batch))  # (n_local, num_classes)
+        mask = batch.train_mask
+        loss = F.cross_entropy(logits[mask], batch.y[mask], reduction="sum") / batch.num_train_global
+        self.log("train_loss", self._global_sum(loss.detach()), prog_bar=True, batch_size=1)
+        return loss
+
+    def _accuracy(self, batch: GraphPartition, mask: Tensor, name: str) -> Tensor:
+        logits = self(self.graph(batch))
+        pred = logits.argmax(dim=-1)
+        counts = torch.stack([(pred[mask] == batch.y[mask]).sum(), mask.sum()]).to(logits.dtype)
+        correct, total = self._global_sum(counts).unbind()
+        acc = correct / total.clamp_min(1)
+        self.log(name, acc, prog_bar=True, batch_size=1)
+        return acc
+
+    @override
+    def validation_step(self, batch: GraphPartition, batch_idx: int) -> Tensor:
+        return self._accuracy(batch, batch.val_mask, "val_acc")
+
+    @override
+    def test_step(self, batch: GraphPartition, batch_idx: int) -> Tensor:
+        return self._accuracy(batch, batch.test_mask, "test_acc")
+
+    @override
+    def predict_step(self, batch: GraphPartition, batch_idx: int) -> Tensor:
+        """Class predictions ``(n_local,)`` of this server's vertices, in ``batch.local_nodes`` order."""
+        return self(self.graph(batch)).argmax(dim=-1)
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)

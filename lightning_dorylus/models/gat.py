@@ -1,0 +1,53 @@
+"""``GAT``: Veličković et al.'s two-layer GAT for node classification, from Dorylus ``GATConv`` layers."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_dorylus.graph import GraphContext
+from lightning_dorylus.models.base import NodeClassifier
+from lightning_dorylus.nn import GATConv
+
+
+class GAT(NodeClassifier):
+    """``dropout -> GATConv(heads, concat) -> ELU -> dropout -> GATConv(out_heads, mean)`` (PyG's ``gat.py``).
+
+    Args:
+        in_channels: Feature width.
+        hidden_channels: Width per head of the hidden layer (8 for Cora).
+        out_channels: Number of classes.
+        heads: Heads of the hidden layer (8 for Cora).
+        out_heads: Heads of the output layer, averaged (1 for Cora).
+        dropout: Dropout on features and on attention coefficients (0.6 for Cora).
+        lr: Adam learning rate.
+        weight_decay: Adam weight decay.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        hidden_channels: int,
+        out_channels: int,
+        heads: int = 8,
+        out_heads: int = 1,
+        dropout: float = 0.6,
+        lr: float = 0.005,
+        weight_decay: float = 5e-4,
+    ) -> None:
+        super().__init__(lr=lr, weight_decay=weight_decay)
+        self.save_hyperparameters()
+        self.conv1 = GATConv(in_channels, hidden_channels, heads=heads, concat=True, dropout=dropout)
+        self.conv2 = GATConv(
+            hidden_channels * heads, out_channels, heads=out_heads, concat=False, dropout=dropout
+        )
+        self.dropout = dropout
+
+    @override
+    def forward(self, graph: GraphContext) -> Tensor:
+        """Logits ``(n_local, out_channels)`` of this server's owned vertices."""
+        h = F.dropout(graph.partition.x, p=self.dropout, training=self.training)
+        h = F.elu(self.conv1(h, graph))  # (n_local, heads * hidden)
+        h = F.dropout(h, p=self.dropout, training=self.training)
+        return self.conv2(h, graph)  # (n_local, out_channels)

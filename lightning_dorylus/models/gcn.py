@@ -1,0 +1,57 @@
+"""``GCN``: Kipf & Welling's two-layer GCN for node classification, built from Dorylus ``GCNConv`` layers."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_dorylus.graph import GraphContext
+from lightning_dorylus.models.base import NodeClassifier
+from lightning_dorylus.nn import GCNConv
+
+
+class GCN(NodeClassifier):
+    """``dropout -> GCNConv(relu) -> ... -> dropout -> GCNConv(logits)`` (PyG's ``examples/gcn.py``).
+
+    Args:
+        in_channels: Feature width.
+        hidden_channels: Hidden width (16 for Cora).
+        out_channels: Number of classes.
+        num_layers: Number of ``GCNConv`` layers (``>= 1``).
+        dropout: Dropout on every layer's input, applied on the owner before SC so ghosts see the same values.
+        lr: Adam learning rate.
+        weight_decay: Adam weight decay.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        hidden_channels: int,
+        out_channels: int,
+        num_layers: int = 2,
+        dropout: float = 0.5,
+        lr: float = 0.01,
+        weight_decay: float = 5e-4,
+    ) -> None:
+        super().__init__(lr=lr, weight_decay=weight_decay)
+        if num_layers < 1:
+            raise ValueError(f"num_layers={num_layers} must be >= 1")
+        self.save_hyperparameters()
+        widths = [in_channels] + [hidden_channels] * (num_layers - 1) + [out_channels]
+        self.convs = nn.ModuleList(
+            GCNConv(w_in, w_out, activation="relu" if i < num_layers - 1 else "none")
+            for i, (w_in, w_out) in enumerate(itertools.pairwise(widths))
+        )
+        self.dropout = dropout
+
+    @override
+    def forward(self, graph: GraphContext) -> Tensor:
+        """Logits ``(n_local, out_channels)`` of this server's owned vertices."""
+        h = graph.partition.x
+        for conv in self.convs:
+            h = F.dropout(h, p=self.dropout, training=self.training)
+            h = conv(h, graph)
+        return h

@@ -1,0 +1,374 @@
+"""``DorylusStrategy``: every Lightning process is one Dorylus graph server owning one graph partition.
+
+Roles (see ``docs/dorylus.md``):
+
+* **graph server** = this process: holds partition ``global_rank`` (features, local + ghost rows, adjacency),
+  runs the graph operations Gather/Scatter (and their mirrors) and the loss;
+* **tensor-op executor** = where ApplyVertex/ApplyEdge run per interval: a pool of worker processes running
+  the Lambda handler code (``"local"``), the graph server itself (``"inline"``) or any ``TensorOpExecutor``;
+* **weight server** = replicated: every graph server keeps the full (small) weights as the LightningModule's
+  parameters and ships them with each tensor-op request, as a Lambda would fetch them from a weight server.
+  After backward the strategy SUM-all-reduces the weight gradients over graph servers in one flat bucket; the
+  loss is a global mean (local sums divided by ``num_train_global``), so that sum is the full-graph gradient
+  and every replica applies the same optimizer step (the paper's WU).
+
+No DDP wrapper: gradients are reduced explicitly in :meth:`DorylusStrategy.post_backward`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import timedelta
+from pathlib import PurePath
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from typing_extensions import override
+
+from lightning_dorylus.data.partition import GraphPartition
+from lightning_dorylus.executors import EXECUTORS, TensorOpExecutor, build_executor
+from lightning_dorylus.graph import GhostExchange
+from lightning_dorylus.nn import DorylusLayer, DorylusRuntime
+
+log = logging.getLogger(__name__)
+
+
+class DorylusStrategy(ParallelStrategy):
+    """One process per graph server; tensor ops go to an executor; weight gradients are SUM-all-reduced.
+
+    Args:
+        accelerator: Set by the Trainer (``"cpu"`` or ``"gpu"`` for the graph servers).
+        parallel_devices: Set by the Trainer: one device per graph server on this node.
+        cluster_environment: Set by the Trainer.
+        checkpoint_io: Set by the Trainer.
+        precision_plugin: Set by the Trainer.
+        executor: Where ApplyVertex/ApplyEdge run: ``"local"`` (default; a pool of worker processes running
+            the numpy Lambda handler behind a real serialization boundary), ``"inline"`` (on the graph
+            server: the CPU-only baseline), or a ``TensorOpExecutor`` instance (started here; its owner
+            closes it).
+        executor_options: Keyword arguments of the named executor, e.g. ``{"num_workers": 2}`` (``"local"``).
+        process_group_backend: ``"gloo"`` / ``"nccl"``; default: gloo on CPU, nccl on CUDA.
+        timeout: Collective timeout of the process group: a graph server that stops answering fails the job
+            after this long instead of hanging it.
+        start_method: How processes are started: ``"popen"`` (default, re-runs the script like ``ddp``),
+            ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+    """
+
+    strategy_name = "dorylus"
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        executor: str | TensorOpExecutor = "local",
+        executor_options: dict[str, Any] | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if isinstance(executor, str):
+            if executor not in EXECUTORS:
+                raise ValueError(
+                    f"executor={executor!r} is not known; valid executors are {sorted(EXECUTORS)}"
+                )
+        elif not isinstance(executor, TensorOpExecutor):
+            raise TypeError(
+                f"executor must be a name in {sorted(EXECUTORS)} or a TensorOpExecutor, "
+                f"got {type(executor).__name__}"
+            )
+        elif executor_options:
+            raise ValueError(
+                "executor_options only apply to a named executor, not to a TensorOpExecutor instance"
+            )
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(
+                f"start_method={start_method!r}; expected 'popen', 'spawn', 'fork' or 'forkserver'"
+            )
+        self._executor_spec = executor
+        self._executor_options = dict(executor_options or {})
+        self._executor: TensorOpExecutor | None = None
+        self._exchange: GhostExchange | None = None
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+
+    @property
+    def executor(self) -> TensorOpExecutor | None:
+        """The executor of this graph server's tensor ops (``None`` outside ``setup`` .. ``teardown``)."""
+        return self._executor
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.setup_distributed()
+
+    def setup_distributed(self) -> None:
+        """Creates the process group (gloo on CPU, nccl on GPU) with the configured collective timeout."""
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = (
+            self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        )
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._check_datamodule(trainer)
+        assert self.model is not None
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        _sync_module_states(self.model)  # every weight replica starts from rank 0's values
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._start_runtime()
+
+    def _check_datamodule(self, trainer: Trainer) -> None:
+        num_parts = getattr(trainer.datamodule, "num_parts", None)
+        if num_parts is not None and num_parts != self.world_size:
+            raise ValueError(
+                f"num_parts ({num_parts}) != world_size ({self.world_size}): DorylusStrategy runs one graph "
+                f"server per partition; set devices * num_nodes = {num_parts} "
+                f"or num_parts = {self.world_size}"
+            )
+
+    def _start_runtime(self) -> None:
+        """Starts the executor and lends it, with the ghost exchange, to every Dorylus layer of the model."""
+        if self._executor is None:
+            spec = self._executor_spec
+            self._executor = build_executor(spec, **self._executor_options) if isinstance(spec, str) else spec
+        self._executor.start()
+        self._exchange = GhostExchange()
+        runtime = DorylusRuntime(executor=self._executor, exchange=self._exchange)
+        layers = self._dorylus_layers()
+        if not layers:
+            raise TypeError(
+                f"{type(self.lightning_module).__name__} has no DorylusLayer (lightning_dorylus.nn.GCNConv, "
+                "GATConv, ...): DorylusStrategy only trains models built from Dorylus layers"
+            )
+        for layer in layers:
+            layer.attach(runtime)
+
+    def _dorylus_layers(self) -> list[DorylusLayer]:
+        module = self.lightning_module
+        return [] if module is None else [m for m in module.modules() if isinstance(m, DorylusLayer)]
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if not isinstance(batch, GraphPartition):
+            raise TypeError(
+                f"DorylusStrategy expects each batch to be a GraphPartition (from DorylusDataModule), got "
+                f"{type(batch).__name__}"
+            )
+        if batch.num_parts != self.world_size or batch.part_id != self.global_rank:
+            raise ValueError(
+                f"graph server {self.global_rank} of world_size ({self.world_size}) got partition "
+                f"{batch.part_id} of num_parts ({batch.num_parts}); expected partition {self.global_rank} of "
+                f"{self.world_size}"
+            )
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Weight update step's reduction: SUM the weight gradients of all graph servers (one flat bucket)."""
+        assert self.lightning_module is not None
+        grads = [p.grad for p in self.lightning_module.parameters() if p.grad is not None]
+        if not grads or not _distributed_is_initialized() or self.world_size == 1:
+            return
+        bucket = _flatten_dense_tensors(grads)
+        dist.all_reduce(bucket, op=dist.ReduceOp.SUM)
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(bucket, grads)):
+            grad.copy_(reduced)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        """All-reduces ``tensor`` over graph servers (``"sum"`` or ``"mean"``); non-tensors pass through."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        """Broadcasts a tensor, or a JSON-representable object / path, without pickling.
+
+        Lightning broadcasts directories, flags and numbers; anything else raises ``TypeError`` on every rank.
+        """
+        if not _distributed_is_initialized():
+            return obj
+        header = b""
+        if self.global_rank == src:
+            header = _encode_broadcast_header(obj)
+        size = torch.tensor([len(header)], dtype=torch.long, device=self.root_device)
+        dist.broadcast(size, src)
+        if int(size) == 0:
+            raise TypeError(
+                f"DorylusStrategy.broadcast sends tensors and JSON-representable objects (no pickle); "
+                f"rank {src} "
+                f"tried to broadcast an object of another type "
+                f"({type(obj).__name__ if self.global_rank == src else 'see rank ' + str(src)})"
+            )
+        buf = torch.empty(int(size), dtype=torch.uint8, device=self.root_device)
+        if self.global_rank == src:
+            buf.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        dist.broadcast(buf, src)
+        meta = json.loads(bytes(buf.cpu().tolist()).decode())
+        if meta["kind"] == "tensor":
+            tensor = obj if self.global_rank == src else None
+            out = (
+                tensor.detach().clone().to(self.root_device)  # type: ignore[union-attr]
+                if tensor is not None
+                else torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]), device=self.root_device)
+            )
+            dist.broadcast(out, src)
+            return out  # type: ignore[return-value]
+        if meta["kind"] == "path":
+            return type(obj)(meta["value"]) if isinstance(obj, PurePath) else meta["value"]  # type: ignore[return-value]
+        return meta["value"]
+
+    @override
+    def teardown(self) -> None:
+        for layer in self._dorylus_layers():
+            layer.attach(None)
+        if self._executor is not None and isinstance(self._executor_spec, str):
+            self._executor.close()
+        self._executor = None
+        self._exchange = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Registers ``"dorylus"`` (local worker-pool executor) and ``"dorylus_inline"`` (CPU baseline)."""
+        entries = (
+            (
+                "dorylus",
+                "local",
+                "Dorylus graph servers; tensor ops on a local pool of Lambda-handler workers",
+            ),
+            (
+                "dorylus_inline",
+                "inline",
+                "Dorylus graph servers; tensor ops inline on the graph server (CPU-only)",
+            ),
+        )
+        for name, executor, description in entries:
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, executor=executor)
+
+
+def _encode_broadcast_header(obj: Any) -> bytes:
+    """JSON description of ``obj`` for :meth:`DorylusStrategy.broadcast`; ``b""`` if it cannot be sent."""
+    if isinstance(obj, Tensor):
+        meta = {"kind": "tensor", "dtype": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape)}
+    elif isinstance(obj, PurePath):
+        meta = {"kind": "path", "value": str(obj)}
+    else:
+        meta = {"kind": "json", "value": obj}
+    try:
+        return json.dumps(meta, allow_nan=True).encode()
+    except (TypeError, ValueError):
+        return b""
