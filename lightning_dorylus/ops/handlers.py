@@ -94,14 +94,30 @@ def run_op(op: str, inputs: Mapping[str, np.ndarray], attrs: Mapping[str, Any] |
 
 
 def handle(payload: bytes | bytearray | memoryview) -> bytes:
-    """Decode a request, run its op, encode the response (the Lambda/worker entry point's core)."""
+    """Decode a request, run its op, encode the response (the core of the Lambda entry point).
+
+    Errors propagate as exceptions (Lambda reports them as ``FunctionError``); the local worker
+    catches them and sends ``error_header`` back instead.
+    """
+    total_len, frames = handle_frames(payload)
+    out = bytearray(total_len)
+    pos = 0
+    for frame in frames:
+        n = memoryview(frame).nbytes
+        out[pos:pos + n] = frame
+        pos += n
+    return bytes(out)
+
+
+def handle_frames(payload: bytes | bytearray | memoryview) -> tuple[int, list[Any]]:
+    """``handle`` without joining the response: ``(total_len, frames)`` for streaming into a pipe."""
     header, arrays = wire.decode(payload)
     op = header.get("op")
     attrs = header.get("attrs", {})
     if not isinstance(attrs, dict):
         raise ValueError(f"request attrs must be a JSON object, got {attrs!r}")
     outputs = run_op(op, arrays, attrs)  # type: ignore[arg-type]
-    return wire.encode(response_header(op), outputs)  # type: ignore[arg-type]
+    return wire.encode_frames(response_header(op), outputs)  # type: ignore[arg-type]
 
 
 def request_header(op: str, attrs: Mapping[str, Any] | None = None, interval: int = -1) -> dict[str, Any]:
