@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_bamboo.layout import StageLayout, estimate_layer_costs
 from lightning_bamboo.models.gpt import build_pipeline
 from recipes.components.text import DEFAULT_MODULES, VOCAB_SIZE, TokenWindows, corpus_tokens
 
@@ -113,15 +114,14 @@ def make_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def stage_bounds(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, stop)`` layer ranges, as even as possible, earlier stages taking the remainder."""
-    base, extra = divmod(num_layers, num_stages)
-    bounds, start = [], 0
-    for s in range(num_stages):
-        stop = start + base + (1 if s < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+def plan_layout(args: argparse.Namespace, world_size: int) -> StageLayout:
+    """Bamboo's stage layout for the GPT body: parameter-count costs, so every rank plans the same split."""
+    return StageLayout.plan(estimate_layer_costs(list(build_model(args))), world_size, world_size)
+
+
+def stage_module(args: argparse.Namespace, layers: range) -> nn.Sequential:
+    """A fresh copy of the body's ``layers`` (seed-0 weights, so every copy of a layer starts equal)."""
+    return nn.Sequential(*list(build_model(args))[layers.start : layers.stop])
 
 
 def time_steps(step: Callable[[], float | None], args: argparse.Namespace, sync: bool) -> dict:
@@ -173,8 +173,7 @@ def run_torch_1f1b(args: argparse.Namespace, rank: int, world_size: int) -> dict
     """``Schedule1F1B`` over ``PipelineStage``s cut at the same layer bounds as Bamboo's."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    start, stop = stage_bounds(len(build_model(args)), world_size)[rank]
-    submodule = nn.Sequential(*list(build_model(args))[start:stop])
+    submodule = stage_module(args, plan_layout(args, world_size).stage_layers[rank])
     stage = PipelineStage(submodule, rank, world_size, torch.device("cpu"))
     schedule = Schedule1F1B(stage, args.microbatches, loss_fn=lm_loss)  # scales grads by 1/m, like (a)
     optimizer = make_optimizer(list(submodule.parameters()))
@@ -200,8 +199,48 @@ def run_torch_1f1b(args: argparse.Namespace, rank: int, world_size: int) -> dict
 
 
 def run_bamboo(args: argparse.Namespace, rank: int, world_size: int, redundancy: bool) -> dict:
-    """The Bamboo pipeline engine on the same stages; ``redundancy`` turns redundant computation on."""
-    raise NotImplementedError("bamboo engine not wired yet")
+    """Bamboo's ``PipelineEngine`` over the same stages, driven as ``BambooStrategy`` drives it.
+
+    With ``redundancy`` the schedule gains the ``FR`` actions (eager forward of the successor's replica,
+    in bubbles first) and every step ends with the replica update: the stage's gradients go to the
+    predecessor, which applies them to its replica with its own AdamW. Both are the per-step price of
+    being able to take over a preempted successor at once.
+    """
+    from lightning_bamboo.engine import PipelineEngine
+    from lightning_bamboo.groups import BambooGroups
+    from lightning_bamboo.microbatch import split_microbatches
+    from lightning_bamboo.replica import ReplicaSync
+    from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b
+
+    device = torch.device("cpu")
+    layout = plan_layout(args, world_size)
+    groups = BambooGroups.create(layout, rank)
+    stage = stage_module(args, layout.stage_layers[groups.stage])
+    optimizer = make_optimizer(list(stage.parameters()))
+    schedule = build_1f1b(layout.num_stages, args.microbatches)
+    replica, sync = None, None
+    if redundancy:
+        schedule = add_forward_redundancy(schedule, layout.num_stages, args.microbatches)
+        replica = stage_module(args, layout.stage_layers[layout.successor(groups.stage)])
+        replica_optimizer = make_optimizer(list(replica.parameters()))  # the successor's optimizer settings
+        sync = ReplicaSync(stage, replica, replica_optimizer, groups, device)
+        sync.sync_parameters()
+    engine = PipelineEngine(
+        stage, groups, schedule, device=device, replica=replica,
+        inputs_fn=lambda microbatch: microbatch[0],
+        loss_fn=lambda logits, microbatch: lm_loss(logits, microbatch[1]),
+    )
+    microbatches = split_microbatches(fixed_batch(args), args.microbatches)
+
+    def step() -> float:
+        loss = engine.run_step(microbatches)
+        optimizer.step()
+        if sync is not None:
+            sync.step(optimizer)
+        optimizer.zero_grad()
+        return loss.item()
+
+    return time_steps(step, args, sync=True)
 
 
 # --------------------------------------------------------------------------------------------------
