@@ -57,11 +57,11 @@ def place_programs(programs: Mapping[int, Sequence[Action]], deps: DependencyFn)
         ScheduleError: on a missing producer, or when no rank can make progress (deadlock).
     """
     present = {action for program in programs.values() for action in program}
-    for program in programs.values():
-        for action in program:
-            missing = [dep for dep in deps(action) if dep not in present]
-            if missing:
-                raise ScheduleError(f"{action} depends on {', '.join(map(str, missing))}, which no rank runs")
+    needs = {action: deps(action) for action in present}
+    for action, inputs in needs.items():
+        missing = [dep for dep in inputs if dep not in present]
+        if missing:
+            raise ScheduleError(f"{action} depends on {', '.join(map(str, missing))}, which no rank runs")
     done_at: dict[Action, int] = {}
     cursor = {rank: 0 for rank in programs}
     schedule: Schedule = {rank: [] for rank in programs}
@@ -73,7 +73,7 @@ def place_programs(programs: Mapping[int, Sequence[Action]], deps: DependencyFn)
             slot: Action | None = None
             if cursor[rank] < len(program):
                 candidate = program[cursor[rank]]
-                if all(done_at.get(dep, t) < t for dep in deps(candidate)):
+                if all(done_at.get(dep, t) < t for dep in needs[candidate]):
                     slot = candidate
             schedule[rank].append(slot)
             if slot is not None:

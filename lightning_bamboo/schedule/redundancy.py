@@ -9,8 +9,10 @@ Placement rule (the part that decides the cost):
 * Window. ``FR(s+1, i)`` on rank ``s`` may run once rank ``s`` has its own output of micro-batch ``i`` (after
   ``F(s, i)``) and must run before ``B(s, i)``: once the successor's gradient for ``i`` has come back, the
   successor no longer needs its activations of ``i``, so a later replica forward protects nothing. The last
-  rank replicates stage 0, whose input is the micro-batch itself, which is always there; its window is the
-  whole iteration.
+  rank replicates stage 0, whose input is the micro-batch itself, so it may start at once; it must run no
+  later than stage 0's own ``B(0, i)`` (same slot allowed: if rank 0 is lost during ``B(0, i)``, the replica
+  activations exist by the time the loss is noticed). That is a slot-time deadline: no tensor flows between
+  the two ranks for it, so only the schedule orders them.
 * Bubbles first. On each rank, bubbles are swept in time order and each is given to the waiting ``FR``
   whose window closes first (earliest deadline first). For unit-time slots and interval windows this fills
   as many bubbles as any assignment can. In 1F1B the first bubbles that open after a rank's own forwards are
@@ -39,15 +41,15 @@ def forward_redundancy_windows(
     Slots are those of the plain ``schedule``; see the module docstring for the rule.
     """
     windows: dict[int, dict[Action, tuple[int, int]]] = {}
+    slot_of_first = {action: t for t, action in enumerate(schedule[0]) if action is not None}
     for rank in range(num_stages):
         slot_of = {action: t for t, action in enumerate(schedule[rank]) if action is not None}
         successor = (rank + 1) % num_stages
-        last_slot = len(schedule[rank]) - 1
         windows[rank] = {}
         for mb in range(num_microbatches):
             fr = Action(successor, ActionKind.FORWARD_REDUNDANT, mb)
             if successor == 0:
-                windows[rank][fr] = (0, last_slot)
+                windows[rank][fr] = (0, slot_of_first[Action(0, ActionKind.BACKWARD, mb)])
             else:
                 release = slot_of[Action(rank, ActionKind.FORWARD, mb)] + 1
                 deadline = slot_of[Action(rank, ActionKind.BACKWARD, mb)] - 1

@@ -38,8 +38,9 @@ def validate_schedule(schedule: Schedule, num_stages: int, num_microbatches: int
     Checks: ranks are exactly ``0..num_stages-1`` with equal-length rows; every ``F(s, i)`` and ``B(s, i)``
     appears exactly once, on rank ``s``; forward redundancy is absent or complete (every rank ``s`` runs
     ``FR(s+1 mod num_stages, i)`` once per micro-batch, nothing else redundant); no ``BR`` (that appears
-    only after a failover rewrite); and each action runs in a later slot than every action it depends on
-    (see ``dependencies``). The error message prints the grid with the offending cell marked ``[..]!``.
+    only after a failover rewrite); each action runs in a later slot than every action it depends on
+    (see ``dependencies``); and the last rank's ``FR(0, i)`` runs no later than ``B(0, i)``. The error
+    message prints the grid with the offending cell marked ``[..]!``.
 
     Raises:
         ValueError: if ``num_stages`` or ``num_microbatches`` is below 1.
@@ -93,6 +94,16 @@ def validate_schedule(schedule: Schedule, num_stages: int, num_microbatches: int
                     raise _fail(schedule, f"{Action(stage, kind, mb)} is missing from rank {rank}")
 
     for action, (rank, t) in slot_of.items():
+        if action.kind is ActionKind.FORWARD_REDUNDANT and action.stage == 0:
+            own_backward = Action(0, ActionKind.BACKWARD, action.microbatch)
+            if t > slot_of[own_backward][1]:
+                raise _fail(
+                    schedule,
+                    f"{action} at rank {rank}, step {t} runs after {own_backward} (rank 0, step "
+                    f"{slot_of[own_backward][1]}): stage 0 has freed those activations, the replica protects "
+                    "nothing",
+                    (rank, t),
+                )
         for dep in dependencies(action, num_stages, redundant):
             dep_rank, dep_t = slot_of[dep]
             if dep_t >= t:

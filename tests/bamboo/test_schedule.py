@@ -166,10 +166,12 @@ def test_forward_redundancy_is_complete_ordered_and_bounded(p, m):
         assert all(a.stage == succ for a in frs)
         for i in range(m):
             fr_slot = slots[Action(succ, FR, i)][1]
-            if (
-                succ != 0
-            ):  # the replica reads this rank's own output, and is useless after the gradient is back
+            if succ != 0:
+                # The replica reads this rank's own output and is useless once the gradient is back.
                 assert slots[Action(rank, F, i)][1] < fr_slot < slots[Action(rank, B, i)][1]
+            else:
+                # The replica of stage 0 reads the micro-batch; it is useful until stage 0's backward.
+                assert fr_slot <= slots[Action(0, B, i)][1]
     placed = place_in_bubbles(plain, p, m)
     leftovers = p * m - sum(len(v) for v in placed.values())
     growth = len(redundant[0]) - len(plain[0])
@@ -241,6 +243,18 @@ def test_validate_requires_fr_before_own_backward():
         ScheduleError, match=r"0B0 at rank 0, step 3 runs before its input 1FR0 \(rank 0, step 4\)"
     ):
         validate_schedule(schedule, 2, 2)
+
+
+def test_validate_requires_last_rank_fr_no_later_than_stage0_backward():
+    schedule = add_forward_redundancy(build_1f1b(2, 2), 2, 2)
+    assert str(schedule[1][5]) == "0FR1" and str(schedule[0][5]) == "0B1"  # the same slot is in time
+    schedule[0].append(None)
+    schedule[1][5:] = [None, Action(0, FR, 1)]
+    with pytest.raises(
+        ScheduleError, match=r"0FR1 at rank 1, step 6 runs after 0B1 \(rank 0, step 5\)"
+    ) as info:
+        validate_schedule(schedule, 2, 2)
+    assert "[0FR1]!" in str(info.value)
 
 
 @pytest.mark.parametrize(
