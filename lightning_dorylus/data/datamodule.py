@@ -1,0 +1,246 @@
+"""``DorylusDataModule``: partitions a graph once (cached on disk), then each process loads its own part.
+
+One Lightning process is one graph server. ``prepare_data`` (local rank 0 of each node) partitions the
+graph into the cache; after Lightning's ``pre_setup`` barrier, ``setup`` loads partition
+``trainer.global_rank``. Every dataloader yields that one :class:`GraphPartition` once per epoch (full-graph
+training: one step per epoch).
+
+The loaders are :class:`PartitionLoader` objects, not ``DataLoader``: Lightning 2.6 only injects a
+``DistributedSampler`` into ``DataLoader`` instances (``_DataConnector._prepare_dataloader``) and only checks
+worker counts on them, so a partition is never split or duplicated across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from lightning.pytorch import LightningDataModule
+from torch_geometric.data import Data, InMemoryDataset
+from typing_extensions import override
+
+from lightning_dorylus.data.build import DEFAULT_INTERVAL_SIZE
+from lightning_dorylus.data.cache import (
+    cache_name,
+    default_cache_dir,
+    graph_hash,
+    is_complete,
+    load_graph,
+    load_partition,
+    partition_to_cache,
+    read_meta,
+)
+from lightning_dorylus.data.partition import GraphPartition
+from lightning_dorylus.data.validation import check_interval_size, check_partitioner
+
+
+class PartitionLoader:
+    """An iterable of length one that yields this process's partition (one full-graph step per epoch)."""
+
+    def __init__(self, partition: GraphPartition) -> None:
+        self.partition = partition
+
+    def __iter__(self) -> Iterator[GraphPartition]:
+        return iter((self.partition,))
+
+    def __len__(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.partition!r})"
+
+
+class DorylusDataModule(LightningDataModule):
+    """Partitions a graph across graph servers and gives every process its own partition.
+
+    Args:
+        data: The graph: a PyG ``Data``; a one-graph ``InMemoryDataset`` (e.g. ``load_planetoid(...)``); a
+            path to a graph ``.safetensors`` file (``cache.save_graph``); or a path to an existing partition
+            directory (``meta.json`` + ``part_<k>.safetensors``), whose ``partitioner``, ``interval_size``
+            and ``seed`` then replace the arguments below. Pass a directory for big graphs: each process then
+            reads only its own partition instead of holding the whole graph.
+        num_parts: Number of partitions; ``None`` means ``trainer.world_size`` (one per process).
+        partitioner: ``"metis"`` (default; falls back to ``"bfs"`` with a warning without pymetis),
+            ``"bfs"``, ``"contiguous"`` or ``"random"``.
+        interval_size: Vertices per interval, the unit of work sent to a tensor-op executor (``>= 1``).
+        cache_dir: Root of the partition cache; ``None``: ``$XDG_CACHE_HOME/lightning_dorylus/partitions``.
+        seed: Seed of the partitioner (METIS, random).
+    """
+
+    def __init__(
+        self,
+        data: Data | InMemoryDataset | str | Path,
+        num_parts: int | None = None,
+        partitioner: str = "metis",
+        interval_size: int = DEFAULT_INTERVAL_SIZE,
+        cache_dir: str | Path | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        check_partitioner(partitioner)
+        check_interval_size(interval_size)
+        if num_parts is not None and (
+            isinstance(num_parts, bool) or not isinstance(num_parts, int) or num_parts < 1
+        ):
+            raise ValueError(
+                f"num_parts ({num_parts!r}) must be None (= trainer.world_size) or an integer >= 1"
+            )
+        self.num_parts = num_parts
+        self.partitioner = partitioner
+        self.interval_size = interval_size
+        self.seed = seed
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.data: Data | None = None
+        self.partition_dir: Path | None = None  # fixed when `data` is a partition directory
+        self.partition: GraphPartition | None = None
+        self._digest: str | None = None
+
+        if isinstance(data, (str, Path)):
+            path = Path(data)
+            if path.is_dir():
+                self._use_partition_dir(path)
+            elif path.is_file() and path.suffix == ".safetensors":
+                self.data = load_graph(path)
+            else:
+                raise FileNotFoundError(
+                    f"data={str(data)!r} is neither a partition directory (meta.json + part_<k>.safetensors) "
+                    "nor a graph .safetensors file"
+                )
+        elif isinstance(data, InMemoryDataset):
+            if len(data) != 1:
+                raise ValueError(
+                    f"data is a dataset of {len(data)} graphs; Dorylus trains on exactly one graph"
+                )
+            self.data = data[0]
+        elif isinstance(data, Data):
+            self.data = data
+        else:
+            raise TypeError(
+                "data must be a torch_geometric Data, a one-graph InMemoryDataset or a path, "
+                f"got {type(data).__name__}"
+            )
+
+    def _use_partition_dir(self, path: Path) -> None:
+        meta = read_meta(path)
+        if self.num_parts is not None and self.num_parts != meta["num_parts"]:
+            raise ValueError(
+                f"num_parts ({self.num_parts}) does not match the {meta['num_parts']} partitions in {path}"
+            )
+        self.partition_dir = path
+        self.num_parts = meta["num_parts"]
+        self.partitioner, self.interval_size, self.seed = (
+            meta["partitioner"],
+            meta["interval_size"],
+            meta["seed"],
+        )
+
+    @property
+    def num_features(self) -> int:
+        """Feature width of the graph."""
+        if self.data is not None:
+            return int(self.data.x.size(1))
+        return int(read_meta(self.partition_dir)["num_features"])
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes (``max(y) + 1``)."""
+        if self.data is not None:
+            return int(self.data.y.max()) + 1 if self.data.y is not None else 0
+        return int(read_meta(self.partition_dir)["num_classes"])
+
+    def resolved_num_parts(self) -> int:
+        """``num_parts``, or ``trainer.world_size`` when it was left as ``None``."""
+        if self.num_parts is not None:
+            return self.num_parts
+        if self.trainer is None:
+            raise RuntimeError("num_parts is None and no Trainer is attached: pass num_parts explicitly")
+        return self.trainer.world_size
+
+    def resolved_partition_dir(self) -> Path:
+        """The cache directory that holds (or will hold) this graph's partitioning."""
+        if self.partition_dir is not None:
+            return self.partition_dir
+        assert self.data is not None
+        if self._digest is None:
+            self._digest = graph_hash(self.data)
+        name = cache_name(
+            self._digest, self.partitioner, self.resolved_num_parts(), self.interval_size, self.seed
+        )
+        return self.cache_dir / name
+
+    @override
+    def prepare_data(self) -> None:
+        """Partitions the graph into the cache unless it is there already (Lightning: local rank 0 only)."""
+        if self.partition_dir is not None:
+            return
+        assert self.data is not None
+        if self._digest is None:
+            self._digest = graph_hash(self.data)
+        partition_to_cache(
+            self.data,
+            self.resolved_num_parts(),
+            self.partitioner,
+            self.interval_size,
+            self.seed,
+            self.cache_dir,
+            digest=self._digest,
+        )
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Loads partition ``trainer.global_rank`` (partition 0 without a Trainer, after partitioning)."""
+        num_parts = self.resolved_num_parts()
+        rank, world_size = (
+            (0, 1) if self.trainer is None else (self.trainer.global_rank, self.trainer.world_size)
+        )
+        if num_parts != world_size:
+            raise ValueError(
+                f"num_parts ({num_parts}) != world_size ({world_size}): every process (graph server) loads "
+                "exactly one partition"
+            )
+        directory = self.resolved_partition_dir()
+        if self.trainer is None and not is_complete(directory):
+            self.prepare_data()
+        if not is_complete(directory):
+            raise FileNotFoundError(
+                f"partition cache {directory} is missing or incomplete on rank {rank}: prepare_data() must "
+                "run first, and cache_dir must be shared by the processes of a node"
+            )
+        partition = load_partition(directory, rank)
+        if self.trainer is not None:  # move once, so Lightning's per-step transfer is a no-op
+            partition = partition.to(self.trainer.strategy.root_device)
+        self.partition = partition
+
+    def _loader(self) -> PartitionLoader:
+        if self.partition is None:
+            raise RuntimeError("DorylusDataModule.setup() has not run yet: no partition is loaded")
+        return PartitionLoader(self.partition)
+
+    @override
+    def train_dataloader(self) -> PartitionLoader:
+        return self._loader()
+
+    @override
+    def val_dataloader(self) -> PartitionLoader:
+        return self._loader()
+
+    @override
+    def test_dataloader(self) -> PartitionLoader:
+        return self._loader()
+
+    @override
+    def predict_dataloader(self) -> PartitionLoader:
+        return self._loader()
+
+    @override
+    def __str__(self) -> str:  # LightningDataModule.__str__ would iterate the loaders
+        return repr(self)
+
+    def __repr__(self) -> str:
+        source = self.data if self.data is not None else str(self.partition_dir)
+        loaded = f", partition={self.partition!r}" if self.partition is not None else ""
+        return (
+            f"{type(self).__name__}(data={source}, num_parts={self.num_parts}, "
+            f"partitioner={self.partitioner!r}, interval_size={self.interval_size}, seed={self.seed}, "
+            f"cache_dir='{self.cache_dir}'{loaded})"
+        )
