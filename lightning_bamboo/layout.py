@@ -25,7 +25,9 @@ def partition_by_cost(costs: Sequence[float], num_stages: int) -> list[range]:
     """Split layers into ``num_stages`` contiguous, non-empty stages that minimise the largest stage cost.
 
     Exact dynamic programme over (layers used, stages used), O(layers^2 * stages). Among splits with the
-    same largest cost it keeps the one whose earlier stages are as large as possible (deterministic).
+    same largest cost it gives the last stage as many layers as it can (and so on backwards): in 1F1B rank
+    ``r`` keeps up to ``num_stages - r`` micro-batches' activations alive, so early stages get the lighter
+    share when it costs nothing.
 
     Args:
         costs: the cost of each layer of the pipeline body, in order; finite and >= 0.
@@ -57,7 +59,7 @@ def partition_by_cost(costs: Sequence[float], num_stages: int) -> list[range]:
         if stages == 1:
             return prefix[end], 0
         choice = (float("inf"), -1)
-        for start in range(end - 1, stages - 2, -1):  # the last stage is [start, end), non-empty
+        for start in range(stages - 1, end):  # the last stage is [start, end), non-empty
             cost = max(best(start, stages - 1)[0], prefix[end] - prefix[start])
             if cost < choice[0]:
                 choice = (cost, start)
