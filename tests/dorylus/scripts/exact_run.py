@@ -1,0 +1,143 @@
+"""Worker script: train GCN or GAT with ``DorylusStrategy`` on N graph servers and record losses and weights.
+
+Launched by ``tests/dorylus/test_strategy.py`` as a subprocess (Lightning's popen launcher then starts the
+other graph servers by re-running this script). Rank 0 writes ``result.json`` (per-epoch global train loss
+and val accuracy); every rank writes ``weights_rank{r}.safetensors`` so the test can check that the weight
+replicas stayed identical. The test builds the same graph and model with :func:`make_graph` and
+:func:`make_model` and trains them in one process as the reference.
+
+Usage: python exact_run.py OUT_DIR --model gcn|gat --servers N --executor local|inline [--epochs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader, IterableDataset
+from torch_geometric.data import Data
+from torch_geometric.utils import to_undirected
+
+from lightning_dorylus import GAT, GCN, DorylusStrategy
+from lightning_dorylus.data import GraphPartition, partition_graph
+
+NUM_NODES, NUM_FEATURES, NUM_CLASSES, INTERVAL_SIZE = 240, 12, 4, 32
+
+
+def make_graph(seed: int = 0) -> Data:
+    """A small undirected float64 random graph with homophilous labels and train/val/test masks."""
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, NUM_CLASSES, (NUM_NODES,), generator=gen)
+    src = torch.randint(0, NUM_NODES, (4 * NUM_NODES,), generator=gen)
+    dst = torch.randint(0, NUM_NODES, (4 * NUM_NODES,), generator=gen)
+    edge_index = to_undirected(torch.stack([src, dst]), num_nodes=NUM_NODES)
+    edge_index = edge_index[:, edge_index[0] != edge_index[1]]
+    centroids = torch.randn(NUM_CLASSES, NUM_FEATURES, generator=gen, dtype=torch.float64)
+    x = centroids[y] + 2.0 * torch.randn(NUM_NODES, NUM_FEATURES, generator=gen, dtype=torch.float64)
+    split = torch.rand(NUM_NODES, generator=gen)
+    return Data(
+        x=x,
+        edge_index=edge_index,
+        y=y,
+        train_mask=split < 0.3,
+        val_mask=(split >= 0.3) & (split < 0.6),
+        test_mask=split >= 0.6,
+    )
+
+
+def make_model(name: str, seed: int = 0) -> LightningModule:
+    """The model under test, float64, dropout 0 (one process and N servers compute the same function)."""
+    seed_everything(seed, verbose=False)
+    if name == "gcn":
+        model: LightningModule = GCN(NUM_FEATURES, 16, NUM_CLASSES, dropout=0.0, lr=0.05, weight_decay=5e-4)
+    elif name == "gat":
+        model = GAT(
+            NUM_FEATURES, 4, NUM_CLASSES, heads=3, out_heads=2, dropout=0.0, lr=0.05, weight_decay=5e-4
+        )
+    else:
+        raise ValueError(f"--model {name!r}: expected 'gcn' or 'gat'")
+    return model.double()
+
+
+class OnePartition(IterableDataset):
+    """Yields one graph server's partition once per epoch."""
+
+    def __init__(self, partition: GraphPartition) -> None:
+        self.partition = partition
+
+    def __iter__(self):
+        yield self.partition
+
+
+def loader(partition: GraphPartition) -> DataLoader:
+    return DataLoader(OnePartition(partition), batch_size=None, collate_fn=lambda p: p)
+
+
+class Recorder(Callback):
+    """Keeps the global train loss and val accuracy of every epoch."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.val_acc: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.val_acc.append(float(trainer.callback_metrics["val_acc"]))
+
+
+def train(model: LightningModule, partitions: list[GraphPartition], epochs: int, strategy, devices: int):
+    """Fits ``model`` on ``partitions[trainer.global_rank]``; returns the trainer and the recorder."""
+    recorder = Recorder()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[recorder],
+    )
+    part = partitions[trainer.global_rank]
+    trainer.fit(model, train_dataloaders=loader(part), val_dataloaders=loader(part))
+    return trainer, recorder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--model", default="gcn")
+    parser.add_argument("--servers", type=int, default=2)
+    parser.add_argument("--executor", default="inline")
+    parser.add_argument("--epochs", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    partitions = partition_graph(make_graph(), args.servers, partitioner="metis", interval_size=INTERVAL_SIZE)
+    options = {"num_workers": 1} if args.executor == "local" else {}
+    strategy = DorylusStrategy(
+        executor=args.executor, executor_options=options, timeout=datetime.timedelta(seconds=60)
+    )
+    model = make_model(args.model)
+    trainer, recorder = train(model, partitions, args.epochs, strategy, devices=args.servers)
+    rank = trainer.global_rank
+    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, str(args.out / f"weights_rank{rank}.safetensors"))
+    if rank == 0:
+        ghosts = [p.n_ghost for p in partitions]
+        result = {"losses": recorder.losses, "val_acc": recorder.val_acc, "ghosts": ghosts}
+        (args.out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""DorylusStrategy: N graph servers (subprocesses, gloo) train exactly what one process trains.
+
+Each case launches ``scripts/exact_run.py`` (GCN or GAT, float64, dropout 0, 5 epochs) on 2 or 3 graph
+servers and compares its per-epoch global loss, val accuracy and final weights with the same model trained
+in this process under ``strategy="auto"`` on the single whole-graph partition.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from safetensors.torch import load_file
+
+from lightning_dorylus import GCN, DorylusStrategy
+from lightning_dorylus.data import partition_graph
+from tests.dorylus.scripts.exact_run import INTERVAL_SIZE, loader, make_graph, make_model, train
+from tests.dorylus.scripts.launch import run_script
+
+EPOCHS = 5
+
+
+def reference(model_name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """One process, one partition (the whole graph), inline executor: the single-process full-graph run."""
+    partitions = partition_graph(make_graph(), 1, partitioner="metis", interval_size=INTERVAL_SIZE)
+    model = make_model(model_name)
+    _, recorder = train(model, partitions, EPOCHS, strategy="auto", devices=1)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": recorder.losses, "val_acc": recorder.val_acc}, weights
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model_name", "servers", "executor"),
+    [("gcn", 2, "local"), ("gcn", 3, "inline"), ("gat", 2, "inline"), ("gat", 3, "local")],
+)
+def test_graph_servers_match_single_process(
+    tmp_path: Path, model_name: str, servers: int, executor: str
+) -> None:
+    args = [
+        str(tmp_path),
+        "--model",
+        model_name,
+        "--servers",
+        str(servers),
+        "--executor",
+        executor,
+        "--epochs",
+        str(EPOCHS),
+    ]
+    run_script("exact_run.py", args, timeout=240, cwd=tmp_path)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert all(g > 0 for g in result["ghosts"]), "every partition must have ghosts, or SC is not exercised"
+
+    expected, expected_weights = reference(model_name)
+    assert len(result["losses"]) == EPOCHS
+    torch.testing.assert_close(
+        torch.tensor(result["losses"], dtype=torch.float64),
+        torch.tensor(expected["losses"], dtype=torch.float64),
+        rtol=1e-9,
+        atol=1e-11,
+    )
+    assert result["val_acc"] == pytest.approx(expected["val_acc"], abs=1e-12)
+    replicas = [load_file(str(tmp_path / f"weights_rank{r}.safetensors")) for r in range(servers)]
+    for replica in replicas[1:]:  # the weight replicas never diverge
+        for name, value in replica.items():
+            torch.testing.assert_close(value, replicas[0][name], rtol=0, atol=0)
+    assert set(replicas[0]) == set(expected_weights)
+    for name, value in expected_weights.items():
+        torch.testing.assert_close(replicas[0][name], value, rtol=1e-9, atol=1e-11)
+
+
+def test_unknown_executor_name_is_rejected() -> None:
+    with pytest.raises(
+        ValueError, match=r"executor='lambada' is not known; valid executors are \['inline', 'local'"
+    ):
+        DorylusStrategy(executor="lambada")
+
+
+def test_executor_of_wrong_type_is_rejected() -> None:
+    with pytest.raises(TypeError, match=r"executor must be a name in .* or a TensorOpExecutor, got int"):
+        DorylusStrategy(executor=3)  # type: ignore[arg-type]
+
+
+def test_batch_that_is_not_a_partition_is_rejected() -> None:
+    strategy = DorylusStrategy(executor="inline")
+    with pytest.raises(TypeError, match=r"expects each batch to be a GraphPartition .* got dict"):
+        strategy.batch_to_device({"x": torch.zeros(2)})
+
+
+def test_partition_of_wrong_size_is_rejected() -> None:
+    strategy = DorylusStrategy(executor="inline")  # no cluster environment: world_size 1, rank 0
+    part = partition_graph(make_graph(), 2, partitioner="metis", interval_size=INTERVAL_SIZE)[1]
+    with pytest.raises(
+        ValueError, match=r"graph server 0 of world_size \(1\) got partition 1 of num_parts \(2\)"
+    ):
+        strategy.batch_to_device(part)
+
+
+def test_model_rejects_non_partition_batch() -> None:
+    model = make_model("gcn")
+    with pytest.raises(TypeError, match=r"GCN expects a GraphPartition batch .* got Tensor"):
+        model.training_step(torch.zeros(3), 0)
+
+
+def test_num_parts_must_equal_world_size() -> None:
+    """A DataModule that declares num_parts != world_size fails in setup, before any training."""
+
+    class TwoParts:
+        num_parts = 2
+
+    strategy = DorylusStrategy(executor="inline")
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
+    trainer.datamodule = TwoParts()  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=r"num_parts \(2\) != world_size \(1\)"):
+        strategy._check_datamodule(trainer)
+
+
+def test_single_process_fit_with_strategy_instance(tmp_path: Path) -> None:
+    """A 1-server DorylusStrategy (no process group) trains and the layers get its executor, then lose it."""
+    partitions = partition_graph(make_graph(), 1, partitioner="metis", interval_size=INTERVAL_SIZE)
+    model: GCN = make_model("gcn")  # type: ignore[assignment]
+    strategy = DorylusStrategy(executor="inline", timeout=datetime.timedelta(seconds=30))
+    seen = []
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
+    original = model.training_step
+
+    def training_step(batch, batch_idx):
+        seen.append(model.convs[0]._runtime.executor is strategy.executor)
+        return original(batch, batch_idx)
+
+    model.training_step = training_step  # type: ignore[method-assign]
+    try:
+        trainer.fit(model, train_dataloaders=loader(partitions[0]), val_dataloaders=loader(partitions[0]))
+    finally:  # a 1-process group was created in this (pytest) process; leave nothing behind
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert seen == [True, True]
+    assert model.convs[0]._runtime is None and strategy.executor is None
+    assert 0.0 <= float(trainer.callback_metrics["val_acc"]) <= 1.0
