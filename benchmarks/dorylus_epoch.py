@@ -117,21 +117,11 @@ def pyg_cache_file(args: argparse.Namespace) -> Path:
     return Path(args.cache_dir) / "pyg" / f"powerlaw_{key}.safetensors"
 
 
-def dorylus_datamodule(args: argparse.Namespace):  # -> DorylusDataModule
-    """The Dorylus data module over the generated graph, partitioned for ``--servers`` graph servers."""
-    from lightning_dorylus.data import DorylusDataModule
-
-    return DorylusDataModule(
-        load_graph(args),
-        num_parts=args.servers,
-        interval_size=args.interval_size,
-        cache_dir=Path(args.cache_dir) / "partitions",
-        seed=args.seed,
-    )
-
-
 def run_prepare(args: argparse.Namespace) -> dict[str, Any]:
-    """Generate the graph, PyG's CSR adjacency and the Dorylus partitions into the cache (not timed)."""
+    """Generate the graph, PyG's CSR adjacency and the Dorylus partitions into the cache (not timed).
+
+    Returns the graph's size and the partition directory the graph servers then read (each only its part).
+    """
     import torch
     from safetensors.torch import save_file
 
@@ -155,9 +145,19 @@ def run_prepare(args: argparse.Namespace) -> dict[str, Any]:
             str(tmp),
         )
         tmp.rename(target)
-    datamodule = dorylus_datamodule(args)
+    from lightning_dorylus.data import DorylusDataModule
+
+    datamodule = DorylusDataModule(
+        data,
+        num_parts=args.servers,
+        partitioner=args.partitioner,
+        interval_size=args.interval_size,
+        cache_dir=Path(args.cache_dir) / "partitions",
+        seed=args.seed,
+    )
     datamodule.prepare_data()
-    return {"nodes": int(data.num_nodes), "edges": int(data.num_edges)}
+    return {"nodes": int(data.num_nodes), "edges": int(data.num_edges),
+            "partition_dir": str(datamodule.resolved_partition_dir())}
 
 
 # --------------------------------------------------------------------------- (a) PyG full-batch
@@ -209,11 +209,14 @@ def run_pyg(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- (b) Dorylus graph servers
 def run_dorylus_server(args: argparse.Namespace) -> dict[str, Any]:
     """One graph server (rank from ``LOCAL_RANK``): ``Trainer(strategy="dorylus")`` with a timing callback."""
+    from datetime import timedelta
+
     import lightning.pytorch as pl
     import torch
     from typing_extensions import override
 
     from lightning_dorylus import DorylusStrategy
+    from lightning_dorylus.data import DorylusDataModule
     from lightning_dorylus.models import GCN
 
     torch.set_num_threads(args.threads_per_server)
@@ -243,7 +246,9 @@ def run_dorylus_server(args: argparse.Namespace) -> dict[str, Any]:
 
     timer = EpochTimer()
     strategy = DorylusStrategy(
-        executor="local", executor_options={"num_workers": args.executor_workers}, timeout=args.timeout
+        executor="local",
+        executor_options={"num_workers": args.executor_workers},
+        timeout=timedelta(seconds=args.timeout),
     )
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.servers, strategy=strategy, max_epochs=args.warmup + args.epochs,
@@ -251,7 +256,8 @@ def run_dorylus_server(args: argparse.Namespace) -> dict[str, Any]:
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
     )
     model = GCN(args.features, args.hidden, args.classes, num_layers=2, dropout=args.dropout, lr=0.01)
-    trainer.fit(model, datamodule=dorylus_datamodule(args))
+    # The partition directory, not the graph: each server reads only its own partition from disk.
+    trainer.fit(model, datamodule=DorylusDataModule(args.partition_dir))
     return {"rank": trainer.global_rank, "epoch_times": timer.times[args.warmup:], "losses": timer.losses,
             **timer.memory}
 
@@ -342,11 +348,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads-per-server", type=int, default=0,
                         help="torch threads per graph server (default: cores // servers)")
     parser.add_argument("--interval-size", type=int, default=65536, help="vertices per interval")
+    parser.add_argument("--partitioner", default="metis", help="metis | bfs | contiguous | random")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=str(REPO_ROOT / ".cache" / "dorylus"))
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per measured configuration")
     parser.add_argument("--worker", choices=["prepare", "pyg", "dorylus"], help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--partition-dir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in ("nodes", "features", "hidden", "classes", "epochs", "servers", "executor_workers",
                  "interval_size"):
@@ -366,6 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="dorylus_epoch_") as tmp:
         workdir = Path(tmp)
         (graph,) = launch(args, "prepare", workdir)
+        args.partition_dir = graph["partition_dir"]
         (pyg,) = launch(args, "pyg", workdir)
         servers = launch(args, "dorylus", workdir, num_procs=args.servers)
     report(graph, pyg, servers)
