@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -141,14 +142,15 @@ def partition_to_cache(
         for part in parts:
             save_partition(part, tmp / f"part_{part.part_id}.safetensors")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        if target.exists() and not is_complete(target, digest):
+            # Writers only ever rename complete directories into place, so this one was damaged by hand.
+            warnings.warn(f"replacing the incomplete partition cache {target}", stacklevel=2)
+            shutil.rmtree(target)
         try:
             os.rename(tmp, target)
-        except OSError as error:
-            if not is_complete(target, digest):  # a lost race with an identical writer is fine
-                raise RuntimeError(
-                    f"could not move the new partitioning into {target}: it exists but is incomplete; "
-                    "delete that directory and retry"
-                ) from error
+        except OSError:
+            if not is_complete(target, digest):  # losing a race to an identical writer is fine
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
@@ -159,10 +161,13 @@ def is_complete(directory: Path, digest: str | None = None) -> bool:
     meta_path = directory / "meta.json"
     if not meta_path.is_file():
         return False
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format_version") != FORMAT_VERSION or (digest is not None and meta["graph_hash"] != digest):
+    try:
+        meta = json.loads(meta_path.read_text())
+        if meta["format_version"] != FORMAT_VERSION or (digest is not None and meta["graph_hash"] != digest):
+            return False
+        return all((directory / f"part_{k}.safetensors").is_file() for k in range(meta["num_parts"]))
+    except (json.JSONDecodeError, KeyError, TypeError):
         return False
-    return all((directory / f"part_{k}.safetensors").is_file() for k in range(meta["num_parts"]))
 
 
 def read_meta(directory: str | Path) -> dict[str, Any]:
