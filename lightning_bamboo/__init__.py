@@ -3,4 +3,23 @@
 ``import lightning_bamboo`` registers ``Trainer(strategy="bamboo")`` with Lightning.
 """
 
-__all__: list[str] = []
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_bamboo.checkpoint import consolidate_checkpoint
+from lightning_bamboo.engine import PipelineEngine
+from lightning_bamboo.groups import BambooGroups
+from lightning_bamboo.microbatch import split_microbatches
+from lightning_bamboo.replica import ReplicaSync
+from lightning_bamboo.strategy import BambooStrategy
+
+if BambooStrategy.strategy_name not in StrategyRegistry:
+    BambooStrategy.register_strategies(StrategyRegistry)
+
+__all__ = [
+    "BambooGroups",
+    "BambooStrategy",
+    "PipelineEngine",
+    "ReplicaSync",
+    "consolidate_checkpoint",
+    "split_microbatches",
+]

@@ -1,0 +1,230 @@
+"""Runs one rank's part of a pipeline schedule: forwards, backwards and redundant forwards of micro-batches.
+
+The engine interprets the rank's program (``rank_program(schedule, stage)``) action by action:
+
+* ``F`` (stage s, micro-batch i): stage 0 builds its input with ``inputs_fn(micro-batch)``, any other stage
+  receives the activation from stage s-1; runs the stage; the last stage computes ``loss_fn(output,
+  micro-batch) / num_microbatches``, the others send the output to stage s+1.
+* ``B``: the last stage back-propagates its scaled loss, the others receive the output gradient from stage
+  s+1 and back-propagate it; every stage but the first sends its input gradient to stage s-1.
+* ``FR``: runs the replica of the successor stage on this rank's own output of micro-batch i (the last rank
+  runs its replica of stage 0 on the micro-batch input) without building a graph, and keeps the result in
+  :attr:`PipelineEngine.redundant_outputs` for a takeover (Bamboo's eager forward redundancy).
+* ``BR`` only appears in schedules rewritten after a failure; this engine refuses it with a clear error.
+
+After the program, gradients of the stage are averaged over the data-parallel stage group and the mean
+loss of the step is broadcast from the last stage to every rank of the pipeline.
+
+Standalone use (benchmarks), on every rank after ``init_process_group``::
+
+    groups = BambooGroups.create(layout, rank)
+    engine = PipelineEngine(stage_module, groups, schedule, inputs_fn=..., loss_fn=..., device=device)
+    loss = engine.run_step(split_microbatches(batch, num_microbatches))
+    optimizer.step(); replica.step(optimizer); optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_bamboo import p2p
+from lightning_bamboo.groups import BambooGroups
+from lightning_bamboo.schedule import Action, ActionKind, Schedule, rank_program
+
+InputsFn = Callable[[Any], Tensor]
+LossFn = Callable[[Tensor, Any], Tensor]
+
+
+class PipelineEngine:
+    """Executes this rank's actions of a schedule over the micro-batches of one step.
+
+    Args:
+        stage: this rank's layers (a module taking and returning one tensor).
+        groups: this rank's place in the layout and its process groups.
+        schedule: the full schedule (``rank in pipeline -> actions``); this rank runs
+            ``rank_program(schedule, groups.stage)``.
+        inputs_fn: ``micro-batch -> input tensor of stage 0`` (the LightningModule's ``pipeline_inputs``);
+            called on the first stage, and on the last stage for the forward of its stage-0 replica.
+        loss_fn: ``(output of the last stage, micro-batch) -> scalar loss`` (``pipeline_loss``); called on
+            the last stage only.
+        device: where received activations are allocated (the strategy's ``root_device``).
+        replica: the replica of the successor stage, needed when the schedule contains ``FR`` actions.
+        replica_device: device the replica lives on (``device`` or CPU); its inputs are moved there and its
+            outputs are kept there.
+    """
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        groups: BambooGroups,
+        schedule: Schedule,
+        *,
+        inputs_fn: InputsFn,
+        loss_fn: LossFn,
+        device: torch.device,
+        replica: nn.Module | None = None,
+        replica_device: torch.device | None = None,
+    ) -> None:
+        self.stage = stage
+        self.groups = groups
+        self.schedule = schedule
+        self.program: list[Action] = rank_program(schedule, groups.stage)
+        self.inputs_fn = inputs_fn
+        self.loss_fn = loss_fn
+        self.device = device
+        self.replica = replica
+        self.replica_device = replica_device or device
+        self.redundant_outputs: dict[int, Tensor] = {}
+        """Outputs of the last step's ``FR`` actions, by micro-batch (kept for a takeover)."""
+        has_fr = any(action.kind is ActionKind.FORWARD_REDUNDANT for action in self.program)
+        if has_fr and replica is None:
+            raise ValueError(
+                f"the schedule gives stage {groups.stage} forward-redundant (FR) actions "
+                "but no replica was given"
+            )
+        num_mb = {action.microbatch for program in schedule.values() for action in program if action}
+        self.num_microbatches = len(num_mb)
+
+    def run_step(self, microbatches: Sequence[Any]) -> Tensor:
+        """Forward and backward of every micro-batch; leaves averaged gradients in the stage's ``.grad``.
+
+        Args:
+            microbatches: the step's micro-batches (the same on every stage of a pipeline); their count must
+                match the schedule's.
+
+        Returns:
+            The pipeline's mean loss over the micro-batches, as a float64 scalar on ``device``, on every rank.
+        """
+        self._check_count(microbatches)
+        count = len(microbatches)
+        inputs: dict[int, Tensor] = {}
+        outputs: dict[int, Tensor] = {}
+        kept_for_fr: dict[int, Tensor] = {}
+        losses: list[Tensor] = []
+        pending: list[Any] = []
+        self.redundant_outputs = {}
+        last = self.groups.is_last_stage
+        try:
+            for action in self.program:
+                mb = action.microbatch
+                if action.kind is ActionKind.FORWARD:
+                    x = self._stage_input(microbatches[mb], requires_grad=True)
+                    y = self.stage(x)
+                    inputs[mb] = x
+                    if last:
+                        loss = self.loss_fn(y, microbatches[mb])
+                        losses.append(loss.detach())
+                        outputs[mb] = loss / count
+                    else:
+                        pending.extend(p2p.send_activation(y, self.groups.successor_rank))
+                        outputs[mb] = y
+                        if self.replica is not None:
+                            kept_for_fr[mb] = y.detach()
+                elif action.kind is ActionKind.BACKWARD:
+                    out = outputs.pop(mb)
+                    if last:
+                        out.backward()
+                    else:
+                        grad = torch.empty_like(out)
+                        p2p.recv_tensor(grad, self.groups.successor_rank, p2p.Tag.GRADIENT)
+                        torch.autograd.backward(out, grad)
+                    x = inputs.pop(mb)
+                    if not self.groups.is_first_stage:
+                        if x.grad is None:
+                            raise RuntimeError(
+                                f"stage {self.groups.stage} produced no gradient for its input of "
+                                f"micro-batch {mb}: the stage's output does not depend on its input"
+                            )
+                        pending.append(
+                            p2p.send_tensor(x.grad, self.groups.predecessor_rank, p2p.Tag.GRADIENT)
+                        )
+                elif action.kind is ActionKind.FORWARD_REDUNDANT:
+                    self._forward_redundant(mb, microbatches[mb], kept_for_fr)
+                else:
+                    raise NotImplementedError(
+                        f"action {action} (backward redundancy) only runs after a failover remap; "
+                        "this engine runs the failure-free schedule"
+                    )
+        finally:
+            p2p.wait_all(pending)
+        self._average_gradients()
+        return self._broadcast_loss(losses)
+
+    @torch.no_grad()
+    def run_forward(self, microbatches: Sequence[Any]) -> Tensor:
+        """Forward-only pass of every micro-batch in order (validation); the mean loss on every rank."""
+        self._check_count(microbatches, strict=False)
+        losses: list[Tensor] = []
+        pending: list[Any] = []
+        try:
+            for microbatch in microbatches:
+                y = self.stage(self._stage_input(microbatch, requires_grad=False))
+                if self.groups.is_last_stage:
+                    losses.append(self.loss_fn(y, microbatch).detach())
+                else:
+                    pending.extend(p2p.send_activation(y, self.groups.successor_rank))
+        finally:
+            p2p.wait_all(pending)
+        return self._broadcast_loss(losses)
+
+    def _check_count(self, microbatches: Sequence[Any], strict: bool = True) -> None:
+        if strict and len(microbatches) != self.num_microbatches:
+            raise ValueError(
+                f"the schedule has {self.num_microbatches} micro-batches but run_step got {len(microbatches)}"
+            )
+        if not microbatches:
+            raise ValueError("run_step/run_forward need at least one micro-batch")
+
+    def _stage_input(self, microbatch: Any, requires_grad: bool) -> Tensor:
+        if self.groups.is_first_stage:
+            return self.inputs_fn(microbatch)
+        x = p2p.recv_activation(self.groups.predecessor_rank, self.device)
+        if requires_grad and x.is_floating_point():
+            x.requires_grad_(True)
+        return x
+
+    @torch.no_grad()
+    def _forward_redundant(self, mb: int, microbatch: Any, kept_for_fr: dict[int, Tensor]) -> None:
+        assert self.replica is not None
+        x = self.inputs_fn(microbatch) if self.groups.is_last_stage else kept_for_fr.pop(mb)
+        self.redundant_outputs[mb] = self.replica(x.to(self.replica_device)).detach()
+
+    def _average_gradients(self) -> None:
+        """Mean of the stage's gradients over the pipelines (one flat all-reduce per dtype)."""
+        group = self.groups.stage_group
+        num_pipelines = self.groups.layout.num_pipelines
+        if num_pipelines == 1:
+            return
+        params = [p for p in self.stage.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for bucket in _by_dtype([p.grad for p in params]):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=group)
+            flat /= num_pipelines
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def _broadcast_loss(self, losses: list[Tensor]) -> Tensor:
+        if self.groups.is_last_stage:
+            loss = torch.stack([value.to(torch.float64) for value in losses]).mean().to(self.device)
+        else:
+            loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.groups.num_stages > 1:
+            dist.broadcast(loss, src=self.groups.last_stage_rank, group=self.groups.pipeline_group)
+        return loss
+
+
+def _by_dtype(tensors: list[Tensor]) -> list[list[Tensor]]:
+    buckets: dict[torch.dtype, list[Tensor]] = {}
+    for tensor in tensors:
+        buckets.setdefault(tensor.dtype, []).append(tensor)
+    return list(buckets.values())

@@ -1,0 +1,72 @@
+"""Cut a batch into equal micro-batches along dimension 0.
+
+Equal sizes matter for exactness: the pipeline's loss is the mean of the micro-batch losses, which equals the
+full-batch mean (and its gradient the full-batch gradient) only when every micro-batch has the same size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from lightning_bamboo.layout import validate_microbatches
+
+
+def batch_size_of(batch: Any) -> int:
+    """Size of dimension 0 of the first tensor found in ``batch``.
+
+    Raises:
+        TypeError: if ``batch`` holds no tensor.
+    """
+    tensor = _first_tensor(batch)
+    if tensor is None:
+        raise TypeError(f"cannot split a batch with no tensor into micro-batches: got {type(batch).__name__}")
+    if tensor.dim() == 0:
+        raise ValueError("cannot split a batch whose first tensor is a scalar into micro-batches")
+    return int(tensor.shape[0])
+
+
+def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
+    """Split every tensor in ``batch`` (nested tuples, lists and dicts) into ``num_microbatches`` chunks.
+
+    Non-tensor leaves are repeated in every micro-batch.
+
+    Raises:
+        ValueError: if ``num_microbatches`` does not divide the batch size, or tensors disagree on it.
+    """
+    size = batch_size_of(batch)
+    validate_microbatches(size, num_microbatches)
+    return [_take(batch, index, num_microbatches, size) for index in range(num_microbatches)]
+
+
+def _take(batch: Any, index: int, parts: int, size: int) -> Any:
+    if isinstance(batch, Tensor):
+        if batch.dim() == 0 or batch.shape[0] != size:
+            raise ValueError(
+                f"every tensor in the batch must have batch size {size} on dimension 0 to be split into "
+                f"micro-batches; found one of shape {tuple(batch.shape)}"
+            )
+        step = size // parts
+        return batch[index * step : (index + 1) * step]
+    if isinstance(batch, Mapping):
+        return type(batch)({key: _take(value, index, parts, size) for key, value in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_take(value, index, parts, size) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_take(value, index, parts, size) for value in batch)
+    return batch
+
+
+def _first_tensor(batch: Any) -> Tensor | None:
+    if isinstance(batch, Tensor):
+        return batch
+    values = (
+        batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    )
+    for value in values:
+        found = _first_tensor(value)
+        if found is not None:
+            return found
+    return None

@@ -1,0 +1,146 @@
+"""Worker script: train ``PipeMLP`` for a few steps and write per-step snapshots as safetensors.
+
+Launched once by a test; with ``--strategy bamboo`` Lightning's launcher re-runs it for the other ranks.
+Every rank writes ``<out>/step{k}_rank{r}.safetensors`` after each optimizer step (and replica sync) with:
+``own/<param name>`` and ``own_opt/<param name>/<state key>`` for its stage (the whole model under
+``auto``), ``replica/...`` and ``replica_opt/...`` for its replica of the successor stage, and ``loss``
+(the step's loss as returned by training_step) plus ``logged`` (``train_loss`` from callback_metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_bamboo
+from lightning_bamboo import BambooStrategy
+from lightning_bamboo.checkpoint import named_optimizer_state
+from tests.bamboo.pipe_mlp import PipeMLP, make_data
+
+
+class Snapshot(Callback):
+    """Write this rank's stage, replica and optimizer states after every training step."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx
+    ) -> None:
+        tensors: dict[str, torch.Tensor] = {}
+        optimizer = trainer.optimizers[0]
+        for name, p in pl_module.named_parameters():
+            tensors[f"own/{name}"] = p.detach().clone()
+        for name, values in named_optimizer_state(pl_module, optimizer)["state"].items():
+            for key, value in values.items():
+                tensors[f"own_opt/{name}/{key}"] = value.detach().clone()
+        strategy = trainer.strategy
+        if isinstance(strategy, BambooStrategy) and strategy.replica_sync is not None:
+            replica, replica_opt = strategy.replica_sync.replica, strategy.replica_sync.optimizer
+            prefix = "pipeline."
+            for name, p in replica.named_parameters():
+                tensors[f"replica/{prefix}{name}"] = p.detach().clone()
+            for name, values in named_optimizer_state(replica, replica_opt)["state"].items():
+                for key, value in values.items():
+                    tensors[f"replica_opt/{prefix}{name}/{key}"] = value.detach().clone()
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        tensors["loss"] = loss.detach().to(torch.float64).reshape(1).cpu()
+        tensors["logged"] = trainer.callback_metrics["train_loss"].detach().to(torch.float64).reshape(1).cpu()
+        tensors["lr"] = torch.tensor([optimizer.param_groups[0]["lr"]], dtype=torch.float64)
+        tensors = {k: v.contiguous().cpu() for k, v in tensors.items()}
+        save_file(tensors, str(self.out / f"step{trainer.global_step}_rank{trainer.global_rank}.safetensors"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--strategy", choices=["auto", "bamboo"], default="bamboo")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument(
+        "--pipelines", type=int, default=1, help="data-parallel pipelines the data is sized for"
+    )
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=4, help="per-pipeline batch size")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    parser.add_argument("--no-redundancy", action="store_true")
+    parser.add_argument("--replica-device", default="same")
+    parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--validate", action="store_true")
+    parser.add_argument("--save-ckpt", type=Path, default=None)
+    parser.add_argument("--resume", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    seed_everything(0)
+    model = PipeMLP(pairs=args.pairs, optimizer=args.optimizer)
+    x, y = make_data(args.steps * args.batch_size * args.pipelines)
+    dataset = TensorDataset(x, y)
+    batch_size = args.batch_size if args.strategy == "bamboo" else args.batch_size * args.pipelines
+    if args.strategy == "auto":
+        # Under bamboo Lightning's DistributedSampler shuffles (seed 0, epoch 0) and pipeline p reads
+        # permutation[p::pipelines]; the reference reads, at step k, the union of the pipelines' batches k.
+        permutation = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
+        shards = [permutation[p :: args.pipelines] for p in range(args.pipelines)]
+        order = [
+            index
+            for k in range(args.steps)
+            for shard in shards
+            for index in shard[k * args.batch_size : (k + 1) * args.batch_size]
+        ]
+        dataset = TensorDataset(x[order], y[order])
+    train = DataLoader(dataset, batch_size=batch_size, shuffle=False)
+    val = DataLoader(dataset, batch_size=batch_size, shuffle=False) if args.validate else None
+
+    if args.strategy == "bamboo":
+        strategy = BambooStrategy(
+            num_stages=args.stages,
+            num_microbatches=args.microbatches,
+            redundancy=not args.no_redundancy,
+            replica_device=args.replica_device,
+            timeout=60,
+        )
+    else:
+        strategy = "auto"
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=args.devices if args.strategy == "bamboo" else 1,
+        strategy=strategy,
+        max_steps=args.steps,
+        max_epochs=1,
+        precision=args.precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=1.0 if args.validate else 0,
+        gradient_clip_val=args.clip,
+        callbacks=[Snapshot(args.out)],
+    )
+    trainer.fit(model, train_dataloaders=train, val_dataloaders=val, ckpt_path=args.resume)
+    if args.validate:
+        metrics = trainer.validate(model, dataloaders=val, verbose=False)
+        if trainer.global_rank == 0:
+            (args.out / "validate.json").write_text(json.dumps(metrics))
+    if args.save_ckpt is not None:
+        trainer.save_checkpoint(args.save_ckpt)
+    assert lightning_bamboo.BambooStrategy is BambooStrategy
+
+
+if __name__ == "__main__":
+    main()
