@@ -1,4 +1,4 @@
-"""Bamboo pipeline schedules as data: 1F1B, eager forward redundancy, validation, grids, failover remap.
+"""Bamboo pipeline schedules as data: 1F1B, eager forward redundancy, validation, grids, failover.
 
 A schedule is ``dict[rank, list[Action | None]]`` (one entry per unit time slot, ``None`` = bubble), tested
 with no processes at all; the runtime only executes ``rank_program(schedule, rank)``. See
@@ -6,8 +6,13 @@ with no processes at all; the runtime only executes ``rank_program(schedule, ran
 """
 
 from .actions import Action, ActionKind, Schedule, ScheduleError
-from .dependencies import dependencies, place_programs
-from .failover import remap_after_failure
+from .dependencies import dependencies, place_by_priority, place_programs
+from .failover import (
+    failover_dependencies,
+    remap_after_failure,
+    rewrite_after_failure,
+    validate_failover_schedule,
+)
 from .grid import bubble_fraction, format_grid, parse_grid, rank_program
 from .one_f_one_b import build_1f1b, one_f_one_b_program
 from .redundancy import add_forward_redundancy, forward_redundancy_windows, place_in_bubbles
@@ -22,13 +27,17 @@ __all__ = [
     "bubble_fraction",
     "build_1f1b",
     "dependencies",
+    "failover_dependencies",
     "format_grid",
     "forward_redundancy_windows",
     "one_f_one_b_program",
     "parse_grid",
+    "place_by_priority",
     "place_in_bubbles",
     "place_programs",
     "rank_program",
     "remap_after_failure",
+    "rewrite_after_failure",
+    "validate_failover_schedule",
     "validate_schedule",
 ]

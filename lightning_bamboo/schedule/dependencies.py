@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from .actions import Action, ActionKind, Schedule, ScheduleError
 
-__all__ = ["DependencyFn", "dependencies", "place_programs"]
+__all__ = ["DependencyFn", "dependencies", "place_by_priority", "place_programs"]
 
 DependencyFn = Callable[[Action], list[Action]]
 
@@ -89,5 +89,43 @@ def place_programs(programs: Mapping[int, Sequence[Action]], deps: DependencyFn)
         for action in placed:
             done_at[action] = t
         remaining -= len(placed)
+        t += 1
+    return schedule
+
+
+def place_by_priority(programs: Mapping[int, Sequence[Action]], deps: DependencyFn) -> Schedule:
+    """List-schedule with per-rank priorities: in each slot a rank runs its first-listed *ready* action.
+
+    Unlike ``place_programs`` a rank may run a later-listed action while an earlier one waits, so any
+    acyclic set of actions is placed without deadlock. The result is still a plain schedule whose per-rank
+    order (``rank_program``) is consistent with one timeline, which is all a runtime with blocking receives
+    needs to finish.
+
+    Raises:
+        ScheduleError: on a missing producer, or a dependency cycle (no rank can run anything).
+    """
+    present = {action for program in programs.values() for action in program}
+    needs = {action: deps(action) for action in present}
+    for action, inputs in needs.items():
+        missing = [dep for dep in inputs if dep not in present]
+        if missing:
+            raise ScheduleError(f"{action} depends on {', '.join(map(str, missing))}, which no rank runs")
+    pending = {rank: list(program) for rank, program in programs.items()}
+    done_at: dict[Action, int] = {}
+    schedule: Schedule = {rank: [] for rank in programs}
+    t = 0
+    while any(pending.values()):
+        placed = []
+        for rank, queue in pending.items():
+            ready = next((a for a in queue if all(done_at.get(d, t) < t for d in needs[a])), None)
+            schedule[rank].append(ready)
+            if ready is not None:
+                queue.remove(ready)
+                placed.append(ready)
+        if not placed:
+            blocked = {rank: [str(a) for a in queue] for rank, queue in pending.items() if queue}
+            raise ScheduleError(f"dependency cycle at step {t}: nothing can run (left: {blocked})")
+        for action in placed:
+            done_at[action] = t
         t += 1
     return schedule
