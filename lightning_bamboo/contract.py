@@ -18,6 +18,7 @@ is recomputed.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -93,6 +94,14 @@ def check_contract(module: LightningModule, attr: str, body: nn.Sequential) -> N
         )
     if len(body) == 0:
         raise TypeError(f"{name}.{attr} is an empty nn.Sequential; nothing to pipeline")
+
+
+def sub_sequential(body: nn.Sequential, layers: range) -> nn.Sequential:
+    """``body[layers]`` as a Sequential that keeps the layers' original names (``"3"``, ``"4"``).
+
+    So a stage's ``state_dict`` keys are the single-process ones (``pipeline.3.weight``).
+    """
+    return nn.Sequential(OrderedDict((str(i), body[i]) for i in layers))
 
 
 class _Passthrough(nn.Module):

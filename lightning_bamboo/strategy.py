@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -46,7 +45,7 @@ from typing_extensions import override
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.broadcast import broadcast_json
-from lightning_bamboo.contract import check_contract, find_pipeline_body, replay_step
+from lightning_bamboo.contract import check_contract, find_pipeline_body, replay_step, sub_sequential
 from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.groups import BambooGroups
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
@@ -264,10 +263,10 @@ class BambooStrategy(ParallelStrategy):
         self.groups = BambooGroups.create(self.layout, self.global_rank, self._timeout)
 
         stage = self.groups.stage
-        module._modules[attr] = _sub_sequential(body, self.layout.stage_layers[stage])
+        module._modules[attr] = sub_sequential(body, self.layout.stage_layers[stage])
         if self._redundancy:
             succ = self.layout.successor(stage)
-            self.replica = _sub_sequential(body, self.layout.stage_layers[succ])
+            self.replica = sub_sequential(body, self.layout.stage_layers[succ])
         del body  # layers of other stages are released with it
 
         self.model = self.precision_plugin.convert_module(module)
@@ -564,8 +563,3 @@ class BambooStrategy(ParallelStrategy):
             cls,
             description="Bamboo: pipeline parallelism with redundant layers for preemptible machines",
         )
-
-
-def _sub_sequential(body: nn.Sequential, layers: range) -> nn.Sequential:
-    """``body[layers]`` as a Sequential that keeps the layers' original names (``"3"``, ``"4"``)."""
-    return nn.Sequential(OrderedDict((str(i), body[i]) for i in layers))
