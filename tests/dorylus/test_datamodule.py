@@ -1,7 +1,18 @@
-"""DorylusDataModule: option checks, one partition per rank, no DistributedSampler, Cora."""
+"""DorylusDataModule: option checks, one partition per rank, no DistributedSampler, Cora.
+
+Run as a script (``python test_datamodule.py OUT_DIR CACHE_DIR``) this file is the worker of the two-process
+test: Lightning's launcher re-runs it once per rank.
+"""
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -206,3 +217,72 @@ def test_planetoid_never_downloads(tmp_path) -> None:
         load_planetoid(tmp_path, "Cora", processed_root=tmp_path)
     with pytest.raises(ValueError, match=r"name='Reddit' is not a Planetoid graph"):
         load_planetoid(tmp_path, "Reddit")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_each_load_their_own_partition(tmp_path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, str(tmp_path / "out"), str(tmp_path / "cache")],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"worker timed out:\n{out[-4000:]}") from None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-4000:]
+    expected = partition_graph(small_graph(), 2)
+    for rank in range(2):
+        result = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())
+        n_local = expected[rank].n_local
+        assert result["seen"] == [["train", rank, n_local], ["val", rank, n_local]] * 2
+        assert result["local_nodes"] == expected[rank].local_nodes.tolist()
+        assert result["global_step"] == 2
+    assert len(list((tmp_path / "cache").iterdir())) == 1, "partitioned once, by rank 0"
+
+
+def _worker(out_dir: Path, cache_dir: Path) -> None:
+    """Two-process DDP fit (gloo): every rank writes which partition its steps received."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    torch.set_num_threads(1)
+    datamodule = DorylusDataModule(small_graph(), cache_dir=cache_dir)  # num_parts = world_size = 2
+    model = _Recorder(datamodule.num_features, datamodule.num_classes)
+    strategy = DDPStrategy(process_group_backend="gloo", timeout=datetime.timedelta(seconds=60))
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, datamodule)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {
+        "seen": model.seen,
+        "local_nodes": datamodule.partition.local_nodes.tolist(),
+        "global_step": trainer.global_step,
+    }
+    (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]), Path(sys.argv[2]))
