@@ -21,7 +21,8 @@ Placement rule (the part that decides the cost):
   it is put either right after ``F(s, i)`` or right before ``B(s, i)`` (for the last rank: at the start or
   right before ``B(s, i)``), whichever gives the shorter schedule, and right before ``B(s, i)`` on a tie.
   With fixed per-rank orders one extra unit slot delays any later action by at most one slot, so the
-  schedule grows by at most the number of leftover ``FR``.
+  schedule grows by at most the number of leftover ``FR``. If those shifts push a last-rank ``FR(0, i)`` past
+  ``B(0, i)``, it moves to right before the last rank's own ``B(p-1, i)``, which is always in time.
 """
 
 from __future__ import annotations
@@ -119,7 +120,35 @@ def add_forward_redundancy(schedule: Schedule, num_stages: int, num_microbatches
 
     for rank, fr in leftovers:
         programs[rank] = _insert_leftover(programs, rank, fr, deps)
-    return place_programs(programs, deps)
+    redundant = _meet_stage0_deadlines(programs, num_stages, deps)
+    validate_schedule(redundant, num_stages, num_microbatches)
+    return redundant
+
+
+def _meet_stage0_deadlines(
+    programs: dict[int, list[Action]], num_stages: int, deps: DependencyFn
+) -> Schedule:
+    """Place ``programs``, moving any last-rank ``FR(0, i)`` that lands after ``B(0, i)`` to an earlier spot.
+
+    No tensor ties ``FR(0, i)`` to ``B(0, i)``, so slots inserted on other ranks can push one past its
+    deadline. Right before the last rank's own ``B(p-1, i)`` is always in time (``B(0, i)`` waits for the
+    gradient chain that ``B(p-1, i)`` starts), so each move is final and the loop ends.
+    """
+    last = num_stages - 1
+    while True:
+        schedule = place_programs(programs, deps)
+        slot = {a: t for row in schedule.values() for t, a in enumerate(row) if a is not None}
+        late = [
+            a
+            for a in programs[last]
+            if a.kind is ActionKind.FORWARD_REDUNDANT
+            and slot[a] > slot[Action(0, ActionKind.BACKWARD, a.microbatch)]
+        ]
+        if not late:
+            return schedule
+        for fr in late:
+            programs[last].remove(fr)
+            programs[last].insert(programs[last].index(Action(last, ActionKind.BACKWARD, fr.microbatch)), fr)
 
 
 def _insert_leftover(

@@ -156,7 +156,8 @@ def test_forward_redundancy_fills_as_many_bubbles_as_possible(p, m):
         assert len(set(placement[rank].values())) == len(placement[rank])
 
 
-@pytest.mark.parametrize(("p", "m"), [(p, m) for p, m in SHAPES if p >= 2])
+# From (8, 11) on, inserted slots push some last-rank FR(0, i) past B(0, i) unless the pass moves them.
+@pytest.mark.parametrize(("p", "m"), [(p, m) for p, m in SHAPES if p >= 2] + [(8, 11), (8, 16), (6, 24)])
 def test_forward_redundancy_is_complete_ordered_and_bounded(p, m):
     plain = build_1f1b(p, m)
     redundant = add_forward_redundancy(plain, p, m)
