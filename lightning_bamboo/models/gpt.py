@@ -258,7 +258,8 @@ class GPT(LightningModule):
     @override
     def validation_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss = self.pipeline_loss(self.pipeline(self.pipeline_inputs(batch)), batch)
-        self.log("val_loss", loss, prog_bar=True)
+        # Mean over data-parallel replicas (under Bamboo: over pipelines; its stages already agree).
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     def optimizer_groups(self) -> list[dict[str, Any]]:

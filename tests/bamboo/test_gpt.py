@@ -186,6 +186,10 @@ def test_bamboo_gpt_recipe_trains_two_cpu_stages(tmp_path: Path) -> None:
         output, _ = proc.communicate()
         pytest.fail(f"bamboo_gpt recipe did not finish in 240 s:\n{output[-4000:]}")
     assert proc.returncode == 0, output[-4000:]
+    # The stage layout: 4 layers [embedding, block, block, head], two per stage, each replicating the other.
+    assert re.search(r"^stage\s+ranks\s+layers\s+cost\s+replica-of$", output, re.MULTILINE), output[-4000:]
+    assert re.search(r"^0\s+0\s+0-1\s+\S+\s+1$", output, re.MULTILINE), output[-4000:]
+    assert re.search(r"^1\s+1\s+2-3\s+\S+\s+0$", output, re.MULTILINE), output[-4000:]
     # The schedule grid (rank x step, see lightning_bamboo.schedule.format_grid): 1F1B with FR actions.
     assert re.search(r"^step\s+0\s+1\s+2", output, re.MULTILINE), output[-4000:]
     assert re.search(r"^rank0\s+0F0\b", output, re.MULTILINE), output[-4000:]
