@@ -1,0 +1,151 @@
+"""Dorylus layers in one process: equal to PyG, one executor request per interval, mirrored backward."""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import Future
+
+import pytest
+import torch
+import torch_geometric.nn as pyg_nn
+from torch_geometric.data import Data
+from torch_geometric.utils import to_undirected
+
+from lightning_dorylus.data import partition_graph
+from lightning_dorylus.executors import InlineExecutor, TensorOpExecutor, TensorOpRequest
+from lightning_dorylus.graph import GhostExchange, GraphCache, gcn_adjacency, gcn_gather
+from lightning_dorylus.nn import DorylusRuntime, GATConv, GCNConv
+
+N, F_IN = 60, 7
+
+
+@pytest.fixture
+def graph() -> Data:
+    gen = torch.Generator().manual_seed(0)
+    edge_index = to_undirected(torch.randint(0, N, (2, 240), generator=gen), num_nodes=N)
+    edge_index = edge_index[:, edge_index[0] != edge_index[1]]
+    x = torch.randn(N, F_IN, generator=gen, dtype=torch.float64)
+    return Data(x=x, edge_index=edge_index, y=torch.zeros(N, dtype=torch.long))
+
+
+class RecordingExecutor(TensorOpExecutor):
+    """The inline executor, recording which op ran on which interval."""
+
+    def __init__(self) -> None:
+        self.inner = InlineExecutor()
+        self.calls: list[tuple[str, int]] = []
+
+    def submit(self, request: TensorOpRequest) -> Future[dict[str, torch.Tensor]]:
+        self.calls.append((request.op, request.interval))
+        return self.inner.submit(request)
+
+
+def test_gcn_conv_matches_pyg(graph: Data) -> None:
+    [part] = partition_graph(graph, 1, interval_size=16)
+    assert part.num_intervals == 4
+    ctx = GraphCache().context(part)
+    conv = GCNConv(F_IN, 5, activation="none").double()
+    ref = pyg_nn.GCNConv(F_IN, 5).double()
+    with torch.no_grad():
+        ref.lin.weight.copy_(conv.weight.T)
+        conv.bias.copy_(torch.randn(5, dtype=torch.float64))
+        ref.bias.copy_(conv.bias)
+    x = graph.x[part.local_nodes].clone().requires_grad_()
+    x_ref = graph.x.clone().requires_grad_()
+    out, out_ref = conv(x, ctx), ref(x_ref, graph.edge_index)[part.local_nodes]
+    torch.testing.assert_close(out, out_ref)
+    out.square().sum().backward()
+    out_ref.square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad[part.local_nodes])
+    torch.testing.assert_close(conv.weight.grad, ref.lin.weight.grad.T)
+    torch.testing.assert_close(conv.bias.grad, ref.bias.grad)
+
+
+@pytest.mark.parametrize("concat", [True, False])
+def test_gat_conv_matches_pyg(graph: Data, concat: bool) -> None:
+    [part] = partition_graph(graph, 1, interval_size=16)
+    ctx = GraphCache().context(part)
+    conv = GATConv(F_IN, 4, heads=3, concat=concat).double()
+    ref = pyg_nn.GATConv(F_IN, 4, heads=3, concat=concat).double()
+    with torch.no_grad():
+        ref.lin.weight.copy_(conv.weight.T)
+        ref.att_src.copy_(conv.att_src[None])
+        ref.att_dst.copy_(conv.att_dst[None])
+        conv.bias.copy_(torch.randn_like(conv.bias))
+        ref.bias.copy_(conv.bias)
+    x = graph.x[part.local_nodes].clone().requires_grad_()
+    x_ref = graph.x.clone().requires_grad_()
+    out, out_ref = conv(x, ctx), ref(x_ref, graph.edge_index)[part.local_nodes]
+    torch.testing.assert_close(out, out_ref)
+    out.square().sum().backward()
+    out_ref.square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad[part.local_nodes])
+    torch.testing.assert_close(conv.weight.grad, ref.lin.weight.grad.T)
+    torch.testing.assert_close(conv.att_src.grad, ref.att_src.grad[0])
+    torch.testing.assert_close(conv.att_dst.grad, ref.att_dst.grad[0])
+    torch.testing.assert_close(conv.bias.grad, ref.bias.grad)
+
+
+def test_gcn_gather_backward_is_the_transposed_adjacency(graph: Data) -> None:
+    [part] = partition_graph(graph, 1, interval_size=16)
+    adjacency = gcn_adjacency(part, torch.float64)
+    h = torch.randn(N, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: gcn_gather(t, adjacency), (h,))
+    dense = adjacency.adj.to_dense()
+    torch.testing.assert_close(adjacency.adj_t.to_dense(), dense.T)
+    torch.testing.assert_close(dense.sum(), dense.T.sum())
+
+
+def test_one_request_per_interval_forward_and_mirrored_backward(graph: Data) -> None:
+    [part] = partition_graph(graph, 1, interval_size=16)
+    executor = RecordingExecutor()
+    conv = GCNConv(F_IN, 5).double()
+    conv.attach(DorylusRuntime(executor=executor, exchange=GhostExchange()))
+    out = conv(graph.x[part.local_nodes], GraphCache().context(part))
+    assert executor.calls == [("apply_vertex.forward", i) for i in range(4)]
+    out.sum().backward()
+    assert executor.calls[4:] == [("apply_vertex.backward", i) for i in range(4)]
+
+    executor.calls.clear()
+    gat = GATConv(F_IN, 2, heads=2).double()
+    gat.attach(DorylusRuntime(executor=executor, exchange=GhostExchange()))
+    gat(graph.x[part.local_nodes], GraphCache().context(part)).sum().backward()
+    ops = [op for op, _ in executor.calls]
+    assert (
+        ops
+        == ["gat.project.forward"] * 4
+        + ["apply_edge.forward"] * 4
+        + ["apply_edge.backward"] * 4
+        + ["gat.project.backward"] * 4
+    )
+
+
+def test_layer_without_runtime_creates_inline_executor_and_copies_drop_it(graph: Data) -> None:
+    conv = GCNConv(F_IN, 2)
+    assert isinstance(conv.runtime.executor, InlineExecutor)
+    assert conv.runtime is conv.runtime  # created once
+    clone = copy.deepcopy(conv)
+    assert clone._runtime is None
+    torch.testing.assert_close(clone.weight, conv.weight)
+
+
+def test_ghost_rows_need_torch_distributed(graph: Data) -> None:
+    part = partition_graph(graph, 2, interval_size=16)[0]
+    conv = GCNConv(F_IN, 2).double()
+    with pytest.raises(RuntimeError, match=r"partition 0 of 2 needs ghost rows .* torch.distributed is not"):
+        conv(part.x, GraphCache().context(part))
+
+
+def test_bad_layer_arguments() -> None:
+    with pytest.raises(ValueError, match=r"activation='tanh' is not supported; expected one of \('relu'"):
+        GCNConv(3, 2, activation="tanh")
+    with pytest.raises(ValueError, match=r"heads=0 must be >= 1"):
+        GATConv(3, 2, heads=0)
+    with pytest.raises(ValueError, match=r"dropout=1.0 must be in \[0, 1\)"):
+        GATConv(3, 2, dropout=1.0)
+
+
+def test_input_rows_must_match_partition(graph: Data) -> None:
+    [part] = partition_graph(graph, 1, interval_size=16)
+    with pytest.raises(ValueError, match=r"h_local has 3 rows but partition 0 owns 60 vertices"):
+        GCNConv(F_IN, 2).double()(torch.zeros(3, F_IN, dtype=torch.float64), GraphCache().context(part))
