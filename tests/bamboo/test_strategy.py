@@ -1,0 +1,106 @@
+"""BambooStrategy end to end: real multi-process runs checked against single-process training.
+
+Each case runs ``scripts/train_pipe.py`` twice: once with ``strategy="auto"`` on one process (the same
+``PipeMLP`` class, the union of the pipelines' batches per step) and once with ``strategy="bamboo"``. After
+every step, EVERY parameter and optimizer state of every stage, and of every replica, must equal the
+reference; so must the returned and the logged loss.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.bamboo.launch import run_script, snapshot
+
+# float64 model: the only differences are summation orders (micro-batches, all-reduce)
+TOL = {"rtol": 1e-10, "atol": 1e-12}
+STEPS = 3
+
+
+def reference(out: Path, optimizer: str, pipelines: int, extra: list[str]) -> Path:
+    ref = out / "reference"
+    run_script(
+        "train_pipe.py",
+        ["--out", str(ref), "--strategy", "auto", "--optimizer", optimizer, "--pipelines", str(pipelines),
+         "--steps", str(STEPS), *extra],
+    )
+    return ref
+
+
+def bamboo(out: Path, stages: int, pipelines: int, optimizer: str, extra: list[str]) -> Path:
+    run = out / "bamboo"
+    run_script(
+        "train_pipe.py",
+        ["--out", str(run), "--strategy", "bamboo", "--devices", str(stages * pipelines), "--stages", str(stages),
+         "--pipelines", str(pipelines), "--optimizer", optimizer, "--steps", str(STEPS), *extra],
+        timeout=180,
+    )
+    return run
+
+
+def assert_matches_reference(run: Path, ref: Path, stages: int, pipelines: int, redundancy: bool) -> None:
+    world = stages * pipelines
+    for step in range(1, STEPS + 1):
+        expected = snapshot(ref, step, 0)
+        covered: set[str] = set()
+        pipeline_losses = []
+        for rank in range(world):
+            got = snapshot(run, step, rank)
+            own = [k for k in got if k.startswith("own")]
+            replica = [k for k in got if k.startswith("replica")]
+            assert own, f"rank {rank} wrote no parameters"
+            assert bool(replica) == redundancy, f"rank {rank}: replica present={bool(replica)}"
+            for key in own:
+                torch.testing.assert_close(got[key], expected[key], **TOL, msg=lambda m, k=key: f"step {step} {k}: {m}")
+                covered.add(key)
+            for key in replica:  # the replica of stage s+1 equals stage s+1 of the reference
+                twin = "own" + key[len("replica") :]
+                torch.testing.assert_close(got[key], expected[twin], **TOL, msg=lambda m, k=key: f"step {step} {k}: {m}")
+            torch.testing.assert_close(got["logged"], got["loss"])
+            torch.testing.assert_close(got["lr"], expected["lr"])
+            if rank % stages == 0:
+                pipeline_losses.append(got["loss"])
+            else:  # every stage of a pipeline reports the pipeline's loss
+                torch.testing.assert_close(got["loss"], pipeline_losses[-1])
+        # every parameter of the model lives on some stage
+        assert covered == {k for k in expected if k.startswith("own")}
+        # equal-size pipeline batches: the mean of the pipeline means is the reference's batch mean
+        torch.testing.assert_close(torch.stack(pipeline_losses).mean(0), expected["loss"], **TOL)
+
+
+CASES = [
+    pytest.param(2, 1, True, "sgd", [], id="2stages-redundant-sgd"),
+    pytest.param(2, 1, False, "adam", [], id="2stages-plain-adam"),
+    pytest.param(4, 1, True, "adam", ["--microbatches", "4"], id="4stages-redundant-adam"),
+    pytest.param(4, 1, False, "sgd", ["--microbatches", "4"], id="4stages-plain-sgd"),
+    pytest.param(2, 2, True, "adam", [], id="2stages-x-2pipelines-redundant-adam"),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize(("stages", "pipelines", "redundancy", "optimizer", "extra"), CASES)
+def test_bamboo_matches_single_process(
+    tmp_path: Path, stages: int, pipelines: int, redundancy: bool, optimizer: str, extra: list[str]
+) -> None:
+    ref = reference(tmp_path, optimizer, pipelines, [])
+    flags = [*extra, *([] if redundancy else ["--no-redundancy"])]
+    run = bamboo(tmp_path, stages, pipelines, optimizer, flags)
+    assert_matches_reference(run, ref, stages, pipelines, redundancy)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_global_norm_clipping_cpu_replica_and_validation(tmp_path: Path) -> None:
+    """Clipping by the norm over all stages; replica in host memory; validation loss from the last stage."""
+    common = ["--clip", "0.05", "--validate"]
+    ref = reference(tmp_path, "adam", 1, common)
+    run = bamboo(tmp_path, 2, 1, "adam", [*common, "--replica-device", "cpu"])
+    assert_matches_reference(run, ref, 2, 1, True)
+    expected = json.loads((ref / "validate.json").read_text())[0]["val_loss"]
+    got = json.loads((run / "validate.json").read_text())[0]["val_loss"]
+    assert got == pytest.approx(expected, rel=1e-10)
