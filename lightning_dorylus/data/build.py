@@ -51,9 +51,9 @@ def partition_graph(
         ``num_parts`` partitions; element ``k`` is partition ``k``.
     """
     check_partitioner(partitioner)
-    check_interval_size(interval_size)
+    interval_size = check_interval_size(interval_size)
     graph = graph_tensors(data)
-    check_num_parts(num_parts, graph.num_nodes)
+    num_parts = check_num_parts(num_parts, graph.num_nodes)
     assignment = partition_nodes(graph.edge_index, graph.num_nodes, num_parts, partitioner, seed)
     return build_partitions(graph, assignment, num_parts, interval_size)
 
@@ -146,7 +146,7 @@ def build_partitions(
 
 def interval_ptr(n_local: int, interval_size: int) -> Tensor:
     """Offsets cutting ``n_local`` vertices into intervals of ``interval_size`` (the last may be shorter)."""
-    check_interval_size(interval_size)
+    interval_size = check_interval_size(interval_size)
     starts = torch.arange(0, n_local, interval_size, dtype=torch.long)
     return torch.cat([starts, torch.tensor([n_local], dtype=torch.long)])
 

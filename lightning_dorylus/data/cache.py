@@ -28,7 +28,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -37,7 +36,7 @@ from torch_geometric.data import Data
 
 from lightning_dorylus.data.build import DEFAULT_INTERVAL_SIZE, partition_graph
 from lightning_dorylus.data.partition import GraphPartition
-from lightning_dorylus.data.validation import MASK_NAMES, check_interval_size, check_partitioner
+from lightning_dorylus.data.validation import MASK_NAMES, check_interval_size, check_partitioner, is_integer
 
 FORMAT_VERSION = 1
 """Bumped whenever the partition layout changes; part of the hash, so old caches are never misread."""
@@ -75,9 +74,9 @@ def graph_hash(data: Data) -> str:
         if value is None:
             digest.update(f"{name}=None;".encode())
             continue
-        array = value.detach().cpu().contiguous().numpy()
-        digest.update(f"{name}:{array.dtype.str}:{tuple(array.shape)};".encode())
-        digest.update(memoryview(array.reshape(-1).view(np.uint8)))
+        tensor = value.detach().cpu().contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # raw bytes, any dtype
     return digest.hexdigest()
 
 
@@ -110,7 +109,10 @@ def partition_to_cache(
         The partitioning's directory (holding ``meta.json`` and ``part_<k>.safetensors``).
     """
     check_partitioner(partitioner)
-    check_interval_size(interval_size)
+    interval_size = check_interval_size(interval_size)
+    if not is_integer(num_parts) or num_parts < 1:
+        raise ValueError(f"num_parts ({num_parts!r}) must be an integer >= 1")
+    num_parts, seed = int(num_parts), int(seed)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     digest = digest or graph_hash(data)
     target = root / cache_name(digest, partitioner, num_parts, interval_size, seed)

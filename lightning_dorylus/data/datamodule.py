@@ -31,7 +31,7 @@ from lightning_dorylus.data.cache import (
     read_meta,
 )
 from lightning_dorylus.data.partition import GraphPartition
-from lightning_dorylus.data.validation import check_interval_size, check_partitioner
+from lightning_dorylus.data.validation import check_interval_size, check_partitioner, is_integer
 
 
 class PartitionLoader:
@@ -78,17 +78,15 @@ class DorylusDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         check_partitioner(partitioner)
-        check_interval_size(interval_size)
-        if num_parts is not None and (
-            isinstance(num_parts, bool) or not isinstance(num_parts, int) or num_parts < 1
-        ):
+        interval_size = check_interval_size(interval_size)
+        if num_parts is not None and (not is_integer(num_parts) or num_parts < 1):
             raise ValueError(
                 f"num_parts ({num_parts!r}) must be None (= trainer.world_size) or an integer >= 1"
             )
-        self.num_parts = num_parts
+        self.num_parts = None if num_parts is None else int(num_parts)
         self.partitioner = partitioner
         self.interval_size = interval_size
-        self.seed = seed
+        self.seed = int(seed)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.data: Data | None = None
         self.partition_dir: Path | None = None  # fixed when `data` is a partition directory

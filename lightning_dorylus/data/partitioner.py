@@ -40,7 +40,7 @@ def partition_nodes(
         ``(num_nodes,)`` int64 partition id of every vertex.
     """
     check_partitioner(partitioner)
-    check_num_parts(num_parts, num_nodes)
+    num_parts = check_num_parts(num_parts, num_nodes)
     if num_parts == 1:
         return torch.zeros(num_nodes, dtype=torch.long)
     if partitioner == "metis":

@@ -7,6 +7,7 @@ right sizes.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from dataclasses import dataclass
 
@@ -43,19 +44,24 @@ def check_partitioner(partitioner: str) -> str:
 
 
 def check_interval_size(interval_size: int) -> int:
-    """Returns ``interval_size`` if it is an int >= 1."""
-    if isinstance(interval_size, bool) or not isinstance(interval_size, int) or interval_size < 1:
+    """Returns ``interval_size`` as an ``int`` if it is an integer >= 1."""
+    if not is_integer(interval_size) or interval_size < 1:
         raise ValueError(f"interval_size ({interval_size!r}) must be an integer >= 1 (vertices per interval)")
-    return interval_size
+    return int(interval_size)
 
 
 def check_num_parts(num_parts: int, num_nodes: int) -> int:
-    """Returns ``num_parts`` if ``1 <= num_parts <= num_nodes``."""
-    if isinstance(num_parts, bool) or not isinstance(num_parts, int) or num_parts < 1:
+    """Returns ``num_parts`` as an ``int`` if ``1 <= num_parts <= num_nodes``."""
+    if not is_integer(num_parts) or num_parts < 1:
         raise ValueError(f"num_parts ({num_parts!r}) must be an integer >= 1")
     if num_parts > num_nodes:
         raise ValueError(f"num_parts ({num_parts}) is greater than the number of vertices ({num_nodes})")
-    return num_parts
+    return int(num_parts)
+
+
+def is_integer(value: object) -> bool:
+    """Python and numpy integers, not bools."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def graph_tensors(data: Data) -> GraphTensors:

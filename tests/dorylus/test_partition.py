@@ -6,6 +6,7 @@ import itertools
 import json
 import sys
 
+import numpy as np
 import pytest
 import torch
 from torch_geometric.data import Data
@@ -13,6 +14,7 @@ from torch_geometric.data import Data
 import lightning_dorylus.data.cache as cache_module
 from lightning_dorylus.data import (
     GraphPartition,
+    build_partitions,
     edge_cut,
     load_graph,
     load_partition,
@@ -24,7 +26,7 @@ from lightning_dorylus.data import (
 )
 from lightning_dorylus.data.partitioner import bfs_partition
 from lightning_dorylus.data.synthetic import powerlaw_graph
-from lightning_dorylus.data.validation import coalesce
+from lightning_dorylus.data.validation import coalesce, graph_tensors
 
 PARTITIONERS = ["metis", "bfs", "contiguous", "random"]
 
@@ -346,3 +348,26 @@ def test_graph_file_round_trip(tmp_path) -> None:
         torch.testing.assert_close(getattr(loaded, name), getattr(data, name))
     with pytest.raises(FileNotFoundError, match=r"graph file .* does not exist"):
         load_graph(tmp_path / "missing.safetensors")
+
+
+def test_empty_partition_is_reported_and_still_consistent() -> None:
+    data = random_graph(num_nodes=20, num_edges=60)
+    assignment = torch.tensor([0] * 10 + [2] * 10)  # partition 1 owns nothing
+    with pytest.warns(UserWarning, match=r"partitions \[1\] own no vertices \(3 parts, 20 vertices\)"):
+        parts = build_partitions(graph_tensors(data), assignment, 3, interval_size=4)
+    assert parts[1].n_local == 0 and parts[1].num_edges == 0 and parts[1].num_intervals == 0
+    assert global_edges(parts) == edge_set(data.edge_index)
+    with pytest.raises(
+        ValueError, match=r"assignment values must lie in \[0, 2\) \(num_parts\), got \[0, 2\]"
+    ):
+        build_partitions(graph_tensors(data), assignment, 2)
+
+
+def test_numpy_integers_and_bfloat16_features(tmp_path) -> None:
+    data = random_graph()
+    data.x = data.x.to(torch.bfloat16)
+    directory = partition_to_cache(data, np.int64(2), "metis", interval_size=np.int64(8), cache_dir=tmp_path)
+    assert read_meta(directory)["num_parts"] == 2 and directory.name.endswith("-p2-i8-s0")
+    part = load_partition(directory, 0)
+    assert part.x.dtype == torch.bfloat16
+    torch.testing.assert_close(part.x, data.x[part.local_nodes])
