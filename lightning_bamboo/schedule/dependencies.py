@@ -62,34 +62,38 @@ def place_programs(programs: Mapping[int, Sequence[Action]], deps: DependencyFn)
         missing = [dep for dep in inputs if dep not in present]
         if missing:
             raise ScheduleError(f"{action} depends on {', '.join(map(str, missing))}, which no rank runs")
+    # Each action goes in slot max(previous action on its rank + 1, latest input + 1). Ranks are advanced
+    # round-robin as far as their inputs are known; a full round with no progress is a deadlock.
     done_at: dict[Action, int] = {}
     cursor = {rank: 0 for rank in programs}
-    schedule: Schedule = {rank: [] for rank in programs}
+    free_at = {rank: 0 for rank in programs}
     remaining = sum(len(program) for program in programs.values())
-    t = 0
     while remaining:
-        placed = []
+        progressed = False
         for rank, program in programs.items():
-            slot: Action | None = None
-            if cursor[rank] < len(program):
-                candidate = program[cursor[rank]]
-                if all(done_at.get(dep, t) < t for dep in needs[candidate]):
-                    slot = candidate
-            schedule[rank].append(slot)
-            if slot is not None:
-                placed.append(slot)
+            while cursor[rank] < len(program):
+                action = program[cursor[rank]]
+                inputs = needs[action]
+                if not all(dep in done_at for dep in inputs):
+                    break
+                t = max([free_at[rank], *(done_at[dep] + 1 for dep in inputs)])
+                done_at[action] = t
+                free_at[rank] = t + 1
                 cursor[rank] += 1
-        if not placed:
+                remaining -= 1
+                progressed = True
+        if not progressed:
             blocked = {
                 rank: str(program[cursor[rank]])
                 for rank, program in programs.items()
                 if cursor[rank] < len(program)
             }
-            raise ScheduleError(f"deadlock at step {t}: every rank waits (next actions: {blocked})")
-        for action in placed:
-            done_at[action] = t
-        remaining -= len(placed)
-        t += 1
+            raise ScheduleError(f"deadlock: every rank waits for an input no rank can produce ({blocked})")
+    num_slots = max(free_at.values(), default=0)
+    schedule: Schedule = {rank: [None] * num_slots for rank in programs}
+    for rank, program in programs.items():
+        for action in program:
+            schedule[rank][done_at[action]] = action
     return schedule
 
 

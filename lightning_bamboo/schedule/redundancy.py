@@ -115,8 +115,12 @@ def add_forward_redundancy(schedule: Schedule, num_stages: int, num_microbatches
         programs[rank] = [action for _, action in sorted(timed, key=lambda entry: entry[0])]
         leftovers += [(rank, fr) for fr in windows[rank] if fr not in in_bubbles]
 
-    def deps(action: Action) -> list[Action]:
-        return dependencies(action, num_stages, redundant=True)
+    known: dict[Action, list[Action]] = {}
+
+    def deps(action: Action) -> list[Action]:  # memoised: placement is re-run for every leftover FR
+        if action not in known:
+            known[action] = dependencies(action, num_stages, redundant=True)
+        return known[action]
 
     for rank, fr in leftovers:
         programs[rank] = _insert_leftover(programs, rank, fr, deps)
