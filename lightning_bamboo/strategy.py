@@ -141,6 +141,7 @@ class BambooStrategy(ParallelStrategy):
         self._body_attr: str = pipeline_attr or "pipeline"
         self._stashed_grads: list[Tensor | None] | None = None
         self._loaded_path: Path | None = None
+        self._stage_module: nn.Module | None = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -255,19 +256,9 @@ class BambooStrategy(ParallelStrategy):
                 f"BambooStrategy runs the backward pass itself and needs automatic optimization; "
                 f"{type(module).__name__}.automatic_optimization is False"
             )
-        attr, body = find_pipeline_body(module, self._pipeline_attr)
-        check_contract(module, attr, body)
-        self._body_attr = attr
-        self.layout = self._plan_layout(body)
-        rank_zero_info(f"BambooStrategy layout:\n{self.layout.describe()}")
-        self.groups = BambooGroups.create(self.layout, self.global_rank, self._timeout)
-
-        stage = self.groups.stage
-        module._modules[attr] = sub_sequential(body, self.layout.stage_layers[stage])
-        if self._redundancy:
-            succ = self.layout.successor(stage)
-            self.replica = sub_sequential(body, self.layout.stage_layers[succ])
-        del body  # layers of other stages are released with it
+        if self._stage_module is None or module._modules.get(self._body_attr) is not self._stage_module:
+            self._split_body(module)
+        # else: a later fit/validate/test with the same Trainer; the module already holds its stage
 
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
@@ -290,6 +281,23 @@ class BambooStrategy(ParallelStrategy):
             self._build_replica_sync(module)
         self._install_global_norm_clipping()
 
+    def _split_body(self, module: pl.LightningModule) -> None:
+        """Plan the layout, build the groups, and keep only this rank's stage (and replica) of the body."""
+        attr, body = find_pipeline_body(module, self._pipeline_attr)
+        check_contract(module, attr, body)
+        self._body_attr = attr
+        costs = self._layer_costs if self._layer_costs is not None else estimate_layer_costs(list(body))
+        self.layout = self._plan_layout(body, costs)
+        names = [type(layer).__name__ for layer in body]
+        rank_zero_info(f"BambooStrategy layout:\n{self.layout.describe(names, costs)}")
+        self.groups = BambooGroups.create(self.layout, self.global_rank, self._timeout)
+        stage = self.groups.stage
+        self._stage_module = sub_sequential(body, self.layout.stage_layers[stage])
+        module._modules[attr] = self._stage_module
+        if self._redundancy:
+            self.replica = sub_sequential(body, self.layout.stage_layers[self.layout.successor(stage)])
+        # the layers of other stages are released with ``body``
+
     def _check_precision(self) -> None:
         plugin = self.precision_plugin
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
@@ -298,13 +306,12 @@ class BambooStrategy(ParallelStrategy):
                 "scaled on every stage); use '32-true', '64-true' or 'bf16-mixed'"
             )
 
-    def _plan_layout(self, body: nn.Sequential) -> StageLayout:
+    def _plan_layout(self, body: nn.Sequential, costs: Sequence[float]) -> StageLayout:
         if len(body) < self._num_stages:
             raise ValueError(
                 f"num_stages ({self._num_stages}) is more than the {len(body)} layers of the pipeline body; "
                 f"each stage needs at least one layer"
             )
-        costs = self._layer_costs if self._layer_costs is not None else estimate_layer_costs(body)
         if len(costs) != len(body):
             raise ValueError(
                 f"layer_costs has {len(costs)} entries but the pipeline body has {len(body)} layers"
