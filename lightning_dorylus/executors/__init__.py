@@ -10,6 +10,7 @@ from typing import Any
 
 from .base import ExecutorError, TensorOpExecutor, TensorOpRequest
 from .inline import InlineExecutor
+from .local import LocalPoolExecutor, RemoteOpError
 
 EXECUTORS: dict[str, str] = {
     "inline": "InlineExecutor: ops run in the graph-server process (no serialization)",
@@ -26,11 +27,9 @@ def build_executor(name: str, **kwargs: Any) -> TensorOpExecutor:
     if name == "inline":
         return InlineExecutor(**kwargs)
     if name == "local":
-        from .local import LocalPoolExecutor
-
         return LocalPoolExecutor(**kwargs)
     raise ValueError(f"unknown executor {name!r}; valid executors are {sorted(EXECUTORS)}")
 
 
-__all__ = ["EXECUTORS", "ExecutorError", "InlineExecutor", "TensorOpExecutor", "TensorOpRequest",
-           "build_executor"]
+__all__ = ["EXECUTORS", "ExecutorError", "InlineExecutor", "LocalPoolExecutor", "RemoteOpError",
+           "TensorOpExecutor", "TensorOpRequest", "build_executor"]

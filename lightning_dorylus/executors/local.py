@@ -151,6 +151,7 @@ class LocalPoolExecutor(TensorOpExecutor):
         self._broken: BaseException | None = None
         self._finalizer: weakref.finalize | None = None
         self.respawns = 0
+        self.requests_per_worker = [0] * num_workers  # answered requests (ok or op error), for tracing
 
     @property
     def worker_pids(self) -> list[int]:
@@ -216,11 +217,17 @@ class LocalPoolExecutor(TensorOpExecutor):
                 header, arrays = worker.call(frames)
             except (OSError, EOFError, ValueError) as err:
                 code = describe_exit(worker.exit_code())
+                if self._closed:
+                    future.set_exception(ExecutorError(
+                        f"LocalPoolExecutor closed while op {request.op!r} (interval {request.interval}) was "
+                        f"running in worker {index} (pid {worker.pid}, stopped with {code})"))
+                    continue
+                self._replace(index, worker)  # first, so later requests find a live worker
                 future.set_exception(ExecutorError(
                     f"worker {index} (pid {worker.pid}) died with {code} while running op {request.op!r} "
                     f"(interval {request.interval}): {type(err).__name__}: {err}"))
-                self._replace(index, worker)
                 continue
+            self.requests_per_worker[index] += 1
             if header.get("ok"):
                 future.set_result(to_tensors(arrays))
             else:
