@@ -1,0 +1,62 @@
+"""The Dorylus recipes run end to end through the real entry point, as a user launches them.
+
+Each run is ``python -m recipes.train experiment=...`` in a subprocess (Lightning starts the second graph
+server by re-running that command), with a timeout and a process-group kill so a hung server cannot hang CI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TEST_ACC = re.compile(r"test_acc\W+(\d+\.\d+)")  # plain or rich table row
+
+
+def run_recipe(experiment: str, overrides: list[str], tmp_path: Path, timeout: float = 300) -> str:
+    """Runs one recipe with its outputs and caches under ``tmp_path``; returns stdout + stderr."""
+    command = [
+        sys.executable, "-m", "recipes.train", f"experiment={experiment}",
+        f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache={tmp_path / 'cache'}", *overrides,
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{experiment} ran past {timeout} s:\n{output[-3000:]}")
+    finally:
+        # Lightning's second graph server is our grandchild: never leave it behind.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output[-4000:]
+    return output
+
+
+def printed_test_accuracy(output: str) -> float:
+    """The ``test_acc`` value of the table ``trainer.test`` prints."""
+    match = TEST_ACC.search(output)
+    assert match is not None, f"no test accuracy printed:\n{output[-3000:]}"
+    return float(match.group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_powerlaw_demo_recipe_trains_and_tests(tmp_path: Path) -> None:
+    """The offline demo recipe, shrunk: 2 graph servers, local executor, a printed test accuracy."""
+    output = run_recipe(
+        "dorylus_gcn_powerlaw",
+        ["data.data.num_nodes=1500", "trainer.max_epochs=3", "++trainer.enable_progress_bar=false"],
+        tmp_path,
+    )
+    assert 0.0 <= printed_test_accuracy(output) <= 1.0
