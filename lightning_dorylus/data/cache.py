@@ -202,13 +202,11 @@ def load_partition(directory: str | Path, part_id: int) -> GraphPartition:
     path = Path(directory) / f"part_{part_id}.safetensors"
     with safe_open(str(path), "pt") as handle:
         metadata = handle.metadata()
-    tensors = load_file(str(path))
-    send_index, send_ptr = tensors.pop("send_index"), tensors.pop("send_ptr")
-    return GraphPartition(
-        **tensors,
-        send_index=[send_index[send_ptr[q] : send_ptr[q + 1]] for q in range(send_ptr.numel() - 1)],
-        **{name: int(metadata[name]) for name in _PART_INTS},
-    )
+    fields: dict[str, Any] = load_file(str(path))
+    send_index, send_ptr = fields.pop("send_index"), fields.pop("send_ptr")
+    fields["send_index"] = [send_index[send_ptr[q] : send_ptr[q + 1]] for q in range(send_ptr.numel() - 1)]
+    fields.update({name: int(metadata[name]) for name in _PART_INTS})
+    return GraphPartition(**fields)
 
 
 def save_graph(data: Data, path: str | Path) -> None:

@@ -137,6 +137,7 @@ class DorylusDataModule(LightningDataModule):
         """Feature width of the graph."""
         if self.data is not None:
             return int(self.data.x.size(1))
+        assert self.partition_dir is not None
         return int(read_meta(self.partition_dir)["num_features"])
 
     @property
@@ -144,6 +145,7 @@ class DorylusDataModule(LightningDataModule):
         """Number of classes (``max(y) + 1``)."""
         if self.data is not None:
             return int(self.data.y.max()) + 1 if self.data.y is not None else 0
+        assert self.partition_dir is not None
         return int(read_meta(self.partition_dir)["num_classes"])
 
     def resolved_num_parts(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -122,7 +123,7 @@ class GraphPartition:
         def move(t: Tensor) -> Tensor:
             return t.to(device, non_blocking=non_blocking)
 
-        changes = {
+        changes: dict[str, Any] = {
             f.name: move(getattr(self, f.name))
             for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), Tensor)

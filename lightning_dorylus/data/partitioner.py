@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
+from types import ModuleType
 
 import numpy as np
 import scipy.sparse as sp
@@ -62,7 +63,9 @@ def partition_nodes(
     return _ranges(torch.randperm(num_nodes, generator=torch.Generator().manual_seed(seed)), num_parts)
 
 
-def metis_partition(edge_index: Tensor, num_nodes: int, num_parts: int, seed: int, pymetis: object) -> Tensor:
+def metis_partition(
+    edge_index: Tensor, num_nodes: int, num_parts: int, seed: int, pymetis: ModuleType
+) -> Tensor:
     """METIS k-way edge-cut partition of the symmetrised graph (self loops and duplicates removed)."""
     idx_dtype = pymetis.zero_copy_dtype()  # METIS's idx_t: int32 or int64; avoids a copy inside pymetis
     xadj, adjncy = _symmetric_csr(edge_index, num_nodes)
