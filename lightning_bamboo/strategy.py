@@ -220,20 +220,25 @@ class BambooStrategy(ParallelStrategy):
         self.setup_distributed()
 
     def set_world_ranks(self) -> None:
+        """Set ranks (called by the Trainer when it is built), and check the stage arithmetic right away."""
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self._check_world_size()
+
+    def _check_world_size(self) -> None:
+        if self.world_size % self._num_stages != 0:
+            raise ValueError(
+                f"num_stages ({self._num_stages}) does not divide world_size ({self.world_size}): "
+                f"{self.world_size} % {self._num_stages} = {self.world_size % self._num_stages}; "
+                f"world_size must be num_stages x num_pipelines"
+            )
 
     def setup_distributed(self) -> None:
         """Validate the stage arithmetic and start the process group (with ``timeout``)."""
         reset_seed()
         self.set_world_ranks()
-        if self.world_size % self._num_stages != 0:
-            raise ValueError(
-                f"num_stages ({self._num_stages}) does not divide world_size ({self.world_size}): "
-                f"{self.world_size} % {self._num_stages} = {self.world_size % self._num_stages}"
-            )
         self._process_group_backend = (
             self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         )

@@ -25,8 +25,19 @@ def reference(out: Path, optimizer: str, pipelines: int, extra: list[str]) -> Pa
     ref = out / "reference"
     run_script(
         "train_pipe.py",
-        ["--out", str(ref), "--strategy", "auto", "--optimizer", optimizer, "--pipelines", str(pipelines),
-         "--steps", str(STEPS), *extra],
+        [
+            "--out",
+            str(ref),
+            "--strategy",
+            "auto",
+            "--optimizer",
+            optimizer,
+            "--pipelines",
+            str(pipelines),
+            "--steps",
+            str(STEPS),
+            *extra,
+        ],
     )
     return ref
 
@@ -35,11 +46,30 @@ def bamboo(out: Path, stages: int, pipelines: int, optimizer: str, extra: list[s
     run = out / "bamboo"
     run_script(
         "train_pipe.py",
-        ["--out", str(run), "--strategy", "bamboo", "--devices", str(stages * pipelines), "--stages", str(stages),
-         "--pipelines", str(pipelines), "--optimizer", optimizer, "--steps", str(STEPS), *extra],
+        [
+            "--out",
+            str(run),
+            "--strategy",
+            "bamboo",
+            "--devices",
+            str(stages * pipelines),
+            "--stages",
+            str(stages),
+            "--pipelines",
+            str(pipelines),
+            "--optimizer",
+            optimizer,
+            "--steps",
+            str(STEPS),
+            *extra,
+        ],
         timeout=180,
     )
     return run
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, where: str) -> None:
+    torch.testing.assert_close(actual, expected, **TOL, msg=lambda message: f"{where}: {message}")
 
 
 def assert_matches_reference(run: Path, ref: Path, stages: int, pipelines: int, redundancy: bool) -> None:
@@ -55,11 +85,10 @@ def assert_matches_reference(run: Path, ref: Path, stages: int, pipelines: int, 
             assert own, f"rank {rank} wrote no parameters"
             assert bool(replica) == redundancy, f"rank {rank}: replica present={bool(replica)}"
             for key in own:
-                torch.testing.assert_close(got[key], expected[key], **TOL, msg=lambda m, k=key: f"step {step} {k}: {m}")
+                _close(got[key], expected[key], f"step {step} rank {rank} {key}")
                 covered.add(key)
             for key in replica:  # the replica of stage s+1 equals stage s+1 of the reference
-                twin = "own" + key[len("replica") :]
-                torch.testing.assert_close(got[key], expected[twin], **TOL, msg=lambda m, k=key: f"step {step} {k}: {m}")
+                _close(got[key], expected["own" + key[len("replica") :]], f"step {step} rank {rank} {key}")
             torch.testing.assert_close(got["logged"], got["loss"])
             torch.testing.assert_close(got["lr"], expected["lr"])
             if rank % stages == 0:

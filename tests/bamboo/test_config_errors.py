@@ -1,0 +1,72 @@
+"""Bad BambooStrategy configurations fail early, with errors that print the values and the arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+
+from lightning_bamboo import BambooStrategy
+from lightning_bamboo.microbatch import split_microbatches
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_stages": 0}, r"num_stages must be an integer >= 1, got 0"),
+        ({"num_microbatches": 0}, r"num_microbatches must be an integer >= 1, got 0"),
+        ({"replica_device": "gpu"}, r"replica_device must be 'same' or 'cpu', got 'gpu'"),
+        ({"num_stages": 1}, r"redundancy=True needs num_stages >= 2 .* got num_stages \(1\)"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        BambooStrategy(**kwargs)
+
+
+def test_world_size_not_a_multiple_of_stages() -> None:
+    with pytest.raises(ValueError, match=r"num_stages \(3\) does not divide world_size \(4\): 4 % 3 = 1"):
+        Trainer(strategy=BambooStrategy(num_stages=3), accelerator="cpu", devices=4, logger=False)
+
+
+def test_more_stages_than_layers() -> None:
+    strategy = BambooStrategy(num_stages=4)
+    body = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"num_stages \(4\) is more than the 3 layers of the pipeline body"):
+        strategy._plan_layout(body, [1.0, 1.0, 1.0])
+
+
+def test_layer_costs_must_cover_every_layer() -> None:
+    strategy = BambooStrategy(num_stages=2, layer_costs=[1.0])
+    body = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"layer_costs has 1 entries but the pipeline body has 3 layers"):
+        strategy._plan_layout(body, [1.0])
+
+
+def test_microbatches_must_divide_the_batch() -> None:
+    batch = (torch.zeros(6, 3), torch.zeros(6))
+    match = r"batch size \(6\) is not divisible by num_microbatches \(4\): 6 % 4 = 2"
+    with pytest.raises(ValueError, match=match):
+        split_microbatches(batch, 4)
+
+
+def test_split_microbatches_keeps_structure() -> None:
+    batch = {"x": torch.arange(8).view(4, 2), "y": [torch.arange(4), "tag"]}
+    parts = split_microbatches(batch, 2)
+    assert [p["x"].tolist() for p in parts] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert [p["y"][0].tolist() for p in parts] == [[0, 1], [2, 3]]
+    assert all(p["y"][1] == "tag" for p in parts)
+
+
+def test_tensors_disagreeing_on_batch_size() -> None:
+    with pytest.raises(ValueError, match=r"batch size 4 on dimension 0 .* shape \(3,\)"):
+        split_microbatches((torch.zeros(4, 2), torch.zeros(3)), 2)
+
+
+def test_sixteen_bit_mixed_precision_is_refused() -> None:
+    scaler = torch.amp.GradScaler("cpu")
+    strategy = BambooStrategy(precision_plugin=MixedPrecision("16-mixed", "cpu", scaler=scaler))
+    with pytest.raises(ValueError, match=r"does not support precision='16-mixed'"):
+        strategy._check_precision()

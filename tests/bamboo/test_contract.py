@@ -1,0 +1,102 @@
+"""The module contract: finding the body, checking the hooks, and replaying a step with a given loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from lightning_bamboo.contract import check_contract, find_pipeline_body, replay_step, sub_sequential
+from tests.bamboo.pipe_mlp import PipeMLP, make_data
+
+
+class NoBody(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 2)
+
+
+class TwoBodies(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(2, 2))
+        self.decoder = nn.Sequential(nn.Linear(2, 2))
+
+
+class OneBodyNoHooks(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+
+
+class ParamOutside(PipeMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+
+def test_finds_pipeline_attribute() -> None:
+    model = PipeMLP()
+    assert find_pipeline_body(model, None) == ("pipeline", model.pipeline)
+
+
+def test_finds_single_sequential_child() -> None:
+    model = OneBodyNoHooks()
+    assert find_pipeline_body(model, None) == ("trunk", model.trunk)
+
+
+def test_no_body_error_names_the_module_and_the_fix() -> None:
+    match = r"nn.Sequential pipeline body .* found none on NoBody.*pipeline_attr"
+    with pytest.raises(TypeError, match=match):
+        find_pipeline_body(NoBody(), None)
+
+
+def test_several_bodies_error_lists_them() -> None:
+    with pytest.raises(TypeError, match=r"several nn.Sequential children \(encoder, decoder\)"):
+        find_pipeline_body(TwoBodies(), None)
+
+
+def test_explicit_attribute_must_be_sequential() -> None:
+    match = r"NoBody.layer is Linear, expected nn.Sequential \(pipeline_attr='layer'\)"
+    with pytest.raises(TypeError, match=match):
+        find_pipeline_body(NoBody(), "layer")
+    assert find_pipeline_body(TwoBodies(), "decoder")[0] == "decoder"
+
+
+def test_missing_hooks_are_named() -> None:
+    model = OneBodyNoHooks()
+    with pytest.raises(TypeError, match=r"OneBodyNoHooks to define pipeline_inputs and pipeline_loss"):
+        check_contract(model, "trunk", model.trunk)
+
+
+def test_parameters_outside_the_body_are_named() -> None:
+    model = ParamOutside()
+    with pytest.raises(TypeError, match=r"parameters live outside it: scale"):
+        check_contract(model, "pipeline", model.pipeline)
+
+
+def test_sub_sequential_keeps_original_names() -> None:
+    model = PipeMLP()
+    stage = sub_sequential(model.pipeline, range(2, 5))
+    assert list(stage.state_dict()) == ["2.weight", "2.bias", "4.weight", "4.bias"]
+    x = torch.randn(3, 8, dtype=torch.float64)
+    torch.testing.assert_close(stage(x), model.pipeline[4](model.pipeline[3](model.pipeline[2](x))))
+
+
+def test_replay_returns_the_given_loss_and_restores_the_module() -> None:
+    model = PipeMLP()
+    body = model.pipeline
+    logged: dict[str, torch.Tensor] = {}
+    model.log = lambda name, value, **kwargs: logged.__setitem__(name, value)  # type: ignore[method-assign]
+    x, y = make_data(4)
+    loss = torch.tensor(0.125, dtype=torch.float64)
+    with replay_step(model, "pipeline", loss):
+        returned = model.training_step((x, y), 0)
+    assert returned is loss
+    assert logged["train_loss"] is loss
+    assert model.pipeline is body
+    assert "pipeline_loss" not in model.__dict__ and "pipeline_inputs" not in model.__dict__
+    # and the real hooks work again
+    real = model.pipeline_loss(model.pipeline(model.pipeline_inputs((x, y))), (x, y))
+    assert real.requires_grad and real.item() != pytest.approx(0.125)

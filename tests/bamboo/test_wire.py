@@ -1,0 +1,40 @@
+"""The activation header and the JSON broadcast encoding: what crosses processes, without pickling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_bamboo.broadcast import _decode, _encode
+from lightning_bamboo.p2p import HEADER_LEN, decode_header, encode_header
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [((4, 8), torch.float32), ((2, 3, 5), torch.bfloat16), ((7,), torch.int64), ((), torch.float64)],
+)
+def test_header_round_trip(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    header = encode_header(torch.zeros(shape, dtype=dtype))
+    assert header.dtype == torch.int64 and header.shape == (HEADER_LEN,)
+    assert decode_header(header) == (dtype, shape)
+
+
+def test_header_rejects_unsupported() -> None:
+    with pytest.raises(TypeError, match=r"cannot send a tensor of dtype torch.complex64"):
+        encode_header(torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"activation has 9 dims; at most 8"):
+        encode_header(torch.zeros([1] * 9))
+    with pytest.raises(RuntimeError, match=r"corrupt activation header"):
+        decode_header(torch.full((HEADER_LEN,), 99, dtype=torch.int64))
+
+
+def test_broadcast_encoding_round_trip() -> None:
+    value = {"dir": Path("/tmp/ckpt"), "n": 3, "x": 0.5, "ok": True, "none": None, "names": ["a", "b"]}
+    assert _decode(_encode(value)) == value
+
+
+def test_broadcast_refuses_objects_that_would_need_pickle() -> None:
+    with pytest.raises(TypeError, match=r"JSON values only .* got object"):
+        _encode(object())
