@@ -14,6 +14,7 @@ that dies fails its in-flight future with its exit code and is respawned for lat
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import queue
 import selectors
@@ -58,6 +59,15 @@ def describe_exit(returncode: int | None) -> str:
     return f"exit code {returncode}"
 
 
+PIPE_SIZE = 1 << 20  # intervals are MBs: fewer, larger pipe transfers (Linux F_SETPIPE_SZ; else the default)
+
+
+def _grow_pipe(fd: int) -> None:
+    if hasattr(fcntl, "F_SETPIPE_SZ"):
+        with contextlib.suppress(OSError):  # above /proc/sys/fs/pipe-max-size: keep the default
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+
+
 class _Worker:
     """One worker process and its pipes; used by exactly one dispatcher thread."""
 
@@ -65,6 +75,8 @@ class _Worker:
         self.index = index
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      bufsize=0)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            _grow_pipe(pipe.fileno())  # type: ignore[union-attr]
         self._await_hello(startup_timeout)
 
     @property

@@ -173,7 +173,7 @@ import json, sys
 import torch
 from lightning_dorylus.executors import InlineExecutor, LocalPoolExecutor, TensorOpRequest
 g = torch.Generator().manual_seed(0)
-n, e, heads = 8192, 40000, 8
+n, e, heads = 4096, 20000, 8
 dst_ptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.linspace(0, e, n).round().long()])
 requests = [
     TensorOpRequest("apply_vertex.forward", {"z": torch.randn(n, 256, generator=g),
