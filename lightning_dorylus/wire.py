@@ -159,16 +159,22 @@ def encode_frames(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -
     return plan.total_len, frames
 
 
-def encode(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> bytes:
-    """Encode a JSON-serializable ``header`` and named numpy ``arrays`` into one payload."""
-    total_len, frames = encode_frames(header, arrays)
+def join_frames(total_len: int, frames: Sequence[Any]) -> bytes:
+    """Concatenate ``encode_frames``' output into one ``bytes`` payload."""
     out = bytearray(total_len)
     pos = 0
     for frame in frames:
-        n = len(frame) if isinstance(frame, bytes) else frame.nbytes
+        n = memoryview(frame).nbytes
         out[pos:pos + n] = frame
         pos += n
+    if pos != total_len:
+        raise WireError(f"frames hold {pos} bytes but the payload should have {total_len}")
     return bytes(out)
+
+
+def encode(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> bytes:
+    """Encode a JSON-serializable ``header`` and named numpy ``arrays`` into one payload."""
+    return join_frames(*encode_frames(header, arrays))
 
 
 def read_prefix(prefix: bytes | bytearray | memoryview) -> tuple[int, int]:

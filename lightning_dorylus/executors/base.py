@@ -21,6 +21,10 @@ import torch
 from torch import Tensor
 from typing_extensions import Self
 
+#: torch dtypes that map onto ``wire.ALLOWED_DTYPES``.
+WIRE_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int32, torch.int64, torch.bool,
+                         torch.uint8})
+
 
 class ExecutorError(RuntimeError):
     """A tensor op could not be run: the executor is closed, a worker died, or the op failed remotely."""
@@ -53,6 +57,9 @@ class TensorOpRequest:
             if t.device.type != "cpu":
                 raise ValueError(f"request {self.op!r} tensor {name!r} is on {t.device}; executors take CPU "
                                  f"tensors (the caller moves them)")
+            if t.dtype not in WIRE_DTYPES:
+                raise ValueError(f"request {self.op!r} tensor {name!r} has dtype {t.dtype}; executors take "
+                                 f"{sorted(str(d) for d in WIRE_DTYPES)}")
             out[name] = t.detach().contiguous().numpy()
         return out
 

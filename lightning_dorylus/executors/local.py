@@ -87,13 +87,23 @@ class _Worker:
         assert self.proc.stdout is not None
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
-            ready = sel.select(timeout)
-        hello = read_message(self.proc.stdout) if ready else None  # type: ignore[arg-type]
-        if hello is None or not wire.decode(hello)[0].get("ready"):
+            ready = bool(sel.select(timeout))
+        hello: dict[str, Any] = {}
+        try:
+            if ready and (message := read_message(self.proc.stdout)) is not None:  # type: ignore[arg-type]
+                hello = wire.decode(message)[0]
+        except (OSError, EOFError, ValueError):
+            pass
+        if hello.get("ready"):
+            return
+        if not ready:
             self.kill()
-            why = "timed out" if not ready else describe_exit(self.proc.poll())
-            raise ExecutorError(f"worker {self.index} (pid {self.pid}) did not start within {timeout} s: "
-                                f"{why}; see its stderr above")
+            raise ExecutorError(f"worker {self.index} (pid {self.pid}) did not report ready within "
+                                f"{timeout} s (startup_timeout); it was killed")
+        code = self.exit_code(timeout=5.0)
+        self.kill()
+        raise ExecutorError(f"worker {self.index} (pid {self.pid}) failed to start: {describe_exit(code)}; "
+                            f"see its stderr above")
 
     def call(self, frames: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Send one request and wait for its reply. Raises OSError/EOFError if the worker died."""

@@ -99,14 +99,7 @@ def handle(payload: bytes | bytearray | memoryview) -> bytes:
     Errors propagate as exceptions (Lambda reports them as ``FunctionError``); the local worker
     catches them and sends ``error_header`` back instead.
     """
-    total_len, frames = handle_frames(payload)
-    out = bytearray(total_len)
-    pos = 0
-    for frame in frames:
-        n = memoryview(frame).nbytes
-        out[pos:pos + n] = frame
-        pos += n
-    return bytes(out)
+    return wire.join_frames(*handle_frames(payload))
 
 
 def handle_frames(payload: bytes | bytearray | memoryview) -> tuple[int, list[Any]]:

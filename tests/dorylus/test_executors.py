@@ -302,3 +302,20 @@ def test_close_fails_queued_requests_instead_of_hanging() -> None:
     ]
     assert any("closed before the op ran" in str(f.exception()) for f in failed)
     assert not _pid_alive(pid)
+
+
+def test_worker_that_cannot_start_raises_with_its_exit_code(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    # Without numpy on its path the worker (python -S) dies at import, before saying hello.
+    monkeypatch.setattr("lightning_dorylus.executors.local.bundle.numpy_path", lambda: str(tmp_path))
+    ex = LocalPoolExecutor(num_workers=1, startup_timeout=30)
+    match = r"worker 0 \(pid \d+\) failed to start: exit code 1; see its stderr"
+    with pytest.raises(ExecutorError, match=match):
+        ex.start()
+    assert ex.worker_pids == []
+    ex.close()
+
+
+def test_unsupported_tensor_dtype_is_named() -> None:
+    req = TensorOpRequest("apply_vertex.forward", {"z": torch.ones(2, 3, dtype=torch.bfloat16)})
+    with pytest.raises(ValueError, match=r"tensor 'z' has dtype torch.bfloat16; executors take"):
+        InlineExecutor().submit(req).result()
