@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from lightning_dorylus import GCN, DorylusStrategy
 from lightning_dorylus.data import partition_graph
+from lightning_dorylus.strategy import _encode_broadcast_header
 from tests.dorylus.scripts.exact_run import INTERVAL_SIZE, loader, make_graph, make_model, train
 from tests.dorylus.scripts.launch import run_script
 
@@ -70,9 +71,33 @@ def test_graph_servers_match_single_process(
     for replica in replicas[1:]:  # the weight replicas never diverge
         for name, value in replica.items():
             torch.testing.assert_close(value, replicas[0][name], rtol=0, atol=0)
+    for rank in range(servers):  # broadcast / reduce / all_gather of the strategy, seen from every rank
+        got = json.loads((tmp_path / f"collectives_rank{rank}.json").read_text())
+        assert got == {
+            "broadcast_str": "from-0",
+            "broadcast_path": "/tmp/rank0",
+            "broadcast_path_type": "PosixPath",
+            "broadcast_tensor": [0.0, 1.0, 2.0],
+            "reduce_sum": float(servers * (servers + 1) // 2),
+            "all_gather": list(range(servers)),
+        }
     assert set(replicas[0]) == set(expected_weights)
     for name, value in expected_weights.items():
         torch.testing.assert_close(replicas[0][name], value, rtol=1e-9, atol=1e-11)
+
+
+def test_broadcast_header_refuses_what_json_cannot_carry() -> None:
+    assert json.loads(_encode_broadcast_header(Path("/a/b"))) == {"kind": "path", "value": "/a/b"}
+    assert json.loads(_encode_broadcast_header(torch.zeros(2, 3, dtype=torch.float64))) == {
+        "kind": "tensor",
+        "dtype": "float64",
+        "shape": [2, 3],
+    }
+    assert json.loads(_encode_broadcast_header({"a": [1, None]})) == {
+        "kind": "json",
+        "value": {"a": [1, None]},
+    }
+    assert _encode_broadcast_header(object()) == b""
 
 
 def test_unknown_executor_name_is_rejected() -> None:

@@ -131,6 +131,15 @@ def main() -> None:
     model = make_model(args.model)
     trainer, recorder = train(model, partitions, args.epochs, strategy, devices=args.servers)
     rank = trainer.global_rank
+    collectives = {  # DorylusStrategy's own collectives (no pickle), checked by the test
+        "broadcast_str": strategy.broadcast(f"from-{rank}"),
+        "broadcast_path": str(strategy.broadcast(Path(f"/tmp/rank{rank}"))),
+        "broadcast_path_type": type(strategy.broadcast(Path(f"/tmp/rank{rank}"))).__name__,
+        "broadcast_tensor": strategy.broadcast(torch.arange(3.0) * (rank + 1)).tolist(),
+        "reduce_sum": strategy.reduce(torch.tensor(rank + 1.0), reduce_op="sum").item(),
+        "all_gather": strategy.all_gather(torch.tensor([rank])).view(-1).tolist(),
+    }
+    (args.out / f"collectives_rank{rank}.json").write_text(json.dumps(collectives))
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(weights, str(args.out / f"weights_rank{rank}.safetensors"))
     if rank == 0:
