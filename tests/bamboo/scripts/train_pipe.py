@@ -29,36 +29,44 @@ from tests.bamboo.pipe_mlp import PipeMLP, make_data
 
 
 class Snapshot(Callback):
-    """Write this rank's stage, replica and optimizer states after every training step."""
+    """Write this rank's stage, replica and optimizer states at train start and after every step."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # after a resume: exactly what was loaded, before any step
+        save_file(states(trainer, pl_module), str(self.out / f"start_rank{trainer.global_rank}.safetensors"))
+
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx
     ) -> None:
-        tensors: dict[str, torch.Tensor] = {}
-        optimizer = trainer.optimizers[0]
-        for name, p in pl_module.named_parameters():
-            tensors[f"own/{name}"] = p.detach().clone()
-        for name, values in named_optimizer_state(pl_module, optimizer)["state"].items():
-            for key, value in values.items():
-                tensors[f"own_opt/{name}/{key}"] = value.detach().clone()
-        strategy = trainer.strategy
-        if isinstance(strategy, BambooStrategy) and strategy.replica_sync is not None:
-            replica, replica_opt = strategy.replica_sync.replica, strategy.replica_sync.optimizer
-            prefix = "pipeline."
-            for name, p in replica.named_parameters():
-                tensors[f"replica/{prefix}{name}"] = p.detach().clone()
-            for name, values in named_optimizer_state(replica, replica_opt)["state"].items():
-                for key, value in values.items():
-                    tensors[f"replica_opt/{prefix}{name}/{key}"] = value.detach().clone()
+        tensors = states(trainer, pl_module)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         tensors["loss"] = loss.detach().to(torch.float64).reshape(1).cpu()
         tensors["logged"] = trainer.callback_metrics["train_loss"].detach().to(torch.float64).reshape(1).cpu()
-        tensors["lr"] = torch.tensor([optimizer.param_groups[0]["lr"]], dtype=torch.float64)
-        tensors = {k: v.contiguous().cpu() for k, v in tensors.items()}
+        tensors["lr"] = torch.tensor([trainer.optimizers[0].param_groups[0]["lr"]], dtype=torch.float64)
         save_file(tensors, str(self.out / f"step{trainer.global_step}_rank{trainer.global_rank}.safetensors"))
+
+
+def states(trainer: Trainer, pl_module: LightningModule) -> dict[str, torch.Tensor]:
+    """Own stage and replica: parameters and optimizer state, by parameter name."""
+    tensors: dict[str, torch.Tensor] = {}
+    optimizer = trainer.optimizers[0]
+    for name, p in pl_module.named_parameters():
+        tensors[f"own/{name}"] = p.detach().clone()
+    for name, values in named_optimizer_state(pl_module, optimizer)["state"].items():
+        for key, value in values.items():
+            tensors[f"own_opt/{name}/{key}"] = value.detach().clone()
+    strategy = trainer.strategy
+    if isinstance(strategy, BambooStrategy) and strategy.replica_sync is not None:
+        replica, replica_opt = strategy.replica_sync.replica, strategy.replica_sync.optimizer
+        for name, p in replica.named_parameters():
+            tensors[f"replica/pipeline.{name}"] = p.detach().clone()
+        for name, values in named_optimizer_state(replica, replica_opt)["state"].items():
+            for key, value in values.items():
+                tensors[f"replica_opt/pipeline.{name}/{key}"] = value.detach().clone()
+    return {k: v.contiguous().cpu() for k, v in tensors.items()}
 
 
 def main() -> None:
@@ -82,6 +90,7 @@ def main() -> None:
     parser.add_argument("--validate", action="store_true")
     parser.add_argument("--save-ckpt", type=Path, default=None)
     parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument("--max-epochs", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -121,7 +130,7 @@ def main() -> None:
         devices=args.devices if args.strategy == "bamboo" else 1,
         strategy=strategy,
         max_steps=args.steps,
-        max_epochs=1,
+        max_epochs=args.max_epochs,
         precision=args.precision,
         logger=False,
         enable_checkpointing=False,

@@ -1,0 +1,110 @@
+"""Sharded checkpoints: merge into a single-process model, resume exactly, never half-written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from lightning_bamboo import checkpoint as ckpt
+from lightning_bamboo import consolidate_checkpoint
+from tests.bamboo.launch import run_script, snapshot
+from tests.bamboo.pipe_mlp import PipeMLP
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_stage_checkpoint_merges_and_resumes(tmp_path: Path) -> None:
+    path = tmp_path / "last.ckpt"
+    common = ["--strategy", "bamboo", "--devices", "2", "--stages", "2", "--optimizer", "adam"]
+    run_script(
+        "train_pipe.py", [*common, "--out", str(tmp_path / "run"), "--save-ckpt", str(path)], timeout=180
+    )
+    assert (path / ckpt.META_FILE).exists()
+    assert not path.with_name(path.name + ".partial").exists()
+
+    # all stages merged load into the single-process module, equal to what the stages held
+    model = PipeMLP()
+    model.load_state_dict(consolidate_checkpoint(path))
+    trained = {**snapshot(tmp_path / "run", 3, 0), **snapshot(tmp_path / "run", 3, 1)}
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.detach(), trained[f"own/{name}"], rtol=0, atol=0)
+
+    # resuming restores every stage, its optimizer state AND its replica (with optimizer state) exactly
+    resume = tmp_path / "resume"
+    run_script(
+        "train_pipe.py",
+        [*common, "--out", str(resume), "--resume", str(path), "--steps", "4", "--max-epochs", "2"],
+        timeout=180,
+    )
+    for rank in range(2):
+        saved, loaded = snapshot(tmp_path / "run", 3, rank), _load(resume / f"start_rank{rank}.safetensors")
+        keys = {k for k in saved if k.startswith(("own", "replica"))}
+        assert keys == set(loaded) and any(k.startswith("replica_opt/") for k in keys)
+        for key in keys:
+            torch.testing.assert_close(loaded[key], saved[key], rtol=0, atol=0, msg=key)
+    # and training goes on with each replica equal to its successor stage
+    after = [snapshot(resume, 4, rank) for rank in range(2)]
+    for rank in range(2):
+        successor = after[(rank + 1) % 2]
+        for key, value in after[rank].items():
+            if key.startswith("replica"):
+                twin = "own" + key[len("replica") :]
+                torch.testing.assert_close(value, successor[twin], rtol=0, atol=0, msg=key)
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def test_failed_save_leaves_previous_checkpoint_intact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One process, no process group: a crash while writing must not touch the checkpoint under the name."""
+    model = PipeMLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model.pipeline(torch.randn(2, 8, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    checkpoint = {
+        "state_dict": model.state_dict(),
+        "optimizer_states": [ckpt.named_optimizer_state(model, optimizer)],
+        "global_step": 1,
+    }
+    path = tmp_path / "model.ckpt"
+    ckpt.save_sharded(checkpoint, path, is_global_zero=True, barrier=lambda: None)
+    before = consolidate_checkpoint(path)
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt.torch, "save", crash)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    with pytest.raises(CheckpointException, match="disk full"):
+        ckpt.save_sharded({**checkpoint, "state_dict": model.state_dict()}, path, True, lambda: None)
+    monkeypatch.undo()
+    after = consolidate_checkpoint(path)
+    assert before.keys() == after.keys()
+    for key in before:
+        torch.testing.assert_close(after[key], before[key], rtol=0, atol=0)
+    meta = torch.load(path / ckpt.META_FILE, weights_only=True)
+    assert meta["global_step"] == 1
+
+
+def test_named_optimizer_state_round_trip() -> None:
+    model = PipeMLP()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model.pipeline(torch.randn(2, 8, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    named = ckpt.named_optimizer_state(model, optimizer)
+    assert set(named["state"]) == {n for n, _ in model.named_parameters()}
+    fresh = torch.optim.Adam(model.parameters(), lr=0.5)
+    ckpt.load_named_optimizer_state(model, fresh, named)
+    assert fresh.param_groups[0]["lr"] == 0.1
+    for p in model.parameters():
+        torch.testing.assert_close(fresh.state[p]["exp_avg"], optimizer.state[p]["exp_avg"], rtol=0, atol=0)
