@@ -152,7 +152,7 @@ def encode_frames(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -
             pos = target
         arr = np.ascontiguousarray(arrays[name], dtype=dtype)
         if arr.nbytes:
-            frames.append(memoryview(arr.reshape(-1)).cast("B"))
+            frames.append(memoryview(arr.reshape(-1)).cast("B"))  # type: ignore[arg-type]
         pos += arr.nbytes
     if pos < plan.total_len:  # only when there are no arrays: pad the header to data_start
         frames.append(bytes(plan.total_len - pos))

@@ -187,9 +187,11 @@ class LocalPoolExecutor(TensorOpExecutor):
                 raise ExecutorError("LocalPoolExecutor is closed")
             if self._started:
                 return
-            self._bundle_dir = str(bundle.write_bundle(tempfile.mkdtemp(prefix="dorylus-bundle-")))
+            self._bundle_dir = tempfile.mkdtemp(prefix="dorylus-bundle-")
             self._finalizer = weakref.finalize(self, _cleanup, self._workers, self._bundle_dir)
             try:
+                bundle.write_bundle(os.path.join(self._bundle_dir, "code"))
+                bundle.link_numpy(os.path.join(self._bundle_dir, "site"))
                 for i in range(self.num_workers):
                     self._workers.append(self._spawn(i))
             except BaseException:
@@ -206,9 +208,11 @@ class LocalPoolExecutor(TensorOpExecutor):
     def _spawn(self, index: int) -> _Worker:
         env = dict(os.environ)
         env.update({var: str(self.threads_per_worker) for var in _THREAD_ENV_VARS})
-        env["PYTHONPATH"] = bundle.numpy_path()  # with -S, the only import path besides the bundle
+        assert self._bundle_dir is not None
+        # -S: no site-packages; the import path is the bundle (cwd) and a directory holding only numpy.
+        env["PYTHONPATH"] = os.path.join(self._bundle_dir, "site")
         cmd = [sys.executable, "-S", "-m", "lightning_dorylus.executors.worker"]
-        return _Worker(index, cmd, self._bundle_dir or ".", env, self.startup_timeout)
+        return _Worker(index, cmd, os.path.join(self._bundle_dir, "code"), env, self.startup_timeout)
 
     @override
     def submit(self, request: TensorOpRequest) -> Future[dict[str, Tensor]]:

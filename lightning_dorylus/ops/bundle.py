@@ -19,8 +19,9 @@ bundle's ``lightning_dorylus`` wins over an installed one. Layout::
             └── worker.py
 
 The local worker pool runs ``python -S -m lightning_dorylus.executors.worker`` with the bundle as its
-working directory (``-S``: no site-packages but numpy's, as in Lambda); part 2 zips the same tree
-(``write_zip``) for Lambda.
+working directory and ``PYTHONPATH`` = a directory made by ``link_numpy`` (``-S``: no site-packages;
+so the worker can import the standard library, numpy and the bundle, and nothing else, as in
+Lambda); part 2 zips the same tree (``write_zip``) for Lambda.
 """
 
 from __future__ import annotations
@@ -74,6 +75,22 @@ def numpy_path() -> str:
     import numpy
 
     return str(Path(numpy.__file__).resolve().parent.parent)
+
+
+def link_numpy(site_dir: str | Path) -> Path:
+    """Make ``site_dir`` an import path holding only numpy (symlinks to this interpreter's install).
+
+    A worker started with ``python -S`` and ``PYTHONPATH=site_dir`` can then import the standard
+    library, numpy and the bundle, and nothing else, as in a Lambda with a numpy layer. Bundled
+    shared libraries (``numpy.libs`` in manylinux wheels) are linked too.
+    """
+    site_dir = Path(site_dir)
+    site_dir.mkdir(parents=True, exist_ok=True)
+    source = Path(numpy_path())
+    for name in ("numpy", "numpy.libs"):
+        if (source / name).exists():
+            (site_dir / name).symlink_to(source / name, target_is_directory=True)
+    return site_dir
 
 
 def imported_modules() -> dict[str, set[str]]:

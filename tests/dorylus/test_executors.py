@@ -306,7 +306,7 @@ def test_close_fails_queued_requests_instead_of_hanging() -> None:
 
 def test_worker_that_cannot_start_raises_with_its_exit_code(monkeypatch: pytest.MonkeyPatch, tmp_path):
     # Without numpy on its path the worker (python -S) dies at import, before saying hello.
-    monkeypatch.setattr("lightning_dorylus.executors.local.bundle.numpy_path", lambda: str(tmp_path))
+    monkeypatch.setattr("lightning_dorylus.executors.local.bundle.link_numpy", lambda site: None)
     ex = LocalPoolExecutor(num_workers=1, startup_timeout=30)
     match = r"worker 0 \(pid \d+\) failed to start: exit code 1; see its stderr"
     with pytest.raises(ExecutorError, match=match):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -197,3 +198,21 @@ def test_bundle_sources_import_only_numpy_and_stdlib() -> None:
     bundle.check_imports()
     imported = set().union(*bundle.imported_modules().values())
     assert "lightning_dorylus.wire" in imported and not any(m.startswith("torch") for m in imported)
+
+
+def test_worker_import_path_holds_numpy_but_not_torch(tmp_path) -> None:
+    """The local pool's workers run like this: python -S, cwd = bundle, PYTHONPATH = link_numpy dir."""
+    root = bundle.write_bundle(tmp_path / "code")
+    site = bundle.link_numpy(tmp_path / "site")
+    script = textwrap.dedent("""
+        import importlib.util, numpy
+        from lightning_dorylus.ops import handlers
+        print(numpy.__version__, importlib.util.find_spec("torch") is None, handlers.__file__)
+    """)
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(site)}
+    proc = subprocess.run([sys.executable, "-S", "-c", script], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    version, torch_missing, handlers_file = proc.stdout.split()
+    assert version == np.__version__ and torch_missing == "True"
+    assert handlers_file.startswith(str(root))
