@@ -47,6 +47,12 @@ class TensorOpRequest:
     attrs: dict[str, Any] = field(default_factory=dict)
     interval: int = -1
 
+    def __repr__(self) -> str:  # shapes, not tensor contents, in logs and error messages
+        tensors = ", ".join(f"{k}: {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                            for k, t in self.tensors.items())
+        return (f"TensorOpRequest(op={self.op!r}, interval={self.interval}, attrs={self.attrs}, "
+                f"tensors={{{tensors}}})")
+
     def numpy_inputs(self) -> dict[str, np.ndarray]:
         """Zero-copy numpy views of the tensors (contiguous ones; others are made contiguous)."""
         out: dict[str, np.ndarray] = {}

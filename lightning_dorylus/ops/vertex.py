@@ -70,9 +70,12 @@ def apply_vertex_backward(inputs: dict[str, np.ndarray], attrs: dict[str, Any]) 
     for name, arr in (("h", h), ("grad_h", grad_h)):
         if arr.shape != expected:
             raise ValueError(f"{name} has shape {arr.shape}; expected {expected} = (z rows, weight columns)")
+    has_bias = attrs.get("has_bias", False)
+    if not isinstance(has_bias, bool):
+        raise ValueError(f"has_bias={has_bias!r} must be true or false")
     grad_pre = activation_grad(h, grad_h, activation)  # (n, fo)
     out = {"grad_z": grad_pre @ weight.T, "grad_weight": z.T @ grad_pre}
-    if attrs.get("has_bias", False):
+    if has_bias:
         out["grad_bias"] = grad_pre.sum(axis=0)
     return out
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -319,3 +320,28 @@ def test_unsupported_tensor_dtype_is_named() -> None:
     req = TensorOpRequest("apply_vertex.forward", {"z": torch.ones(2, 3, dtype=torch.bfloat16)})
     with pytest.raises(ValueError, match=r"tensor 'z' has dtype torch.bfloat16; executors take"):
         InlineExecutor().submit(req).result()
+
+
+def test_submits_from_many_threads(pool: LocalPoolExecutor) -> None:
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(8, 4, generator=g)
+    zs = [torch.randn(20, 8, generator=g) for _ in range(64)]
+
+    def run(k: int) -> list[bool]:
+        futures = [
+            (z, pool.submit(TensorOpRequest("apply_vertex.forward", {"z": z, "weight": w}, interval=i)))
+            for i, z in enumerate(zs[k::4])
+        ]
+        return [torch.allclose(f.result(timeout=60)["h"], z @ w, atol=1e-5) for z, f in futures]
+
+    with ThreadPoolExecutor(4) as threads:
+        results = [ok for chunk in threads.map(run, range(4)) for ok in chunk]
+    assert len(results) == 64 and all(results)
+
+
+def test_request_repr_shows_shapes_not_values() -> None:
+    req = TensorOpRequest("apply_vertex.forward", {"z": torch.ones(128, 64)}, {"activation": "relu"}, 3)
+    assert repr(req) == (
+        "TensorOpRequest(op='apply_vertex.forward', interval=3, attrs={'activation': 'relu'}, "
+        "tensors={z: (128, 64) float32})"
+    )
