@@ -15,13 +15,15 @@ from typing_extensions import override
 class PipeMLP(LightningModule):
     """``pairs`` x (Linear + Tanh) then a Linear head, all in one ``nn.Sequential`` called ``pipeline``."""
 
-    def __init__(self, width: int = 8, pairs: int = 3, optimizer: str = "sgd", lr: float = 0.05) -> None:
+    def __init__(
+        self, width: int = 8, pairs: int = 3, optimizer: str = "sgd", lr: float = 0.05, dtype: str = "float64"
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         for _ in range(pairs):
             layers += [nn.Linear(width, width), nn.Tanh()]
         layers.append(nn.Linear(width, 1))
-        self.pipeline = nn.Sequential(*layers).double()
+        self.pipeline = nn.Sequential(*layers).to(getattr(torch, dtype))
         self.optimizer_name = optimizer
         self.lr = lr
 
@@ -56,9 +58,11 @@ class PipeMLP(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def make_data(num_samples: int, width: int = 8, seed: int = 1234) -> tuple[Tensor, Tensor]:
-    """Deterministic float64 regression data."""
+def make_data(
+    num_samples: int, width: int = 8, seed: int = 1234, dtype: torch.dtype = torch.float64
+) -> tuple[Tensor, Tensor]:
+    """Deterministic regression data."""
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_samples, width, generator=generator, dtype=torch.float64)
+    x = torch.randn(num_samples, width, generator=generator, dtype=torch.float64).to(dtype)
     y = torch.sin(x.sum(dim=1, keepdim=True))
     return x, y

@@ -133,3 +133,23 @@ def test_global_norm_clipping_cpu_replica_and_validation(tmp_path: Path) -> None
     expected = json.loads((ref / "validate.json").read_text())[0]["val_loss"]
     got = json.loads((run / "validate.json").read_text())[0]["val_loss"]
     assert got == pytest.approx(expected, rel=1e-10)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_bf16_mixed_precision(tmp_path: Path) -> None:
+    """Autocast around every stage forward: close to single-process bf16-mixed, replicas still bit-exact."""
+    common = ["--dtype", "float32", "--precision", "bf16-mixed"]
+    ref = reference(tmp_path, "sgd", 1, common)
+    run = bamboo(tmp_path, 2, 1, "sgd", common)
+    for step in range(1, STEPS + 1):
+        expected = snapshot(ref, step, 0)
+        ranks = [snapshot(run, step, rank) for rank in range(2)]
+        for rank, got in enumerate(ranks):
+            # bf16 rounds per micro-batch here and per batch in the reference
+            torch.testing.assert_close(got["loss"], expected["loss"], rtol=1e-4, atol=1e-6)
+            for key in (k for k in got if k.startswith("own")):
+                torch.testing.assert_close(got[key], expected[key], rtol=0.05, atol=5e-3)
+            for key in (k for k in got if k.startswith("replica")):
+                twin = ranks[(rank + 1) % 2]["own" + key[len("replica") :]]
+                torch.testing.assert_close(got[key], twin, rtol=0, atol=0)

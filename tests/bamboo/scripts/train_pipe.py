@@ -91,13 +91,14 @@ def main() -> None:
     parser.add_argument("--save-ckpt", type=Path, default=None)
     parser.add_argument("--resume", type=Path, default=None)
     parser.add_argument("--max-epochs", type=int, default=1)
+    parser.add_argument("--dtype", default="float64", help="parameter and data dtype")
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
 
     seed_everything(0)
-    model = PipeMLP(pairs=args.pairs, optimizer=args.optimizer)
-    x, y = make_data(args.steps * args.batch_size * args.pipelines)
+    model = PipeMLP(pairs=args.pairs, optimizer=args.optimizer, dtype=args.dtype)
+    x, y = make_data(args.steps * args.batch_size * args.pipelines, dtype=getattr(torch, args.dtype))
     dataset = TensorDataset(x, y)
     batch_size = args.batch_size if args.strategy == "bamboo" else args.batch_size * args.pipelines
     if args.strategy == "auto":
