@@ -93,11 +93,6 @@ class ReplicaSync:
                 offset += target.numel()
 
 
-def build_replica_optimizer(template: Optimizer, replica_groups: list[dict]) -> Optimizer:
-    """An optimizer of ``template``'s class with ``template``'s defaults over ``replica_groups``."""
-    return type(template)(replica_groups, **template.defaults)
-
-
 def copy_hyperparameters(source: Optimizer, target: Optimizer) -> None:
     """Copy every param-group setting but ``params`` from ``source`` to ``target`` (same group count)."""
     if len(source.param_groups) != len(target.param_groups):

@@ -50,7 +50,7 @@ from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.groups import BambooGroups
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
 from lightning_bamboo.microbatch import batch_size_of, split_microbatches
-from lightning_bamboo.replica import ReplicaSync, build_replica_optimizer
+from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b, format_grid
 
 if TYPE_CHECKING:
@@ -293,8 +293,7 @@ class BambooStrategy(ParallelStrategy):
         self._body_attr = attr
         costs = self._layer_costs if self._layer_costs is not None else estimate_layer_costs(list(body))
         self.layout = self._plan_layout(body, costs)
-        names = [type(layer).__name__ for layer in body]
-        rank_zero_info(f"BambooStrategy layout:\n{self.layout.describe(names, costs)}")
+        rank_zero_info(f"BambooStrategy layout:\n{self.layout.describe(costs=costs)}")
         self.groups = BambooGroups.create(self.layout, self.global_rank, self._timeout)
         stage = self.groups.stage
         self._stage_module = sub_sequential(body, self.layout.stage_layers[stage])
@@ -369,8 +368,11 @@ class BambooStrategy(ParallelStrategy):
             optimizers, _ = _init_optimizers_and_lr_schedulers(module)
         finally:
             module._modules[self._body_attr] = stage
-        template = optimizers[0]
-        replica_optimizer = build_replica_optimizer(template, template.param_groups)
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"configure_optimizers returned {len(optimizers)} optimizers for the replica, expected 1"
+            )
+        replica_optimizer = optimizers[0]  # the user's own optimizer, built over the replica's parameters
         assert stage is not None
         self.replica_sync = ReplicaSync(stage, self.replica, replica_optimizer, self.groups, self.root_device)
         self.replica_sync.sync_parameters()
