@@ -59,6 +59,7 @@ def describe_exit(returncode: int | None) -> str:
     return f"exit code {returncode}"
 
 
+_POST_KILL_GRACE_S = 5.0  # how long close() waits for dispatchers once their workers are gone
 PIPE_SIZE = 1 << 20  # intervals are MBs: fewer, larger pipe transfers (Linux F_SETPIPE_SZ; else the default)
 
 
@@ -305,8 +306,8 @@ class LocalPoolExecutor(TensorOpExecutor):
             t.join(self.close_timeout)
         for w in list(self._workers):
             w.stop(self.close_timeout if not any(t.is_alive() for t in self._threads) else 0.0)
-        for t in self._threads:  # a killed worker unblocks its dispatcher
-            t.join(self.close_timeout)
+        for t in self._threads:  # a stopped worker unblocks its dispatcher, which fails its future
+            t.join(max(self.close_timeout, _POST_KILL_GRACE_S))
         self._fail_queued("LocalPoolExecutor closed before the op ran")
         if self._finalizer is not None:
             self._finalizer()
