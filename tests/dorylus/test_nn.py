@@ -149,3 +149,16 @@ def test_input_rows_must_match_partition(graph: Data) -> None:
     [part] = partition_graph(graph, 1, interval_size=16)
     with pytest.raises(ValueError, match=r"h_local has 3 rows but partition 0 owns 60 vertices"):
         GCNConv(F_IN, 2).double()(torch.zeros(3, F_IN, dtype=torch.float64), GraphCache().context(part))
+
+
+def test_graph_structures_are_built_once_per_partition(graph: Data) -> None:
+    """Lightning's batch transfer makes a new GraphPartition each step; the cached structures survive it."""
+    [part] = partition_graph(graph, 1, interval_size=16)
+    cache = GraphCache()
+    ctx = cache.context(part)
+    adjacency = ctx.gcn(torch.float64)
+    again = cache.context(part.to("cpu"))
+    assert again is ctx and again.gcn(torch.float64) is adjacency
+    assert ctx.intervals == [(0, 16), (16, 32), (32, 48), (48, 60)]
+    [other] = partition_graph(graph, 1, interval_size=32)
+    assert cache.context(other) is not ctx
