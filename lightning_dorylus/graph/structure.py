@@ -138,8 +138,9 @@ class GraphCache:
     """Keeps the :class:`GraphContext` of the last few partitions a model has seen.
 
     Lightning's batch transfer returns a new ``GraphPartition`` object each step, but its tensors are the same
-    storage when already on the device, so contexts are keyed by the storage of ``edge_index``
-    (the cached context holds a reference to it, so the key cannot be reused by another graph).
+    storage when already on the device, so contexts are keyed by the storage of ``edge_index``,
+    ``interval_ptr`` and ``in_degree`` (the cached context holds references to them, so the key cannot be
+    reused by another graph).
 
     Args:
         max_entries: How many partitions to remember (train/val/test share one; a device move makes another).
@@ -157,6 +158,8 @@ class GraphCache:
             partition.edge_index.data_ptr(),
             tuple(partition.edge_index.shape),
             str(partition.edge_index.device),
+            partition.interval_ptr.data_ptr(),
+            partition.in_degree.data_ptr(),
         )
         cached = self._entries.get(key)
         if cached is None:
