@@ -151,7 +151,7 @@ class GraphCache:
         self._entries: OrderedDict[tuple, GraphContext] = OrderedDict()
 
     def context(self, partition: GraphPartition) -> GraphContext:
-        """The cached context for ``partition`` (with ``partition``'s masks and features), or a new one."""
+        """The context of ``partition``: cached structures if its graph was seen, this batch's tensors."""
         key = (
             partition.part_id,
             partition.num_parts,
@@ -167,6 +167,7 @@ class GraphCache:
             self._entries[key] = cached
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
-        else:
+        else:  # same graph structure: keep the derived structures, read features/masks from this batch
+            cached.partition = partition
             self._entries.move_to_end(key)
         return cached
