@@ -157,8 +157,10 @@ def test_graph_structures_are_built_once_per_partition(graph: Data) -> None:
     cache = GraphCache()
     ctx = cache.context(part)
     adjacency = ctx.gcn(torch.float64)
-    again = cache.context(part.to("cpu"))
+    moved = part.to("cpu")
+    again = cache.context(moved)
     assert again is ctx and again.gcn(torch.float64) is adjacency
+    assert again.partition is moved  # features and masks come from the current batch
     assert ctx.intervals == [(0, 16), (16, 32), (32, 48), (48, 60)]
     [other] = partition_graph(graph, 1, interval_size=32)
     assert cache.context(other) is not ctx
