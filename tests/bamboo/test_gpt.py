@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -169,6 +170,12 @@ def test_gpt_learns_under_the_default_strategy(tmp_path: Path) -> None:
     assert trainer.callback_metrics["val_loss"] < recorder.losses[0] - 1.5
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_bamboo_gpt_recipe_trains_two_cpu_stages(tmp_path: Path) -> None:
@@ -177,7 +184,7 @@ def test_bamboo_gpt_recipe_trains_two_cpu_stages(tmp_path: Path) -> None:
            "trainer.limit_val_batches=0", "+trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}"]
     proc = subprocess.Popen(
         cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())},
     )
     try:
         output, _ = proc.communicate(timeout=240)
