@@ -1,18 +1,21 @@
 """Runs one rank's part of a pipeline schedule: forwards, backwards and redundant forwards of micro-batches.
 
-The engine interprets the rank's program (``rank_program(schedule, stage)``) action by action:
+The engine walks the schedule slot by slot (``schedule[stage][t]``, ``None`` = bubble):
 
 * ``F`` (stage s, micro-batch i): stage 0 builds its input with ``inputs_fn(micro-batch)``, any other stage
-  receives the activation from stage s-1; runs the stage; the last stage computes ``loss_fn(output,
+  uses the activation received from stage s-1; runs the stage; the last stage computes ``loss_fn(output,
   micro-batch) / num_microbatches``, the others send the output to stage s+1.
-* ``B``: the last stage back-propagates its scaled loss, the others receive the output gradient from stage
-  s+1 and back-propagate it; every stage but the first sends its input gradient to stage s-1.
+* ``B``: the last stage back-propagates its scaled loss, the others back-propagate the output gradient
+  received from stage s+1; every stage but the first sends its input gradient to stage s-1.
 * ``FR``: runs the replica of the successor stage on this rank's own output of micro-batch i (the last rank
   runs its replica of stage 0 on the micro-batch input) without building a graph, and keeps the result in
   :attr:`PipelineEngine.redundant_outputs` for a takeover (Bamboo's eager forward redundancy).
 * ``BR`` only appears in schedules rewritten after a failure; this engine refuses it with a clear error.
 
-After the program, gradients of the stage are averaged over the data-parallel stage group and the mean
+After each slot, the tensors that cross to the neighbours are exchanged: both ends know from the schedule
+which messages cross that boundary, so all of them are posted at once (``batch_isend_irecv``) — first the
+activation headers (dtype and shape, so the receiver can allocate), then activations and gradients.
+After the last slot, gradients of the stage are averaged over the data-parallel stage group and the mean
 loss of the step is broadcast from the last stage to every rank of the pipeline.
 
 Standalone use (benchmarks), on every rank after ``init_process_group``::
@@ -26,6 +29,7 @@ Standalone use (benchmarks), on every rank after ``init_process_group``::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -101,92 +105,134 @@ class PipelineEngine:
             The pipeline's mean loss over the micro-batches, as a float64 scalar on ``device``, on every rank.
         """
         self._check_count(microbatches)
-        count = len(microbatches)
-        inputs: dict[int, Tensor] = {}
-        outputs: dict[int, Tensor] = {}
-        kept_for_fr: dict[int, Tensor] = {}
-        losses: list[Tensor] = []
-        pending: list[Any] = []
         self.redundant_outputs = {}
-        last = self.groups.is_last_stage
-        try:
-            for action in self.program:
-                mb = action.microbatch
-                if action.kind is ActionKind.FORWARD:
-                    x = self._stage_input(microbatches[mb], requires_grad=True)
-                    y = self.stage(x)
-                    inputs[mb] = x
-                    if last:
-                        loss = self.loss_fn(y, microbatches[mb])
-                        losses.append(loss.detach())
-                        outputs[mb] = loss / count
-                    else:
-                        pending.extend(p2p.send_activation(y, self.groups.successor_rank))
-                        outputs[mb] = y
-                        if self.replica is not None:
-                            kept_for_fr[mb] = y.detach()
-                elif action.kind is ActionKind.BACKWARD:
-                    out = outputs.pop(mb)
-                    if last:
-                        out.backward()
-                    else:
-                        grad = torch.empty_like(out)
-                        p2p.recv_tensor(grad, self.groups.successor_rank, p2p.Tag.GRADIENT)
-                        torch.autograd.backward(out, grad)
-                    x = inputs.pop(mb)
-                    if not self.groups.is_first_stage:
-                        if x.grad is None:
-                            raise RuntimeError(
-                                f"stage {self.groups.stage} produced no gradient for its input of "
-                                f"micro-batch {mb}: the stage's output does not depend on its input"
-                            )
-                        pending.append(
-                            p2p.send_tensor(x.grad, self.groups.predecessor_rank, p2p.Tag.GRADIENT)
-                        )
-                elif action.kind is ActionKind.FORWARD_REDUNDANT:
-                    self._forward_redundant(mb, microbatches[mb], kept_for_fr)
-                else:
-                    raise NotImplementedError(
-                        f"action {action} (backward redundancy) only runs after a failover remap; "
-                        "this engine runs the failure-free schedule"
-                    )
-        finally:
-            p2p.wait_all(pending)
+        step = _StepState(count=len(microbatches))
+        self._run_slots(self.schedule, microbatches, step, train=True)
         self._average_gradients()
-        return self._broadcast_loss(losses)
+        return self._broadcast_loss(step.losses)
 
     @torch.no_grad()
     def run_forward(self, microbatches: Sequence[Any]) -> Tensor:
-        """Forward-only pass of every micro-batch in order (validation); the mean loss on every rank."""
-        self._check_count(microbatches, strict=False)
-        losses: list[Tensor] = []
-        pending: list[Any] = []
-        try:
-            for microbatch in microbatches:
-                y = self.stage(self._stage_input(microbatch, requires_grad=False))
-                if self.groups.is_last_stage:
-                    losses.append(self.loss_fn(y, microbatch).detach())
-                else:
-                    pending.extend(p2p.send_activation(y, self.groups.successor_rank))
-        finally:
-            p2p.wait_all(pending)
-        return self._broadcast_loss(losses)
+        """Forward-only pass of every micro-batch (validation); the mean loss on every rank."""
+        if not microbatches:
+            raise ValueError("run_forward needs at least one micro-batch")
+        step = _StepState(count=len(microbatches))
+        schedule = forward_only_schedule(self.groups.num_stages, len(microbatches))
+        self._run_slots(schedule, microbatches, step, train=False)
+        return self._broadcast_loss(step.losses)
 
-    def _check_count(self, microbatches: Sequence[Any], strict: bool = True) -> None:
-        if strict and len(microbatches) != self.num_microbatches:
+    def _check_count(self, microbatches: Sequence[Any]) -> None:
+        if len(microbatches) != self.num_microbatches:
             raise ValueError(
                 f"the schedule has {self.num_microbatches} micro-batches but run_step got {len(microbatches)}"
             )
-        if not microbatches:
-            raise ValueError("run_step/run_forward need at least one micro-batch")
 
-    def _stage_input(self, microbatch: Any, requires_grad: bool) -> Tensor:
-        if self.groups.is_first_stage:
-            return self.inputs_fn(microbatch)
-        x = p2p.recv_activation(self.groups.predecessor_rank, self.device)
-        if requires_grad and x.is_floating_point():
-            x.requires_grad_(True)
-        return x
+    def _run_slots(
+        self, schedule: Schedule, microbatches: Sequence[Any], step: _StepState, train: bool
+    ) -> None:
+        """Run the schedule slot by slot; after each slot, exchange what crosses to the neighbours.
+
+        Both ends of every message derive it from the same schedule (``F`` of stage s in slot t sends to
+        s+1; ``B`` of stage s sends to s-1), so each boundary's sends and receives are posted together with
+        ``batch_isend_irecv``: no ordering between neighbours can deadlock, on gloo or NCCL alike.
+        """
+        row = schedule[self.groups.stage]
+        for t, action in enumerate(row):
+            if action is not None:
+                self._execute(action, microbatches, step, train)
+            self._exchange(schedule, t, step)
+
+    def _execute(self, action: Action, microbatches: Sequence[Any], step: _StepState, train: bool) -> None:
+        mb = action.microbatch
+        last = self.groups.is_last_stage
+        if action.kind is ActionKind.FORWARD:
+            if self.groups.is_first_stage:
+                x = self.inputs_fn(microbatches[mb])
+            else:
+                x = step.received.pop(mb)
+                if train and x.is_floating_point():
+                    x.requires_grad_(True)
+            y = self.stage(x)
+            if last:
+                loss = self.loss_fn(y, microbatches[mb])
+                step.losses.append(loss.detach())
+                if train:
+                    step.outputs[mb] = loss / step.count
+            else:
+                step.to_send_activation = y.detach()
+                if train:
+                    step.outputs[mb] = y
+                    if self.replica is not None:
+                        step.kept_for_fr[mb] = y.detach()
+            if train:
+                step.inputs[mb] = x
+        elif action.kind is ActionKind.BACKWARD:
+            out = step.outputs.pop(mb)
+            if last:
+                out.backward()
+            else:
+                torch.autograd.backward(out, step.grads.pop(mb))
+            x = step.inputs.pop(mb)
+            if not self.groups.is_first_stage:
+                if x.grad is None:
+                    raise RuntimeError(
+                        f"stage {self.groups.stage} produced no gradient for its input of "
+                        f"micro-batch {mb}: the stage's output does not depend on its input"
+                    )
+                step.to_send_gradient = x.grad
+        elif action.kind is ActionKind.FORWARD_REDUNDANT:
+            self._forward_redundant(mb, microbatches[mb], step.kept_for_fr)
+        else:
+            raise NotImplementedError(
+                f"action {action} (backward redundancy) only runs after a failover remap; "
+                "this engine runs the failure-free schedule"
+            )
+
+    def _exchange(self, schedule: Schedule, t: int, step: _StepState) -> None:
+        stage, last = self.groups.stage, self.groups.num_stages - 1
+        mine = schedule[stage][t]
+        before = schedule[stage - 1][t] if stage > 0 else None
+        after = schedule[stage + 1][t] if stage < last else None
+        send_activation = mine is not None and mine.kind is ActionKind.FORWARD and stage < last
+        recv_activation = before is not None and before.kind is ActionKind.FORWARD
+        send_gradient = mine is not None and mine.kind is ActionKind.BACKWARD and stage > 0
+        recv_gradient = after is not None and after.kind is ActionKind.BACKWARD
+        if not (send_activation or recv_activation or send_gradient or recv_gradient):
+            return
+        next_rank = self.groups.rank_of_stage(stage + 1) if stage < last else -1
+        prev_rank = self.groups.rank_of_stage(stage - 1) if stage > 0 else -1
+        # round 1: activation headers (the receiver allocates from them)
+        headers: list[dist.P2POp] = []
+        header_in = torch.empty(p2p.HEADER_LEN, dtype=torch.int64, device=self.device)
+        if send_activation:
+            assert step.to_send_activation is not None
+            headers.append(
+                p2p.isend_op(p2p.encode_header(step.to_send_activation), next_rank, p2p.Tag.HEADER)
+            )
+        if recv_activation:
+            headers.append(p2p.irecv_op(header_in, prev_rank, p2p.Tag.HEADER))
+        p2p.run_batch(headers)
+        # round 2: activations forward, gradients backward
+        payloads: list[dist.P2POp] = []
+        if send_activation:
+            payloads.append(p2p.isend_op(step.to_send_activation, next_rank, p2p.Tag.ACTIVATION))
+            step.to_send_activation = None
+        if recv_activation:
+            assert before is not None
+            dtype, shape = p2p.decode_header(header_in.cpu())
+            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+            step.received[before.microbatch] = buffer
+            payloads.append(p2p.irecv_op(buffer, prev_rank, p2p.Tag.ACTIVATION))
+        if send_gradient:
+            assert step.to_send_gradient is not None
+            payloads.append(p2p.isend_op(step.to_send_gradient, prev_rank, p2p.Tag.GRADIENT))
+            step.to_send_gradient = None
+        if recv_gradient:
+            assert after is not None
+            grad = torch.empty_like(step.outputs[after.microbatch])
+            step.grads[after.microbatch] = grad
+            payloads.append(p2p.irecv_op(grad, next_rank, p2p.Tag.GRADIENT))
+        p2p.run_batch(payloads)
 
     @torch.no_grad()
     def _forward_redundant(self, mb: int, microbatch: Any, kept_for_fr: dict[int, Tensor]) -> None:
@@ -221,6 +267,33 @@ class PipelineEngine:
         if self.groups.num_stages > 1:
             dist.broadcast(loss, src=self.groups.last_stage_rank, group=self.groups.pipeline_group)
         return loss
+
+
+@dataclass
+class _StepState:
+    """Tensors alive during one step, by micro-batch."""
+
+    count: int
+    inputs: dict[int, Tensor] = field(default_factory=dict)
+    outputs: dict[int, Tensor] = field(default_factory=dict)
+    received: dict[int, Tensor] = field(default_factory=dict)
+    grads: dict[int, Tensor] = field(default_factory=dict)
+    kept_for_fr: dict[int, Tensor] = field(default_factory=dict)
+    losses: list[Tensor] = field(default_factory=list)
+    to_send_activation: Tensor | None = None
+    to_send_gradient: Tensor | None = None
+
+
+def forward_only_schedule(num_stages: int, num_microbatches: int) -> Schedule:
+    """Stage ``s`` runs ``F(s, i)`` in slot ``s + i``: the forward wave of evaluation."""
+    length = num_microbatches + num_stages - 1
+    schedule: Schedule = {}
+    for stage in range(num_stages):
+        row: list[Action | None] = [None] * length
+        for mb in range(num_microbatches):
+            row[stage + mb] = Action(stage, ActionKind.FORWARD, mb)
+        schedule[stage] = row
+    return schedule
 
 
 def _by_dtype(tensors: list[Tensor]) -> list[list[Tensor]]:

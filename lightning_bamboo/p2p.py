@@ -4,10 +4,10 @@ Activations change shape with the micro-batch, so every activation is preceded b
 header ``[dtype code, ndim, d0, ..., d7]`` that tells the receiver what buffer to allocate. Gradients
 flowing backwards have the shape of the activation the receiver sent earlier, so they travel bare.
 
-Sends are non-blocking (``isend``) and their handles are returned: a rank never blocks on a send, so the
-F/B order of a 1F1B schedule cannot deadlock two neighbours that send to each other at the same time.
-Each kind of traffic has its own tag so that, with gloo, activations, gradients and replica
-synchronisation between the same two ranks never match the wrong receive.
+Sends and receives that cross one slot boundary of the schedule are posted together with
+``batch_isend_irecv`` (:func:`run_batch`), so two neighbours sending to each other at once cannot deadlock
+(NCCL runs all operations to one peer on one stream). Each kind of traffic also has its own tag, so with
+gloo activations, gradients and replica synchronisation never match the wrong receive.
 """
 
 from __future__ import annotations
@@ -81,52 +81,23 @@ def decode_header(header: Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
     return _DTYPES[code], tuple(int(d) for d in values[2 : 2 + ndim])
 
 
-def send_activation(tensor: Tensor, dst: int) -> list[_Keep]:
-    """Start sending ``tensor`` (header first) to global rank ``dst``; returns the pending sends."""
-    payload = tensor.detach().contiguous()
-    header = encode_header(payload)
-    return [
-        _Keep(dist.isend(header, dst, tag=Tag.HEADER), (header,)),
-        _Keep(dist.isend(payload, dst, tag=Tag.ACTIVATION), (payload,)),
-    ]
+def isend_op(tensor: Tensor, peer: int, tag: Tag) -> dist.P2POp:
+    """A send of ``tensor`` to global rank ``peer``, to be posted with :func:`run_batch`."""
+    return dist.P2POp(dist.isend, tensor.detach().contiguous(), peer, tag=int(tag))
 
 
-def recv_activation(src: int, device: torch.device) -> Tensor:
-    """Receive a tensor sent by :func:`send_activation` from global rank ``src`` (blocking)."""
-    header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-    dist.recv(header, src, tag=Tag.HEADER)
-    dtype, shape = decode_header(header.cpu())
-    payload = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(payload, src, tag=Tag.ACTIVATION)
-    return payload
+def irecv_op(buffer: Tensor, peer: int, tag: Tag) -> dist.P2POp:
+    """A receive into ``buffer`` from global rank ``peer``, to be posted with :func:`run_batch`."""
+    return dist.P2POp(dist.irecv, buffer, peer, tag=int(tag))
 
 
-def send_tensor(tensor: Tensor, dst: int, tag: Tag) -> _Keep:
-    """Start sending a tensor whose shape the receiver already knows."""
-    payload = tensor.detach().contiguous()
-    return _Keep(dist.isend(payload, dst, tag=tag), (payload,))
+def run_batch(ops: list[dist.P2POp]) -> None:
+    """Post all ``ops`` together (``batch_isend_irecv``) and wait for them.
 
-
-def recv_tensor(buffer: Tensor, src: int, tag: Tag) -> Tensor:
-    """Receive into ``buffer`` (blocking) and return it."""
-    dist.recv(buffer, src, tag=tag)
-    return buffer
-
-
-class _Keep:
-    """A pending send plus the tensors it reads, so they are not freed before the send completes."""
-
-    def __init__(self, work: dist.Work, tensors: tuple[Tensor, ...]) -> None:
-        self.work = work
-        self.tensors = tensors
-
-    def wait(self) -> None:
-        self.work.wait()
-        self.tensors = ()
-
-
-def wait_all(pending: list[_Keep]) -> None:
-    """Wait for every pending send and clear the list."""
-    for item in pending:
-        item.wait()
-    pending.clear()
+    Posting the sends and receives between neighbours as one batch is what keeps NCCL, whose operations to
+    one peer share a stream, from deadlocking when two ranks send to each other at the same time.
+    """
+    if not ops:
+        return
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()

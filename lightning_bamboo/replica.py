@@ -52,14 +52,10 @@ class ReplicaSync:
         return [p for p in self.replica.parameters() if p.requires_grad]
 
     def sync_parameters(self) -> None:
-        """Make the replica's parameters equal to the successor's current ones (at setup and after a load)."""
+        """Make the replica's parameters equal to the successor's current ones (at setup)."""
         with torch.no_grad():
-            pending = [
-                p2p.send_tensor(flat, self.groups.predecessor_rank, p2p.Tag.REPLICA_PARAM)
-                for flat in _flatten([p.detach() for p in self._own_params()], self.device)
-            ]
-            self._receive_into([p.data for p in self._replica_params()], p2p.Tag.REPLICA_PARAM)
-            p2p.wait_all(pending)
+            own = _flatten([p.detach() for p in self._own_params()], self.device)
+            self._exchange(own, [p.data for p in self._replica_params()], p2p.Tag.REPLICA_PARAM)
 
     def step(self, main_optimizer: Optimizer) -> None:
         """Send this stage's gradients to the predecessor and apply the successor's to the replica.
@@ -68,25 +64,31 @@ class ReplicaSync:
         param-group hyper-parameters (learning rate set by a scheduler, ...) are copied from
         ``main_optimizer`` first, so schedulers need no replica of their own.
         """
-        own = self._own_params()
-        pending = [
-            p2p.send_tensor(flat, self.groups.predecessor_rank, p2p.Tag.REPLICA_GRAD)
-            for flat in _flatten([_grad_or_zeros(p) for p in own], self.device)
-        ]
+        own = _flatten([_grad_or_zeros(p) for p in self._own_params()], self.device)
         replica_params = self._replica_params()
         for p in replica_params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self._receive_into([p.grad for p in replica_params], p2p.Tag.REPLICA_GRAD)  # type: ignore[misc]
+        self._exchange(own, [p.grad for p in replica_params], p2p.Tag.REPLICA_GRAD)  # type: ignore[misc]
         copy_hyperparameters(main_optimizer, self.optimizer)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
-        p2p.wait_all(pending)
 
-    def _receive_into(self, targets: list[Tensor], tag: p2p.Tag) -> None:
-        for bucket in _by_dtype(targets):
-            flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=self.device)
-            p2p.recv_tensor(flat, self.groups.successor_rank, tag)
+    def _exchange(self, outgoing: list[Tensor], targets: list[Tensor], tag: p2p.Tag) -> None:
+        """Send ``outgoing`` (flat buckets) to the predecessor; receive the successor's into ``targets``.
+
+        Every rank sends and receives in the same batch, so the ring (two ranks: each other's predecessor and
+        successor) cannot deadlock.
+        """
+        buckets = _by_dtype(targets)
+        incoming = [
+            torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=self.device)
+            for bucket in buckets
+        ]
+        ops = [p2p.isend_op(flat, self.groups.predecessor_rank, tag) for flat in outgoing]
+        ops += [p2p.irecv_op(flat, self.groups.successor_rank, tag) for flat in incoming]
+        p2p.run_batch(ops)
+        for bucket, flat in zip(buckets, incoming):
             offset = 0
             for target in bucket:
                 target.copy_(flat[offset : offset + target.numel()].view_as(target))
