@@ -10,10 +10,11 @@ One run times an optimizer step of the same GPT on the same batch four ways:
     python benchmarks/bamboo_overhead.py                      # 2 stages, one process per stage
     python benchmarks/bamboo_overhead.py --stages 2 --microbatches 8 --steps 20
 
-(b)-(d) run as worker processes (this file re-run with ``--worker``; gloo; one thread each). Every step
-is bracketed by barriers so all ranks time the same interval, fill and drain included; the figure is
-the median over ``--steps`` steps after ``--warmup`` steps. Workers report JSON through a file. The last
-line printed is ``rc_overhead=<(d)/(c)> vs_torch_1f1b=<(c)/(b)>``.
+(a) runs in this process; (b)-(d) run in one set of worker processes, one per stage (this file re-run
+with ``--worker``; gloo; one thread each), interleaved step by step so that all three see the same
+machine load. Every step is bracketed by barriers so all ranks time the same interval, fill and drain
+included; the figure is the median over ``--steps`` steps after ``--warmup`` steps. Workers report JSON
+through a file. The last line printed is ``rc_overhead=<(d)/(c)> vs_torch_1f1b=<(c)/(b)>``.
 """
 
 from __future__ import annotations
@@ -37,11 +38,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_bamboo.engine import PipelineEngine
+from lightning_bamboo.groups import BambooGroups
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
+from lightning_bamboo.microbatch import split_microbatches
 from lightning_bamboo.models.gpt import build_pipeline
+from lightning_bamboo.replica import ReplicaSync
+from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b
 from recipes.components.text import DEFAULT_MODULES, VOCAB_SIZE, TokenWindows, corpus_tokens
 
 MODES = ("plain", "torch_1f1b", "bamboo", "bamboo_rc")
+StepFn = Callable[[], float | None]
+"""One optimizer step; returns the step's mean loss where this process knows it."""
+
 LABELS = {
     "plain": "(a) one process, grad. accumulation",
     "torch_1f1b": "(b) torch.distributed.pipelining 1F1B",
@@ -63,8 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-layer", type=int, default=6, help="transformer blocks")
     parser.add_argument("--n-embd", type=int, default=128, help="model width C")
     parser.add_argument("--n-head", type=int, default=4, help="attention heads")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per multi-process part")
-    parser.add_argument("--worker", choices=MODES[1:], help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for the workers")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     check_args(args)
@@ -124,28 +133,41 @@ def stage_module(args: argparse.Namespace, layers: range) -> nn.Sequential:
     return nn.Sequential(*list(build_model(args))[layers.start : layers.stop])
 
 
-def time_steps(step: Callable[[], float | None], args: argparse.Namespace, sync: bool) -> dict:
-    """Run ``warmup + steps`` optimizer steps; barriers around each one when ``sync`` (multi-process)."""
+def time_steps(step: StepFn, args: argparse.Namespace) -> dict:
+    """Run ``warmup + steps`` optimizer steps of one process; time the last ``steps``."""
     seconds, losses = [], []
     for i in range(args.warmup + args.steps):
-        if sync:
-            dist.barrier()
         start = time.perf_counter()
-        loss = step()
-        if sync:
-            dist.barrier()
-        elapsed = time.perf_counter() - start
+        losses.append(step())
         if i >= args.warmup:
-            seconds.append(elapsed)
-        losses.append(loss)
+            seconds.append(time.perf_counter() - start)
     return {"step_seconds": seconds, "losses": losses}
+
+
+def time_interleaved(steps: dict[str, StepFn], args: argparse.Namespace) -> dict[str, dict]:
+    """Round-robin one step of each part per round, each bracketed by barriers so all ranks time the same
+    interval. Interleaving exposes every part to the same machine load, which keeps the ratios honest on
+    a shared machine; the starting part rotates each round so none always runs first."""
+    names = list(steps)
+    results: dict[str, dict] = {name: {"step_seconds": [], "losses": []} for name in names}
+    for i in range(args.warmup + args.steps):
+        rotation = i % len(names)
+        for name in names[rotation:] + names[:rotation]:
+            dist.barrier()
+            start = time.perf_counter()
+            loss = steps[name]()
+            dist.barrier()
+            if i >= args.warmup:
+                results[name]["step_seconds"].append(time.perf_counter() - start)
+            results[name]["losses"].append(loss)
+    return results
 
 
 # --------------------------------------------------------------------------------------------------
 # (a) one process
 
 
-def run_plain(args: argparse.Namespace) -> dict:
+def plain_step(args: argparse.Namespace) -> StepFn:
     """Forward + backward of each micro-batch (loss / m, gradients accumulate), then one optimizer step."""
     model = build_model(args)
     optimizer = make_optimizer(list(model.parameters()))
@@ -162,14 +184,14 @@ def run_plain(args: argparse.Namespace) -> dict:
         optimizer.step()
         return total / args.microbatches
 
-    return time_steps(step, args, sync=False)
+    return step
 
 
 # --------------------------------------------------------------------------------------------------
 # (b) torch.distributed.pipelining
 
 
-def run_torch_1f1b(args: argparse.Namespace, rank: int, world_size: int) -> dict:
+def torch_1f1b_step(args: argparse.Namespace, rank: int, world_size: int) -> StepFn:
     """``Schedule1F1B`` over ``PipelineStage``s cut at the same layer bounds as Bamboo's."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -191,30 +213,25 @@ def run_torch_1f1b(args: argparse.Namespace, rank: int, world_size: int) -> dict
         optimizer.step()
         return sum(loss.item() for loss in losses) / len(losses) if losses else None
 
-    return time_steps(step, args, sync=True)
+    return step
 
 
 # --------------------------------------------------------------------------------------------------
 # (c), (d) Bamboo
 
 
-def run_bamboo(args: argparse.Namespace, rank: int, world_size: int, redundancy: bool) -> dict:
+def bamboo_step(
+    args: argparse.Namespace, groups: BambooGroups, redundancy: bool, replica_seconds: list[float]
+) -> StepFn:
     """Bamboo's ``PipelineEngine`` over the same stages, driven as ``BambooStrategy`` drives it.
 
     With ``redundancy`` the schedule gains the ``FR`` actions (eager forward of the successor's replica,
     in bubbles first) and every step ends with the replica update: the stage's gradients go to the
-    predecessor, which applies them to its replica with its own AdamW. Both are the per-step price of
-    being able to take over a preempted successor at once.
+    predecessor, which applies them to its replica with its own AdamW; its duration is appended to
+    ``replica_seconds``. Both are the per-step price of being able to take over a preempted successor.
     """
-    from lightning_bamboo.engine import PipelineEngine
-    from lightning_bamboo.groups import BambooGroups
-    from lightning_bamboo.microbatch import split_microbatches
-    from lightning_bamboo.replica import ReplicaSync
-    from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b
-
     device = torch.device("cpu")
-    layout = plan_layout(args, world_size)
-    groups = BambooGroups.create(layout, rank)
+    layout = groups.layout
     stage = stage_module(args, layout.stage_layers[groups.stage])
     optimizer = make_optimizer(list(stage.parameters()))
     schedule = build_1f1b(layout.num_stages, args.microbatches)
@@ -232,8 +249,6 @@ def run_bamboo(args: argparse.Namespace, rank: int, world_size: int, redundancy:
     )
     microbatches = split_microbatches(fixed_batch(args), args.microbatches)
 
-    replica_seconds: list[float] = []
-
     def step() -> float:
         loss = engine.run_step(microbatches)
         optimizer.step()
@@ -244,10 +259,7 @@ def run_bamboo(args: argparse.Namespace, rank: int, world_size: int, redundancy:
         optimizer.zero_grad()
         return loss.item()
 
-    result = time_steps(step, args, sync=True)
-    if sync is not None:
-        result["replica_update_seconds"] = replica_seconds[args.warmup :]
-    return result
+    return step
 
 
 # --------------------------------------------------------------------------------------------------
@@ -255,22 +267,31 @@ def run_bamboo(args: argparse.Namespace, rank: int, world_size: int, redundancy:
 
 
 def worker_main(args: argparse.Namespace) -> None:
-    """One pipeline rank: time the steps, agree on each step's slowest rank, the last rank writes JSON."""
+    """One pipeline rank of (b), (c) and (d), interleaved; the last rank (it has the losses) writes JSON.
+
+    Per step, the slowest rank's time counts (``all_reduce(MAX)``).
+    """
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
     try:
-        if args.worker == "torch_1f1b":
-            result = run_torch_1f1b(args, rank, world_size)
-        else:
-            result = run_bamboo(args, rank, world_size, redundancy=args.worker == "bamboo_rc")
-        for key in ("step_seconds", "replica_update_seconds"):
-            if key in result:  # per step, the slowest rank's time
-                seconds = torch.tensor(result[key], dtype=torch.float64)
-                dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-                result[key] = seconds.tolist()
-        if rank == world_size - 1:  # the last stage computes the losses
-            args.out.write_text(json.dumps(result))
+        groups = BambooGroups.create(plan_layout(args, world_size), rank)
+        replica_seconds: list[float] = []
+        steps = {
+            "torch_1f1b": torch_1f1b_step(args, rank, world_size),
+            "bamboo": bamboo_step(args, groups, redundancy=False, replica_seconds=[]),
+            "bamboo_rc": bamboo_step(args, groups, redundancy=True, replica_seconds=replica_seconds),
+        }
+        results = time_interleaved(steps, args)
+        results["bamboo_rc"]["replica_update_seconds"] = replica_seconds[args.warmup :]
+        for result in results.values():
+            for key in ("step_seconds", "replica_update_seconds"):
+                if key in result:
+                    seconds = torch.tensor(result[key], dtype=torch.float64)
+                    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+                    result[key] = seconds.tolist()
+        if rank == world_size - 1:
+            args.out.write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
 
@@ -281,7 +302,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(mode: str, args: argparse.Namespace, argv: list[str]) -> dict:
+def launch(args: argparse.Namespace, argv: list[str]) -> dict[str, dict]:
     """Start one worker per stage, wait (killing the group on timeout), read the last rank's JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
@@ -289,7 +310,7 @@ def launch(mode: str, args: argparse.Namespace, argv: list[str]) -> dict:
                "WORLD_SIZE": str(args.stages), "OMP_NUM_THREADS": "1"}
         procs = [
             subprocess.Popen(
-                [sys.executable, __file__, *argv, "--worker", mode, "--out", str(out)],
+                [sys.executable, __file__, *argv, "--worker", "--out", str(out)],
                 env={**env, "RANK": str(rank)}, start_new_session=True,
             )
             for rank in range(args.stages)
@@ -299,7 +320,7 @@ def launch(mode: str, args: argparse.Namespace, argv: list[str]) -> dict:
             for proc in procs:
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired as err:
-            raise SystemExit(f"{mode}: workers did not finish within --timeout ({args.timeout} s)") from err
+            raise SystemExit(f"workers did not finish within --timeout ({args.timeout} s)") from err
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -307,7 +328,7 @@ def launch(mode: str, args: argparse.Namespace, argv: list[str]) -> dict:
                     proc.wait()
         codes = [proc.returncode for proc in procs]
         if any(codes):
-            raise SystemExit(f"{mode}: worker exit codes {codes}")
+            raise SystemExit(f"worker exit codes {codes}")
         return json.loads(out.read_text())
 
 
@@ -322,9 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         worker_main(args)
         return
     torch.set_num_threads(1)
-    results = {"plain": run_plain(args)}
-    for mode in MODES[1:]:
-        results[mode] = launch(mode, args, argv)
+    results = {"plain": time_steps(plain_step(args), args), **launch(args, argv)}
     medians = summarise(results)
     print(f"GPT n_layer={args.n_layer} n_embd={args.n_embd} T={args.block_size}, batch {args.batch_size} in "
           f"{args.microbatches} micro-batches, {args.stages} stages; median of {args.steps} steps after "
