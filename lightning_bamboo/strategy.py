@@ -58,6 +58,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_STAGE_MARK = "_bamboo_stage"
+"""Attribute set on a stage's Sequential, so a second strategy does not mistake it for the whole body."""
+
 
 class BambooStrategy(ParallelStrategy):
     """Pipeline parallelism with Bamboo's redundancy: stage ``s`` also holds stage ``s+1``'s layers.
@@ -290,6 +293,11 @@ class BambooStrategy(ParallelStrategy):
         """Plan the layout, build the groups, and keep only this rank's stage (and replica) of the body."""
         attr, body = find_pipeline_body(module, self._pipeline_attr)
         check_contract(module, attr, body)
+        if getattr(body, _STAGE_MARK, False):
+            raise RuntimeError(
+                f"{type(module).__name__}.{attr} holds only the layers of one stage, left by an earlier "
+                "BambooStrategy run; build a fresh module (e.g. load consolidate_checkpoint(path) into it)"
+            )
         self._body_attr = attr
         costs = self._layer_costs if self._layer_costs is not None else estimate_layer_costs(list(body))
         self.layout = self._plan_layout(body, costs)
@@ -297,6 +305,7 @@ class BambooStrategy(ParallelStrategy):
         self.groups = BambooGroups.create(self.layout, self.global_rank, self._timeout)
         stage = self.groups.stage
         self._stage_module = sub_sequential(body, self.layout.stage_layers[stage])
+        setattr(self._stage_module, _STAGE_MARK, True)
         module._modules[attr] = self._stage_module
         if self._redundancy:
             self.replica = sub_sequential(body, self.layout.stage_layers[self.layout.successor(stage)])

@@ -70,3 +70,15 @@ def test_sixteen_bit_mixed_precision_is_refused() -> None:
     strategy = BambooStrategy(precision_plugin=MixedPrecision("16-mixed", "cpu", scaler=scaler))
     with pytest.raises(ValueError, match=r"does not support precision='16-mixed'"):
         strategy._check_precision()
+
+
+def test_module_left_with_one_stage_is_refused() -> None:
+    from lightning_bamboo.contract import sub_sequential
+    from lightning_bamboo.strategy import _STAGE_MARK
+    from tests.bamboo.pipe_mlp import PipeMLP
+
+    model = PipeMLP()
+    model.pipeline = sub_sequential(model.pipeline, range(3))
+    setattr(model.pipeline, _STAGE_MARK, True)
+    with pytest.raises(RuntimeError, match=r"PipeMLP.pipeline holds only the layers of one stage"):
+        BambooStrategy()._split_body(model)
