@@ -52,7 +52,6 @@ def main() -> None:
     dataset = load_planetoid(args.planetoid_root, "Cora", processed_root=args.out / "processed")
     data = T.NormalizeFeatures()(dataset[0])
     datamodule = DorylusDataModule(data, partitioner="metis", cache_dir=args.out / "partitions")
-    strategy = DorylusStrategy(executor=args.executor, timeout=datetime.timedelta(seconds=120))
     results = []
     for seed in range(args.seeds):
         seed_everything(seed, verbose=False)
@@ -64,7 +63,8 @@ def main() -> None:
             save_top_k=1,
             save_weights_only=True,
         )
-        trainer = Trainer(
+        strategy = DorylusStrategy(executor=args.executor, timeout=datetime.timedelta(seconds=120))
+        trainer = Trainer(  # a Trainer and a strategy per seed; the process group is created once
             accelerator="cpu",
             devices=args.servers,
             strategy=strategy,
