@@ -60,3 +60,16 @@ def test_powerlaw_demo_recipe_trains_and_tests(tmp_path: Path) -> None:
         tmp_path,
     )
     assert 0.0 <= printed_test_accuracy(output) <= 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("experiment", ["dorylus_gcn_cora", "dorylus_gat_cora"])
+def test_cora_recipe_reaches_published_accuracy_range(experiment: str, tmp_path: Path) -> None:
+    """The full Cora recipes (200 epochs, 2 graph servers, local executor) as shipped.
+
+    Published: GCN 81.5%, GAT 83.0% (best validation epoch); the last epoch of one seed lands a little below
+    (measured: GCN 78.6%, GAT 81.0%), while a broken gradient or ghost exchange lands far below.
+    """
+    output = run_recipe(experiment, ["++trainer.enable_progress_bar=false"], tmp_path, timeout=600)
+    assert printed_test_accuracy(output) >= 0.75
