@@ -95,6 +95,14 @@ def assert_matches_reference(run: Path, ref: Path, stages: int, pipelines: int, 
                 pipeline_losses.append(got["loss"])
             else:  # every stage of a pipeline reports the pipeline's loss
                 torch.testing.assert_close(got["loss"], pipeline_losses[-1])
+        if redundancy:  # eager forward redundancy: rank s's FR outputs are exactly stage s+1's F outputs
+            for rank in range(world):
+                fr = {k: v for k, v in snapshot(run, step, rank).items() if k.startswith("fr/")}
+                successor = (rank // stages) * stages + (rank % stages + 1) % stages
+                fwd = {k: v for k, v in snapshot(run, step, successor).items() if k.startswith("fwd/")}
+                assert len(fr) == len(fwd) > 0
+                for mb in range(len(fr)):
+                    torch.testing.assert_close(fr[f"fr/{mb}"], fwd[f"fwd/{mb}"], rtol=0, atol=0)
         # every parameter of the model lives on some stage
         assert covered == {k for k in expected if k.startswith("own")}
         # equal-size pipeline batches: the mean of the pipeline means is the reference's batch mean

@@ -33,8 +33,16 @@ class Snapshot(Callback):
 
     def __init__(self, out: Path) -> None:
         self.out = out
+        self.forwards: list[torch.Tensor] = []  # this stage's F outputs of the current step, in order
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx) -> None:
+        self.forwards.clear()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if isinstance(trainer.strategy, BambooStrategy):  # the module now holds this rank's stage
+            pl_module.pipeline.register_forward_hook(
+                lambda module, args, out: self.forwards.append(out.detach())
+            )
         # after a resume: exactly what was loaded, before any step
         save_file(states(trainer, pl_module), str(self.out / f"start_rank{trainer.global_rank}.safetensors"))
 
@@ -46,6 +54,13 @@ class Snapshot(Callback):
         tensors["loss"] = loss.detach().to(torch.float64).reshape(1).cpu()
         tensors["logged"] = trainer.callback_metrics["train_loss"].detach().to(torch.float64).reshape(1).cpu()
         tensors["lr"] = torch.tensor([trainer.optimizers[0].param_groups[0]["lr"]], dtype=torch.float64)
+        strategy = trainer.strategy
+        if isinstance(strategy, BambooStrategy):
+            assert strategy.engine is not None
+            for mb, value in enumerate(self.forwards):
+                tensors[f"fwd/{mb}"] = value.cpu()
+            for mb, value in strategy.engine.redundant_outputs.items():
+                tensors[f"fr/{mb}"] = value.cpu()
         save_file(tensors, str(self.out / f"step{trainer.global_step}_rank{trainer.global_rank}.safetensors"))
 
 
