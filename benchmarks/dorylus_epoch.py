@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+LR, WEIGHT_DECAY = 0.01, 5e-4  # Adam, the same on both sides (the GCN recipe's values)
 
 
 # --------------------------------------------------------------------------- memory (Linux /proc)
@@ -105,7 +106,7 @@ def graph_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def load_graph(args: argparse.Namespace):  # -> torch_geometric.data.Data
+def generated_graph(args: argparse.Namespace):  # -> torch_geometric.data.Data
     """The generated power-law graph, generated once and then read from ``--cache-dir``."""
     from lightning_dorylus.data.synthetic import powerlaw_graph
 
@@ -125,7 +126,7 @@ def run_prepare(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from safetensors.torch import save_file
 
-    data = load_graph(args)
+    data = generated_graph(args)
     target = pyg_cache_file(args)
     if not target.exists():
         # adj_t[dst, src] = 1: PyG's transposed adjacency, so adj_t @ x aggregates messages at their targets.
@@ -190,7 +191,7 @@ def run_pyg(args: argparse.Namespace) -> dict[str, Any]:
             return self.conv2(x, adj_t)
 
     model = PyGGCN()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     num_train = int(train_mask.sum())
     times, losses = [], []
     for _ in range(args.warmup + args.epochs):
@@ -255,7 +256,8 @@ def run_dorylus_server(args: argparse.Namespace) -> dict[str, Any]:
         callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
     )
-    model = GCN(args.features, args.hidden, args.classes, num_layers=2, dropout=args.dropout, lr=0.01)
+    model = GCN(args.features, args.hidden, args.classes, num_layers=2, dropout=args.dropout, lr=LR,
+                weight_decay=WEIGHT_DECAY)
     # The partition directory, not the graph: each server reads only its own partition from disk.
     trainer.fit(model, datamodule=DorylusDataModule(args.partition_dir))
     return {"rank": trainer.global_rank, "epoch_times": timer.times[args.warmup:], "losses": timer.losses,
@@ -321,14 +323,16 @@ def report(graph: dict[str, Any], pyg: dict[str, Any], servers: list[dict[str, A
     dorylus_epoch = statistics.median(max(epoch) for epoch in zip(*(s["epoch_times"] for s in servers)))
     per_server = max(s["peak_total_mib"] for s in servers)
     print(f"graph: {graph['nodes']:,} vertices, {graph['edges']:,} directed edges")
-    print(f"{'configuration':<34}{'s/epoch':>10}{'peak MiB':>12}{'  (process + executor workers)'}")
-    print(f"{'(a) PyG GCNConv, 1 process':<34}{pyg_epoch:>10.3f}{pyg['peak_total_mib']:>12.0f}")
+    print(f"{'configuration':<34}{'s/epoch':>10}{'peak MiB':>10}{'loss':>14}  (peak: process + workers)")
+    losses = f"{pyg['losses'][0]:.3f}->{pyg['losses'][-1]:.3f}"
+    print(f"{'(a) PyG GCNConv, 1 process':<34}{pyg_epoch:>10.3f}{pyg['peak_total_mib']:>10.0f}{losses:>14}")
     for s in sorted(servers, key=lambda s: s["rank"]):
         label = f"(b) Dorylus server {s['rank']}/{len(servers)}"
-        print(f"{label:<34}{statistics.median(s['epoch_times']):>10.3f}{s['peak_total_mib']:>12.0f}"
+        losses = f"{s['losses'][0]:.3f}->{s['losses'][-1]:.3f}"  # the global loss, the same on every server
+        print(f"{label:<34}{statistics.median(s['epoch_times']):>10.3f}{s['peak_total_mib']:>10.0f}{losses:>14}"
               f"  ({s['peak_self_mib']:.0f} + {s['peak_workers_mib']:.0f} in {s['num_workers']} workers)")
     label = "(b) Dorylus job (slowest server)"
-    print(f"{label:<34}{dorylus_epoch:>10.3f}{per_server:>12.0f}  (max per server)")
+    print(f"{label:<34}{dorylus_epoch:>10.3f}{per_server:>10.0f}{'':>14}  (max per server)")
     memory_ratio = per_server / pyg["peak_total_mib"]
     print(f"vs_pyg={dorylus_epoch / pyg_epoch:.2f} mem_per_server_vs_pyg={memory_ratio:.2f}")
 

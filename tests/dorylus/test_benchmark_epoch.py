@@ -45,8 +45,8 @@ def test_peak_memory_counts_live_descendants() -> None:
 
 def test_report_uses_the_slowest_server_per_epoch(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_benchmark()
-    pyg = {"epoch_times": [1.0, 2.0, 3.0], "peak_total_mib": 1000.0}
-    server = {"peak_self_mib": 300.0, "peak_workers_mib": 100.0, "num_workers": 2}
+    pyg = {"epoch_times": [1.0, 2.0, 3.0], "peak_total_mib": 1000.0, "losses": [2.0, 1.0]}
+    server = {"peak_self_mib": 300.0, "peak_workers_mib": 100.0, "num_workers": 2, "losses": [2.0, 1.5]}
     servers = [
         {**server, "rank": 0, "epoch_times": [2.0, 1.0, 1.0], "peak_total_mib": 400.0},
         {**server, "rank": 1, "epoch_times": [1.0, 3.0, 5.0], "peak_total_mib": 700.0},
