@@ -19,11 +19,22 @@ from tests.bamboo.pipe_mlp import PipeMLP
 def test_two_stage_checkpoint_merges_and_resumes(tmp_path: Path) -> None:
     path = tmp_path / "last.ckpt"
     common = ["--strategy", "bamboo", "--devices", "2", "--stages", "2", "--optimizer", "adam"]
-    run_script(
-        "train_pipe.py", [*common, "--out", str(tmp_path / "run"), "--save-ckpt", str(path)], timeout=180
-    )
+    callback_dir = tmp_path / "callback"
+    run = [
+        *common,
+        "--out",
+        str(tmp_path / "run"),
+        "--save-ckpt",
+        str(path),
+        "--checkpoint-dir",
+        str(callback_dir),
+    ]
+    run_script("train_pipe.py", run, timeout=180)
     assert (path / ckpt.META_FILE).exists()
     assert not path.with_name(path.name + ".partial").exists()
+    # ModelCheckpoint (paths broadcast without pickle): the 2 lowest train losses of 3 steps are kept, + last
+    kept = sorted(p.name for p in callback_dir.iterdir())
+    assert kept == ["epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt", "last.ckpt"]
 
     # all stages merged load into the single-process module, equal to what the stages held
     model = PipeMLP()

@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -106,6 +107,7 @@ def main() -> None:
     parser.add_argument("--save-ckpt", type=Path, default=None)
     parser.add_argument("--resume", type=Path, default=None)
     parser.add_argument("--max-epochs", type=int, default=1)
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="ModelCheckpoint every step, top 2")
     parser.add_argument("--dtype", default="float64", help="parameter and data dtype")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -141,6 +143,17 @@ def main() -> None:
         )
     else:
         strategy = "auto"
+    checkpointing = []
+    if args.checkpoint_dir is not None:
+        checkpointing.append(
+            ModelCheckpoint(
+                dirpath=args.checkpoint_dir,
+                monitor="train_loss",
+                save_top_k=2,
+                save_last=True,
+                every_n_train_steps=1,
+            )
+        )
     trainer = Trainer(
         accelerator="cpu",
         devices=args.devices if args.strategy == "bamboo" else 1,
@@ -149,13 +162,13 @@ def main() -> None:
         max_epochs=args.max_epochs,
         precision=args.precision,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=args.checkpoint_dir is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=1.0 if args.validate else 0,
         gradient_clip_val=args.clip,
-        callbacks=[Snapshot(args.out)],
+        callbacks=[Snapshot(args.out), *checkpointing],
     )
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val, ckpt_path=args.resume)
     if args.validate:
