@@ -88,3 +88,13 @@ def test_benchmark_ci_size(tmp_path: Path) -> None:
     assert SUMMARY.match(lines[-1]), lines[-1]
     assert any(line.startswith("(a) PyG GCNConv") for line in lines), output
     assert sum(line.startswith("(b) Dorylus server") for line in lines) == 2, output
+
+
+@pytest.mark.multiprocess
+def test_a_failing_worker_is_reported_with_its_output(tmp_path: Path) -> None:
+    """A worker that cannot run (no partition directory) fails the launch with its own error message."""
+    bench = load_benchmark()
+    args = bench.parse_args(["--nodes", "100", "--timeout", "120", "--cache-dir", str(tmp_path / "cache"),
+                             "--partition-dir", str(tmp_path / "missing")])
+    with pytest.raises(RuntimeError, match=r"(?s)dorylus worker exited with 1:.*missing"):
+        bench.launch(args, "dorylus", tmp_path, num_procs=2)
