@@ -1,8 +1,9 @@
 """Bamboo's redundant copy of the successor stage: its layers AND its optimizer state, kept exactly current.
 
 Every rank holds a replica of stage ``(s + 1) % num_stages``. After each optimizer step, the successor sends
-the (averaged, clipped) gradients it just applied to its predecessor with one non-blocking send per dtype,
-and the predecessor applies them with an optimizer of the same class and hyper-parameters. Starting from the
+the (averaged, clipped) gradients it just applied to its predecessor (one flat buffer per dtype, posted in
+one batch with the receive from its own successor), and the predecessor applies them with the user's own
+optimizer built over the replica (same class, param groups and hyper-parameters). Starting from the
 same parameters, the same gradients through the same optimizer code give the same parameters and the same
 optimizer state bit for bit (on the same kind of device), so a takeover needs no transfer at all.
 """
