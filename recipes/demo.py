@@ -13,7 +13,10 @@ from recipes.paths import CONFIG_DIR, REPO_ROOT
 
 # (experiment, extra overrides, what the run shows)
 DEMO_RUNS: list[tuple[str, list[str], str]] = [
-    ("plain_mlp", [], "baseline: a small classifier with Lightning's default strategy"),
+    ("bamboo_gpt", ["trainer.max_steps=30"],
+     "Bamboo: a tiny GPT as a 2-stage pipeline with redundant layers, 2 CPU processes"),
+    ("dorylus_gcn_powerlaw", ["trainer.max_epochs=30"],
+     "Dorylus: GCN on a generated power-law graph, 2 graph servers, local executor pool"),
 ]
 
 
