@@ -222,18 +222,18 @@ class DorylusStrategy(ParallelStrategy):
 
     def _start_runtime(self) -> None:
         """Starts the executor and lends it, with the ghost exchange, to every Dorylus layer of the model."""
-        if self._executor is None:
-            spec = self._executor_spec
-            self._executor = build_executor(spec, **self._executor_options) if isinstance(spec, str) else spec
-        self._executor.start()
-        self._exchange = GhostExchange()
-        runtime = DorylusRuntime(executor=self._executor, exchange=self._exchange)
         layers = self._dorylus_layers()
         if not layers:
             raise TypeError(
                 f"{type(self.lightning_module).__name__} has no DorylusLayer (lightning_dorylus.nn.GCNConv, "
                 "GATConv, ...): DorylusStrategy only trains models built from Dorylus layers"
             )
+        if self._executor is None:
+            spec = self._executor_spec
+            self._executor = build_executor(spec, **self._executor_options) if isinstance(spec, str) else spec
+        self._executor.start()
+        self._exchange = GhostExchange()
+        runtime = DorylusRuntime(executor=self._executor, exchange=self._exchange)
         for layer in layers:
             layer.attach(runtime)
 
