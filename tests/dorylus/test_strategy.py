@@ -177,3 +177,13 @@ def test_single_process_fit_with_strategy_instance(tmp_path: Path) -> None:
     assert seen == [True, True]
     assert model.convs[0]._runtime is None and strategy.executor is None
     assert 0.0 <= float(trainer.callback_metrics["val_acc"]) <= 1.0
+
+
+def test_model_without_dorylus_layers_is_rejected() -> None:
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    strategy = DorylusStrategy(executor="inline")
+    strategy.connect(BoringModel())
+    with pytest.raises(TypeError, match=r"BoringModel has no DorylusLayer .* only trains models built from"):
+        strategy._start_runtime()
+    assert strategy.executor is None  # nothing was started
