@@ -32,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -220,15 +221,40 @@ def torch_1f1b_step(args: argparse.Namespace, rank: int, world_size: int) -> Ste
 # (c), (d) Bamboo
 
 
+class TimedReplicaSync(ReplicaSync):
+    """``ReplicaSync`` that adds the time of posting (``step``) and of applying (``flush``) to ``seconds``.
+
+    The apply runs inside the next training step (before the first ``FR``), so its time is part of (d)'s
+    step time; it is reported on its own line only to show where the replica's cost goes.
+    """
+
+    def __init__(self, *args: Any, seconds: list[float], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seconds = seconds
+
+    def step(self, main_optimizer: torch.optim.Optimizer) -> None:
+        start = time.perf_counter()
+        super().step(main_optimizer)
+        self.seconds[-1] += time.perf_counter() - start
+
+    def flush(self) -> None:
+        start = time.perf_counter()
+        super().flush()
+        if self.seconds:
+            self.seconds[-1] += time.perf_counter() - start
+
+
 def bamboo_step(
     args: argparse.Namespace, groups: BambooGroups, redundancy: bool, replica_seconds: list[float]
-) -> StepFn:
+) -> tuple[StepFn, ReplicaSync | None]:
     """Bamboo's ``PipelineEngine`` over the same stages, driven as ``BambooStrategy`` drives it.
 
     With ``redundancy`` the schedule gains the ``FR`` actions (eager forward of the successor's replica,
     in bubbles first) and every step ends with the replica update: the stage's gradients go to the
-    predecessor, which applies them to its replica with its own AdamW; its duration is appended to
-    ``replica_seconds``. Both are the per-step price of being able to take over a preempted successor.
+    predecessor, which applies them to its replica with its own AdamW (when the replica is next used, at
+    the first ``FR`` of the next step); ``replica_seconds`` gets one entry per step: posting that exchange
+    plus applying the previous one. Both are the per-step price of being able to take over a preempted
+    successor.
     """
     device = torch.device("cpu")
     layout = groups.layout
@@ -240,7 +266,7 @@ def bamboo_step(
         schedule = add_forward_redundancy(schedule, layout.num_stages, args.microbatches)
         replica = stage_module(args, layout.stage_layers[layout.successor(groups.stage)])
         replica_optimizer = make_optimizer(list(replica.parameters()))  # the successor's optimizer settings
-        sync = ReplicaSync(stage, replica, replica_optimizer, groups, device)
+        sync = TimedReplicaSync(stage, replica, replica_optimizer, groups, device, seconds=replica_seconds)
         sync.sync_parameters()
     engine = PipelineEngine(
         stage, groups, schedule, device=device, replica=replica,
@@ -250,16 +276,15 @@ def bamboo_step(
     microbatches = split_microbatches(fixed_batch(args), args.microbatches)
 
     def step() -> float:
+        replica_seconds.append(0.0)
         loss = engine.run_step(microbatches)
         optimizer.step()
         if sync is not None:
-            start = time.perf_counter()
             sync.step(optimizer)
-            replica_seconds.append(time.perf_counter() - start)
         optimizer.zero_grad()
         return loss.item()
 
-    return step
+    return step, sync
 
 
 # --------------------------------------------------------------------------------------------------
@@ -277,12 +302,13 @@ def worker_main(args: argparse.Namespace) -> None:
     try:
         groups = BambooGroups.create(plan_layout(args, world_size), rank)
         replica_seconds: list[float] = []
-        steps = {
-            "torch_1f1b": torch_1f1b_step(args, rank, world_size),
-            "bamboo": bamboo_step(args, groups, redundancy=False, replica_seconds=[]),
-            "bamboo_rc": bamboo_step(args, groups, redundancy=True, replica_seconds=replica_seconds),
-        }
+        bamboo, _ = bamboo_step(args, groups, redundancy=False, replica_seconds=[])
+        bamboo_rc, sync = bamboo_step(args, groups, redundancy=True, replica_seconds=replica_seconds)
+        torch_1f1b = torch_1f1b_step(args, rank, world_size)
+        steps = {"torch_1f1b": torch_1f1b, "bamboo": bamboo, "bamboo_rc": bamboo_rc}
         results = time_interleaved(steps, args)
+        assert sync is not None
+        sync.flush()  # the last step's exchange, before the process group goes
         results["bamboo_rc"]["replica_update_seconds"] = replica_seconds[args.warmup :]
         for result in results.values():
             for key in ("step_seconds", "replica_update_seconds"):
@@ -353,7 +379,8 @@ def main(argv: list[str] | None = None) -> None:
         losses = results[mode]["losses"]
         print(f"{LABELS[mode]:<42}{medians[mode]:>10.4f}{losses[0]:>12.4f}{losses[-1]:>11.4f}")
     replica_update = statistics.median(results["bamboo_rc"]["replica_update_seconds"])
-    print(f"{'    of which replica update':<42}{replica_update:>10.4f}")  # grads to predecessor + its AdamW
+    # posting this step's gradients + applying the previous step's to the replica (its AdamW)
+    print(f"{'    of which replica update':<42}{replica_update:>10.4f}")
     rc_overhead = medians["bamboo_rc"] / medians["bamboo"]
     vs_torch = medians["bamboo"] / medians["torch_1f1b"]
     print(f"rc_overhead={rc_overhead:.2f} vs_torch_1f1b={vs_torch:.2f}")

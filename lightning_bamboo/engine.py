@@ -1,21 +1,25 @@
 """Runs one rank's part of a pipeline schedule: forwards, backwards and redundant forwards of micro-batches.
 
-The engine walks the schedule slot by slot (``schedule[stage][t]``, ``None`` = bubble):
+Each rank runs its own program (``rank_program(schedule, stage)``: its actions in slot order, bubbles
+dropped) as fast as its inputs arrive; ranks do not move in lock-step:
 
 * ``F`` (stage s, micro-batch i): stage 0 builds its input with ``inputs_fn(micro-batch)``, any other stage
-  uses the activation received from stage s-1; runs the stage; the last stage computes ``loss_fn(output,
-  micro-batch) / num_microbatches``, the others send the output to stage s+1.
-* ``B``: the last stage back-propagates its scaled loss, the others back-propagate the output gradient
-  received from stage s+1; every stage but the first sends its input gradient to stage s-1.
+  takes the activation received from stage s-1; runs the stage; the last stage computes ``loss_fn(output,
+  micro-batch) / num_microbatches``, the others hand the output to stage s+1 (a non-blocking send).
+* ``B``: the last stage back-propagates its scaled loss, the others take the output gradient received from
+  stage s+1; every stage but the first hands its input gradient to stage s-1.
 * ``FR``: runs the replica of the successor stage on this rank's own output of micro-batch i (the last rank
   runs its replica of stage 0 on the micro-batch input) without building a graph, and keeps the result in
   :attr:`PipelineEngine.redundant_outputs` for a takeover (Bamboo's eager forward redundancy).
 * ``BR`` only appears in schedules rewritten after a failure; this engine refuses it with a clear error.
 
-After each slot, the tensors that cross to the neighbours are exchanged: both ends know from the schedule
-which messages cross that boundary, so all of them are posted at once (``batch_isend_irecv``) — first the
-activation headers (dtype and shape, so the receiver can allocate), then activations and gradients.
-After the last slot, gradients of the stage are averaged over the data-parallel stage group and the mean
+Communication (:mod:`lightning_bamboo.transfers`): every send and receive of the step is known from the
+schedule, and both ends issue a link's operations in the same canonical order (the slot order), so gloo and
+NCCL match them. Receives are posted as soon as every earlier operation is issued, long before the action
+that consumes them, and sends go as soon as their tensor exists and are waited on at the end of the step,
+so transfers overlap compute. An activation's shape header travels only with the first micro-batch of
+each shape; later steps reuse the cached shape.
+After the last action, gradients of the stage are averaged over the data-parallel stage group and the mean
 loss of the step is broadcast from the last stage to every rank of the pipeline.
 
 Standalone use (benchmarks), on every rank after ``init_process_group``::
@@ -36,9 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_bamboo import p2p
 from lightning_bamboo.groups import BambooGroups
 from lightning_bamboo.schedule import Action, ActionKind, Schedule, rank_program
+from lightning_bamboo.transfers import Kind, ShapeCache, StepTransfers, microbatch_signature
 
 InputsFn = Callable[[Any], Tensor]
 LossFn = Callable[[Tensor, Any], Tensor]
@@ -85,6 +89,8 @@ class PipelineEngine:
         self.replica_device = replica_device or device
         self.redundant_outputs: dict[int, Tensor] = {}
         """Outputs of the last step's ``FR`` actions, by micro-batch (kept for a takeover)."""
+        self.shapes = ShapeCache()
+        """Activation shapes learned from the headers of earlier steps (sent once per micro-batch shape)."""
         has_fr = any(action.kind is ActionKind.FORWARD_REDUNDANT for action in self.program)
         if has_fr and replica is None:
             raise ValueError(
@@ -107,7 +113,7 @@ class PipelineEngine:
         self._check_count(microbatches)
         self.redundant_outputs = {}
         step = _StepState(count=len(microbatches))
-        self._run_slots(self.schedule, microbatches, step, train=True)
+        self._run_program(self.schedule, microbatches, step, train=True)
         self._average_gradients()
         return self._broadcast_loss(step.losses)
 
@@ -118,7 +124,7 @@ class PipelineEngine:
             raise ValueError("run_forward needs at least one micro-batch")
         step = _StepState(count=len(microbatches))
         schedule = forward_only_schedule(self.groups.num_stages, len(microbatches))
-        self._run_slots(schedule, microbatches, step, train=False)
+        self._run_program(schedule, microbatches, step, train=False)
         return self._broadcast_loss(step.losses)
 
     def _check_count(self, microbatches: Sequence[Any]) -> None:
@@ -127,29 +133,36 @@ class PipelineEngine:
                 f"the schedule has {self.num_microbatches} micro-batches but run_step got {len(microbatches)}"
             )
 
-    def _run_slots(
+    def _run_program(
         self, schedule: Schedule, microbatches: Sequence[Any], step: _StepState, train: bool
     ) -> None:
-        """Run the schedule slot by slot; after each slot, exchange what crosses to the neighbours.
-
-        Both ends of every message derive it from the same schedule (``F`` of stage s in slot t sends to
-        s+1; ``B`` of stage s sends to s-1), so each boundary's sends and receives are posted together with
-        ``batch_isend_irecv``: no ordering between neighbours can deadlock, on gloo or NCCL alike.
-        """
-        row = schedule[self.groups.stage]
-        for t, action in enumerate(row):
-            if action is not None:
-                self._execute(action, microbatches, step, train)
-            self._exchange(schedule, t, step)
+        """Run this rank's actions in order; transfers are issued around them as early as they can go."""
+        keys = [(train, microbatch_signature(microbatch)) for microbatch in microbatches]
+        step.transfers = StepTransfers(
+            schedule,
+            self.groups.stage,
+            self.groups.rank_of_stage,
+            self.device,
+            keys,
+            self.shapes,
+            gradient_buffer=lambda mb: torch.empty_like(step.outputs[mb]),
+        )
+        step.transfers.pump()  # post the receives that need nothing from this rank
+        for action in rank_program(schedule, self.groups.stage):
+            self._execute(action, microbatches, step, train)
+            step.transfers.pump()  # a take() may have unblocked later receives
+        step.transfers.finish()
 
     def _execute(self, action: Action, microbatches: Sequence[Any], step: _StepState, train: bool) -> None:
         mb = action.microbatch
         last = self.groups.is_last_stage
+        transfers = step.transfers
+        assert transfers is not None
         if action.kind is ActionKind.FORWARD:
             if self.groups.is_first_stage:
                 x = self.inputs_fn(microbatches[mb])
             else:
-                x = step.received.pop(mb)
+                x = transfers.take(Kind.ACTIVATION, mb)
                 if train and x.is_floating_point():
                     x.requires_grad_(True)
             y = self.stage(x)
@@ -159,11 +172,11 @@ class PipelineEngine:
                 if train:
                     step.outputs[mb] = loss / step.count
             else:
-                step.to_send_activation = y.detach()
                 if train:
                     step.outputs[mb] = y
                     if self.replica is not None:
                         step.kept_for_fr[mb] = y.detach()
+                transfers.offer(Kind.ACTIVATION, mb, y)
             if train:
                 step.inputs[mb] = x
         elif action.kind is ActionKind.BACKWARD:
@@ -171,7 +184,7 @@ class PipelineEngine:
             if last:
                 out.backward()
             else:
-                torch.autograd.backward(out, step.grads.pop(mb))
+                torch.autograd.backward(out, transfers.take(Kind.GRADIENT, mb))
             x = step.inputs.pop(mb)
             if not self.groups.is_first_stage:
                 if x.grad is None:
@@ -179,7 +192,7 @@ class PipelineEngine:
                         f"stage {self.groups.stage} produced no gradient for its input of "
                         f"micro-batch {mb}: the stage's output does not depend on its input"
                     )
-                step.to_send_gradient = x.grad
+                transfers.offer(Kind.GRADIENT, mb, x.grad)
         elif action.kind is ActionKind.FORWARD_REDUNDANT:
             self._forward_redundant(mb, microbatches[mb], step.kept_for_fr)
         else:
@@ -187,52 +200,6 @@ class PipelineEngine:
                 f"action {action} (backward redundancy) only runs after a failover remap; "
                 "this engine runs the failure-free schedule"
             )
-
-    def _exchange(self, schedule: Schedule, t: int, step: _StepState) -> None:
-        stage, last = self.groups.stage, self.groups.num_stages - 1
-        mine = schedule[stage][t]
-        before = schedule[stage - 1][t] if stage > 0 else None
-        after = schedule[stage + 1][t] if stage < last else None
-        send_activation = mine is not None and mine.kind is ActionKind.FORWARD and stage < last
-        recv_activation = before is not None and before.kind is ActionKind.FORWARD
-        send_gradient = mine is not None and mine.kind is ActionKind.BACKWARD and stage > 0
-        recv_gradient = after is not None and after.kind is ActionKind.BACKWARD
-        if not (send_activation or recv_activation or send_gradient or recv_gradient):
-            return
-        next_rank = self.groups.rank_of_stage(stage + 1) if stage < last else -1
-        prev_rank = self.groups.rank_of_stage(stage - 1) if stage > 0 else -1
-        # round 1: activation headers (the receiver allocates from them)
-        headers: list[dist.P2POp] = []
-        header_in = torch.empty(p2p.HEADER_LEN, dtype=torch.int64, device=self.device)
-        if send_activation:
-            assert step.to_send_activation is not None
-            headers.append(
-                p2p.isend_op(p2p.encode_header(step.to_send_activation), next_rank, p2p.Tag.HEADER)
-            )
-        if recv_activation:
-            headers.append(p2p.irecv_op(header_in, prev_rank, p2p.Tag.HEADER))
-        p2p.run_batch(headers)
-        # round 2: activations forward, gradients backward
-        payloads: list[dist.P2POp] = []
-        if send_activation:
-            payloads.append(p2p.isend_op(step.to_send_activation, next_rank, p2p.Tag.ACTIVATION))
-            step.to_send_activation = None
-        if recv_activation:
-            assert before is not None
-            dtype, shape = p2p.decode_header(header_in.cpu())
-            buffer = torch.empty(shape, dtype=dtype, device=self.device)
-            step.received[before.microbatch] = buffer
-            payloads.append(p2p.irecv_op(buffer, prev_rank, p2p.Tag.ACTIVATION))
-        if send_gradient:
-            assert step.to_send_gradient is not None
-            payloads.append(p2p.isend_op(step.to_send_gradient, prev_rank, p2p.Tag.GRADIENT))
-            step.to_send_gradient = None
-        if recv_gradient:
-            assert after is not None
-            grad = torch.empty_like(step.outputs[after.microbatch])
-            step.grads[after.microbatch] = grad
-            payloads.append(p2p.irecv_op(grad, next_rank, p2p.Tag.GRADIENT))
-        p2p.run_batch(payloads)
 
     @torch.no_grad()
     def _forward_redundant(self, mb: int, microbatch: Any, kept_for_fr: dict[int, Tensor]) -> None:
@@ -276,12 +243,9 @@ class _StepState:
     count: int
     inputs: dict[int, Tensor] = field(default_factory=dict)
     outputs: dict[int, Tensor] = field(default_factory=dict)
-    received: dict[int, Tensor] = field(default_factory=dict)
-    grads: dict[int, Tensor] = field(default_factory=dict)
     kept_for_fr: dict[int, Tensor] = field(default_factory=dict)
     losses: list[Tensor] = field(default_factory=list)
-    to_send_activation: Tensor | None = None
-    to_send_gradient: Tensor | None = None
+    transfers: StepTransfers | None = None
 
 
 def forward_only_schedule(num_stages: int, num_microbatches: int) -> Schedule:

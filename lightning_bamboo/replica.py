@@ -1,18 +1,35 @@
 """Bamboo's redundant copy of the successor stage: its layers AND its optimizer state, kept exactly current.
 
 Every rank holds a replica of stage ``(s + 1) % num_stages``. After each optimizer step, the successor sends
-the (averaged, clipped) gradients it just applied to its predecessor (one flat buffer per dtype, posted in
-one batch with the receive from its own successor), and the predecessor applies them with the user's own
-optimizer built over the replica (same class, param groups and hyper-parameters). Starting from the
-same parameters, the same gradients through the same optimizer code give the same parameters and the same
-optimizer state bit for bit (on the same kind of device), so a takeover needs no transfer at all.
+the (averaged, clipped) gradients it just applied to its predecessor (one flat buffer per dtype), and the
+predecessor applies them with the user's own optimizer built over the replica (same class, param groups
+and hyper-parameters). Starting from the same parameters, the same gradients through the same optimizer
+code give the same parameters and the same optimizer state bit for bit (on the same kind of device), so a
+takeover needs no transfer at all.
+
+The update overlaps the next step: :meth:`ReplicaSync.step` only *posts* the exchange (non-blocking send
+to the predecessor, receive from the successor) and records the hyper-parameters of this step; the
+transfer runs while the rank starts its next step, and the received gradients are applied when the replica
+is next needed. The replica is exactly current (parameters and optimizer state equal the successor's after
+its latest optimizer step):
+
+* before any forward of the replica (a forward pre-hook applies a pending update: the first ``FR`` of the
+  next step, or a takeover),
+* whenever it is read through :attr:`ReplicaSync.replica` or :attr:`ReplicaSync.optimizer`,
+* after :meth:`ReplicaSync.flush`, and before the next :meth:`ReplicaSync.step` posts a new exchange.
+
+Only the module object held elsewhere (``BambooStrategy.replica``), read directly between an optimizer
+step and the next replica forward, can be one update behind; call :meth:`flush` first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -41,72 +58,128 @@ class ReplicaSync:
         device: torch.device,
     ) -> None:
         self.stage = stage
-        self.replica = replica
-        self.optimizer = optimizer
+        self._replica = replica
+        self._optimizer = optimizer
         self.groups = groups
         self.device = device
+        self._pending: _PendingUpdate | None = None
+        # any forward of the replica (FR, a takeover) first applies the update still in flight
+        self._hook = replica.register_forward_pre_hook(lambda module, args: self.flush())
+
+    @property
+    def replica(self) -> nn.Module:
+        """The replica, with any update in flight applied first."""
+        self.flush()
+        return self._replica
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The replica's optimizer, with any update in flight applied first."""
+        self.flush()
+        return self._optimizer
+
+    @property
+    def pending(self) -> bool:
+        """Whether an exchange has been posted whose gradients are not applied yet."""
+        return self._pending is not None
 
     def _own_params(self) -> list[nn.Parameter]:
         return [p for p in self.stage.parameters() if p.requires_grad]
 
     def _replica_params(self) -> list[nn.Parameter]:
-        return [p for p in self.replica.parameters() if p.requires_grad]
+        return [p for p in self._replica.parameters() if p.requires_grad]
 
     def sync_parameters(self) -> None:
-        """Make the replica's parameters equal to the successor's current ones (at setup)."""
+        """Make the replica's parameters equal to the successor's current ones (at setup; blocking)."""
+        self.flush()
         with torch.no_grad():
             own = _flatten([p.detach() for p in self._own_params()], self.device)
-            self._exchange(own, [p.data for p in self._replica_params()], p2p.Tag.REPLICA_PARAM)
+            targets = [p.data for p in self._replica_params()]
+            works, incoming = self._post(own, targets, p2p.Tag.REPLICA_PARAM)
+            for work in works:
+                work.wait()
+            _unflatten(incoming, targets)
 
     def step(self, main_optimizer: Optimizer) -> None:
-        """Send this stage's gradients to the predecessor and apply the successor's to the replica.
+        """Post this stage's gradients to the predecessor and the receive of the successor's (non-blocking).
 
-        Call right after ``main_optimizer.step()`` (gradients are still in ``.grad``). The replica's
-        param-group hyper-parameters (learning rate set by a scheduler, ...) are copied from
-        ``main_optimizer`` first, so schedulers need no replica of their own.
+        Call right after ``main_optimizer.step()`` (gradients are still in ``.grad``; they are copied into a
+        flat send buffer here, so they may be zeroed right after). The param-group hyper-parameters of
+        ``main_optimizer`` (learning rate set by a scheduler, ...) are recorded now, as they were for this
+        step, and given to the replica's optimizer when the gradients are applied, so schedulers need no
+        replica of their own. The gradients are applied by :meth:`flush` (see the module docstring for
+        when that happens).
         """
+        self.flush()  # exchanges are applied in order: the previous one first
         own = _flatten([_grad_or_zeros(p) for p in self._own_params()], self.device)
         replica_params = self._replica_params()
         for p in replica_params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self._exchange(own, [p.grad for p in replica_params], p2p.Tag.REPLICA_GRAD)  # type: ignore[misc]
-        copy_hyperparameters(main_optimizer, self.optimizer)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
+        targets = [p.grad for p in replica_params]
+        works, incoming = self._post(own, targets, p2p.Tag.REPLICA_GRAD)  # type: ignore[arg-type]
+        hyperparameters = [
+            {key: _snapshot(value) for key, value in group.items() if key != "params"}
+            for group in main_optimizer.param_groups
+        ]
+        self._pending = _PendingUpdate(works, incoming, hyperparameters, sent=own)
 
-    def _exchange(self, outgoing: list[Tensor], targets: list[Tensor], tag: p2p.Tag) -> None:
-        """Send ``outgoing`` (flat buckets) to the predecessor; receive the successor's into ``targets``.
+    def flush(self) -> None:
+        """Wait for the exchange in flight (if any) and apply the successor's gradients to the replica."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        for work in pending.works:
+            work.wait()
+        replica_params = self._replica_params()
+        _unflatten(pending.incoming, [p.grad for p in replica_params])  # type: ignore[misc]
+        set_hyperparameters(self._optimizer, pending.hyperparameters)
+        device_type = replica_params[0].device.type if replica_params else "cpu"
+        with torch.autocast(device_type, enabled=False):  # the successor stepped outside autocast too
+            self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=False)
 
-        Every rank sends and receives in the same batch, so the ring (two ranks: each other's predecessor and
-        successor) cannot deadlock.
+    def _post(self, outgoing: list[Tensor], targets: list[Tensor], tag: p2p.Tag) -> tuple[list, list[Tensor]]:
+        """Post the send of ``outgoing`` (flat buckets) to the predecessor and the receive of the
+        successor's buckets shaped like ``targets``; return the works and the receive buffers.
+
+        Both are posted in one ``batch_isend_irecv`` on every rank, so the ring (two ranks: each other's
+        predecessor and successor) cannot deadlock, on gloo or NCCL.
         """
-        buckets = _by_dtype(targets)
         incoming = [
             torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=self.device)
-            for bucket in buckets
+            for bucket in _by_dtype(targets)
         ]
         ops = [p2p.isend_op(flat, self.groups.predecessor_rank, tag) for flat in outgoing]
         ops += [p2p.irecv_op(flat, self.groups.successor_rank, tag) for flat in incoming]
-        p2p.run_batch(ops)
-        for bucket, flat in zip(buckets, incoming):
-            offset = 0
-            for target in bucket:
-                target.copy_(flat[offset : offset + target.numel()].view_as(target))
-                offset += target.numel()
+        return (dist.batch_isend_irecv(ops) if ops else []), incoming
 
 
-def copy_hyperparameters(source: Optimizer, target: Optimizer) -> None:
-    """Copy every param-group setting but ``params`` from ``source`` to ``target`` (same group count)."""
-    if len(source.param_groups) != len(target.param_groups):
+@dataclass
+class _PendingUpdate:
+    """A posted gradient exchange whose gradients are not applied to the replica yet."""
+
+    works: list[Any]
+    incoming: list[Tensor]
+    hyperparameters: list[dict[str, Any]]
+    sent: list[Tensor]
+    """The send buffers, alive until the exchange is waited on."""
+
+
+def set_hyperparameters(target: Optimizer, hyperparameters: list[dict[str, Any]]) -> None:
+    """Give ``target``'s param groups the recorded settings (one dict per group, ``params`` excluded)."""
+    if len(hyperparameters) != len(target.param_groups):
         raise RuntimeError(
             f"replica optimizer has {len(target.param_groups)} param groups but the stage's optimizer has "
-            f"{len(source.param_groups)}; configure_optimizers must build the same groups for every stage"
+            f"{len(hyperparameters)}; configure_optimizers must build the same groups for every stage"
         )
-    for src, dst in zip(source.param_groups, target.param_groups):
-        for key, value in src.items():
-            if key != "params":
-                dst[key] = value
+    for values, group in zip(hyperparameters, target.param_groups):
+        group.update(values)
+
+
+def _snapshot(value: Any) -> Any:
+    """A hyper-parameter's value now (a tensor learning rate may be changed in place by a scheduler)."""
+    return value.detach().clone() if isinstance(value, Tensor) else value
 
 
 def _grad_or_zeros(p: Tensor) -> Tensor:
@@ -122,3 +195,12 @@ def _by_dtype(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
 
 def _flatten(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
     return [torch.cat([t.reshape(-1).to(device) for t in bucket]) for bucket in _by_dtype(tensors)]
+
+
+def _unflatten(flats: list[Tensor], targets: list[Tensor]) -> None:
+    """Copy flat buckets (one per dtype, in :func:`_by_dtype` order) back into ``targets``."""
+    for bucket, flat in zip(_by_dtype(targets), flats):
+        offset = 0
+        for target in bucket:
+            target.copy_(flat[offset : offset + target.numel()].view_as(target))
+            offset += target.numel()

@@ -1,0 +1,136 @@
+"""Worker script: the engine (no Trainer) over batches whose micro-batch shape changes between steps.
+
+``engine_shapes.py --out DIR --stages S`` starts S ranks (this file again with ``--rank``; gloo, one thread,
+60 s collective timeout) that train ``PipeMLP``'s body with the redundant 1F1B schedule, SGD on every stage
+and every replica, over batches of sizes ``SIZES`` (micro-batches of 2, 2, 1, 2, 1 rows), then run one
+forward-only evaluation of 6 rows in 3 micro-batches. After every step each rank writes
+``DIR/step{k}_rank{r}.safetensors``: ``loss``, ``own/<name>`` (its stage after the step) and
+``replica/<name>`` (its replica, read through ``ReplicaSync.replica``); ``eval_rank{r}.safetensors`` holds
+the evaluation loss and the number of activation shapes the rank learned from headers (``received``) and
+sent headers for (``sent``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from lightning_bamboo import BambooGroups, PipelineEngine, ReplicaSync, split_microbatches
+from lightning_bamboo.contract import sub_sequential
+from lightning_bamboo.layout import StageLayout
+from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b
+from tests.bamboo.pipe_mlp import PipeMLP, make_data
+
+SIZES = (4, 4, 2, 4, 2)
+"""Batch sizes of the training steps: the micro-batch shape changes at steps 3, 4 and 5."""
+MICROBATCHES = 2
+LR = 0.05
+
+
+def body() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return PipeMLP(pairs=3).pipeline
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = make_data(sum(SIZES))
+    bounds = torch.tensor((0, *SIZES)).cumsum(0).tolist()
+    return [(x[a:b], y[a:b]) for a, b in itertools.pairwise(bounds)]
+
+
+def eval_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    return make_data(6, seed=99)
+
+
+def loss_fn(outputs: torch.Tensor, microbatch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(outputs, microbatch[1])
+
+
+def worker(out: Path, rank: int, stages: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=stages, timeout=datetime.timedelta(seconds=60))
+    try:
+        full = body()
+        layout = StageLayout.plan([1.0] * len(full), stages, stages)
+        groups = BambooGroups.create(layout, rank)
+        stage = sub_sequential(full, layout.stage_layers[groups.stage])
+        replica = sub_sequential(full, layout.stage_layers[layout.successor(groups.stage)])
+        schedule = add_forward_redundancy(build_1f1b(stages, MICROBATCHES), stages, MICROBATCHES)
+        device = torch.device("cpu")
+        engine = PipelineEngine(
+            stage,
+            groups,
+            schedule,
+            inputs_fn=lambda mb: mb[0],
+            loss_fn=loss_fn,
+            device=device,
+            replica=replica,
+        )
+        optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
+        sync = ReplicaSync(stage, replica, torch.optim.SGD(replica.parameters(), lr=LR), groups, device)
+        sync.sync_parameters()
+        for step, batch in enumerate(batches(), start=1):
+            loss = engine.run_step(split_microbatches(batch, MICROBATCHES))
+            optimizer.step()
+            sync.step(optimizer)
+            optimizer.zero_grad()
+            tensors = {"loss": loss.reshape(1)}
+            tensors |= {f"own/{k}": v.detach().clone() for k, v in stage.named_parameters()}
+            tensors |= {f"replica/{k}": v.detach().clone() for k, v in sync.replica.named_parameters()}
+            save_file(tensors, str(out / f"step{step}_rank{rank}.safetensors"))
+        val = engine.run_forward(split_microbatches(eval_batch(), 3))
+        shapes = torch.tensor([len(engine.shapes.received), len(engine.shapes.sent)])
+        save_file(
+            {"loss": val.reshape(1), "received_sent": shapes}, str(out / f"eval_rank{rank}.safetensors")
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--rank", type=int, default=None)
+    args = parser.parse_args()
+    if args.rank is not None:
+        worker(args.out, args.rank, args.stages)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    # children stay in this process group, so the test's killpg on timeout reaches them too
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--out",
+                str(args.out),
+                "--stages",
+                str(args.stages),
+                "--rank",
+                str(r),
+            ],
+            env={**os.environ, "WORLD_SIZE": str(args.stages), "RANK": str(r)},
+        )
+        for r in range(args.stages)
+    ]
+    codes = [proc.wait() for proc in procs]
+    if any(codes):
+        raise SystemExit(f"ranks exited with {codes}")
+
+
+if __name__ == "__main__":
+    main()

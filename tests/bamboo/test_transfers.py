@@ -1,0 +1,161 @@
+"""The engine's point-to-point plan (canonical order, headers once per shape) and the asynchronous engine
+over micro-batches whose shape changes, checked against single-process training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from lightning_bamboo.engine import forward_only_schedule
+from lightning_bamboo.schedule import ActionKind, Schedule, add_forward_redundancy, build_1f1b, rank_program
+from lightning_bamboo.transfers import Kind, header_microbatches, microbatch_signature, rank_transfers
+from tests.bamboo.launch import run_script
+from tests.bamboo.scripts import engine_shapes
+
+SCHEDULES = (
+    [pytest.param(build_1f1b(s, m), id=f"1f1b-{s}x{m}") for s in (2, 3, 4) for m in (1, 2, 4, 7)]
+    + [
+        pytest.param(add_forward_redundancy(build_1f1b(s, m), s, m), id=f"fr-{s}x{m}")
+        for s in (2, 3, 4)
+        for m in (1, 2, 4, 8)
+    ]
+    + [pytest.param(forward_only_schedule(3, 5), id="forward-only-3x5")]
+)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_both_ends_of_every_link_issue_the_same_sequence(schedule: Schedule) -> None:
+    """NCCL matches a pair's operations in issue order: the two ends must list the same messages, in the
+    same order, one sending what the other receives."""
+    last_mb = max(action.microbatch for action in rank_program(schedule, 0))
+    headers = {link: {0, last_mb} for link in range(len(schedule) - 1)}  # first and last micro-batch
+    for link in range(len(schedule) - 1):
+        lower = [t for t in rank_transfers(schedule, link, headers) if t.link == link]
+        upper = [t for t in rank_transfers(schedule, link + 1, headers) if t.link == link]
+        assert [(t.slot, t.kind, t.microbatch) for t in lower] == [
+            (t.slot, t.kind, t.microbatch) for t in upper
+        ]
+        assert all(a.send != b.send for a, b in zip(lower, upper))
+        assert all(t.send == (t.kind is not Kind.GRADIENT) for t in lower)
+        assert [t.microbatch for t in lower if t.kind is Kind.HEADER] == sorted(headers[link])
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_needed_receive_never_waits_behind_an_unproduced_send(schedule: Schedule) -> None:
+    """Walking a rank's program: when an action takes a message, every send listed before that message
+    was produced by an action already run (so ``StepTransfers.take`` can always issue up to it)."""
+    last = len(schedule) - 1
+    for stage in schedule:
+        transfers = rank_transfers(schedule, stage)
+        position = {(t.kind, t.microbatch, t.send): i for i, t in enumerate(transfers)}
+        produced: set[tuple[Kind, int]] = set()
+        for action in rank_program(schedule, stage):
+            needs = None
+            if action.kind is ActionKind.FORWARD and stage > 0:
+                needs = (Kind.ACTIVATION, action.microbatch, False)
+            elif action.kind is ActionKind.BACKWARD and stage < last:
+                needs = (Kind.GRADIENT, action.microbatch, False)
+            if needs is not None:
+                for earlier in transfers[: position[needs]]:
+                    if earlier.send:
+                        assert (earlier.kind, earlier.microbatch) in produced, (stage, action, earlier)
+            if action.kind is ActionKind.FORWARD and stage < last:
+                produced.add((Kind.ACTIVATION, action.microbatch))
+            elif action.kind is ActionKind.BACKWARD and stage > 0:
+                produced.add((Kind.GRADIENT, action.microbatch))
+
+
+def test_rank_order_of_the_redundant_two_stage_schedule() -> None:
+    """Rank 1 of 2 stages x 4 micro-batches with FR: receives in slot order, its gradient sends between."""
+    schedule = add_forward_redundancy(build_1f1b(2, 4), 2, 4)
+    order = [
+        ("send" if t.send else "recv", t.kind.name[0], t.microbatch, t.slot)
+        for t in rank_transfers(schedule, 1, {0: {0}})
+    ]
+    assert order == [
+        ("recv", "H", 0, 0),
+        ("recv", "A", 0, 0),
+        ("recv", "A", 1, 1),
+        ("send", "G", 0, 2),
+        ("recv", "A", 2, 4),
+        ("send", "G", 1, 5),
+        ("recv", "A", 3, 7),
+        ("send", "G", 2, 8),
+        ("send", "G", 3, 10),
+    ]
+
+
+def test_headers_go_once_per_microbatch_shape() -> None:
+    small, big = (
+        microbatch_signature((torch.zeros(1, 8), torch.zeros(1, 1))),
+        microbatch_signature((torch.zeros(2, 8), torch.zeros(2, 1))),
+    )
+    assert small != big
+    assert microbatch_signature({"x": torch.zeros(2, 8, dtype=torch.float64)}) != microbatch_signature(
+        {"x": torch.zeros(2, 8)}
+    )
+    assert header_microbatches([big, big, small, big], {}) == {0, 2}
+    assert header_microbatches([big, big, small, big], {big: None}) == {2}
+    assert header_microbatches([big, big], {big: None, small: None}) == set()
+
+
+# --------------------------------------------------------------------------------------------------
+# the engine itself, three ranks
+
+
+def reference() -> list[dict[str, torch.Tensor]]:
+    """Single-process SGD on the whole body: mean of the micro-batch losses per step, parameters after."""
+    body = engine_shapes.body()
+    optimizer = torch.optim.SGD(body.parameters(), lr=engine_shapes.LR)
+    states = []
+    for x, y in engine_shapes.batches():
+        losses = [F.mse_loss(body(xs), ys) for xs, ys in zip(x.chunk(2), y.chunk(2))]
+        loss = torch.stack(losses).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        states.append(
+            {"loss": loss.detach().reshape(1), **{k: v.detach().clone() for k, v in body.named_parameters()}}
+        )
+    x, y = engine_shapes.eval_batch()
+    with torch.no_grad():
+        states.append(
+            {
+                "loss": torch.stack([F.mse_loss(body(a), b) for a, b in zip(x.chunk(3), y.chunk(3))])
+                .mean()
+                .reshape(1)
+            }
+        )
+    return states
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_engine_with_changing_microbatch_shapes_matches_single_process(tmp_path: Path) -> None:
+    run_script("engine_shapes.py", ["--out", str(tmp_path), "--stages", "3"], timeout=150)
+    expected = reference()
+    tol = {"rtol": 1e-10, "atol": 1e-12}
+    for step in range(1, len(engine_shapes.SIZES) + 1):
+        ranks = [load_file(str(tmp_path / f"step{step}_rank{r}.safetensors")) for r in range(3)]
+        covered = set()
+        for rank, got in enumerate(ranks):
+            torch.testing.assert_close(got["loss"], expected[step - 1]["loss"], **tol)
+            for key in (k for k in got if k.startswith("own/")):
+                name = key[len("own/") :]
+                torch.testing.assert_close(
+                    got[key], expected[step - 1][name], **tol, msg=f"step {step} {key}"
+                )
+                covered.add(name)
+                twin = ranks[(rank - 1) % 3][f"replica/{name}"]  # the predecessor's replica: bit for bit
+                torch.testing.assert_close(twin, got[key], rtol=0, atol=0)
+        assert covered == {k for k in expected[0] if k != "loss"}
+    for rank in range(3):
+        got = load_file(str(tmp_path / f"eval_rank{rank}.safetensors"))
+        torch.testing.assert_close(got["loss"], expected[-1]["loss"], **tol)
+        # training: micro-batches of 2 and 1 rows; evaluation: 2 rows, a third shape key (eval mode)
+        received, sent = got["received_sent"].tolist()
+        assert (received, sent) == ((0 if rank == 0 else 3), (0 if rank == 2 else 3))
