@@ -1,18 +1,19 @@
-"""Point-to-point tensor transport between pipeline stages, with no pickling.
+"""Point-to-point tensor transport between pipeline stages, with no pickling: tags, shape headers, batches.
 
-Activations change shape with the micro-batch, so every activation is preceded by a fixed-size int64
-header ``[dtype code, ndim, d0, ..., d7]`` that tells the receiver what buffer to allocate. Gradients
-flowing backwards have the shape of the activation the receiver sent earlier, so they travel bare.
+A receiver must allocate its buffer before the data arrives. Activations are described by a fixed-size
+int64 header ``[dtype code, ndim, d0, ..., d7]``; the engine sends one only for the first activation of
+each micro-batch shape and caches it (:mod:`lightning_bamboo.transfers`). Gradients flowing backwards have
+the shape of the activation the receiver sent earlier, so they travel bare.
 
-Sends and receives that cross one slot boundary of the schedule are posted together with
-``batch_isend_irecv`` (:func:`run_batch`), so two neighbours sending to each other at once cannot deadlock
-(NCCL runs all operations to one peer on one stream). Each kind of traffic also has its own tag, so with
-gloo activations, gradients and replica synchronisation never match the wrong receive.
+Each kind of traffic has its own tag, so with gloo activations, gradients and replica synchronisation never
+match the wrong receive. Exchanges in which two ranks send to each other at the same moment (the replica
+ring) are posted as one :func:`post_batch` (``batch_isend_irecv``), the form NCCL needs for that.
 """
 
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,22 +83,19 @@ def decode_header(header: Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
 
 
 def isend_op(tensor: Tensor, peer: int, tag: Tag) -> dist.P2POp:
-    """A send of ``tensor`` to global rank ``peer``, to be posted with :func:`run_batch`."""
+    """A send of ``tensor`` to global rank ``peer``, to be posted with :func:`post_batch`."""
     return dist.P2POp(dist.isend, tensor.detach().contiguous(), peer, tag=int(tag))
 
 
 def irecv_op(buffer: Tensor, peer: int, tag: Tag) -> dist.P2POp:
-    """A receive into ``buffer`` from global rank ``peer``, to be posted with :func:`run_batch`."""
+    """A receive into ``buffer`` from global rank ``peer``, to be posted with :func:`post_batch`."""
     return dist.P2POp(dist.irecv, buffer, peer, tag=int(tag))
 
 
-def run_batch(ops: list[dist.P2POp]) -> None:
-    """Post all ``ops`` together (``batch_isend_irecv``) and wait for them.
+def post_batch(ops: list[dist.P2POp]) -> list[Any]:
+    """Post all ``ops`` together (``batch_isend_irecv``) and return their works, not waited on.
 
-    Posting the sends and receives between neighbours as one batch is what keeps NCCL, whose operations to
-    one peer share a stream, from deadlocking when two ranks send to each other at the same time.
+    Posting the sends and receives between two ranks as one batch is what keeps NCCL from deadlocking when
+    both send to each other at the same time; the caller waits on the works when it needs the data.
     """
-    if not ops:
-        return
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    return dist.batch_isend_irecv(ops) if ops else []

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -143,8 +142,8 @@ class ReplicaSync:
         """Post the send of ``outgoing`` (flat buckets) to the predecessor and the receive of the
         successor's buckets shaped like ``targets``; return the works and the receive buffers.
 
-        Both are posted in one ``batch_isend_irecv`` on every rank, so the ring (two ranks: each other's
-        predecessor and successor) cannot deadlock, on gloo or NCCL.
+        Both are posted in one batch (:func:`p2p.post_batch`) on every rank, so the ring (two ranks: each
+        other's predecessor and successor) cannot deadlock, on gloo or NCCL.
         """
         incoming = [
             torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=self.device)
@@ -152,7 +151,7 @@ class ReplicaSync:
         ]
         ops = [p2p.isend_op(flat, self.groups.predecessor_rank, tag) for flat in outgoing]
         ops += [p2p.irecv_op(flat, self.groups.successor_rank, tag) for flat in incoming]
-        return (dist.batch_isend_irecv(ops) if ops else []), incoming
+        return p2p.post_batch(ops), incoming
 
 
 @dataclass
