@@ -108,54 +108,65 @@ def test_headers_go_once_per_microbatch_shape() -> None:
 
 
 def reference() -> list[dict[str, torch.Tensor]]:
-    """Single-process SGD on the whole body: mean of the micro-batch losses per step, parameters after."""
+    """Single-process SGD on the whole body: mean of the micro-batch losses per step, parameters after;
+    first the initial parameters, last the evaluation loss."""
     body = engine_shapes.body()
-    optimizer = torch.optim.SGD(body.parameters(), lr=engine_shapes.LR)
-    states = []
+    optimizer = torch.optim.SGD(body.parameters(), lr=engine_shapes.LR, momentum=engine_shapes.MOMENTUM)
+    states = [{k: v.detach().clone() for k, v in body.named_parameters()}]
     for x, y in engine_shapes.batches():
         losses = [F.mse_loss(body(xs), ys) for xs, ys in zip(x.chunk(2), y.chunk(2))]
         loss = torch.stack(losses).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        states.append(
-            {"loss": loss.detach().reshape(1), **{k: v.detach().clone() for k, v in body.named_parameters()}}
-        )
+        params = {k: v.detach().clone() for k, v in body.named_parameters()}
+        states.append({"loss": loss.detach().reshape(1), **params})
     x, y = engine_shapes.eval_batch()
     with torch.no_grad():
-        states.append(
-            {
-                "loss": torch.stack([F.mse_loss(body(a), b) for a, b in zip(x.chunk(3), y.chunk(3))])
-                .mean()
-                .reshape(1)
-            }
-        )
+        losses = [F.mse_loss(body(a), b) for a, b in zip(x.chunk(3), y.chunk(3))]
+    states.append({"loss": torch.stack(losses).mean().reshape(1)})
     return states
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_engine_with_changing_microbatch_shapes_matches_single_process(tmp_path: Path) -> None:
+    """3 ranks, FR schedule, micro-batches of 2, 2, 1, 2, 1 rows: losses and stages equal the single
+    process; the replica exchange is left in flight after each step and the replica's forward pre-hook
+    applies it, so every FR runs with the successor's current parameters (and equals its F bit for bit)."""
     run_script("engine_shapes.py", ["--out", str(tmp_path), "--stages", "3"], timeout=150)
     expected = reference()
     tol = {"rtol": 1e-10, "atol": 1e-12}
+    names = set(expected[0])
+    prior: list[dict[str, torch.Tensor]] = []  # the ranks' snapshots of the previous step
     for step in range(1, len(engine_shapes.SIZES) + 1):
         ranks = [load_file(str(tmp_path / f"step{step}_rank{r}.safetensors")) for r in range(3)]
         covered = set()
         for rank, got in enumerate(ranks):
-            torch.testing.assert_close(got["loss"], expected[step - 1]["loss"], **tol)
+            successor = ranks[(rank + 1) % 3]
+            torch.testing.assert_close(got["loss"], expected[step]["loss"], **tol)
+            assert got["pending"].tolist() == [True]
             for key in (k for k in got if k.startswith("own/")):
                 name = key[len("own/") :]
-                torch.testing.assert_close(
-                    got[key], expected[step - 1][name], **tol, msg=f"step {step} {key}"
-                )
+                torch.testing.assert_close(got[key], expected[step][name], **tol, msg=f"step {step} {key}")
                 covered.add(name)
-                twin = ranks[(rank - 1) % 3][f"replica/{name}"]  # the predecessor's replica: bit for bit
-                torch.testing.assert_close(twin, got[key], rtol=0, atol=0)
-        assert covered == {k for k in expected[0] if k != "loss"}
+            for key in (k for k in got if k.startswith("replica_used/")):
+                name = key[len("replica_used/") :]
+                before = expected[0][name] if step == 1 else prior[(rank + 1) % 3][f"own/{name}"]
+                torch.testing.assert_close(got[key], before, rtol=0, atol=0, msg=f"step {step} {key}")
+            # rank s's FR of stage s+1 equals stage s+1's own F, bit for bit (the last rank: stage 0's)
+            frs = {k: v for k, v in got.items() if k.startswith("fr/")}
+            assert len(frs) == engine_shapes.MICROBATCHES
+            for key, value in frs.items():
+                torch.testing.assert_close(value, successor["fwd/" + key[len("fr/") :]], rtol=0, atol=0)
+        assert covered == names
+        prior = ranks
     for rank in range(3):
         got = load_file(str(tmp_path / f"eval_rank{rank}.safetensors"))
         torch.testing.assert_close(got["loss"], expected[-1]["loss"], **tol)
+        for key in (k for k in got if k.startswith("replica/")):  # the final replica, read via ReplicaSync
+            twin = prior[(rank + 1) % 3]["own/" + key[len("replica/") :]]
+            torch.testing.assert_close(got[key], twin, rtol=0, atol=0)
         # training: micro-batches of 2 and 1 rows; evaluation: 2 rows, a third shape key (eval mode)
         received, sent = got["received_sent"].tolist()
         assert (received, sent) == ((0 if rank == 0 else 3), (0 if rank == 2 else 3))

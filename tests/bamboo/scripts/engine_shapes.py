@@ -2,12 +2,14 @@
 
 ``engine_shapes.py --out DIR --stages S`` starts S ranks (this file again with ``--rank``; gloo, one thread,
 60 s collective timeout) that train ``PipeMLP``'s body with the redundant 1F1B schedule, SGD on every stage
-and every replica, over batches of sizes ``SIZES`` (micro-batches of 2, 2, 1, 2, 1 rows), then run one
-forward-only evaluation of 6 rows in 3 micro-batches. After every step each rank writes
-``DIR/step{k}_rank{r}.safetensors``: ``loss``, ``own/<name>`` (its stage after the step) and
-``replica/<name>`` (its replica, read through ``ReplicaSync.replica``); ``eval_rank{r}.safetensors`` holds
-the evaluation loss and the number of activation shapes the rank learned from headers (``received``) and
-sent headers for (``sent``).
+and every replica (momentum 0.9), over batches of sizes ``SIZES`` (micro-batches of 2, 2, 1, 2, 1 rows),
+then run one forward-only evaluation of 6 rows in 3 micro-batches. After every step each rank writes
+``DIR/step{k}_rank{r}.safetensors``: ``loss``, ``own/<name>`` (its stage after the step),
+``replica_used/<name>`` (its replica module as the step's ``FR`` used it), ``fwd/<mb>`` and ``fr/<mb>``
+(its stage's and its replica's outputs) and ``pending`` (the replica exchange was left in flight);
+``eval_rank{r}.safetensors`` holds the evaluation loss, the number of activation shapes the rank learned
+from headers (``received``) and sent headers for (``sent``), and ``replica/<name>`` (the final replica,
+read through ``ReplicaSync.replica``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ SIZES = (4, 4, 2, 4, 2)
 """Batch sizes of the training steps: the micro-batch shape changes at steps 3, 4 and 5."""
 MICROBATCHES = 2
 LR = 0.05
+MOMENTUM = 0.9
 
 
 def body() -> torch.nn.Sequential:
@@ -79,22 +82,33 @@ def worker(out: Path, rank: int, stages: int) -> None:
             device=device,
             replica=replica,
         )
-        optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
-        sync = ReplicaSync(stage, replica, torch.optim.SGD(replica.parameters(), lr=LR), groups, device)
+        optimizer = torch.optim.SGD(stage.parameters(), lr=LR, momentum=MOMENTUM)
+        replica_optimizer = torch.optim.SGD(replica.parameters(), lr=LR, momentum=MOMENTUM)
+        sync = ReplicaSync(stage, replica, replica_optimizer, groups, device)
         sync.sync_parameters()
+        forwards: list[torch.Tensor] = []  # this stage's F outputs of the step, in micro-batch order
+        stage.register_forward_hook(lambda module, args, output: forwards.append(output.detach().clone()))
         for step, batch in enumerate(batches(), start=1):
+            forwards.clear()
             loss = engine.run_step(split_microbatches(batch, MICROBATCHES))
+            # the module itself, not sync.replica: what the FR forwards of this step ran with, brought up to
+            # date by the replica's forward pre-hook (the previous step's exchange was still pending)
+            tensors = {f"replica_used/{k}": v.detach().clone() for k, v in replica.named_parameters()}
+            tensors |= {f"fwd/{mb}": value for mb, value in enumerate(forwards)}
+            tensors |= {f"fr/{mb}": value for mb, value in engine.redundant_outputs.items()}
             optimizer.step()
             sync.step(optimizer)
             optimizer.zero_grad()
-            tensors = {"loss": loss.reshape(1)}
+            tensors["pending"] = torch.tensor([sync.pending])
+            tensors["loss"] = loss.reshape(1)
             tensors |= {f"own/{k}": v.detach().clone() for k, v in stage.named_parameters()}
-            tensors |= {f"replica/{k}": v.detach().clone() for k, v in sync.replica.named_parameters()}
             save_file(tensors, str(out / f"step{step}_rank{rank}.safetensors"))
+        final = {f"replica/{k}": v.detach().clone() for k, v in sync.replica.named_parameters()}
         val = engine.run_forward(split_microbatches(eval_batch(), 3))
         shapes = torch.tensor([len(engine.shapes.received), len(engine.shapes.sent)])
         save_file(
-            {"loss": val.reshape(1), "received_sent": shapes}, str(out / f"eval_rank{rank}.safetensors")
+            {"loss": val.reshape(1), "received_sent": shapes, **final},
+            str(out / f"eval_rank{rank}.safetensors"),
         )
     finally:
         dist.destroy_process_group()
