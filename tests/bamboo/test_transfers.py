@@ -3,6 +3,7 @@ over micro-batches whose shape changes, checked against single-process training.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,13 @@ from safetensors.torch import load_file
 
 from lightning_bamboo.engine import forward_only_schedule
 from lightning_bamboo.schedule import ActionKind, Schedule, add_forward_redundancy, build_1f1b, rank_program
-from lightning_bamboo.transfers import Kind, header_microbatches, microbatch_signature, rank_transfers
+from lightning_bamboo.transfers import (
+    Kind,
+    Transfer,
+    header_microbatches,
+    microbatch_signature,
+    rank_transfers,
+)
 from tests.bamboo.launch import run_script
 from tests.bamboo.scripts import engine_shapes
 
@@ -170,3 +177,110 @@ def test_engine_with_changing_microbatch_shapes_matches_single_process(tmp_path:
         # training: micro-batches of 2 and 1 rows; evaluation: 2 rows, a third shape key (eval mode)
         received, sent = got["received_sent"].tolist()
         assert (received, sent) == ((0 if rank == 0 else 3), (0 if rank == 2 else 3))
+
+
+def simulate_rendezvous(
+    schedule: Schedule,
+    headers: dict[int, set[int]],
+    shared_stream: bool,
+    order: Callable[[Schedule, int, dict[int, set[int]]], list[Transfer]] = rank_transfers,
+) -> None:
+    """Run every rank's program with NCCL-like point-to-point semantics and fail on a deadlock.
+
+    Each rank issues its transfers in ``rank_transfers`` order (a receive when every earlier one is
+    issued; a send once its action ran; an activation receive after its header arrived) onto a stream
+    that runs them one at a time: one stream per rank for all peers (``shared_stream``), or one per peer.
+    An operation completes only when it is at the head of its stream and the matching operation is at
+    the head of the peer's. An action runs once the tensors it takes have arrived.
+    """
+    stages = len(schedule)
+    programs = {r: rank_program(schedule, r) for r in range(stages)}
+    transfers = {r: order(schedule, r, headers) for r in range(stages)}
+    issued = dict.fromkeys(range(stages), 0)
+    done = dict.fromkeys(range(stages), 0)
+    streams: dict[tuple[int, int], list] = {}
+    arrived: set[tuple[int, Kind, int]] = set()  # (rank, kind, micro-batch) received
+    produced: set[tuple[int, Kind, int]] = set()
+    last = stages - 1
+
+    def stream_of(rank: int, peer: int) -> tuple[int, int]:
+        return (rank, -1) if shared_stream else (rank, peer)
+
+    while any(done[r] < len(programs[r]) for r in programs) or any(streams.values()):
+        progress = False
+        for r in programs:  # issue
+            while issued[r] < len(transfers[r]):
+                t = transfers[r][issued[r]]
+                payload = Kind.ACTIVATION if t.kind is Kind.HEADER else t.kind
+                if t.send and (r, payload, t.microbatch) not in produced:
+                    break
+                has_header = t.microbatch in headers.get(t.link, set())
+                if (
+                    not t.send
+                    and t.kind is Kind.ACTIVATION
+                    and has_header
+                    and (r, Kind.HEADER, t.microbatch) not in arrived
+                ):
+                    break
+                streams.setdefault(stream_of(r, t.peer_stage), []).append((r, t))
+                issued[r] += 1
+                progress = True
+        for ops in list(streams.values()):  # complete matching heads
+            if not ops:
+                continue
+            r, t = ops[0]
+            peer_ops = streams.get(stream_of(t.peer_stage, r), [])
+            if peer_ops:
+                p, u = peer_ops[0]
+                if (u.link, u.kind, u.microbatch, u.send) == (t.link, t.kind, t.microbatch, not t.send):
+                    ops.pop(0)
+                    peer_ops.pop(0)
+                    receiver = r if not t.send else p
+                    arrived.add((receiver, t.kind, t.microbatch))
+                    progress = True
+        for r in programs:  # compute
+            while done[r] < len(programs[r]):
+                action = programs[r][done[r]]
+                if (
+                    action.kind is ActionKind.FORWARD
+                    and r > 0
+                    and (r, Kind.ACTIVATION, action.microbatch) not in arrived
+                ):
+                    break
+                if (
+                    action.kind is ActionKind.BACKWARD
+                    and r < last
+                    and (r, Kind.GRADIENT, action.microbatch) not in arrived
+                ):
+                    break
+                if action.kind is ActionKind.FORWARD and r < last:
+                    produced.add((r, Kind.ACTIVATION, action.microbatch))
+                if action.kind is ActionKind.BACKWARD and r > 0:
+                    produced.add((r, Kind.GRADIENT, action.microbatch))
+                done[r] += 1
+                progress = True
+        if not progress:
+            heads = {key: ops[0][1] for key, ops in streams.items() if ops}
+            raise AssertionError(f"deadlock: programs at {done}, stream heads {heads}")
+    assert all(issued[r] == len(transfers[r]) for r in programs), issued
+
+
+@pytest.mark.parametrize("shared_stream", [True, False], ids=["one-stream-per-rank", "one-stream-per-pair"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_no_deadlock_when_every_operation_waits_for_its_peer(schedule: Schedule, shared_stream: bool) -> None:
+    """The strictest point-to-point model (NCCL's: operations run in issue order and a send waits for its
+    receive), with and without shape headers, cannot wait in a cycle."""
+    simulate_rendezvous(schedule, {}, shared_stream)
+    last_mb = max(action.microbatch for action in rank_program(schedule, 0))
+    simulate_rendezvous(schedule, {link: {0, last_mb} for link in range(len(schedule) - 1)}, shared_stream)
+
+
+def test_the_rendezvous_model_detects_an_inconsistent_order() -> None:
+    """Sanity check of the model: if rank 1 listed its sends before its receives, it would wait forever."""
+
+    def sends_first_on_rank_1(schedule: Schedule, stage: int, headers: dict[int, set[int]]) -> list:
+        transfers = rank_transfers(schedule, stage, headers)
+        return sorted(transfers, key=lambda t: not t.send) if stage == 1 else transfers
+
+    with pytest.raises(AssertionError, match="deadlock"):
+        simulate_rendezvous(build_1f1b(2, 2), {}, shared_stream=True, order=sends_first_on_rank_1)
