@@ -543,7 +543,18 @@ class BambooStrategy(ParallelStrategy):
             ckpt.load_named_optimizer_state(self.lightning_module, optimizer, state)
         # the replica of the successor stage is in the same checkpoint: load it rather than transfer it
         if self.replica is not None and self.replica_sync is not None and self._loaded_path is not None:
+            self.replica_sync.flush()  # a still-pending update must not land on top of the loaded state
             ckpt.load_replica(self._loaded_path, self.replica, self._body_attr, self.replica_sync.optimizer)
+
+    @override
+    def teardown(self) -> None:
+        """Apply the last step's in-flight replica update, so the replica is current when training ends."""
+        if self.replica_sync is not None:
+            try:
+                self.replica_sync.flush()
+            except RuntimeError as err:  # a dead peer: do not mask the error that ended training
+                log.warning("Bamboo: the last replica update could not complete: %s", err)
+        super().teardown()
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
