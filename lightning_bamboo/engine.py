@@ -217,7 +217,7 @@ class PipelineEngine:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        for bucket in _by_dtype([p.grad for p in params]):
+        for bucket in _by_dtype([p.grad for p in params if p.grad is not None]):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, group=group)
             flat /= num_pipelines

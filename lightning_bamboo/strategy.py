@@ -227,7 +227,7 @@ class BambooStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         self._check_world_size()
 
     def _check_world_size(self) -> None:
@@ -355,8 +355,8 @@ class BambooStrategy(ParallelStrategy):
             stage,
             self.groups,
             schedule,
-            inputs_fn=module.pipeline_inputs,
-            loss_fn=module.pipeline_loss,
+            inputs_fn=module.pipeline_inputs,  # type: ignore[arg-type]
+            loss_fn=module.pipeline_loss,  # type: ignore[arg-type]
             device=self.root_device,
             replica=self.replica,
             replica_device=self.replica_device,

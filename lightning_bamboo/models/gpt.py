@@ -270,13 +270,13 @@ class GPT(LightningModule):
         """
         params = [p for p in self.parameters() if p.requires_grad]
         return [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.hparams.weight_decay},
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.hparams["weight_decay"]},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
 
     @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
-        decay_steps = self.hparams.decay_steps
+        decay_steps = self.hparams["decay_steps"]
         if decay_steps is None:
             estimated = self.trainer.estimated_stepping_batches
             if not math.isfinite(estimated):
@@ -285,7 +285,7 @@ class GPT(LightningModule):
                     "set GPT(decay_steps=...) or Trainer(max_steps=...)"
                 )
             decay_steps = int(estimated)
-        optimizer = torch.optim.AdamW(self.optimizer_groups(), lr=self.hparams.lr, betas=(0.9, 0.95))
-        factor = warmup_cosine(self.hparams.warmup, decay_steps)
+        optimizer = torch.optim.AdamW(self.optimizer_groups(), lr=self.hparams["lr"], betas=(0.9, 0.95))
+        factor = warmup_cosine(self.hparams["warmup"], decay_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

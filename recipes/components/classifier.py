@@ -49,4 +49,4 @@ class MLPClassifier(pl.LightningModule):
         self._step(batch, "test")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.Adam(self.parameters(), lr=self.hparams["lr"])
