@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +14,7 @@ from torch import Tensor
 from lightning_bamboo.models import GPT, build_pipeline
 from lightning_bamboo.models.gpt import warmup_cosine
 from recipes.components.text import VOCAB_SIZE, TokenDataModule, TokenWindows, corpus_tokens
-from recipes.paths import REPO_ROOT
+from tests.process import run_process
 
 TINY = {"block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
 
@@ -170,29 +166,13 @@ def test_gpt_learns_under_the_default_strategy(tmp_path: Path) -> None:
     assert trainer.callback_metrics["val_loss"] < recorder.losses[0] - 1.5
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_bamboo_gpt_recipe_trains_two_cpu_stages(tmp_path: Path) -> None:
     """``python -m recipes.train experiment=bamboo_gpt``: 2 processes, layout and schedule grid printed."""
     cmd = [sys.executable, "-m", "recipes.train", "experiment=bamboo_gpt", "trainer.max_steps=3",
            "trainer.limit_val_batches=0", "+trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}"]
-    proc = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())},
-    )
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's children are in the same group
-        output, _ = proc.communicate()
-        pytest.fail(f"bamboo_gpt recipe did not finish in 240 s:\n{output[-4000:]}")
-    assert proc.returncode == 0, output[-4000:]
+    output = run_process(cmd, timeout=240).stdout
     # The stage layout: 4 layers [embedding, block, block, head], two per stage, each replicating the other.
     assert re.search(r"^stage\s+ranks\s+layers\s+cost\s+replica-of$", output, re.MULTILINE), output[-4000:]
     assert re.search(r"^0\s+0\s+0-1\s+\S+\s+1$", output, re.MULTILINE), output[-4000:]
