@@ -40,8 +40,7 @@ class GhostExchange:
             )
         if partition.num_parts == 1:
             return h_local
-        ghosts = _Scatter.apply(h_local, self, partition)
-        return torch.cat([h_local, ghosts], dim=0)
+        return _Scatter.apply(h_local, self, partition)
 
     def _peer_ranks(self, partition: GraphPartition) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -59,11 +58,24 @@ class GhostExchange:
                 f"{partition.num_parts}; expected partition {rank} of {world}"
             )
 
-    def send_rows(self, h_local: Tensor, partition: GraphPartition) -> Tensor:
-        """Forward SC: returns the ``(n_ghost, F)`` ghost rows received from their owners."""
+    def send_rows(self, h_local: Tensor, partition: GraphPartition, out: Tensor | None = None) -> Tensor:
+        """Forward SC: returns the ``(n_ghost, F)`` ghost rows received from their owners.
+
+        Args:
+            h_local: This server's ``(n_local, F)`` rows.
+            partition: This server's partition.
+            out: Optional contiguous ``(n_ghost, F)`` buffer to receive into (e.g. the ghost slice of a
+                preallocated ``[local; ghost]`` matrix, so no concatenation copy is needed).
+        """
         self._peer_ranks(partition)
         recv_ptr = partition.recv_ptr.tolist()
-        out = h_local.new_empty((partition.n_ghost, *h_local.shape[1:]))
+        shape = (partition.n_ghost, *h_local.shape[1:])
+        if out is None:
+            out = h_local.new_empty(shape)
+        elif tuple(out.shape) != shape or not out.is_contiguous():
+            raise ValueError(
+                f"out has shape {tuple(out.shape)}; expected a contiguous buffer of shape {shape}"
+            )
         ops = []
         for peer in range(partition.num_parts):
             if peer == partition.part_id:
@@ -78,12 +90,22 @@ class GhostExchange:
         self._run(ops)
         return out
 
-    def return_grads(self, grad_ghost: Tensor, partition: GraphPartition) -> Tensor:
-        """Backward SC: sends ghost gradients to their owners; returns the ``(n_local, F)`` sum received."""
+    def return_grads(
+        self, grad_ghost: Tensor, partition: GraphPartition, grad_local: Tensor | None = None
+    ) -> Tensor:
+        """Backward SC: sends ghost gradients to their owners; returns the ``(n_local, F)`` sum received.
+
+        Args:
+            grad_ghost: ``(n_ghost, F)`` gradient of this server's ghost rows.
+            partition: This server's partition.
+            grad_local: Optional ``(n_local, F)`` gradient to add the received rows into (in place);
+                default: a zero matrix.
+        """
         self._peer_ranks(partition)
         recv_ptr = partition.recv_ptr.tolist()
         grad_ghost = grad_ghost.contiguous()
-        grad_local = grad_ghost.new_zeros((partition.n_local, *grad_ghost.shape[1:]))
+        if grad_local is None:
+            grad_local = grad_ghost.new_zeros((partition.n_local, *grad_ghost.shape[1:]))
         ops, received = [], []
         for peer in range(partition.num_parts):
             if peer == partition.part_id:
@@ -113,15 +135,26 @@ class GhostExchange:
 
 
 class _Scatter(torch.autograd.Function):
-    """SC forward / ∇SC backward as one autograd node (the exchange itself is not differentiable by torch)."""
+    """SC forward / ∇SC backward as one autograd node (the exchange itself is not differentiable by torch).
+
+    Forward writes the local rows and receives the ghost rows into ONE preallocated
+    ``(n_local + n_ghost, F)`` buffer (no ``torch.cat`` copy of the wide matrix); backward returns the local
+    rows' gradient plus the ghost gradients sent back by the partitions holding them.
+    """
 
     @staticmethod
     def forward(ctx: Any, h_local: Tensor, exchange: GhostExchange, partition: GraphPartition) -> Tensor:
         ctx.exchange = exchange
         ctx.partition = partition
-        return exchange.send_rows(h_local.detach(), partition)
+        n_local = partition.n_local
+        full = h_local.new_empty((n_local + partition.n_ghost, *h_local.shape[1:]))
+        full[:n_local].copy_(h_local.detach())
+        exchange.send_rows(h_local.detach(), partition, out=full[n_local:])
+        return full
 
     @staticmethod
-    def backward(ctx: Any, grad_ghost: Tensor) -> tuple[Tensor | None, None, None]:
-        grad_local = ctx.exchange.return_grads(grad_ghost, ctx.partition)
+    def backward(ctx: Any, grad_full: Tensor) -> tuple[Tensor | None, None, None]:
+        n_local = ctx.partition.n_local
+        grad_local = grad_full[:n_local].clone()
+        ctx.exchange.return_grads(grad_full[n_local:], ctx.partition, grad_local=grad_local)
         return grad_local, None, None

@@ -106,6 +106,22 @@ class GraphContext:
     _gcn: dict[torch.dtype, GCNAdjacency] = field(default_factory=dict, repr=False)
     _loops: SelfLoopEdges | None = field(default=None, repr=False)
     _intervals: list[tuple[int, int]] | None = field(default=None, repr=False)
+    _nonzeros: tuple[tuple, tuple[Tensor, Tensor] | None] | None = field(default=None, repr=False)
+
+    def feature_nonzeros(self, max_density: float = 0.25) -> tuple[Tensor, Tensor] | None:
+        """``(flat_index, values)`` of the nonzero entries of ``partition.x`` when at most ``max_density``
+        of them are nonzero (bag-of-words features such as Cora's), else ``None``.
+
+        Computed once per feature tensor (keyed by its storage, shape and device) and reused every epoch.
+        """
+        x = self.partition.x
+        key = (x.data_ptr(), tuple(x.shape), str(x.device), x.dtype)
+        if self._nonzeros is None or self._nonzeros[0] != key:
+            flat = x.reshape(-1)
+            index = flat.nonzero().squeeze(1)
+            sparse = index.numel() <= max_density * max(flat.numel(), 1)
+            self._nonzeros = (key, (index, flat[index]) if sparse else None)
+        return self._nonzeros[1]
 
     def gcn(self, dtype: torch.dtype) -> GCNAdjacency:
         """The normalised adjacency with values of ``dtype`` (built on first use)."""

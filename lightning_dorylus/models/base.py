@@ -55,22 +55,29 @@ class NodeClassifier(LightningModule):
         self.log("train_loss", self._global_sum(loss.detach()), prog_bar=True, batch_size=1)
         return loss
 
-    def _accuracy(self, batch: GraphPartition, mask: Tensor, name: str) -> Tensor:
+    def accuracies(self, batch: GraphPartition, masks: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Global accuracy of each named vertex mask, logged under its name, from ONE forward pass.
+
+        Every mask's (correct, total) counts travel in one all-reduce over graph servers.
+        """
         logits = self(self.graph(batch))
         pred = logits.argmax(dim=-1)
-        counts = torch.stack([(pred[mask] == batch.y[mask]).sum(), mask.sum()]).to(logits.dtype)
-        correct, total = self._global_sum(counts).unbind()
-        acc = correct / total.clamp_min(1)
-        self.log(name, acc, prog_bar=True, batch_size=1)
-        return acc
+        hits = pred == batch.y
+        counts = torch.stack([torch.stack([hits[m].sum(), m.sum()]) for m in masks.values()])
+        counts = self._global_sum(counts.to(logits.dtype))  # (len(masks), 2)
+        accs = {}
+        for name, (correct, total) in zip(masks, counts.unbind()):
+            accs[name] = correct / total.clamp_min(1)
+            self.log(name, accs[name], prog_bar=True, batch_size=1)
+        return accs
 
     @override
     def validation_step(self, batch: GraphPartition, batch_idx: int) -> Tensor:
-        return self._accuracy(batch, batch.val_mask, "val_acc")
+        return self.accuracies(batch, {"val_acc": batch.val_mask})["val_acc"]
 
     @override
     def test_step(self, batch: GraphPartition, batch_idx: int) -> Tensor:
-        return self._accuracy(batch, batch.test_mask, "test_acc")
+        return self.accuracies(batch, {"test_acc": batch.test_mask})["test_acc"]
 
     @override
     def predict_step(self, batch: GraphPartition, batch_idx: int) -> Tensor:

@@ -9,6 +9,7 @@ from typing_extensions import override
 from lightning_dorylus.graph import GraphContext
 from lightning_dorylus.models.base import NodeClassifier
 from lightning_dorylus.nn import GATConv
+from lightning_dorylus.nn.dropout import feature_dropout
 
 
 class GAT(NodeClassifier):
@@ -47,7 +48,7 @@ class GAT(NodeClassifier):
     @override
     def forward(self, graph: GraphContext) -> Tensor:
         """Logits ``(n_local, out_channels)`` of this server's owned vertices."""
-        h = F.dropout(graph.partition.x, p=self.dropout, training=self.training)
+        h = feature_dropout(graph, self.dropout, self.training)  # sparse features: only nonzeros drawn
         h = F.elu(self.conv1(h, graph))  # (n_local, heads * hidden)
         h = F.dropout(h, p=self.dropout, training=self.training)
         return self.conv2(h, graph)  # (n_local, out_channels)

@@ -11,6 +11,7 @@ from typing_extensions import override
 from lightning_dorylus.graph import GraphContext
 from lightning_dorylus.models.base import NodeClassifier
 from lightning_dorylus.nn import GCNConv
+from lightning_dorylus.nn.dropout import feature_dropout
 
 
 class GCN(NodeClassifier):
@@ -50,8 +51,9 @@ class GCN(NodeClassifier):
     @override
     def forward(self, graph: GraphContext) -> Tensor:
         """Logits ``(n_local, out_channels)`` of this server's owned vertices."""
-        h = graph.partition.x
-        for conv in self.convs:
-            h = F.dropout(h, p=self.dropout, training=self.training)
+        h = feature_dropout(graph, self.dropout, self.training)  # sparse features: only nonzeros drawn
+        for i, conv in enumerate(self.convs):
+            if i > 0:
+                h = F.dropout(h, p=self.dropout, training=self.training)
             h = conv(h, graph)
         return h

@@ -70,7 +70,8 @@ class ApplyVertex(torch.autograd.Function):
     def backward(ctx: Any, grad_h: Tensor) -> tuple[Tensor | None, ...]:
         z_cpu, w_cpu, h_cpu = ctx.saved_tensors
         g_cpu = _cpu(grad_h)
-        attrs = {"activation": ctx.activation, "has_bias": ctx.has_bias}
+        needs_grad_z = bool(ctx.needs_input_grad[0])  # False for a first layer: features need no gradient
+        attrs = {"activation": ctx.activation, "has_bias": ctx.has_bias, "needs_grad_z": needs_grad_z}
         requests = [
             TensorOpRequest(
                 "apply_vertex.backward",
@@ -81,11 +82,15 @@ class ApplyVertex(torch.autograd.Function):
             for i, (a, b) in enumerate(ctx.intervals)
         ]
         outs = ctx.executor.map(requests)
-        grad_z = _cat([o["grad_z"] for o in outs], z_cpu, (z_cpu.size(1),)).to(ctx.device)
-        grad_w = _sum([o["grad_weight"] for o in outs], grad_z) if outs else torch.zeros_like(w_cpu)
+        del z_cpu, h_cpu, g_cpu, requests  # the inputs are no longer needed once the results are back
+        grad_z = None
+        if needs_grad_z:
+            grad_z = _cat([o.pop("grad_z") for o in outs], w_cpu, (w_cpu.size(0),)).to(ctx.device)
+        grad_w = _sum([o["grad_weight"] for o in outs], w_cpu) if outs else torch.zeros_like(w_cpu)
         grad_b = None
         if ctx.has_bias:
-            grad_b = _sum([o["grad_bias"] for o in outs], grad_z) if outs else w_cpu.new_zeros(w_cpu.size(1))
+            grad_b = _sum([o["grad_bias"] for o in outs], w_cpu) if outs else w_cpu.new_zeros(w_cpu.size(1))
+            grad_b = grad_b.to(ctx.device)
         return grad_z, grad_w.to(ctx.device), grad_b, None, None, None
 
 
@@ -127,6 +132,7 @@ class GATProject(torch.autograd.Function):
         g_src = _cpu(grad_a_src) if grad_a_src is not None else h_cpu.new_zeros((n, heads))
         g_dst = _cpu(grad_a_dst) if grad_a_dst is not None else h_cpu.new_zeros((n, heads))
         shared = {"weight": w_cpu, "att_src": att_src, "att_dst": att_dst}
+        needs_grad_x = bool(ctx.needs_input_grad[0])  # False for a first layer: features need no gradient
         requests = [
             TensorOpRequest(
                 "gat.project.backward",
@@ -138,22 +144,24 @@ class GATProject(torch.autograd.Function):
                     "grad_alpha_src": g_src[a:b],
                     "grad_alpha_dst": g_dst[a:b],
                 },
-                {},
+                {"needs_grad_x": needs_grad_x},
                 interval=i,
             )
             for i, (a, b) in enumerate(ctx.intervals)
         ]
         outs = ctx.executor.map(requests)
         dev = ctx.device
-        grad_x = _cat([o["grad_x"] for o in outs], x_cpu, (x_cpu.size(1),)).to(dev)
+        grad_x = None
+        if needs_grad_x:
+            grad_x = _cat([o["grad_x"] for o in outs], x_cpu, (x_cpu.size(1),)).to(dev)
         if not outs:
             zeros = (torch.zeros_like(w_cpu), torch.zeros_like(att_src), torch.zeros_like(att_dst))
             return grad_x, *(z.to(dev) for z in zeros), None, None
         return (
             grad_x,
-            _sum([o["grad_weight"] for o in outs], grad_x),
-            _sum([o["grad_att_src"] for o in outs], grad_x),
-            _sum([o["grad_att_dst"] for o in outs], grad_x),
+            _sum([o["grad_weight"] for o in outs], w_cpu).to(dev),
+            _sum([o["grad_att_src"] for o in outs], w_cpu).to(dev),
+            _sum([o["grad_att_dst"] for o in outs], w_cpu).to(dev),
             None,
             None,
         )

@@ -1,10 +1,11 @@
-"""``GCNConv`` as Dorylus operations: SC -> GA (server) -> AV (executor, per interval)."""
+"""``GCNConv`` as Dorylus operations: SC -> GA -> AV, or AV -> SC -> GA -> update (narrower rows)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_dorylus.graph import GraphContext, gcn_gather
@@ -12,29 +13,49 @@ from lightning_dorylus.nn.base import DorylusLayer
 from lightning_dorylus.nn.functions import ApplyVertex
 
 ACTIVATIONS = ("relu", "elu", "none")
+ORDERS = ("auto", "gather_first", "weight_first")
 
 
 class GCNConv(DorylusLayer):
     """Kipf & Welling's graph convolution ``H' = act(Â H W + b)``, equal to PyG's ``GCNConv`` + activation.
 
-    PyG applies ``lin`` before ``propagate`` (``Â (H W) + b``); Dorylus gathers first and applies the weights
-    in ApplyVertex (``(Â H) W + b``), the same function. ``Â`` is PyG's ``gcn_norm`` (self loops, symmetric
-    normalisation with global degrees).
+    ``Â (H W) = (Â H) W``, so the layer has two legitimate Dorylus decompositions, chosen by ``order``:
+
+    * ``"gather_first"``: SC ``H`` -> GA ``Z = Â H`` (server) -> AV ``act(Z W + b)`` per interval (executor).
+      Dorylus's own ``act(A·H·W)`` order; the graph work is ``in_channels`` wide.
+    * ``"weight_first"``: AV ``P = H W`` per interval (executor) -> SC ``P`` -> GA ``Z = Â P`` (server) ->
+      update ``act(Z + b)`` (server, elementwise). PyG's order (``lin`` before ``propagate``); the ghost
+      traffic, the ``[local; ghost]`` matrix and the aggregation are ``out_channels`` wide.
+    * ``"auto"`` (default): ``weight_first`` when ``out_channels < in_channels`` (e.g. 128 -> 16: 8x less
+      graph-server memory and SC traffic), else ``gather_first``.
+
+    ``Â`` is PyG's ``gcn_norm`` (self loops, symmetric normalisation with global degrees).
 
     Args:
         in_channels: Input feature width.
         out_channels: Output feature width.
-        activation: Applied in ApplyVertex: ``"relu"``, ``"elu"`` or ``"none"`` (last layer: logits).
+        activation: ``"relu"``, ``"elu"`` or ``"none"`` (last layer: logits).
         bias: Whether to add a learnable bias.
+        order: ``"auto"``, ``"gather_first"`` or ``"weight_first"`` (see above).
     """
 
     def __init__(
-        self, in_channels: int, out_channels: int, activation: str = "relu", bias: bool = True
+        self,
+        in_channels: int,
+        out_channels: int,
+        activation: str = "relu",
+        bias: bool = True,
+        order: str = "auto",
     ) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is not supported; expected one of {ACTIVATIONS}")
+        if order not in ORDERS:
+            raise ValueError(f"order={order!r} is not supported; expected one of {ORDERS}")
         self.in_channels, self.out_channels, self.activation = in_channels, out_channels, activation
+        if order == "auto":
+            order = "weight_first" if out_channels < in_channels else "gather_first"
+        self.order = order
         self.weight = nn.Parameter(torch.empty(in_channels, out_channels))  # (F_in, F_out): z @ weight
         self.bias = nn.Parameter(torch.empty(out_channels)) if bias else None
         self.reset_parameters()
@@ -56,6 +77,20 @@ class GCNConv(DorylusLayer):
             z, self.weight, self.bias, self.runtime.executor, graph.intervals, self.activation
         )
 
+    def project(self, x: Tensor, graph: GraphContext) -> Tensor:
+        """AV of the weight-first order (PyG ``lin``): ``x W`` for each interval of rows, on the executor."""
+        return ApplyVertex.apply(x, self.weight, None, self.runtime.executor, graph.intervals, "none")
+
+    def update(self, z: Tensor) -> Tensor:
+        """The weight-first order's last step, on the server: ``act(z + b)`` (elementwise, cheap)."""
+        if self.bias is not None:
+            z = z + self.bias
+        if self.activation == "relu":
+            return F.relu(z)
+        if self.activation == "elu":
+            return F.elu(z)
+        return z
+
     def forward(self, x: Tensor, graph: GraphContext) -> Tensor:
         """``(n_local, F_in) -> (n_local, F_out)``.
 
@@ -63,9 +98,15 @@ class GCNConv(DorylusLayer):
             x: This server's rows of the layer input (after dropout, so ghosts see the same dropped values).
             graph: The partition and its derived structures.
         """
+        if self.order == "weight_first":
+            p = self.project(x, graph)  # AV: (n_local, F_out)
+            p_full = self.scatter(p, graph)  # SC: (n_local + n_ghost, F_out)
+            return self.update(self.gather(p_full, graph))  # GA, then bias + activation: (n_local, F_out)
         h_full = self.scatter(x, graph)  # SC of the previous layer's output: (n_local + n_ghost, F_in)
         z = self.gather(h_full, graph)  # GA: (n_local, F_in)
         return self.apply_vertex(z, graph)  # AV: (n_local, F_out)
 
     def extra_repr(self) -> str:
-        return f"{self.in_channels}, {self.out_channels}, activation={self.activation!r}"
+        return (
+            f"{self.in_channels}, {self.out_channels}, activation={self.activation!r}, order={self.order!r}"
+        )

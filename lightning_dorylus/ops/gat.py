@@ -28,7 +28,10 @@ def project_forward(inputs: dict[str, np.ndarray], attrs: dict[str, Any]) -> dic
 
 
 def project_backward(inputs: dict[str, np.ndarray], attrs: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Gradients of ``project_forward`` given grad_h (n, H*C), grad_alpha_src/dst (n, H)."""
+    """Gradients of ``project_forward`` given grad_h (n, H*C), grad_alpha_src/dst (n, H).
+
+    ``attrs["needs_grad_x"]`` (default true) false skips ``grad_x`` (a first layer's features need none).
+    """
     x, weight, att_src, att_dst = inputs["x"], inputs["weight"], inputs["att_src"], inputs["att_dst"]
     h, grad_h = inputs["h"], inputs["grad_h"]
     ga_src, ga_dst = inputs["grad_alpha_src"], inputs["grad_alpha_dst"]
@@ -42,9 +45,15 @@ def project_backward(inputs: dict[str, np.ndarray], attrs: dict[str, Any]) -> di
     # Total gradient reaching h: directly, and through both score dot products.
     g = grad_h.reshape(n, heads, channels) + ga_src[:, :, None] * att_src + ga_dst[:, :, None] * att_dst
     g = g.reshape(n, heads * channels)  # (n, H*C)
-    return {"grad_x": g @ weight.T, "grad_weight": x.T @ g,
-            "grad_att_src": np.einsum("nhc,nh->hc", hv, ga_src),
-            "grad_att_dst": np.einsum("nhc,nh->hc", hv, ga_dst)}
+    needs_grad_x = attrs.get("needs_grad_x", True)
+    if not isinstance(needs_grad_x, bool):
+        raise ValueError(f"needs_grad_x={needs_grad_x!r} must be true or false")
+    out = {"grad_weight": x.T @ g,
+           "grad_att_src": np.einsum("nhc,nh->hc", hv, ga_src),
+           "grad_att_dst": np.einsum("nhc,nh->hc", hv, ga_dst)}
+    if needs_grad_x:
+        out["grad_x"] = g @ weight.T
+    return out
 
 
 def apply_edge_forward(inputs: dict[str, np.ndarray], attrs: dict[str, Any]) -> dict[str, np.ndarray]:

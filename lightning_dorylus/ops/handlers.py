@@ -13,10 +13,11 @@ Ops (inputs -> outputs; every tensor needed for backward is an explicit input):
 op                 inputs [optional]                                         outputs [optional]
 ================== ========================================================= ==========================
 apply_vertex.fwd   z, weight, [bias]; attrs activation                       h
-apply_vertex.bwd   z, weight, h, grad_h; attrs activation, has_bias          grad_z, grad_weight, [grad_bias]
+apply_vertex.bwd   z, weight, h, grad_h; attrs activation, has_bias,         [grad_z], grad_weight,
+                   [needs_grad_z] (default true)                             [grad_bias]
 gat.project.fwd    x, weight, att_src, att_dst                               h, alpha_src, alpha_dst
-gat.project.bwd    x, weight, att_src, att_dst, h, grad_h, grad_alpha_src,   grad_x, grad_weight,
-                   grad_alpha_dst                                            grad_att_src, grad_att_dst
+gat.project.bwd    x, weight, att_src, att_dst, h, grad_h, grad_alpha_src,   [grad_x], grad_weight,
+                   grad_alpha_dst; attrs [needs_grad_x] (default true)       grad_att_src, grad_att_dst
 apply_edge.fwd     alpha_src_e, alpha_dst, dst_ptr; attrs negative_slope     attention
 apply_edge.bwd     alpha_src_e, alpha_dst, dst_ptr, attention,               grad_alpha_src_e,
                    grad_attention; attrs negative_slope                      grad_alpha_dst

@@ -61,7 +61,9 @@ def apply_vertex_backward(inputs: dict[str, np.ndarray], attrs: dict[str, Any]) 
     """Gradients of ``h = act(z @ weight + bias)`` given ``grad_h``.
 
     grad_pre = grad_h * act'(h); grad_z = grad_pre @ weight.T; grad_weight = z.T @ grad_pre;
-    grad_bias = sum over rows of grad_pre (only when ``attrs["has_bias"]``).
+    grad_bias = sum over rows of grad_pre (only when ``attrs["has_bias"]``). ``attrs["needs_grad_z"]``
+    (default true) false skips ``grad_z``: a first layer's input (the features) needs no gradient, and its
+    ``(n, fi)`` product is the widest one of the op.
     """
     z, weight, h, grad_h = inputs["z"], inputs["weight"], inputs["h"], inputs["grad_h"]
     activation = check_activation(attrs.get("activation", "none"))
@@ -73,8 +75,13 @@ def apply_vertex_backward(inputs: dict[str, np.ndarray], attrs: dict[str, Any]) 
     has_bias = attrs.get("has_bias", False)
     if not isinstance(has_bias, bool):
         raise ValueError(f"has_bias={has_bias!r} must be true or false")
+    needs_grad_z = attrs.get("needs_grad_z", True)
+    if not isinstance(needs_grad_z, bool):
+        raise ValueError(f"needs_grad_z={needs_grad_z!r} must be true or false")
     grad_pre = activation_grad(h, grad_h, activation)  # (n, fo)
-    out = {"grad_z": grad_pre @ weight.T, "grad_weight": z.T @ grad_pre}
+    out = {"grad_weight": z.T @ grad_pre}
+    if needs_grad_z:
+        out["grad_z"] = grad_pre @ weight.T
     if has_bias:
         out["grad_bias"] = grad_pre.sum(axis=0)
     return out

@@ -2,8 +2,10 @@
 
 Published: GCN 81.5 %, GAT 83.0 %; the bars here are 80.5 % and 82.0 %. Each test is one 2-process job
 (``scripts/cora_run.py``) training the 5 seeds one after another with PyG's example hyper-parameters and
-feature row-normalisation, 200 epochs, test accuracy taken at the best validation epoch (``ModelCheckpoint``
-on ``val_acc``, then ``trainer.test(ckpt_path="best")``), tensor ops on the inline executor for speed.
+feature row-normalisation, 200 epochs, test accuracy taken at the best validation epoch (one evaluation
+forward per epoch gives val and test accuracy; the test accuracy of the best val epoch is kept in memory, as
+in PyG's examples), tensor ops on the inline executor for speed. Both models take about 2 minutes on a busy
+2-core machine (was 18.5: see docs/dorylus-benchmark.md).
 """
 
 from __future__ import annotations

@@ -53,6 +53,22 @@ def test_apply_vertex_matches_autograd(activation: str, has_bias: bool) -> None:
         assert "grad_bias" not in bwd
 
 
+def test_apply_vertex_backward_skips_grad_z_when_not_needed() -> None:
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(19, 6, dtype=torch.float64, generator=g)
+    w = torch.randn(6, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    h = F.relu(z @ w)
+    grad_h = torch.randn_like(h)
+    h.backward(grad_h)
+    attrs = {"activation": "relu", "has_bias": False, "needs_grad_z": False}
+    bwd = _run("apply_vertex.backward", attrs, z=z, weight=w, h=h.detach(), grad_h=grad_h)
+    assert set(bwd) == {"grad_weight"}
+    torch.testing.assert_close(bwd["grad_weight"], w.grad)
+    with pytest.raises(ValueError, match=r"needs_grad_z='no' must be true or false"):
+        _run("apply_vertex.backward", {**attrs, "needs_grad_z": "no"}, z=z, weight=w, h=h.detach(),
+             grad_h=grad_h)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_dtype_is_preserved(dtype: torch.dtype) -> None:
     out = _run("apply_vertex.forward", {"activation": "relu"}, z=torch.randn(4, 3, dtype=dtype),
@@ -84,6 +100,11 @@ def test_gat_project_matches_autograd(heads: int, channels: int) -> None:
     torch.testing.assert_close(bwd["grad_weight"], w.grad)
     torch.testing.assert_close(bwd["grad_att_src"], att_src.grad)
     torch.testing.assert_close(bwd["grad_att_dst"], att_dst.grad)
+    no_x = _run("gat.project.backward", {"needs_grad_x": False}, x=x, weight=w, att_src=att_src,
+                att_dst=att_dst, h=fwd["h"], grad_h=gh, grad_alpha_src=gs, grad_alpha_dst=gd)
+    assert "grad_x" not in no_x
+    for name in ("grad_weight", "grad_att_src", "grad_att_dst"):
+        torch.testing.assert_close(no_x[name], bwd[name])
 
 
 def ragged_dst_ptr(n: int, seed: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ from lightning_dorylus.data import partition_graph
 from lightning_dorylus.executors import InlineExecutor, TensorOpExecutor, TensorOpRequest
 from lightning_dorylus.graph import GhostExchange, GraphCache, gcn_adjacency, gcn_gather
 from lightning_dorylus.nn import DorylusRuntime, GATConv, GCNConv
+from lightning_dorylus.nn.dropout import feature_dropout
 
 N, F_IN = 60, 7
 
@@ -40,11 +41,13 @@ class RecordingExecutor(TensorOpExecutor):
         return self.inner.submit(request)
 
 
-def test_gcn_conv_matches_pyg(graph: Data) -> None:
+@pytest.mark.parametrize("order", ["gather_first", "weight_first"])
+def test_gcn_conv_matches_pyg(graph: Data, order: str) -> None:
     [part] = partition_graph(graph, 1, interval_size=16)
     assert part.num_intervals == 4
     ctx = GraphCache().context(part)
-    conv = GCNConv(F_IN, 5, activation="none").double()
+    conv = GCNConv(F_IN, 5, activation="none", order=order).double()
+    assert conv.order == order
     ref = pyg_nn.GCNConv(F_IN, 5).double()
     with torch.no_grad():
         ref.lin.weight.copy_(conv.weight.T)
@@ -120,6 +123,37 @@ def test_one_request_per_interval_forward_and_mirrored_backward(graph: Data) -> 
     )
 
 
+def test_gcn_conv_auto_order_and_first_layer_skips_grad_z(graph: Data) -> None:
+    assert GCNConv(8, 4).order == "weight_first"  # narrows: the weights go first, graph work is 4 wide
+    assert GCNConv(4, 8).order == "gather_first"
+    assert GCNConv(4, 4).order == "gather_first"
+    [part] = partition_graph(graph, 1, interval_size=16)
+    ctx = GraphCache().context(part)
+    seen: list[dict] = []
+
+    class Spy(InlineExecutor):
+        def submit(self, request: TensorOpRequest) -> Future[dict[str, torch.Tensor]]:
+            seen.append(request.attrs)
+            return super().submit(request)
+
+    x = graph.x[part.local_nodes].double()
+    for order in ("gather_first", "weight_first"):
+        conv = GCNConv(F_IN, 3, order=order).double()
+        conv.attach(DorylusRuntime(executor=Spy(), exchange=GhostExchange()))
+        seen.clear()
+        out = conv(x, ctx)  # x needs no gradient: a first layer
+        out.square().sum().backward()
+        assert [a["needs_grad_z"] for a in seen if "has_bias" in a] == [False] * 4
+        ref = GCNConv(F_IN, 3, order=order).double()
+        ref.load_state_dict(conv.state_dict())
+        x_req = x.clone().requires_grad_()
+        ref(x_req, ctx).square().sum().backward()
+        assert x_req.grad is not None
+        torch.testing.assert_close(ref.weight.grad, conv.weight.grad)
+    with pytest.raises(ValueError, match=r"order='sideways' is not supported; expected one of \('auto'"):
+        GCNConv(3, 2, order="sideways")
+
+
 def test_layer_without_runtime_creates_inline_executor_and_copies_drop_it(graph: Data) -> None:
     conv = GCNConv(F_IN, 2)
     assert isinstance(conv.runtime.executor, InlineExecutor)
@@ -164,3 +198,29 @@ def test_graph_structures_are_built_once_per_partition(graph: Data) -> None:
     assert ctx.intervals == [(0, 16), (16, 32), (32, 48), (48, 60)]
     [other] = partition_graph(graph, 1, interval_size=32)
     assert cache.context(other) is not ctx
+
+
+def test_feature_dropout_draws_only_nonzeros_with_dense_dropout_distribution(graph: Data) -> None:
+    [part] = partition_graph(graph, 1, interval_size=16)
+    x = torch.zeros(400, 50)
+    x[torch.arange(400), torch.arange(400) % 50] = torch.rand(400) + 0.5  # one nonzero per row: 2 %
+    part.x = x
+    ctx = GraphCache().context(part)
+    index, values = ctx.feature_nonzeros()
+    assert index.numel() == 400 and ctx.feature_nonzeros()[0] is index  # computed once
+    torch.testing.assert_close(values, x.reshape(-1)[index])
+    torch.manual_seed(0)
+    out = feature_dropout(ctx, 0.5, training=True)
+    assert out.shape == x.shape and torch.all(out[x == 0] == 0)
+    kept = out[x != 0] != 0
+    torch.testing.assert_close(out[x != 0][kept], x[x != 0][kept] * 2)
+    assert 0.4 < kept.float().mean() < 0.6
+    assert feature_dropout(ctx, 0.5, training=False) is x
+    assert torch.all(feature_dropout(ctx, 1.0, training=True) == 0)
+    with pytest.raises(ValueError, match=r"dropout probability p=1.5 must be in \[0, 1\]"):
+        feature_dropout(ctx, 1.5, training=True)
+    part.x = torch.rand(400, 50) + 0.1  # dense: ordinary dropout, same statistics
+    ctx = GraphCache().context(part)
+    assert ctx.feature_nonzeros() is None
+    dense = feature_dropout(ctx, 0.5, training=True)
+    assert 0.4 < (dense != 0).float().mean() < 0.6

@@ -25,6 +25,10 @@ def run_script(name: str, args: list[str], timeout: float, cwd: Path) -> str:
         AssertionError: the script failed or timed out (with its output).
     """
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1")
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        # graph servers computing in-process (inline executor): one BLAS thread each, or numpy's OpenBLAS
+        # starts one thread per core in every process and they fight (20x slower on a busy 2-core box)
+        env.setdefault(var, "1")
     env.pop("LOCAL_RANK", None)
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPTS / name), *args],
