@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ from lightning_dorylus import GCN, DorylusStrategy
 from lightning_dorylus.data import partition_graph
 from lightning_dorylus.strategy import _encode_broadcast_header
 from tests.dorylus.scripts.exact_run import INTERVAL_SIZE, loader, make_graph, make_model, train
-from tests.dorylus.scripts.launch import run_script
+from tests.dorylus.scripts.launch import SCRIPTS, run_script
 
 EPOCHS = 5
 
@@ -98,6 +100,23 @@ def test_broadcast_header_refuses_what_json_cannot_carry() -> None:
         "value": {"a": [1, None]},
     }
     assert _encode_broadcast_header(object()) == b""
+
+
+def test_mmap_threshold_returns_freed_buffers_to_the_os() -> None:
+    released = {}
+    for mode in ("set", "unset"):
+        out = subprocess.run(
+            [sys.executable, str(SCRIPTS / "heap_release.py"), mode],
+            capture_output=True, text=True, timeout=60, check=True,
+        )
+        released[mode] = float(out.stdout.split()[-1])
+    assert released["set"] >= 150, released  # 39 x 4 MiB back to the OS at once
+    assert released["unset"] < released["set"], released  # glibc's default keeps them on the heap
+
+
+def test_bad_mmap_threshold_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"mmap_threshold=-1 must be None or between 0 and 33554432 bytes"):
+        DorylusStrategy(mmap_threshold=-1)
 
 
 def test_unknown_executor_name_is_rejected() -> None:

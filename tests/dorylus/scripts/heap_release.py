@@ -1,0 +1,38 @@
+"""Worker script: how much memory freeing 39 of 40 live 4 MiB buffers gives back to the OS (MiB).
+
+``heap_release.py set`` fixes glibc's mmap threshold at 1 MiB first (what ``DorylusStrategy`` does in each
+graph server); ``heap_release.py unset`` leaves glibc's dynamic threshold, which a freed 16 MiB block
+raises, after which 4 MiB buffers come from the heap and stay resident below the last live one.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from lightning_dorylus.strategy import set_mmap_threshold
+
+
+def rss_mib() -> float:
+    """This process's resident memory."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def main() -> None:
+    if sys.argv[1] == "set":
+        assert set_mmap_threshold(1 << 20)
+    big = np.ones(16 << 20, dtype=np.uint8)
+    del big  # glibc raises its mmap threshold after freeing an mmapped block (unless it was fixed)
+    chunks = [np.ones(4 << 20, dtype=np.uint8) for _ in range(40)]
+    before = rss_mib()
+    del chunks[:-1]  # the last chunk stays: heap memory below it cannot be trimmed
+    print(round(before - rss_mib()))
+
+
+if __name__ == "__main__":
+    main()
