@@ -32,6 +32,7 @@ from lightning_dorylus.data.planetoid import load_planetoid
 class _ValAndTest:
     """Mixin: validation logs ``val_acc`` and ``test_acc`` from the same forward pass."""
 
+    @override
     def validation_step(self, batch: GraphPartition, batch_idx: int) -> Tensor:
         accs = self.accuracies(batch, {"val_acc": batch.val_mask, "test_acc": batch.test_mask})
         return accs["val_acc"]
