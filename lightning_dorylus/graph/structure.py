@@ -70,13 +70,19 @@ def gcn_adjacency(partition: GraphPartition, dtype: torch.dtype) -> GCNAdjacency
 
 
 def _csr(row: Tensor, col: Tensor, value: Tensor, size: tuple[int, int]) -> Tensor:
-    """A sparse CSR matrix from COO triplets (no duplicates), columns ascending within a row."""
+    """A sparse CSR matrix from COO triplets (no duplicates), columns ascending within a row.
+
+    Index arrays are int32 when every index and the number of entries fit (``torch.sparse.mm`` takes int32
+    CSR on CPU and CUDA): half the resident size of the two adjacencies' column arrays.
+    """
     order = torch.argsort(row * size[1] + col)
-    crow = torch.zeros(size[0] + 1, dtype=torch.long, device=row.device)
+    index_dtype = torch.int32 if max(*size, row.numel()) < 2**31 - 1 else torch.long
+    crow = torch.zeros(size[0] + 1, dtype=index_dtype, device=row.device)
     torch.cumsum(torch.bincount(row, minlength=size[0]), 0, out=crow[1:])
+    cols, values = col[order].to(index_dtype), value[order]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
-        return torch.sparse_csr_tensor(crow, col[order], value[order], size, check_invariants=False)
+        return torch.sparse_csr_tensor(crow, cols, values, size, check_invariants=False)
 
 
 def self_loop_edges(partition: GraphPartition) -> SelfLoopEdges:

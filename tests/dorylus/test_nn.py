@@ -92,6 +92,8 @@ def test_gat_conv_matches_pyg(graph: Data, concat: bool) -> None:
 def test_gcn_gather_backward_is_the_transposed_adjacency(graph: Data) -> None:
     [part] = partition_graph(graph, 1, interval_size=16)
     adjacency = gcn_adjacency(part, torch.float64)
+    for matrix in (adjacency.adj, adjacency.adj_t):  # int32 indices: half the resident index memory
+        assert matrix.crow_indices().dtype == matrix.col_indices().dtype == torch.int32
     h = torch.randn(N, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: gcn_gather(t, adjacency), (h,))
     dense = adjacency.adj.to_dense()
