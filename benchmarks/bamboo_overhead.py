@@ -73,6 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-layer", type=int, default=6, help="transformer blocks")
     parser.add_argument("--n-embd", type=int, default=128, help="model width C")
     parser.add_argument("--n-head", type=int, default=4, help="attention heads")
+    parser.add_argument(
+        "--trace", action="store_true",
+        help="after timing, record one more step of (c) and (d) per rank and print the timelines",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for the workers")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -231,22 +235,28 @@ class TimedReplicaSync(ReplicaSync):
     def __init__(self, *args: Any, seconds: list[float], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.seconds = seconds
+        self.trace: list[tuple[str, float, float]] | None = None
 
     def step(self, main_optimizer: torch.optim.Optimizer) -> None:
         start = time.perf_counter()
         super().step(main_optimizer)
         self.seconds[-1] += time.perf_counter() - start
+        if self.trace is not None:
+            self.trace.append(("replica post", start, time.perf_counter()))
 
     def flush(self) -> None:
         start = time.perf_counter()
+        was_pending = self.pending
         super().flush()
         if self.seconds:
             self.seconds[-1] += time.perf_counter() - start
+        if self.trace is not None and was_pending:
+            self.trace.append(("replica apply", start, time.perf_counter()))
 
 
 def bamboo_step(
     args: argparse.Namespace, groups: BambooGroups, redundancy: bool, replica_seconds: list[float]
-) -> tuple[StepFn, ReplicaSync | None]:
+) -> tuple[StepFn, PipelineEngine, TimedReplicaSync | None]:
     """Bamboo's ``PipelineEngine`` over the same stages, driven as ``BambooStrategy`` drives it.
 
     With ``redundancy`` the schedule gains the ``FR`` actions (eager forward of the successor's replica,
@@ -278,13 +288,16 @@ def bamboo_step(
     def step() -> float:
         replica_seconds.append(0.0)
         loss = engine.run_step(microbatches)
+        start = time.perf_counter()
         optimizer.step()
+        if engine.trace is not None:
+            engine.trace.append(("optimizer", start, time.perf_counter()))
         if sync is not None:
             sync.step(optimizer)
         optimizer.zero_grad()
         return loss.item()
 
-    return step, sync
+    return step, engine, sync
 
 
 # --------------------------------------------------------------------------------------------------
@@ -302,12 +315,20 @@ def worker_main(args: argparse.Namespace) -> None:
     try:
         groups = BambooGroups.create(plan_layout(args, world_size), rank)
         replica_seconds: list[float] = []
-        bamboo, _ = bamboo_step(args, groups, redundancy=False, replica_seconds=[])
-        bamboo_rc, sync = bamboo_step(args, groups, redundancy=True, replica_seconds=replica_seconds)
+        bamboo, engine, _ = bamboo_step(args, groups, redundancy=False, replica_seconds=[])
+        bamboo_rc, engine_rc, sync = bamboo_step(
+            args, groups, redundancy=True, replica_seconds=replica_seconds
+        )
         torch_1f1b = torch_1f1b_step(args, rank, world_size)
         steps = {"torch_1f1b": torch_1f1b, "bamboo": bamboo, "bamboo_rc": bamboo_rc}
         results = time_interleaved(steps, args)
         assert sync is not None
+        if args.trace:
+            traces = {
+                "bamboo": trace_step(bamboo, engine, None),
+                "bamboo_rc": trace_step(bamboo_rc, engine_rc, sync),
+            }
+            print_traces(traces, rank, world_size)
         sync.flush()  # the last step's exchange, before the process group goes
         results["bamboo_rc"]["replica_update_seconds"] = replica_seconds[args.warmup :]
         for result in results.values():
@@ -320,6 +341,44 @@ def worker_main(args: argparse.Namespace) -> None:
             args.out.write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
+
+
+def trace_step(step: StepFn, engine: PipelineEngine, sync: TimedReplicaSync | None) -> list[tuple]:
+    """One more step with the engine (and replica) recording; times relative to the opening barrier."""
+    trace: list[tuple[str, float, float]] = []
+    engine.trace = trace
+    if sync is not None:
+        sync.trace = trace
+    dist.barrier()
+    origin = time.perf_counter()
+    step()
+    start = time.perf_counter()
+    dist.barrier()
+    trace.append(("barrier", start, time.perf_counter()))
+    engine.trace = None
+    if sync is not None:
+        sync.trace = None
+    return [(name, begin - origin, end - origin) for name, begin, end in trace]
+
+
+def print_traces(traces: dict[str, list[tuple]], rank: int, world_size: int) -> None:
+    """Print each rank's timelines, one rank after the other (ms from the step's opening barrier).
+
+    One line per rank and part: ``event start-end`` in ms. Events: the engine's actions (``F0,1`` is
+    stage 0's forward of micro-batch 1, ``FR1,0`` the replica of stage 1 run on micro-batch 0; an action
+    that takes a received tensor includes its ``wait``), ``wait A1``/``wait G1`` (blocking on the receive of
+    micro-batch 1's activation / gradient), ``finish`` (waiting for this rank's sends), ``allreduce+loss``,
+    ``optimizer``, ``replica apply`` (the replica's AdamW, run by the first ``FR``), ``replica post`` and
+    the closing ``barrier``.
+    """
+    for turn in range(world_size):
+        dist.barrier()
+        if turn != rank:
+            continue
+        for mode, trace in traces.items():
+            events = "  ".join(f"{name} {1e3 * begin:.0f}-{1e3 * end:.0f}" for name, begin, end in trace)
+            print(f"rank{rank} {mode:<10} {events}", flush=True)
+    dist.barrier()
 
 
 def free_port() -> int:
@@ -369,11 +428,12 @@ def main(argv: list[str] | None = None) -> None:
         worker_main(args)
         return
     torch.set_num_threads(1)
+    load = os.getloadavg()[0]
     results = {"plain": time_steps(plain_step(args), args), **launch(args, argv)}
     medians = summarise(results)
     print(f"GPT n_layer={args.n_layer} n_embd={args.n_embd} T={args.block_size}, batch {args.batch_size} in "
           f"{args.microbatches} micro-batches, {args.stages} stages; median of {args.steps} steps after "
-          f"{args.warmup} warm-up")
+          f"{args.warmup} warm-up; {len(os.sched_getaffinity(0))} CPUs, load average at start {load:.2f}")
     print(f"{'mode':<42}{'s/step':>10}{'first loss':>12}{'last loss':>11}")
     for mode in MODES:
         losses = results[mode]["losses"]
@@ -381,6 +441,14 @@ def main(argv: list[str] | None = None) -> None:
     replica_update = statistics.median(results["bamboo_rc"]["replica_update_seconds"])
     # posting this step's gradients + applying the previous step's to the replica (its AdamW)
     print(f"{'    of which replica update':<42}{replica_update:>10.4f}")
+    speedup = medians["plain"] / medians["bamboo"]
+    ideal = args.stages * args.microbatches / (args.microbatches + args.stages - 1)
+    print(f"pipeline speed-up (a)/(c) {speedup:.2f}, ideal S*M/(M+S-1) {ideal:.2f}")
+    if speedup < 1 + 0.5 * (ideal - 1):
+        # the bubbles are only free time if every stage has a core of its own; see docs/bamboo-benchmark.md
+        print(f"WARNING: the pipeline gains less than half its ideal speed-up: the {args.stages} workers did "
+              "not get a core each (other load?), so the FR in bubbles cost compute and rc_overhead is "
+              "inflated")
     rc_overhead = medians["bamboo_rc"] / medians["bamboo"]
     vs_torch = medians["bamboo"] / medians["torch_1f1b"]
     print(f"rc_overhead={rc_overhead:.2f} vs_torch_1f1b={vs_torch:.2f}")

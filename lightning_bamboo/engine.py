@@ -32,6 +32,7 @@ Standalone use (benchmarks), on every rank after ``init_process_group``::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +92,9 @@ class PipelineEngine:
         """Outputs of the last step's ``FR`` actions, by micro-batch (kept for a takeover)."""
         self.shapes = ShapeCache()
         """Activation shapes learned from the headers of earlier steps (sent once per micro-batch shape)."""
+        self.trace: list[tuple[str, float, float]] | None = None
+        """Set to a list to record ``(event, start, end)`` (``time.perf_counter``) of every action, receive
+        wait and collective of the following steps; ``None`` (the default) records nothing."""
         has_fr = any(action.kind is ActionKind.FORWARD_REDUNDANT for action in self.program)
         if has_fr and replica is None:
             raise ValueError(
@@ -114,8 +118,12 @@ class PipelineEngine:
         self.redundant_outputs = {}
         step = _StepState(count=len(microbatches))
         self._run_program(self.schedule, microbatches, step, train=True)
+        start = time.perf_counter()
         self._average_gradients()
-        return self._broadcast_loss(step.losses)
+        loss = self._broadcast_loss(step.losses)
+        if self.trace is not None:
+            self.trace.append(("allreduce+loss", start, time.perf_counter()))
+        return loss
 
     @torch.no_grad()
     def run_forward(self, microbatches: Sequence[Any]) -> Tensor:
@@ -146,12 +154,20 @@ class PipelineEngine:
             keys,
             self.shapes,
             gradient_buffer=lambda mb: torch.empty_like(step.outputs[mb]),
+            trace=self.trace,
         )
         step.transfers.pump()  # post the receives that need nothing from this rank
         for action in rank_program(schedule, self.groups.stage):
+            start = time.perf_counter()
             self._execute(action, microbatches, step, train)
+            if self.trace is not None:
+                self.trace.append((f"{action.kind.value}{action.stage},{action.microbatch}", start,
+                                   time.perf_counter()))
             step.transfers.pump()  # a take() may have unblocked later receives
+        start = time.perf_counter()
         step.transfers.finish()
+        if self.trace is not None:
+            self.trace.append(("finish", start, time.perf_counter()))
 
     def _execute(self, action: Action, microbatches: Sequence[Any], step: _StepState, train: bool) -> None:
         mb = action.microbatch

@@ -29,6 +29,7 @@ input shapes); a stage whose output shape changes without its input shape changi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -160,6 +161,7 @@ class StepTransfers:
         shapes: the engine's shape cache (read and updated).
         gradient_buffer: ``micro-batch -> empty tensor`` shaped like this rank's output of it (the receive
             buffer of its gradient).
+        trace: where to record ``(event, start, end)`` of every blocking receive wait; ``None``: nowhere.
     """
 
     def __init__(
@@ -171,6 +173,7 @@ class StepTransfers:
         keys: Sequence[ShapeKey],
         shapes: ShapeCache,
         gradient_buffer: Callable[[int], Tensor],
+        trace: list[tuple[str, float, float]] | None = None,
     ) -> None:
         self.stage = stage
         self.rank_of_stage = rank_of_stage
@@ -187,6 +190,7 @@ class StepTransfers:
         self._outbox: dict[tuple[Kind, int], Tensor] = {}
         self._inbox: dict[tuple[Kind, int], tuple[Tensor, Any]] = {}
         self._sends: list[Any] = []
+        self.trace = trace
 
     def offer(self, kind: Kind, microbatch: int, tensor: Tensor) -> None:
         """Hand over a tensor this rank sends (activation or gradient), then issue what became ready."""
@@ -204,7 +208,10 @@ class StepTransfers:
                 )
             self._issue(self.transfers[self._next], force=True)
         buffer, work = self._inbox.pop(target)
+        start = time.perf_counter()
         work.wait()
+        if self.trace is not None:
+            self.trace.append((f"wait {kind.name[0]}{microbatch}", start, time.perf_counter()))
         return buffer
 
     def pump(self) -> None:
