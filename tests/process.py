@@ -25,10 +25,18 @@ def free_port() -> int:
 
 
 def launch_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a fresh single-node launch: loopback rendezvous on a free port, one thread."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    """The environment of a fresh single-node launch: loopback rendezvous on a free port, one thread.
+
+    Several training processes share this machine's 2 cores: one BLAS/OpenMP thread each (unless the caller
+    set a count), or numpy's OpenBLAS starts a thread per core in every process and they fight.
+    """
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
+    for threads in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(threads, "1")
     for inherited in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK"):
         env.pop(inherited, None)
+    # worker scripts under tests/ import their helpers as ``tests.*``, whatever directory they run from
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.update(extra or {})
     return env
 

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.process import REPO as REPO_ROOT
+from tests.process import run_process
+
 SCRIPT = REPO_ROOT / "benchmarks" / "dorylus_epoch.py"
 SUMMARY = re.compile(r"^vs_pyg=\d+\.\d\d mem_per_server_vs_pyg=\d+\.\d\d$")
 
@@ -73,17 +73,7 @@ def test_benchmark_ci_size(tmp_path: Path) -> None:
         "--epochs", "1", "--warmup", "1", "--interval-size", "1024", "--cache-dir", str(tmp_path / "cache"),
         "--timeout", "240",
     ]
-    proc = subprocess.Popen(
-        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=420)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"benchmark ran past 420 s:\n{output[-3000:]}")
-    assert proc.returncode == 0, output[-3000:]
+    output = run_process(command, timeout=420, cwd=REPO_ROOT).stdout
     lines = output.strip().splitlines()
     assert SUMMARY.match(lines[-1]), lines[-1]
     assert any(line.startswith("(a) PyG GCNConv") for line in lines), output

@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,6 +30,7 @@ from lightning_dorylus.data import (
     save_graph,
 )
 from lightning_dorylus.data.synthetic import powerlaw_graph
+from tests.process import run_process
 
 PLANETOID_ROOT = Path(__file__).parents[2].parent / "shared/data/planetoid"
 
@@ -222,29 +219,7 @@ def test_planetoid_never_downloads(tmp_path) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_processes_each_load_their_own_partition(tmp_path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.Popen(
-        [sys.executable, __file__, str(tmp_path / "out"), str(tmp_path / "cache")],
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"worker timed out:\n{out[-4000:]}") from None
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-4000:]
+    run_process([sys.executable, __file__, str(tmp_path / "out"), str(tmp_path / "cache")], timeout=240)
     expected = partition_graph(small_graph(), 2)
     for rank in range(2):
         result = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())

@@ -6,17 +6,15 @@ server by re-running that command), with a timeout and a process-group kill so a
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.process import REPO as REPO_ROOT
+from tests.process import run_process
+
 TEST_ACC = re.compile(r"test_acc\W+(\d+\.\d+)")  # plain or rich table row
 
 
@@ -26,21 +24,7 @@ def run_recipe(experiment: str, overrides: list[str], tmp_path: Path, timeout: f
         sys.executable, "-m", "recipes.train", f"experiment={experiment}",
         f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache={tmp_path / 'cache'}", *overrides,
     ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{experiment} ran past {timeout} s:\n{output[-3000:]}")
-    finally:
-        # Lightning's second graph server is our grandchild: never leave it behind.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, output[-4000:]
-    return output
+    return run_process(command, timeout=timeout, cwd=REPO_ROOT).stdout
 
 
 def printed_test_accuracy(output: str) -> float:
