@@ -10,6 +10,7 @@ Launch it like DDP (one process per device); the user's LightningModule follows 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -250,6 +252,9 @@ class BambooStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        # Lightning registers this only for NCCL; a gloo group left to interpreter shutdown can abort the
+        # process ("terminate called without an active exception") after training has finished
+        atexit.register(_destroy_dist_connection)
 
     # ------------------------------------------------------------------ setup
     @override

@@ -17,6 +17,7 @@ No DDP wrapper: gradients are reduced explicitly in :meth:`DorylusStrategy.post_
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import json
@@ -31,6 +32,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -207,6 +209,9 @@ class DorylusStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        # Lightning registers this only for NCCL; a gloo group left to interpreter shutdown can abort the
+        # process ("terminate called without an active exception") after training has finished
+        atexit.register(_destroy_dist_connection)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
