@@ -47,6 +47,19 @@ def dependencies(action: Action, num_stages: int, redundant: bool) -> list[Actio
     return deps
 
 
+def _needs_with_producers(
+    programs: Mapping[int, Sequence[Action]], deps: DependencyFn
+) -> dict[Action, list[Action]]:
+    """Each scheduled action's inputs; a ScheduleError if one of them is produced by no rank."""
+    present = {action for program in programs.values() for action in program}
+    needs = {action: deps(action) for action in present}
+    for action, inputs in needs.items():
+        missing = [dep for dep in inputs if dep not in present]
+        if missing:
+            raise ScheduleError(f"{action} depends on {', '.join(map(str, missing))}, which no rank runs")
+    return needs
+
+
 def place_programs(programs: Mapping[int, Sequence[Action]], deps: DependencyFn) -> Schedule:
     """List-schedule fixed per-rank programs: each action goes in the first slot where it is ready.
 
@@ -56,12 +69,7 @@ def place_programs(programs: Mapping[int, Sequence[Action]], deps: DependencyFn)
     Raises:
         ScheduleError: on a missing producer, or when no rank can make progress (deadlock).
     """
-    present = {action for program in programs.values() for action in program}
-    needs = {action: deps(action) for action in present}
-    for action, inputs in needs.items():
-        missing = [dep for dep in inputs if dep not in present]
-        if missing:
-            raise ScheduleError(f"{action} depends on {', '.join(map(str, missing))}, which no rank runs")
+    needs = _needs_with_producers(programs, deps)
     # Each action goes in slot max(previous action on its rank + 1, latest input + 1). Ranks are advanced
     # round-robin as far as their inputs are known; a full round with no progress is a deadlock.
     done_at: dict[Action, int] = {}
@@ -108,12 +116,7 @@ def place_by_priority(programs: Mapping[int, Sequence[Action]], deps: Dependency
     Raises:
         ScheduleError: on a missing producer, or a dependency cycle (no rank can run anything).
     """
-    present = {action for program in programs.values() for action in program}
-    needs = {action: deps(action) for action in present}
-    for action, inputs in needs.items():
-        missing = [dep for dep in inputs if dep not in present]
-        if missing:
-            raise ScheduleError(f"{action} depends on {', '.join(map(str, missing))}, which no rank runs")
+    needs = _needs_with_producers(programs, deps)
     pending = {rank: list(program) for rank, program in programs.items()}
     done_at: dict[Action, int] = {}
     schedule: Schedule = {rank: [] for rank in programs}
