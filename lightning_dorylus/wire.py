@@ -18,12 +18,24 @@ Byte layout (all integers little-endian; offsets are from the start of the paylo
     ...     array buffers, each starting at a multiple of ALIGNMENT, C order, little-endian
 
 Decoding returns numpy views over the payload (no copy): pass a ``bytearray`` to get writable arrays.
+
+Security model: a payload is untrusted input (a Lambda function or a worker process may be fed anything).
+Decoding never executes code, and every malformed input raises :class:`WireError` naming what was wrong,
+never another exception type: the prefix is checked (magic, version, reserved fields, lengths, the total
+size against ``max_size`` -- default :data:`MAX_MESSAGE_SIZE` -- BEFORE a stream reader allocates a
+buffer); the JSON header is bounded in bytes (:data:`MAX_HEADER_LEN`), nesting depth
+(:data:`MAX_HEADER_DEPTH`, checked before ``json`` recurses) and integer digits
+(:data:`MAX_INT_DIGITS`), with ``NaN``/``Infinity`` rejected; array entries must name an allowed dtype,
+a shape of at most :data:`MAX_NDIM` non-negative ints whose byte size fits the payload, and the exact
+offsets the encoder writes (arrays in order, aligned, not overlapping, the last one ending the payload).
+The encoder applies the same limits, so whatever ``encode`` produces ``decode`` accepts.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +54,18 @@ ALLOWED_DTYPES: tuple[str, ...] = ("float16", "float32", "float64", "int32", "in
 
 #: AWS Lambda's synchronous-invocation payload limit (each way), in bytes.
 LAMBDA_SYNC_PAYLOAD_LIMIT = 6 * 1024 * 1024
+
+#: Default cap on a whole payload, in bytes (local workers carry intervals far over Lambda's 6 MB).
+#: Functions taking ``max_size=None`` read this at call time, so a process may lower or raise it.
+MAX_MESSAGE_SIZE = 2 * 1024**3
+#: Cap on the JSON header, in bytes (real headers are a few hundred bytes; error messages are truncated).
+MAX_HEADER_LEN = 1024 * 1024
+#: Cap on JSON nesting (objects and arrays) in the header; the format itself needs 4 levels.
+MAX_HEADER_DEPTH = 32
+#: Cap on the digits of a JSON integer in the header (a u64 has 20).
+MAX_INT_DIGITS = 24
+#: Cap on an array's number of dimensions (numpy's own limit is 64).
+MAX_NDIM = 32
 
 
 class WireError(ValueError):
@@ -93,8 +117,9 @@ def _plan(header: Mapping[str, Any], specs: Sequence[tuple[str, tuple[int, ...],
     try:
         header_bytes = json.dumps({"header": dict(header), "arrays": entries},
                                   separators=(",", ":"), allow_nan=False).encode("utf-8")
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, RecursionError) as err:
         raise WireError(f"header is not JSON-serializable: {err}") from err
+    _parse_meta(header_bytes)  # the decoder's limits (size, depth, digits): encode only what decodes
     data_start = _align(PREFIX_SIZE + len(header_bytes))
     last_end = offsets[-1] + math.prod(specs[-1][1]) * specs[-1][2].itemsize if specs else 0
     return _Plan(header_bytes, data_start, offsets, data_start + last_end)
@@ -142,6 +167,10 @@ def encode_frames(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -
     """
     specs = _specs(arrays)
     plan = _plan(header, specs)
+    limit = MAX_MESSAGE_SIZE
+    if plan.total_len > limit:
+        raise WireError(f"payload of {plan.total_len} bytes exceeds the maximum message size {limit} "
+                        f"(wire.MAX_MESSAGE_SIZE); send fewer rows per request")
     prefix = _PREFIX.pack(MAGIC, VERSION, 0, len(plan.header_bytes), 0, plan.total_len)
     frames: list[Any] = [prefix, plan.header_bytes]
     pos = PREFIX_SIZE + len(plan.header_bytes)
@@ -177,23 +206,79 @@ def encode(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> bytes
     return join_frames(*encode_frames(header, arrays))
 
 
-def read_prefix(prefix: bytes | bytearray | memoryview) -> tuple[int, int]:
+def read_prefix(prefix: bytes | bytearray | memoryview, max_size: int | None = None) -> tuple[int, int]:
     """Validate the fixed 24-byte prefix; return ``(header_len, total_len)``.
 
-    Stream readers call this on the first bytes to learn how many more to read.
+    Stream readers call this on the first bytes to learn how many more to read: it rejects a
+    ``total_len`` over ``max_size`` (default :data:`MAX_MESSAGE_SIZE`), so a reader that allocates
+    ``total_len`` bytes only after this call never allocates more than the cap.
     """
     if len(prefix) < PREFIX_SIZE:
         raise WireError(f"truncated payload: {len(prefix)} bytes is shorter than the "
                         f"{PREFIX_SIZE}-byte prefix")
-    magic, version, _, header_len, _, total_len = _PREFIX.unpack_from(prefix, 0)
+    magic, version, reserved16, header_len, reserved32, total_len = _PREFIX.unpack_from(prefix, 0)
     if magic != MAGIC:
         raise WireError(f"bad magic {bytes(magic)!r}: expected {MAGIC!r} (not a Dorylus wire payload)")
     if version != VERSION:
         raise WireError(f"unsupported wire version {version}: this build reads version {VERSION}")
+    if reserved16 or reserved32:
+        raise WireError(f"corrupt prefix: reserved fields must be 0, got {reserved16} and {reserved32}")
+    limit = MAX_MESSAGE_SIZE if max_size is None else max_size
+    if total_len > limit:
+        raise WireError(f"payload of {total_len} bytes (prefix total_len) exceeds the maximum message size "
+                        f"{limit}")
+    if header_len > MAX_HEADER_LEN:
+        raise WireError(f"corrupt prefix: header_len ({header_len}) exceeds the {MAX_HEADER_LEN}-byte "
+                        f"header limit")
     if PREFIX_SIZE + header_len > total_len:
         raise WireError(f"corrupt prefix: header_len ({header_len}) + {PREFIX_SIZE} exceeds "
                         f"total_len ({total_len})")
+    if _align(PREFIX_SIZE + header_len) > total_len:
+        raise WireError(f"corrupt prefix: total_len ({total_len}) is shorter than the aligned header end "
+                        f"({_align(PREFIX_SIZE + header_len)})")
     return header_len, total_len
+
+
+# A JSON string literal (the unrolled form, linear time): removed before counting brackets.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_DEPTH_STEP = np.zeros(256, np.int8)
+_DEPTH_STEP[[ord("["), ord("{")]] = 1
+_DEPTH_STEP[[ord("]"), ord("}")]] = -1
+
+
+def _json_depth(raw: bytes) -> int:
+    """Maximum nesting of objects/arrays in JSON text, without recursing (brackets in strings ignored)."""
+    stripped = _JSON_STRING.sub(b"", raw)
+    if not stripped:
+        return 0
+    steps = _DEPTH_STEP[np.frombuffer(stripped, np.uint8)].astype(np.int64)
+    return int(np.cumsum(steps).max(initial=0))
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise WireError(f"corrupt header: an integer with {len(text.lstrip('-'))} digits exceeds the "
+                        f"{MAX_INT_DIGITS}-digit limit")
+    return int(text)
+
+
+def _reject_constant(name: str) -> Any:
+    raise WireError(f"corrupt header: {name} is not allowed (the encoder never writes it)")
+
+
+def _parse_meta(raw: bytes) -> Any:
+    """Parse the JSON header within the limits (size, depth, integer digits, no NaN/Infinity)."""
+    if len(raw) > MAX_HEADER_LEN:
+        raise WireError(f"corrupt header: {len(raw)} bytes exceeds the {MAX_HEADER_LEN}-byte header limit")
+    depth = _json_depth(raw)
+    if depth > MAX_HEADER_DEPTH:
+        raise WireError(f"corrupt header: nesting depth {depth} exceeds the limit of {MAX_HEADER_DEPTH}")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_int=_parse_int, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise WireError(f"corrupt header: {err}") from err
+    except RecursionError as err:  # unreachable after the depth check; kept so nothing else escapes
+        raise WireError(f"corrupt header: nested too deeply ({err})") from err
 
 
 def _iter_entries(meta: Any) -> Iterator[tuple[str, np.dtype, tuple[int, ...], int]]:
@@ -203,46 +288,67 @@ def _iter_entries(meta: Any) -> Iterator[tuple[str, np.dtype, tuple[int, ...], i
     seen: set[str] = set()
     for entry in meta["arrays"]:
         if not isinstance(entry, dict):
-            raise WireError(f"corrupt array entry {entry!r}: expected an object")
+            raise WireError(f"corrupt array entry {_short(entry)}: expected an object")
         name, dtype, shape, offset = (entry.get(k) for k in ("name", "dtype", "shape", "offset"))
         if not isinstance(name, str) or name in seen:
-            raise WireError(f"corrupt array entry: name {name!r} is not a str or is repeated")
+            raise WireError(f"corrupt array entry: name {_short(name)} is not a str or is repeated")
         seen.add(name)
-        if dtype not in ALLOWED_DTYPES:
-            raise WireError(f"array {name!r} has dtype {dtype!r} which is not allowed on the wire; "
+        if not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:
+            raise WireError(f"array {name!r} has dtype {_short(dtype)} which is not allowed on the wire; "
                             f"expected one of {list(ALLOWED_DTYPES)}")
-        if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-            raise WireError(f"array {name!r} has invalid shape {shape!r}: expected a list of ints >= 0")
+        if not isinstance(shape, list) or len(shape) > MAX_NDIM \
+                or not all(type(s) is int and s >= 0 for s in shape):
+            raise WireError(f"array {name!r} has invalid shape {_short(shape)}: expected a list of at most "
+                            f"{MAX_NDIM} ints >= 0")
         if type(offset) is not int or offset < 0 or offset % ALIGNMENT:
-            raise WireError(f"array {name!r} has invalid offset {offset!r}: expected an int >= 0, "
+            raise WireError(f"array {name!r} has invalid offset {_short(offset)}: expected an int >= 0, "
                             f"multiple of {ALIGNMENT}")
         yield name, np.dtype(dtype).newbyteorder("<"), tuple(shape), offset
 
 
-def decode(payload: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr`` cut to ``limit`` characters: error messages quote forged values, which may be huge."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...'"
+
+
+def decode(payload: bytes | bytearray | memoryview,
+           max_size: int | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Decode a payload into ``(header, arrays)``; arrays are zero-copy views over ``payload``.
 
     Raises:
-        WireError: on a wrong magic/version, a truncated payload, a corrupt header, a dtype outside
-            ``ALLOWED_DTYPES``, or an array whose shape does not fit inside the payload.
+        WireError: on anything but a payload ``encode`` could have written: a wrong magic/version, a
+            truncated or oversized payload (over ``max_size``, default :data:`MAX_MESSAGE_SIZE`), a corrupt
+            or over-limit header, a dtype outside ``ALLOWED_DTYPES``, an invalid shape, or array bytes
+            that do not match the layout (out of range, misplaced, overlapping, or trailing bytes).
     """
     view = memoryview(payload).cast("B")
-    header_len, total_len = read_prefix(view[:PREFIX_SIZE])
+    header_len, total_len = read_prefix(view[:PREFIX_SIZE], max_size)
     if len(view) != total_len:
         raise WireError(f"truncated payload: prefix says {total_len} bytes, got {len(view)}")
-    try:
-        meta = json.loads(bytes(view[PREFIX_SIZE:PREFIX_SIZE + header_len]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise WireError(f"corrupt header: {err}") from err
+    meta = _parse_meta(bytes(view[PREFIX_SIZE:PREFIX_SIZE + header_len]))
     data_start = _align(PREFIX_SIZE + header_len)
     arrays: dict[str, np.ndarray] = {}
+    expected_offset, end = 0, data_start
+    limit = MAX_MESSAGE_SIZE if max_size is None else max_size
     for name, dtype, shape, offset in _iter_entries(meta):
+        # Zero-size arrays may declare huge dimensions; numpy still needs the other dims' product to fit.
+        sized = math.prod(s for s in shape if s) * dtype.itemsize
+        if sized > limit:
+            raise WireError(f"array {name!r} has shape {_short(list(shape))}: its nonzero dimensions span "
+                            f"{sized} bytes, more than the maximum message size {limit}")
         count = math.prod(shape)
         start = data_start + offset
         end = start + count * dtype.itemsize
         if end > total_len:
             raise WireError(f"array {name!r} with shape {list(shape)} and dtype {dtype.name} needs bytes "
                             f"{start}:{end} but the payload has {total_len} bytes")
+        if offset != expected_offset:
+            raise WireError(f"array {name!r} has offset {offset} but the layout puts it at {expected_offset} "
+                            f"(arrays must follow each other in order, aligned to {ALIGNMENT})")
+        expected_offset = _align(end - data_start)
         arr = np.frombuffer(view, dtype=dtype, count=count, offset=start).reshape(shape)
         arrays[name] = arr.astype(arr.dtype.newbyteorder("="), copy=False)
+    if end != total_len:
+        raise WireError(f"corrupt payload: the arrays end at byte {end} but total_len is {total_len}")
     return meta["header"], arrays

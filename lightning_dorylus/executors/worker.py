@@ -7,7 +7,9 @@ the standard library, numpy, ``wire`` and ``ops``. Never torch, never pickle.
 Protocol: messages are wire payloads (``lightning_dorylus.wire``), which are self-delimiting: the
 24-byte prefix carries the total length. On start the worker sends a hello ``{"ready": true, "pid"}``;
 then for each request it answers ``{"op", "ok": true}`` + outputs, or ``{"op", "ok": false,
-"error_type", "message"}`` if the op raised. EOF on stdin means the pool is closing: exit 0.
+"error_type", "message"}`` if the op raised. EOF on stdin means the pool is closing: exit 0. A corrupt
+prefix (bad magic, a length over ``wire.MAX_MESSAGE_SIZE``) is answered with a ``WireError`` reply and the
+worker exits, since the stream cannot be resynchronized; nothing is allocated from an unchecked length.
 """
 
 from __future__ import annotations
@@ -22,12 +24,16 @@ from lightning_dorylus import wire
 from lightning_dorylus.ops import handlers
 
 
-def read_message(stream: BinaryIO) -> bytearray | None:
-    """Read one wire payload into a fresh ``bytearray`` (so decoded arrays are writable); None on EOF."""
+def read_message(stream: BinaryIO, max_size: int | None = None) -> bytearray | None:
+    """Read one wire payload into a fresh ``bytearray`` (so decoded arrays are writable); None on EOF.
+
+    The prefix's length is untrusted: ``wire.read_prefix`` rejects (``WireError``) a ``total_len`` over
+    ``max_size`` (default ``wire.MAX_MESSAGE_SIZE``) before anything is allocated for the body.
+    """
     prefix = _read_exact(stream, bytearray(wire.PREFIX_SIZE), allow_eof=True)
     if prefix is None:
         return None
-    _, total_len = wire.read_prefix(prefix)
+    _, total_len = wire.read_prefix(prefix, max_size)
     buf = bytearray(total_len)
     buf[: wire.PREFIX_SIZE] = prefix
     _read_exact(stream, memoryview(buf)[wire.PREFIX_SIZE:], allow_eof=False)
@@ -61,9 +67,16 @@ def _read_exact(stream: BinaryIO, buf: bytearray | memoryview,
 
 
 def serve(inp: BinaryIO, out: BinaryIO) -> None:
-    """Answer requests until EOF on ``inp``."""
+    """Answer requests until EOF on ``inp``, or a corrupt prefix (answered with an error, then return)."""
     write_message(out, wire.encode_frames({"ready": True, "pid": os.getpid()}, {})[1])
-    while (payload := read_message(inp)) is not None:
+    while True:
+        try:
+            payload = read_message(inp)
+        except wire.WireError as err:  # corrupt prefix: the stream cannot be resynchronized; answer, stop
+            write_message(out, wire.encode_frames(handlers.error_header(None, err), {})[1])
+            return
+        if payload is None:
+            return
         try:
             _, frames = handlers.handle_frames(payload)
         except Exception as err:  # report it to the caller; the worker stays up

@@ -63,6 +63,8 @@ OPS: dict[str, OpSpec] = {
 }
 
 FLOAT_DTYPES = ("float16", "float32", "float64")
+#: Error messages sent back to the caller are cut to this many characters (see ``error_header``).
+MAX_ERROR_MESSAGE = 16_384
 
 
 def run_op(op: str, inputs: Mapping[str, np.ndarray], attrs: Mapping[str, Any] | None = None
@@ -73,7 +75,7 @@ def run_op(op: str, inputs: Mapping[str, np.ndarray], attrs: Mapping[str, Any] |
         ValueError: unknown ``op`` (the message lists the valid ones), a missing or unexpected input
             (named), mixed floating dtypes, or shapes that do not fit the op.
     """
-    spec = OPS.get(op)
+    spec = OPS.get(op) if isinstance(op, str) else None
     if spec is None:
         raise ValueError(f"unknown op {op!r}; valid ops are {sorted(OPS)}")
     missing = [k for k in spec.required if k not in inputs]
@@ -107,9 +109,12 @@ def handle_frames(payload: bytes | bytearray | memoryview) -> tuple[int, list[An
     """``handle`` without joining the response: ``(total_len, frames)`` for streaming into a pipe."""
     header, arrays = wire.decode(payload)
     op = header.get("op")
+    if not isinstance(op, str):
+        raise wire.WireError(f"request header 'op' must be a str naming one of {sorted(OPS)}, "
+                             f"got {type(op).__name__}")
     attrs = header.get("attrs", {})
     if not isinstance(attrs, dict):
-        raise ValueError(f"request attrs must be a JSON object, got {attrs!r}")
+        raise wire.WireError(f"request header 'attrs' must be a JSON object, got {type(attrs).__name__}")
     outputs = run_op(op, arrays, attrs)  # type: ignore[arg-type]
     return wire.encode_frames(response_header(op), outputs)  # type: ignore[arg-type]
 
@@ -125,5 +130,13 @@ def response_header(op: str) -> dict[str, Any]:
 
 
 def error_header(op: Any, err: BaseException) -> dict[str, Any]:
-    """The header of a failed response: the error's type and message travel back, not a traceback object."""
-    return {"op": op, "ok": False, "error_type": type(err).__name__, "message": str(err)}
+    """The header of a failed response: the error's type and message travel back, not a traceback object.
+
+    ``op`` is echoed only when it is a str, and the message is cut to ``MAX_ERROR_MESSAGE`` characters,
+    so a forged request cannot make the reply's header exceed the wire limits.
+    """
+    message = str(err)
+    if len(message) > MAX_ERROR_MESSAGE:
+        message = message[:MAX_ERROR_MESSAGE] + f"... [{len(message) - MAX_ERROR_MESSAGE} more characters]"
+    return {"op": op if isinstance(op, str) else None, "ok": False, "error_type": type(err).__name__,
+            "message": message}
