@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from lightning_dorylus.data.partition import GraphPartition
 from lightning_dorylus.graph import GraphCache, GraphContext
+from lightning_dorylus.nn.dropout import dropout_key
 
 
 class NodeClassifier(LightningModule):
@@ -33,6 +34,10 @@ class NodeClassifier(LightningModule):
         super().__init__()
         self.lr, self.weight_decay = lr, weight_decay
         self._graphs = GraphCache()
+        # Dropout masks hash (this seed, epoch, step, site, global id): graph servers seeded alike by
+        # ``seed_everything`` agree on it; checkpoints carry it, so a resumed run draws the same masks.
+        self.dropout_seed = torch.initial_seed()
+        self._free_steps = 0  # training forwards outside a Trainer (each gets new masks)
 
     def graph(self, batch: Any) -> GraphContext:
         """The cached :class:`GraphContext` of ``batch``; rejects anything that is not a partition."""
@@ -42,6 +47,30 @@ class NodeClassifier(LightningModule):
                 f"DorylusDataModule), got {type(batch).__name__}"
             )
         return self._graphs.context(batch)
+
+    def dropout_key(self, site: int) -> int:
+        """Key of dropout site ``site`` (0, 1, ... in forward order) for this training step.
+
+        Folds the seed, the epoch, the global step and the site; without a Trainer, a counter of training
+        forwards stands in for the step. Masks then depend on global vertex/edge ids only (see
+        :mod:`lightning_dorylus.nn.dropout`), so every partitioning draws the single-process masks.
+        """
+        if self._trainer is None:
+            return dropout_key(self.dropout_seed, -1, self._free_steps, site)
+        return dropout_key(self.dropout_seed, self.current_epoch, self.global_step, site)
+
+    def next_free_step(self) -> None:
+        """Advance the step counter used outside a Trainer (called once per training forward)."""
+        if self._trainer is None and self.training:
+            self._free_steps += 1
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["dorylus_dropout_seed"] = self.dropout_seed
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.dropout_seed = int(checkpoint.get("dorylus_dropout_seed", self.dropout_seed))
 
     def _global_sum(self, value: Tensor) -> Tensor:
         """Sum over graph servers (identity in a single process)."""

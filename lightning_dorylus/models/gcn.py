@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import itertools
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_dorylus.graph import GraphContext
 from lightning_dorylus.models.base import NodeClassifier
 from lightning_dorylus.nn import GCNConv
-from lightning_dorylus.nn.dropout import feature_dropout
+from lightning_dorylus.nn.dropout import feature_dropout, row_dropout
 
 
 class GCN(NodeClassifier):
@@ -22,7 +21,8 @@ class GCN(NodeClassifier):
         hidden_channels: Hidden width (16 for Cora).
         out_channels: Number of classes.
         num_layers: Number of ``GCNConv`` layers (``>= 1``).
-        dropout: Dropout on every layer's input, applied on the owner before SC so ghosts see the same values.
+        dropout: Dropout on every layer's input, applied on the owner before SC so ghosts see the same values;
+            masks are keyed by global vertex id (see :mod:`lightning_dorylus.nn.dropout`).
         lr: Adam learning rate.
         weight_decay: Adam weight decay.
     """
@@ -51,9 +51,11 @@ class GCN(NodeClassifier):
     @override
     def forward(self, graph: GraphContext) -> Tensor:
         """Logits ``(n_local, out_channels)`` of this server's owned vertices."""
-        h = feature_dropout(graph, self.dropout, self.training)  # sparse features: only nonzeros drawn
+        h = feature_dropout(graph, self.dropout, self.training, self.dropout_key(0))  # only nonzeros hashed
         for i, conv in enumerate(self.convs):
             if i > 0:
-                h = F.dropout(h, p=self.dropout, training=self.training)
+                key = self.dropout_key(i)
+                h = row_dropout(h, graph.partition.local_nodes, self.dropout, self.training, key)
             h = conv(h, graph)
+        self.next_free_step()
         return h

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_dorylus.graph import GraphContext, attention_gather
 from lightning_dorylus.nn.base import DorylusLayer
+from lightning_dorylus.nn.dropout import edge_ids, row_dropout
 from lightning_dorylus.nn.functions import ApplyEdge, GATProject
 
 
@@ -71,32 +71,44 @@ class GATConv(DorylusLayer):
             x, self.weight, self.att_src, self.att_dst, self.runtime.executor, graph.intervals
         )
 
-    def apply_edge(self, alpha_src_full: Tensor, alpha_dst: Tensor, graph: GraphContext) -> Tensor:
-        """AE (PyG ``message``'s attention): ``(E', H)`` softmax over each dst's in-edges, then dropout."""
+    def apply_edge(
+        self, alpha_src_full: Tensor, alpha_dst: Tensor, graph: GraphContext, dropout_key: int | None = None
+    ) -> Tensor:
+        """AE (PyG ``message``'s attention): ``(E', H)`` softmax over each dst's in-edges, then dropout.
+
+        The dropout mask of an edge hashes ``dropout_key`` and the edge's global ``(src, dst)``, so it is the
+        same whichever server owns ``dst``; ``None`` draws a key from torch's global generator.
+        """
         edges = graph.self_loops
         alpha_src_e = alpha_src_full.index_select(0, edges.src)  # (E', H): the server gathers source scores
         attention = ApplyEdge.apply(
             alpha_src_e, alpha_dst, edges.dst_ptr, self.runtime.executor, graph.intervals, self.negative_slope
         )
-        return F.dropout(attention, p=self.dropout, training=self.training)
+        if not self.training or self.dropout == 0.0:
+            return attention
+        if dropout_key is None:
+            dropout_key = int(torch.randint(-(2**63), 2**63 - 1, ()))
+        return row_dropout(attention, edge_ids(graph), self.dropout, True, dropout_key)
 
     def gather(self, h_full: Tensor, attention: Tensor, graph: GraphContext) -> Tensor:
         """GA (PyG ``aggregate``): ``out_i = Σ_j attention_ij h_j`` per head -> ``(n_local, H, C)``."""
         h_full = h_full.view(-1, self.heads, self.out_channels)
         return attention_gather(h_full, attention, graph.self_loops, graph.partition.n_local)
 
-    def forward(self, x: Tensor, graph: GraphContext) -> Tensor:
+    def forward(self, x: Tensor, graph: GraphContext, dropout_key: int | None = None) -> Tensor:
         """``(n_local, F_in) -> (n_local, H*C)`` (concat) or ``(n_local, C)`` (mean).
 
         Args:
             x: This server's rows of the layer input.
             graph: The partition and its derived structures.
+            dropout_key: Key of the attention dropout (see :func:`lightning_dorylus.nn.dropout.dropout_key`);
+                ``None`` draws one from torch's global generator, like ``F.dropout``.
         """
         h, alpha_src, alpha_dst = self.apply_vertex(x, graph)  # AV: (n, H*C), (n, H), (n, H)
         boundary = torch.cat([h, alpha_src], dim=1)  # one SC message per row: (n, H*C + H)
         full = self.scatter(boundary, graph)  # SC: (n_local + n_ghost, H*C + H)
         h_full, alpha_src_full = full.split([self.heads * self.out_channels, self.heads], dim=1)
-        attention = self.apply_edge(alpha_src_full, alpha_dst, graph)  # AE: (E', H)
+        attention = self.apply_edge(alpha_src_full, alpha_dst, graph, dropout_key)  # AE: (E', H)
         out = self.gather(h_full, attention, graph)  # GA: (n_local, H, C)
         out = out.reshape(out.size(0), -1) if self.concat else out.mean(dim=1)
         return out if self.bias is None else out + self.bias

@@ -15,7 +15,7 @@ from lightning_dorylus.data import partition_graph
 from lightning_dorylus.executors import InlineExecutor, TensorOpExecutor, TensorOpRequest
 from lightning_dorylus.graph import GhostExchange, GraphCache, gcn_adjacency, gcn_gather
 from lightning_dorylus.nn import DorylusRuntime, GATConv, GCNConv
-from lightning_dorylus.nn.dropout import feature_dropout
+from lightning_dorylus.nn.dropout import dropout_key, feature_dropout
 
 N, F_IN = 60, 7
 
@@ -211,18 +211,18 @@ def test_feature_dropout_draws_only_nonzeros_with_dense_dropout_distribution(gra
     index, values = ctx.feature_nonzeros()
     assert index.numel() == 400 and ctx.feature_nonzeros()[0] is index  # computed once
     torch.testing.assert_close(values, x.reshape(-1)[index])
-    torch.manual_seed(0)
-    out = feature_dropout(ctx, 0.5, training=True)
+    key = dropout_key(0, 0)
+    out = feature_dropout(ctx, 0.5, training=True, key=key)
     assert out.shape == x.shape and torch.all(out[x == 0] == 0)
     kept = out[x != 0] != 0
     torch.testing.assert_close(out[x != 0][kept], x[x != 0][kept] * 2)
     assert 0.4 < kept.float().mean() < 0.6
-    assert feature_dropout(ctx, 0.5, training=False) is x
-    assert torch.all(feature_dropout(ctx, 1.0, training=True) == 0)
+    assert feature_dropout(ctx, 0.5, training=False, key=key) is x
+    assert torch.all(feature_dropout(ctx, 1.0, training=True, key=key) == 0)
     with pytest.raises(ValueError, match=r"dropout probability p=1.5 must be in \[0, 1\]"):
-        feature_dropout(ctx, 1.5, training=True)
+        feature_dropout(ctx, 1.5, training=True, key=key)
     part.x = torch.rand(400, 50) + 0.1  # dense: ordinary dropout, same statistics
     ctx = GraphCache().context(part)
     assert ctx.feature_nonzeros() is None
-    dense = feature_dropout(ctx, 0.5, training=True)
+    dense = feature_dropout(ctx, 0.5, training=True, key=key)
     assert 0.4 < (dense != 0).float().mean() < 0.6

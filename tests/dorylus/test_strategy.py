@@ -1,8 +1,9 @@
 """DorylusStrategy: N graph servers (subprocesses, gloo) train exactly what one process trains.
 
-Each case launches ``scripts/exact_run.py`` (GCN or GAT, float64, dropout 0, 5 epochs) on 2 or 3 graph
-servers and compares its per-epoch global loss, val accuracy and final weights with the same model trained
-in this process under ``strategy="auto"`` on the single whole-graph partition.
+Each case launches ``scripts/exact_run.py`` (GCN or GAT, float64, 5 epochs) on 2 or 3 graph servers and
+compares its per-epoch global loss, val accuracy and final weights with the same model trained in this
+process under ``strategy="auto"`` on the single whole-graph partition. Two cases train with dropout on:
+masks are keyed by global vertex/edge ids, so N servers draw exactly the one-process masks.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from tests.dorylus.scripts.launch import SCRIPTS, run_script
 EPOCHS = 5
 
 
-def reference(model_name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+def reference(model_name: str, dropout: float = 0.0) -> tuple[dict, dict[str, torch.Tensor]]:
     """One process, one partition (the whole graph), inline executor: the single-process full-graph run."""
     partitions = partition_graph(make_graph(), 1, partitioner="metis", interval_size=INTERVAL_SIZE)
-    model = make_model(model_name)
+    model = make_model(model_name, dropout=dropout)
     _, recorder = train(model, partitions, EPOCHS, strategy="auto", devices=1)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"losses": recorder.losses, "val_acc": recorder.val_acc}, weights
@@ -39,11 +40,12 @@ def reference(model_name: str) -> tuple[dict, dict[str, torch.Tensor]]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("model_name", "servers", "executor"),
-    [("gcn", 2, "local"), ("gcn", 3, "inline"), ("gat", 2, "inline"), ("gat", 3, "local")],
+    ("model_name", "servers", "executor", "dropout"),
+    [("gcn", 2, "local", 0.0), ("gcn", 3, "inline", 0.0), ("gat", 2, "inline", 0.0), ("gat", 3, "local", 0.0),
+     ("gcn", 3, "inline", 0.5), ("gat", 2, "inline", 0.5)],
 )
 def test_graph_servers_match_single_process(
-    tmp_path: Path, model_name: str, servers: int, executor: str
+    tmp_path: Path, model_name: str, servers: int, executor: str, dropout: float
 ) -> None:
     args = [
         str(tmp_path),
@@ -55,12 +57,16 @@ def test_graph_servers_match_single_process(
         executor,
         "--epochs",
         str(EPOCHS),
+        "--dropout",
+        str(dropout),
     ]
     run_script("exact_run.py", args, timeout=240, cwd=tmp_path)
     result = json.loads((tmp_path / "result.json").read_text())
     assert all(g > 0 for g in result["ghosts"]), "every partition must have ghosts, or SC is not exercised"
 
-    expected, expected_weights = reference(model_name)
+    expected, expected_weights = reference(model_name, dropout)
+    if dropout:  # the masks really change the run (else this case would prove nothing new)
+        assert expected["losses"] != reference(model_name)[0]["losses"]
     assert len(result["losses"]) == EPOCHS
     torch.testing.assert_close(
         torch.tensor(result["losses"], dtype=torch.float64),

@@ -7,6 +7,7 @@ replicas stayed identical. The test builds the same graph and model with :func:`
 :func:`make_model` and trains them in one process as the reference.
 
 Usage: python exact_run.py OUT_DIR --model gcn|gat --servers N --executor local|inline [--epochs 5]
+    [--dropout 0.0]
 """
 
 from __future__ import annotations
@@ -50,14 +51,17 @@ def make_graph(seed: int = 0) -> Data:
     )
 
 
-def make_model(name: str, seed: int = 0) -> LightningModule:
-    """The model under test, float64, dropout 0 (one process and N servers compute the same function)."""
+def make_model(name: str, seed: int = 0, dropout: float = 0.0) -> LightningModule:
+    """The model under test, float64. One process and N servers compute the same function even with
+    ``dropout > 0``: masks are keyed by (seed, epoch, step, site, global vertex/edge id)."""
     seed_everything(seed, verbose=False)
     if name == "gcn":
-        model: LightningModule = GCN(NUM_FEATURES, 16, NUM_CLASSES, dropout=0.0, lr=0.05, weight_decay=5e-4)
+        model: LightningModule = GCN(
+            NUM_FEATURES, 16, NUM_CLASSES, dropout=dropout, lr=0.05, weight_decay=5e-4
+        )
     elif name == "gat":
         model = GAT(
-            NUM_FEATURES, 4, NUM_CLASSES, heads=3, out_heads=2, dropout=0.0, lr=0.05, weight_decay=5e-4
+            NUM_FEATURES, 4, NUM_CLASSES, heads=3, out_heads=2, dropout=dropout, lr=0.05, weight_decay=5e-4
         )
     else:
         raise ValueError(f"--model {name!r}: expected 'gcn' or 'gat'")
@@ -120,6 +124,7 @@ def main() -> None:
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--executor", default="inline")
     parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--dropout", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -128,7 +133,7 @@ def main() -> None:
     strategy = DorylusStrategy(
         executor=args.executor, executor_options=options, timeout=datetime.timedelta(seconds=60)
     )
-    model = make_model(args.model)
+    model = make_model(args.model, dropout=args.dropout)
     trainer, recorder = train(model, partitions, args.epochs, strategy, devices=args.servers)
     rank = trainer.global_rank
     collectives = {  # DorylusStrategy's own collectives (no pickle), checked by the test
