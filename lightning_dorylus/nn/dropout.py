@@ -142,6 +142,8 @@ def feature_dropout(graph: GraphContext, p: float, training: bool, key: int) -> 
     if not training or p == 0.0:
         return x
     row_ids = graph.partition.local_nodes
+    if x.shape[0] != row_ids.numel():
+        raise ValueError(f"partition.x has {x.shape[0]} rows; the partition owns {row_ids.numel()} vertices")
     nonzeros = graph.feature_nonzeros() if not x.requires_grad else None
     if nonzeros is None:  # dense features (or features that need a gradient)
         return row_dropout(x, row_ids, p, training, key)
