@@ -30,9 +30,9 @@ from lightning_dorylus.data import (
     save_graph,
 )
 from lightning_dorylus.data.synthetic import powerlaw_graph
-from tests.process import run_process
+from tests.process import DATA, run_process
 
-PLANETOID_ROOT = Path(__file__).parents[2].parent / "shared/data/planetoid"
+PLANETOID_ROOT = DATA / "planetoid"
 
 
 def small_graph() -> Data:
@@ -186,7 +186,6 @@ def test_single_process_fit_sees_the_whole_graph_once_per_epoch(tmp_path) -> Non
     assert model.seen == [("train", 0, 300), ("val", 0, 300)] * 3
 
 
-@pytest.mark.skipif(not (PLANETOID_ROOT / "Cora/raw").is_dir(), reason=f"no Cora files in {PLANETOID_ROOT}")
 def test_cora_loads_and_partitions(tmp_path) -> None:
     dataset = load_planetoid(PLANETOID_ROOT, "Cora", processed_root=tmp_path / "processed")
     data = dataset[0]
