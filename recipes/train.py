@@ -60,14 +60,21 @@ def build_strategy(strategy_cfg: DictConfig) -> Any:
     return strategy_cfg.name
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="train")
-def main(cfg: DictConfig) -> None:
+def run(cfg: DictConfig) -> dict[str, float]:
+    """Seed, build, ``fit``, then ``test`` if the recipe asks; returns the test metrics (``{}`` without)."""
     pl.seed_everything(cfg.seed, workers=True)
     model, data, trainer = instantiate_components(cfg)
     trainer.fit(model, datamodule=data)
-    if cfg.test_after_fit:
-        # ckpt_path "best": the weights ModelCheckpoint kept (e.g. the best val_acc epoch); null: current ones
-        trainer.test(model, datamodule=data, ckpt_path=cfg.test_ckpt_path)
+    if not cfg.test_after_fit:
+        return {}
+    # ckpt_path "best": the weights ModelCheckpoint kept (e.g. the best val_acc epoch); null: current ones
+    (metrics,) = trainer.test(model, datamodule=data, ckpt_path=cfg.test_ckpt_path)
+    return metrics
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
 
 
 if __name__ == "__main__":
