@@ -68,7 +68,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if not cfg.test_after_fit:
         return {}
     # ckpt_path "best": the weights ModelCheckpoint kept (e.g. the best val_acc epoch); null: current ones
-    (metrics,) = trainer.test(model, datamodule=data, ckpt_path=cfg.test_ckpt_path)
+    (metrics,) = trainer.test(model, datamodule=data, ckpt_path=cfg.test_ckpt_path, weights_only=True)
     return metrics
 
 
