@@ -5,6 +5,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_bamboo._warnings import filter_lightning_leafspec_warning
 from lightning_bamboo.checkpoint import consolidate_checkpoint
 from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.groups import BambooGroups
@@ -12,6 +13,7 @@ from lightning_bamboo.microbatch import split_microbatches
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.strategy import BambooStrategy
 
+filter_lightning_leafspec_warning()
 if BambooStrategy.strategy_name not in StrategyRegistry:
     BambooStrategy.register_strategies(StrategyRegistry)
 

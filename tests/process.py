@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+DATA = REPO / "data"  # the data the project carries (data/README.md)
 
 
 def free_port() -> int:

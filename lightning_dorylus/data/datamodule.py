@@ -12,7 +12,7 @@ worker counts on them, so a partition is never split or duplicated across ranks.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from lightning.pytorch import LightningDataModule
@@ -65,6 +65,10 @@ class DorylusDataModule(LightningDataModule):
         interval_size: Vertices per interval, the unit of work sent to a tensor-op executor (``>= 1``).
         cache_dir: Root of the partition cache; ``None``: ``$XDG_CACHE_HOME/lightning_dorylus/partitions``.
         seed: Seed of the partitioner (METIS, random).
+        transform: Applied once to the whole graph before it is partitioned, e.g. PyG's
+            ``NormalizeFeatures()`` (row-normalised features, as PyG's Planetoid examples). The partitions
+            (and their cache key) hold the transformed graph, so no epoch recomputes it. Not allowed with a
+            partition directory, whose partitions are already built.
     """
 
     def __init__(
@@ -75,8 +79,13 @@ class DorylusDataModule(LightningDataModule):
         interval_size: int = DEFAULT_INTERVAL_SIZE,
         cache_dir: str | Path | None = None,
         seed: int = 0,
+        transform: Callable[[Data], Data] | None = None,
     ) -> None:
         super().__init__()
+        if transform is not None and not callable(transform):
+            raise TypeError(
+                f"transform must be a callable Data -> Data (e.g. NormalizeFeatures()), got {transform!r}"
+            )
         check_partitioner(partitioner)
         interval_size = check_interval_size(interval_size)
         if num_parts is not None and (not is_integer(num_parts) or num_parts < 1):
@@ -117,6 +126,14 @@ class DorylusDataModule(LightningDataModule):
                 "data must be a torch_geometric Data, a one-graph InMemoryDataset or a path, "
                 f"got {type(data).__name__}"
             )
+        if transform is not None:
+            if self.data is None:
+                raise ValueError(
+                    f"transform={transform!r} cannot apply to the partition directory {str(data)!r}: its "
+                    "partitions are already built; transform the graph before partitioning it"
+                )
+            self.data = transform(self.data.clone())
+        self.transform = transform
 
     def _use_partition_dir(self, path: Path) -> None:
         meta = read_meta(path)

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch_geometric.transforms as T
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.connectors.data_connector import _process_dataloader
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -30,9 +31,9 @@ from lightning_dorylus.data import (
     save_graph,
 )
 from lightning_dorylus.data.synthetic import powerlaw_graph
-from tests.process import run_process
+from tests.process import DATA, run_process
 
-PLANETOID_ROOT = Path(__file__).parents[2].parent / "shared/data/planetoid"
+PLANETOID_ROOT = DATA / "planetoid"
 
 
 def small_graph() -> Data:
@@ -100,6 +101,32 @@ def test_partition_directory_and_graph_file_inputs(tmp_path) -> None:
     from_file = DorylusDataModule(tmp_path / "graph.safetensors", num_parts=1, cache_dir=tmp_path)
     from_file.setup("fit")
     assert from_file.partition.num_edges == data.edge_index.size(1)
+
+
+def test_transform_is_applied_once_before_partitioning(tmp_path) -> None:
+    data = small_graph()
+    calls = []
+
+    def normalize(graph: Data) -> Data:
+        calls.append(graph.num_nodes)
+        return T.NormalizeFeatures()(graph)
+
+    datamodule = DorylusDataModule(data, num_parts=1, cache_dir=tmp_path, transform=normalize)
+    datamodule.setup("fit")
+    datamodule.setup("test")
+    assert calls == [300]  # once, at construction: the partitions hold the transformed graph
+    expected = T.NormalizeFeatures()(data.clone()).x
+    assert torch.equal(datamodule.partition.x[: datamodule.partition.n_local],
+                       expected[datamodule.partition.local_nodes])
+    assert not torch.equal(data.x, expected), "the caller's graph is left as it was"
+    plain = DorylusDataModule(data, num_parts=1, cache_dir=tmp_path)
+    assert plain.resolved_partition_dir() != datamodule.resolved_partition_dir()  # cached apart
+
+    directory = partition_to_cache(data, 1, "bfs", interval_size=50, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"cannot apply to the partition directory .* already built"):
+        DorylusDataModule(directory, transform=normalize)
+    with pytest.raises(TypeError, match=r"transform must be a callable Data -> Data .* got 'normalize'"):
+        DorylusDataModule(data, transform="normalize")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -186,7 +213,6 @@ def test_single_process_fit_sees_the_whole_graph_once_per_epoch(tmp_path) -> Non
     assert model.seen == [("train", 0, 300), ("val", 0, 300)] * 3
 
 
-@pytest.mark.skipif(not (PLANETOID_ROOT / "Cora/raw").is_dir(), reason=f"no Cora files in {PLANETOID_ROOT}")
 def test_cora_loads_and_partitions(tmp_path) -> None:
     dataset = load_planetoid(PLANETOID_ROOT, "Cora", processed_root=tmp_path / "processed")
     data = dataset[0]

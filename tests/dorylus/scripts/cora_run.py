@@ -1,134 +1,60 @@
-"""Worker script: Cora node classification with ``DorylusStrategy`` on N graph servers, several seeds.
+"""Worker script: the Planetoid recipe (``experiment=dorylus_<model>_cora``) for several seeds, one launch.
 
-One job (Lightning's popen launcher starts the other graph servers), seeds trained one after another. Per
-seed: ``max_epochs`` epochs (one full-graph step each) and, every epoch, one evaluation forward that gives
-the global validation AND test accuracy; the test accuracy of the best validation epoch is kept in memory
-(:class:`BestValidation`) — the model selection of PyG's ``examples/gcn.py`` and ``examples/gat.py``
-(``if val_acc > best_val_acc: test_acc = tmp_test_acc``), without writing a checkpoint per improvement or a
-second evaluation pass. Rank 0 writes ``cora.json``.
+Each seed runs exactly what ``python -m recipes.train experiment=dorylus_<model>_cora seed=<k>`` runs
+(:func:`recipes.train.run`: the recipe's model, ``NormalizeFeatures``, METIS partitions, 200 epochs,
+``ModelCheckpoint(monitor="val_acc")`` and ``trainer.test(ckpt_path="best")``), with the overrides below:
+the inline executor (the tensor ops' results equal the local pool's: ``tests/dorylus/test_strategy.py``)
+and no progress bar. Seeds run one after another in the same processes (Lightning's popen launcher starts
+the second graph server once; the process group is reused). Rank 0 writes ``cora.json``.
 
-Usage: python cora_run.py OUT_DIR PLANETOID_ROOT --model gcn|gat [--seeds 5] [--servers 2] [--epochs 200]
+Usage: python cora_run.py OUT_DIR --model gcn|gat [--seeds 5] [--epochs 200] [override ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import time
 from pathlib import Path
 
-import torch
-import torch_geometric.transforms as T
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
-from torch import Tensor
-from typing_extensions import override
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightning_dorylus import GAT, GCN, DorylusStrategy
-from lightning_dorylus.data import DorylusDataModule, GraphPartition
-from lightning_dorylus.data.planetoid import load_planetoid
-
-
-class _ValAndTest:
-    """Mixin: validation logs ``val_acc`` and ``test_acc`` from the same forward pass."""
-
-    @override
-    def validation_step(self, batch: GraphPartition, batch_idx: int) -> Tensor:
-        accs = self.accuracies(batch, {"val_acc": batch.val_mask, "test_acc": batch.test_mask})
-        return accs["val_acc"]
-
-
-class CoraGCN(_ValAndTest, GCN):
-    """``GCN`` whose validation also reports test accuracy."""
-
-
-class CoraGAT(_ValAndTest, GAT):
-    """``GAT`` whose validation also reports test accuracy."""
-
-
-class BestValidation(Callback):
-    """Keeps the test accuracy of the first epoch with the highest validation accuracy (in memory)."""
-
-    def __init__(self) -> None:
-        self.best_val_acc = -1.0
-        self.test_acc = float("nan")
-        self.best_epoch = -1
-
-    @override
-    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.sanity_checking:
-            return
-        val_acc = float(trainer.callback_metrics["val_acc"])
-        if val_acc > self.best_val_acc:  # every rank sees the same all-reduced value
-            self.best_val_acc = val_acc
-            self.test_acc = float(trainer.callback_metrics["test_acc"])
-            self.best_epoch = trainer.current_epoch
-
-
-def make_model(name: str, num_features: int, num_classes: int) -> LightningModule:
-    """PyG's published Cora configurations."""
-    if name == "gcn":
-        return CoraGCN(num_features, 16, num_classes, dropout=0.5, lr=0.01, weight_decay=5e-4)
-    if name == "gat":
-        return CoraGAT(
-            num_features, 8, num_classes, heads=8, out_heads=1, dropout=0.6, lr=0.005, weight_decay=5e-4
-        )
-    raise ValueError(f"--model {name!r}: expected 'gcn' or 'gat'")
+from recipes.compose import compose_recipe
+from recipes.train import run
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("planetoid_root", type=Path)
-    parser.add_argument("--model", default="gcn")
-    parser.add_argument("--servers", type=int, default=2)
+    parser.add_argument("--model", choices=["gcn", "gat"], default="gcn")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=200)
-    parser.add_argument("--executor", default="inline")
+    parser.add_argument("overrides", nargs="*", help="more recipe overrides, e.g. paths.data=/datasets")
     args = parser.parse_args()
-    torch.set_num_threads(1)
 
-    dataset = load_planetoid(args.planetoid_root, "Cora", processed_root=args.out / "processed")
-    data = T.NormalizeFeatures()(dataset[0])  # once, before partitioning: never recomputed per epoch
-    datamodule = DorylusDataModule(data, partitioner="metis", cache_dir=args.out / "partitions")
     results = []
     for seed in range(args.seeds):
-        seed_everything(seed, verbose=False)
-        model = make_model(args.model, datamodule.num_features, datamodule.num_classes)
-        best = BestValidation()
-        strategy = DorylusStrategy(executor=args.executor, timeout=datetime.timedelta(seconds=120))
-        trainer = Trainer(  # a Trainer and a strategy per seed; the process group is created once
-            accelerator="cpu",
-            devices=args.servers,
-            strategy=strategy,
-            max_epochs=args.epochs,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            callbacks=[best],
+        out = args.out / f"seed{seed}"
+        cfg = compose_recipe(
+            f"dorylus_{args.model}_cora",
+            out,
+            [
+                f"seed={seed}",
+                f"trainer.max_epochs={args.epochs}",
+                "strategy.executor=inline",
+                f"paths.cache={args.out / 'cache'}",
+                "++trainer.enable_progress_bar=false",
+                "++trainer.enable_model_summary=false",
+                *args.overrides,
+            ],
         )
         start = time.perf_counter()
-        trainer.fit(model, datamodule=datamodule)
-        fit_s = time.perf_counter() - start
-        results.append(
-            {
-                "seed": seed,
-                "test_acc": best.test_acc,
-                "best_val_acc": best.best_val_acc,
-                "best_epoch": best.best_epoch,
-                "fit_s": fit_s,
-            }
-        )
-    if trainer.global_rank == 0:
+        metrics = run(cfg)
+        seconds = time.perf_counter() - start
+        results.append({"seed": seed, "test_acc": metrics["test_acc"], "seconds": seconds})
+    if rank_zero_only.rank == 0:
         accs = [r["test_acc"] for r in results]
-        summary = {
-            "model": args.model,
-            "servers": args.servers,
-            "runs": results,
-            "mean_test_acc": sum(accs) / len(accs),
-        }
+        summary = {"model": args.model, "runs": results, "mean_test_acc": sum(accs) / len(accs)}
         (args.out / "cora.json").write_text(json.dumps(summary, indent=2))
         print(json.dumps(summary))
 

@@ -1,0 +1,61 @@
+"""Graph servers limit their own BLAS/OpenMP threads: cores / local servers unless the user chose a count."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy  # noqa: F401  (loads numpy's OpenBLAS: a BLAS library for threadpoolctl to limit)
+import pytest
+import torch
+from threadpoolctl import threadpool_info, threadpool_limits
+
+from lightning_dorylus import DorylusStrategy
+from lightning_dorylus.threads import BLAS_ENV_VARS, available_cores, limit_server_threads, server_threads
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """No thread variables in the environment; this process's thread counts restored afterwards."""
+    for var in ("OMP_NUM_THREADS", *BLAS_ENV_VARS):
+        monkeypatch.delenv(var, raising=False)
+    torch_threads = torch.get_num_threads()
+    with threadpool_limits(limits=None):  # restores every library's count on exit
+        yield monkeypatch
+    torch.set_num_threads(torch_threads)
+
+
+def blas_threads() -> set[int]:
+    return {lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
+
+
+def test_thread_count_precedence(clean_env: pytest.MonkeyPatch) -> None:
+    cores = available_cores()
+    assert server_threads(None, 2) == max(1, cores // 2)
+    assert server_threads(None, 4 * cores) == 1  # never 0
+    clean_env.setenv("OMP_NUM_THREADS", "3")
+    assert server_threads(None, 2) == 3  # the environment (user's, or Lightning's launcher's) wins
+    assert server_threads(5, 2) == 5  # the strategy argument wins over both
+    clean_env.setenv("OMP_NUM_THREADS", "two")
+    with pytest.raises(ValueError, match=r"OMP_NUM_THREADS='two' in the environment: expected an integer"):
+        server_threads(None, 2)
+
+
+def test_limits_torch_and_the_loaded_blas(clean_env: pytest.MonkeyPatch) -> None:
+    assert blas_threads(), "numpy's BLAS library should be loaded and visible to threadpoolctl"
+    assert limit_server_threads(1, 2) == 1
+    assert torch.get_num_threads() == 1
+    assert blas_threads() == {1}
+
+
+def test_user_blas_variable_keeps_its_library_alone(clean_env: pytest.MonkeyPatch) -> None:
+    with threadpool_limits(limits=2, user_api="blas"):
+        clean_env.setenv("OPENBLAS_NUM_THREADS", "2")
+        assert limit_server_threads(1, 2) == 1
+        assert torch.get_num_threads() == 1
+        assert blas_threads() == {2}
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_strategy_rejects_a_bad_thread_count(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"num_threads=.* must be None \(automatic\) or an integer >= 1"):
+        DorylusStrategy(num_threads=bad)  # type: ignore[arg-type]
