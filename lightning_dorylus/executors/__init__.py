@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import ExecutorError, TensorOpExecutor, TensorOpRequest
+from .base import ExecutorError, RemoteOpError, RetryableError, TensorOpExecutor, TensorOpRequest
 from .inline import InlineExecutor
-from .local import LocalPoolExecutor, RemoteOpError
+from .local import LocalPoolExecutor
+from .resilient import FaultPolicy, ResilientExecutor
 
 EXECUTORS: dict[str, str] = {
     "inline": "InlineExecutor: ops run in the graph-server process (no serialization)",
@@ -31,5 +32,6 @@ def build_executor(name: str, **kwargs: Any) -> TensorOpExecutor:
     raise ValueError(f"unknown executor {name!r}; valid executors are {sorted(EXECUTORS)}")
 
 
-__all__ = ["EXECUTORS", "ExecutorError", "InlineExecutor", "LocalPoolExecutor", "RemoteOpError",
-           "TensorOpExecutor", "TensorOpRequest", "build_executor"]
+__all__ = ["EXECUTORS", "ExecutorError", "FaultPolicy", "InlineExecutor", "LocalPoolExecutor",
+           "RemoteOpError", "ResilientExecutor", "RetryableError", "TensorOpExecutor", "TensorOpRequest",
+           "build_executor"]
