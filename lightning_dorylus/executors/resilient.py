@@ -215,6 +215,7 @@ class ResilientExecutor(TensorOpExecutor):
                              cut=len(pieces) > 1)
                 self._active[call.request_id] = call
                 calls.append(call)
+            self._wake.notify_all()  # the monitor sleeps while nothing is active
         if len(calls) > 1:
             _combine(request.op, [c.future for c in calls], future)
         for call in calls:
