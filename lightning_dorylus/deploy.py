@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--function-name", default="dorylus-tensor-ops")
     parser.add_argument("--role-arn", help="execution role (see --print-iam)")
     parser.add_argument("--layer-arn", action="append", default=[],
-                        help="numpy layer, e.g. AWS SDK for pandas for python3.12 in your region (repeatable)")
+                        help="numpy layer, e.g. AWS SDK for pandas, python3.12, your region (repeatable)")
     parser.add_argument("--region", default=None, help="AWS region (default: boto3's configuration)")
     parser.add_argument("--memory", type=_check_memory, default=1769, help="MB; 1769 MB = one full vCPU")
     parser.add_argument("--timeout", type=int, default=60, help="function timeout in seconds (max 900)")

@@ -57,7 +57,8 @@ class _Runtime:
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         if not self._wait_readable(startup_timeout):
             self.kill()
-            raise RuntimeError(f"lambda runtime (pid {self.proc.pid}) did not start within {startup_timeout} s")
+            raise RuntimeError(f"lambda runtime (pid {self.proc.pid}) did not start within "
+                               f"{startup_timeout} s")
         hello = lambda_runtime.read_frame(self.proc.stdout)  # type: ignore[arg-type]
         if hello is None or not json.loads(hello).get("ready"):
             code = self.proc.wait()
@@ -85,7 +86,8 @@ class _Runtime:
 class LocalLambda:
     """The runtime pool, concurrency limit, faults and counters behind the HTTP server."""
 
-    def __init__(self, zip_path: str, concurrency: int, timeout: float, startup_timeout: float = 60.0) -> None:
+    def __init__(self, zip_path: str, concurrency: int, timeout: float,
+                 startup_timeout: float = 60.0) -> None:
         if not Path(zip_path).is_file():
             raise FileNotFoundError(f"--zip {zip_path}: no such file (build it with python -m "
                                     f"lightning_dorylus.deploy --dry-run {zip_path})")
@@ -99,7 +101,8 @@ class LocalLambda:
         self._env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "PYTHON"))}
         self._env.update(PYTHONPATH=os.pathsep.join([str(Path(zip_path).resolve()), str(site)]),
                          OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        self._cmd = [sys.executable, "-S", os.path.join(self._dir, "lambda_runtime.py"), bundle.LAMBDA_HANDLER]
+        self._cmd = [sys.executable, "-S", os.path.join(self._dir, "lambda_runtime.py"),
+                     bundle.LAMBDA_HANDLER]
         self._slots = threading.BoundedSemaphore(concurrency)
         self._idle: queue.SimpleQueue[_Runtime] = queue.SimpleQueue()
         for _ in range(concurrency):
@@ -135,7 +138,8 @@ class LocalLambda:
         if len(body) > PAYLOAD_LIMIT:
             self._count(function, "too_large")
             return _error(413, "RequestEntityTooLargeException",
-                          f"Request must be smaller than {PAYLOAD_LIMIT} bytes for the InvokeFunction operation")
+                          f"Request must be smaller than {PAYLOAD_LIMIT} bytes for the InvokeFunction "
+                          f"operation")
         try:
             event = json.loads(body or b"{}")
         except ValueError:
@@ -160,7 +164,8 @@ class LocalLambda:
             reply = runtime.invoke(event, self._take_fault(function, "exit"), self.timeout)
         except TimeoutError:
             reply = {"ok": False, "errorType": "Sandbox.Timedout",
-                     "errorMessage": f"RequestId: {request_id} Error: Task timed out after {self.timeout} seconds"}
+                     "errorMessage": f"RequestId: {request_id} Error: Task timed out after "
+                                     f"{self.timeout} seconds"}
         finally:
             if reply is None or reply.get("errorType") == "Sandbox.Timedout":
                 code = runtime.proc.poll()
@@ -204,7 +209,7 @@ def make_server(backend: LocalLambda, port: int = 0) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as botocore's connection pool expects
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        def log_message(self, format: str, *args: Any) -> None:
             pass
 
         def _send(self, status: int, headers: dict[str, str], body: bytes) -> None:
@@ -219,7 +224,7 @@ def make_server(backend: LocalLambda, port: int = 0) -> ThreadingHTTPServer:
         def _body(self) -> bytes:
             return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        def do_POST(self) -> None:
             path = urlsplit(self.path).path
             body = self._body()
             if path == "/_control/faults":
@@ -238,7 +243,7 @@ def make_server(backend: LocalLambda, port: int = 0) -> ThreadingHTTPServer:
                 return
             self._send(*backend.invoke(unquote(match.group(1)), body))
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:
             url = urlsplit(self.path)
             if url.path == "/_control/stats":
                 function = parse_qs(url.query).get("function", [""])[0]
@@ -256,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zip", required=True, help="deployment zip (deploy --dry-run ZIP)")
     parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: a free one)")
-    parser.add_argument("--concurrency", type=int, default=4, help="runtime processes = concurrent invocations")
+    parser.add_argument("--concurrency", type=int, default=4,
+                        help="runtime processes = concurrent invocations")
     parser.add_argument("--timeout", type=float, default=900.0, help="function timeout in seconds")
     args = parser.parse_args(argv)
     backend = LocalLambda(args.zip, args.concurrency, args.timeout)

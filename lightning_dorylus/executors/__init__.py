@@ -37,6 +37,7 @@ def build_executor(name: str, **kwargs: Any) -> TensorOpExecutor:
     raise ValueError(f"unknown executor {name!r}; valid executors are {sorted(EXECUTORS)}")
 
 
-__all__ = ["EXECUTORS", "ExecutorError", "FaultPolicy", "InlineExecutor", "LambdaExecutor", "LocalPoolExecutor",
+__all__ = ["EXECUTORS", "ExecutorError", "FaultPolicy", "InlineExecutor", "LambdaExecutor",
+           "LocalPoolExecutor",
            "RemoteOpError", "ResilientExecutor", "RetryableError", "TensorOpExecutor", "TensorOpRequest",
            "build_executor"]

@@ -44,7 +44,7 @@ class LambdaExecutor(ResilientExecutor):
     Args:
         function_name: the function (name or ARN) deployed by ``python -m lightning_dorylus.deploy``.
         region: AWS region (``None``: boto3's configuration).
-        endpoint_url: Lambda API endpoint (``None``: AWS; tests: ``python -m lightning_dorylus.lambda_local``).
+        endpoint_url: Lambda API endpoint (``None``: AWS; tests: ``lightning_dorylus.lambda_local``).
         max_concurrency: invocations in flight from this graph server (threads and HTTP connections).
             Lambda's default account limit is 1000 concurrent executions per region, shared by all servers.
         memory_mb: the function's memory (set at deploy time); only used for ``billed_gb_seconds``.
@@ -62,7 +62,8 @@ class LambdaExecutor(ResilientExecutor):
 
     def __init__(self, function_name: str = "dorylus-tensor-ops", region: str | None = None,
                  endpoint_url: str | None = None, max_concurrency: int = 64, memory_mb: int = 1769,
-                 s3_bucket: str | None = None, s3_prefix: str = "dorylus/", s3_endpoint_url: str | None = None,
+                 s3_bucket: str | None = None, s3_prefix: str = "dorylus/",
+                 s3_endpoint_url: str | None = None,
                  payload_limit: int = wire.LAMBDA_SYNC_PAYLOAD_LIMIT, max_rows: int | None = None,
                  connect_timeout: float = 10.0, **policy: Any) -> None:
         if not isinstance(function_name, str) or not function_name:
@@ -233,7 +234,7 @@ class LambdaExecutor(ResilientExecutor):
                     self._s3.delete_object(Bucket=self.s3_bucket, Key=k)
                     with self._state_lock:
                         self.stats["s3_objects_deleted"] += 1
-                except Exception:  # noqa: S110 - a leftover object must not hide the op's own outcome
+                except Exception:
                     pass
 
     @override
