@@ -44,8 +44,10 @@ def lambda_handler(event: Any, context: Any) -> dict[str, Any]:
         with urllib.request.urlopen(get_url, timeout=URL_TIMEOUT_S) as resp:
             request = bytearray(resp.read())
         response = handlers.handle(request)
+        # an explicit Content-Type: urllib's default (form-urlencoded) makes servers parse the body as a form
         put = urllib.request.Request(put_url, data=response, method="PUT",
-                                     headers={"Content-Length": str(len(response))})
+                                     headers={"Content-Length": str(len(response)),
+                                              "Content-Type": "application/octet-stream"})
         with urllib.request.urlopen(put, timeout=URL_TIMEOUT_S) as resp:
             resp.read()
         return {"response_s3": True, "bytes": len(response)}
