@@ -386,12 +386,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     report = price(run, prices, lambdas)
-    print(format_report(report))
     if args.plot:
         plot(run, prices, lambdas, args.plot)
         print(f"plot: {args.plot}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
+    print(format_report(report))  # the summary line last
     return report
 
 
