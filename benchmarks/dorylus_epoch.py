@@ -331,7 +331,7 @@ def run_pyg(args: argparse.Namespace) -> dict[str, Any]:
             optimizer.step()
             times[str(num_threads)].append(time.perf_counter() - start)
             turns.done(turn)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return {"epoch_times_by_threads": {t: v[args.warmup:] for t, v in times.items()},
             "initial_loss": initial_loss, "losses": losses, **peak_memory_mib()}
 
