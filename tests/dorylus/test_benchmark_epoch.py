@@ -115,9 +115,11 @@ def test_benchmark_ci_size(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_a_failing_worker_is_reported_with_its_output(tmp_path: Path) -> None:
-    """A worker that cannot run (no partition directory) fails the launch with its own error message."""
+    """A worker that cannot run (nothing prepared: no initial weights, no partitions) fails the launch with
+    its own error message."""
     bench = load_benchmark()
     args = bench.parse_args(["--nodes", "100", "--timeout", "120", "--cache-dir", str(tmp_path / "cache"),
                              "--partition-dir", str(tmp_path / "missing")])
-    with pytest.raises(RuntimeError, match=r"(?s)dorylus worker exited with 1:.*missing"):
+    expected = r"(?s)dorylus worker exited with 1:.*FileNotFoundError.*gcn2_f128_h16_c16_seed0"
+    with pytest.raises(RuntimeError, match=expected):
         bench.launch(args, "dorylus", tmp_path, num_procs=2)
