@@ -433,7 +433,7 @@ def _free_port() -> int:
 def _worker_command(args: argparse.Namespace, worker: str, result: Path) -> list[str]:
     forwarded = []
     for name, value in vars(args).items():
-        if name in ("worker", "result"):
+        if name in ("worker", "result") or value is None:
             continue
         if isinstance(value, bool):  # store_true flags
             forwarded.extend([f"--{name.replace('_', '-')}"] if value else [])
@@ -610,8 +610,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", default=str(REPO_ROOT / ".cache" / "dorylus"))
     parser.add_argument("--op-times", default="",
                         help="write the Dorylus servers' measured op times here (lightning_dorylus.value)")
-    parser.add_argument("--skip-pyg", action="store_true",
-                        help="measure only Dorylus (when PyG does not fit in memory); no summary line")
+    parser.add_argument("--only", choices=["pyg", "dorylus"], default=None,
+                        help="measure one side alone (a graph too large for both at once); no summary line")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per measured configuration")
     parser.add_argument("--worker", choices=["prepare", "pyg", "dorylus"], help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -645,19 +645,20 @@ def main(argv: list[str] | None = None) -> None:
         (graph,) = launch(args, "prepare", workdir)
         args.partition_dir = graph["partition_dir"]
         args.turn_dir = str(workdir)
-        if args.skip_pyg:
-            turns = [("dorylus", epoch, args.servers) for epoch in range(args.warmup + args.epochs)]
-            results = launch_together(args, [("dorylus", args.servers)], workdir, turns)
+        if args.only is not None:
+            count = 1 if args.only == "pyg" else args.servers
+            rounds = (args.warmup + args.epochs) * (len(args.pyg_threads) if args.only == "pyg" else 1)
+            turns = [(args.only, k, count) for k in range(rounds)]
+            results = launch_together(args, [(args.only, count)], workdir, turns)
         else:
             results = launch_together(args, [("pyg", 1), ("dorylus", args.servers)], workdir,
                                       interleaved_turns(args))
-    servers = results["dorylus"]
-    if args.op_times:
-        write_op_times(Path(args.op_times), args, graph, servers)
-    if args.skip_pyg:
-        report_dorylus_only(graph, servers)
+    if args.op_times and "dorylus" in results:
+        write_op_times(Path(args.op_times), args, graph, results["dorylus"])
+    if args.only is not None:
+        report_one_side(graph, args.only, results[args.only])
         return
-    report(graph, results["pyg"][0], servers)
+    report(graph, results["pyg"][0], results["dorylus"])
 
 
 def write_op_times(path: Path, args: argparse.Namespace, graph: dict[str, Any],
@@ -681,18 +682,25 @@ def write_op_times(path: Path, args: argparse.Namespace, graph: dict[str, Any],
     path.write_text(json.dumps(run, indent=1))
 
 
-def report_dorylus_only(graph: dict[str, Any], servers: list[dict[str, Any]]) -> None:
-    """The Dorylus rows of the table alone (``--skip-pyg``: PyG was not run)."""
-    epoch = statistics.median(max(e) for e in zip(*(s["epoch_times"] for s in servers)))
+def report_one_side(graph: dict[str, Any], side: str, results: list[dict[str, Any]]) -> None:
+    """One side's figures alone (``--only``): the other side was not run, so there is no ratio."""
     print(f"graph: {graph['nodes']:,} vertices, {graph['edges']:,} directed edges")
-    for server in sorted(servers, key=lambda server: server["rank"]):
+    if side == "pyg":
+        (pyg,) = results
+        for threads, times in pyg["epoch_times_by_threads"].items():
+            print(f"(a) PyG GCNConv, {threads} thr: {statistics.median(times):.3f} s/epoch, peak "
+                  f"{pyg['peak_total_mib']:.0f} MiB, loss0 {pyg['initial_loss']:.4f}, loss "
+                  f"{pyg['losses'][0]:.3f}->{pyg['losses'][-1]:.3f}")
+        return
+    epoch = statistics.median(max(e) for e in zip(*(s["epoch_times"] for s in results)))
+    for server in sorted(results, key=lambda server: server["rank"]):
         median = statistics.median(server["epoch_times"])
-        print(f"(b) Dorylus server {server['rank']}/{len(servers)}: {median:.3f} "
-              f"s/epoch, peak {server['peak_total_mib']:.0f} MiB, loss {server['losses'][0]:.3f}->"
-              f"{server['losses'][-1]:.3f}")
-    total = sum(s["peak_total_mib"] for s in servers)
-    print(f"dorylus_epoch_s={epoch:.3f} mem_per_server_mib={max(s['peak_total_mib'] for s in servers):.0f} "
-          f"mem_total_mib={total:.0f} (PyG not run: --skip-pyg)")
+        print(f"(b) Dorylus server {server['rank']}/{len(results)}: {median:.3f} s/epoch, peak "
+              f"{server['peak_total_mib']:.0f} MiB ({server['peak_self_mib']:.0f} + "
+              f"{server['peak_workers_mib']:.0f} in workers), loss0 {server['initial_loss']:.4f}, loss "
+              f"{server['losses'][0]:.3f}->{server['losses'][-1]:.3f}")
+    print(f"dorylus_epoch_s={epoch:.3f} mem_per_server_mib={max(s['peak_total_mib'] for s in results):.0f} "
+          f"mem_total_mib={sum(s['peak_total_mib'] for s in results):.0f} (PyG not run: --only dorylus)")
 
 
 if __name__ == "__main__":
