@@ -1,25 +1,34 @@
-"""Seconds per training epoch and peak memory: PyG full-batch GCN vs Dorylus graph servers.
+"""Seconds per training epoch and peak memory: PyG full-batch GCN at its best vs Dorylus graph servers.
 
     python benchmarks/dorylus_epoch.py                                  # 1M vertices, 20M edges (minutes)
-    python benchmarks/dorylus_epoch.py --nodes 5000 --epochs 1          # CI size (seconds)
+    python benchmarks/dorylus_epoch.py --nodes 5000 --epochs 2          # CI size (seconds)
 
 Both sides train the same 2-layer GCN (``features -> hidden -> classes``, ReLU, dropout) full-batch on
-the same generated power-law graph:
+the same generated power-law graph, from the same initial weights (written once by the ``prepare`` step;
+both sides print the loss of those weights before training, which must agree):
 
-(a) ``pyg``: ``torch_geometric.nn.GCNConv`` in one process, in its most efficient form: the adjacency is a
-    ``torch.sparse_csr`` ``adj_t`` (no per-edge message tensor) with ``cached=True`` normalisation.
+(a) ``pyg``: ``torch_geometric.nn.GCNConv(cached=True)`` in one process, in its fastest form here: the
+    adjacency is a ``torch.sparse_csr`` ``adj_t`` (no per-edge message tensor), and the transpose its
+    backward needs is built once and cached (as torch-sparse's ``SparseTensor`` does; ``torch.sparse.mm``'s
+    own backward rebuilds it every call). Thread counts ``--pyg-threads`` are swept; the best is reported.
 (b) ``dorylus``: ``Trainer(strategy="dorylus")`` with ``--servers`` graph servers (one process each, launched
     by this script the way ``torchrun`` would: ``LOCAL_RANK``/``WORLD_SIZE`` in the environment) and the
     ``local`` executor (a pool of worker processes per server, bytes over pipes).
 
-Every measured configuration runs in a fresh process (this script with ``--worker``), so peaks never mix;
-workers report JSON files. Epoch time is the median over ``--epochs`` epochs after ``--warmup`` epochs
-(for Dorylus: the slowest server's time of each epoch). Peak memory is the kernel's high-water mark
-(``VmHWM``) of each process; a graph server's peak adds its executor workers' high-water marks (an upper
-bound of what the server and its workers hold at one moment). See docs/dorylus-benchmark.md.
+All measured processes run at once but take turns, one epoch at a time (PyG with each thread count, then
+the Dorylus job, round after round), so a change of machine load hits every configuration alike. Each turn
+is granted by this script through files in a turn directory; nobody computes while another configuration
+holds the turn. Workers report JSON files. Epoch time is the median over ``--epochs`` epochs after
+``--warmup`` epochs (for Dorylus: the slowest server's time of each epoch). Peak memory is the kernel's
+high-water mark (``VmHWM``) of each process; a graph server's peak adds its executor workers' high-water
+marks (an upper bound of what the server and its workers hold at one moment). See docs/dorylus-benchmark.md.
+
+``--op-times PATH`` writes the Dorylus servers' measured per-epoch op times (the input of
+``python -m lightning_dorylus.value``).
 
 The last line printed is
-``vs_pyg=<(b)/(a) epoch time> mem_per_server_vs_pyg=<(b) peak per server / (a) peak>``.
+``vs_pyg=<(b)/(a) epoch time> mem_per_server_vs_pyg=<(b) peak per server / (a) peak>
+mem_total_vs_pyg=<(b) peaks of all servers summed / (a) peak>``.
 """
 
 # Only the standard library at module level: the parent process only launches workers and prints, and each
@@ -27,6 +36,7 @@ The last line printed is
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import signal
@@ -118,8 +128,32 @@ def pyg_cache_file(args: argparse.Namespace) -> Path:
     return Path(args.cache_dir) / "pyg" / f"powerlaw_{key}.safetensors"
 
 
+def init_weights_file(args: argparse.Namespace) -> Path:
+    """Where the initial weights both sides start from are kept (keyed by the model's shape and seed)."""
+    key = f"f{args.features}_h{args.hidden}_c{args.classes}_seed{args.seed}"
+    return Path(args.cache_dir) / "init" / f"gcn2_{key}.safetensors"
+
+
+def initial_weights(args: argparse.Namespace) -> dict[str, Any]:
+    """Glorot-uniform weights and zero biases (both libraries' GCNConv init), drawn from ``--seed``.
+
+    Layout ``(in, out)`` as Dorylus's ``GCNConv.weight``; PyG's ``lin.weight`` is the transpose.
+    """
+    import math
+
+    import torch
+
+    generator = torch.Generator().manual_seed(args.seed)
+    weights = {}
+    for i, (w_in, w_out) in enumerate([(args.features, args.hidden), (args.hidden, args.classes)]):
+        bound = math.sqrt(6.0 / (w_in + w_out))
+        weights[f"convs.{i}.weight"] = torch.rand(w_in, w_out, generator=generator) * (2 * bound) - bound
+        weights[f"convs.{i}.bias"] = torch.zeros(w_out)
+    return weights
+
+
 def run_prepare(args: argparse.Namespace) -> dict[str, Any]:
-    """Generate the graph, PyG's CSR adjacency and the Dorylus partitions into the cache (not timed).
+    """Generate the graph, PyG's CSR adjacency, the initial weights and the Dorylus partitions (not timed).
 
     Returns the graph's size and the partition directory the graph servers then read (each only its part).
     """
@@ -146,6 +180,11 @@ def run_prepare(args: argparse.Namespace) -> dict[str, Any]:
             str(tmp),
         )
         tmp.rename(target)
+    init = init_weights_file(args)
+    if not init.exists():
+        init.parent.mkdir(parents=True, exist_ok=True)
+        save_file(initial_weights(args), str(init.with_suffix(".tmp")))
+        init.with_suffix(".tmp").rename(init)
     from lightning_dorylus.data import DorylusDataModule
 
     datamodule = DorylusDataModule(
@@ -161,13 +200,76 @@ def run_prepare(args: argparse.Namespace) -> dict[str, Any]:
             "partition_dir": str(datamodule.resolved_partition_dir())}
 
 
+# --------------------------------------------------------------------------- turns (interleaving)
+class Turns:
+    """A worker's side of the turn-taking: wait for ``<name>.<k>.go``, work, write ``<name>.<k>.done<rank>``.
+
+    With no turn directory (a worker run by hand) every turn is granted at once.
+    """
+
+    def __init__(self, directory: str, name: str, rank: int = 0, timeout: float = 3600.0) -> None:
+        self.directory = Path(directory) if directory else None
+        self.name, self.rank, self.timeout = name, rank, timeout
+
+    def wait(self, turn: int) -> None:
+        """Block until turn ``turn`` is granted (polls every millisecond; not inside any timed region)."""
+        if self.directory is None:
+            return
+        go = self.directory / f"{self.name}.{turn}.go"
+        parent, deadline = os.getppid(), time.monotonic() + self.timeout
+        while not go.exists():
+            if os.getppid() != parent or time.monotonic() > deadline:
+                raise RuntimeError(f"turn {go.name} was never granted (the benchmark's parent is gone or "
+                                   f"--timeout {self.timeout} s passed)")
+            time.sleep(0.001)
+
+    def done(self, turn: int) -> None:
+        if self.directory is not None:
+            (self.directory / f"{self.name}.{turn}.done{self.rank}").touch()
+
+
 # --------------------------------------------------------------------------- (a) PyG full-batch
 def run_pyg(args: argparse.Namespace) -> dict[str, Any]:
-    """Train PyG's GCNConv full-batch in this process; per-epoch seconds and peak memory."""
+    """Train PyG's GCNConv full-batch in this process, one epoch per turn, cycling through the thread counts.
+
+    Returns per-thread-count epoch seconds, the loss of the initial weights, training losses, peak memory.
+    """
     import torch
     import torch.nn.functional as F
     from safetensors.torch import load_file
     from torch_geometric.nn import GCNConv
+
+    class CachedTransposeSpMM(torch.autograd.Function):
+        """``adj @ x`` whose backward multiplies by a transpose built once, not by one rebuilt every call."""
+
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, adj: torch.Tensor,
+                    adj_transposed: torch.Tensor) -> torch.Tensor:
+            ctx.adj_transposed = adj_transposed
+            return torch.sparse.mm(adj, x)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+            return torch.sparse.mm(ctx.adj_transposed, grad.contiguous()), None, None
+
+    transposes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cached_transpose(adj: torch.Tensor) -> torch.Tensor:
+        """``adjᵀ`` as CSR, computed on first use; ``adj`` itself when it is symmetric (undirected graphs)."""
+        if id(adj) not in transposes:
+            adj_transposed = adj.t().to_sparse_csr()
+            if (torch.equal(adj_transposed.crow_indices(), adj.crow_indices())
+                    and torch.equal(adj_transposed.col_indices(), adj.col_indices())
+                    and torch.equal(adj_transposed.values(), adj.values())):
+                adj_transposed = adj  # symmetric: the transpose costs no memory
+            transposes[id(adj)] = (adj, adj_transposed)  # holding adj keeps its id from being reused
+        return transposes[id(adj)][1]
+
+    class CachedGCNConv(GCNConv):
+        """PyG's ``GCNConv`` with the sparse product's transpose cached (what torch-sparse would give it)."""
+
+        def message_and_aggregate(self, adj_t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            return CachedTransposeSpMM.apply(x, adj_t, cached_transpose(adj_t))
 
     torch.manual_seed(args.seed)
     tensors = load_file(str(pyg_cache_file(args)))
@@ -181,8 +283,9 @@ def run_pyg(args: argparse.Namespace) -> dict[str, Any]:
     class PyGGCN(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.conv1 = GCNConv(args.features, args.hidden, cached=True)
-            self.conv2 = GCNConv(args.hidden, args.classes, cached=True)
+            conv = CachedGCNConv if args.pyg_transpose == "cached" else GCNConv
+            self.conv1 = conv(args.features, args.hidden, cached=True)
+            self.conv2 = conv(args.hidden, args.classes, cached=True)
 
         def forward(self, x: torch.Tensor, adj_t: torch.Tensor) -> torch.Tensor:
             x = F.dropout(x, p=args.dropout, training=self.training)
@@ -191,20 +294,46 @@ def run_pyg(args: argparse.Namespace) -> dict[str, Any]:
             return self.conv2(x, adj_t)
 
     model = PyGGCN()
+    init = load_file(str(init_weights_file(args)))
+    with torch.no_grad():
+        for i, conv in enumerate((model.conv1, model.conv2)):
+            conv.lin.weight.copy_(init[f"convs.{i}.weight"].t())
+            conv.bias.copy_(init[f"convs.{i}.bias"])
     optimizer = torch.optim.Adam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     num_train = int(train_mask.sum())
-    times, losses = [], []
-    for _ in range(args.warmup + args.epochs):
-        start = time.perf_counter()
-        model.train()
-        optimizer.zero_grad()
-        out = model(x, adj_t)
-        loss = F.cross_entropy(out[train_mask], y[train_mask], reduction="sum") / num_train
-        loss.backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-        losses.append(float(loss))
-    return {"epoch_times": times[args.warmup:], "losses": losses, **peak_memory_mib()}
+
+    def loss_of(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out[train_mask], y[train_mask], reduction="sum") / num_train
+
+    model.eval()
+    with torch.no_grad():  # also builds the cached normalisation (not timed)
+        initial_loss = float(loss_of(model(x, adj_t)))
+    turns = Turns(args.turn_dir, "pyg", timeout=args.timeout)
+    threads = args.pyg_threads
+    times: dict[str, list[float]] = {str(t): [] for t in threads}
+    losses = []
+    for epoch in range(args.warmup + args.epochs):
+        # One training step per round, as Dorylus: every thread count times the same step from the same
+        # state (restored between them, untimed); the last one's step is kept.
+        start_state = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
+        for i, num_threads in enumerate(threads):
+            if i > 0:
+                model.load_state_dict(start_state[0])
+                optimizer.load_state_dict(start_state[1])
+            torch.set_num_threads(num_threads)
+            turn = epoch * len(threads) + i
+            turns.wait(turn)
+            start = time.perf_counter()
+            model.train()
+            optimizer.zero_grad()
+            loss = loss_of(model(x, adj_t))
+            loss.backward()
+            optimizer.step()
+            times[str(num_threads)].append(time.perf_counter() - start)
+            turns.done(turn)
+        losses.append(float(loss.detach()))
+    return {"epoch_times_by_threads": {t: v[args.warmup:] for t, v in times.items()},
+            "initial_loss": initial_loss, "losses": losses, **peak_memory_mib()}
 
 
 # --------------------------------------------------------------------------- (b) Dorylus graph servers
@@ -214,43 +343,69 @@ def run_dorylus_server(args: argparse.Namespace) -> dict[str, Any]:
 
     import lightning.pytorch as pl
     import torch
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
     from typing_extensions import override
 
     from lightning_dorylus import DorylusStrategy
     from lightning_dorylus.data import DorylusDataModule
+    from lightning_dorylus.executors import build_executor
     from lightning_dorylus.models import GCN
+    from lightning_dorylus.value import TimedExecutor
 
     torch.set_num_threads(args.threads_per_server)
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    executor = TimedExecutor(build_executor("local", num_workers=args.executor_workers))
 
     class EpochTimer(pl.Callback):
-        """Per-epoch wall time of this server, and its peak memory while its executor workers still live."""
+        """Per-epoch wall time of this server (one turn each), loss of the initial weights, peak memory."""
 
         def __init__(self) -> None:
             self.times: list[float] = []
             self.losses: list[float] = []
+            self.initial_loss = float("nan")
             self.memory: dict[str, float] = {}
+            self.turns = Turns(args.turn_dir, "dorylus", rank=rank, timeout=args.timeout)
             self._start = 0.0
+            self._untimed = 0.0
 
         @override
         def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.turns.wait(trainer.current_epoch)
+            executor.start_epoch(trainer.current_epoch)
+            self._untimed = 0.0
             self._start = time.perf_counter()
 
         @override
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                 batch_idx: int) -> None:
+            if trainer.current_epoch > 0 or batch_idx > 0:
+                return
+            start = time.perf_counter()  # the loss of the initial weights, as PyG's; not part of the epoch
+            pl_module.eval()
+            with torch.no_grad():
+                logits = pl_module(pl_module.graph(batch))
+                mask = batch.train_mask
+                loss = F.cross_entropy(logits[mask], batch.y[mask], reduction="sum") / batch.num_train_global
+                self.initial_loss = float(trainer.strategy.reduce(loss, reduce_op="sum"))
+            pl_module.train()
+            executor.start_epoch(trainer.current_epoch)  # forget the eval forward's ops
+            self._untimed = time.perf_counter() - start
+
+        @override
         def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            self.times.append(time.perf_counter() - self._start)
+            self.times.append(time.perf_counter() - self._start - self._untimed)
+            executor.end_epoch(self.times[-1])
             loss = trainer.callback_metrics.get("train_loss")
             self.losses.append(float(loss) if loss is not None else float("nan"))
+            self.turns.done(trainer.current_epoch)
 
         @override
         def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self.memory = peak_memory_mib()
 
     timer = EpochTimer()
-    strategy = DorylusStrategy(
-        executor="local",
-        executor_options={"num_workers": args.executor_workers},
-        timeout=timedelta(seconds=args.timeout),
-    )
+    strategy = DorylusStrategy(executor=executor, timeout=timedelta(seconds=args.timeout))
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.servers, strategy=strategy, max_epochs=args.warmup + args.epochs,
         callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -258,10 +413,14 @@ def run_dorylus_server(args: argparse.Namespace) -> dict[str, Any]:
     )
     model = GCN(args.features, args.hidden, args.classes, num_layers=2, dropout=args.dropout, lr=LR,
                 weight_decay=WEIGHT_DECAY)
-    # The partition directory, not the graph: each server reads only its own partition from disk.
-    trainer.fit(model, datamodule=DorylusDataModule(args.partition_dir))
+    model.load_state_dict(load_file(str(init_weights_file(args))))
+    try:
+        # The partition directory, not the graph: each server reads only its own partition from disk.
+        trainer.fit(model, datamodule=DorylusDataModule(args.partition_dir))
+    finally:
+        executor.close()
     return {"rank": trainer.global_rank, "epoch_times": timer.times[args.warmup:], "losses": timer.losses,
-            **timer.memory}
+            "initial_loss": timer.initial_loss, "op_epochs": executor.epochs[args.warmup:], **timer.memory}
 
 
 # --------------------------------------------------------------------------- launching workers
@@ -272,8 +431,16 @@ def _free_port() -> int:
 
 
 def _worker_command(args: argparse.Namespace, worker: str, result: Path) -> list[str]:
-    forwarded = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
-                 if name not in ("worker", "result")]
+    forwarded = []
+    for name, value in vars(args).items():
+        if name in ("worker", "result") or value is None:
+            continue
+        if isinstance(value, bool):  # store_true flags
+            forwarded.extend([f"--{name.replace('_', '-')}"] if value else [])
+            continue
+        if isinstance(value, list):
+            value = ",".join(str(v) for v in value)
+        forwarded.append(f"--{name.replace('_', '-')}={value}")
     script = str(Path(__file__).resolve())
     return [sys.executable, script, f"--worker={worker}", f"--result={result}", *forwarded]
 
@@ -284,63 +451,136 @@ def launch(args: argparse.Namespace, worker: str, workdir: Path, num_procs: int 
     Raises:
         RuntimeError: if a worker fails or runs past ``--timeout``; its output tail is in the message.
     """
-    port = _free_port()
+    return launch_together(args, [(worker, num_procs)], workdir)[worker]
+
+
+def launch_together(args: argparse.Namespace, groups: list[tuple[str, int]], workdir: Path,
+                    turns: list[tuple[str, int, int]] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Start every group ``(worker, num_procs)`` at once, grant ``turns`` one by one, collect the results.
+
+    A turn ``(name, index, acks)`` is granted by creating ``<turn dir>/<name>.<index>.go`` and is over when
+    ``acks`` processes have written their ``.done<rank>`` file; only then is the next one granted.
+
+    Raises:
+        RuntimeError: if a worker fails or the run outlives ``--timeout``; its output tail is in the message.
+    """
     procs = []
-    for rank in range(num_procs):
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if worker == "dorylus":
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(num_procs),
-                       NODE_RANK="0", LOCAL_RANK=str(rank))
-        result, log = workdir / f"{worker}{rank}.json", workdir / f"{worker}{rank}.log"
-        with open(log, "w") as log_file:
-            proc = subprocess.Popen(_worker_command(args, worker, result), stdout=log_file,
-                                    stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, start_new_session=True)
-        procs.append((proc, result, log))
+    for worker, num_procs in groups:
+        port = _free_port()
+        for rank in range(num_procs):
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            if worker == "dorylus":
+                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(num_procs),
+                           NODE_RANK="0", LOCAL_RANK=str(rank))
+            result, log = workdir / f"{worker}{rank}.json", workdir / f"{worker}{rank}.log"
+            with open(log, "w") as log_file:
+                proc = subprocess.Popen(_worker_command(args, worker, result), stdout=log_file,
+                                        stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                                        start_new_session=True)
+            procs.append((worker, proc, result, log))
+    pending = list(turns or [])
+    granted = False
+    turn_dir = Path(args.turn_dir) if args.turn_dir else workdir
     deadline = time.monotonic() + args.timeout
     try:
         # Poll all of them: when one graph server fails, its peer would otherwise wait in a collective.
-        while any(proc.poll() is None for proc, _, _ in procs):
-            for proc, _, log in procs:
+        while any(proc.poll() is None for _, proc, _, _ in procs):
+            for worker, proc, _, log in procs:
                 if proc.poll() not in (None, 0):
                     raise RuntimeError(
                         f"{worker} worker exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
                     )
             if time.monotonic() > deadline:
-                tail = procs[0][2].read_text()[-3000:]
-                raise RuntimeError(f"{worker} worker ran past --timeout ({args.timeout} s):\n{tail}")
-            time.sleep(0.2)
-        for proc, _, log in procs:
+                tail = procs[0][3].read_text()[-3000:]
+                raise RuntimeError(f"{procs[0][0]} worker ran past --timeout ({args.timeout} s):\n{tail}")
+            if pending:
+                name, index, acks = pending[0]
+                if not granted:
+                    (turn_dir / f"{name}.{index}.go").touch()
+                    granted = True
+                if all((turn_dir / f"{name}.{index}.done{r}").exists() for r in range(acks)):
+                    pending.pop(0)
+                    granted = False
+                    continue
+            time.sleep(0.002 if pending else 0.2)
+        for worker, proc, _, log in procs:
             if proc.returncode != 0:
                 raise RuntimeError(
                     f"{worker} worker exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
                 )
     finally:
-        for proc, _, _ in procs:
+        for _, proc, _, _ in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    return [json.loads(result.read_text()) for _, result, _ in procs]
+    results: dict[str, list[dict[str, Any]]] = {worker: [] for worker, _ in groups}
+    for worker, _, result, _ in procs:
+        results[worker].append(json.loads(result.read_text()))
+    return results
 
 
-def report(graph: dict[str, Any], pyg: dict[str, Any], servers: list[dict[str, Any]]) -> None:
-    """Print the table, then the one-line summary (always the last line)."""
-    pyg_epoch = statistics.median(pyg["epoch_times"])
+def interleaved_turns(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+    """Round after round: one PyG epoch per thread count, then one Dorylus epoch (all servers)."""
+    turns = []
+    for epoch in range(args.warmup + args.epochs):
+        for i in range(len(args.pyg_threads)):
+            turns.append(("pyg", epoch * len(args.pyg_threads) + i, 1))
+        turns.append(("dorylus", epoch, args.servers))
+    return turns
+
+
+def summarize(pyg: dict[str, Any], servers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures of the report: best PyG thread count, the job's epoch (slowest server), memory ratios."""
+    by_threads = {t: statistics.median(v) for t, v in pyg["epoch_times_by_threads"].items()}
+    best_threads = min(by_threads, key=by_threads.__getitem__)
     # An epoch of the job ends when its slowest graph server ends it.
     dorylus_epoch = statistics.median(max(epoch) for epoch in zip(*(s["epoch_times"] for s in servers)))
     per_server = max(s["peak_total_mib"] for s in servers)
+    total = sum(s["peak_total_mib"] for s in servers)
+    return {
+        "pyg_epoch_by_threads": by_threads, "pyg_best_threads": best_threads,
+        "pyg_epoch": by_threads[best_threads], "dorylus_epoch": dorylus_epoch,
+        "mem_per_server_mib": per_server, "mem_total_mib": total, "pyg_mem_mib": pyg["peak_total_mib"],
+        "vs_pyg": dorylus_epoch / by_threads[best_threads],
+        "mem_per_server_vs_pyg": per_server / pyg["peak_total_mib"],
+        "mem_total_vs_pyg": total / pyg["peak_total_mib"],
+    }
+
+
+def report(graph: dict[str, Any], pyg: dict[str, Any], servers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Print the table, then the one-line summary (always the last line); returns the summary figures."""
+    s = summarize(pyg, servers)
     print(f"graph: {graph['nodes']:,} vertices, {graph['edges']:,} directed edges")
-    print(f"{'configuration':<34}{'s/epoch':>10}{'peak MiB':>10}{'loss':>14}  (peak: process + workers)")
+    print(f"{'configuration':<36}{'s/epoch':>9}{'peak MiB':>10}{'loss0':>8}{'loss':>14}  "
+          "(loss0: initial weights, no dropout; peak: process + workers)")
     losses = f"{pyg['losses'][0]:.3f}->{pyg['losses'][-1]:.3f}"
-    print(f"{'(a) PyG GCNConv, 1 process':<34}{pyg_epoch:>10.3f}{pyg['peak_total_mib']:>10.0f}{losses:>14}")
-    for s in sorted(servers, key=lambda s: s["rank"]):
-        label = f"(b) Dorylus server {s['rank']}/{len(servers)}"
-        losses = f"{s['losses'][0]:.3f}->{s['losses'][-1]:.3f}"  # the global loss, the same on every server
-        print(f"{label:<34}{statistics.median(s['epoch_times']):>10.3f}{s['peak_total_mib']:>10.0f}{losses:>14}"
-              f"  ({s['peak_self_mib']:.0f} + {s['peak_workers_mib']:.0f} in {s['num_workers']} workers)")
+    for threads, epoch in s["pyg_epoch_by_threads"].items():
+        best = "  best" if threads == s["pyg_best_threads"] else ""
+        label = f"(a) PyG GCNConv, 1 process, {threads} thr"
+        print(f"{label:<36}{epoch:>9.3f}{pyg['peak_total_mib']:>10.0f}{pyg['initial_loss']:>8.4f}{losses:>14}"
+              f"{best}")
+    for server in sorted(servers, key=lambda server: server["rank"]):
+        label = f"(b) Dorylus server {server['rank']}/{len(servers)}"
+        losses = f"{server['losses'][0]:.3f}->{server['losses'][-1]:.3f}"  # the global loss, same on all
+        print(f"{label:<36}{statistics.median(server['epoch_times']):>9.3f}{server['peak_total_mib']:>10.0f}"
+              f"{server['initial_loss']:>8.4f}{losses:>14}  ({server['peak_self_mib']:.0f} + "
+              f"{server['peak_workers_mib']:.0f} in {server['num_workers']} workers)")
     label = "(b) Dorylus job (slowest server)"
-    print(f"{label:<34}{dorylus_epoch:>10.3f}{per_server:>10.0f}{'':>14}  (max per server)")
-    memory_ratio = per_server / pyg["peak_total_mib"]
-    print(f"vs_pyg={dorylus_epoch / pyg_epoch:.2f} mem_per_server_vs_pyg={memory_ratio:.2f}")
+    print(f"{label:<36}{s['dorylus_epoch']:>9.3f}{s['mem_per_server_mib']:>10.0f}{'':>8}{'':>14}  "
+          f"(max per server; all servers: {s['mem_total_mib']:.0f} MiB)")
+    print(f"vs_pyg={s['vs_pyg']:.2f} mem_per_server_vs_pyg={s['mem_per_server_vs_pyg']:.2f} "
+          f"mem_total_vs_pyg={s['mem_total_vs_pyg']:.2f}")
+    return s
+
+
+def _thread_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated thread counts, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected thread counts >= 1, got {text!r}")
+    return values
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -352,28 +592,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=16)
     parser.add_argument("--classes", type=int, default=16)
     parser.add_argument("--dropout", type=float, default=0.5)
-    parser.add_argument("--epochs", type=int, default=3, help="measured epochs (after --warmup)")
+    parser.add_argument("--epochs", type=int, default=5, help="measured epochs (after --warmup)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured epochs first")
     parser.add_argument("--servers", type=int, default=2, help="Dorylus graph servers (processes)")
     parser.add_argument("--executor-workers", type=int, default=1, help="local executor workers per server")
     parser.add_argument("--threads-per-server", type=int, default=0,
                         help="torch threads per graph server (default: cores // servers)")
+    parser.add_argument("--pyg-threads", type=_thread_list, default=None,
+                        help="PyG thread counts to sweep, comma-separated (default: 1 and min(cores, 2))")
+    parser.add_argument("--pyg-transpose", choices=["cached", "per-call"], default="cached",
+                        help="cached: the backward's transposed adjacency is built once (default); per-call: "
+                             "torch.sparse.mm's own backward, which rebuilds it every epoch")
     parser.add_argument("--interval-size", type=int, default=8192,
                         help="vertices per interval (8192 x 128 float32 = 4 MiB: inside a Lambda payload)")
     parser.add_argument("--partitioner", default="metis", help="metis | bfs | contiguous | random")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=str(REPO_ROOT / ".cache" / "dorylus"))
+    parser.add_argument("--op-times", default="",
+                        help="write the Dorylus servers' measured op times here (lightning_dorylus.value)")
+    parser.add_argument("--only", choices=["pyg", "dorylus"], default=None,
+                        help="measure one side alone (a graph too large for both at once); no summary line")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per measured configuration")
     parser.add_argument("--worker", choices=["prepare", "pyg", "dorylus"], help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--partition-dir", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--turn-dir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in ("nodes", "features", "hidden", "classes", "epochs", "servers", "executor_workers",
                  "interval_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if not 0.0 <= args.dropout < 1.0:
+        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    cores = os.cpu_count() or 1
     if args.threads_per_server == 0:
-        args.threads_per_server = max(1, (os.cpu_count() or 1) // args.servers)
+        args.threads_per_server = max(1, cores // args.servers)
+    if args.pyg_threads is None:
+        args.pyg_threads = sorted({1, min(cores, 2)})
     return args
 
 
@@ -387,9 +644,63 @@ def main(argv: list[str] | None = None) -> None:
         workdir = Path(tmp)
         (graph,) = launch(args, "prepare", workdir)
         args.partition_dir = graph["partition_dir"]
-        (pyg,) = launch(args, "pyg", workdir)
-        servers = launch(args, "dorylus", workdir, num_procs=args.servers)
-    report(graph, pyg, servers)
+        args.turn_dir = str(workdir)
+        if args.only is not None:
+            count = 1 if args.only == "pyg" else args.servers
+            rounds = (args.warmup + args.epochs) * (len(args.pyg_threads) if args.only == "pyg" else 1)
+            turns = [(args.only, k, count) for k in range(rounds)]
+            results = launch_together(args, [(args.only, count)], workdir, turns)
+        else:
+            results = launch_together(args, [("pyg", 1), ("dorylus", args.servers)], workdir,
+                                      interleaved_turns(args))
+    if args.op_times and "dorylus" in results:
+        write_op_times(Path(args.op_times), args, graph, results["dorylus"])
+    if args.only is not None:
+        report_one_side(graph, args.only, results[args.only])
+        return
+    report(graph, results["pyg"][0], results["dorylus"])
+
+
+def write_op_times(path: Path, args: argparse.Namespace, graph: dict[str, Any],
+                   servers: list[dict[str, Any]]) -> None:
+    """The measured run, as ``lightning_dorylus.value`` reads it (see ``docs/dorylus-value.md``)."""
+    run = {
+        "format": "dorylus-op-times/1",
+        "graph": {"nodes": graph["nodes"], "edges": graph["edges"]},
+        "model": {"name": "GCN", "layers": 2, "features": args.features, "hidden": args.hidden,
+                  "classes": args.classes},
+        "servers": args.servers,
+        "threads_per_server": args.threads_per_server,
+        "executor": {"name": "local", "num_workers": args.executor_workers},
+        "interval_size": args.interval_size,
+        "epochs": [
+            {"rank": server["rank"], **epoch} for server in sorted(servers, key=lambda s: s["rank"])
+            for epoch in server["op_epochs"]
+        ],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(run, indent=1))
+
+
+def report_one_side(graph: dict[str, Any], side: str, results: list[dict[str, Any]]) -> None:
+    """One side's figures alone (``--only``): the other side was not run, so there is no ratio."""
+    print(f"graph: {graph['nodes']:,} vertices, {graph['edges']:,} directed edges")
+    if side == "pyg":
+        (pyg,) = results
+        for threads, times in pyg["epoch_times_by_threads"].items():
+            print(f"(a) PyG GCNConv, {threads} thr: {statistics.median(times):.3f} s/epoch, peak "
+                  f"{pyg['peak_total_mib']:.0f} MiB, loss0 {pyg['initial_loss']:.4f}, loss "
+                  f"{pyg['losses'][0]:.3f}->{pyg['losses'][-1]:.3f}")
+        return
+    epoch = statistics.median(max(e) for e in zip(*(s["epoch_times"] for s in results)))
+    for server in sorted(results, key=lambda server: server["rank"]):
+        median = statistics.median(server["epoch_times"])
+        print(f"(b) Dorylus server {server['rank']}/{len(results)}: {median:.3f} s/epoch, peak "
+              f"{server['peak_total_mib']:.0f} MiB ({server['peak_self_mib']:.0f} + "
+              f"{server['peak_workers_mib']:.0f} in workers), loss0 {server['initial_loss']:.4f}, loss "
+              f"{server['losses'][0]:.3f}->{server['losses'][-1]:.3f}")
+    print(f"dorylus_epoch_s={epoch:.3f} mem_per_server_mib={max(s['peak_total_mib'] for s in results):.0f} "
+          f"mem_total_mib={sum(s['peak_total_mib'] for s in results):.0f} (PyG not run: --only dorylus)")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from tests.process import REPO as REPO_ROOT
 from tests.process import run_process
 
 SCRIPT = REPO_ROOT / "benchmarks" / "dorylus_epoch.py"
-SUMMARY = re.compile(r"^vs_pyg=\d+\.\d\d mem_per_server_vs_pyg=\d+\.\d\d$")
+SUMMARY = re.compile(r"^vs_pyg=\d+\.\d\d mem_per_server_vs_pyg=\d+\.\d\d mem_total_vs_pyg=\d+\.\d\d$")
 
 
 def load_benchmark():
@@ -43,18 +44,34 @@ def test_peak_memory_counts_live_descendants() -> None:
     assert memory["peak_total_mib"] == pytest.approx(memory["peak_self_mib"] + memory["peak_workers_mib"])
 
 
-def test_report_uses_the_slowest_server_per_epoch(capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_uses_the_slowest_server_per_epoch_and_the_best_pyg_threads(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     bench = load_benchmark()
-    pyg = {"epoch_times": [1.0, 2.0, 3.0], "peak_total_mib": 1000.0, "losses": [2.0, 1.0]}
-    server = {"peak_self_mib": 300.0, "peak_workers_mib": 100.0, "num_workers": 2, "losses": [2.0, 1.5]}
+    pyg = {"epoch_times_by_threads": {"1": [1.0, 2.0, 3.0], "2": [4.0, 4.0, 4.0]}, "peak_total_mib": 1000.0,
+           "losses": [2.0, 1.0], "initial_loss": 2.5}
+    server = {"peak_self_mib": 300.0, "peak_workers_mib": 100.0, "num_workers": 2, "losses": [2.0, 1.5],
+              "initial_loss": 2.5}
     servers = [
         {**server, "rank": 0, "epoch_times": [2.0, 1.0, 1.0], "peak_total_mib": 400.0},
         {**server, "rank": 1, "epoch_times": [1.0, 3.0, 5.0], "peak_total_mib": 700.0},
     ]
     bench.report({"nodes": 10, "edges": 20}, pyg, servers)
     lines = capsys.readouterr().out.strip().splitlines()
-    # per-epoch max over servers: [2, 3, 5] -> median 3; PyG median 2; worst server 700 MiB of 1000.
-    assert lines[-1] == "vs_pyg=1.50 mem_per_server_vs_pyg=0.70"
+    # per-epoch max over servers: [2, 3, 5] -> median 3; PyG's best (1 thread) median 2; worst server 700 MiB
+    # of 1000, both servers 1100 MiB.
+    assert lines[-1] == "vs_pyg=1.50 mem_per_server_vs_pyg=0.70 mem_total_vs_pyg=1.10"
+    assert [line.endswith("best") for line in lines if line.startswith("(a)")] == [True, False]
+
+
+def test_turns_alternate_pyg_thread_counts_and_the_dorylus_job() -> None:
+    bench = load_benchmark()
+    args = bench.parse_args(["--epochs", "2", "--warmup", "1", "--servers", "3", "--pyg-threads", "1,2"])
+    assert bench.interleaved_turns(args) == [
+        ("pyg", 0, 1), ("pyg", 1, 1), ("dorylus", 0, 3),
+        ("pyg", 2, 1), ("pyg", 3, 1), ("dorylus", 1, 3),
+        ("pyg", 4, 1), ("pyg", 5, 1), ("dorylus", 2, 3),
+    ]
 
 
 def test_bad_arguments_name_the_value(capsys: pytest.CaptureFixture[str]) -> None:
@@ -62,29 +79,47 @@ def test_bad_arguments_name_the_value(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit):
         bench.parse_args(["--servers", "0"])
     assert "--servers must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--pyg-threads", "1,0"])
+    assert "expected thread counts >= 1, got '1,0'" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_benchmark_ci_size(tmp_path: Path) -> None:
-    """The benchmark end to end on a 5k-vertex graph: PyG, then 2 graph servers; the exact summary line."""
+    """The benchmark end to end on a 5k-vertex graph, PyG and 2 graph servers taking turns; no dropout, so
+    both sides train the same model from the same weights: equal initial and per-epoch losses."""
+    op_times = tmp_path / "ops.json"
     command = [
         sys.executable, str(SCRIPT), "--nodes", "5000", "--avg-degree", "10", "--features", "32",
-        "--epochs", "1", "--warmup", "1", "--interval-size", "1024", "--cache-dir", str(tmp_path / "cache"),
-        "--timeout", "240",
+        "--epochs", "2", "--warmup", "1", "--interval-size", "1024", "--cache-dir", str(tmp_path / "cache"),
+        "--dropout", "0", "--pyg-threads", "1,2", "--timeout", "240", "--op-times", str(op_times),
     ]
     output = run_process(command, timeout=420, cwd=REPO_ROOT).stdout
     lines = output.strip().splitlines()
     assert SUMMARY.match(lines[-1]), lines[-1]
-    assert any(line.startswith("(a) PyG GCNConv") for line in lines), output
-    assert sum(line.startswith("(b) Dorylus server") for line in lines) == 2, output
+    rows = [line.split() for line in lines if line.startswith(("(a) PyG GCNConv", "(b) Dorylus server"))]
+    assert len(rows) == 4, output  # PyG with 1 and 2 threads, then 2 servers
+    # columns: ... s/epoch, peak MiB, loss0 (initial weights), first->last training loss
+    pyg_row = rows[0][rows[0].index("thr") + 1:]
+    initial, trained = {pyg_row[2]}, {pyg_row[3]}
+    for row in rows[2:]:
+        initial.add(row[6])
+        trained.add(row[7])
+    assert len(initial) == 1 and len(trained) == 1, output
+    run = json.loads(op_times.read_text())
+    assert run["format"] == "dorylus-op-times/1"
+    assert sorted({e["rank"] for e in run["epochs"]}) == [0, 1] and len(run["epochs"]) == 4
+    assert all(e["stages"] and e["blocked_s"] <= e["epoch_s"] for e in run["epochs"])
 
 
 @pytest.mark.multiprocess
 def test_a_failing_worker_is_reported_with_its_output(tmp_path: Path) -> None:
-    """A worker that cannot run (no partition directory) fails the launch with its own error message."""
+    """A worker that cannot run (nothing prepared: no initial weights, no partitions) fails the launch with
+    its own error message."""
     bench = load_benchmark()
     args = bench.parse_args(["--nodes", "100", "--timeout", "120", "--cache-dir", str(tmp_path / "cache"),
                              "--partition-dir", str(tmp_path / "missing")])
-    with pytest.raises(RuntimeError, match=r"(?s)dorylus worker exited with 1:.*missing"):
+    expected = r"(?s)dorylus worker exited with 1:.*FileNotFoundError.*gcn2_f128_h16_c16_seed0"
+    with pytest.raises(RuntimeError, match=expected):
         bench.launch(args, "dorylus", tmp_path, num_procs=2)
