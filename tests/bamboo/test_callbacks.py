@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -110,3 +111,52 @@ def test_injected_drain_fires_hooks_checkpoints_and_stops(tmp_path: Path) -> Non
     assert trainer.callback_metrics["bamboo/preemptions"] == 1.0
     assert trainer.callback_metrics["bamboo/fallbacks"] == 1.0
     assert trainer.progress_bar_metrics["bamboo/preemptions"] == 1.0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_aws_notice_mid_training_drains_at_a_step_boundary(tmp_path: Path) -> None:
+    """Two Bamboo ranks; rank 1's fake IMDS starts serving a spot notice mid-training.
+
+    Every rank fires ``on_preemption_notice`` (rank 1's AWS notice) and ``on_fallback`` once, at the same
+    step boundary; the drain checkpoint holds that step, whose parameters equal an uninterrupted run's.
+    """
+    from safetensors.torch import load_file
+
+    from lightning_bamboo.checkpoint import consolidate_checkpoint
+    from tests.bamboo.fake_metadata import FakeMetadata
+    from tests.bamboo.launch import run_script
+
+    steps = 12
+    run_script("train_notice.py", ["--out", str(tmp_path / "ref"), "--steps", str(steps)], timeout=240)
+    with FakeMetadata(notice=True, notice_after=8) as fake:  # ~8 x 50 ms of 404s, then the notice
+        args = ["--out", str(tmp_path / "run"), "--steps", str(steps), "--aws", fake.url]
+        run_script("train_notice.py", args, timeout=240)
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert json.loads((ref / "summary.json").read_text())["global_step"] == steps
+    assert json.loads((ref / "events_rank0.json").read_text()) == []
+    stopped = json.loads((run / "summary.json").read_text())["global_step"]
+    assert 1 <= stopped < steps
+    for rank in (0, 1):
+        events = json.loads((run / f"events_rank{rank}.json").read_text())
+        assert [e["event"] for e in events] == ["notice", "fallback"]
+        notice, fallback = events
+        assert notice["rank"] == 1 and notice["source"] == "aws"
+        assert notice["deadline"] == "2026-11-22T19:40:00Z"
+        assert notice["step"] == fallback["step"] == stopped
+        assert fallback["path"] == str(run / "drain" / f"step{stopped}.ckpt")
+        # no step lost: the last completed step equals the uninterrupted run's same step, exactly
+        mine = load_file(run / f"step{stopped}_rank{rank}.safetensors")
+        theirs = load_file(ref / f"step{stopped}_rank{rank}.safetensors")
+        assert mine.keys() == theirs.keys()
+        for name in mine:
+            torch.testing.assert_close(mine[name], theirs[name], rtol=0, atol=0)
+    assert not (run / f"step{stopped + 1}_rank0.safetensors").exists()
+    # the drain checkpoint holds exactly that step
+    full = consolidate_checkpoint(run / "drain" / f"step{stopped}.ckpt")
+    for rank in (0, 1):
+        for name, value in load_file(ref / f"step{stopped}_rank{rank}.safetensors").items():
+            torch.testing.assert_close(full[name], value, rtol=0, atol=0)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["bamboo/preemptions"] == 1.0 and metrics["bamboo/fallbacks"] == 1.0
+    assert metrics["bamboo/pipeline_length"] == 2.0
