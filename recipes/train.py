@@ -13,7 +13,7 @@ from typing import Any
 
 import hydra
 import lightning.pytorch as pl
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from recipes.paths import register_resolvers
 
@@ -24,7 +24,13 @@ def instantiate_components(cfg: DictConfig) -> tuple[pl.LightningModule, pl.Ligh
     """Build the model, data module and trainer (with its strategy) that ``cfg`` describes."""
     model = hydra.utils.instantiate(cfg.model)
     data = hydra.utils.instantiate(cfg.data)
-    trainer = hydra.utils.instantiate(cfg.trainer, strategy=build_strategy(cfg.strategy))
+    trainer_cfg = cfg.trainer
+    extra: dict[str, Any] = {}
+    if isinstance(trainer_cfg.get("callbacks"), DictConfig):  # named callbacks, in config order
+        named = trainer_cfg.callbacks.values()
+        extra["callbacks"] = [hydra.utils.instantiate(c) for c in named if c is not None]
+        trainer_cfg = OmegaConf.masked_copy(trainer_cfg, [k for k in trainer_cfg if k != "callbacks"])
+    trainer = hydra.utils.instantiate(trainer_cfg, strategy=build_strategy(cfg.strategy), **extra)
     return model, data, trainer
 
 
