@@ -156,9 +156,14 @@ class BambooNotices(Callback):
         if stage != "fit":
             return
         if self.watcher is None:
-            self.watcher = build_watcher(**self._config)  # on the main thread: SIGTERM handlers need it
+            self.watcher = build_watcher(**self._config)
         if dist.is_available() and dist.is_initialized() and self._group is None:
             self._group = dist.new_group(backend="gloo")
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start watching: after Lightning installed its SIGTERM handler (the SIGTERM source replaces it)."""
+        assert self.watcher is not None
         self.watcher.start(trainer.global_rank)
 
     def _distributed(self) -> bool:
@@ -207,9 +212,16 @@ class BambooNotices(Callback):
                 drain(rank)
 
     @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Stop watching before Lightning restores its signal handlers (it does so before ``teardown``)."""
+        self._finish()
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+        if stage == "fit":
+            self._finish()  # training ended by an exception: on_train_end did not run
+
+    def _finish(self) -> None:
         if self._work is not None:
             self._work.wait()
             self._work = None

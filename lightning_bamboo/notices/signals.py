@@ -13,22 +13,30 @@ from lightning_bamboo.notices.base import Notice, PreemptionNoticeSource
 class SigtermNoticeSource(PreemptionNoticeSource):
     """Replaces the handler of ``signals`` (default SIGTERM) by one that records a notice instead of dying.
 
-    The handler only sets an event (async-signal safe); ``poll`` turns it into one ``Notice``. The previous
-    handlers come back on ``close``. Must be created on the main thread (Python installs handlers only there).
+    The handler only sets an event (async-signal safe); ``poll`` turns it into one ``Notice``. Handlers are
+    installed by ``start`` (on the main thread: only there can Python install them); the previous ones come
+    back on ``close``. ``BambooNotices`` starts it in ``on_train_start``, after Lightning installed its
+    own SIGTERM handler (which would end training), so the notice replaces Lightning's handling while
+    training runs.
     """
 
     name = "sigterm"
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,), poll_interval_s: float = 0.1) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("SigtermNoticeSource must be created on the main thread (signal handlers)")
+        self.signals = tuple(signals)
         self.poll_interval_s = poll_interval_s
         self._got = threading.Event()
         self._signum = 0
         self._reported = False
         self._previous: dict[int, Any] = {}
-        for signum in signals:
-            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def start(self, my_rank: int) -> None:
+        """Install the handlers (idempotent)."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("SigtermNoticeSource must be started on the main thread (signal handlers)")
+        for signum in self.signals:
+            if signum not in self._previous:
+                self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self._signum = signum

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -160,3 +163,31 @@ def test_aws_notice_mid_training_drains_at_a_step_boundary(tmp_path: Path) -> No
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["bamboo/preemptions"] == 1.0 and metrics["bamboo/fallbacks"] == 1.0
     assert metrics["bamboo/pipeline_length"] == 2.0
+
+
+class SigtermAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # let the watcher thread (0.1 s poll) see it within a few steps
+
+
+def test_sigterm_during_training_drains_instead_of_ending(tmp_path: Path) -> None:
+    """Lightning alone ends training on SIGTERM; with the SIGTERM source it becomes a notice and a drain."""
+    recorder = Recorder()
+    notices = BambooNotices(sigterm=True, checkpoint_dir=tmp_path / "drain")
+    data = DataLoader(TensorDataset(torch.randn(80, 2), torch.randn(80, 1)), batch_size=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=40, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[SigtermAt(2), recorder, notices],
+    )
+    trainer.fit(Tiny(), data)
+    assert 2 <= trainer.global_step < 40
+    assert [name for name, _, _ in recorder.calls] == ["notice", "fallback"]
+    assert recorder.calls[0][2]["notice"].source == "sigterm"
+    assert (tmp_path / "drain" / f"step{trainer.global_step}.ckpt").exists()
+    assert not trainer.received_sigterm  # Lightning's handler was not the one that ran
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # everything restored after fit

@@ -98,6 +98,7 @@ def test_gce_detect_needs_the_google_flavor() -> None:
 
 def test_sigterm_becomes_a_notice_not_an_exit() -> None:
     source = SigtermNoticeSource()
+    source.start(my_rank=0)
     try:
         assert source.poll() is None
         os.kill(os.getpid(), signal.SIGTERM)
