@@ -34,19 +34,20 @@ class BambooCallback(Callback):
     """A Lightning ``Callback`` with Bamboo's four event hooks (all no-ops: override the ones you need).
 
     ``info`` may hold ``seconds_lost`` (training time the event cost) and ``pipeline_length`` (stages after
-    it). Ownership maps are what the failover runtime reports (stage -> owning global rank).
+    it). ``old_map``/``new_map`` are the failover runtime's ownership maps (which member holds which stage
+    and replica) before and after the event.
     """
 
     def on_preemption_notice(self, trainer: pl.Trainer, pl_module: pl.LightningModule, notice: Notice,
                              **info: Any) -> None:
         """A rank was warned it will be preempted; it is drained at this step boundary."""
 
-    def on_failover(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Mapping[Any, Any],
-                    new_map: Mapping[Any, Any], **info: Any) -> None:
+    def on_failover(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Any,
+                    new_map: Any, **info: Any) -> None:
         """A stage's owner was lost and its predecessor's replica took over."""
 
-    def on_rejoin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Mapping[Any, Any],
-                  new_map: Mapping[Any, Any], **info: Any) -> None:
+    def on_rejoin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Any,
+                  new_map: Any, **info: Any) -> None:
         """New nodes joined and the stages were rebalanced."""
 
     def on_fallback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint_path: str,
@@ -84,13 +85,13 @@ class BambooMetrics(BambooCallback):
         self._account("preemptions", info)
 
     @override
-    def on_failover(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Mapping[Any, Any],
-                    new_map: Mapping[Any, Any], **info: Any) -> None:
+    def on_failover(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Any,
+                    new_map: Any, **info: Any) -> None:
         self._account("failovers", info)
 
     @override
-    def on_rejoin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Mapping[Any, Any],
-                  new_map: Mapping[Any, Any], **info: Any) -> None:
+    def on_rejoin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Any,
+                  new_map: Any, **info: Any) -> None:
         self._account("rejoins", info)
 
     @override

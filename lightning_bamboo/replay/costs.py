@@ -31,11 +31,6 @@ class Costs:
     cr_step_s_by_layout: dict[str, float] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
-    @property
-    def samples_per_pipeline_step(self) -> float:
-        """Samples one pipeline trains per step (the benchmark's batch is split over its pipelines)."""
-        return self.samples_per_step / self.max_pipelines
-
 
 def _need(obj: dict[str, Any], key: str, where: str, path: Path) -> Any:
     if key not in obj:
@@ -98,23 +93,26 @@ def _layout(key: str, path: Path) -> tuple[int, int]:
     return stages, pipelines
 
 
-def step_time(by_layout: dict[str, float], stages: int, pipelines: int) -> float:
-    """Measured step time of ``stages x pipelines``; beyond the measured pipelines, the widest one measured.
+def rate(by_layout: dict[str, float], stages: int, pipelines: int, samples_per_step: float) -> float:
+    """Samples/s of ``stages x pipelines``: ``samples_per_step`` over its measured step time.
 
-    Data parallelism over more pipelines than the benchmark ran is assumed to scale weakly (each pipeline
-    keeps its step time): stated in docs/bamboo-replay.md.
+    A step trains the same global batch whatever the layout (the live runtime gives each pipeline its share),
+    so a measured layout's rate is ``samples_per_step / step_s``. Beyond the widest layout measured with
+    ``stages`` stages (``P_w`` pipelines), each pipeline is assumed to keep that layout's per-pipeline rate
+    (weak scaling of data parallelism): ``pipelines / P_w`` times its rate. Stated in docs/bamboo-replay.md.
 
     Raises:
-        KeyError: when no layout with ``stages`` stages was measured.
+        KeyError: when neither the layout nor a narrower one with ``stages`` stages was measured.
     """
     key = f"{stages}x{pipelines}"
     if key in by_layout:
-        return by_layout[key]
+        return samples_per_step / by_layout[key]
     measured = sorted(int(k.split("x")[1]) for k in by_layout if int(k.split("x")[0]) == stages)
-    wider = [p for p in measured if p <= pipelines]
-    if not wider:
+    narrower = [p for p in measured if p < pipelines]
+    if not narrower:
         raise KeyError(
             f"no measured step time for {stages} stage(s) with <= {pipelines} pipeline(s); measured layouts: "
             f"{sorted(by_layout)}"
         )
-    return by_layout[f"{stages}x{wider[-1]}"]
+    widest = narrower[-1]
+    return pipelines / widest * samples_per_step / by_layout[f"{stages}x{widest}"]

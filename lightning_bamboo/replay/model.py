@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 
-from lightning_bamboo.replay.costs import Costs, step_time
+from lightning_bamboo.replay.costs import Costs, rate
 from lightning_bamboo.replay.traces import Event, Trace
 
 
@@ -212,8 +212,7 @@ def simulate_bamboo(
         state["layout"] = layout
         clock.nodes = len(alive)
         ls, lp = layout
-        per_pipeline = costs.samples_per_pipeline_step
-        clock.rate = lp * per_pipeline / step_time(costs.step_s_by_layout, ls, lp) if lp else 0.0
+        clock.rate = rate(costs.step_s_by_layout, ls, lp, costs.samples_per_step) if lp else 0.0
 
     return _replay(result, trace, compression, clock, on_events)
 
@@ -265,9 +264,7 @@ def simulate_checkpoint_restart(
             _count(result, "restarts")
         state["layout"] = layout
         clock.nodes = len(alive)
-        clock.rate = (
-            layout[1] * costs.samples_per_pipeline_step / step_time(by_layout, *layout) if layout[1] else 0.0
-        )
+        clock.rate = rate(by_layout, *layout, costs.samples_per_step) if layout[1] else 0.0
 
     return _replay(result, trace, compression, clock, on_events)
 
@@ -289,7 +286,6 @@ def simulate_on_demand(
     clock = _Clock(result, costs.checkpoint_s, None, _ticks(duration, points))
     clock.nodes = nodes
     by_layout = costs.cr_step_s_by_layout or costs.step_s_by_layout
-    pipelines = nodes // stages
-    clock.rate = pipelines * costs.samples_per_pipeline_step / step_time(by_layout, stages, pipelines)
+    clock.rate = rate(by_layout, stages, nodes // stages, costs.samples_per_step)
     clock.advance_to(duration)
     return result
