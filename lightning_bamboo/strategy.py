@@ -49,6 +49,7 @@ from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.broadcast import broadcast_json
 from lightning_bamboo.contract import check_contract, find_pipeline_body, replay_step, sub_sequential
 from lightning_bamboo.engine import PipelineEngine
+from lightning_bamboo.events import BambooEventsMixin
 from lightning_bamboo.groups import BambooGroups
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
 from lightning_bamboo.microbatch import batch_size_of, split_microbatches
@@ -64,7 +65,7 @@ _STAGE_MARK = "_bamboo_stage"
 """Attribute set on a stage's Sequential, so a second strategy does not mistake it for the whole body."""
 
 
-class BambooStrategy(ParallelStrategy):
+class BambooStrategy(BambooEventsMixin, ParallelStrategy):
     """Pipeline parallelism with Bamboo's redundancy: stage ``s`` also holds stage ``s+1``'s layers.
 
     The ``world_size`` processes form ``num_stages`` stages x ``world_size / num_stages`` data-parallel

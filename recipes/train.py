@@ -35,7 +35,13 @@ def instantiate_components(cfg: DictConfig) -> tuple[pl.LightningModule, pl.Ligh
     for argument, value in shape_from_data(cfg.model, data).items():
         cfg.model[argument] = value  # in the config too, so the saved config records it
     model = hydra.utils.instantiate(cfg.model)
-    trainer = hydra.utils.instantiate(cfg.trainer, strategy=build_strategy(cfg.strategy))
+    trainer_cfg = cfg.trainer
+    extra: dict[str, Any] = {}
+    if isinstance(trainer_cfg.get("callbacks"), DictConfig):  # named callbacks, in config order
+        named = trainer_cfg.callbacks.values()
+        extra["callbacks"] = [hydra.utils.instantiate(c) for c in named if c is not None]
+        trainer_cfg = OmegaConf.masked_copy(trainer_cfg, [k for k in trainer_cfg if k != "callbacks"])
+    trainer = hydra.utils.instantiate(trainer_cfg, strategy=build_strategy(cfg.strategy), **extra)
     return model, data, trainer
 
 

@@ -8,9 +8,12 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 
 from recipes.compose import compose_recipe
-from recipes.paths import CONFIG_DIR, REPO_ROOT
+from recipes.paths import CONFIG_DIR, REPO_ROOT, register_resolvers
 from recipes.train import build_strategy, instantiate_components
 
 EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
@@ -48,3 +51,35 @@ def test_baseline_recipe_trains_and_tests(tmp_path: Path) -> None:
     assert "test_acc" in proc.stdout
     accuracy = float(proc.stdout.split("test_acc")[1].split()[1])
     assert accuracy > 0.8
+
+
+def test_spot_recipe_wires_notices_and_metrics(tmp_path: Path) -> None:
+    from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
+
+    cfg = compose_recipe("bamboo_gpt_spot", tmp_path, ["notices@trainer.callbacks.notices=fault_demo"])
+    _, _, trainer = instantiate_components(cfg)
+    ours = [c for c in trainer.callbacks if isinstance(c, (BambooNotices, BambooMetrics))]
+    assert [type(c) for c in ours] == [BambooNotices, BambooMetrics]  # metrics after notices
+    assert ours[0]._config["faults"] == [{"rank": 1, "at_step": 10, "action": "drain"}]
+    cloud = compose_recipe("bamboo_gpt_spot", tmp_path)
+    assert cloud.trainer.callbacks.notices.aws.enabled == "auto"
+    assert cloud.trainer.callbacks.notices.gce.enabled == "auto"
+
+
+@pytest.mark.parametrize("trace", sorted(p.stem for p in (CONFIG_DIR / "trace").glob("*.yaml")))
+def test_replay_recipe_composes_and_runs(trace: str, tmp_path: Path) -> None:
+    from recipes.replay import replay, replay_args
+
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    fixture = REPO_ROOT / "tests" / "bamboo" / "data" / "bamboo_preemption_fixture.json"
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        overrides = [f"trace={trace}", f"costs={fixture}", f"plot={tmp_path / 'out.png'}"]
+        cfg = compose(config_name="replay", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    args = replay_args(cfg)
+    trace_file = REPO_ROOT / "data" / "spot-traces" / f"{trace.replace('_', '-')}-trace.csv"
+    assert args[:2] == [str(trace_file), "--costs"]
+    assert args[args.index("--spot") + 1] == "0.91" and args[args.index("--on-demand") + 1] == "3.06"
+    assert replay(args) == 0
+    assert (tmp_path / "out.png").exists()

@@ -1,0 +1,230 @@
+"""User hooks into Bamboo's preemption events, the metrics they log, and the notice watcher's callback.
+
+    class Alert(BambooCallback):
+        def on_failover(self, trainer, pl_module, old_map, new_map, **info):
+            page_oncall(f"stage owners {old_map} -> {new_map}")
+
+    Trainer(strategy="bamboo", callbacks=[Alert(), BambooNotices(aws={"enabled": "auto"}), BambooMetrics()])
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_bamboo.broadcast import broadcast_json
+from lightning_bamboo.events import drain_with_checkpoint, fire
+from lightning_bamboo.notices.base import Notice
+from lightning_bamboo.notices.config import build_watcher
+from lightning_bamboo.notices.watcher import NoticeWatcher
+
+log = logging.getLogger(__name__)
+
+
+class BambooCallback(Callback):
+    """A Lightning ``Callback`` with Bamboo's four event hooks (all no-ops: override the ones you need).
+
+    ``info`` may hold ``seconds_lost`` (training time the event cost) and ``pipeline_length`` (stages after
+    it). ``old_map``/``new_map`` are the failover runtime's ownership maps (which member holds which stage
+    and replica) before and after the event.
+    """
+
+    def on_preemption_notice(self, trainer: pl.Trainer, pl_module: pl.LightningModule, notice: Notice,
+                             **info: Any) -> None:
+        """A rank was warned it will be preempted; it is drained at this step boundary."""
+
+    def on_failover(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Any,
+                    new_map: Any, **info: Any) -> None:
+        """A stage's owner was lost and its predecessor's replica took over."""
+
+    def on_rejoin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Any,
+                  new_map: Any, **info: Any) -> None:
+        """New nodes joined and the stages were rebalanced."""
+
+    def on_fallback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint_path: str,
+                    **info: Any) -> None:
+        """Redundancy could not cover a loss (or no failover runtime): training goes back to a checkpoint."""
+
+
+_PROG_BAR = ("bamboo/preemptions", "bamboo/failovers", "bamboo/pipeline_length")
+
+
+class BambooMetrics(BambooCallback):
+    """Logs the events as metrics (progress bar and every logger): counts, seconds lost, pipeline length.
+
+    Logged after every training batch under ``bamboo/``: ``preemptions``, ``failovers``, ``rejoins``,
+    ``fallbacks``, ``seconds_lost`` and ``pipeline_length`` (the strategy's ``num_stages`` unless an
+    event reported another). Place it after ``BambooNotices`` in ``callbacks`` so a notice acted on at a
+    step boundary is counted in that step's metrics.
+    """
+
+    def __init__(self, prog_bar: bool = True) -> None:
+        self.prog_bar = prog_bar
+        self.counts = {"preemptions": 0, "failovers": 0, "rejoins": 0, "fallbacks": 0}
+        self.seconds_lost = 0.0
+        self.pipeline_length: int | None = None
+
+    def _account(self, key: str, info: Mapping[str, Any]) -> None:
+        self.counts[key] += 1
+        self.seconds_lost += float(info.get("seconds_lost", 0.0))
+        if info.get("pipeline_length") is not None:
+            self.pipeline_length = int(info["pipeline_length"])
+
+    @override
+    def on_preemption_notice(self, trainer: pl.Trainer, pl_module: pl.LightningModule, notice: Notice,
+                             **info: Any) -> None:
+        self._account("preemptions", info)
+
+    @override
+    def on_failover(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Any,
+                    new_map: Any, **info: Any) -> None:
+        self._account("failovers", info)
+
+    @override
+    def on_rejoin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Any,
+                  new_map: Any, **info: Any) -> None:
+        self._account("rejoins", info)
+
+    @override
+    def on_fallback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint_path: str,
+                    **info: Any) -> None:
+        self._account("fallbacks", info)
+
+    def metrics(self, trainer: pl.Trainer) -> dict[str, float]:
+        length = self.pipeline_length
+        if length is None:
+            length = int(getattr(trainer.strategy, "num_stages", 1))
+        return {
+            **{f"bamboo/{key}": float(value) for key, value in self.counts.items()},
+            "bamboo/seconds_lost": self.seconds_lost,
+            "bamboo/pipeline_length": float(length),
+        }
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        for key, value in self.metrics(trainer).items():
+            bar = self.prog_bar and key in _PROG_BAR
+            pl_module.log(key, value, prog_bar=bar, on_step=True, on_epoch=False, rank_zero_only=True)
+
+
+class BambooNotices(Callback):
+    """Watches the preemption-notice sources and drains a warned rank at the next step boundary.
+
+    The sources run on the watcher's daemon thread; at each step boundary (end of a training batch that
+    stepped the optimizer) every rank contributes its "warned" flag to a tiny all-reduce on a dedicated
+    gloo group, issued without waiting (``async_op``) and read at the following boundary, so a step never
+    waits on it. When ranks are warned, every rank fires ``on_preemption_notice`` with the warned rank's
+    notice, then calls the strategy's ``_drain(rank)``: the failover runtime's drain, or, without one,
+    :func:`lightning_bamboo.events.drain_with_checkpoint` (checkpoint, then stop).
+
+    Args:
+        watcher: a ready ``NoticeWatcher``; else one is built from ``aws``, ``gce``, ``sigterm``, ``faults``
+            (see :func:`lightning_bamboo.notices.build_watcher`).
+        checkpoint_dir: where the checkpoint-and-stop drain writes (default
+            ``<default_root_dir>/bamboo-drain``).
+    """
+
+    def __init__(
+        self,
+        watcher: NoticeWatcher | None = None,
+        aws: Mapping[str, Any] | None = None,
+        gce: Mapping[str, Any] | None = None,
+        sigterm: bool | Mapping[str, Any] = False,
+        faults: Sequence[Mapping[str, Any]] = (),
+        checkpoint_dir: str | Path | None = None,
+    ) -> None:
+        self._config = {"aws": aws, "gce": gce, "sigterm": sigterm, "faults": list(faults)}
+        self.watcher = watcher
+        self.checkpoint_dir = checkpoint_dir
+        self._group: Any = None
+        self._flags: torch.Tensor | None = None
+        self._work: Any = None
+        self._last_step = -1
+        self.drained: list[int] = []
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.watcher is None:
+            self.watcher = build_watcher(**self._config)
+        if dist.is_available() and dist.is_initialized() and self._group is None:
+            self._group = dist.new_group(backend="gloo")
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start watching: after Lightning installed its SIGTERM handler (the SIGTERM source replaces it)."""
+        assert self.watcher is not None
+        self.watcher.start(trainer.global_rank)
+
+    def _distributed(self) -> bool:
+        return self._group is not None
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self._last_step:  # accumulating gradients: not a step boundary
+            return
+        self._last_step = trainer.global_step
+        assert self.watcher is not None
+        notice = self.watcher.on_step(trainer.global_step)
+        if not self._distributed():
+            if notice is not None and not self.drained:
+                self._act(trainer, [trainer.global_rank], notice)
+            return
+        warned: list[int] = []
+        if self._work is not None:  # the flags issued at the previous boundary
+            self._work.wait()
+            assert self._flags is not None
+            warned = [r for r, flag in enumerate(self._flags.tolist()) if flag and r not in self.drained]
+        flags = torch.zeros(trainer.world_size, dtype=torch.int32)
+        flags[trainer.global_rank] = int(notice is not None)
+        self._flags = flags
+        self._work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        if warned:
+            self._act(trainer, warned, notice)
+
+    def _act(self, trainer: pl.Trainer, ranks: list[int], local: Notice | None) -> None:
+        strategy = trainer.strategy
+        emit = getattr(strategy, "_emit", None) or partial(fire, trainer)
+        for rank in ranks:
+            notice = local
+            if self._distributed():
+                mine = local.to_dict() if rank == trainer.global_rank and local is not None else None
+                notice = Notice(**broadcast_json(mine, rank, torch.device("cpu"), group=self._group))
+            assert notice is not None
+            emit("on_preemption_notice", notice=notice)
+        drain = getattr(strategy, "_drain", None) or partial(drain_with_checkpoint, trainer)
+        for rank in ranks:
+            self.drained.append(rank)
+            if self.checkpoint_dir is not None:
+                drain(rank, self.checkpoint_dir)
+            else:
+                drain(rank)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Stop watching before Lightning restores its signal handlers (it does so before ``teardown``)."""
+        self._finish()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._finish()  # training ended by an exception: on_train_end did not run
+
+    def _finish(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self.watcher is not None:
+            self.watcher.stop()

@@ -1,0 +1,100 @@
+"""Bamboo's runtime events (notice, failover, rejoin, fallback) fired on the user's callbacks.
+
+The strategy calls ``self._emit(name, **payload)`` once per event (on every rank that takes part); each
+callback of the trainer that has a method ``name`` gets ``(trainer, pl_module, **payload)``. Payloads are
+checked here so a hook never sees a half-filled event.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+EVENTS: dict[str, tuple[str, ...]] = {
+    "on_preemption_notice": ("notice",),
+    "on_failover": ("old_map", "new_map"),
+    "on_rejoin": ("old_map", "new_map"),
+    "on_fallback": ("checkpoint_path",),
+}
+"""Event name -> its required payload keys."""
+
+OPTIONAL = ("seconds_lost", "pipeline_length")
+"""Payload keys any event may add: seconds of training the event cost, the pipeline length after it."""
+
+
+def fire(trainer: pl.Trainer, name: str, **payload: Any) -> int:
+    """Call hook ``name`` on every callback of ``trainer`` that defines it; return how many were called.
+
+    Raises:
+        ValueError: for an unknown event, a missing payload key or an unexpected one.
+    """
+    if name not in EVENTS:
+        raise ValueError(f"unknown Bamboo event {name!r}; expected one of {sorted(EVENTS)}")
+    required = EVENTS[name]
+    missing = [key for key in required if key not in payload]
+    extra = [key for key in payload if key not in required and key not in OPTIONAL]
+    if missing or extra:
+        raise ValueError(
+            f"event {name!r} needs payload keys {list(required)} (optional {list(OPTIONAL)}); "
+            f"missing {missing}, unexpected {extra}"
+        )
+    called = 0
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        hook = getattr(callback, name, None)
+        if callable(hook):
+            hook(trainer, trainer.lightning_module, **payload)
+            called += 1
+    return called
+
+
+def drain_with_checkpoint(trainer: pl.Trainer, rank: int, checkpoint_dir: str | Path | None = None) -> Path:
+    """Graceful stop for a drained rank while no failover runtime is available: checkpoint, then stop.
+
+    Every rank must call it at the same step boundary (the checkpoint save is collective). The
+    checkpoint is ``<checkpoint_dir or default_root_dir>/bamboo-drain/step<global_step>.ckpt``; training
+    ends after this step (``trainer.should_stop``), and ``on_fallback`` fires with its path.
+    """
+    default = Path(trainer.default_root_dir) / "bamboo-drain"
+    base = Path(checkpoint_dir) if checkpoint_dir is not None else default
+    path = base / f"step{trainer.global_step}.ckpt"
+    if not trainer.should_stop:
+        rank_zero_warn(
+            f"Bamboo: rank {rank} was given notice; no failover runtime here, so training stops after step "
+            f"{trainer.global_step} with a checkpoint at {path} (resume with ckpt_path)"
+        )
+        trainer.save_checkpoint(path)
+        trainer.should_stop = True
+        strategy = trainer.strategy
+        emit = getattr(strategy, "_emit", None)
+        if callable(emit):
+            emit("on_fallback", checkpoint_path=str(path))
+        else:
+            fire(trainer, "on_fallback", checkpoint_path=str(path))
+    return path
+
+
+class BambooEventsMixin:
+    """What ``BambooStrategy`` adds for events: ``_emit`` (fire a hook) and ``_drain`` (leave a rank).
+
+    The failover runtime overrides ``_drain`` to hand the rank's stage to its predecessor; this default
+    checkpoints and stops (no step lost, but the job must be resumed).
+    """
+
+    def _emit(self, name: str, **payload: Any) -> int:
+        """Fire event ``name`` on the trainer's callbacks (see :func:`fire`)."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        if module is None:
+            raise RuntimeError(f"cannot emit {name!r}: the strategy has no LightningModule attached")
+        return fire(module.trainer, name, **payload)
+
+    def _drain(self, rank: int, checkpoint_dir: str | Path | None = None) -> None:
+        """Take rank ``rank`` out of training at this step boundary (called on every rank)."""
+        drain_with_checkpoint(self.lightning_module.trainer, rank, checkpoint_dir)  # type: ignore[attr-defined]

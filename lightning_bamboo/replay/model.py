@@ -1,0 +1,291 @@
+"""The replay's cost model: Bamboo, checkpoint-restart and on-demand machines over one spot trace.
+
+Time advances from event to event; between events a system either trains at a constant rate (samples/s
+from the measured step time of its layout) or is paused (failover, rejoin, checkpoint, restart). The model
+and its assumptions are written out in docs/bamboo-replay.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import groupby
+
+from lightning_bamboo.replay.costs import Costs, rate
+from lightning_bamboo.replay.traces import Event, Trace
+
+
+@dataclass(frozen=True)
+class Prices:
+    """Dollars per node-hour (the Bamboo paper's simulator prices by default)."""
+
+    spot: float = 0.91
+    on_demand: float = 3.06
+
+    def __post_init__(self) -> None:
+        if self.spot <= 0 or self.on_demand <= 0:
+            raise ValueError(
+                f"prices must be > 0 per node-hour, got spot={self.spot} on_demand={self.on_demand}"
+            )
+
+
+@dataclass
+class Result:
+    """One system's replay: totals, counters, and the timeline ``(t_s, nodes, cumulative samples)``."""
+
+    system: str
+    duration_s: float
+    samples: float = 0.0
+    node_seconds: float = 0.0
+    price: float = 0.0
+    counts: dict[str, int] = field(default_factory=dict)
+    seconds_lost: float = 0.0
+    checkpoint_interval_s: float | None = None
+    timeline: list[tuple[float, int, float]] = field(default_factory=list)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def dollars_per_hour(self) -> float:
+        return self.node_seconds / self.duration_s * self.price if self.duration_s > 0 else 0.0
+
+    @property
+    def value(self) -> float:
+        """Samples per dollar."""
+        dollars = self.node_seconds / 3600.0 * self.price
+        return self.samples / dollars if dollars > 0 else 0.0
+
+
+class _Clock:
+    """Advances one system through time: training at ``rate`` or paused, with periodic checkpoints."""
+
+    def __init__(self, result: Result, checkpoint_s: float, interval_s: float | None, ticks: Sequence[float]):
+        self.r = result
+        self.t = 0.0
+        self.rate = 0.0
+        self.nodes = 0
+        self.pause_left = 0.0
+        self.pause_is_checkpoint = False
+        self.since_checkpoint = 0.0  # training seconds since the last completed checkpoint
+        self.samples_at_checkpoint = 0.0
+        self.checkpoint_s = checkpoint_s
+        self.interval_s = interval_s
+        self.ticks = list(ticks)
+
+    def advance_to(self, t_end: float) -> None:
+        while self.ticks and self.ticks[0] <= t_end:
+            self._advance(self.ticks.pop(0) - self.t)
+            self.r.timeline.append((self.t, self.nodes, self.r.samples))
+        self._advance(t_end - self.t)
+
+    def _advance(self, dt: float) -> None:
+        self.r.node_seconds += self.nodes * max(dt, 0.0)
+        while dt > 1e-12:
+            if self.pause_left > 0:
+                d = min(dt, self.pause_left)
+                self.pause_left -= d
+                if self.pause_left <= 1e-12 and self.pause_is_checkpoint:
+                    self.pause_left, self.pause_is_checkpoint = 0.0, False
+                    self.since_checkpoint = 0.0
+                    self.samples_at_checkpoint = self.r.samples
+                    self.r.counts["checkpoints"] = self.r.counts.get("checkpoints", 0) + 1
+            elif self.rate <= 0:
+                d = dt
+            else:
+                d = dt if self.interval_s is None else min(dt, self.interval_s - self.since_checkpoint)
+                self.r.samples += self.rate * d
+                self.since_checkpoint += d
+                if self.interval_s is not None and self.since_checkpoint >= self.interval_s - 1e-12:
+                    self.pause_left, self.pause_is_checkpoint = self.checkpoint_s, True
+            self.t += d
+            dt -= d
+
+    def pause(self, seconds: float, extend: bool = True) -> None:
+        """Stop training for ``seconds`` (a checkpoint in progress is abandoned); overlapping pauses merge."""
+        if self.pause_is_checkpoint:
+            self.pause_left, self.pause_is_checkpoint = 0.0, False
+        self.pause_left = max(self.pause_left, seconds) if extend else seconds
+        self.r.seconds_lost += seconds
+
+    def rollback(self) -> None:
+        """Lose the work since the last completed checkpoint."""
+        lost = self.r.samples - self.samples_at_checkpoint
+        if self.rate > 0:
+            self.r.seconds_lost += lost / self.rate
+        self.r.samples = self.samples_at_checkpoint
+        self.since_checkpoint = 0.0
+
+
+def _groups(trace: Trace, compression: float) -> list[tuple[float, list[Event]]]:
+    return [(t / compression, list(events)) for t, events in groupby(trace.events, key=lambda e: e.t_s)]
+
+
+def _ticks(duration_s: float, points: int) -> list[float]:
+    return [duration_s * (i + 1) / points for i in range(points)]
+
+
+def _count(result: Result, key: str) -> None:
+    result.counts[key] = result.counts.get(key, 0) + 1
+
+
+def _replay(
+    result: Result,
+    trace: Trace,
+    compression: float,
+    clock: _Clock,
+    on_events: Callable[[list[str], list[Event]], None],
+) -> Result:
+    alive: list[str] = []  # join order: the first nodes fill the pipelines, the rest are standby
+    for t, events in _groups(trace, compression):
+        if t > result.duration_s:
+            break
+        clock.advance_to(t)
+        on_events(alive, events)
+    clock.advance_to(result.duration_s)
+    return result
+
+
+def bamboo_layout(nodes: int, stages: int, by_layout: dict[str, float], cap: int | None) -> tuple[int, int]:
+    """Bamboo's layout on ``nodes``: ``floor(nodes/stages)`` full pipelines (at most ``cap``); fewer nodes
+    than stages run one shortened pipeline of ``nodes`` stages (redundancy lets a pipeline lose stages) when
+    that layout was measured; else nothing runs."""
+    pipelines = nodes // stages if cap is None else min(nodes // stages, cap)
+    if pipelines >= 1:
+        return stages, pipelines
+    if nodes >= 1 and f"{nodes}x1" in by_layout:
+        return nodes, 1
+    return 0, 0
+
+
+def _adjacent_loss(active: list[str], lost: set[str], stages: int, pipelines: int) -> bool:
+    """Two ring-adjacent stages of one pipeline lost at once: redundancy cannot cover it."""
+    if stages < 2:
+        return bool(lost & set(active))
+    for p in range(pipelines):
+        members = active[p * stages : (p + 1) * stages]
+        gone = [node in lost for node in members]
+        if any(gone[s] and gone[(s + 1) % stages] for s in range(stages)):
+            return True
+    return False
+
+
+def simulate_bamboo(
+    trace: Trace,
+    costs: Costs,
+    stages: int,
+    price: float,
+    compression: float = 1.0,
+    cap: int | None = None,
+    checkpoint_interval_s: float | None = None,
+    points: int = 400,
+) -> Result:
+    """Bamboo: a lost active node costs ``failover_s`` (its predecessor's replica takes over, the layout
+    shrinks); a join that grows the layout costs ``rejoin_s``; two adjacent stages of one pipeline lost at
+    once fall back to the last checkpoint (``fallback_s``, else ``restart_s``, plus the lost work)."""
+    duration = trace.duration_s / compression
+    result = Result("bamboo", duration, price=price, checkpoint_interval_s=checkpoint_interval_s)
+    clock = _Clock(result, costs.checkpoint_s, checkpoint_interval_s, _ticks(duration, points))
+    state = {"layout": (0, 0)}
+
+    def on_events(alive: list[str], events: list[Event]) -> None:
+        s, p = state["layout"]
+        active = alive[: s * p]
+        lost = {e.node for e in events if e.kind == "remove"}
+        added = [e.node for e in events if e.kind == "add"]
+        fallback = p > 0 and _adjacent_loss(active, lost, s, p)
+        alive[:] = [n for n in alive if n not in lost] + added
+        layout = bamboo_layout(len(alive), stages, costs.step_s_by_layout, cap)
+        if fallback:
+            clock.rollback()
+            clock.pause(costs.fallback_s if costs.fallback_s is not None else costs.restart_s, extend=False)
+            _count(result, "fallbacks")
+        elif lost & set(active):
+            clock.pause(costs.failover_s)
+            _count(result, "failovers")
+        grew = layout[0] * layout[1] > s * p
+        if added and grew and p > 0:
+            clock.pause(costs.rejoin_s)
+            _count(result, "rejoins")
+        state["layout"] = layout
+        clock.nodes = len(alive)
+        ls, lp = layout
+        clock.rate = rate(costs.step_s_by_layout, ls, lp, costs.samples_per_step) if lp else 0.0
+
+    return _replay(result, trace, compression, clock, on_events)
+
+
+def young_daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
+    """Young/Daly's optimal checkpoint interval ``sqrt(2 * checkpoint cost * MTBF)``."""
+    return math.sqrt(2.0 * checkpoint_s * mtbf_s)
+
+
+def simulate_checkpoint_restart(
+    trace: Trace,
+    costs: Costs,
+    stages: int,
+    price: float,
+    compression: float = 1.0,
+    cap: int | None = None,
+    checkpoint_interval_s: float | None = None,
+    points: int = 400,
+) -> Result:
+    """Checkpoint-restart (torchrun elastic + checkpoints): ``floor(nodes/stages)`` pipelines without
+    redundancy; losing an active node stops everyone, loses the work since the last checkpoint and costs
+    ``restart_s``; a join that grows the layout checkpoints and restarts (``checkpoint_s + restart_s``).
+    Checkpoints every ``checkpoint_interval_s`` of training (default: Young/Daly with the trace's MTBF)."""
+    duration = trace.duration_s / compression
+    if checkpoint_interval_s is None:
+        groups = trace.removal_groups()
+        mtbf = duration / groups if groups else math.inf
+        checkpoint_interval_s = young_daly_interval(costs.checkpoint_s, mtbf) if groups else None
+    result = Result("checkpoint_restart", duration, price=price, checkpoint_interval_s=checkpoint_interval_s)
+    clock = _Clock(result, costs.checkpoint_s, checkpoint_interval_s, _ticks(duration, points))
+    by_layout = costs.cr_step_s_by_layout or costs.step_s_by_layout
+    state = {"layout": (0, 0)}
+
+    def on_events(alive: list[str], events: list[Event]) -> None:
+        s, p = state["layout"]
+        active = set(alive[: s * p])
+        lost = {e.node for e in events if e.kind == "remove"}
+        added = [e.node for e in events if e.kind == "add"]
+        alive[:] = [n for n in alive if n not in lost] + added
+        pipelines = len(alive) // stages if cap is None else min(len(alive) // stages, cap)
+        layout = (stages, pipelines) if pipelines else (0, 0)
+        if lost & active:
+            clock.rollback()
+            clock.pause(costs.restart_s, extend=False)
+            _count(result, "restarts")
+        elif added and layout[1] > p and p > 0:
+            clock.pause(costs.checkpoint_s + costs.restart_s, extend=False)
+            clock.since_checkpoint, clock.samples_at_checkpoint = 0.0, result.samples
+            _count(result, "restarts")
+        state["layout"] = layout
+        clock.nodes = len(alive)
+        clock.rate = rate(by_layout, *layout, costs.samples_per_step) if layout[1] else 0.0
+
+    return _replay(result, trace, compression, clock, on_events)
+
+
+def simulate_on_demand(
+    trace: Trace,
+    costs: Costs,
+    stages: int,
+    price: float,
+    nodes: int,
+    compression: float = 1.0,
+    points: int = 400,
+) -> Result:
+    """On-demand machines: ``nodes`` (a multiple of ``stages``) for the whole trace, never preempted."""
+    if nodes < stages or nodes % stages:
+        raise ValueError(f"on-demand nodes must be a positive multiple of stages ({stages}), got {nodes}")
+    duration = trace.duration_s / compression
+    result = Result("on_demand", duration, price=price)
+    clock = _Clock(result, costs.checkpoint_s, None, _ticks(duration, points))
+    clock.nodes = nodes
+    by_layout = costs.cr_step_s_by_layout or costs.step_s_by_layout
+    clock.rate = rate(by_layout, stages, nodes // stages, costs.samples_per_step)
+    clock.advance_to(duration)
+    return result

@@ -1,0 +1,39 @@
+"""``benchmarks/bamboo_replay.py``: refuses to run without measured costs; its output contract (fixture)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.process import REPO
+
+SCRIPT = REPO / "benchmarks" / "bamboo_replay.py"
+FIXTURE = Path(__file__).parent / "data" / "bamboo_preemption_fixture.json"
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+
+
+def test_missing_costs_names_the_file_and_the_command(tmp_path: Path) -> None:
+    proc = run("--costs", str(tmp_path / "missing.json"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"error: {tmp_path / 'missing.json'} does not exist: the replay needs the costs measured by the live "
+        "preemption benchmark; run: python benchmarks/bamboo_preemption.py --out "
+        "benchmarks/results/bamboo_preemption.json"
+    )
+
+
+def test_fixture_is_refused_unless_allowed_and_the_last_line_is_exact() -> None:
+    refused = run("--costs", str(FIXTURE))
+    assert refused.returncode == 2 and "is a test fixture, not measured costs" in refused.stderr
+    proc = run("--costs", str(FIXTURE), "--allow-fixture")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("WARNING: fixture costs, not measured")
+    last = proc.stdout.strip().splitlines()[-1]
+    pattern = r"vs_checkpoint_restart=\d+\.\d\d vs_on_demand_value=\d+\.\d\d sim_error=0\.033"
+    assert re.fullmatch(pattern, last)

@@ -1,0 +1,169 @@
+"""The spot-trace replay: both trace formats (and malformed lines), the cost model worked out by hand on a
+small fixture, the validation against the live segment, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from lightning_bamboo.replay import (
+    Prices,
+    TraceFormatError,
+    load_costs,
+    parse_events,
+    parse_trace,
+    replay,
+    validate,
+)
+from lightning_bamboo.replay.__main__ import main
+from lightning_bamboo.replay.model import simulate_bamboo, simulate_checkpoint_restart, young_daly_interval
+from tests.process import REPO
+
+FIXTURE = Path(__file__).parent / "data" / "bamboo_preemption_fixture.json"
+TRACES = REPO / "data" / "spot-traces"
+
+
+def test_aws_traces_parse() -> None:
+    p3 = parse_trace(TRACES / "aws-p3-trace.csv")
+    assert len(p3.events) == 344 and p3.duration_s == 40920.0
+    assert p3.removal_groups() == 79
+    assert p3.events[0].kind == "add" and p3.events[0].node == "node1" and p3.events[0].t_s == 0.0
+    g4dn = parse_trace(TRACES / "aws-g4dn-trace.csv")
+    assert len(g4dn.events) == 153 and g4dn.removal_groups() == 48
+
+
+def test_gce_count_samples_become_events(tmp_path: Path) -> None:
+    path = tmp_path / "gce.csv"
+    path.write_text(
+        "2019-05-01, 10:00:00, 3\n# comment\n\n2019-05-01, 10:00:30, 1\n2019-05-01, 10:01:00, 2\n"
+    )
+    trace = parse_trace(path)
+    assert [(e.t_s, e.kind, e.node) for e in trace.events] == [
+        (0.0, "add", "gce-1"), (0.0, "add", "gce-2"), (0.0, "add", "gce-3"),
+        (30.0, "remove", "gce-3"), (30.0, "remove", "gce-2"), (60.0, "add", "gce-4"),
+    ]
+    assert trace.duration_s == 60.0
+    assert trace.mean_nodes() == pytest.approx((3 * 30 + 1 * 30) / 60)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("0,add,node1\n5,add,node2\n7,reboot,node1\n",
+         ":3: expected 'time_ms,add|remove,node' (AWS trace line), got '7,reboot,node1'"),
+        ("0,add,node1\n5,remove,node2\n", ":2: expected a remove of an alive node (node2 is not alive)"),
+        ("0,add,node1\n0,add,node1\n", ":2: expected an add of a node that is not alive (node1 already is)"),
+        ("9,add,node1\n5,add,node2\n", ":2: expected a time >= the previous line's 9 ms, got '5,add,node2'"),
+        ("2019-05-01, 10:00:00, 3\n2019-05-01 10:00:30 1\n",
+         ":2: expected 'YYYY-MM-DD, HH:MM:SS, count' (GCE count sample), got '2019-05-01 10:00:30 1'"),
+        ("2019-05-01, 10:00:00, 3\n2019-02-30, 10:00:30, 1\n", ":2: expected a valid date and time"),
+    ],
+)
+def test_malformed_lines_name_the_line(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "trace.csv"
+    path.write_text(text)
+    with pytest.raises(TraceFormatError, match=re.escape(f"{path}{message}")):
+        parse_trace(path)
+
+
+def test_missing_trace_and_costs_files(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"trace file .*nope\.csv' does not exist"):
+        parse_trace(tmp_path / "nope.csv")
+    message = (f"costs file '{tmp_path / 'x.json'}' does not exist; produce it with the live benchmark: "
+               "python benchmarks/bamboo_preemption.py --out benchmarks/results/bamboo_preemption.json")
+    with pytest.raises(FileNotFoundError, match=re.escape(message)):
+        load_costs(tmp_path / "x.json")
+
+
+def test_costs_file_is_checked(tmp_path: Path) -> None:
+    data = json.loads(FIXTURE.read_text())
+    del data["costs"]["restart_s"]
+    (tmp_path / "a.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=re.escape("missing key costs.'restart_s'")):
+        load_costs(tmp_path / "a.json")
+    data = json.loads(FIXTURE.read_text())
+    data["costs"]["failover_s"] = -1
+    (tmp_path / "b.json").write_text(json.dumps(data))
+    message = "costs.failover_s must be a number of seconds >= 0, got -1"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_costs(tmp_path / "b.json")
+
+
+def fixture_trace(duration_s: float = 40.0):  # type: ignore[no-untyped-def]
+    costs = load_costs(FIXTURE)
+    return parse_events(costs.raw["events"], duration_s), costs
+
+
+def test_bamboo_model_by_hand() -> None:
+    """4 nodes (2x2, 64 samples/s); node4 lost at 10 s: failover 2 s, then 2x1 (32/s); node5 joins at 20 s:
+    rejoin 3 s, then 2x2 again. 10*64 + 8*32 + 17*64 = 1984 samples in 40 s."""
+    trace, costs = fixture_trace()
+    result = simulate_bamboo(trace, costs, 2, price=0.91, cap=2)
+    assert result.samples == pytest.approx(1984.0)
+    assert result.counts == {"failovers": 1, "rejoins": 1}
+    assert result.node_seconds == pytest.approx(10 * 4 + 10 * 3 + 20 * 4)
+    assert result.dollars_per_hour == pytest.approx(3.75 * 0.91)
+
+
+def test_checkpoint_restart_model_by_hand() -> None:
+    """Checkpoint every 8 s of training (1 s each): 8 s (512), checkpoint, 1 s (576); the loss at 10 s rolls
+    back to 512 and restarts (5 s); 5 s at 32/s (672); the join at 20 s checkpoints and restarts (6 s);
+    8 s at 64/s (1184), checkpoint, 5 s (1504)."""
+    trace, costs = fixture_trace()
+    result = simulate_checkpoint_restart(trace, costs, 2, price=0.91, cap=2, checkpoint_interval_s=8.0)
+    assert result.samples == pytest.approx(1504.0)
+    assert result.counts == {"checkpoints": 2, "restarts": 2}
+
+
+def test_young_daly_interval_uses_the_trace_mtbf() -> None:
+    trace, costs = fixture_trace()
+    result = simulate_checkpoint_restart(trace, costs, 2, price=0.91, cap=2)
+    assert result.checkpoint_interval_s == pytest.approx(math.sqrt(2 * 1.0 * 40.0 / 1))
+    assert young_daly_interval(30.0, 3600.0) == pytest.approx(math.sqrt(2 * 30 * 3600))
+
+
+def test_adjacent_stages_lost_together_fall_back(tmp_path: Path) -> None:
+    trace_path = tmp_path / "t.csv"
+    trace_path.write_text("0,add,a\n0,add,b\n0,add,c\n0,add,d\n10000,remove,a\n10000,remove,b\n")
+    costs = load_costs(FIXTURE)
+    result = simulate_bamboo(parse_trace(trace_path, duration_s=20.0), costs, 2, price=0.91, cap=2)
+    assert result.counts == {"fallbacks": 1}
+    # no checkpoint was ever taken: everything before the fallback is lost; restart 5 s; 5 s at 32/s
+    assert result.samples == pytest.approx(5 * 32)
+
+
+def test_validation_against_the_fixture_live_numbers() -> None:
+    v = validate(load_costs(FIXTURE))
+    assert v.predicted == pytest.approx({"bamboo": 49.6, "checkpoint_restart": 37.6})
+    assert v.errors["bamboo"] == pytest.approx(1.6 / 48.0)
+    assert v.sim_error == pytest.approx(1.6 / 48.0)
+
+
+def test_replay_compares_the_three_systems() -> None:
+    trace, costs = fixture_trace()
+    comparison = replay(trace, costs, prices=Prices(spot=1.0, on_demand=3.0), max_pipelines=2)
+    assert comparison.on_demand.samples_per_s == pytest.approx(64.0)  # 4 nodes (mean 3.75 -> 2 pipelines)
+    assert comparison.on_demand.dollars_per_hour == pytest.approx(12.0)
+    assert comparison.vs_checkpoint_restart == pytest.approx(
+        comparison.bamboo.samples_per_s / comparison.checkpoint_restart.samples_per_s)
+    assert comparison.vs_on_demand_value == pytest.approx(
+        (1984 / (150 / 3600 * 1.0)) / (64 * 40 / (160 / 3600 * 3.0)))
+
+
+def test_cli_prints_the_comparison_and_saves_the_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plot = tmp_path / "p3.png"
+    trace = str(TRACES / "aws-p3-trace.csv")
+    code = main([trace, "--costs", str(FIXTURE), "--plot", str(plot), "--validate"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "validation bamboo: predicted 49.600 samples/s, live 48.000, error 0.033" in out
+    assert re.fullmatch(r"vs_checkpoint_restart=\d+\.\d\d vs_on_demand_value=\d+\.\d\d", out.splitlines()[-1])
+    assert main([str(TRACES / "aws-p3-trace.csv"), "--costs", str(tmp_path / "none.json")]) == 2
+    assert "does not exist; produce it with the live benchmark" in capsys.readouterr().err
