@@ -6,6 +6,7 @@ with no processes at all; the runtime only executes ``rank_program(schedule, ran
 """
 
 from .actions import Action, ActionKind, Schedule, ScheduleError
+from .cost import UNIT_COSTS, makespan, predicted_overhead, program_makespan
 from .dependencies import dependencies, place_by_priority, place_programs
 from .failover import (
     failover_dependencies,
@@ -19,6 +20,7 @@ from .redundancy import add_forward_redundancy, forward_redundancy_windows, plac
 from .validate import validate_schedule
 
 __all__ = [
+    "UNIT_COSTS",
     "Action",
     "ActionKind",
     "Schedule",
@@ -30,11 +32,14 @@ __all__ = [
     "failover_dependencies",
     "format_grid",
     "forward_redundancy_windows",
+    "makespan",
     "one_f_one_b_program",
     "parse_grid",
     "place_by_priority",
     "place_in_bubbles",
     "place_programs",
+    "predicted_overhead",
+    "program_makespan",
     "rank_program",
     "remap_after_failure",
     "rewrite_after_failure",

@@ -86,13 +86,13 @@ def test_rank_order_of_the_redundant_two_stage_schedule() -> None:
     assert order == [
         ("recv", "H", 0, 0),
         ("recv", "A", 0, 0),
-        ("recv", "A", 1, 1),
+        ("recv", "A", 1, 2),
         ("send", "G", 0, 2),
-        ("recv", "A", 2, 4),
-        ("send", "G", 1, 5),
+        ("send", "G", 1, 4),
+        ("recv", "A", 2, 5),
         ("recv", "A", 3, 7),
-        ("send", "G", 2, 8),
-        ("send", "G", 3, 10),
+        ("send", "G", 2, 7),
+        ("send", "G", 3, 9),
     ]
 
 
