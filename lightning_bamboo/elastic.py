@@ -53,7 +53,7 @@ from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
 from lightning_bamboo.microbatch import split_microbatches
 from lightning_bamboo.ownership import OwnershipMap, initial
-from lightning_bamboo.reshard import LayerState, Resharder, install
+from lightning_bamboo.reshard import LayerState, Resharder, gather, install
 from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b
 from lightning_bamboo.strategy import _STAGE_MARK, BambooStrategy
 
@@ -355,7 +355,7 @@ class ElasticBambooStrategy(BambooStrategy):
         me = self.member
         resharder = Resharder(self._store, owners.generation, me, owners.rank_of, self._template,
                               self.root_device)
-        self._held = resharder.run(self._held, self._needs(owners))
+        self._held = resharder.run(self._current_holdings(), self._needs(owners))
         own_layers = [layer for s in owners.stages_of(me) for layer in self._stage_layers[s]]
         replica_layers = [layer for s in owners.replica_stages_of(me) for layer in self._stage_layers[s]]
         for layer in own_layers + replica_layers:
@@ -400,6 +400,16 @@ class ElasticBambooStrategy(BambooStrategy):
             stage_params=stage_params,
             fault=self._fault_in_engine,
         )
+
+    def _current_holdings(self) -> dict[int, LayerState]:
+        """Every layer this member holds, with its optimizer state as of now."""
+        held = dict(self._held)
+        if self.optimizers:
+            held.update(gather({int(n): m for n, m in self._stage_module._modules.items()},  # type: ignore[union-attr]
+                               self.optimizers[0]))
+        if self.replica is not None and self._replica_optimizer is not None:
+            held.update(gather({int(n): m for n, m in self.replica._modules.items()}, self._replica_optimizer))
+        return held
 
     def _build_replica_optimizer(self) -> None:
         """The user's optimizer over the replica (``configure_optimizers`` with the body swapped for it)."""
@@ -556,11 +566,10 @@ class ElasticBambooStrategy(BambooStrategy):
 
     # ------------------------------------------------------------------ fault injection
     def _fault(self, phase: str) -> None:
-        spec = self._fault_spec
-        if spec is not None and spec[0] == self.member and spec[1] == self._step and spec[2] == phase:
-            os.kill(os.getpid(), spec[3])
-            if spec[3] == signal.SIGSTOP:
-                time.sleep(0.1)
+        for member, step, where, sig in self._fault_spec:
+            if member == self.member and step == self._step and where == phase:
+                os.kill(os.getpid(), sig)
+                time.sleep(0.1)  # a SIGSTOP takes effect before this member runs on
 
     def _fault_in_engine(self, phase: str, action: Any) -> None:
         if action.microbatch == min(1, self._num_microbatches - 1) and action.kind.value == "F":
@@ -578,14 +587,18 @@ class ElasticBambooStrategy(BambooStrategy):
         ParallelStrategy.teardown(self)
 
 
-def _parse_fault(spec: str | None) -> tuple[int, int, str, int] | None:
-    if not spec:
-        return None
-    parts = spec.split(":")
-    if len(parts) not in (3, 4):
-        raise ValueError(f"{ENV_FAULT} must be member:step:phase[:STOP], got {spec!r}")
-    sig = signal.SIGSTOP if len(parts) == 4 and parts[3] == "STOP" else signal.SIGKILL
-    return int(parts[0]), int(parts[1]), parts[2], sig
+_PHASES = ("forward", "exchange", "prepared", "commit", "applied")
 
 
-_ = (Tensor, timedelta)
+def _parse_fault(spec: str | None) -> list[tuple[int, int, str, int]]:
+    """``member:step:phase[:STOP]``, several separated by commas."""
+    faults = []
+    for item in filter(None, (spec or "").split(",")):
+        parts = item.split(":")
+        if len(parts) not in (3, 4) or parts[2] not in _PHASES or (len(parts) == 4 and parts[3] != "STOP"):
+            raise ValueError(f"{ENV_FAULT} must be member:step:phase[:STOP] with phase one of {_PHASES}, "
+                             f"got {item!r}")
+        sig = signal.SIGSTOP if len(parts) == 4 else signal.SIGKILL
+        faults.append((int(parts[0]), int(parts[1]), parts[2], sig))
+    return faults
+
