@@ -1,0 +1,604 @@
+"""``ElasticBambooStrategy``: Bamboo that keeps training inside the same ``fit`` when workers die or join.
+
+Start the script with the supervisor (which is not a training rank and keeps the store)::
+
+    python -m lightning_bamboo.launch --nproc 4 train.py      # train.py: Trainer(strategy=ElasticBambooStrategy(...))
+
+How a step runs (the *two-phase step*): the pipeline schedule runs (forwards, backwards, gradient
+all-reduce over pipelines); every member sends its stages' gradients to the member holding their replica
+and receives its successor's (blocking); it then *prepares* in the store; when every member has prepared,
+the step is *committed* (:class:`lightning_bamboo.membership.StepCommit`) and every member applies the
+optimizer to its own stages and to its replica. A failure before the commit aborts the step everywhere
+(nobody has changed a parameter); after it, every survivor applies the step (every replica holds its
+gradients). Survivors therefore always agree on one state, before or after the step.
+
+On a failure (a gloo error, or the generation changing while waiting) a member waits for the launcher's next
+generation, destroys the old process group and forms the new one: ``init_process_group`` on
+``PrefixStore("gen{g}")``, layers moved peer to peer where the new ownership map needs them
+(:mod:`lightning_bamboo.reshard`; a promoted replica moves nothing), new groups, engine and replica, and
+Lightning's ``global_rank``/``world_size``/``rank_zero_only.rank`` follow. An aborted step is then *replayed*
+on the new layout with the same batch, so the run's trajectory is the uninterrupted one. With replay, the
+eager redundant forwards (FR) are pure cost for failover: they are kept so the schedule is Bamboo's, and
+``redundancy=False`` measures the run without them.
+
+Data: every member loads the GLOBAL batch (the sampler is not sharded) and takes the share of its
+pipeline under the current layout, so the samples of a step do not depend on how many pipelines exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_bamboo import membership as ms
+from lightning_bamboo.contract import check_contract, find_pipeline_body, replay_step
+from lightning_bamboo.engine import PipelineEngine
+from lightning_bamboo.layout import StageLayout, estimate_layer_costs
+from lightning_bamboo.microbatch import split_microbatches
+from lightning_bamboo.ownership import OwnershipMap, initial
+from lightning_bamboo.reshard import LayerState, Resharder, gather, install
+from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b
+from lightning_bamboo.strategy import _STAGE_MARK, BambooStrategy
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+ENV_FAULT = "BAMBOO_FAULT"
+"""Fault injection for tests and the demo: ``member:step:phase[:STOP]``; the member SIGKILLs (or SIGSTOPs)
+itself at that phase of that step. Phases: ``forward`` (inside the schedule, at micro-batch 1's forward),
+``exchange`` (schedule done, replica gradients not sent), ``prepared`` (prepared, outcome not read),
+``commit`` (outcome read, nothing applied), ``applied`` (own stage and replica stepped)."""
+
+
+class _Failure(Exception):
+    """The generation ended under this member (a peer was lost)."""
+
+
+class PipelineView:
+    """This member's place in its pipeline, shaped like :class:`BambooGroups` for the engine.
+
+    A *position* is one member's run of consecutive stages (fused); the engine runs positions as stages.
+    """
+
+    def __init__(self, owners: OwnershipMap, member: int, rank_of: Callable[[int], int],
+                 pipeline_groups: dict[int, Any], stage_groups: dict[int, Any]) -> None:
+        self.map = owners
+        self.member = member
+        self.pipeline = owners.pipeline_of(member)
+        self.positions = owners.positions(self.pipeline)
+        self.stage = next(i for i, (m, _) in enumerate(self.positions) if m == member)
+        self._rank_of = rank_of
+        self.pipeline_group = pipeline_groups.get(self.pipeline)
+        self.stage_groups = stage_groups
+        self.layout = self  # the engine reads layout.num_pipelines
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.positions)
+
+    @property
+    def num_pipelines(self) -> int:
+        return len(self.map.pipelines)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == len(self.positions) - 1
+
+    def rank_of_stage(self, position: int) -> int:
+        return self._rank_of(self.positions[position][0])
+
+    @property
+    def last_stage_rank(self) -> int:
+        return self.rank_of_stage(len(self.positions) - 1)
+
+    @property
+    def predecessor_rank(self) -> int:
+        return self.rank_of_stage((self.stage - 1) % len(self.positions))
+
+    @property
+    def successor_rank(self) -> int:
+        return self.rank_of_stage((self.stage + 1) % len(self.positions))
+
+
+class ElasticEngine(PipelineEngine):
+    """The pipeline engine over a :class:`PipelineView`: gradients are averaged per original stage.
+
+    ``stage_params[s]`` are this member's parameters of stage ``s``; each is all-reduced over the members
+    holding ``s`` in every pipeline, stages in increasing order on every member (no cycle between groups).
+    """
+
+    def __init__(self, *args: Any, stage_params: dict[int, list[nn.Parameter]],
+                 fault: Callable[[str, Any], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stage_params = stage_params
+        self.fault = fault
+
+    @override
+    def _execute(self, action: Any, microbatches: Any, step: Any, train: bool) -> None:
+        self.fault("forward", action)
+        super()._execute(action, microbatches, step, train)
+
+    @override
+    def _average_gradients(self) -> None:
+        view: PipelineView = self.groups  # type: ignore[assignment]
+        count = view.num_pipelines
+        if count == 1:
+            return
+        for stage in sorted(self.stage_params):
+            params = [p for p in self.stage_params[stage] if p.requires_grad]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if not params:
+                continue
+            flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+            dist.all_reduce(flat, group=view.stage_groups[stage])
+            flat /= count
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))  # type: ignore[union-attr]
+                offset += p.numel()
+
+
+class ElasticBambooStrategy(BambooStrategy):
+    """Bamboo under ``python -m lightning_bamboo.launch``: failover, rejoin and fallback inside one ``fit``.
+
+    Takes every argument of :class:`BambooStrategy` (``timeout`` is the process group's, in seconds), plus:
+
+    Args:
+        heartbeat: seconds between heartbeats written to the store (the launcher's ``--hang-timeout``
+            decides when a silent worker is lost).
+        failure_wait: seconds a member that saw a communication error waits for the launcher to publish
+            the next generation before it treats the error as a real one and raises it.
+    """
+
+    strategy_name = "bamboo_elastic"
+
+    def __init__(self, *args: Any, heartbeat: float = 0.25, failure_wait: float = 30.0, **kwargs: Any) -> None:
+        kwargs.setdefault("timeout", 30.0)
+        super().__init__(*args, **kwargs)
+        self._heartbeat_interval = heartbeat
+        self._failure_wait = failure_wait
+        self._env = ms.WorkerEnv.from_env()
+        self._store: dist.Store | None = None
+        self._heartbeat: ms.Heartbeat | None = None
+        self.owners: OwnershipMap | None = None
+        self.view: PipelineView | None = None
+        self._rank = 0
+        self._world = 1
+        self._layers: dict[int, nn.Module] = {}
+        self._held: dict[int, LayerState] = {}
+        self._stage_layers: tuple[range, ...] = ()
+        self._replica_optimizer: Optimizer | None = None
+        self._step = 0
+        self._fault_spec = _parse_fault(os.environ.get(ENV_FAULT))
+        self.failovers: list[tuple[OwnershipMap, OwnershipMap]] = []
+
+    # ------------------------------------------------------------------ ranks follow the generation
+    @property
+    @override
+    def global_rank(self) -> int:
+        return self._rank
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[0]
+
+    @property
+    def member(self) -> int:
+        assert self._env is not None
+        return self._env.member
+
+    @property
+    def num_pipelines(self) -> int:
+        return len(self.owners.pipelines) if self.owners is not None else 1
+
+    @property
+    def pipeline_index(self) -> int:
+        assert self.owners is not None
+        return self.owners.pipeline_ids().index(self.owners.pipeline_of(self.member))
+
+    @property
+    def stage_index(self) -> int:
+        assert self.owners is not None
+        return self.owners.stages_of(self.member)[0]
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every member loads the global batch; ``training_step`` takes its pipeline's share."""
+        return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._launcher = None  # the workers were started by lightning_bamboo.launch
+
+    @override
+    def set_world_ranks(self) -> None:
+        rank_zero_only.rank = utils_rank_zero_only.rank = self._rank  # type: ignore[attr-defined]
+
+    @override
+    def _check_world_size(self) -> None:
+        pass  # any number of workers: the ownership map decides
+
+    @override
+    def setup_distributed(self) -> None:
+        """Connect to the job's store, start the heartbeat; the process group comes with generation 0."""
+        if self._env is None:
+            raise RuntimeError(
+                "ElasticBambooStrategy runs under its supervisor: start the script with "
+                "python -m lightning_bamboo.launch --nproc N script.py"
+            )
+        self._store = ms.connect(self._env.store_url, self._env.job)
+        self._heartbeat = ms.Heartbeat(self._env, self._heartbeat_interval)
+        self._process_group_backend = self._process_group_backend or "gloo"
+
+    def _init_generation(self, owners: OwnershipMap) -> None:
+        assert self._store is not None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.owners = owners
+        self._rank, self._world = owners.rank_of(self.member), len(owners.members())
+        dist.init_process_group(
+            self._process_group_backend, store=dist.PrefixStore(f"gen{owners.generation}", self._store),
+            rank=self._rank, world_size=self._world, timeout=self._timeout,
+        )
+        self.set_world_ranks()
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.lightning_module is not None and self._store is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        self._check_precision()
+        if not module.automatic_optimization:
+            raise TypeError(f"ElasticBambooStrategy needs automatic optimization; "
+                            f"{type(module).__name__}.automatic_optimization is False")
+        if trainer.state.fn != TrainerFn.FITTING:
+            raise NotImplementedError("ElasticBambooStrategy only runs fit")
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError("ElasticBambooStrategy needs accumulate_grad_batches=1 (a step is its unit of commit), "
+                             f"got {trainer.accumulate_grad_batches}")
+        if trainer.gradient_clip_val:
+            raise ValueError("ElasticBambooStrategy does not support gradient_clip_val yet")
+        attr, body = find_pipeline_body(module, self._pipeline_attr)
+        check_contract(module, attr, body)
+        self._body_attr = attr
+        costs = self._layer_costs if self._layer_costs is not None else estimate_layer_costs(list(body))
+        self._stage_layers = StageLayout.plan(costs, self._num_stages, self._num_stages).stage_layers
+        self._layers = {i: body[i] for i in range(len(body))}
+        owners = self._generation_zero()
+        self._init_generation(owners)
+        # generation 0: pipeline 0's members hold their stages as built; everyone else receives them
+        first = owners.pipeline_ids()[0]
+        held = {}
+        if owners.pipeline_of(self.member) == first:
+            held = {layer: LayerState(self._layers[layer]) for s in owners.stages_of(self.member)
+                    for layer in self._stage_layers[s]}
+        self._held = held
+        self._form(owners, build_optimizers=False)
+        self.model = self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        self.setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise ValueError(f"ElasticBambooStrategy supports exactly one optimizer, got {len(self.optimizers)}")
+        self.setup_precision_plugin()
+        self._build_replica_optimizer()
+        self._store.add(f"gen{owners.generation}/formed", 1)
+        rank_zero_only(print)(f"[bamboo] generation {owners.generation}:\n{owners.format()}", flush=True)
+
+    def _generation_zero(self) -> OwnershipMap:
+        assert self._store is not None and self._env is not None
+        owners = initial(self._num_stages, range(self._env.nproc))
+        text = owners.to_json()
+        stored = self._store.compare_set("gen0/map", "", text).decode()
+        if stored != text:
+            raise ValueError(f"this worker was started with num_stages={self._num_stages}, but the job's "
+                             f"generation 0 is {OwnershipMap.from_json(stored).format()}")
+        self._store.compare_set("config/num_stages", "", str(self._num_stages))
+        if self.member not in owners.members():
+            raise RuntimeError(f"member {self.member} has no stage in generation 0 (spare workers are not "
+                               "supported at start: use a multiple of num_stages)")
+        return owners
+
+    def _needs(self, owners: OwnershipMap) -> dict[int, list[int]]:
+        return {m: [layer for s in owners.stages_of(m) + owners.replica_stages_of(m)
+                    for layer in self._stage_layers[s]] for m in owners.members()}
+
+    def _template(self, layer: int) -> nn.Module:
+        return self._layers[layer]
+
+    def _form(self, owners: OwnershipMap, build_optimizers: bool = True) -> None:
+        """Move layers to where ``owners`` needs them and rebuild stage, replica, groups and engine."""
+        assert self._store is not None and self.lightning_module is not None
+        me = self.member
+        resharder = Resharder(self._store, owners.generation, me, owners.rank_of, self._template,
+                              self.root_device)
+        self._held = resharder.run(self._current_holdings(), self._needs(owners))
+        own_layers = [layer for s in owners.stages_of(me) for layer in self._stage_layers[s]]
+        replica_layers = [layer for s in owners.replica_stages_of(me) for layer in self._stage_layers[s]]
+        for layer in own_layers + replica_layers:
+            self._layers[layer] = self._held[layer].module
+        stage = nn.Sequential(OrderedDict((str(i), self._layers[i]) for i in own_layers))
+        setattr(stage, _STAGE_MARK, True)
+        self._stage_module = stage
+        self.lightning_module._modules[self._body_attr] = stage
+        self.replica = (nn.Sequential(OrderedDict((str(i), self._layers[i]) for i in replica_layers))
+                        if replica_layers else None)
+        if build_optimizers:
+            install(self.optimizers[0], [(layer, self._held[layer]) for layer in own_layers])
+            self._build_replica_optimizer()
+        # groups: one per pipeline (loss broadcast) and one per stage (gradient all-reduce), same order
+        # on every member
+        pipeline_groups: dict[int, Any] = {}
+        stage_groups: dict[int, Any] = {}
+        kwargs = {"timeout": self._timeout}
+        for pipeline in owners.pipeline_ids():
+            ranks = [owners.rank_of(m) for m, _ in owners.positions(pipeline)]
+            pipeline_groups[pipeline] = dist.new_group(ranks, **kwargs)
+        if len(owners.pipelines) > 1:
+            for s in range(owners.num_stages):
+                stage_groups[s] = dist.new_group(sorted(owners.rank_of(m) for m in owners.stage_holders(s)),
+                                                 **kwargs)
+        self.view = PipelineView(owners, me, owners.rank_of, pipeline_groups, stage_groups)
+        self.groups = self.view  # type: ignore[assignment]
+        positions = self.view.num_stages
+        schedule = build_1f1b(positions, self._num_microbatches)
+        if self._redundancy and positions > 1:
+            schedule = add_forward_redundancy(schedule, positions, self._num_microbatches)
+        module = self.lightning_module
+        stage_params = {s: [p for layer in self._stage_layers[s] for p in self._layers[layer].parameters()]
+                        for s in owners.stages_of(me)}
+        self.engine = ElasticEngine(
+            stage, self.view, schedule,  # type: ignore[arg-type]
+            inputs_fn=module.pipeline_inputs,  # type: ignore[arg-type]
+            loss_fn=module.pipeline_loss,  # type: ignore[arg-type]
+            device=self.root_device,
+            replica=self.replica if positions > 1 and self._redundancy else None,
+            replica_device=self.root_device,
+            stage_params=stage_params,
+            fault=self._fault_in_engine,
+        )
+
+    def _current_holdings(self) -> dict[int, LayerState]:
+        """Every layer this member holds, with its optimizer state as of now."""
+        held = dict(self._held)
+        if self.optimizers:
+            held.update(gather({int(n): m for n, m in self._stage_module._modules.items()},  # type: ignore[union-attr]
+                               self.optimizers[0]))
+        if self.replica is not None and self._replica_optimizer is not None:
+            held.update(gather({int(n): m for n, m in self.replica._modules.items()}, self._replica_optimizer))
+        return held
+
+    def _build_replica_optimizer(self) -> None:
+        """The user's optimizer over the replica (``configure_optimizers`` with the body swapped for it)."""
+        if self.replica is None:
+            self._replica_optimizer = None
+            return
+        module = self.lightning_module
+        assert module is not None
+        stage = module._modules[self._body_attr]
+        module._modules[self._body_attr] = self.replica
+        try:
+            optimizers, _ = _init_optimizers_and_lr_schedulers(module)
+        finally:
+            module._modules[self._body_attr] = stage
+        self._replica_optimizer = optimizers[0]
+        replica_layers = [int(name) for name in self.replica._modules]
+        install(self._replica_optimizer, [(layer, self._held[layer]) for layer in replica_layers])
+
+    # ------------------------------------------------------------------ training
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """This pipeline's share of the global batch through the schedule (see :class:`BambooStrategy`)."""
+        assert self.engine is not None and self.lightning_module is not None
+        batch = args[0] if args else kwargs["batch"]
+        share = split_microbatches(batch, self.num_pipelines)[self.pipeline_index]
+        microbatches = split_microbatches(share, self._num_microbatches)
+        params = self._stage_params()
+        for p in params:
+            p.grad = None
+        with self.precision_plugin.train_step_context():
+            loss = self.engine.run_step(microbatches)
+        self._stashed_grads = [p.grad for p in params]
+        with replay_step(self.lightning_module, self._body_attr, loss):
+            return self.lightning_module.training_step(*args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | nn.Module | None = None, **kwargs: Any) -> Any:
+        """The two-phase step; a lost peer leads to the next generation and a replay or a roll-forward."""
+        assert self._store is not None and self.owners is not None
+        self._join_at_boundary()
+        while True:
+            failed = False
+            commit = ms.StepCommit(self._store, self.owners.generation, len(self.owners.members()))
+            try:
+                result = closure()
+                self._fault("exchange")
+                self._exchange_replica_gradients()
+                outcome = commit.prepare_and_wait(self._step)
+                self._fault("prepared")
+            except Exception as err:
+                if not self._generation_ended(err):
+                    raise
+                failed = True
+                outcome = commit.decide(self._step, ms.ABORT)
+            if outcome != ms.COMMIT and not failed:
+                failed = True  # a peer was lost while this member waited for the outcome
+            if outcome == ms.COMMIT:
+                self._fault("commit")
+                output = super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+                self._apply_replica_step(optimizer)
+                self._fault("applied")
+                self._step += 1
+                if failed:
+                    self._next_generation()
+                return output
+            log.warning("Bamboo: step %d aborted by a lost peer; replaying it on the next generation", self._step)
+            self._next_generation()
+
+    def _exchange_replica_gradients(self) -> None:
+        """Send this member's stage gradients to its replica holder, receive its successor's (blocking)."""
+        view = self.view
+        if self.replica is None or self._replica_optimizer is None or view is None or view.num_stages < 2:
+            return
+        own = [p for p in self._stage_params() if p.requires_grad]
+        for p in own:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        outgoing = torch.cat([p.grad.reshape(-1) for p in own])  # type: ignore[union-attr]
+        replica_params = [p for p in self.replica.parameters() if p.requires_grad]
+        incoming = torch.empty(sum(p.numel() for p in replica_params), dtype=outgoing.dtype,
+                               device=self.root_device)
+        works = [dist.isend(outgoing, view.predecessor_rank, tag=7), dist.irecv(incoming, view.successor_rank, tag=7)]
+        for work in works:
+            work.wait()
+        offset = 0
+        for p in replica_params:
+            p.grad = incoming[offset: offset + p.numel()].view_as(p).to(p.dtype).clone()
+            offset += p.numel()
+
+    def _apply_replica_step(self, optimizer: Optimizer) -> None:
+        if self._replica_optimizer is None:
+            return
+        for target, source in zip(self._replica_optimizer.param_groups, optimizer.param_groups):
+            target.update({k: v for k, v in source.items() if k != "params"})
+        self._replica_optimizer.step()
+        self._replica_optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ membership changes
+    def _generation_ended(self, err: BaseException) -> bool:
+        """Whether ``err`` came from a lost peer: the launcher publishes a new generation soon after."""
+        assert self._store is not None and self.owners is not None
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            return False
+        log.warning("Bamboo member %d: %s: %s", self.member, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        if dist.is_initialized():
+            dist.destroy_process_group()  # peers blocked on this member fail fast instead of timing out
+        deadline = time.monotonic() + self._failure_wait
+        while time.monotonic() < deadline:
+            if ms.current_generation(self._store) > self.owners.generation:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def _next_generation(self) -> None:
+        """Wait for the generation after this one and form it (or wait as a spare)."""
+        assert self._store is not None and self.owners is not None
+        old = self.owners
+        while True:
+            generation = ms.current_generation(self._store)
+            if generation > old.generation:
+                break
+            time.sleep(0.01)
+        new = ms.read_map(self._store, generation)
+        kind = ms.get_str(self._store, f"gen{generation}/kind")
+        if kind == "fallback":
+            raise RuntimeError(f"Bamboo: redundancy cannot cover the loss (generation {generation}):\n"
+                               f"{new.format()}\ncheckpoint fallback is not implemented")
+        if self.member not in new.members():
+            raise RuntimeError(f"Bamboo member {self.member} is a spare in generation {generation}")
+        start = time.monotonic()
+        self._init_generation(new)
+        self._form(new)
+        self._store.add(f"gen{generation}/formed", 1)
+        self.failovers.append((old, new))
+        self._emit("on_failover", old_map=old, new_map=new)
+        rank_zero_only(print)(
+            f"[bamboo] {kind} at step {self._step}: generation {old.generation} -> {generation} "
+            f"({time.monotonic() - start:.2f}s to re-form)\n{old.format()}\n->\n{new.format()}", flush=True)
+
+    def _join_at_boundary(self) -> None:
+        """A generation published without a failure (members joined): form it before the step."""
+        assert self._store is not None and self.owners is not None
+        if ms.current_generation(self._store) > self.owners.generation:
+            self._next_generation()
+
+    def _emit(self, hook: str, **kwargs: Any) -> None:
+        """Call ``hook`` on every trainer callback that has it (the Bamboo callback interface)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        for callback in getattr(trainer, "callbacks", []) or []:
+            method = getattr(callback, hook, None)
+            if callable(method):
+                method(trainer, self.lightning_module, **kwargs)
+
+    # ------------------------------------------------------------------ fault injection
+    def _fault(self, phase: str) -> None:
+        for member, step, where, sig in self._fault_spec:
+            if member == self.member and step == self._step and where == phase:
+                os.kill(os.getpid(), sig)
+                time.sleep(0.1)  # a SIGSTOP takes effect before this member runs on
+
+    def _fault_in_engine(self, phase: str, action: Any) -> None:
+        if action.microbatch == min(1, self._num_microbatches - 1) and action.kind.value == "F":
+            self._fault(phase)
+
+    @override
+    def teardown(self) -> None:
+        """Tell the launcher this member is done (its heartbeat stops now), leave the process group."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if self._store is not None:
+            self._store.set(f"done/{self.member}", "1")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        ParallelStrategy.teardown(self)
+
+
+_PHASES = ("forward", "exchange", "prepared", "commit", "applied")
+
+
+def _parse_fault(spec: str | None) -> list[tuple[int, int, str, int]]:
+    """``member:step:phase[:STOP]``, several separated by commas."""
+    faults = []
+    for item in filter(None, (spec or "").split(",")):
+        parts = item.split(":")
+        if len(parts) not in (3, 4) or parts[2] not in _PHASES or (len(parts) == 4 and parts[3] != "STOP"):
+            raise ValueError(f"{ENV_FAULT} must be member:step:phase[:STOP] with phase one of {_PHASES}, "
+                             f"got {item!r}")
+        sig = signal.SIGSTOP if len(parts) == 4 else signal.SIGKILL
+        faults.append((int(parts[0]), int(parts[1]), parts[2], sig))
+    return faults
+

@@ -1,0 +1,92 @@
+"""Worker script of the elastic tests: train ``PipeMLP`` and write each member's final stages.
+
+``--strategy elastic`` runs under ``python -m lightning_bamboo.launch``; every member that finishes writes
+``<out>/final_member{m}.safetensors`` with ``own/<param>`` and ``own_opt/<param>/<key>`` of the stages it
+owns at the end, and ``<out>/failovers_member{m}.json`` (the ownership maps it went through).
+``--strategy auto`` is the uninterrupted single-process reference on the same global batches; it writes
+``<out>/final_reference.safetensors`` in the same format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+import os
+
+from lightning.pytorch import Callback, Trainer, seed_everything
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_bamboo.checkpoint import named_optimizer_state
+from lightning_bamboo.elastic import ElasticBambooStrategy
+from tests.bamboo.pipe_mlp import PipeMLP, make_data
+
+
+def main() -> None:
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--strategy", choices=["auto", "elastic"], default="elastic")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8, help="GLOBAL batch size")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
+    parser.add_argument("--no-redundancy", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    seed_everything(0)
+    model = PipeMLP(pairs=args.pairs, optimizer=args.optimizer)
+    x, y = make_data(args.steps * args.batch_size)
+    if args.strategy == "auto":
+        # the elastic run's (unsharded) DistributedSampler shuffles with seed 0 in epoch 0: read that order
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+        x, y = x[order], y[order]
+    train = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=False)
+    if args.strategy == "elastic":
+        strategy: ElasticBambooStrategy | str = ElasticBambooStrategy(
+            num_stages=args.stages, num_microbatches=args.microbatches, redundancy=not args.no_redundancy,
+            timeout=20,
+        )
+    else:
+        strategy = "auto"
+    class _Print(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if os.environ.get("DEBUG_BATCH"):
+                print("BATCH", trainer.global_step, float(batch[0].sum()), trainer.optimizers[0].param_groups[0]["lr"], flush=True)
+
+    trainer = Trainer(callbacks=[_Print()],
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    trainer.fit(model, train_dataloaders=train)
+    tensors = {f"own/{name}": p.detach().clone() for name, p in model.named_parameters()}
+    for name, values in named_optimizer_state(model, trainer.optimizers[0])["state"].items():
+        for key, value in values.items():
+            tensors[f"own_opt/{name}/{key}"] = value.detach().clone().reshape(-1)
+    tensors["global_step"] = torch.tensor([trainer.global_step], dtype=torch.int64)
+    if isinstance(strategy, ElasticBambooStrategy):
+        name = f"member{strategy.member}"
+        (args.out / f"failovers_{name}.json").write_text(
+            json.dumps([[old.to_json(), new.to_json()] for old, new in strategy.failovers])
+        )
+    else:
+        name = "reference"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(args.out / f"final_{name}.safetensors"))
+
+
+if __name__ == "__main__":
+    main()

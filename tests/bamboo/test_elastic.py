@@ -1,0 +1,85 @@
+"""Elastic Bamboo end to end: workers are really SIGKILLed (or SIGSTOPped) during training, by fault injection
+at a chosen phase of a chosen step, and the job must finish every step inside the same ``fit`` with final
+parameters and optimizer state equal (float64) to an uninterrupted single-process run.
+
+Every run is ``python -m lightning_bamboo.launch`` over ``scripts/train_elastic.py`` (a subprocess with a
+timeout, killed by process group if it outlives it).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.process import launch_env, run_process
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_elastic.py"
+TOL = {"rtol": 1e-9, "atol": 1e-11}
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("reference")
+    run_process([sys.executable, str(SCRIPT), "--out", str(out), "--strategy", "auto", "--steps", str(STEPS)],
+                timeout=240)
+    return load_file(str(out / "final_reference.safetensors"))
+
+
+def run_elastic(out: Path, nproc: int, stages: int, fault: str = "", launch_args: tuple[str, ...] = (),
+                extra_env: dict[str, str] | None = None) -> str:
+    env = launch_env({"BAMBOO_FAULT": fault, **(extra_env or {})})
+    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", str(nproc), *launch_args,
+           str(SCRIPT), "--out", str(out), "--stages", str(stages), "--steps", str(STEPS)]
+    return run_process(cmd, timeout=400, env=env).stdout
+
+
+def check_final(out: Path, reference: dict[str, torch.Tensor]) -> set[str]:
+    """Every finished member's stages equal the reference; returns the parameter names covered."""
+    covered: set[str] = set()
+    finals = sorted(out.glob("final_member*.safetensors"))
+    assert finals, f"no member finished: {sorted(p.name for p in out.iterdir())}"
+    for path in finals:
+        state = load_file(str(path))
+        assert int(state.pop("global_step")) == STEPS
+        for key, value in state.items():
+            torch.testing.assert_close(value, reference[key], **TOL, msg=lambda m, k=key, p=path: f"{p.name} {k}: {m}")
+            covered.add(key)
+    expected = {k for k in reference if k != "global_step"}
+    assert covered == expected, f"not covered: {sorted(expected - covered)}"
+    return covered
+
+
+def maps_seen(out: Path) -> list[list[str]]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("failovers_member*.json"))]
+
+
+@pytest.mark.slow
+def test_sigkill_last_stage_two_stages(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    """The last stage dies mid-step; stage 0 holds its replica and runs the whole model."""
+    log = run_elastic(tmp_path, nproc=2, stages=2, fault="1:2:forward")
+    assert "failover: lost [1]" in log
+    assert "pipe0  m0      m0" in log
+    check_final(tmp_path, reference)
+
+
+@pytest.mark.slow
+def test_sigkill_middle_stage(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    """Stage 1 of 3 dies mid-step; stage 0 promotes its replica and runs stages 0-1 fused."""
+    log = run_elastic(tmp_path, nproc=3, stages=3, fault="1:2:forward")
+    assert "pipe0  m0      m0      m2" in log
+    check_final(tmp_path, reference)
+
+
+@pytest.mark.slow
+def test_sigkill_rank0(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    """Member 0 (rank 0 of the process group, stage 0) dies: the store is on the launcher, the job goes on."""
+    log = run_elastic(tmp_path, nproc=2, stages=2, fault="0:3:forward")
+    assert "failover: lost [0]" in log
+    assert "pipe0  m1      m1" in log
+    check_final(tmp_path, reference)
