@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,7 @@ class BambooNotices(Callback):
         self.watcher = watcher
         self.checkpoint_dir = checkpoint_dir
         self._group: Any = None
+        self._world: Any = None
         self._flags: torch.Tensor | None = None
         self._work: Any = None
         self._last_step = -1
@@ -158,8 +160,21 @@ class BambooNotices(Callback):
             return
         if self.watcher is None:
             self.watcher = build_watcher(**self._config)
-        if dist.is_available() and dist.is_initialized() and self._group is None:
-            self._group = dist.new_group(backend="gloo")
+        self._refresh_group()
+
+    def _refresh_group(self) -> bool:
+        """(Re)create the flag group when the default process group is new (the failover runtime re-forms
+        the world per generation; every member reaches the same step boundary). True if it was re-created."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return False
+        world = dist.group.WORLD
+        if world is self._world:
+            return False
+        self._world = world
+        self._group = dist.new_group(backend="gloo")
+        self._work, self._flags = None, None  # flags of the old world's ranks mean nothing in the new one
+        self.drained = []
+        return True
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -177,7 +192,11 @@ class BambooNotices(Callback):
             return
         self._last_step = trainer.global_step
         assert self.watcher is not None
+        self.watcher.rank = trainer.global_rank  # ranks change when the failover runtime re-forms the world
         notice = self.watcher.on_step(trainer.global_step)
+        if notice is not None:
+            notice = replace(notice, rank=trainer.global_rank)
+        self._refresh_group()
         if not self._distributed():
             if notice is not None and not self.drained:
                 self._act(trainer, [trainer.global_rank], notice)

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         comparison = replay(trace, costs, args.stages, prices, args.compression, args.on_demand_nodes,
                             args.max_pipelines)
     except (FileNotFoundError, TraceFormatError, ValueError, KeyError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {err.args[0] if isinstance(err, KeyError) else err}", file=sys.stderr)
         return 2
     print(f"trace {trace.name}: {trace.duration_s / 3600:.2f} h, {len(trace.events)} events, "
           f"{trace.removal_groups()} preemption events, mean {trace.mean_nodes():.1f} nodes; "

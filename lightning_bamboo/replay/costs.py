@@ -111,8 +111,8 @@ def rate(by_layout: dict[str, float], stages: int, pipelines: int, samples_per_s
     narrower = [p for p in measured if p < pipelines]
     if not narrower:
         raise KeyError(
-            f"no measured step time for {stages} stage(s) with <= {pipelines} pipeline(s); measured layouts: "
-            f"{sorted(by_layout)}"
+            f"no measured step time for layout {key} (stages x pipelines) nor a narrower {stages}-stage one; "
+            f"measured layouts: {sorted(by_layout)} (choose --stages among them)"
         )
     widest = narrower[-1]
     return pipelines / widest * samples_per_step / by_layout[f"{stages}x{widest}"]

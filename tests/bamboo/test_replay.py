@@ -167,3 +167,11 @@ def test_cli_prints_the_comparison_and_saves_the_plot(
     assert re.fullmatch(r"vs_checkpoint_restart=\d+\.\d\d vs_on_demand_value=\d+\.\d\d", out.splitlines()[-1])
     assert main([str(TRACES / "aws-p3-trace.csv"), "--costs", str(tmp_path / "none.json")]) == 2
     assert "does not exist; produce it with the live benchmark" in capsys.readouterr().err
+
+
+def test_unmeasured_stage_count_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(TRACES / "aws-p3-trace.csv"), "--costs", str(FIXTURE), "--stages", "4"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: no measured step time for layout 4x4 (stages x pipelines) nor a narrower 4-stage one; "
+        "measured layouts: ['1x1', '2x1', '2x2'] (choose --stages among them)"
+    )
