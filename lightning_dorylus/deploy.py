@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print-iam", action="store_true", help="print the IAM trust policy and policies")
     args = parser.parse_args(argv)
 
-    out = Path(args.dry_run) if args.dry_run else Path.cwd() / "dorylus-handler.zip"
+    tmp = None if args.dry_run else tempfile.TemporaryDirectory(prefix="dorylus-deploy-")
+    out = Path(args.dry_run) if args.dry_run else Path(tmp.name) / "dorylus-handler.zip"  # type: ignore[union-attr]
     path, zipped, unzipped = build_zip(out)
     print(f"built {path}: {zipped} bytes zipped, {unzipped} bytes unzipped "
           f"(Lambda: {ZIP_UPLOAD_LIMIT >> 20} MB upload, {UNZIPPED_LIMIT >> 20} MB unzipped incl. layers; "
@@ -131,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("deploying needs --role-arn and --layer-arn (a layer with numpy; see --help)")
     if not 1 <= args.timeout <= 900:
         parser.error(f"--timeout {args.timeout}: Lambda allows 1..900 seconds")
-    result = deploy(path.read_bytes(), args.function_name, args.role_arn, args.layer_arn, args.region,
+    zip_bytes = path.read_bytes()
+    tmp.cleanup()  # type: ignore[union-attr]
+    result = deploy(zip_bytes, args.function_name, args.role_arn, args.layer_arn, args.region,
                     args.memory, args.timeout, args.endpoint_url, args.reserved_concurrency)
     print(f"deployed {result.get('FunctionArn')} (CodeSha256 {result.get('CodeSha256')}, "
           f"{result.get('MemorySize')} MB, timeout {result.get('Timeout')} s)")
