@@ -444,9 +444,13 @@ class BambooStrategy(ParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         if self._stashed_grads is None:
             raise RuntimeError("BambooStrategy.backward called without a preceding pipelined training_step")
+        # Lightning divides the loss by accumulate_grad_batches before backward; the schedule's did not see it
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
         for p, grad in zip(self._stage_params(), self._stashed_grads):
             if grad is None:
                 continue
+            if accumulate != 1:
+                grad = grad / accumulate
             p.grad = grad if p.grad is None else p.grad + grad
         self._stashed_grads = None
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
