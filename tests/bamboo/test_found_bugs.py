@@ -27,3 +27,30 @@ def _matches(tmp_path: Path, optimizer: str, flags: list[str]) -> None:
 def test_accumulate_grad_batches(tmp_path: Path) -> None:
     """accumulate_grad_batches=2: Lightning scales the loss by 1/2; the pipeline's gradients must be too."""
     _matches(tmp_path, "sgd", ["--accumulate", "2"])
+
+
+def test_replica_takes_the_successors_hyperparameters(tmp_path: Path) -> None:
+    """Per-layer learning rates (and a scheduler): the replica of stage 1 steps with stage 1's groups."""
+    _matches(tmp_path, "sgd", ["--variant", "per-layer-lr"])
+
+
+def test_parameter_without_gradient_is_not_stepped_on_the_replica(tmp_path: Path) -> None:
+    """Adam with weight decay skips a parameter whose .grad is None; so must the replica's optimizer."""
+    _matches(tmp_path, "adam", ["--variant", "unused"])
+
+
+def test_buffers_and_frozen_parameters_reach_the_replica(tmp_path: Path) -> None:
+    """Each rank draws its own frozen parameter and buffers (no common seed): the replica must hold the
+    successor's, before the first step and after every step (BatchNorm running stats included)."""
+    run = bamboo(tmp_path, 2, 1, "sgd", ["--variant", "state", "--per-rank-state"])
+    for step in range(1, STEPS + 1):
+        ranks = [snapshot(run, step, rank) for rank in range(2)]
+        for rank, got in enumerate(ranks):
+            twin = ranks[(rank + 1) % 2]
+            replica = [k for k in got if k.startswith("replica")]
+            assert rank == 1 or any(k.startswith("replica_buf/") for k in replica)  # stage 1 has buffers
+            for key in replica:
+                torch.testing.assert_close(got[key], twin["own" + key[len("replica") :]], rtol=0, atol=0)
+            fr = {k: v for k, v in got.items() if k.startswith("fr/")}
+            for key, value in fr.items():  # so the replica's forwards are the successor's, bit for bit
+                torch.testing.assert_close(value, twin["fwd/" + key[3:]], rtol=0, atol=0)
