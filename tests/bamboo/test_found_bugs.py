@@ -39,6 +39,11 @@ def test_parameter_without_gradient_is_not_stepped_on_the_replica(tmp_path: Path
     _matches(tmp_path, "adam", ["--variant", "unused"])
 
 
+def test_inplace_first_layer_of_the_successor(tmp_path: Path) -> None:
+    """Stage 1 starts with LeakyReLU(inplace=True): FR must not write into stage 0's output being sent."""
+    _matches(tmp_path, "sgd", ["--variant", "inplace"])
+
+
 def test_buffers_and_frozen_parameters_reach_the_replica(tmp_path: Path) -> None:
     """Each rank draws its own frozen parameter and buffers (no common seed): the replica must hold the
     successor's, before the first step and after every step (BatchNorm running stats included)."""
