@@ -46,7 +46,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_bamboo import checkpoint as ckpt
-from lightning_bamboo.broadcast import broadcast_json
+from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
 from lightning_bamboo.contract import check_contract, find_pipeline_body, replay_step, sub_sequential
 from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.groups import BambooGroups
@@ -413,7 +413,7 @@ class BambooStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the whole schedule for the batch, then replay the user's ``training_step`` to log the loss."""
         assert self.engine is not None and self.lightning_module is not None
-        batch = args[0] if args else kwargs["batch"]
+        batch, args, kwargs = self._stage0_batch(args, kwargs)
         microbatches = split_microbatches(batch, self._num_microbatches)
         params = self._stage_params()
         earlier = [p.grad for p in params]  # accumulated by earlier batches (accumulate_grad_batches > 1)
@@ -427,6 +427,17 @@ class BambooStrategy(ParallelStrategy):
             p.grad = grad
         with replay_step(self.lightning_module, self._body_attr, loss):
             return self.lightning_module.training_step(*args, **kwargs)
+
+    def _stage0_batch(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, tuple, dict[str, Any]]:
+        """Every stage of a pipeline uses stage 0's batch (random augmentation may differ per process)."""
+        assert self.groups is not None
+        batch = args[0] if args else kwargs["batch"]
+        if self.groups.num_stages > 1:
+            src = self.groups.rank_of_stage(0)
+            batch = broadcast_batch(batch, src, self.root_device, group=self.groups.pipeline_group)
+        if args:
+            return batch, (batch, *args[1:]), kwargs
+        return batch, args, {**kwargs, "batch": batch}
 
     def _stage_params(self) -> list[nn.Parameter]:
         assert self.lightning_module is not None
@@ -474,7 +485,7 @@ class BambooStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None and self.lightning_module is not None
-        batch = args[0] if args else kwargs["batch"]
+        batch, args, kwargs = self._stage0_batch(args, kwargs)
         num = math.gcd(batch_size_of(batch), self._num_microbatches)
         microbatches = split_microbatches(batch, num)
         context = (

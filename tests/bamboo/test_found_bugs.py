@@ -44,6 +44,11 @@ def test_inplace_first_layer_of_the_successor(tmp_path: Path) -> None:
     _matches(tmp_path, "sgd", ["--variant", "inplace"])
 
 
+def test_random_augmentation_pairs_stage0_inputs_with_their_labels(tmp_path: Path) -> None:
+    """The dataset draws noise per process: the last stage must use stage 0's batch, not its own."""
+    _matches(tmp_path, "sgd", ["--data", "rank-noise"])
+
+
 def test_buffers_and_frozen_parameters_reach_the_replica(tmp_path: Path) -> None:
     """Each rank draws its own frozen parameter and buffers (no common seed): the replica must hold the
     successor's, before the first step and after every step (BatchNorm running stats included)."""
