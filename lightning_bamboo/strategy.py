@@ -51,7 +51,7 @@ from lightning_bamboo.contract import check_contract, find_pipeline_body, replay
 from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.groups import BambooGroups
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
-from lightning_bamboo.microbatch import batch_size_of, split_microbatches
+from lightning_bamboo.microbatch import batch_size_of, check_train_batches, split_microbatches
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b, format_grid
 
@@ -409,6 +409,12 @@ class BambooStrategy(ParallelStrategy):
             grad.mul_(coef.to(grad.dtype))
 
     # ------------------------------------------------------------------ training
+    @override
+    def on_train_start(self) -> None:
+        """Refuse a last batch that the micro-batches cannot split evenly now, not at the epoch's end."""
+        assert self.lightning_module is not None
+        check_train_batches(self.lightning_module.trainer.train_dataloader, self._num_microbatches)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the whole schedule for the batch, then replay the user's ``training_step`` to log the loss."""

@@ -49,6 +49,21 @@ def test_random_augmentation_pairs_stage0_inputs_with_their_labels(tmp_path: Pat
     _matches(tmp_path, "sgd", ["--data", "rank-noise"])
 
 
+def test_partial_last_batch_that_microbatches_divide(tmp_path: Path) -> None:
+    """4 + 4 + 4 + 2 samples, 2 micro-batches: the short last batch splits evenly and trains exactly."""
+    _matches(tmp_path, "sgd", ["--extra-samples", "2"])
+
+
+def test_partial_last_batch_is_refused_before_training(tmp_path: Path) -> None:
+    """4 + 4 + 4 + 1 samples, 2 micro-batches: a clear error before the first step, not at the epoch's end."""
+    with pytest.raises(AssertionError) as failure:
+        bamboo(tmp_path, 2, 1, "sgd", ["--extra-samples", "1"])
+    message = str(failure.value)
+    assert "drop_last=False leaves a last batch of 1 samples" in message.replace("\n", " "), message[-3000:]
+    assert "num_microbatches (2)" in message
+    assert not list((tmp_path / "bamboo").glob("step*_rank*.safetensors")), "a step ran before the error"
+
+
 def test_buffers_and_frozen_parameters_reach_the_replica(tmp_path: Path) -> None:
     """Each rank draws its own frozen parameter and buffers (no common seed): the replica must hold the
     successor's, before the first step and after every step (BatchNorm running stats included)."""
