@@ -45,7 +45,7 @@ from lightning_bamboo.layout import StageLayout, estimate_layer_costs
 from lightning_bamboo.microbatch import split_microbatches
 from lightning_bamboo.models.gpt import build_pipeline
 from lightning_bamboo.replica import ReplicaSync
-from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b
+from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b, predicted_overhead
 from recipes.components.text import DEFAULT_MODULES, VOCAB_SIZE, TokenWindows, corpus_tokens
 
 MODES = ("plain", "torch_1f1b", "bamboo", "bamboo_rc")
@@ -449,6 +449,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"WARNING: the pipeline gains less than half its ideal speed-up: the {args.stages} workers did "
               "not get a core each (other load?), so the FR in bubbles cost compute and rc_overhead is "
               "inflated")
+    plain_schedule = build_1f1b(args.stages, args.microbatches)
+    redundant_schedule = add_forward_redundancy(plain_schedule, args.stages, args.microbatches)
+    # F = 1, B = 2, FR = 1 and no overlap of compute (lightning_bamboo.schedule.cost)
+    model = predicted_overhead(redundant_schedule, plain_schedule)
+    print(f"unit-cost model of the schedules: rc_overhead {model:.3f}")
     rc_overhead = medians["bamboo_rc"] / medians["bamboo"]
     vs_torch = medians["bamboo"] / medians["torch_1f1b"]
     print(f"rc_overhead={rc_overhead:.2f} vs_torch_1f1b={vs_torch:.2f}")

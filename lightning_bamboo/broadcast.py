@@ -1,4 +1,4 @@
-"""Broadcast of small plain values (paths, numbers, flags) as JSON bytes in a uint8 tensor.
+"""Broadcasts that never pickle: small plain values as JSON bytes, and batches as JSON header + raw bytes.
 
 Lightning broadcasts checkpoint directories and log paths through ``Strategy.broadcast``. DDP does that with
 ``broadcast_object_list``, which pickles; here only JSON-representable values are accepted, so nothing that
@@ -8,11 +8,14 @@ crosses a process boundary is ever unpickled.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 _PATH_KEY = "__bamboo_path__"
 
@@ -57,3 +60,93 @@ def broadcast_json(obj: Any, src: int, device: torch.device, group: Any = None) 
         buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     dist.broadcast(buffer, src, group=group)
     return _decode(json.loads(bytes(buffer.cpu().tolist()).decode("utf-8")))
+
+
+# ---------------------------------------------------------------------------------------------- batches
+def broadcast_batch(batch: Any, src: int, device: torch.device, group: Any = None) -> Any:
+    """``src``'s ``batch`` on every rank of ``group``: a JSON header of the structure, then one raw buffer.
+
+    The stages of a pipeline each load a batch from the same sampler indices, but random augmentation or
+    masking in a dataset or collate function can draw differently on each process; stage 0's inputs
+    would then meet other labels on the last stage. So stage 0's batch is the one used: its structure
+    (dicts, lists, tuples, namedtuples, JSON scalars) and each tensor's dtype and shape go as JSON, every
+    tensor's bytes as one uint8 buffer; nothing is pickled. Containers are rebuilt with the types of the
+    receiver's own batch where the structure matches (namedtuple and mapping classes), plain ones otherwise.
+
+    Raises:
+        TypeError: on the source rank, for a leaf that is neither a tensor nor a JSON scalar.
+    """
+    rank = dist.get_rank()
+    tensors: list[Tensor] = []
+    header = {"tree": _describe(batch, tensors)} if rank == src else None
+    if rank == src:
+        header["bytes"] = sum(t.numel() * t.element_size() for t in tensors)  # type: ignore[index]
+    header = broadcast_json(header, src, device, group)
+    buffer = torch.empty(int(header["bytes"]), dtype=torch.uint8, device=device)
+    if rank == src:
+        if tensors:
+            torch.cat(
+                [t.detach().to(device).contiguous().reshape(-1).view(torch.uint8) for t in tensors],
+                out=buffer,
+            )
+        dist.broadcast(buffer, src, group=group)
+        return batch
+    dist.broadcast(buffer, src, group=group)
+    offset = [0]
+    return _rebuild(header["tree"], buffer, offset, batch)
+
+
+def _describe(obj: Any, tensors: list[Tensor]) -> Any:
+    if isinstance(obj, Tensor):
+        tensors.append(obj)
+        return {"t": [str(obj.dtype).removeprefix("torch."), list(obj.shape)]}
+    if isinstance(obj, Mapping):
+        if not all(isinstance(key, (str, int)) for key in obj):
+            raise TypeError(f"a batch dict needs str or int keys to be sent between stages; got {list(obj)}")
+        return {"d": [[key, _describe(value, tensors)] for key, value in obj.items()]}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return {"n": [_describe(value, tensors) for value in obj]}
+    if isinstance(obj, (list, tuple)):
+        return {"l" if isinstance(obj, list) else "u": [_describe(value, tensors) for value in obj]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return {"s": obj}
+    raise TypeError(
+        "stage 0 sends its batch to the other stages as tensors plus JSON (nothing is pickled); a batch may "
+        "hold tensors, dicts, lists, tuples, namedtuples and None/bool/int/float/str, got "
+        f"{type(obj).__name__}"
+    )
+
+
+def _rebuild(tree: dict[str, Any], buffer: Tensor, offset: list[int], local: Any) -> Any:
+    """The batch described by ``tree``; ``local`` (this rank's own batch) lends its container types."""
+    kind, value = next(iter(tree.items()))
+    if kind == "t":
+        dtype = getattr(torch, value[0], None)
+        if not isinstance(dtype, torch.dtype):
+            raise RuntimeError(f"corrupt batch header: unknown dtype {value[0]!r}")
+        size = math.prod(value[1]) * torch.empty((), dtype=dtype).element_size()
+        chunk = buffer[offset[0] : offset[0] + size].clone()  # own storage: aligned for any dtype
+        offset[0] += size
+        return chunk.view(dtype).reshape(value[1])
+    if kind == "d":
+        items = {key: _rebuild(sub, buffer, offset, _child(local, key)) for key, sub in value}
+        if isinstance(local, Mapping) and list(local) == list(items):
+            try:
+                return type(local)(items)  # type: ignore[call-arg]
+            except TypeError:
+                return items
+        return items
+    if kind in ("n", "l", "u"):
+        items = [_rebuild(sub, buffer, offset, _child(local, i)) for i, sub in enumerate(value)]
+        namedtuple = isinstance(local, tuple) and hasattr(local, "_fields")
+        if kind == "n" and namedtuple and len(local) == len(items):
+            return type(local)(*items)
+        return items if kind == "l" else tuple(items)
+    return value
+
+
+def _child(local: Any, key: Any) -> Any:
+    try:
+        return local[key]
+    except (KeyError, IndexError, TypeError):
+        return None

@@ -8,9 +8,11 @@ dropped) as fast as its inputs arrive; ranks do not move in lock-step:
   micro-batch) / num_microbatches``, the others hand the output to stage s+1 (a non-blocking send).
 * ``B``: the last stage back-propagates its scaled loss, the others take the output gradient received from
   stage s+1; every stage but the first hands its input gradient to stage s-1.
-* ``FR``: runs the replica of the successor stage on this rank's own output of micro-batch i (the last rank
-  runs its replica of stage 0 on the micro-batch input) without building a graph, and keeps the result in
-  :attr:`PipelineEngine.redundant_outputs` for a takeover (Bamboo's eager forward redundancy).
+* ``FR``: runs the replica of the successor stage on a copy of this rank's own output of micro-batch i (the
+  last rank runs its replica of stage 0 on the micro-batch input) without building a graph, and keeps the
+  result in :attr:`PipelineEngine.redundant_outputs` for a takeover (Bamboo's eager forward redundancy).
+  The copy keeps an in-place first layer of the successor from writing into the activation that is being
+  sent and that this rank's backward still needs.
 * ``BR`` only appears in schedules rewritten after a failure; this engine refuses it with a clear error.
 
 Communication (:mod:`lightning_bamboo.transfers`): every send and receive of the step is known from the
@@ -181,7 +183,9 @@ class PipelineEngine:
                 x = transfers.take(Kind.ACTIVATION, mb)
                 if train and x.is_floating_point():
                     x.requires_grad_(True)
-            y = self.stage(x)
+            # the stage runs on a copy of a received leaf: an in-place first layer (ReLU(inplace=True))
+            # may not write into a leaf that requires grad
+            y = self.stage(x.clone() if x.requires_grad else x)
             if last:
                 loss = self.loss_fn(y, microbatches[mb])
                 step.losses.append(loss.detach())
@@ -221,7 +225,9 @@ class PipelineEngine:
     def _forward_redundant(self, mb: int, microbatch: Any, kept_for_fr: dict[int, Tensor]) -> None:
         assert self.replica is not None
         x = self.inputs_fn(microbatch) if self.groups.is_last_stage else kept_for_fr.pop(mb)
-        self.redundant_outputs[mb] = self.replica(x.to(self.replica_device)).detach()
+        # a copy: ``x`` is this rank's own output (in flight to the successor, kept for its backward) or the
+        # micro-batch, and the replica's first layer may work in place (ReLU(inplace=True))
+        self.redundant_outputs[mb] = self.replica(x.to(self.replica_device, copy=True)).detach()
 
     def _average_gradients(self) -> None:
         """Mean of the stage's gradients over the pipelines (one flat all-reduce per dtype)."""

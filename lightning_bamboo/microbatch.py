@@ -70,3 +70,48 @@ def _first_tensor(batch: Any) -> Tensor | None:
         if found is not None:
             return found
     return None
+
+
+def check_train_batches(dataloaders: Any, num_microbatches: int) -> None:
+    """Refuse, before training starts, batch sizes that ``num_microbatches`` would fail to split mid-epoch.
+
+    A ``DataLoader`` with ``drop_last=False`` ends its epoch with ``len(sampler) % batch_size`` samples; that
+    last batch splits exactly (equal micro-batches keep the mean of means equal to the batch mean) only if
+    ``num_microbatches`` divides it. Loaders without a sized sampler and a fixed ``batch_size`` are not
+    checked.
+
+    Args:
+        dataloaders: ``trainer.train_dataloader``: a ``DataLoader`` or a list/tuple/dict of them.
+        num_microbatches: the strategy's ``num_microbatches``.
+
+    Raises:
+        ValueError: naming ``batch_size``, ``drop_last`` and ``num_microbatches`` and the arithmetic.
+    """
+    for loader in _dataloaders(dataloaders):
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        batch_size = getattr(batch_sampler, "batch_size", None)
+        sampler = getattr(batch_sampler, "sampler", None)
+        if not isinstance(batch_size, int) or sampler is None or not hasattr(sampler, "__len__"):
+            continue
+        if batch_size % num_microbatches:
+            raise ValueError(
+                f"the train dataloader's batch_size ({batch_size}, per pipeline) is not divisible by "
+                f"num_microbatches ({num_microbatches}): {batch_size} % {num_microbatches} = "
+                f"{batch_size % num_microbatches}"
+            )
+        remainder = len(sampler) % batch_size
+        if not getattr(batch_sampler, "drop_last", False) and remainder % num_microbatches:
+            raise ValueError(
+                f"the train dataloader's batch_size ({batch_size}) with drop_last=False leaves a last batch "
+                f"of {remainder} samples ({len(sampler)} samples per pipeline), which num_microbatches "
+                f"({num_microbatches}) does not divide; pass drop_last=True to the DataLoader, or choose "
+                "batch_size, num_microbatches or the dataset size so that it does"
+            )
+
+
+def _dataloaders(value: Any) -> list[Any]:
+    if isinstance(value, Mapping):
+        return [loader for item in value.values() for loader in _dataloaders(item)]
+    if isinstance(value, (list, tuple)):
+        return [loader for item in value for loader in _dataloaders(item)]
+    return [] if value is None else [value]

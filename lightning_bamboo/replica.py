@@ -1,11 +1,14 @@
 """Bamboo's redundant copy of the successor stage: its layers AND its optimizer state, kept exactly current.
 
 Every rank holds a replica of stage ``(s + 1) % num_stages``. After each optimizer step, the successor sends
-the (averaged, clipped) gradients it just applied to its predecessor (one flat buffer per dtype), and the
-predecessor applies them with the user's own optimizer built over the replica (same class, param groups
-and hyper-parameters). Starting from the same parameters, the same gradients through the same optimizer
-code give the same parameters and the same optimizer state bit for bit (on the same kind of device), so a
-takeover needs no transfer at all.
+the (averaged, clipped) gradients it just applied to its predecessor (one flat buffer per dtype), with its
+buffers (BatchNorm statistics), which parameters had a gradient (the others are skipped, as the
+successor's optimizer skipped them) and its optimizer's numeric hyper-parameters (as a scheduler set them
+for this step; a float64 vector, no pickling), and the predecessor applies them with the user's own
+optimizer built over the replica (same class and param groups). At setup every parameter, frozen ones
+included, and every buffer of the successor is copied to the replica. Starting from the same parameters,
+the same gradients through the same optimizer code give the same parameters and the same optimizer state
+bit for bit (on the same kind of device), so a takeover needs no transfer at all.
 
 The update overlaps the next step: :meth:`ReplicaSync.step` only *posts* the exchange (non-blocking send
 to the predecessor, receive from the successor) and records the hyper-parameters of this step; the
@@ -89,11 +92,16 @@ class ReplicaSync:
         return [p for p in self._replica.parameters() if p.requires_grad]
 
     def sync_parameters(self) -> None:
-        """Make the replica's parameters equal to the successor's current ones (at setup; blocking)."""
+        """Make the replica's parameters (frozen ones too) and buffers equal to the successor's (blocking).
+
+        Called at setup: a rank's own copy of its successor's layers may have been initialised differently
+        (no common seed), and frozen parameters and buffers (BatchNorm statistics) never travel with the
+        gradients.
+        """
         self.flush()
         with torch.no_grad():
-            own = _flatten([p.detach() for p in self._own_params()], self.device)
-            targets = [p.data for p in self._replica_params()]
+            own = _flatten(_state_tensors(self.stage), self.device)
+            targets = _state_tensors(self._replica)
             works, incoming = self._post(own, targets, p2p.Tag.REPLICA_PARAM)
             for work in works:
                 work.wait()
@@ -105,23 +113,26 @@ class ReplicaSync:
         Call right after ``main_optimizer.step()`` (gradients are still in ``.grad``; they are copied into a
         flat send buffer here, so they may be zeroed right after). The param-group hyper-parameters of
         ``main_optimizer`` (learning rate set by a scheduler, ...) are recorded now, as they were for this
-        step, and given to the replica's optimizer when the gradients are applied, so schedulers need no
-        replica of their own. The gradients are applied by :meth:`flush` (see the module docstring for
-        when that happens).
+        step, sent with the gradients and given to the predecessor's replica optimizer when they are
+        applied, so schedulers need no replica of their own. The gradients are applied by :meth:`flush`
+        (see the module docstring for when that happens).
         """
         self.flush()  # exchanges are applied in order: the previous one first
-        own = _flatten([_grad_or_zeros(p) for p in self._own_params()], self.device)
+        own_params = self._own_params()
+        # with the gradients go: the stage's buffers (BatchNorm statistics), which gradient a parameter has,
+        # and this stage's optimizer hyper-parameters, which are the ones the replica must step with
+        outgoing = [_grad_or_zeros(p) for p in own_params] + [b.detach() for b in self.stage.buffers()]
+        meta = [float(p.grad is not None) for p in own_params] + encode_hyperparameters(main_optimizer)
+        own = _flatten(outgoing, self.device)
+        own.append(torch.tensor([len(meta), *meta], dtype=torch.float64, device=self.device))
         replica_params = self._replica_params()
         for p in replica_params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        targets = [p.grad for p in replica_params]
-        works, incoming = self._post(own, targets, p2p.Tag.REPLICA_GRAD)  # type: ignore[arg-type]
-        hyperparameters = [
-            {key: _snapshot(value) for key, value in group.items() if key != "params"}
-            for group in main_optimizer.param_groups
-        ]
-        self._pending = _PendingUpdate(works, incoming, hyperparameters, sent=own)
+        targets = [p.grad for p in replica_params] + list(self._replica.buffers())
+        expected = len(replica_params) + len(encode_hyperparameters(self._optimizer))  # the successor's count
+        works, incoming = self._post(own, targets, p2p.Tag.REPLICA_GRAD, extra=expected)  # type: ignore[arg-type]
+        self._pending = _PendingUpdate(works, incoming, sent=own)
 
     def flush(self) -> None:
         """Wait for the exchange in flight (if any) and apply the successor's gradients to the replica."""
@@ -131,16 +142,33 @@ class ReplicaSync:
         for work in pending.works:
             work.wait()
         replica_params = self._replica_params()
-        _unflatten(pending.incoming, [p.grad for p in replica_params])  # type: ignore[misc]
-        set_hyperparameters(self._optimizer, pending.hyperparameters)
+        *flats, meta = pending.incoming
+        with torch.no_grad():
+            _unflatten(flats, [p.grad for p in replica_params] + list(self._replica.buffers()))  # type: ignore[misc]
+        values = meta.tolist()
+        if int(values[0]) != len(values) - 1:
+            raise RuntimeError(
+                f"the successor sent {int(values[0])} optimizer values but the replica expects "
+                f"{len(values) - 1}: configure_optimizers must build the same param groups and settings for "
+                "a stage and for its replica"
+            )
+        has_grad, hyperparameters = values[1 : 1 + len(replica_params)], values[1 + len(replica_params) :]
+        for p, flag in zip(replica_params, has_grad):
+            # no gradient: the successor's optimizer skipped it (no weight decay, no momentum); so does this
+            if not flag:
+                p.grad = None
+        decode_hyperparameters(self._optimizer, hyperparameters)
         device_type = replica_params[0].device.type if replica_params else "cpu"
         with torch.autocast(device_type, enabled=False):  # the successor stepped outside autocast too
             self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=False)
 
-    def _post(self, outgoing: list[Tensor], targets: list[Tensor], tag: p2p.Tag) -> tuple[list, list[Tensor]]:
+    def _post(
+        self, outgoing: list[Tensor], targets: list[Tensor], tag: p2p.Tag, extra: int | None = None
+    ) -> tuple[list, list[Tensor]]:
         """Post the send of ``outgoing`` (flat buckets) to the predecessor and the receive of the
-        successor's buckets shaped like ``targets``; return the works and the receive buffers.
+        successor's buckets shaped like ``targets`` (plus, with ``extra``, one float64 buffer of
+        ``extra + 1`` values: count, then values); return the works and the receive buffers.
 
         Both are posted in one batch (:func:`p2p.post_batch`) on every rank, so the ring (two ranks: each
         other's predecessor and successor) cannot deadlock, on gloo or NCCL.
@@ -149,6 +177,8 @@ class ReplicaSync:
             torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=self.device)
             for bucket in _by_dtype(targets)
         ]
+        if extra is not None:
+            incoming.append(torch.empty(extra + 1, dtype=torch.float64, device=self.device))
         ops = [p2p.isend_op(flat, self.groups.predecessor_rank, tag) for flat in outgoing]
         ops += [p2p.irecv_op(flat, self.groups.successor_rank, tag) for flat in incoming]
         return p2p.post_batch(ops), incoming
@@ -160,7 +190,7 @@ class _PendingUpdate:
 
     works: list[Any]
     incoming: list[Tensor]
-    hyperparameters: list[dict[str, Any]]
+    """Flat gradient-and-buffer buckets, then the float64 values (has-gradient flags, hyper-parameters)."""
     sent: list[Tensor]
     """The send buffers, alive until the exchange is waited on."""
 
@@ -176,9 +206,67 @@ def set_hyperparameters(target: Optimizer, hyperparameters: list[dict[str, Any]]
         group.update(values)
 
 
-def _snapshot(value: Any) -> Any:
-    """A hyper-parameter's value now (a tensor learning rate may be changed in place by a scheduler)."""
-    return value.detach().clone() if isinstance(value, Tensor) else value
+def _numeric_settings(optimizer: Optimizer) -> list[tuple[dict[str, Any], str, Any]]:
+    """``(group, key, value)`` of every numeric hyper-parameter, in a fixed order (groups, sorted keys).
+
+    Numbers, booleans, tuples of numbers (Adam's ``betas``) and tensors (a tensor learning rate) count;
+    ``None`` and strings are left alone (they are the same on both sides: same ``configure_optimizers``).
+    """
+    settings = []
+    for group in optimizer.param_groups:
+        for key in sorted(k for k in group if k != "params"):
+            value = group[key]
+            if isinstance(value, (bool, int, float, Tensor)) or (
+                isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float)) for v in value)
+            ):
+                settings.append((group, key, value))
+    return settings
+
+
+def encode_hyperparameters(optimizer: Optimizer) -> list[float]:
+    """The optimizer's numeric hyper-parameters as floats (exact: a Python float is a float64)."""
+    values: list[float] = []
+    for _, _, value in _numeric_settings(optimizer):
+        if isinstance(value, Tensor):
+            values += [float(v) for v in value.detach().reshape(-1).tolist()]
+        elif isinstance(value, (tuple, list)):
+            values += [float(v) for v in value]
+        else:
+            values.append(float(value))
+    return values
+
+
+def decode_hyperparameters(optimizer: Optimizer, values: list[float]) -> None:
+    """Set ``optimizer``'s numeric hyper-parameters from :func:`encode_hyperparameters` of another one.
+
+    Raises:
+        RuntimeError: when the count does not match this optimizer's settings.
+    """
+    settings = _numeric_settings(optimizer)
+    sizes = [
+        v.numel() if isinstance(v, Tensor) else len(v) if isinstance(v, (tuple, list)) else 1
+        for _, _, v in settings
+    ]
+    if sum(sizes) != len(values):
+        raise RuntimeError(
+            f"the successor's optimizer has {len(values)} hyper-parameter values but the replica's has "
+            f"{sum(sizes)}; configure_optimizers must build the same param groups for a stage and its replica"
+        )
+    offset = 0
+    for (group, key, old), size in zip(settings, sizes):
+        chunk = values[offset : offset + size]
+        offset += size
+        if isinstance(old, Tensor):
+            group[key] = torch.tensor(chunk, dtype=old.dtype, device=old.device).reshape(old.shape)
+        elif isinstance(old, (tuple, list)):
+            group[key] = type(old)(type(o)(v) for o, v in zip(old, chunk))
+        else:
+            group[key] = type(old)(chunk[0])
+
+
+def _state_tensors(module: nn.Module) -> list[Tensor]:
+    """Every parameter (trainable or frozen) and every buffer, in registration order."""
+    return [p.data for p in module.parameters()] + list(module.buffers())
 
 
 def _grad_or_zeros(p: Tensor) -> Tensor:

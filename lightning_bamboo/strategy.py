@@ -46,13 +46,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_bamboo import checkpoint as ckpt
-from lightning_bamboo.broadcast import broadcast_json
+from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
 from lightning_bamboo.contract import check_contract, find_pipeline_body, replay_step, sub_sequential
 from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.events import BambooEventsMixin
 from lightning_bamboo.groups import BambooGroups
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
-from lightning_bamboo.microbatch import batch_size_of, split_microbatches
+from lightning_bamboo.microbatch import batch_size_of, check_train_batches, split_microbatches
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b, format_grid
 
@@ -411,10 +411,16 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
 
     # ------------------------------------------------------------------ training
     @override
+    def on_train_start(self) -> None:
+        """Refuse a last batch that the micro-batches cannot split evenly now, not at the epoch's end."""
+        assert self.lightning_module is not None
+        check_train_batches(self.lightning_module.trainer.train_dataloader, self._num_microbatches)
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the whole schedule for the batch, then replay the user's ``training_step`` to log the loss."""
         assert self.engine is not None and self.lightning_module is not None
-        batch = args[0] if args else kwargs["batch"]
+        batch, args, kwargs = self._stage0_batch(args, kwargs)
         microbatches = split_microbatches(batch, self._num_microbatches)
         params = self._stage_params()
         earlier = [p.grad for p in params]  # accumulated by earlier batches (accumulate_grad_batches > 1)
@@ -428,6 +434,17 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
             p.grad = grad
         with replay_step(self.lightning_module, self._body_attr, loss):
             return self.lightning_module.training_step(*args, **kwargs)
+
+    def _stage0_batch(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, tuple, dict[str, Any]]:
+        """Every stage of a pipeline uses stage 0's batch (random augmentation may differ per process)."""
+        assert self.groups is not None
+        batch = args[0] if args else kwargs["batch"]
+        if self.groups.num_stages > 1:
+            src = self.groups.rank_of_stage(0)
+            batch = broadcast_batch(batch, src, self.root_device, group=self.groups.pipeline_group)
+        if args:
+            return batch, (batch, *args[1:]), kwargs
+        return batch, args, {**kwargs, "batch": batch}
 
     def _stage_params(self) -> list[nn.Parameter]:
         assert self.lightning_module is not None
@@ -445,9 +462,13 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         if self._stashed_grads is None:
             raise RuntimeError("BambooStrategy.backward called without a preceding pipelined training_step")
+        # Lightning divides the loss by accumulate_grad_batches before backward; the schedule's did not see it
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
         for p, grad in zip(self._stage_params(), self._stashed_grads):
             if grad is None:
                 continue
+            if accumulate != 1:
+                grad = grad / accumulate
             p.grad = grad if p.grad is None else p.grad + grad
         self._stashed_grads = None
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
@@ -471,7 +492,7 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         assert self.engine is not None and self.lightning_module is not None
-        batch = args[0] if args else kwargs["batch"]
+        batch, args, kwargs = self._stage0_batch(args, kwargs)
         num = math.gcd(batch_size_of(batch), self._num_microbatches)
         microbatches = split_microbatches(batch, num)
         context = (

@@ -38,3 +38,33 @@ def test_broadcast_encoding_round_trip() -> None:
 def test_broadcast_refuses_objects_that_would_need_pickle() -> None:
     with pytest.raises(TypeError, match=r"JSON values only .* got object"):
         _encode(object())
+
+
+def test_batch_header_and_bytes_round_trip() -> None:
+    """What broadcast_batch sends (JSON header + one uint8 buffer) rebuilds the batch, types included."""
+    import json
+    from collections import namedtuple
+
+    from lightning_bamboo.broadcast import _describe, _rebuild
+
+    Pair = namedtuple("Pair", ["x", "mask"])
+    batch = {
+        "pair": Pair(torch.randn(3, 2, dtype=torch.float64), torch.tensor([True, False, True])),
+        "ids": [torch.arange(3), torch.tensor(7, dtype=torch.int32)],
+        "meta": ("name", 3, 0.5, None),
+        1: torch.randn(3, dtype=torch.bfloat16),
+    }
+    tensors: list[torch.Tensor] = []
+    header = json.loads(json.dumps(_describe(batch, tensors)))  # what crosses the wire
+    buffer = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+    # the receiver's own batch, loaded with other random values, lends its container types
+    local = {**batch, "pair": Pair(torch.zeros(3, 2), torch.zeros(3, dtype=torch.bool))}
+    got = _rebuild(header, buffer, [0], local)
+    assert isinstance(got["pair"], Pair) and list(got) == list(batch)
+    assert got["meta"] == ("name", 3, 0.5, None)
+    for key in ("pair", "ids"):
+        for a, b in zip(got[key], batch[key]):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    assert torch.equal(got[1], batch[1])
+    with pytest.raises(TypeError, match=r"nothing is pickled.*got object"):
+        _describe({"x": object()}, [])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,7 +27,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_bamboo
 from lightning_bamboo import BambooStrategy
 from lightning_bamboo.checkpoint import named_optimizer_state
-from tests.bamboo.pipe_mlp import PipeMLP, make_data
+from tests.bamboo.pipe_mlp import make_data
+from tests.bamboo.pipe_variants import VARIANTS, RankNoise, WithState
 
 
 class Snapshot(Callback):
@@ -55,6 +57,10 @@ class Snapshot(Callback):
         tensors["loss"] = loss.detach().to(torch.float64).reshape(1).cpu()
         tensors["logged"] = trainer.callback_metrics["train_loss"].detach().to(torch.float64).reshape(1).cpu()
         tensors["lr"] = torch.tensor([trainer.optimizers[0].param_groups[0]["lr"]], dtype=torch.float64)
+        names = {id(p): name for name, p in pl_module.named_parameters()}
+        for group in trainer.optimizers[0].param_groups:  # each parameter's learning rate, by name
+            for p in group["params"]:
+                tensors[f"lr/{names[id(p)]}"] = torch.tensor([float(group["lr"])], dtype=torch.float64)
         strategy = trainer.strategy
         if isinstance(strategy, BambooStrategy):
             assert strategy.engine is not None
@@ -71,6 +77,8 @@ def states(trainer: Trainer, pl_module: LightningModule) -> dict[str, torch.Tens
     optimizer = trainer.optimizers[0]
     for name, p in pl_module.named_parameters():
         tensors[f"own/{name}"] = p.detach().clone()
+    for name, b in pl_module.named_buffers():
+        tensors[f"own_buf/{name}"] = b.detach().clone()
     for name, values in named_optimizer_state(pl_module, optimizer)["state"].items():
         for key, value in values.items():
             tensors[f"own_opt/{name}/{key}"] = value.detach().clone()
@@ -79,6 +87,8 @@ def states(trainer: Trainer, pl_module: LightningModule) -> dict[str, torch.Tens
         replica, replica_opt = strategy.replica_sync.replica, strategy.replica_sync.optimizer
         for name, p in replica.named_parameters():
             tensors[f"replica/pipeline.{name}"] = p.detach().clone()
+        for name, b in replica.named_buffers():
+            tensors[f"replica_buf/pipeline.{name}"] = b.detach().clone()
         for name, values in named_optimizer_state(replica, replica_opt)["state"].items():
             for key, value in values.items():
                 tensors[f"replica_opt/pipeline.{name}/{key}"] = value.detach().clone()
@@ -109,13 +119,23 @@ def main() -> None:
     parser.add_argument("--max-epochs", type=int, default=1)
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="ModelCheckpoint every step, top 2")
     parser.add_argument("--dtype", default="float64", help="parameter and data dtype")
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="mlp", help="model (pipe_variants.py)")
+    parser.add_argument("--data", choices=["plain", "rank-noise"], default="plain")
+    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    parser.add_argument("--extra-samples", type=int, default=0, help="samples beyond whole batches")
+    parser.add_argument("--per-rank-state", action="store_true", help="frozen params/buffers drawn per rank")
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
 
     seed_everything(0)
-    model = PipeMLP(pairs=args.pairs, optimizer=args.optimizer, dtype=args.dtype)
-    x, y = make_data(args.steps * args.batch_size * args.pipelines, dtype=getattr(torch, args.dtype))
+    model = VARIANTS[args.variant](pairs=args.pairs, optimizer=args.optimizer, dtype=args.dtype)
+    if args.per_rank_state:
+        assert isinstance(model, WithState)
+        model.perturb_state(seed=int(os.environ.get("LOCAL_RANK", "0")))  # unseeded init, per rank
+    batches = args.steps * args.accumulate
+    num_samples = batches * args.batch_size * args.pipelines + args.extra_samples
+    x, y = make_data(num_samples, dtype=getattr(torch, args.dtype))
     dataset = TensorDataset(x, y)
     batch_size = args.batch_size if args.strategy == "bamboo" else args.batch_size * args.pipelines
     if args.strategy == "auto":
@@ -125,11 +145,13 @@ def main() -> None:
         shards = [permutation[p :: args.pipelines] for p in range(args.pipelines)]
         order = [
             index
-            for k in range(args.steps)
+            for k in range(batches + (1 if args.extra_samples else 0))
             for shard in shards
             for index in shard[k * args.batch_size : (k + 1) * args.batch_size]
         ]
         dataset = TensorDataset(x[order], y[order])
+    if args.data == "rank-noise":
+        dataset = RankNoise(*dataset.tensors)
     train = DataLoader(dataset, batch_size=batch_size, shuffle=False)
     val = DataLoader(dataset, batch_size=batch_size, shuffle=False) if args.validate else None
 
@@ -158,7 +180,7 @@ def main() -> None:
         accelerator="cpu",
         devices=args.devices if args.strategy == "bamboo" else 1,
         strategy=strategy,
-        max_steps=args.steps,
+        max_steps=args.steps + (1 if args.extra_samples else 0),
         max_epochs=args.max_epochs,
         precision=args.precision,
         logger=False,
@@ -168,6 +190,7 @@ def main() -> None:
         num_sanity_val_steps=0,
         limit_val_batches=1.0 if args.validate else 0,
         gradient_clip_val=args.clip,
+        accumulate_grad_batches=args.accumulate,
         callbacks=[Snapshot(args.out), *checkpointing],
     )
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val, ckpt_path=args.resume)

@@ -1,0 +1,134 @@
+"""Variants of ``PipeMLP`` and its data that once broke Bamboo (issue 7, "bugs found by trying it").
+
+Each trains unchanged under ``strategy="auto"``; the worker script picks one with ``--variant`` / ``--data``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+from typing_extensions import override
+
+from tests.bamboo.pipe_mlp import PipeMLP
+
+
+class PerLayerLr(PipeMLP):
+    """One param group per layer, learning rate growing with the layer's index in the whole body.
+
+    Stage 0's groups (layers 0, 2) and stage 1's (layers 4, 6) have different learning rates, so a replica
+    that copied its own rank's hyper-parameters would step with the wrong ones.
+    """
+
+    @override
+    def configure_optimizers(self):  # type: ignore[override]
+        groups = [
+            {"params": list(layer.parameters()), "lr": self.lr * (1 + int(name) / 4)}
+            for name, layer in self.pipeline.named_children()
+            if any(True for _ in layer.parameters())
+        ]
+        optimizer = torch.optim.SGD(groups, lr=self.lr, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Unused(nn.Module):
+    """Identity with a trainable parameter that takes no part in the forward, so its ``.grad`` stays None."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.unused = nn.Parameter(torch.ones(width, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+
+class WithUnused(PipeMLP):
+    """PipeMLP whose last stage ends with an unused parameter (Adam with weight decay would move it)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.pipeline.append(Unused(1))
+
+
+class Affine(nn.Module):
+    """``x * scale + shift`` with a frozen parameter ``scale`` and a buffer ``shift``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width, dtype=torch.float64), requires_grad=False)
+        self.register_buffer("shift", torch.zeros(width, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.scale + self.shift
+
+
+class WithState(PipeMLP):
+    """PipeMLP whose second half holds a BatchNorm (running stats) and a frozen parameter plus a buffer."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        width = self.pipeline[0].in_features
+        layers = list(self.pipeline)
+        tail = [nn.BatchNorm1d(width).to(torch.float64), Affine(width)]
+        self.pipeline = nn.Sequential(*layers[:-1], *tail, layers[-1])
+
+    def perturb_state(self, seed: int) -> None:
+        """Frozen parameter and buffers drawn from ``seed`` (as an unseeded init would, per rank)."""
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for module in self.pipeline:
+                if isinstance(module, Affine):
+                    module.scale.copy_(1 + 0.1 * torch.randn(module.scale.shape, generator=generator))
+                    module.shift.copy_(0.1 * torch.randn(module.shift.shape, generator=generator))
+                if isinstance(module, nn.BatchNorm1d):
+                    assert module.running_mean is not None
+                    module.running_mean.copy_(torch.randn(module.running_mean.shape, generator=generator))
+
+
+class InplaceFirst(PipeMLP):
+    """Linear, Tanh, Linear | LeakyReLU(inplace=True), Linear, Tanh, Linear: stage 1 of 2 starts in place.
+
+    (Not an idempotent op like ReLU, whose second application would hide a corrupted activation.)
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        layers = list(self.pipeline)  # L T L T L T L
+        self.pipeline = nn.Sequential(*layers[:3], nn.LeakyReLU(0.1, inplace=True), *layers[4:])
+
+
+VARIANTS: dict[str, type[PipeMLP]] = {
+    "mlp": PipeMLP,
+    "per-layer-lr": PerLayerLr,
+    "unused": WithUnused,
+    "state": WithState,
+    "inplace": InplaceFirst,
+}
+
+
+class RankNoise(Dataset):
+    """Adds noise to inputs AND targets from a generator seeded by the process's global rank.
+
+    Stands for random augmentation/masking in a dataset whose random stream differs between processes
+    (Lightning's worker seeding depends on the global rank): the stages of one pipeline load different
+    samples from the same indices. Rank 0 of a Bamboo run draws exactly what the single-process reference
+    draws, call for call.
+    """
+
+    def __init__(self, x: Tensor, y: Tensor) -> None:
+        self.x, self.y = x, y
+        self.generator: torch.Generator | None = None
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        if self.generator is None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self.generator = torch.Generator().manual_seed(1000 + rank)
+        x, y = self.x[index], self.y[index]
+        noise_x = torch.randn(x.shape, generator=self.generator, dtype=x.dtype)
+        noise_y = torch.randn(y.shape, generator=self.generator, dtype=y.dtype)
+        return x + 0.1 * noise_x, y + 0.1 * noise_y
