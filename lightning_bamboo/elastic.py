@@ -515,14 +515,27 @@ class ElasticBambooStrategy(BambooStrategy):
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             return False
         log.warning("Bamboo member %d: %s: %s", self.member, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
-        if dist.is_initialized():
-            dist.destroy_process_group()  # peers blocked on this member fail fast instead of timing out
+        self._abort_groups()
         deadline = time.monotonic() + self._failure_wait
         while time.monotonic() < deadline:
             if ms.current_generation(self._store) > self.owners.generation:
                 return True
             time.sleep(0.01)
         return False
+
+    def _abort_groups(self) -> None:
+        """Abort this member's process groups: peers blocked on it fail now instead of at their timeout."""
+        if not dist.is_initialized():
+            return
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception as err:  # noqa: BLE001 - the groups are being thrown away either way
+            log.warning("Bamboo: aborting the process group failed (%s); peers may wait for their timeout", err)
+        self.engine = None
+        self.view = None
+        self.groups = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def _next_generation(self) -> None:
         """Wait for the generation after this one and form it (or wait as a spare)."""

@@ -83,3 +83,29 @@ def test_sigkill_rank0(tmp_path: Path, reference: dict[str, torch.Tensor]) -> No
     assert "failover: lost [0]" in log
     assert "pipe0  m1      m1" in log
     check_final(tmp_path, reference)
+
+
+@pytest.mark.slow
+def test_two_failures_at_two_phases(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    """3 stages: member 1 dies before sending its replica gradients (step 1 aborted and replayed), then
+    member 2 dies after the commit of step 3 and before applying it (survivors roll step 3 forward)."""
+    log = run_elastic(tmp_path, nproc=3, stages=3, fault="1:1:exchange,2:3:commit")
+    assert "pipe0  m0      m0      m2" in log and "pipe0  m0      m0      m0" in log
+    check_final(tmp_path, reference)
+
+
+@pytest.mark.slow
+def test_two_pipelines_prepared_and_applied(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    """2 stages x 2 pipelines: member 3 dies once prepared (the step commits: all had prepared, or aborts:
+    one had not — either way the survivors agree), later member 0 dies after applying its step."""
+    log = run_elastic(tmp_path, nproc=4, stages=2, fault="3:1:prepared,0:4:applied")
+    assert "pipe1  m2      m2" in log and "pipe0  m1      m1" in log
+    check_final(tmp_path, reference)
+
+
+@pytest.mark.slow
+def test_hung_member_detected_by_heartbeat(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    """A SIGSTOPped member stops its heartbeat; the launcher kills it after --hang-timeout and fails over."""
+    log = run_elastic(tmp_path, nproc=2, stages=2, fault="1:2:forward:STOP", launch_args=("--hang-timeout", "3"))
+    assert "member 1 silent for" in log and "failover: lost [1]" in log
+    check_final(tmp_path, reference)
