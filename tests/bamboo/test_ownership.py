@@ -1,4 +1,4 @@
-"""The ownership map of an elastic Bamboo job: failover, rejoin and fallback as pure functions, read as grids."""
+"""The ownership map of an elastic Bamboo job: failover, rejoin and fallback as pure functions, as grids."""
 
 from __future__ import annotations
 
@@ -14,17 +14,13 @@ def grid(owners: OwnershipMap) -> str:
 
 def test_initial_fills_pipelines_in_order() -> None:
     assert grid(initial(2, range(5))) == (
-        "gen 0  stage0  stage1\n"
-        "pipe0  m0      m1\n"
-        "pipe1  m2      m3\n"
-        "spares m4"
+        "gen 0  stage0  stage1\npipe0  m0      m1\npipe1  m2      m3\nspares m4"
     )
 
 
 def test_failover_predecessor_runs_the_lost_stage_fused() -> None:
     assert grid(failover(initial(3, range(3)), [1])) == (
-        "gen 1  stage0  stage1  stage2\n"
-        "pipe0  m0      m0      m2"
+        "gen 1  stage0  stage1  stage2\npipe0  m0      m0      m2"
     )
 
 
@@ -36,7 +32,10 @@ def test_failover_last_stage_goes_to_its_replica_holder() -> None:
 
 def test_failover_first_stage_keeps_runs_contiguous() -> None:
     # stage 0's replica is on the last position; the second position takes the stage (layers sent to it)
-    assert grid(failover(initial(3, range(3)), [0])) == "gen 1  stage0  stage1  stage2\npipe0  m1      m1      m2"
+    assert (
+        grid(failover(initial(3, range(3)), [0]))
+        == "gen 1  stage0  stage1  stage2\npipe0  m1      m1      m2"
+    )
     assert grid(failover(initial(2, range(2)), [0])) == "gen 1  stage0  stage1\npipe0  m1      m1"
 
 
@@ -48,7 +47,9 @@ def test_failover_in_one_pipeline_of_two_and_then_the_whole_pipeline() -> None:
 
 def test_adjacent_losses_drop_the_pipeline_or_need_the_checkpoint() -> None:
     two = initial(3, range(6))
-    assert grid(failover(two, [0, 1])) == "gen 1  stage0  stage1  stage2\npipe1  m3      m4      m5\nspares m2"
+    assert (
+        grid(failover(two, [0, 1])) == "gen 1  stage0  stage1  stage2\npipe1  m3      m4      m5\nspares m2"
+    )
     with pytest.raises(FallbackNeeded, match=r"losing members \[0, 1\] leaves no pipeline"):
         failover(initial(3, range(3)), [0, 1])
 
@@ -62,7 +63,10 @@ def test_rejoin_splits_fused_stages_then_adds_pipelines() -> None:
 
 
 def test_fallback_map_with_fewer_members_than_stages() -> None:
-    assert grid(fallback_map(initial(3, range(3)), [2])) == "gen 1  stage0  stage1  stage2\npipe0  m2      m2      m2"
+    assert (
+        grid(fallback_map(initial(3, range(3)), [2]))
+        == "gen 1  stage0  stage1  stage2\npipe0  m2      m2      m2"
+    )
 
 
 def test_map_round_trips_and_rejects_split_runs() -> None:
