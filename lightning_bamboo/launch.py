@@ -212,6 +212,7 @@ class Supervisor:
                 lost = self._check()
                 if lost:
                     time.sleep(self.settle)  # losses that arrive together are handled together
+                    self.lost |= lost
                     lost |= self._check()
                     self.lost |= lost
                     joined: list[int] = []
@@ -284,11 +285,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="start up to this many replacement workers, one after each loss (-1: no limit)",
     )
-    parser.add_argument("script", help="the training script")
+    parser.add_argument("-m", dest="module", action="store_true", help="the script is a module (python -m)")
+    parser.add_argument("script", help="the training script (or module, with -m)")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    command = [sys.executable, *(["-m"] if args.module else []), args.script, *args.args]
     supervisor = Supervisor(
-        [sys.executable, args.script, *args.args],
+        command,
         args.nproc,
         args.store,
         args.hang_timeout,
