@@ -87,6 +87,7 @@ def maps_seen(out: Path) -> list[list[str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_sigkill_last_stage_two_stages(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
     """The last stage dies mid-step; stage 0 holds its replica and runs the whole model."""
     log = run_elastic(tmp_path, nproc=2, stages=2, fault="1:2:forward")
@@ -96,6 +97,7 @@ def test_sigkill_last_stage_two_stages(tmp_path: Path, reference: dict[str, torc
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_sigkill_middle_stage(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
     """Stage 1 of 3 dies mid-step; stage 0 promotes its replica and runs stages 0-1 fused."""
     log = run_elastic(tmp_path, nproc=3, stages=3, fault="1:2:forward")
@@ -104,6 +106,7 @@ def test_sigkill_middle_stage(tmp_path: Path, reference: dict[str, torch.Tensor]
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_sigkill_rank0(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
     """Member 0 (rank 0 of the process group, stage 0) dies: the store is on the launcher, the job goes on."""
     log = run_elastic(tmp_path, nproc=2, stages=2, fault="0:3:forward")
@@ -113,6 +116,7 @@ def test_sigkill_rank0(tmp_path: Path, reference: dict[str, torch.Tensor]) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_failures_at_two_phases(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
     """3 stages: member 1 dies before sending its replica gradients (step 1 aborted and replayed), then
     member 2 dies after the commit of step 3 and before applying it (survivors roll step 3 forward)."""
@@ -122,6 +126,7 @@ def test_two_failures_at_two_phases(tmp_path: Path, reference: dict[str, torch.T
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_pipelines_prepared_and_applied(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
     """2 stages x 2 pipelines: member 3 dies once prepared (the step commits: all had prepared, or aborts:
     one had not — either way the survivors agree), later member 0 dies after applying its step."""
@@ -131,6 +136,7 @@ def test_two_pipelines_prepared_and_applied(tmp_path: Path, reference: dict[str,
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_hung_member_detected_by_heartbeat(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
     """A SIGSTOPped member stops its heartbeat; the launcher kills it after --hang-timeout and fails over."""
     log = run_elastic(
@@ -162,6 +168,7 @@ def etcd_endpoint() -> Iterator[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.services
 def test_failover_through_etcd(
     tmp_path: Path, reference: dict[str, torch.Tensor], etcd_endpoint: str
