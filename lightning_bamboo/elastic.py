@@ -2,7 +2,8 @@
 
 Start the script with the supervisor (which is not a training rank and keeps the store)::
 
-    python -m lightning_bamboo.launch --nproc 4 train.py      # train.py: Trainer(strategy=ElasticBambooStrategy(...))
+    # train.py: Trainer(strategy=ElasticBambooStrategy(num_stages=2), devices=1).fit(...)
+    python -m lightning_bamboo.launch --nproc 4 train.py
 
 How a step runs (the *two-phase step*): the pipeline schedule runs (forwards, backwards, gradient
 all-reduce over pipelines); every member sends its stages' gradients to the member holding their replica
@@ -33,7 +34,6 @@ import signal
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,7 +43,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor, nn
+from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -79,8 +79,14 @@ class PipelineView:
     A *position* is one member's run of consecutive stages (fused); the engine runs positions as stages.
     """
 
-    def __init__(self, owners: OwnershipMap, member: int, rank_of: Callable[[int], int],
-                 pipeline_groups: dict[int, Any], stage_groups: dict[int, Any]) -> None:
+    def __init__(
+        self,
+        owners: OwnershipMap,
+        member: int,
+        rank_of: Callable[[int], int],
+        pipeline_groups: dict[int, Any],
+        stage_groups: dict[int, Any],
+    ) -> None:
         self.map = owners
         self.member = member
         self.pipeline = owners.pipeline_of(member)
@@ -130,8 +136,13 @@ class ElasticEngine(PipelineEngine):
     holding ``s`` in every pipeline, stages in increasing order on every member (no cycle between groups).
     """
 
-    def __init__(self, *args: Any, stage_params: dict[int, list[nn.Parameter]],
-                 fault: Callable[[str, Any], None], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        stage_params: dict[int, list[nn.Parameter]],
+        fault: Callable[[str, Any], None],
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.stage_params = stage_params
         self.fault = fault
@@ -159,7 +170,7 @@ class ElasticEngine(PipelineEngine):
             flat /= count
             offset = 0
             for p in params:
-                p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))  # type: ignore[union-attr]
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))  # type: ignore[union-attr]
                 offset += p.numel()
 
 
@@ -177,7 +188,9 @@ class ElasticBambooStrategy(BambooStrategy):
 
     strategy_name = "bamboo_elastic"
 
-    def __init__(self, *args: Any, heartbeat: float = 0.25, failure_wait: float = 30.0, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, heartbeat: float = 0.25, failure_wait: float = 30.0, **kwargs: Any
+    ) -> None:
         kwargs.setdefault("timeout", 30.0)
         super().__init__(*args, **kwargs)
         self._heartbeat_interval = heartbeat
@@ -280,8 +293,11 @@ class ElasticBambooStrategy(BambooStrategy):
         self.owners = owners
         self._rank, self._world = owners.rank_of(self.member), len(owners.members())
         dist.init_process_group(
-            self._process_group_backend, store=dist.PrefixStore(f"gen{owners.generation}", self._store),
-            rank=self._rank, world_size=self._world, timeout=self._timeout,
+            self._process_group_backend,
+            store=dist.PrefixStore(f"gen{owners.generation}", self._store),
+            rank=self._rank,
+            world_size=self._world,
+            timeout=self._timeout,
         )
         self.set_world_ranks()
 
@@ -293,13 +309,17 @@ class ElasticBambooStrategy(BambooStrategy):
         module = self.lightning_module
         self._check_precision()
         if not module.automatic_optimization:
-            raise TypeError(f"ElasticBambooStrategy needs automatic optimization; "
-                            f"{type(module).__name__}.automatic_optimization is False")
+            raise TypeError(
+                f"ElasticBambooStrategy needs automatic optimization; "
+                f"{type(module).__name__}.automatic_optimization is False"
+            )
         if trainer.state.fn != TrainerFn.FITTING:
             raise NotImplementedError("ElasticBambooStrategy only runs fit")
         if trainer.accumulate_grad_batches != 1:
-            raise ValueError("ElasticBambooStrategy needs accumulate_grad_batches=1 (a step is its unit of commit), "
-                             f"got {trainer.accumulate_grad_batches}")
+            raise ValueError(
+                "ElasticBambooStrategy needs accumulate_grad_batches=1 (a step is its unit of commit), "
+                f"got {trainer.accumulate_grad_batches}"
+            )
         if trainer.gradient_clip_val:
             raise ValueError("ElasticBambooStrategy does not support gradient_clip_val yet")
         attr, body = find_pipeline_body(module, self._pipeline_attr)
@@ -314,15 +334,20 @@ class ElasticBambooStrategy(BambooStrategy):
         first = owners.pipeline_ids()[0]
         held = {}
         if owners.pipeline_of(self.member) == first:
-            held = {layer: LayerState(self._layers[layer]) for s in owners.stages_of(self.member)
-                    for layer in self._stage_layers[s]}
+            held = {
+                layer: LayerState(self._layers[layer])
+                for s in owners.stages_of(self.member)
+                for layer in self._stage_layers[s]
+            }
         self._held = held
         self._form(owners, build_optimizers=False)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
         self.setup_optimizers(trainer)
         if len(self.optimizers) != 1:
-            raise ValueError(f"ElasticBambooStrategy supports exactly one optimizer, got {len(self.optimizers)}")
+            raise ValueError(
+                f"ElasticBambooStrategy supports exactly one optimizer, got {len(self.optimizers)}"
+            )
         self.setup_precision_plugin()
         self._build_replica_optimizer()
         self._store.add(f"gen{owners.generation}/formed", 1)
@@ -334,17 +359,27 @@ class ElasticBambooStrategy(BambooStrategy):
         text = owners.to_json()
         stored = self._store.compare_set("gen0/map", "", text).decode()
         if stored != text:
-            raise ValueError(f"this worker was started with num_stages={self._num_stages}, but the job's "
-                             f"generation 0 is {OwnershipMap.from_json(stored).format()}")
+            raise ValueError(
+                f"this worker was started with num_stages={self._num_stages}, but the job's "
+                f"generation 0 is {OwnershipMap.from_json(stored).format()}"
+            )
         self._store.compare_set("config/num_stages", "", str(self._num_stages))
         if self.member not in owners.members():
-            raise RuntimeError(f"member {self.member} has no stage in generation 0 (spare workers are not "
-                               "supported at start: use a multiple of num_stages)")
+            raise RuntimeError(
+                f"member {self.member} has no stage in generation 0 (spare workers are not "
+                "supported at start: use a multiple of num_stages)"
+            )
         return owners
 
     def _needs(self, owners: OwnershipMap) -> dict[int, list[int]]:
-        return {m: [layer for s in owners.stages_of(m) + owners.replica_stages_of(m)
-                    for layer in self._stage_layers[s]] for m in owners.members()}
+        return {
+            m: [
+                layer
+                for s in owners.stages_of(m) + owners.replica_stages_of(m)
+                for layer in self._stage_layers[s]
+            ]
+            for m in owners.members()
+        }
 
     def _template(self, layer: int) -> nn.Module:
         return self._layers[layer]
@@ -353,8 +388,9 @@ class ElasticBambooStrategy(BambooStrategy):
         """Move layers to where ``owners`` needs them and rebuild stage, replica, groups and engine."""
         assert self._store is not None and self.lightning_module is not None
         me = self.member
-        resharder = Resharder(self._store, owners.generation, me, owners.rank_of, self._template,
-                              self.root_device)
+        resharder = Resharder(
+            self._store, owners.generation, me, owners.rank_of, self._template, self.root_device
+        )
         self._held = resharder.run(self._current_holdings(), self._needs(owners))
         own_layers = [layer for s in owners.stages_of(me) for layer in self._stage_layers[s]]
         replica_layers = [layer for s in owners.replica_stages_of(me) for layer in self._stage_layers[s]]
@@ -364,8 +400,11 @@ class ElasticBambooStrategy(BambooStrategy):
         setattr(stage, _STAGE_MARK, True)
         self._stage_module = stage
         self.lightning_module._modules[self._body_attr] = stage
-        self.replica = (nn.Sequential(OrderedDict((str(i), self._layers[i]) for i in replica_layers))
-                        if replica_layers else None)
+        self.replica = (
+            nn.Sequential(OrderedDict((str(i), self._layers[i]) for i in replica_layers))
+            if replica_layers
+            else None
+        )
         if build_optimizers:
             install(self.optimizers[0], [(layer, self._held[layer]) for layer in own_layers])
             self._build_replica_optimizer()
@@ -379,8 +418,9 @@ class ElasticBambooStrategy(BambooStrategy):
             pipeline_groups[pipeline] = dist.new_group(ranks, **kwargs)
         if len(owners.pipelines) > 1:
             for s in range(owners.num_stages):
-                stage_groups[s] = dist.new_group(sorted(owners.rank_of(m) for m in owners.stage_holders(s)),
-                                                 **kwargs)
+                stage_groups[s] = dist.new_group(
+                    sorted(owners.rank_of(m) for m in owners.stage_holders(s)), **kwargs
+                )
         self.view = PipelineView(owners, me, owners.rank_of, pipeline_groups, stage_groups)
         self.groups = self.view  # type: ignore[assignment]
         positions = self.view.num_stages
@@ -388,10 +428,14 @@ class ElasticBambooStrategy(BambooStrategy):
         if self._redundancy and positions > 1:
             schedule = add_forward_redundancy(schedule, positions, self._num_microbatches)
         module = self.lightning_module
-        stage_params = {s: [p for layer in self._stage_layers[s] for p in self._layers[layer].parameters()]
-                        for s in owners.stages_of(me)}
+        stage_params = {
+            s: [p for layer in self._stage_layers[s] for p in self._layers[layer].parameters()]
+            for s in owners.stages_of(me)
+        }
         self.engine = ElasticEngine(
-            stage, self.view, schedule,  # type: ignore[arg-type]
+            stage,
+            self.view,
+            schedule,  # type: ignore[arg-type]
             inputs_fn=module.pipeline_inputs,  # type: ignore[arg-type]
             loss_fn=module.pipeline_loss,  # type: ignore[arg-type]
             device=self.root_device,
@@ -405,10 +449,16 @@ class ElasticBambooStrategy(BambooStrategy):
         """Every layer this member holds, with its optimizer state as of now."""
         held = dict(self._held)
         if self.optimizers:
-            held.update(gather({int(n): m for n, m in self._stage_module._modules.items()},  # type: ignore[union-attr]
-                               self.optimizers[0]))
+            held.update(
+                gather(
+                    {int(n): m for n, m in self._stage_module._modules.items()},  # type: ignore[union-attr]
+                    self.optimizers[0],
+                )
+            )
         if self.replica is not None and self._replica_optimizer is not None:
-            held.update(gather({int(n): m for n, m in self.replica._modules.items()}, self._replica_optimizer))
+            held.update(
+                gather({int(n): m for n, m in self.replica._modules.items()}, self._replica_optimizer)
+            )
         return held
 
     def _build_replica_optimizer(self) -> None:
@@ -446,8 +496,13 @@ class ElasticBambooStrategy(BambooStrategy):
             return self.lightning_module.training_step(*args, **kwargs)
 
     @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
-                       model: pl.LightningModule | nn.Module | None = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """The two-phase step; a lost peer leads to the next generation and a replay or a roll-forward."""
         assert self._store is not None and self.owners is not None
         self._join_at_boundary()
@@ -469,14 +524,16 @@ class ElasticBambooStrategy(BambooStrategy):
                 failed = True  # a peer was lost while this member waited for the outcome
             if outcome == ms.COMMIT:
                 self._fault("commit")
-                output = super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+                output = super().optimizer_step(optimizer, lambda result=result: result, model, **kwargs)
                 self._apply_replica_step(optimizer)
                 self._fault("applied")
                 self._step += 1
                 if failed:
                     self._next_generation()
                 return output
-            log.warning("Bamboo: step %d aborted by a lost peer; replaying it on the next generation", self._step)
+            log.warning(
+                "Bamboo: step %d aborted by a lost peer; replaying it on the next generation", self._step
+            )
             self._next_generation()
 
     def _exchange_replica_gradients(self) -> None:
@@ -490,14 +547,18 @@ class ElasticBambooStrategy(BambooStrategy):
                 p.grad = torch.zeros_like(p)
         outgoing = torch.cat([p.grad.reshape(-1) for p in own])  # type: ignore[union-attr]
         replica_params = [p for p in self.replica.parameters() if p.requires_grad]
-        incoming = torch.empty(sum(p.numel() for p in replica_params), dtype=outgoing.dtype,
-                               device=self.root_device)
-        works = [dist.isend(outgoing, view.predecessor_rank, tag=7), dist.irecv(incoming, view.successor_rank, tag=7)]
+        incoming = torch.empty(
+            sum(p.numel() for p in replica_params), dtype=outgoing.dtype, device=self.root_device
+        )
+        works = [
+            dist.isend(outgoing, view.predecessor_rank, tag=7),
+            dist.irecv(incoming, view.successor_rank, tag=7),
+        ]
         for work in works:
             work.wait()
         offset = 0
         for p in replica_params:
-            p.grad = incoming[offset: offset + p.numel()].view_as(p).to(p.dtype).clone()
+            p.grad = incoming[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
             offset += p.numel()
 
     def _apply_replica_step(self, optimizer: Optimizer) -> None:
@@ -514,15 +575,35 @@ class ElasticBambooStrategy(BambooStrategy):
         assert self._store is not None and self.owners is not None
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             return False
-        log.warning("Bamboo member %d: %s: %s", self.member, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
-        if dist.is_initialized():
-            dist.destroy_process_group()  # peers blocked on this member fail fast instead of timing out
+        log.warning(
+            "Bamboo member %d: %s: %s",
+            self.member,
+            type(err).__name__,
+            str(err).splitlines()[0] if str(err) else "",
+        )
+        self._abort_groups()
         deadline = time.monotonic() + self._failure_wait
         while time.monotonic() < deadline:
             if ms.current_generation(self._store) > self.owners.generation:
                 return True
             time.sleep(0.01)
         return False
+
+    def _abort_groups(self) -> None:
+        """Abort this member's process groups: peers blocked on it fail now instead of at their timeout."""
+        if not dist.is_initialized():
+            return
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception as err:  # the groups are being thrown away either way
+            log.warning(
+                "Bamboo: aborting the process group failed (%s); peers may wait for their timeout", err
+            )
+        self.engine = None
+        self.view = None
+        self.groups = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def _next_generation(self) -> None:
         """Wait for the generation after this one and form it (or wait as a spare)."""
@@ -536,8 +617,10 @@ class ElasticBambooStrategy(BambooStrategy):
         new = ms.read_map(self._store, generation)
         kind = ms.get_str(self._store, f"gen{generation}/kind")
         if kind == "fallback":
-            raise RuntimeError(f"Bamboo: redundancy cannot cover the loss (generation {generation}):\n"
-                               f"{new.format()}\ncheckpoint fallback is not implemented")
+            raise RuntimeError(
+                f"Bamboo: redundancy cannot cover the loss (generation {generation}):\n"
+                f"{new.format()}\ncheckpoint fallback is not implemented"
+            )
         if self.member not in new.members():
             raise RuntimeError(f"Bamboo member {self.member} is a spare in generation {generation}")
         start = time.monotonic()
@@ -548,7 +631,9 @@ class ElasticBambooStrategy(BambooStrategy):
         self._emit("on_failover", old_map=old, new_map=new)
         rank_zero_only(print)(
             f"[bamboo] {kind} at step {self._step}: generation {old.generation} -> {generation} "
-            f"({time.monotonic() - start:.2f}s to re-form)\n{old.format()}\n->\n{new.format()}", flush=True)
+            f"({time.monotonic() - start:.2f}s to re-form)\n{old.format()}\n->\n{new.format()}",
+            flush=True,
+        )
 
     def _join_at_boundary(self) -> None:
         """A generation published without a failure (members joined): form it before the step."""
@@ -596,9 +681,9 @@ def _parse_fault(spec: str | None) -> list[tuple[int, int, str, int]]:
     for item in filter(None, (spec or "").split(",")):
         parts = item.split(":")
         if len(parts) not in (3, 4) or parts[2] not in _PHASES or (len(parts) == 4 and parts[3] != "STOP"):
-            raise ValueError(f"{ENV_FAULT} must be member:step:phase[:STOP] with phase one of {_PHASES}, "
-                             f"got {item!r}")
+            raise ValueError(
+                f"{ENV_FAULT} must be member:step:phase[:STOP] with phase one of {_PHASES}, got {item!r}"
+            )
         sig = signal.SIGSTOP if len(parts) == 4 else signal.SIGKILL
         faults.append((int(parts[0]), int(parts[1]), parts[2], sig))
     return faults
-

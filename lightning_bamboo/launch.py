@@ -89,8 +89,13 @@ class Supervisor:
     def start_worker(self, joining: bool = False) -> int:
         member = self.next_member
         self.next_member += 1
-        env = {**os.environ, ms.ENV_STORE: self.store_url, ms.ENV_JOB: self.job,
-               ms.ENV_MEMBER: str(member), ms.ENV_NPROC: str(self.nproc)}
+        env = {
+            **os.environ,
+            ms.ENV_STORE: self.store_url,
+            ms.ENV_JOB: self.job,
+            ms.ENV_MEMBER: str(member),
+            ms.ENV_NPROC: str(self.nproc),
+        }
         if joining:
             env["BAMBOO_JOINING"] = "1"
         proc = subprocess.Popen(self.command, env=env, start_new_session=True)
@@ -134,12 +139,16 @@ class Supervisor:
                 if beat != worker.last_beat:
                     worker.last_beat, worker.beat_seen_at = beat, now
                 elif now - worker.beat_seen_at > self.hang_timeout:
-                    self.log(f"[bamboo.launch] member {member} silent for {now - worker.beat_seen_at:.1f}s: "
-                             "killing it", flush=True)
+                    self.log(
+                        f"[bamboo.launch] member {member} silent for {now - worker.beat_seen_at:.1f}s: "
+                        "killing it",
+                        flush=True,
+                    )
                     os.kill(worker.proc.pid, signal.SIGKILL)
                     worker.proc.wait()
                     lost.add(member)
-            elif now - worker.beat_seen_at > max(self.hang_timeout, 60.0):  # never started beating
+            elif now - worker.beat_seen_at > max(self.hang_timeout, 300.0):  # never started beating
+                self.log(f"[bamboo.launch] member {member} sent no heartbeat in 300s: killing it", flush=True)
                 os.kill(worker.proc.pid, signal.SIGKILL)
                 worker.proc.wait()
                 lost.add(member)
@@ -158,7 +167,7 @@ class Supervisor:
 
     def _reform(self, lost: set[int], joined: list[int]) -> bool:
         """Publish the next generation; ``False`` when the job cannot continue."""
-        generation, old = self._current()
+        _, old = self._current()
         if old is None:
             self.log("[bamboo.launch] a worker was lost before generation 0 formed", flush=True)
             return False
@@ -174,10 +183,21 @@ class Supervisor:
                 return False
             new = fallback_map(old, survivors)
             kind = "fallback"
-        self.log(f"[bamboo.launch] {kind}: lost {sorted(lost)} joined {joined}\n{old.format()}\n->\n"
-                 f"{new.format()}", flush=True)
-        self.events.append({"t_s": time.monotonic() - self.start_time, "kind": kind, "lost": sorted(lost),
-                            "joined": joined, "old": old.to_json(), "new": new.to_json()})
+        self.log(
+            f"[bamboo.launch] {kind}: lost {sorted(lost)} joined {joined}\n{old.format()}\n->\n"
+            f"{new.format()}",
+            flush=True,
+        )
+        self.events.append(
+            {
+                "t_s": time.monotonic() - self.start_time,
+                "kind": kind,
+                "lost": sorted(lost),
+                "joined": joined,
+                "old": old.to_json(),
+                "new": new.to_json(),
+            }
+        )
         self._publish(new, kind)
         return True
 
@@ -192,6 +212,7 @@ class Supervisor:
                 lost = self._check()
                 if lost:
                     time.sleep(self.settle)  # losses that arrive together are handled together
+                    self.lost |= lost
                     lost |= self._check()
                     self.lost |= lost
                     joined: list[int] = []
@@ -212,8 +233,11 @@ class Supervisor:
                 time.sleep(poll)
         finally:
             self.stop_all()
-            (Path(os.environ["BAMBOO_EVENTS"]).write_text(json.dumps(self.events, indent=1))
-             if os.environ.get("BAMBOO_EVENTS") else None)
+            (
+                Path(os.environ["BAMBOO_EVENTS"]).write_text(json.dumps(self.events, indent=1))
+                if os.environ.get("BAMBOO_EVENTS")
+                else None
+            )
 
     def _ready_joins(self) -> list[int]:
         """Joiners that registered in the store (``join/{member}``), taken one at a time."""
@@ -240,19 +264,39 @@ def fallback_map(old: OwnershipMap, survivors: list[int]) -> OwnershipMap:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_bamboo.launch", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_bamboo.launch", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--nproc", type=int, required=True, help="workers to start")
-    parser.add_argument("--store", default=None,
-                        help="etcd://host:port to keep the job's state in etcd (default: a TCPStore here)")
-    parser.add_argument("--hang-timeout", type=float, default=5.0,
-                        help="seconds without a heartbeat after which a worker is killed and lost")
-    parser.add_argument("--replace", type=int, default=0,
-                        help="start up to this many replacement workers, one after each loss (-1: no limit)")
-    parser.add_argument("script", help="the training script")
+    parser.add_argument(
+        "--store",
+        default=None,
+        help="etcd://host:port to keep the job's state in etcd (default: a TCPStore here)",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=5.0,
+        help="seconds without a heartbeat after which a worker is killed and lost",
+    )
+    parser.add_argument(
+        "--replace",
+        type=int,
+        default=0,
+        help="start up to this many replacement workers, one after each loss (-1: no limit)",
+    )
+    parser.add_argument("-m", dest="module", action="store_true", help="the script is a module (python -m)")
+    parser.add_argument("script", help="the training script (or module, with -m)")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
-    supervisor = Supervisor([sys.executable, args.script, *args.args], args.nproc, args.store,
-                            args.hang_timeout, replace=args.replace != 0)
+    command = [sys.executable, *(["-m"] if args.module else []), args.script, *args.args]
+    supervisor = Supervisor(
+        command,
+        args.nproc,
+        args.store,
+        args.hang_timeout,
+        replace=args.replace != 0,
+    )
     return supervisor.run(replacements=args.replace)
 
 

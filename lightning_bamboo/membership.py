@@ -50,7 +50,8 @@ def connect(url: str, job: str, timeout: float = 60.0) -> dist.Store:
 
         if parsed.hostname is None or parsed.port is None:
             raise ValueError(f"{ENV_STORE} must look like etcd://host:port, got {url!r}")
-        base = EtcdStore(parsed.hostname, parsed.port, timeout=timeout)
+        # its own key prefix, not a PrefixStore: a PrefixStore keeps only the C++ side of a Python store
+        return EtcdStore(parsed.hostname, parsed.port, timeout=timeout, prefix=f"/bamboo/{job}/")
     else:
         raise ValueError(f"{ENV_STORE} must start with tcp:// or etcd://, got {url!r}")
     return dist.PrefixStore(f"bamboo/{job}", base)
@@ -84,10 +85,16 @@ class WorkerEnv:
             return None
         missing = [key for key in (ENV_JOB, ENV_MEMBER, ENV_NPROC) if key not in os.environ]
         if missing:
-            raise RuntimeError(f"{ENV_STORE} is set but {', '.join(missing)} not: start workers with "
-                               "python -m lightning_bamboo.launch")
-        return cls(os.environ[ENV_STORE], os.environ[ENV_JOB], int(os.environ[ENV_MEMBER]),
-                   int(os.environ[ENV_NPROC]))
+            raise RuntimeError(
+                f"{ENV_STORE} is set but {', '.join(missing)} not: start workers with "
+                "python -m lightning_bamboo.launch"
+            )
+        return cls(
+            os.environ[ENV_STORE],
+            os.environ[ENV_JOB],
+            int(os.environ[ENV_MEMBER]),
+            int(os.environ[ENV_NPROC]),
+        )
 
 
 class Heartbeat:

@@ -54,7 +54,9 @@ class OwnershipMap:
             members = [owners[s] for s in range(self.num_stages)]
             runs = [m for i, m in enumerate(members) if i == 0 or members[i - 1] != m]
             if len(runs) != len(set(runs)):
-                raise ValueError(f"pipeline {pipeline}: a member owns stages that are not adjacent: {members}")
+                raise ValueError(
+                    f"pipeline {pipeline}: a member owns stages that are not adjacent: {members}"
+                )
 
     # ------------------------------------------------------------------ views
     def members(self) -> list[int]:
@@ -103,8 +105,10 @@ class OwnershipMap:
     def format(self) -> str:
         """A grid for logs: one row per pipeline, one column per stage, ``m<id>`` per cell."""
         header = [f"gen {self.generation}"] + [f"stage{s}" for s in range(self.num_stages)]
-        rows = [[f"pipe{p}"] + [f"m{self.pipelines[p][s]}" for s in range(self.num_stages)]
-                for p in self.pipeline_ids()]
+        rows = [
+            [f"pipe{p}"] + [f"m{self.pipelines[p][s]}" for s in range(self.num_stages)]
+            for p in self.pipeline_ids()
+        ]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
         if self.spares:
@@ -113,12 +117,15 @@ class OwnershipMap:
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_json(self) -> str:
-        return json.dumps({
-            "generation": self.generation,
-            "num_stages": self.num_stages,
-            "pipelines": {str(p): {str(s): m for s, m in o.items()} for p, o in self.pipelines.items()},
-            "spares": list(self.spares),
-        }, sort_keys=True)
+        return json.dumps(
+            {
+                "generation": self.generation,
+                "num_stages": self.num_stages,
+                "pipelines": {str(p): {str(s): m for s, m in o.items()} for p, o in self.pipelines.items()},
+                "spares": list(self.spares),
+            },
+            sort_keys=True,
+        )
 
     @classmethod
     def from_json(cls, text: str | bytes) -> OwnershipMap:
@@ -132,7 +139,7 @@ class OwnershipMap:
 
 
 def initial(num_stages: int, members: Iterable[int]) -> OwnershipMap:
-    """Generation 0: members in order fill pipeline 0's stages, then pipeline 1's, ...; the rest are spares."""
+    """Generation 0: members in order fill pipeline 0's stages, then pipeline 1's...; the rest are spares."""
     ordered = sorted(members)
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}")
@@ -140,7 +147,7 @@ def initial(num_stages: int, members: Iterable[int]) -> OwnershipMap:
         raise ValueError(f"{len(ordered)} members cannot fill one pipeline of num_stages ({num_stages})")
     count = len(ordered) // num_stages
     pipelines = {p: {s: ordered[p * num_stages + s] for s in range(num_stages)} for p in range(count)}
-    return OwnershipMap(0, num_stages, pipelines, tuple(ordered[count * num_stages:]))
+    return OwnershipMap(0, num_stages, pipelines, tuple(ordered[count * num_stages :]))
 
 
 def failover(old: OwnershipMap, lost: Iterable[int]) -> OwnershipMap:
@@ -208,4 +215,3 @@ def rejoin(old: OwnershipMap, new: Iterable[int]) -> OwnershipMap:
         pipelines[next_id] = {s: waiting.pop(0) for s in range(old.num_stages)}
         next_id += 1
     return OwnershipMap(old.generation + 1, old.num_stages, pipelines, tuple(waiting))
-

@@ -70,7 +70,8 @@ def install(optimizer: Optimizer, layers: list[tuple[int, LayerState]]) -> None:
             index = held.group.get(name, 0)
             if index >= len(params):
                 raise RuntimeError(
-                    f"a layer's parameter {name} was in optimizer param group {index}, but this optimizer has "
+                    f"a layer's parameter {name} was in optimizer param group {index}, but this optimizer "
+                    f"has "
                     f"{len(params)} groups; configure_optimizers must build the same groups on every stage"
                 )
             params[index].append(p)
@@ -122,8 +123,15 @@ class Resharder:
         device: where received tensors go.
     """
 
-    def __init__(self, store: dist.Store, generation: int, me: int, rank_of: Callable[[int], int],
-                 template: Callable[[int], nn.Module], device: torch.device) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        generation: int,
+        me: int,
+        rank_of: Callable[[int], int],
+        template: Callable[[int], nn.Module],
+        device: torch.device,
+    ) -> None:
         self.store = store
         self.generation = generation
         self.me = me
@@ -172,13 +180,11 @@ class Resharder:
             buffers = dict(module.named_buffers())
         with torch.no_grad():
             for name, dtype, shape in desc["params"]:
-                flat = torch.empty(math.prod(shape), dtype=_dtype(dtype),
-                                   device=self.device)
+                flat = torch.empty(math.prod(shape), dtype=_dtype(dtype), device=self.device)
                 dist.recv(flat, src_rank)
                 params[name].data = flat.view(shape).to(params[name].dtype)
             for name, dtype, shape in desc["buffers"]:
-                flat = torch.empty(math.prod(shape), dtype=_dtype(dtype),
-                                   device=self.device)
+                flat = torch.empty(math.prod(shape), dtype=_dtype(dtype), device=self.device)
                 dist.recv(flat, src_rank)
                 buffers[name].data = flat.view(shape)
         state: dict[str, dict[str, Any]] = {}
@@ -186,8 +192,7 @@ class Resharder:
             name, key, kind = entry[0], entry[1], entry[2]
             if kind == "tensor":
                 shape = entry[4]
-                flat = torch.empty(math.prod(shape),
-                                   dtype=_dtype(entry[3]), device=self.device)
+                flat = torch.empty(math.prod(shape), dtype=_dtype(entry[3]), device=self.device)
                 dist.recv(flat, src_rank)
                 state.setdefault(name, {})[key] = flat.view(shape)
             else:

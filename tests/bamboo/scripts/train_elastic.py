@@ -32,6 +32,7 @@ from tests.bamboo.pipe_mlp import PipeMLP, make_data
 def main() -> None:
     import faulthandler
     import signal
+
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -57,20 +58,38 @@ def main() -> None:
     train = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=False)
     if args.strategy == "elastic":
         strategy: ElasticBambooStrategy | str = ElasticBambooStrategy(
-            num_stages=args.stages, num_microbatches=args.microbatches, redundancy=not args.no_redundancy,
+            num_stages=args.stages,
+            num_microbatches=args.microbatches,
+            redundancy=not args.no_redundancy,
             timeout=20,
         )
     else:
         strategy = "auto"
+
     class _Print(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if os.environ.get("DEBUG_BATCH"):
-                print("BATCH", trainer.global_step, float(batch[0].sum()), trainer.optimizers[0].param_groups[0]["lr"], flush=True)
+                print(
+                    "BATCH",
+                    trainer.global_step,
+                    float(batch[0].sum()),
+                    trainer.optimizers[0].param_groups[0]["lr"],
+                    flush=True,
+                )
 
-    trainer = Trainer(callbacks=[_Print()],
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, max_epochs=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0,
+    trainer = Trainer(
+        callbacks=[_Print()],
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=args.steps,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
     trainer.fit(model, train_dataloaders=train)
     tensors = {f"own/{name}": p.detach().clone() for name, p in model.named_parameters()}
