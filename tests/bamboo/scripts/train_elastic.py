@@ -18,9 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-import os
-
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Trainer, seed_everything
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -30,10 +28,6 @@ from tests.bamboo.pipe_mlp import PipeMLP, make_data
 
 
 def main() -> None:
-    import faulthandler
-    import signal
-
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--strategy", choices=["auto", "elastic"], default="elastic")
@@ -66,19 +60,7 @@ def main() -> None:
     else:
         strategy = "auto"
 
-    class _Print(Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if os.environ.get("DEBUG_BATCH"):
-                print(
-                    "BATCH",
-                    trainer.global_step,
-                    float(batch[0].sum()),
-                    trainer.optimizers[0].param_groups[0]["lr"],
-                    flush=True,
-                )
-
     trainer = Trainer(
-        callbacks=[_Print()],
         accelerator="cpu",
         devices=1,
         strategy=strategy,
