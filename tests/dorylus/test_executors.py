@@ -111,10 +111,10 @@ def test_build_executor_by_name() -> None:
     assert isinstance(local, LocalPoolExecutor) and local.num_workers == 1
     local.close()  # never started: nothing to stop
     with pytest.raises(
-        ValueError, match=r"unknown executor 'lambda'; valid executors are \['inline', 'local'\]"
+        ValueError, match=r"unknown executor 'gpu'; valid executors are \['inline', 'lambda', 'local'\]"
     ):
-        build_executor("lambda")
-    assert sorted(EXECUTORS) == ["inline", "local"]
+        build_executor("gpu")
+    assert sorted(EXECUTORS) == ["inline", "lambda", "local"]
 
 
 @pytest.mark.parametrize("kwargs", [{"num_workers": 0}, {"threads_per_worker": -1}, {"num_workers": True}])

@@ -34,7 +34,7 @@ from lightning_dorylus.ops import bundle
 from tests.dorylus.aws_services import BUCKET, endpoint_stats, set_faults
 from tests.dorylus.test_executors import _requests
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.services]  # services.sh, or started by the fixtures
 
 
 def _function() -> str:

@@ -33,6 +33,7 @@ def test_dry_run_writes_only_the_bundle_and_is_reproducible(tmp_path: Path, caps
     assert len(a) < 1 << 20  # far under the 50 MB upload / 250 MB unzipped limits
 
 
+@pytest.mark.services
 def test_deploy_creates_then_updates_the_function(s3_endpoint: str, tmp_path: Path, capsys) -> None:
     moto = s3_endpoint  # moto's server answers every AWS API it mocks, IAM and Lambda included
     iam = boto3.client("iam", endpoint_url=moto, region_name="us-east-1")

@@ -30,6 +30,7 @@ def _run(tmp: Path, executor: str, extra_env: dict[str, str]) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.services
 @pytest.mark.timeout(1800)
 @pytest.mark.skipif(not (PLANETOID / "Cora" / "raw").is_dir(), reason=f"no Cora raw files in {PLANETOID}")
 def test_two_graph_servers_on_lambda_match_the_local_pool(tmp_path: Path, lambda_endpoint: str,

@@ -127,7 +127,8 @@ def test_bad_mmap_threshold_is_rejected() -> None:
 
 def test_unknown_executor_name_is_rejected() -> None:
     with pytest.raises(
-        ValueError, match=r"executor='lambada' is not known; valid executors are \['inline', 'local'"
+        ValueError,
+        match=r"executor='lambada' is not known; valid executors are \['inline', 'lambda', 'local'\]",
     ):
         DorylusStrategy(executor="lambada")
 
