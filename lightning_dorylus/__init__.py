@@ -7,9 +7,9 @@ with Lightning.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_dorylus.models import GAT, GCN
+from lightning_dorylus.models import GAT, GCN, GraphSAGE
 from lightning_dorylus.strategy import DorylusStrategy
 
 DorylusStrategy.register_strategies(StrategyRegistry)  # guarded: a second import registers nothing
 
-__all__ = ["GAT", "GCN", "DorylusStrategy"]
+__all__ = ["GAT", "GCN", "DorylusStrategy", "GraphSAGE"]

@@ -58,6 +58,7 @@ from typing_extensions import override
 from lightning_dorylus.data.partition import GraphPartition
 from lightning_dorylus.executors import EXECUTORS, TensorOpExecutor, build_executor
 from lightning_dorylus.graph import GhostExchange
+from lightning_dorylus.graph.stale import StaleGhostExchange
 from lightning_dorylus.nn import DorylusLayer, DorylusRuntime
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,13 @@ class DorylusStrategy(ParallelStrategy):
             buffers (per-interval pieces, 16-wide layer outputs) fragment the heap and a server's peak
             creeps up epoch after epoch (+500 MiB over 4 epochs on the 1M-vertex benchmark). ``None``
             leaves the allocator alone. A C library without ``mallopt`` logs a warning.
+        staleness: ``None`` (default): synchronous, layer by layer; exactly the single-process computation.
+            ``0``: the pipeline engine: each layer's GA and AV run per interval so the graph server's GA of
+            one interval overlaps the executor's AV of others (forward and backward); values stay exact.
+            ``S >= 1``: also bounded-stale SC/∇SC while training: ghost rows and ghost gradients may be up
+            to ``S`` epochs old, so a graph server waits for a peer only when it is more than ``S`` epochs
+            behind (see ``docs/dorylus.md``, "Bounded asynchrony"). Validation, test and checkpoints first
+            drain the exchange and then run synchronously.
     """
 
     strategy_name = "dorylus"
@@ -105,6 +113,7 @@ class DorylusStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         mmap_threshold: int | None = 1 << 20,
+        staleness: int | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -136,6 +145,12 @@ class DorylusStrategy(ParallelStrategy):
                 f"mmap_threshold={mmap_threshold} must be None or between 0 and {_MMAP_THRESHOLD_MAX} bytes "
                 "(glibc's largest M_MMAP_THRESHOLD on 64-bit)"
             )
+        if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int)
+                                      or staleness < 0):
+            raise ValueError(f"staleness={staleness!r}: expected None (synchronous) or an int >= 0")
+        self._staleness = staleness
+        self._stale_group: Any | None = None
+        self._runtime: DorylusRuntime | None = None
         self._mmap_threshold = mmap_threshold
         self._executor_spec = executor
         self._executor_options = dict(executor_options or {})
@@ -257,9 +272,60 @@ class DorylusStrategy(ParallelStrategy):
             self._executor = build_executor(spec, **self._executor_options) if isinstance(spec, str) else spec
         self._executor.start()
         self._exchange = GhostExchange()
-        runtime = DorylusRuntime(executor=self._executor, exchange=self._exchange)
-        for layer in layers:
-            layer.attach(runtime)
+        stale = None
+        if self._staleness and self.world_size > 1:
+            if self._stale_group is None:  # its own group: stale P2P never interleaves with collectives
+                self._stale_group = dist.new_group(backend="gloo")
+            stale = StaleGhostExchange(self._staleness, self._stale_group)
+        runtime = DorylusRuntime(
+            executor=self._executor, exchange=self._exchange, staleness=self._staleness, stale_exchange=stale
+        )
+        self._runtime = runtime
+        for index, layer in enumerate(layers):
+            layer.attach(runtime, layer_index=index)
+
+    @property
+    def staleness(self) -> int | None:
+        """``None`` (synchronous) or the bound ``S`` of the pipeline engine."""
+        return self._staleness
+
+    @property
+    def runtime(self) -> DorylusRuntime | None:
+        """What the layers run on (``None`` outside ``setup`` .. ``teardown``)."""
+        return self._runtime
+
+    def drain(self) -> None:
+        """Waits for every stale SC/∇SC message in flight (before evaluation and checkpoints)."""
+        if self._runtime is not None and self._runtime.stale_exchange is not None:
+            self._runtime.stale_exchange.drain()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._runtime is not None and self.lightning_module is not None:
+            self._runtime.epoch = self.lightning_module.current_epoch  # stamps this step's stale messages
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.drain()
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.drain()
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.drain()
+        return super().predict_step(*args, **kwargs)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        self.drain()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _dorylus_layers(self) -> list[DorylusLayer]:
         module = self.lightning_module
@@ -359,8 +425,10 @@ class DorylusStrategy(ParallelStrategy):
             layer.attach(None)
         if self._executor is not None and isinstance(self._executor_spec, str):
             self._executor.close()
+        self.drain()
         self._executor = None
         self._exchange = None
+        self._runtime = None
         super().teardown()
 
     @classmethod

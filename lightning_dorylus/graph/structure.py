@@ -85,6 +85,56 @@ def _csr(row: Tensor, col: Tensor, value: Tensor, size: tuple[int, int]) -> Tens
         return torch.sparse_csr_tensor(crow, cols, values, size, check_invariants=False)
 
 
+def mean_adjacency(partition: GraphPartition, dtype: torch.dtype) -> GCNAdjacency:
+    """GraphSAGE's mean aggregation as a matrix: row ``i`` holds ``1 / in_degree(i)`` per in-edge ``j -> i``.
+
+    The partition holds every in-edge of its local vertices, so the degree is the global one and each row
+    equals the full graph's (PyG's ``SAGEConv(aggr="mean")`` over ``edge_index`` as given; no in-edges: 0).
+    """
+    n_local, n_total = partition.n_local, partition.n_local + partition.n_ghost
+    src, dst = partition.edge_index
+    deg = torch.bincount(dst, minlength=n_local).to(torch.float64).clamp_min(1.0)
+    value = (1.0 / deg)[dst].to(dtype)
+    return GCNAdjacency(
+        adj=_csr(dst, src, value, (n_local, n_total)), adj_t=_csr(src, dst, value, (n_total, n_local))
+    )
+
+
+@dataclass
+class AdjacencyBlock:
+    """Rows ``a:b`` (one vertex interval) of an adjacency, and its transpose, for per-interval GA and ∇GA.
+
+    Attributes:
+        rows: ``(a, b)``.
+        adj: ``(b - a, n_local + n_ghost)`` sparse CSR: the interval's rows.
+        adj_t: ``(n_local + n_ghost, b - a)`` sparse CSR: their transpose.
+    """
+
+    rows: tuple[int, int]
+    adj: Tensor
+    adj_t: Tensor
+
+
+def interval_blocks(adjacency: GCNAdjacency, intervals: list[tuple[int, int]]) -> list[AdjacencyBlock]:
+    """Cut ``adjacency.adj`` into one row block per interval (and transpose each), once per partition."""
+    adj = adjacency.adj
+    crow, col, value = adj.crow_indices().long(), adj.col_indices().long(), adj.values()
+    n_total = adj.size(1)
+    blocks = []
+    for a, b in intervals:
+        e0, e1 = int(crow[a]), int(crow[b])
+        counts = crow[a + 1 : b + 1] - crow[a:b]
+        row = torch.repeat_interleave(torch.arange(b - a, device=crow.device), counts)
+        blocks.append(
+            AdjacencyBlock(
+                rows=(a, b),
+                adj=_csr(row, col[e0:e1], value[e0:e1], (b - a, n_total)),
+                adj_t=_csr(col[e0:e1], row, value[e0:e1], (n_total, b - a)),
+            )
+        )
+    return blocks
+
+
 def self_loop_edges(partition: GraphPartition) -> SelfLoopEdges:
     """In-edges without self loops plus one self loop per local vertex (as PyG's GATConv)."""
     n_local = partition.n_local
@@ -110,7 +160,9 @@ class GraphContext:
 
     partition: GraphPartition
     _gcn: dict[torch.dtype, GCNAdjacency] = field(default_factory=dict, repr=False)
+    _mean: dict[torch.dtype, GCNAdjacency] = field(default_factory=dict, repr=False)
     _loops: SelfLoopEdges | None = field(default=None, repr=False)
+    _blocks: dict[tuple[str, torch.dtype], list[AdjacencyBlock]] = field(default_factory=dict, repr=False)
     _intervals: list[tuple[int, int]] | None = field(default=None, repr=False)
     _nonzeros: tuple[tuple, tuple[Tensor, Tensor] | None] | None = field(default=None, repr=False)
 
@@ -134,6 +186,22 @@ class GraphContext:
         if dtype not in self._gcn:
             self._gcn[dtype] = gcn_adjacency(self.partition, dtype)
         return self._gcn[dtype]
+
+    def mean(self, dtype: torch.dtype) -> GCNAdjacency:
+        """The mean-aggregation matrix (GraphSAGE) with values of ``dtype`` (built on first use)."""
+        if dtype not in self._mean:
+            self._mean[dtype] = mean_adjacency(self.partition, dtype)
+        return self._mean[dtype]
+
+    def blocks(self, kind: str, dtype: torch.dtype) -> list[AdjacencyBlock]:
+        """Per-interval row blocks of the ``"gcn"`` or ``"mean"`` adjacency (built on first use)."""
+        key = (kind, dtype)
+        if key not in self._blocks:
+            if kind not in ("gcn", "mean"):
+                raise ValueError(f"kind={kind!r}: expected 'gcn' or 'mean'")
+            adjacency = self.gcn(dtype) if kind == "gcn" else self.mean(dtype)
+            self._blocks[key] = interval_blocks(adjacency, self.intervals)
+        return self._blocks[key]
 
     @property
     def self_loops(self) -> SelfLoopEdges:

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from .spec import OpSpec
+
 
 def project_forward(inputs: dict[str, np.ndarray], attrs: dict[str, Any]) -> dict[str, np.ndarray]:
     """h = x @ weight (n, H*C); alpha_src[v, k] = <h[v, k, :], att_src[k]>; same for alpha_dst."""
@@ -143,3 +145,29 @@ def _check_project(x: np.ndarray, weight: np.ndarray, att_src: np.ndarray,
 def _check_shape(name: str, arr: np.ndarray, expected: tuple[int, ...]) -> None:
     if arr.shape != tuple(expected):
         raise ValueError(f"{name} has shape {arr.shape}; expected {tuple(expected)}")
+
+
+OPS = {
+    "gat.project.forward": OpSpec(project_forward, ("x", "weight", "att_src", "att_dst"),
+                                  outputs=("h", "alpha_src", "alpha_dst"), backward="gat.project.backward",
+                                  row_inputs=("x",), row_outputs=("h", "alpha_src", "alpha_dst")),
+    "gat.project.backward": OpSpec(project_backward, ("x", "weight", "att_src", "att_dst", "h", "grad_h",
+                                                      "grad_alpha_src", "grad_alpha_dst"),
+                                   outputs=("grad_x", "grad_weight", "grad_att_src", "grad_att_dst"),
+                                   row_inputs=("x", "h", "grad_h", "grad_alpha_src", "grad_alpha_dst"),
+                                   row_outputs=("grad_x",),
+                                   summed_outputs=("grad_weight", "grad_att_src", "grad_att_dst"),
+                                   grad_flags=("x",)),
+    "apply_edge.forward": OpSpec(apply_edge_forward, ("alpha_src_e", "alpha_dst", "dst_ptr"),
+                                 integer_inputs=("dst_ptr",), outputs=("attention",),
+                                 backward="apply_edge.backward", row_inputs=("alpha_dst",),
+                                 edge_inputs=("alpha_src_e",), ptr_inputs=("dst_ptr",),
+                                 edge_outputs=("attention",)),
+    "apply_edge.backward": OpSpec(apply_edge_backward, ("alpha_src_e", "alpha_dst", "dst_ptr", "attention",
+                                                        "grad_attention"),
+                                  integer_inputs=("dst_ptr",), outputs=("grad_alpha_src_e", "grad_alpha_dst"),
+                                  row_inputs=("alpha_dst",), edge_inputs=("alpha_src_e", "attention",
+                                                                          "grad_attention"),
+                                  ptr_inputs=("dst_ptr",), edge_outputs=("grad_alpha_src_e",),
+                                  row_outputs=("grad_alpha_dst",)),
+}

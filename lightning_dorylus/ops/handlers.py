@@ -21,46 +21,29 @@ gat.project.bwd    x, weight, att_src, att_dst, h, grad_h, grad_alpha_src,   [gr
 apply_edge.fwd     alpha_src_e, alpha_dst, dst_ptr; attrs negative_slope     attention
 apply_edge.bwd     alpha_src_e, alpha_dst, dst_ptr, attention,               grad_alpha_src_e,
                    grad_attention; attrs negative_slope                      grad_alpha_dst
+sage.update.fwd    agg, x, weight_l, weight_r, [bias]; attrs activation      h
+sage.update.bwd    agg, x, weight_l, weight_r, h, grad_h; attrs activation,  [grad_agg], [grad_x],
+                   has_bias, [needs_grad_agg], [needs_grad_x]                grad_weight_l, grad_weight_r,
+                                                                             [grad_bias]
 ================== ========================================================= ==========================
-(".fwd"/".bwd" abbreviate ".forward"/".backward".)
+(".fwd"/".bwd" abbreviate ".forward"/".backward".) Each op is declared once, as an ``OpSpec`` in its
+module's ``OPS`` (see ``spec.py``: inputs, outputs, how it splits over intervals, its backward op).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from .. import wire
-from . import gat, vertex
+from . import gat, sage, vertex
+from .spec import OpSpec
 
-OpFn = Callable[[dict[str, np.ndarray], dict[str, Any]], dict[str, np.ndarray]]
+__all__ = ["OPS", "OpSpec", "handle", "run_op"]
 
-
-@dataclass(frozen=True)
-class OpSpec:
-    """An op's function and the array names it needs (``required``) or accepts (``optional``)."""
-
-    fn: OpFn
-    required: tuple[str, ...]
-    optional: tuple[str, ...] = ()
-    integer_inputs: tuple[str, ...] = ()  # everything else must share one floating dtype
-
-
-OPS: dict[str, OpSpec] = {
-    "apply_vertex.forward": OpSpec(vertex.apply_vertex_forward, ("z", "weight"), ("bias",)),
-    "apply_vertex.backward": OpSpec(vertex.apply_vertex_backward, ("z", "weight", "h", "grad_h")),
-    "gat.project.forward": OpSpec(gat.project_forward, ("x", "weight", "att_src", "att_dst")),
-    "gat.project.backward": OpSpec(gat.project_backward, ("x", "weight", "att_src", "att_dst", "h", "grad_h",
-                                                          "grad_alpha_src", "grad_alpha_dst")),
-    "apply_edge.forward": OpSpec(gat.apply_edge_forward, ("alpha_src_e", "alpha_dst", "dst_ptr"),
-                                 integer_inputs=("dst_ptr",)),
-    "apply_edge.backward": OpSpec(gat.apply_edge_backward, ("alpha_src_e", "alpha_dst", "dst_ptr",
-                                                            "attention", "grad_attention"),
-                                  integer_inputs=("dst_ptr",)),
-}
+OPS: dict[str, OpSpec] = {**vertex.OPS, **gat.OPS, **sage.OPS}
 
 FLOAT_DTYPES = ("float16", "float32", "float64")
 

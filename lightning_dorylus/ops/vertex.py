@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from .spec import OpSpec
+
 ACTIVATIONS = ("relu", "elu", "none")
 
 
@@ -91,3 +93,13 @@ def _check_matmul(a: np.ndarray, b: np.ndarray, a_name: str, b_name: str) -> Non
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"{a_name} {a.shape} @ {b_name} {b.shape}: expected 2-D arrays with "
                          f"{a_name}.shape[1] == {b_name}.shape[0]")
+
+
+OPS = {
+    "apply_vertex.forward": OpSpec(apply_vertex_forward, ("z", "weight"), ("bias",), outputs=("h",),
+                                   backward="apply_vertex.backward", row_inputs=("z",), row_outputs=("h",)),
+    "apply_vertex.backward": OpSpec(apply_vertex_backward, ("z", "weight", "h", "grad_h"),
+                                    outputs=("grad_z", "grad_weight", "grad_bias"),
+                                    row_inputs=("z", "h", "grad_h"), row_outputs=("grad_z",),
+                                    summed_outputs=("grad_weight", "grad_bias"), grad_flags=("z",)),
+}

@@ -1,8 +1,8 @@
 """DorylusStrategy: N graph servers (subprocesses, gloo) train exactly what one process trains.
 
-Each case launches ``scripts/exact_run.py`` (GCN or GAT, float64, dropout 0, 5 epochs) on 2 or 3 graph
-servers and compares its per-epoch global loss, val accuracy and final weights with the same model trained
-in this process under ``strategy="auto"`` on the single whole-graph partition.
+Each case launches ``scripts/exact_run.py`` (GCN, GAT or GraphSAGE, float64, dropout 0, 5 epochs) on 2 or 3
+graph servers and compares its per-epoch global loss, val accuracy and final weights with the same model
+trained in this process under ``strategy="auto"`` on the single whole-graph partition.
 """
 
 from __future__ import annotations
@@ -40,7 +40,13 @@ def reference(model_name: str) -> tuple[dict, dict[str, torch.Tensor]]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("model_name", "servers", "executor"),
-    [("gcn", 2, "local"), ("gcn", 3, "inline"), ("gat", 2, "inline"), ("gat", 3, "local")],
+    [
+        ("gcn", 2, "local"),
+        ("gcn", 3, "inline"),
+        ("gat", 2, "inline"),
+        ("gat", 3, "local"),
+        ("sage", 2, "local"),
+    ],
 )
 def test_graph_servers_match_single_process(
     tmp_path: Path, model_name: str, servers: int, executor: str
@@ -107,7 +113,10 @@ def test_mmap_threshold_returns_freed_buffers_to_the_os() -> None:
     for mode in ("set", "unset"):
         out = subprocess.run(
             [sys.executable, str(SCRIPTS / "heap_release.py"), mode],
-            capture_output=True, text=True, timeout=60, check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
         )
         released[mode] = float(out.stdout.split()[-1])
     assert released["set"] >= 150, released  # 39 x 4 MiB back to the OS at once
@@ -206,3 +215,59 @@ def test_model_without_dorylus_layers_is_rejected() -> None:
     with pytest.raises(TypeError, match=r"BoringModel has no DorylusLayer .* only trains models built from"):
         strategy._start_runtime()
     assert strategy.executor is None  # nothing was started
+
+
+def _run_exact(tmp_path: Path, model_name: str, servers: int, executor: str, staleness: int | None) -> dict:
+    args = [
+        str(tmp_path),
+        "--model",
+        model_name,
+        "--servers",
+        str(servers),
+        "--executor",
+        executor,
+        "--epochs",
+        str(EPOCHS),
+    ]
+    if staleness is not None:
+        args += ["--staleness", str(staleness)]
+    run_script("exact_run.py", args, timeout=240, cwd=tmp_path)
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_pipeline_engine_staleness_zero_is_exact(tmp_path: Path) -> None:
+    """staleness=0: per-interval GA -> AV pipeline (GraphSAGE: both layers) trains what one process trains."""
+    result = _run_exact(tmp_path, "sage", 2, "inline", staleness=0)
+    expected, expected_weights = reference("sage")
+    torch.testing.assert_close(
+        torch.tensor(result["losses"]), torch.tensor(expected["losses"]), rtol=1e-9, atol=1e-11
+    )
+    weights = load_file(str(tmp_path / "weights_rank0.safetensors"))
+    for name, value in expected_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_pipeline_engine_staleness_one_reads_ghosts_at_most_one_epoch_old(tmp_path: Path) -> None:
+    """staleness=1: the first epoch is exact (nothing older exists), ghosts are never more than 1 epoch old,
+    replicas stay identical and the loss goes down."""
+    result = _run_exact(tmp_path, "gcn", 2, "local", staleness=1)
+    expected, _ = reference("gcn")
+    assert result["losses"][0] == pytest.approx(expected["losses"][0], rel=1e-9)
+    assert result["losses"][-1] < result["losses"][0]
+    for rank in range(2):
+        stale = json.loads((tmp_path / f"stale_rank{rank}.json").read_text())
+        assert stale["reads"] == 2 * 2 * EPOCHS  # 2 layers x (SC + ∇SC) per epoch
+        assert 0 <= stale["max_age"] <= 1
+    replicas = [load_file(str(tmp_path / f"weights_rank{r}.safetensors")) for r in range(2)]
+    for name, value in replicas[1].items():
+        torch.testing.assert_close(value, replicas[0][name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_bad_staleness_is_rejected(bad) -> None:
+    with pytest.raises(ValueError, match=r"staleness=.*: expected None \(synchronous\) or an int >= 0"):
+        DorylusStrategy(staleness=bad)
