@@ -164,6 +164,7 @@ class GraphContext:
     _loops: SelfLoopEdges | None = field(default=None, repr=False)
     _blocks: dict[tuple[str, torch.dtype], list[AdjacencyBlock]] = field(default_factory=dict, repr=False)
     _intervals: list[tuple[int, int]] | None = field(default=None, repr=False)
+    num_intervals: int | None = None  # None: the partition's own interval_ptr; k: k even intervals (autotune)
     _nonzeros: tuple[tuple, tuple[Tensor, Tensor] | None] | None = field(default=None, repr=False)
 
     def feature_nonzeros(self, max_density: float = 0.25) -> tuple[Tensor, Tensor] | None:
@@ -210,9 +211,21 @@ class GraphContext:
             self._loops = self_loop_edges(self.partition)
         return self._loops
 
+    def set_num_intervals(self, num_intervals: int | None) -> None:
+        """Re-cut the local vertices into ``num_intervals`` even intervals (``None``: the partition's own)."""
+        if num_intervals is not None and num_intervals < 1:
+            raise ValueError(f"num_intervals={num_intervals} must be None or >= 1")
+        if num_intervals != self.num_intervals:
+            self.num_intervals, self._intervals = num_intervals, None
+            self._blocks.clear()
+
     @property
     def intervals(self) -> list[tuple[int, int]]:
         """Non-empty local vertex intervals ``(start, end)``: the unit of work sent to the executor."""
+        if self._intervals is None and self.num_intervals is not None:
+            n, k = self.partition.n_local, max(1, min(self.num_intervals, self.partition.n_local))
+            bounds = [i * n // k for i in range(k + 1)]
+            self._intervals = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
         if self._intervals is None:
             ptr = self.partition.interval_ptr.tolist()
             if not ptr or ptr[0] != 0 or ptr[-1] != self.partition.n_local:
@@ -239,6 +252,13 @@ class GraphCache:
     def __init__(self, max_entries: int = 4) -> None:
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple, GraphContext] = OrderedDict()
+        self.num_intervals: int | None = None
+
+    def set_num_intervals(self, num_intervals: int | None) -> None:
+        """Cut every partition seen from now on (and those cached) into ``num_intervals`` even intervals."""
+        self.num_intervals = num_intervals
+        for ctx in self._entries.values():
+            ctx.set_num_intervals(num_intervals)
 
     def context(self, partition: GraphPartition) -> GraphContext:
         """The context of ``partition``: cached structures if its graph was seen, this batch's tensors."""
@@ -253,7 +273,7 @@ class GraphCache:
         )
         cached = self._entries.get(key)
         if cached is None:
-            cached = GraphContext(partition)
+            cached = GraphContext(partition, num_intervals=self.num_intervals)
             self._entries[key] = cached
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)

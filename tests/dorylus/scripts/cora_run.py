@@ -8,12 +8,14 @@ the global validation AND test accuracy; the test accuracy of the best validatio
 second evaluation pass. Rank 0 writes ``cora.json``.
 
 Usage: python cora_run.py OUT_DIR PLANETOID_ROOT --model gcn|gat [--seeds 5] [--servers 2] [--epochs 200]
+       [--staleness none,0,1]   (one config after another; cora.json holds each config's runs)
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import time
 from pathlib import Path
@@ -53,12 +55,14 @@ class BestValidation(Callback):
         self.best_val_acc = -1.0
         self.test_acc = float("nan")
         self.best_epoch = -1
+        self.val_curve: list[float] = []
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking:
             return
         val_acc = float(trainer.callback_metrics["val_acc"])
+        self.val_curve.append(val_acc)
         if val_acc > self.best_val_acc:  # every rank sees the same all-reduced value
             self.best_val_acc = val_acc
             self.test_acc = float(trainer.callback_metrics["test_acc"])
@@ -85,18 +89,25 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=200)
     parser.add_argument("--executor", default="inline")
+    parser.add_argument(
+        "--staleness", default="none", help="comma-separated: 'none' (synchronous) and/or ints, e.g. none,0,1"
+    )
     args = parser.parse_args()
+    stalenesses = [None if s == "none" else int(s) for s in args.staleness.split(",")]
     torch.set_num_threads(1)
 
     dataset = load_planetoid(args.planetoid_root, "Cora", processed_root=args.out / "processed")
     data = T.NormalizeFeatures()(dataset[0])  # once, before partitioning: never recomputed per epoch
     datamodule = DorylusDataModule(data, partitioner="metis", cache_dir=args.out / "partitions")
-    results = []
-    for seed in range(args.seeds):
+    configs: dict[str, list[dict]] = {}
+    for staleness, seed in itertools.product(stalenesses, range(args.seeds)):
+        results = configs.setdefault("none" if staleness is None else str(staleness), [])
         seed_everything(seed, verbose=False)
         model = make_model(args.model, datamodule.num_features, datamodule.num_classes)
         best = BestValidation()
-        strategy = DorylusStrategy(executor=args.executor, timeout=datetime.timedelta(seconds=120))
+        strategy = DorylusStrategy(
+            executor=args.executor, timeout=datetime.timedelta(seconds=120), staleness=staleness
+        )
         trainer = Trainer(  # a Trainer and a strategy per seed; the process group is created once
             accelerator="cpu",
             devices=args.servers,
@@ -119,15 +130,22 @@ def main() -> None:
                 "best_val_acc": best.best_val_acc,
                 "best_epoch": best.best_epoch,
                 "fit_s": fit_s,
+                "val_curve": best.val_curve,
             }
         )
     if trainer.global_rank == 0:
-        accs = [r["test_acc"] for r in results]
+        summaries = {}
+        for name, runs in configs.items():
+            accs = [r["test_acc"] for r in runs]
+            curve = [sum(c) / len(c) for c in zip(*(r["val_curve"] for r in runs))]
+            summaries[name] = {"runs": runs, "mean_test_acc": sum(accs) / len(accs), "mean_val_curve": curve}
+        first = summaries[next(iter(summaries))]
         summary = {
             "model": args.model,
             "servers": args.servers,
-            "runs": results,
-            "mean_test_acc": sum(accs) / len(accs),
+            "runs": first["runs"],
+            "mean_test_acc": first["mean_test_acc"],
+            "configs": summaries,
         }
         (args.out / "cora.json").write_text(json.dumps(summary, indent=2))
         print(json.dumps(summary))

@@ -126,6 +126,7 @@ def main() -> None:
     parser.add_argument("--executor", default="inline")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--staleness", type=int, default=None)
+    parser.add_argument("--intervals", default=None, help="'auto' or an int (DorylusStrategy(intervals=...))")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -136,6 +137,11 @@ def main() -> None:
         executor_options=options,
         timeout=datetime.timedelta(seconds=60),
         staleness=args.staleness,
+        intervals=None
+        if args.intervals is None
+        else args.intervals
+        if args.intervals == "auto"
+        else int(args.intervals),
     )
     model = make_model(args.model)
     stale = {}
@@ -145,6 +151,13 @@ def main() -> None:
             exchange = strategy.runtime.stale_exchange if strategy.runtime is not None else None
             if exchange is not None:
                 stale.update(reads=exchange.reads, waits=exchange.waits, max_age=exchange.max_age)
+            if strategy.tuned is not None:
+                stale.update(
+                    tuned_intervals=strategy.tuned.num_intervals, tuned_in_flight=strategy.tuned.max_in_flight
+                )
+                stale.update(
+                    intervals_used=len(pl_module._graphs.context(partitions[trainer.global_rank]).intervals)
+                )
 
     trainer, recorder = train(
         model, partitions, args.epochs, strategy, devices=args.servers, extra=[StaleStats()]
