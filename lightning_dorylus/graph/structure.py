@@ -107,12 +107,15 @@ class AdjacencyBlock:
     Attributes:
         rows: ``(a, b)``.
         adj: ``(b - a, n_local + n_ghost)`` sparse CSR: the interval's rows.
-        adj_t: ``(n_local + n_ghost, b - a)`` sparse CSR: their transpose.
+        adj_t: ``(len(cols), b - a)`` sparse CSR: their transpose, restricted to the columns they touch, so
+            ∇GA of one interval costs its nonzeros, not a full ``(n_local + n_ghost, F)`` product.
+        cols: ``(len(cols),)`` int64: the rows of ``[local; ghost]`` that ``adj_t``'s rows stand for.
     """
 
     rows: tuple[int, int]
     adj: Tensor
     adj_t: Tensor
+    cols: Tensor
 
 
 def interval_blocks(adjacency: GCNAdjacency, intervals: list[tuple[int, int]]) -> list[AdjacencyBlock]:
@@ -125,11 +128,13 @@ def interval_blocks(adjacency: GCNAdjacency, intervals: list[tuple[int, int]]) -
         e0, e1 = int(crow[a]), int(crow[b])
         counts = crow[a + 1 : b + 1] - crow[a:b]
         row = torch.repeat_interleave(torch.arange(b - a, device=crow.device), counts)
+        cols, compact = torch.unique(col[e0:e1], return_inverse=True)
         blocks.append(
             AdjacencyBlock(
                 rows=(a, b),
                 adj=_csr(row, col[e0:e1], value[e0:e1], (b - a, n_total)),
-                adj_t=_csr(col[e0:e1], row, value[e0:e1], (n_total, b - a)),
+                adj_t=_csr(compact, row, value[e0:e1], (cols.numel(), b - a)),
+                cols=cols,
             )
         )
     return blocks

@@ -217,7 +217,8 @@ class GatherApply(torch.autograd.Function):
         wanted = set(bwd.required) | set(bwd.optional)
         saved = {n: t for n, t in [*present.items(), (gather_input, z), *outs.items()] if n in wanted}
         ctx.call, ctx.blocks, ctx.gather_input, ctx.names = call, blocks, gather_input, names
-        ctx.device, ctx.n_full = h_full.device, h_full.size(0)
+        ctx.device, ctx.n_full, ctx.width = h_full.device, h_full.size(0), h_full.size(1)
+        ctx.dtype = h_cpu.dtype
         ctx.has = {f"has_{n}": n in present for n in spec.optional}
         ctx.saved_names, ctx.output_names = tuple(saved), spec.outputs
         ctx.save_for_backward(*saved.values())
@@ -242,15 +243,13 @@ class GatherApply(torch.autograd.Function):
             )
         spans = [(*block.rows, 0, 0) for block in ctx.blocks]
         futures = submit_intervals(call.executor, bwd_name, tensors, attrs, spans)
-        grad_h = None
+        grad_h = torch.zeros((ctx.n_full, ctx.width), dtype=ctx.dtype) if needs_h else None
         outs = []
         for block, future in zip(ctx.blocks, futures):
             out = future.result()
-            if needs_h:
-                part = torch.sparse.mm(
-                    block.adj_t, out.pop(f"grad_{ctx.gather_input}")
-                )  # ∇GA of this interval
-                grad_h = part if grad_h is None else grad_h.add_(part)
+            if grad_h is not None:  # ∇GA of this interval, over the rows it touches
+                part = torch.sparse.mm(block.adj_t, out.pop(f"grad_{ctx.gather_input}"))
+                grad_h.index_add_(0, block.cols, part)
             outs.append(out)
         merged = merge_outputs(bwd, outs)
         result: list[Tensor | None] = [

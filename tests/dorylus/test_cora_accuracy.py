@@ -52,6 +52,7 @@ def epochs_to_reach(curve: list[float], target: float) -> int:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.timeout(1800)
 @pytest.mark.skipif(
     not (PLANETOID / "Cora" / "raw").is_dir(), reason=f"Cora raw files not found in {PLANETOID}"
 )
