@@ -30,6 +30,26 @@ class ExecutorError(RuntimeError):
     """A tensor op could not be run: the executor is closed, a worker died, or the op failed remotely."""
 
 
+class RemoteOpError(ExecutorError):
+    """The op raised inside the executor; ``error_type`` is the remote exception's class name."""
+
+    def __init__(self, message: str, error_type: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+
+
+class RetryableError(ExecutorError):
+    """A failure worth another attempt of the same request.
+
+    ``kind``: ``"throttled"`` (Lambda's HTTP 429; does not use up ``max_attempts``), ``"lost"`` (a worker
+    process or a connection went away), ``"deadline"`` (no result within the per-request deadline).
+    """
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 @dataclass
 class TensorOpRequest:
     """One tensor op on one interval.

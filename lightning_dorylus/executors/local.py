@@ -7,8 +7,9 @@ bytes part 2 sends to AWS Lambda, and never pickles anything.
 
 Flow: ``submit`` encodes the request (zero-copy frames over the tensors' memory) and puts it on one
 queue; one dispatcher thread per worker takes the next request, streams it into its worker, reads the
-reply into a fresh buffer and resolves the future with tensors viewing that buffer (no copy). A worker
-that dies fails its in-flight future with its exit code and is respawned for later requests.
+reply into a fresh buffer and resolves the future with tensors viewing that buffer (no copy). Deadlines,
+retries and straggler relaunch are ``ResilientExecutor``'s, shared with the Lambda executor: a worker that
+dies or hangs is replaced and its request retried, up to ``max_attempts``.
 """
 
 from __future__ import annotations
@@ -25,28 +26,18 @@ import sys
 import tempfile
 import threading
 import weakref
-from concurrent.futures import Future
 from typing import Any
 
-from torch import Tensor
 from typing_extensions import override
 
 from .. import wire
 from ..ops import bundle
-from ..ops.handlers import request_header
-from .base import ExecutorError, TensorOpExecutor, TensorOpRequest, to_tensors
+from .base import ExecutorError, RemoteOpError, RetryableError, to_tensors
+from .resilient import POLICY_FIELDS, Attempt, FaultPolicy, ResilientExecutor
 from .worker import read_message, write_message
 
 _THREAD_ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
                     "VECLIB_MAXIMUM_THREADS")
-
-
-class RemoteOpError(ExecutorError):
-    """The op raised inside the executor; ``error_type`` is the remote exception's class name."""
-
-    def __init__(self, message: str, error_type: str) -> None:
-        super().__init__(message)
-        self.error_type = error_type
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -74,6 +65,7 @@ class _Worker:
 
     def __init__(self, index: int, cmd: list[str], cwd: str, env: dict[str, str], startup_timeout: float):
         self.index = index
+        self.current: Any = None  # the attempt it is running (read by the deadline monitor)
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      bufsize=0)
         for pipe in (self.proc.stdin, self.proc.stdout):
@@ -142,8 +134,14 @@ def _kill_all(workers: list[_Worker]) -> None:
             w.kill()
 
 
-class LocalPoolExecutor(TensorOpExecutor):
+class LocalPoolExecutor(ResilientExecutor):
     """Run ops in a pool of local worker processes, over the Lambda wire format.
+
+    Deadlines, retries and straggler relaunch come from ``ResilientExecutor`` (the same code as the Lambda
+    executor): a worker stuck past ``deadline_s`` is killed and its request retried on a fresh worker; a
+    worker found dead (also one that died while idle) is replaced and the request retried; anything the
+    dispatcher itself hits (``MemoryError`` reading a reply, ``RecursionError``) fails that request, not the
+    dispatcher thread.
 
     Args:
         num_workers: worker processes (>= 1); requests are spread over them as they free up.
@@ -151,14 +149,26 @@ class LocalPoolExecutor(TensorOpExecutor):
             ``num_workers`` workers from oversubscribing the graph server's cores.
         startup_timeout: seconds a worker may take to import numpy and report ready.
         close_timeout: seconds ``close`` waits for in-flight ops before killing workers.
-        respawn: start a new worker when one dies (its in-flight op still fails).
+        respawn: start a new worker when one dies (with ``False`` the pool breaks instead).
+        deadline_s, max_attempts, straggler_ratio, ...: the ``FaultPolicy`` fields (``FaultPolicy`` docs).
+        max_rows: cut each request into pieces of at most this many rows (``None``: never cut; a local pipe
+            has no payload limit).
     """
 
+    name = "local"
+
     def __init__(self, num_workers: int = 2, threads_per_worker: int = 1, startup_timeout: float = 60.0,
-                 close_timeout: float = 10.0, respawn: bool = True) -> None:
+                 close_timeout: float = 10.0, respawn: bool = True, max_rows: int | None = None,
+                 **policy: Any) -> None:
         for name, value in (("num_workers", num_workers), ("threads_per_worker", threads_per_worker)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected an int >= 1")
+        unknown = sorted(set(policy) - POLICY_FIELDS)
+        if unknown:
+            raise TypeError(f"LocalPoolExecutor got unknown option(s) {unknown}; it takes num_workers, "
+                            f"threads_per_worker, startup_timeout, close_timeout, respawn, max_rows and "
+                            f"{sorted(POLICY_FIELDS)}")
+        super().__init__(FaultPolicy(**policy), payload_limit=None, max_rows=max_rows)
         self.num_workers = num_workers
         self.threads_per_worker = threads_per_worker
         self.startup_timeout = startup_timeout
@@ -169,7 +179,7 @@ class LocalPoolExecutor(TensorOpExecutor):
         self._closed = False
         self._workers: list[_Worker] = []
         self._threads: list[threading.Thread] = []
-        self._queue: queue.SimpleQueue[tuple[TensorOpRequest, list[Any], Future] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Attempt | None] = queue.SimpleQueue()
         self._bundle_dir: str | None = None
         self._broken: BaseException | None = None
         self._finalizer: weakref.finalize | None = None
@@ -204,6 +214,7 @@ class LocalPoolExecutor(TensorOpExecutor):
                                      daemon=True)
                 t.start()
                 self._threads.append(t)
+            self._start_monitor()
             self._started = True
 
     def _spawn(self, index: int) -> _Worker:
@@ -216,52 +227,71 @@ class LocalPoolExecutor(TensorOpExecutor):
         return _Worker(index, cmd, os.path.join(self._bundle_dir, "code"), env, self.startup_timeout)
 
     @override
-    def submit(self, request: TensorOpRequest) -> Future[dict[str, Tensor]]:
-        self.start()
-        future: Future[dict[str, Tensor]] = Future()
-        try:
-            _, frames = wire.encode_frames(request_header(request.op, request.attrs, request.interval),
-                                           request.numpy_inputs())
-        except Exception as err:
-            future.set_exception(err)
-            return future
-        self._queue.put((request, frames, future))
+    def _launch(self, attempt: Attempt) -> None:
+        self._queue.put(attempt)
         if self._closed:  # raced with close(): make sure nobody waits forever
             self._fail_queued("LocalPoolExecutor closed before the op ran")
-        return future
+
+    @override
+    def _cancel(self, attempt: Attempt) -> None:
+        worker = attempt.backend
+        if isinstance(worker, _Worker) and worker.current is attempt:
+            worker.kill()  # unblocks its dispatcher (EOF), which replaces the worker
 
     def _dispatch(self, index: int) -> None:
-        while (item := self._queue.get()) is not None:
-            request, frames, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            if self._broken is not None:
-                future.set_exception(ExecutorError(f"op {request.op!r} not run: the pool is broken: "
-                                                   f"{self._broken}"))
-                continue
-            worker = self._workers[index]
+        while (attempt := self._queue.get()) is not None:
             try:
-                header, arrays = worker.call(frames)
-            except (OSError, EOFError, ValueError) as err:
-                code = describe_exit(worker.exit_code())
-                if self._closed:
-                    future.set_exception(ExecutorError(
-                        f"LocalPoolExecutor closed while op {request.op!r} (interval {request.interval}) was "
-                        f"running in worker {index} (pid {worker.pid}, stopped with {code})"))
-                    continue
-                self._replace(index, worker)  # first, so later requests find a live worker
-                future.set_exception(ExecutorError(
-                    f"worker {index} (pid {worker.pid}) died with {code} while running op {request.op!r} "
-                    f"(interval {request.interval}): {type(err).__name__}: {err}"))
-                continue
-            self.requests_per_worker[index] += 1
-            if header.get("ok"):
-                future.set_result(to_tensors(arrays))
-            else:
-                future.set_exception(RemoteOpError(
-                    f"op {request.op!r} (interval {request.interval}) failed in worker {index} "
-                    f"(pid {worker.pid}): {header.get('error_type')}: {header.get('message')}",
-                    str(header.get("error_type"))))
+                self._run(index, attempt)
+            except Exception as err:  # MemoryError, RecursionError, ...: fail this request, keep serving
+                worker = self._workers[index]
+                worker.current = None
+                self._attempt_done(attempt, error=ExecutorError(
+                    f"dispatcher of worker {index} (pid {worker.pid}) failed running "
+                    f"{attempt.call.describe()}: {type(err).__name__}: {err}"))
+                if not self._closed:
+                    self._replace(index, worker)  # its pipe is mid-message: start clean
+
+    def _run(self, index: int, attempt: Attempt) -> None:
+        call = attempt.call
+        if self._broken is not None:
+            self._attempt_done(attempt, error=ExecutorError(
+                f"{call.describe()} not run: the pool is broken: {self._broken}"))
+            return
+        worker = self._workers[index]
+        if worker.proc.poll() is not None and not self._closed:  # died while idle: replace it first
+            self._replace(index, worker)
+            worker = self._workers[index]
+            if self._broken is not None:
+                self._attempt_done(attempt, error=ExecutorError(
+                    f"{call.describe()} not run: the pool is broken: {self._broken}"))
+                return
+        if not self._attempt_started(attempt):
+            return
+        attempt.backend, worker.current = worker, attempt
+        _, frames = wire.encode_frames(call.header, call.piece.inputs)
+        try:
+            header, arrays = worker.call(frames)
+        except (OSError, EOFError, ValueError) as err:
+            worker.current = None
+            code = describe_exit(worker.exit_code())
+            if self._closed:
+                self._attempt_done(attempt, error=ExecutorError(
+                    f"LocalPoolExecutor closed while {call.describe()} was running in worker {index} "
+                    f"(pid {worker.pid}, stopped with {code})"))
+                return
+            self._replace(index, worker)  # first, so later requests find a live worker
+            self._attempt_done(attempt, error=RetryableError(
+                f"worker {index} (pid {worker.pid}) died with {code} while running {call.describe()} "
+                f"(attempt {attempt.number}): {type(err).__name__}: {err}", "lost"))
+            return
+        worker.current = None
+        self.requests_per_worker[index] += 1
+        if header.get("ok"):
+            self._attempt_done(attempt, outputs=to_tensors(arrays))
+        else:
+            self._attempt_done(attempt, error=RemoteOpError(
+                f"{call.describe()} failed in worker {index} (pid {worker.pid}): "
+                f"{header.get('error_type')}: {header.get('message')}", str(header.get("error_type"))))
 
     def _replace(self, index: int, dead: _Worker) -> None:
         dead.kill()
@@ -276,20 +306,17 @@ class LocalPoolExecutor(TensorOpExecutor):
             self._broken = err
 
     def _fail_queued(self, message: str) -> None:
-        """Fail every request still waiting in the queue (stop sentinels are put back)."""
+        """Fail every attempt still waiting in the queue (stop sentinels are put back)."""
         sentinels = 0
         while True:
             try:
-                item = self._queue.get_nowait()
+                attempt = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if item is None:
+            if attempt is None:
                 sentinels += 1
                 continue
-            request, _, future = item
-            if future.set_running_or_notify_cancel():
-                future.set_exception(ExecutorError(f"{message}: op {request.op!r} "
-                                                   f"(interval {request.interval})"))
+            self._attempt_done(attempt, error=ExecutorError(f"{message}: {attempt.call.describe()}"))
         for _ in range(sentinels):
             self._queue.put(None)
 
@@ -309,6 +336,7 @@ class LocalPoolExecutor(TensorOpExecutor):
         for t in self._threads:  # a stopped worker unblocks its dispatcher, which fails its future
             t.join(max(self.close_timeout, _POST_KILL_GRACE_S))
         self._fail_queued("LocalPoolExecutor closed before the op ran")
+        self._stop_monitor("LocalPoolExecutor closed before the op finished")
         if self._finalizer is not None:
             self._finalizer()
 

@@ -13,7 +13,7 @@ bundle's ``lightning_dorylus`` wins over an installed one. Layout::
         ├── wire.py
         ├── ops/
         │   ├── __init__.py
-        │   └── bundle.py  gat.py  handlers.py  vertex.py
+        │   └── bundle.py  gat.py  handlers.py  lambda_entry.py  vertex.py
         └── executors/
             ├── __init__.py         (stub)
             └── worker.py
@@ -21,7 +21,9 @@ bundle's ``lightning_dorylus`` wins over an installed one. Layout::
 The local worker pool runs ``python -S -m lightning_dorylus.executors.worker`` with the bundle as its
 working directory and ``PYTHONPATH`` = a directory made by ``link_numpy`` (``-S``: no site-packages;
 so the worker can import the standard library, numpy and the bundle, and nothing else, as in
-Lambda); part 2 zips the same tree (``write_zip``) for Lambda.
+Lambda); ``write_zip`` zips the same tree as the Lambda deployment package, whose handler is
+``LAMBDA_HANDLER`` (``lambda_handler(event, context)`` in ``ops/lambda_entry.py``; see
+``python -m lightning_dorylus.deploy``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ import zipfile
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # .../lightning_dorylus
+
+#: The Lambda function's handler setting: ``module.function`` inside the zip.
+LAMBDA_HANDLER = "lightning_dorylus.ops.lambda_entry.lambda_handler"
 
 
 def bundle_files() -> list[Path]:
@@ -60,13 +65,20 @@ def write_bundle(root: str | Path) -> Path:
 
 
 def write_zip(path: str | Path) -> Path:
-    """Write the bundle as a zip (a Lambda deployment package, with numpy from a layer)."""
+    """Write the bundle as a zip (a Lambda deployment package, with numpy from a layer).
+
+    Entries get a fixed timestamp and mode, so the same sources give the same bytes (and the same
+    ``CodeSha256`` on AWS: an unchanged bundle is not redeployed).
+    """
     path = Path(path)
+    entries = [(rel.as_posix(), (PACKAGE_DIR.parent / rel).read_bytes()) for rel in bundle_files()]
+    entries += [(name, text.encode()) for name, text in STUB_INITS.items()]
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-        for rel in bundle_files():
-            zf.write(PACKAGE_DIR.parent / rel, rel.as_posix())
-        for name, text in STUB_INITS.items():
-            zf.writestr(name, text)
+        for name, data in sorted(entries):
+            info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            zf.writestr(info, data)
     return path
 
 

@@ -7,11 +7,12 @@ then the activation. Per vertex row, so an interval of rows goes to any executor
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from .spec import OpSpec
+from .spec import OpSpec, Shape
 from .vertex import activate, activation_grad, check_activation
 
 
@@ -75,6 +76,21 @@ def _check(agg: np.ndarray, x: np.ndarray, w_l: np.ndarray, w_r: np.ndarray) -> 
         )
 
 
+def _forward_shapes(s: Mapping[str, Shape], attrs: Mapping[str, Any]) -> dict[str, Shape]:
+    return {"h": (s["agg"][0], s["weight_l"][1])}
+
+
+def _backward_shapes(s: Mapping[str, Shape], attrs: Mapping[str, Any]) -> dict[str, Shape]:
+    out: dict[str, Shape] = {}
+    for name in ("agg", "x"):
+        if attrs.get(f"needs_grad_{name}", True):
+            out[f"grad_{name}"] = tuple(s[name])
+    out.update(grad_weight_l=tuple(s["weight_l"]), grad_weight_r=tuple(s["weight_r"]))
+    if attrs.get("has_bias", False):
+        out["grad_bias"] = (s["weight_l"][1],)
+    return out
+
+
 OPS = {
     "sage.update.forward": OpSpec(
         update_forward,
@@ -84,6 +100,7 @@ OPS = {
         backward="sage.update.backward",
         row_inputs=("agg", "x"),
         row_outputs=("h",),
+        output_shapes=_forward_shapes,
     ),
     "sage.update.backward": OpSpec(
         update_backward,
@@ -93,5 +110,6 @@ OPS = {
         row_outputs=("grad_agg", "grad_x"),
         summed_outputs=("grad_weight_l", "grad_weight_r", "grad_bias"),
         grad_flags=("agg", "x"),
+        output_shapes=_backward_shapes,
     ),
 }

@@ -213,7 +213,7 @@ def test_op_errors_come_back_with_the_handler_message(pool: LocalPoolExecutor) -
     bad = TensorOpRequest("apply_vertex.forward", {"z": torch.ones(2, 3)}, {}, interval=9)
     with pytest.raises(
         RemoteOpError,
-        match=r"op 'apply_vertex.forward' \(interval 9\) failed in worker \d "
+        match=r"op 'apply_vertex.forward' \(interval 9\) \[request \d+\] failed in worker \d "
         r"\(pid \d+\): ValueError: .*missing input\(s\) \['weight'\]",
     ):
         pool.submit(bad).result(timeout=30)
@@ -235,7 +235,7 @@ def test_requests_must_hold_cpu_tensors() -> None:
 
 
 def test_killed_worker_fails_its_future_and_is_replaced() -> None:
-    with LocalPoolExecutor(num_workers=1) as ex:
+    with LocalPoolExecutor(num_workers=1, max_attempts=1) as ex:
         victim = ex.worker_pids[0]
         g = torch.Generator().manual_seed(0)
         big = TensorOpRequest(
@@ -255,7 +255,7 @@ def test_killed_worker_fails_its_future_and_is_replaced() -> None:
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(
             ExecutorError,
-            match=r"worker 0 \(pid \d+\) died with exit code -9 \(SIGKILL\) while "
+            match=r"failed after 1 attempt.*worker 0 \(pid \d+\) died with exit code -9 \(SIGKILL\) while "
             r"running op 'apply_vertex.forward' \(interval 4\)",
         ):
             future.result(timeout=30)

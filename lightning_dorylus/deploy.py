@@ -1,0 +1,142 @@
+"""Deploy the tensor-op handler as an AWS Lambda function (boto3), or just build its zip.
+
+    python -m lightning_dorylus.deploy --dry-run handler.zip
+    python -m lightning_dorylus.deploy --function-name dorylus-tensor-ops \\
+        --role-arn arn:aws:iam::123456789012:role/dorylus-lambda \\
+        --layer-arn arn:aws:lambda:us-east-1:336392948345:layer:AWSSDKPandas-Python312:<version> \\
+        [--region us-east-1] [--memory 1769] [--timeout 60] [--reserved-concurrency 100]
+
+The zip is the handler bundle (``ops/bundle.py``: ``wire.py``, ``ops/*.py`` incl. ``lambda_entry.py``),
+about 20 KB. numpy is NOT vendored: it comes from the AWS-managed "AWS SDK for pandas" layer (numpy is
+one of its packages; its ARN per region and Python version is listed at
+https://aws-sdk-pandas.readthedocs.io/en/stable/layers.html and in SSM under
+``/aws/service/aws-sdk-pandas/<version>/<region>/py3.12/x86_64/layer-arn``), which keeps function plus
+layers far under Lambda's 250 MB unzipped limit (the layer is about 150 MB unzipped). The function is
+created if missing, else its code and configuration are updated. Credentials come from boto3's chain
+(environment, ``~/.aws``, instance role) and are never printed. ``--print-iam`` prints the role and policies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from lightning_dorylus.ops import bundle
+
+#: Lambda's limits on a deployment package.
+ZIP_UPLOAD_LIMIT = 50 * 1024 * 1024  # direct upload (ZipFile=...)
+UNZIPPED_LIMIT = 250 * 1024 * 1024  # function + layers, unzipped
+RUNTIME = "python3.12"
+
+TRUST_POLICY = {
+    "Version": "2012-10-17",
+    "Statement": [{"Effect": "Allow", "Principal": {"Service": "lambda.amazonaws.com"},
+                   "Action": "sts:AssumeRole"}],
+}
+
+
+def graph_server_policy(function_arn: str, bucket: str | None) -> dict[str, Any]:
+    """What the graph servers' credentials need: invoke the function, and (for payloads over 6 MB)
+    put/get/delete objects in the staging bucket (the handler reads and writes via presigned URLs, so
+    the function's own role needs no S3 access)."""
+    statements: list[dict[str, Any]] = [
+        {"Effect": "Allow", "Action": "lambda:InvokeFunction", "Resource": function_arn}]
+    if bucket:
+        statements.append({"Effect": "Allow", "Action": ["s3:PutObject", "s3:GetObject", "s3:DeleteObject"],
+                           "Resource": f"arn:aws:s3:::{bucket}/dorylus/*"})
+    return {"Version": "2012-10-17", "Statement": statements}
+
+
+def build_zip(path: str | Path) -> tuple[Path, int, int]:
+    """Write the deployment zip; returns ``(path, zipped bytes, unzipped bytes)``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    bundle.check_imports()
+    bundle.write_zip(path)
+    with zipfile.ZipFile(path) as zf:
+        unzipped = sum(info.file_size for info in zf.infolist())
+    return path, path.stat().st_size, unzipped
+
+
+def deploy(zip_bytes: bytes, function_name: str, role_arn: str, layer_arns: list[str], region: str | None,
+           memory: int, timeout: int, endpoint_url: str | None = None,
+           reserved_concurrency: int | None = None) -> dict[str, Any]:
+    """Create or update the function; returns its configuration (``FunctionArn``, ``CodeSha256``, ...)."""
+    import boto3
+
+    client = boto3.client("lambda", region_name=region, endpoint_url=endpoint_url)
+    config = {"Role": role_arn, "Handler": bundle.LAMBDA_HANDLER, "Runtime": RUNTIME, "MemorySize": memory,
+              "Timeout": timeout, "Layers": layer_arns,
+              "Environment": {"Variables": {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}}}
+    try:
+        client.get_function(FunctionName=function_name)
+        exists = True
+    except client.exceptions.ResourceNotFoundException:
+        exists = False
+    if exists:
+        client.update_function_code(FunctionName=function_name, ZipFile=zip_bytes)
+        client.get_waiter("function_updated").wait(FunctionName=function_name)
+        result = client.update_function_configuration(FunctionName=function_name, **config)
+    else:
+        result = client.create_function(FunctionName=function_name, Code={"ZipFile": zip_bytes},
+                                        Architectures=["x86_64"], **config)
+    if reserved_concurrency is not None:
+        client.put_function_concurrency(FunctionName=function_name,
+                                        ReservedConcurrentExecutions=reserved_concurrency)
+    return result
+
+
+def _check_memory(value: str) -> int:
+    mb = int(value)
+    if not 128 <= mb <= 10240:
+        raise argparse.ArgumentTypeError(f"--memory {mb}: Lambda allows 128..10240 MB")
+    return mb
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_dorylus.deploy", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", metavar="ZIP", help="only write the deployment zip to ZIP")
+    parser.add_argument("--function-name", default="dorylus-tensor-ops")
+    parser.add_argument("--role-arn", help="execution role (see --print-iam)")
+    parser.add_argument("--layer-arn", action="append", default=[],
+                        help="numpy layer, e.g. AWS SDK for pandas, python3.12, your region (repeatable)")
+    parser.add_argument("--region", default=None, help="AWS region (default: boto3's configuration)")
+    parser.add_argument("--memory", type=_check_memory, default=1769, help="MB; 1769 MB = one full vCPU")
+    parser.add_argument("--timeout", type=int, default=60, help="function timeout in seconds (max 900)")
+    parser.add_argument("--reserved-concurrency", type=int, default=None)
+    parser.add_argument("--endpoint-url", default=None, help="Lambda API endpoint (tests: a local one)")
+    parser.add_argument("--bucket", default=None, help="S3 staging bucket, for the printed policy")
+    parser.add_argument("--print-iam", action="store_true", help="print the IAM trust policy and policies")
+    args = parser.parse_args(argv)
+
+    out = Path(args.dry_run) if args.dry_run else Path.cwd() / "dorylus-handler.zip"
+    path, zipped, unzipped = build_zip(out)
+    print(f"built {path}: {zipped} bytes zipped, {unzipped} bytes unzipped "
+          f"(Lambda: {ZIP_UPLOAD_LIMIT >> 20} MB upload, {UNZIPPED_LIMIT >> 20} MB unzipped incl. layers; "
+          f"numpy comes from the layer)")
+    if args.print_iam or not args.dry_run:
+        print("execution role trust policy (attach AWSLambdaBasicExecutionRole for logs):")
+        print(json.dumps(TRUST_POLICY, indent=2))
+        arn = f"arn:aws:lambda:{args.region or '<region>'}:<account>:function:{args.function_name}"
+        print("policy for the graph servers' credentials:")
+        print(json.dumps(graph_server_policy(arn, args.bucket), indent=2))
+    if args.dry_run:
+        return 0
+    if not args.role_arn or not args.layer_arn:
+        parser.error("deploying needs --role-arn and --layer-arn (a layer with numpy; see --help)")
+    if not 1 <= args.timeout <= 900:
+        parser.error(f"--timeout {args.timeout}: Lambda allows 1..900 seconds")
+    result = deploy(path.read_bytes(), args.function_name, args.role_arn, args.layer_arn, args.region,
+                    args.memory, args.timeout, args.endpoint_url, args.reserved_concurrency)
+    print(f"deployed {result.get('FunctionArn')} (CodeSha256 {result.get('CodeSha256')}, "
+          f"{result.get('MemorySize')} MB, timeout {result.get('Timeout')} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

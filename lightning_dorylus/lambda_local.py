@@ -1,0 +1,282 @@
+"""A local AWS Lambda Invoke endpoint that runs the real handler zip (development and tests).
+
+moto and LocalStack run handlers only inside Docker; this serves the one API the Lambda executor uses,
+on 127.0.0.1 only, with the deployment zip from ``python -m lightning_dorylus.deploy --dry-run``::
+
+    python -m lightning_dorylus.lambda_local --zip handler.zip [--port 0] [--concurrency 4]
+
+It prints ``READY port=<port>`` once it listens. Point boto3 at it with ``endpoint_url`` (any dummy
+credentials). What it does, like Lambda:
+
+* ``POST /2015-03-31/functions/{name}/invocations`` (``RequestResponse``): runs ``lambda_handler`` in one
+  of ``--concurrency`` runtime processes (``python -S`` with only the zip and numpy importable, see
+  ``lambda_runtime.py``); every function name runs the same zip;
+* a handler exception: HTTP 200 with ``X-Amz-Function-Error: Unhandled`` and
+  ``{"errorMessage", "errorType", "stackTrace"}``; a runtime that dies: ``Runtime.ExitError``; a response
+  over 6 MB: ``Function.ResponseSizeTooLarge``; past ``--timeout``: ``Sandbox.Timedout``;
+* a request body over 6 MB: HTTP 413 ``RequestEntityTooLargeException``;
+* more concurrent invocations than ``--concurrency``: HTTP 429 ``TooManyRequestsException``.
+
+Test faults, per function name: ``POST /_control/faults`` with ``{"function": name, "throttle": n,
+"delay_s": s, "delay_count": n, "exit": n}`` makes the next ``n`` invocations answer 429 / start ``s``
+seconds late / kill their runtime; ``GET /_control/stats?function=name`` returns the counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from lightning_dorylus import lambda_runtime
+from lightning_dorylus.ops import bundle
+
+PAYLOAD_LIMIT = 6 * 1024 * 1024  # Lambda's synchronous invoke limit, request and response
+_INVOKE = re.compile(r"^/2015-03-31/functions/([^/]+)/invocations$")
+
+
+class _Runtime:
+    """One runtime process (a warm Lambda sandbox)."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], startup_timeout: float) -> None:
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        if not self._wait_readable(startup_timeout):
+            self.kill()
+            raise RuntimeError(f"lambda runtime (pid {self.proc.pid}) did not start within "
+                               f"{startup_timeout} s")
+        hello = lambda_runtime.read_frame(self.proc.stdout)  # type: ignore[arg-type]
+        if hello is None or not json.loads(hello).get("ready"):
+            code = self.proc.wait()
+            raise RuntimeError(f"lambda runtime (pid {self.proc.pid}) failed to start: exit code {code}")
+
+    def _wait_readable(self, timeout: float) -> bool:
+        return bool(select.select([self.proc.stdout], [], [], timeout)[0])
+
+    def invoke(self, event: Any, exit_now: bool, timeout: float) -> dict[str, Any] | None:
+        """The runtime's reply; ``None`` if it died; raises TimeoutError past ``timeout``."""
+        try:
+            lambda_runtime.write_frame(self.proc.stdin, {"event": event, "exit": exit_now})  # type: ignore[arg-type]
+            if not self._wait_readable(timeout):
+                raise TimeoutError
+            frame = lambda_runtime.read_frame(self.proc.stdout)  # type: ignore[arg-type]
+        except (OSError, EOFError):
+            return None
+        return None if frame is None else json.loads(frame)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+class LocalLambda:
+    """The runtime pool, concurrency limit, faults and counters behind the HTTP server."""
+
+    def __init__(self, zip_path: str, concurrency: int, timeout: float,
+                 startup_timeout: float = 60.0) -> None:
+        if not Path(zip_path).is_file():
+            raise FileNotFoundError(f"--zip {zip_path}: no such file (build it with python -m "
+                                    f"lightning_dorylus.deploy --dry-run {zip_path})")
+        if concurrency < 1:
+            raise ValueError(f"--concurrency {concurrency}: expected >= 1")
+        self.timeout = timeout
+        self.startup_timeout = startup_timeout
+        self._dir = tempfile.mkdtemp(prefix="dorylus-lambda-local-")
+        shutil.copyfile(lambda_runtime.__file__, os.path.join(self._dir, "lambda_runtime.py"))
+        site = bundle.link_numpy(os.path.join(self._dir, "site"))
+        self._env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "PYTHON"))}
+        self._env.update(PYTHONPATH=os.pathsep.join([str(Path(zip_path).resolve()), str(site)]),
+                         OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        self._cmd = [sys.executable, "-S", os.path.join(self._dir, "lambda_runtime.py"),
+                     bundle.LAMBDA_HANDLER]
+        self._slots = threading.BoundedSemaphore(concurrency)
+        self._idle: queue.SimpleQueue[_Runtime] = queue.SimpleQueue()
+        for _ in range(concurrency):
+            self._idle.put(_Runtime(self._cmd, self._env, startup_timeout))
+        self._lock = threading.Lock()
+        self._faults: dict[str, dict[str, float]] = {}
+        self._stats: dict[str, dict[str, int]] = {}
+
+    def _count(self, function: str, key: str) -> None:
+        with self._lock:
+            stats = self._stats.setdefault(function, {})
+            stats[key] = stats.get(key, 0) + 1
+
+    def set_faults(self, function: str, faults: dict[str, float]) -> None:
+        with self._lock:
+            self._faults.setdefault(function, {}).update(faults)
+
+    def stats(self, function: str) -> dict[str, int]:
+        with self._lock:
+            return dict(self._stats.get(function, {}))
+
+    def _take_fault(self, function: str, key: str) -> bool:
+        with self._lock:
+            faults = self._faults.get(function, {})
+            if faults.get(key, 0) > 0:
+                faults[key] -= 1
+                return True
+            return False
+
+    def invoke(self, function: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+        """(status, headers, body) of one Invoke call."""
+        self._count(function, "requests")
+        if len(body) > PAYLOAD_LIMIT:
+            self._count(function, "too_large")
+            return _error(413, "RequestEntityTooLargeException",
+                          f"Request must be smaller than {PAYLOAD_LIMIT} bytes for the InvokeFunction "
+                          f"operation")
+        try:
+            event = json.loads(body or b"{}")
+        except ValueError:
+            return _error(400, "InvalidRequestContentException", "Could not parse request body into json")
+        if self._take_fault(function, "throttle") or not self._slots.acquire(blocking=False):
+            self._count(function, "throttled")
+            return _error(429, "TooManyRequestsException", "Rate Exceeded.",
+                          Reason="ReservedFunctionConcurrentInvocationLimitExceeded")
+        try:
+            if self._take_fault(function, "delay_count"):
+                self._count(function, "delayed")
+                time.sleep(self._faults[function].get("delay_s", 0.0))
+            return self._run(function, event)
+        finally:
+            self._slots.release()
+
+    def _run(self, function: str, event: Any) -> tuple[int, dict[str, str], bytes]:
+        request_id = str(uuid.uuid4())
+        runtime = self._idle.get()
+        reply = None
+        try:
+            reply = runtime.invoke(event, self._take_fault(function, "exit"), self.timeout)
+        except TimeoutError:
+            reply = {"ok": False, "errorType": "Sandbox.Timedout",
+                     "errorMessage": f"RequestId: {request_id} Error: Task timed out after "
+                                     f"{self.timeout} seconds"}
+        finally:
+            if reply is None or reply.get("errorType") == "Sandbox.Timedout":
+                code = runtime.proc.poll()
+                runtime.kill()
+                if reply is None:
+                    reply = {"ok": False, "errorType": "Runtime.ExitError",
+                             "errorMessage": f"RequestId: {request_id} Error: Runtime exited with error: "
+                                             f"exit status {code}"}
+                runtime = _Runtime(self._cmd, self._env, self.startup_timeout)
+            self._idle.put(runtime)
+        headers = {"X-Amz-Executed-Version": "$LATEST", "x-amzn-RequestId": request_id}
+        if reply.get("ok"):
+            out = json.dumps(reply["result"], separators=(",", ":")).encode()
+            if len(out) <= PAYLOAD_LIMIT:
+                self._count(function, "ok")
+                return 200, headers, out
+            reply = {"errorType": "Function.ResponseSizeTooLarge",
+                     "errorMessage": f"Response payload size ({len(out)} bytes) exceeded maximum allowed "
+                                     f"payload size ({PAYLOAD_LIMIT} bytes)."}
+        self._count(function, "errors")
+        err = {k: reply[k] for k in ("errorMessage", "errorType", "stackTrace") if k in reply}
+        return 200, {**headers, "X-Amz-Function-Error": "Unhandled"}, json.dumps(err).encode()
+
+    def close(self) -> None:
+        while True:
+            try:
+                self._idle.get_nowait().kill()
+            except queue.Empty:
+                break
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _error(status: int, code: str, message: str, **extra: str) -> tuple[int, dict[str, str], bytes]:
+    body = json.dumps({"Type": "User", "message": message, **extra}).encode()
+    return status, {"x-amzn-ErrorType": code}, body
+
+
+def make_server(backend: LocalLambda, port: int = 0) -> ThreadingHTTPServer:
+    """An HTTP server on 127.0.0.1:``port`` (0: a free port) in front of ``backend``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as botocore's connection pool expects
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def _send(self, status: int, headers: dict[str, str], body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _body(self) -> bytes:
+            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+        def do_POST(self) -> None:
+            path = urlsplit(self.path).path
+            body = self._body()
+            if path == "/_control/faults":
+                faults = json.loads(body)
+                backend.set_faults(str(faults.pop("function")), {k: float(v) for k, v in faults.items()})
+                self._send(200, {}, b"{}")
+                return
+            match = _INVOKE.match(path)
+            if match is None:
+                self._send(*_error(404, "UnknownOperationException", f"no such operation: POST {path}"))
+                return
+            kind = self.headers.get("X-Amz-Invocation-Type", "RequestResponse")
+            if kind != "RequestResponse":
+                self._send(*_error(400, "InvalidParameterValueException",
+                                   f"lambda_local serves InvocationType RequestResponse only, got {kind}"))
+                return
+            self._send(*backend.invoke(unquote(match.group(1)), body))
+
+        def do_GET(self) -> None:
+            url = urlsplit(self.path)
+            if url.path == "/_control/stats":
+                function = parse_qs(url.query).get("function", [""])[0]
+                self._send(200, {}, json.dumps(backend.stats(function)).encode())
+                return
+            self._send(*_error(404, "UnknownOperationException", f"no such operation: GET {url.path}"))
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server.daemon_threads = True
+    return server
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lightning_dorylus.lambda_local", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--zip", required=True, help="deployment zip (deploy --dry-run ZIP)")
+    parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: a free one)")
+    parser.add_argument("--concurrency", type=int, default=4,
+                        help="runtime processes = concurrent invocations")
+    parser.add_argument("--timeout", type=float, default=900.0, help="function timeout in seconds")
+    args = parser.parse_args(argv)
+    backend = LocalLambda(args.zip, args.concurrency, args.timeout)
+    server = make_server(backend, args.port)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # kill PID: clean up runtimes and the temp dir
+    print(f"READY port={server.server_address[1]}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        backend.close()
+
+
+if __name__ == "__main__":
+    main()
