@@ -60,6 +60,7 @@ def test_report_prints_sync_over_stale_ratios_last(capsys: pytest.CaptureFixture
     assert capsys.readouterr().out.strip().splitlines()[-1] == "async_speedup=2.00 s0_speedup=1.50"
 
 
+@pytest.mark.slow  # 7 fresh processes (prepare + 3 configurations x 2 servers): ~1 min quiet, 3+ min loaded
 @pytest.mark.multiprocess
 def test_benchmark_tiny_size_prints_the_summary_line(tmp_path: Path) -> None:
     """The whole benchmark (prepare, then 3 configurations x 2 graph servers) on a 600-vertex graph."""
