@@ -8,10 +8,10 @@ with Lightning.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dorylus._warnings import filter_lightning_leafspec_warning
-from lightning_dorylus.models import GAT, GCN
+from lightning_dorylus.models import GAT, GCN, GraphSAGE
 from lightning_dorylus.strategy import DorylusStrategy
 
 filter_lightning_leafspec_warning()
 DorylusStrategy.register_strategies(StrategyRegistry)  # guarded: a second import registers nothing
 
-__all__ = ["GAT", "GCN", "DorylusStrategy"]
+__all__ = ["GAT", "GCN", "DorylusStrategy", "GraphSAGE"]

@@ -55,9 +55,11 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from typing_extensions import override
 
+from lightning_dorylus.autotune import TimedExecutor, TuneResult, autotune
 from lightning_dorylus.data.partition import GraphPartition
 from lightning_dorylus.executors import EXECUTORS, TensorOpExecutor, build_executor
-from lightning_dorylus.graph import GhostExchange
+from lightning_dorylus.graph import GhostExchange, GraphCache
+from lightning_dorylus.graph.stale import StaleGhostExchange
 from lightning_dorylus.nn import DorylusLayer, DorylusRuntime
 from lightning_dorylus.threads import limit_server_threads
 
@@ -93,6 +95,20 @@ class DorylusStrategy(ParallelStrategy):
             environment's ``OMP_NUM_THREADS`` if set, else available cores / graph servers on this machine
             (``lightning_dorylus.threads``). A BLAS library whose own variable (``OPENBLAS_NUM_THREADS``...)
             the user set keeps that count.
+        staleness: ``None`` (default): synchronous, layer by layer; exactly the single-process computation.
+            ``0``: the pipeline engine: each layer's GA and AV run per interval so the graph server's GA of
+            one interval overlaps the executor's AV of others (forward and backward); values stay exact.
+            ``S >= 1``: also bounded-stale SC/∇SC while training: ghost rows and ghost gradients may be up
+            to ``S`` epochs old, so a graph server waits for a peer only when it is more than ``S`` epochs
+            behind (see ``docs/dorylus.md``, "Bounded asynchrony"). Validation, test and checkpoints first
+            drain the exchange and then run synchronously.
+        intervals: ``None`` (default): each partition's own intervals (the DataModule's ``interval_size``);
+            an int ``k``: every partition cut into ``k`` even intervals; ``"auto"``: the first training epoch
+            runs on the partition's intervals while every request is timed, then ``k`` and ``max_in_flight``
+            are chosen from the measured latency and per-row cost (:mod:`lightning_dorylus.autotune`;
+            logged). An explicit ``max_in_flight`` overrides the tuned one.
+        max_in_flight: At most this many tensor-op requests in flight per graph server (``None``: no cap,
+            or the tuned value with ``intervals="auto"``).
     """
 
     strategy_name = "dorylus"
@@ -111,6 +127,9 @@ class DorylusStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         mmap_threshold: int | None = 1 << 20,
         num_threads: int | None = None,
+        staleness: int | None = None,
+        intervals: int | Literal["auto"] | None = None,
+        max_in_flight: int | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -146,6 +165,20 @@ class DorylusStrategy(ParallelStrategy):
                                         or num_threads < 1):
             raise ValueError(f"num_threads={num_threads!r} must be None (automatic) or an integer >= 1")
         self._num_threads = num_threads
+        if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int)
+                                      or staleness < 0):
+            raise ValueError(f"staleness={staleness!r}: expected None (synchronous) or an int >= 0")
+        self._staleness = staleness
+        if not (intervals is None or intervals == "auto" or _positive_int(intervals)):
+            raise ValueError(f"intervals={intervals!r}: expected None, 'auto' or an int >= 1")
+        if max_in_flight is not None and not _positive_int(max_in_flight):
+            raise ValueError(f"max_in_flight={max_in_flight!r}: expected None or an int >= 1")
+        self._intervals = intervals
+        self._max_in_flight = max_in_flight
+        self._timed: TimedExecutor | None = None
+        self.tuned: TuneResult | None = None
+        self._stale_group: Any | None = None
+        self._runtime: DorylusRuntime | None = None
         self._mmap_threshold = mmap_threshold
         self._executor_spec = executor
         self._executor_options = dict(executor_options or {})
@@ -275,9 +308,87 @@ class DorylusStrategy(ParallelStrategy):
             self._executor = build_executor(spec, **self._executor_options) if isinstance(spec, str) else spec
         self._executor.start()
         self._exchange = GhostExchange()
-        runtime = DorylusRuntime(executor=self._executor, exchange=self._exchange)
-        for layer in layers:
-            layer.attach(runtime)
+        stale = None
+        if self._staleness and self.world_size > 1:
+            if self._stale_group is None:  # its own group: stale P2P never interleaves with collectives
+                self._stale_group = dist.new_group(backend="gloo")
+            stale = StaleGhostExchange(self._staleness, self._stale_group)
+        executor: TensorOpExecutor = self._executor
+        if self._intervals is not None or self._max_in_flight is not None:
+            self._timed = TimedExecutor(self._executor, self._max_in_flight)
+            executor = self._timed
+            self._set_num_intervals(None if self._intervals == "auto" else self._intervals)  # type: ignore[arg-type]
+        runtime = DorylusRuntime(
+            executor=executor, exchange=self._exchange, staleness=self._staleness, stale_exchange=stale
+        )
+        self._runtime = runtime
+        for index, layer in enumerate(layers):
+            layer.attach(runtime, layer_index=index)
+
+    @property
+    def staleness(self) -> int | None:
+        """``None`` (synchronous) or the bound ``S`` of the pipeline engine."""
+        return self._staleness
+
+    @property
+    def runtime(self) -> DorylusRuntime | None:
+        """What the layers run on (``None`` outside ``setup`` .. ``teardown``)."""
+        return self._runtime
+
+    def drain(self) -> None:
+        """Waits for every stale SC/∇SC message in flight (before evaluation and checkpoints)."""
+        if self._runtime is not None and self._runtime.stale_exchange is not None:
+            self._runtime.stale_exchange.drain()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._runtime is not None and self.lightning_module is not None:
+            epoch = self.lightning_module.current_epoch
+            self._runtime.epoch = epoch  # stamps this step's stale messages
+            if self._intervals == "auto" and self._timed is not None and self.tuned is None:
+                if epoch == 0 or len(self._timed.samples) < 2:
+                    self._timed.recording = True  # measure the first epoch(s) on the partition's intervals
+                else:
+                    self._autotune(args[0] if args else kwargs.get("batch"))
+        return super().training_step(*args, **kwargs)
+
+    def _autotune(self, batch: Any) -> None:
+        """Choose intervals and requests in flight from the timed requests (this graph server's own)."""
+        assert self._timed is not None
+        self._timed.recording = False
+        inner = self._executor
+        workers = getattr(inner, "num_workers", None)  # local pool; a wrapper's inner pool; else 1
+        workers = workers or getattr(getattr(inner, "inner", None), "num_workers", 1)
+        self.tuned = autotune(self._timed.samples, max(1, int(batch.n_local)), int(workers))
+        self._set_num_intervals(self.tuned.num_intervals)
+        self._timed.set_max_in_flight(self._max_in_flight or self.tuned.max_in_flight)
+
+    def _set_num_intervals(self, num_intervals: int | None) -> None:
+        graphs = getattr(self.lightning_module, "_graphs", None)
+        if isinstance(graphs, GraphCache):
+            graphs.set_num_intervals(num_intervals)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.drain()
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.drain()
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.drain()
+        return super().predict_step(*args, **kwargs)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        self.drain()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _dorylus_layers(self) -> list[DorylusLayer]:
         module = self.lightning_module
@@ -377,8 +488,10 @@ class DorylusStrategy(ParallelStrategy):
             layer.attach(None)
         if self._executor is not None and isinstance(self._executor_spec, str):
             self._executor.close()
+        self.drain()
         self._executor = None
         self._exchange = None
+        self._runtime = None
         super().teardown()
 
     @classmethod
@@ -404,6 +517,10 @@ class DorylusStrategy(ParallelStrategy):
 
 _MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's HEAP_MAX_SIZE / 2 on 64-bit
 _M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def set_mmap_threshold(threshold: int) -> bool:

@@ -41,6 +41,11 @@ def gcn_gather(h_full: Tensor, adjacency: GCNAdjacency) -> Tensor:
     return _SparseGather.apply(h_full, adjacency.adj, adjacency.adj_t)
 
 
+def mean_gather(h_full: Tensor, adjacency: GCNAdjacency) -> Tensor:
+    """GA for GraphSAGE: ``(n_local, F)`` mean of each vertex's in-neighbour rows (local and ghost)."""
+    return gcn_gather(h_full, adjacency)
+
+
 def attention_gather(h_full: Tensor, attention: Tensor, edges: SelfLoopEdges, n_local: int) -> Tensor:
     """GA for GAT: ``out[i, k] = Σ_{j -> i} attention[e, k] * h[j, k]`` per head.
 

@@ -85,6 +85,61 @@ def _csr(row: Tensor, col: Tensor, value: Tensor, size: tuple[int, int]) -> Tens
         return torch.sparse_csr_tensor(crow, cols, values, size, check_invariants=False)
 
 
+def mean_adjacency(partition: GraphPartition, dtype: torch.dtype) -> GCNAdjacency:
+    """GraphSAGE's mean aggregation as a matrix: row ``i`` holds ``1 / in_degree(i)`` per in-edge ``j -> i``.
+
+    The partition holds every in-edge of its local vertices, so the degree is the global one and each row
+    equals the full graph's (PyG's ``SAGEConv(aggr="mean")`` over ``edge_index`` as given; no in-edges: 0).
+    """
+    n_local, n_total = partition.n_local, partition.n_local + partition.n_ghost
+    src, dst = partition.edge_index
+    deg = torch.bincount(dst, minlength=n_local).to(torch.float64).clamp_min(1.0)
+    value = (1.0 / deg)[dst].to(dtype)
+    return GCNAdjacency(
+        adj=_csr(dst, src, value, (n_local, n_total)), adj_t=_csr(src, dst, value, (n_total, n_local))
+    )
+
+
+@dataclass
+class AdjacencyBlock:
+    """Rows ``a:b`` (one vertex interval) of an adjacency, and its transpose, for per-interval GA and ∇GA.
+
+    Attributes:
+        rows: ``(a, b)``.
+        adj: ``(b - a, n_local + n_ghost)`` sparse CSR: the interval's rows.
+        adj_t: ``(len(cols), b - a)`` sparse CSR: their transpose, restricted to the columns they touch, so
+            ∇GA of one interval costs its nonzeros, not a full ``(n_local + n_ghost, F)`` product.
+        cols: ``(len(cols),)`` int64: the rows of ``[local; ghost]`` that ``adj_t``'s rows stand for.
+    """
+
+    rows: tuple[int, int]
+    adj: Tensor
+    adj_t: Tensor
+    cols: Tensor
+
+
+def interval_blocks(adjacency: GCNAdjacency, intervals: list[tuple[int, int]]) -> list[AdjacencyBlock]:
+    """Cut ``adjacency.adj`` into one row block per interval (and transpose each), once per partition."""
+    adj = adjacency.adj
+    crow, col, value = adj.crow_indices().long(), adj.col_indices().long(), adj.values()
+    n_total = adj.size(1)
+    blocks = []
+    for a, b in intervals:
+        e0, e1 = int(crow[a]), int(crow[b])
+        counts = crow[a + 1 : b + 1] - crow[a:b]
+        row = torch.repeat_interleave(torch.arange(b - a, device=crow.device), counts)
+        cols, compact = torch.unique(col[e0:e1], return_inverse=True)
+        blocks.append(
+            AdjacencyBlock(
+                rows=(a, b),
+                adj=_csr(row, col[e0:e1], value[e0:e1], (b - a, n_total)),
+                adj_t=_csr(compact, row, value[e0:e1], (cols.numel(), b - a)),
+                cols=cols,
+            )
+        )
+    return blocks
+
+
 def self_loop_edges(partition: GraphPartition) -> SelfLoopEdges:
     """In-edges without self loops plus one self loop per local vertex (as PyG's GATConv)."""
     n_local = partition.n_local
@@ -110,8 +165,11 @@ class GraphContext:
 
     partition: GraphPartition
     _gcn: dict[torch.dtype, GCNAdjacency] = field(default_factory=dict, repr=False)
+    _mean: dict[torch.dtype, GCNAdjacency] = field(default_factory=dict, repr=False)
     _loops: SelfLoopEdges | None = field(default=None, repr=False)
+    _blocks: dict[tuple[str, torch.dtype], list[AdjacencyBlock]] = field(default_factory=dict, repr=False)
     _intervals: list[tuple[int, int]] | None = field(default=None, repr=False)
+    num_intervals: int | None = None  # None: the partition's own interval_ptr; k: k even intervals (autotune)
     _nonzeros: tuple[tuple, tuple[Tensor, Tensor] | None] | None = field(default=None, repr=False)
 
     def feature_nonzeros(self, max_density: float = 0.25) -> tuple[Tensor, Tensor] | None:
@@ -135,6 +193,22 @@ class GraphContext:
             self._gcn[dtype] = gcn_adjacency(self.partition, dtype)
         return self._gcn[dtype]
 
+    def mean(self, dtype: torch.dtype) -> GCNAdjacency:
+        """The mean-aggregation matrix (GraphSAGE) with values of ``dtype`` (built on first use)."""
+        if dtype not in self._mean:
+            self._mean[dtype] = mean_adjacency(self.partition, dtype)
+        return self._mean[dtype]
+
+    def blocks(self, kind: str, dtype: torch.dtype) -> list[AdjacencyBlock]:
+        """Per-interval row blocks of the ``"gcn"`` or ``"mean"`` adjacency (built on first use)."""
+        key = (kind, dtype)
+        if key not in self._blocks:
+            if kind not in ("gcn", "mean"):
+                raise ValueError(f"kind={kind!r}: expected 'gcn' or 'mean'")
+            adjacency = self.gcn(dtype) if kind == "gcn" else self.mean(dtype)
+            self._blocks[key] = interval_blocks(adjacency, self.intervals)
+        return self._blocks[key]
+
     @property
     def self_loops(self) -> SelfLoopEdges:
         """The self-loop-augmented in-edge list (built on first use)."""
@@ -142,9 +216,21 @@ class GraphContext:
             self._loops = self_loop_edges(self.partition)
         return self._loops
 
+    def set_num_intervals(self, num_intervals: int | None) -> None:
+        """Re-cut the local vertices into ``num_intervals`` even intervals (``None``: the partition's own)."""
+        if num_intervals is not None and num_intervals < 1:
+            raise ValueError(f"num_intervals={num_intervals} must be None or >= 1")
+        if num_intervals != self.num_intervals:
+            self.num_intervals, self._intervals = num_intervals, None
+            self._blocks.clear()
+
     @property
     def intervals(self) -> list[tuple[int, int]]:
         """Non-empty local vertex intervals ``(start, end)``: the unit of work sent to the executor."""
+        if self._intervals is None and self.num_intervals is not None:
+            n, k = self.partition.n_local, max(1, min(self.num_intervals, self.partition.n_local))
+            bounds = [i * n // k for i in range(k + 1)]
+            self._intervals = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
         if self._intervals is None:
             ptr = self.partition.interval_ptr.tolist()
             if not ptr or ptr[0] != 0 or ptr[-1] != self.partition.n_local:
@@ -171,6 +257,13 @@ class GraphCache:
     def __init__(self, max_entries: int = 4) -> None:
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple, GraphContext] = OrderedDict()
+        self.num_intervals: int | None = None
+
+    def set_num_intervals(self, num_intervals: int | None) -> None:
+        """Cut every partition seen from now on (and those cached) into ``num_intervals`` even intervals."""
+        self.num_intervals = num_intervals
+        for ctx in self._entries.values():
+            ctx.set_num_intervals(num_intervals)
 
     def context(self, partition: GraphPartition) -> GraphContext:
         """The context of ``partition``: cached structures if its graph was seen, this batch's tensors."""
@@ -185,7 +278,7 @@ class GraphCache:
         )
         cached = self._entries.get(key)
         if cached is None:
-            cached = GraphContext(partition)
+            cached = GraphContext(partition, num_intervals=self.num_intervals)
             self._entries[key] = cached
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)

@@ -3,5 +3,6 @@
 from lightning_dorylus.models.base import NodeClassifier
 from lightning_dorylus.models.gat import GAT
 from lightning_dorylus.models.gcn import GCN
+from lightning_dorylus.models.sage import GraphSAGE
 
-__all__ = ["GAT", "GCN", "NodeClassifier"]
+__all__ = ["GAT", "GCN", "GraphSAGE", "NodeClassifier"]

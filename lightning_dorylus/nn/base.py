@@ -9,8 +9,9 @@ A layer is composed from four verbs, named as in the paper, with PyG's names alo
 * **AE** ``apply_edge`` — per-edge tensor work (GAT attention), per interval on the executor.
 
 To write a new layer, subclass :class:`DorylusLayer`, keep the weights as parameters, and write ``forward``
-as a sequence of these calls; send dense work through an ``autograd.Function`` like those in
-:mod:`lightning_dorylus.nn.functions` (forward and backward each a named executor op with explicit inputs).
+as a sequence of these calls; send dense work through :func:`lightning_dorylus.nn.functions.tensor_op`, which
+runs any op declared as an ``OpSpec`` in ``lightning_dorylus/ops/`` (numpy forward and backward, declared
+once) per interval on the executor and differentiates it (see ``SAGEConv``).
 
 The runtime (executor + ghost exchange) is injected by :class:`~lightning_dorylus.DorylusStrategy`; without it
 (``strategy="auto"``: one process, one partition, no ghosts) a layer creates an inline executor on first use.
@@ -20,10 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from lightning_dorylus.executors import TensorOpExecutor, build_executor
 from lightning_dorylus.graph import GhostExchange, GraphContext
+from lightning_dorylus.graph.stale import StaleGhostExchange
 
 
 @dataclass
@@ -32,11 +35,23 @@ class DorylusRuntime:
 
     Attributes:
         executor: Runs the AV/AE requests (and their backward ops).
-        exchange: Moves boundary rows to ghosts (SC) and ghost gradients back (∇SC).
+        exchange: Moves boundary rows to ghosts (SC) and ghost gradients back (∇SC), synchronously.
+        staleness: ``None``: synchronous layer-by-layer ops; ``S >= 0``: per-interval GA -> AV pipeline, and
+            for ``S >= 1`` training SC/∇SC through ``stale_exchange`` (ghosts at most ``S`` epochs old).
+        stale_exchange: The bounded-stale exchange (``S >= 1`` only).
+        epoch: The training epoch the next forward belongs to (set by the strategy each step).
     """
 
     executor: TensorOpExecutor
     exchange: GhostExchange
+    staleness: int | None = None
+    stale_exchange: StaleGhostExchange | None = None
+    epoch: int = 0
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether layers run the per-interval GA -> AV pipeline (any ``staleness`` but ``None``)."""
+        return self.staleness is not None
 
 
 class DorylusLayer(nn.Module):
@@ -45,10 +60,15 @@ class DorylusLayer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._runtime: DorylusRuntime | None = None
+        self.layer_index = 0
 
-    def attach(self, runtime: DorylusRuntime | None) -> None:
-        """Uses ``runtime`` for all later forwards (``None`` detaches: back to the lazy inline runtime)."""
+    def attach(self, runtime: DorylusRuntime | None, layer_index: int = 0) -> None:
+        """Uses ``runtime`` for all later forwards (``None`` detaches: back to the lazy inline runtime).
+
+        ``layer_index`` (the same on every graph server) tags this layer's stale SC messages.
+        """
         self._runtime = runtime
+        self.layer_index = layer_index
 
     @property
     def runtime(self) -> DorylusRuntime:
@@ -61,7 +81,16 @@ class DorylusLayer(nn.Module):
 
     def scatter(self, h_local: Tensor, graph: GraphContext) -> Tensor:
         """SC: ``(n_local, ...) -> (n_local + n_ghost, ...)``: own rows, then ghost rows from their owners."""
-        return self.runtime.exchange.fill_ghosts(h_local, graph.partition)
+        runtime = self.runtime
+        partition = graph.partition
+        if (
+            runtime.stale_exchange is not None
+            and partition.num_parts > 1
+            and self.training
+            and torch.is_grad_enabled()
+        ):
+            return runtime.stale_exchange.fill_ghosts(h_local, partition, self.layer_index, runtime.epoch)
+        return runtime.exchange.fill_ghosts(h_local, partition)
 
     def __getstate__(self) -> dict:
         # an executor (worker processes, sockets) must never be copied or pickled with the module

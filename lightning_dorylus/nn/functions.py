@@ -1,233 +1,275 @@
-"""Tensor operations (ApplyVertex, ApplyEdge) as autograd nodes whose work is done by a tensor-op executor.
+"""Every tensor op (ApplyVertex, ApplyEdge) as ONE autograd node whose work is done by a tensor-op executor.
 
-Each forward cuts its input into the partition's vertex intervals, sends one request per interval through
-``executor.map`` (so a pool or a fleet of Lambdas works on them in parallel) and concatenates the results.
-Each backward sends the mirrored op (``*.backward``) per interval with everything it needs passed explicitly
+The op's :class:`~lightning_dorylus.ops.spec.OpSpec` says how it splits over the partition's vertex intervals
+(row, edge and pointer inputs; concatenated and summed outputs) and which op is its backward, so this module
+is the only place that slices inputs, submits one request per interval and puts the results back together
+(:func:`submit_intervals`, :func:`merge_outputs`); the pipeline engine submits per interval through the same
+two functions. The backward sends the mirrored op per interval with everything it needs passed explicitly
 (inputs, weights, saved outputs, output gradients); weight gradients come back per interval and are summed on
 the graph server. No autograd state crosses the executor boundary, only named arrays.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_dorylus.executors import TensorOpExecutor, TensorOpRequest
+from lightning_dorylus.ops.handlers import OPS
+from lightning_dorylus.ops.spec import OpSpec
+
+Span = tuple[int, int, int, int]  # rows a:b, edges e0:e1 of one interval
+
+
+def op_spec(op: str) -> OpSpec:
+    """The declaration of ``op``; raises naming the valid ops."""
+    spec = OPS.get(op)
+    if spec is None:
+        raise ValueError(f"unknown op {op!r}; valid ops are {sorted(OPS)}")
+    return spec
+
+
+def interval_spans(
+    spec: OpSpec, tensors: dict[str, Tensor], intervals: Sequence[tuple[int, int]]
+) -> list[Span]:
+    """``(a, b, e0, e1)`` per interval (edge span from the op's CSR pointer input; 0, 0 for vertex-only ops).
+
+    No intervals (an empty partition) gives one empty span, so the op still runs once and the outputs get
+    their widths.
+    """
+    ptr = tensors[spec.ptr_inputs[0]].tolist() if spec.ptr_inputs else None
+    spans = [(a, b, ptr[a], ptr[b]) if ptr else (a, b, 0, 0) for a, b in intervals]
+    return spans or [(0, 0, 0, 0)]
+
+
+def slice_inputs(spec: OpSpec, tensors: dict[str, Tensor], span: Span) -> dict[str, Tensor]:
+    """One interval's inputs: rows ``[a:b]``, edges ``[e0:e1]``, pointers rebased, the rest whole."""
+    a, b, e0, e1 = span
+    out = {}
+    for name, t in tensors.items():
+        kind = spec.split_kind(name)
+        if kind == "row":
+            out[name] = t[a:b]
+        elif kind == "edge":
+            out[name] = t[e0:e1]
+        elif kind == "ptr":
+            out[name] = (t[a : b + 1] - e0).contiguous()
+        else:
+            out[name] = t
+    return out
+
+
+def submit_intervals(
+    executor: TensorOpExecutor,
+    op: str,
+    tensors: dict[str, Tensor],
+    attrs: dict[str, Any],
+    spans: Sequence[Span],
+    first_interval: int = 0,
+) -> list[Future[dict[str, Tensor]]]:
+    """One request per span, all submitted before any is waited for (so they run concurrently)."""
+    spec = op_spec(op)
+    return [
+        executor.submit(
+            TensorOpRequest(op, slice_inputs(spec, tensors, span), attrs, interval=first_interval + i)
+        )
+        for i, span in enumerate(spans)
+    ]
+
+
+def merge_outputs(spec: OpSpec, outs: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Concatenate row/edge outputs and add up summed outputs, over the intervals' results (in order)."""
+    merged: dict[str, Tensor] = {}
+    for name in outs[0]:
+        parts = [o[name] for o in outs]
+        if spec.merge_kind(name) == "sum":
+            total = parts[0].clone()
+            for part in parts[1:]:
+                total += part
+            merged[name] = total
+        else:
+            merged[name] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return merged
+
+
+def run_intervals(
+    executor: TensorOpExecutor,
+    op: str,
+    tensors: dict[str, Tensor],
+    attrs: dict[str, Any],
+    intervals: Sequence[tuple[int, int]],
+) -> dict[str, Tensor]:
+    """Run ``op`` on every interval (CPU tensors in and out) and merge the results."""
+    spec = op_spec(op)
+    futures = submit_intervals(executor, op, tensors, attrs, interval_spans(spec, tensors, intervals))
+    return merge_outputs(spec, [f.result() for f in futures])
 
 
 def _cpu(t: Tensor) -> Tensor:
     return t.detach().to("cpu").contiguous()
 
 
-def _cat(parts: list[Tensor], like: Tensor, width: tuple[int, ...]) -> Tensor:
-    if not parts:
-        return like.new_zeros((0, *width))
-    return torch.cat(parts, dim=0).to(like.device)
+@dataclass
+class OpCall:
+    """Where and how to run one differentiable tensor op: op name, executor, intervals, JSON attrs."""
+
+    op: str
+    executor: TensorOpExecutor
+    intervals: Sequence[tuple[int, int]]
+    attrs: dict[str, Any] = field(default_factory=dict)
 
 
-def _sum(parts: list[Tensor], like: Tensor) -> Tensor:
-    total = parts[0].clone()
-    for part in parts[1:]:
-        total += part
-    return total.to(like.device)
+class TensorOp(torch.autograd.Function):
+    """``op`` forward per interval on the executor; its declared backward op per interval in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, call: OpCall, names: tuple[str, ...], *values: Tensor | None) -> tuple[Tensor, ...]:
+        spec = op_spec(call.op)
+        if spec.backward is None:
+            raise ValueError(f"op {call.op!r} is not a forward op (it declares no backward)")
+        present = {n: _cpu(v) for n, v in zip(names, values) if v is not None}
+        outs = run_intervals(call.executor, call.op, present, call.attrs, call.intervals)
+        device = next(v.device for v in values if v is not None)
+        bwd = op_spec(spec.backward)
+        wanted = set(bwd.required) | set(bwd.optional)
+        saved = {n: t for n, t in (*present.items(), *outs.items()) if n in wanted}
+        ctx.call, ctx.names, ctx.device = call, names, device
+        ctx.has = {f"has_{n}": n in present for n in spec.optional}
+        ctx.saved_names = tuple(saved)
+        ctx.output_names = spec.outputs
+        ctx.output_like = {n: (tuple(outs[n].shape), outs[n].dtype) for n in spec.outputs}
+        ctx.save_for_backward(*saved.values())
+        return tuple(outs[n].to(device) for n in spec.outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        call: OpCall = ctx.call
+        bwd_name = op_spec(call.op).backward
+        assert bwd_name is not None
+        bwd = op_spec(bwd_name)
+        saved = dict(zip(ctx.saved_names, ctx.saved_tensors))
+        tensors: dict[str, Tensor] = {}
+        for out_name, grad in zip(ctx.output_names, grads):
+            key = f"grad_{out_name}"
+            if key in bwd.required or key in bwd.optional:
+                shape, dtype = ctx.output_like[out_name]
+                tensors[key] = _cpu(grad) if grad is not None else torch.zeros(shape, dtype=dtype)
+        tensors.update({n: t for n, t in saved.items() if n in bwd.required or n in bwd.optional})
+        attrs = {**call.attrs, **ctx.has}
+        needs = dict(zip(ctx.names, ctx.needs_input_grad[2:]))
+        for name in bwd.grad_flags:
+            attrs[f"needs_grad_{name}"] = bool(needs.get(name, False))
+        outs = run_intervals(call.executor, bwd_name, tensors, attrs, call.intervals)
+        del tensors, saved  # the inputs are no longer needed once the results are back
+        result: list[Tensor | None] = [None, None]
+        for name, need in needs.items():
+            grad = outs.get(f"grad_{name}")
+            result.append(grad.to(ctx.device) if need and grad is not None else None)
+        return tuple(result)
 
 
-class ApplyVertex(torch.autograd.Function):
-    """AV: ``h = act(z @ weight + bias)`` per interval on the executor (op ``apply_vertex``)."""
+def tensor_op(call: OpCall, **tensors: Tensor | None) -> tuple[Tensor, ...]:
+    """Differentiable ``call.op`` on named tensors (``None`` = an absent optional input); outputs in the
+    order of the op's declared ``outputs``."""
+    names = tuple(tensors)
+    return TensorOp.apply(call, names, *tensors.values())
+
+
+class GatherApply(torch.autograd.Function):
+    """GA then AV, pipelined per interval: the engine's unit of overlap between graph and tensor work.
+
+    Forward: for interval ``i``, GA ``z_i = Â[a:b] h_full`` on the server, then submit AV ``op`` on it at
+    once, then go on with interval ``i + 1``'s GA while ``i``'s request is in flight. Backward: every
+    interval's ``*.backward`` request is submitted at once; as each comes back (in interval order, so sums
+    are deterministic) its ∇GA ``Â[a:b]ᵀ grad_z_i`` is added into ``grad_h_full`` while later intervals are
+    still in flight. Same values as GA then :class:`TensorOp` (the backward's sum runs per interval).
+    """
 
     @staticmethod
     def forward(
         ctx: Any,
-        z: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        executor: TensorOpExecutor,
-        intervals: list[tuple[int, int]],
-        activation: str,
-    ) -> Tensor:
-        z_cpu, w_cpu = _cpu(z), _cpu(weight)
-        shared = {"weight": w_cpu} if bias is None else {"weight": w_cpu, "bias": _cpu(bias)}
-        requests = [
-            TensorOpRequest(
-                "apply_vertex.forward", {"z": z_cpu[a:b], **shared}, {"activation": activation}, interval=i
-            )
-            for i, (a, b) in enumerate(intervals)
-        ]
-        h_cpu = _cat([out["h"] for out in executor.map(requests)], w_cpu, (weight.size(1),))
-        ctx.executor, ctx.intervals, ctx.activation, ctx.has_bias = (
-            executor,
-            intervals,
-            activation,
-            bias is not None,
-        )
-        ctx.save_for_backward(z_cpu, w_cpu, h_cpu)
-        ctx.device = z.device
-        return h_cpu.to(z.device)
+        call: OpCall,
+        blocks: list,
+        gather_input: str,
+        h_full: Tensor,
+        names: tuple[str, ...],
+        *values: Tensor | None,
+    ) -> tuple[Tensor, ...]:
+        spec = op_spec(call.op)
+        assert spec.backward is not None
+        present = {n: _cpu(v) for n, v in zip(names, values) if v is not None}
+        h_cpu = _cpu(h_full)
+        futures, zs = [], []
+        for i, block in enumerate(blocks):
+            a, b = block.rows
+            z_i = torch.sparse.mm(block.adj, h_cpu)  # GA of this interval
+            zs.append(z_i)
+            inputs = {gather_input: z_i, **slice_inputs(spec, present, (a, b, 0, 0))}
+            futures.append(call.executor.submit(TensorOpRequest(call.op, inputs, call.attrs, interval=i)))
+        outs = merge_outputs(spec, [f.result() for f in futures])
+        z = torch.cat(zs) if len(zs) > 1 else zs[0]
+        bwd = op_spec(spec.backward)
+        wanted = set(bwd.required) | set(bwd.optional)
+        saved = {n: t for n, t in [*present.items(), (gather_input, z), *outs.items()] if n in wanted}
+        ctx.call, ctx.blocks, ctx.gather_input, ctx.names = call, blocks, gather_input, names
+        ctx.device, ctx.n_full, ctx.width = h_full.device, h_full.size(0), h_full.size(1)
+        ctx.dtype = h_cpu.dtype
+        ctx.has = {f"has_{n}": n in present for n in spec.optional}
+        ctx.saved_names, ctx.output_names = tuple(saved), spec.outputs
+        ctx.save_for_backward(*saved.values())
+        return tuple(outs[n].to(h_full.device) for n in spec.outputs)
 
     @staticmethod
-    def backward(ctx: Any, grad_h: Tensor) -> tuple[Tensor | None, ...]:
-        z_cpu, w_cpu, h_cpu = ctx.saved_tensors
-        g_cpu = _cpu(grad_h)
-        needs_grad_z = bool(ctx.needs_input_grad[0])  # False for a first layer: features need no gradient
-        attrs = {"activation": ctx.activation, "has_bias": ctx.has_bias, "needs_grad_z": needs_grad_z}
-        requests = [
-            TensorOpRequest(
-                "apply_vertex.backward",
-                {"z": z_cpu[a:b], "weight": w_cpu, "h": h_cpu[a:b], "grad_h": g_cpu[a:b]},
-                attrs,
-                interval=i,
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        call: OpCall = ctx.call
+        bwd_name = op_spec(call.op).backward
+        bwd = op_spec(bwd_name)
+        tensors = dict(zip(ctx.saved_names, ctx.saved_tensors))
+        for out_name, grad in zip(ctx.output_names, grads):
+            key = f"grad_{out_name}"
+            if key in bwd.required or key in bwd.optional:
+                tensors[key] = _cpu(grad)
+        attrs = {**call.attrs, **ctx.has}
+        needs = dict(zip(ctx.names, ctx.needs_input_grad[5:]))
+        needs_h = bool(ctx.needs_input_grad[3])
+        for name in bwd.grad_flags:
+            attrs[f"needs_grad_{name}"] = (
+                needs_h if name == ctx.gather_input else bool(needs.get(name, False))
             )
-            for i, (a, b) in enumerate(ctx.intervals)
-        ]
-        outs = ctx.executor.map(requests)
-        del z_cpu, h_cpu, g_cpu, requests  # the inputs are no longer needed once the results are back
-        grad_z = None
-        if needs_grad_z:
-            grad_z = _cat([o.pop("grad_z") for o in outs], w_cpu, (w_cpu.size(0),)).to(ctx.device)
-        grad_w = _sum([o["grad_weight"] for o in outs], w_cpu) if outs else torch.zeros_like(w_cpu)
-        grad_b = None
-        if ctx.has_bias:
-            grad_b = _sum([o["grad_bias"] for o in outs], w_cpu) if outs else w_cpu.new_zeros(w_cpu.size(1))
-            grad_b = grad_b.to(ctx.device)
-        return grad_z, grad_w.to(ctx.device), grad_b, None, None, None
-
-
-class GATProject(torch.autograd.Function):
-    """GAT's AV: ``h = x @ weight`` and per-head scores ``alpha_src``, ``alpha_dst`` (op ``gat.project``)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: Tensor,
-        weight: Tensor,
-        att_src: Tensor,
-        att_dst: Tensor,
-        executor: TensorOpExecutor,
-        intervals: list[tuple[int, int]],
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        x_cpu = _cpu(x)
-        params = {"weight": _cpu(weight), "att_src": _cpu(att_src), "att_dst": _cpu(att_dst)}
-        requests = [
-            TensorOpRequest("gat.project.forward", {"x": x_cpu[a:b], **params}, {}, interval=i)
-            for i, (a, b) in enumerate(intervals)
-        ]
-        outs = executor.map(requests)
-        heads = att_src.size(0)
-        h_cpu = _cat([o["h"] for o in outs], x_cpu, (weight.size(1),))
-        a_src = _cat([o["alpha_src"] for o in outs], x_cpu, (heads,))
-        a_dst = _cat([o["alpha_dst"] for o in outs], x_cpu, (heads,))
-        ctx.executor, ctx.intervals, ctx.device = executor, intervals, x.device
-        ctx.save_for_backward(x_cpu, params["weight"], params["att_src"], params["att_dst"], h_cpu)
-        return h_cpu.to(x.device), a_src.to(x.device), a_dst.to(x.device)
-
-    @staticmethod
-    def backward(
-        ctx: Any, grad_h: Tensor | None, grad_a_src: Tensor | None, grad_a_dst: Tensor | None
-    ) -> tuple[Tensor | None, ...]:
-        x_cpu, w_cpu, att_src, att_dst, h_cpu = ctx.saved_tensors
-        g_h = _cpu(grad_h) if grad_h is not None else torch.zeros_like(h_cpu)
-        n, heads = h_cpu.size(0), att_src.size(0)
-        g_src = _cpu(grad_a_src) if grad_a_src is not None else h_cpu.new_zeros((n, heads))
-        g_dst = _cpu(grad_a_dst) if grad_a_dst is not None else h_cpu.new_zeros((n, heads))
-        shared = {"weight": w_cpu, "att_src": att_src, "att_dst": att_dst}
-        needs_grad_x = bool(ctx.needs_input_grad[0])  # False for a first layer: features need no gradient
-        requests = [
-            TensorOpRequest(
-                "gat.project.backward",
-                {
-                    "x": x_cpu[a:b],
-                    **shared,
-                    "h": h_cpu[a:b],
-                    "grad_h": g_h[a:b],
-                    "grad_alpha_src": g_src[a:b],
-                    "grad_alpha_dst": g_dst[a:b],
-                },
-                {"needs_grad_x": needs_grad_x},
-                interval=i,
-            )
-            for i, (a, b) in enumerate(ctx.intervals)
-        ]
-        outs = ctx.executor.map(requests)
-        dev = ctx.device
-        grad_x = None
-        if needs_grad_x:
-            grad_x = _cat([o["grad_x"] for o in outs], x_cpu, (x_cpu.size(1),)).to(dev)
-        if not outs:
-            zeros = (torch.zeros_like(w_cpu), torch.zeros_like(att_src), torch.zeros_like(att_dst))
-            return grad_x, *(z.to(dev) for z in zeros), None, None
-        return (
-            grad_x,
-            _sum([o["grad_weight"] for o in outs], w_cpu).to(dev),
-            _sum([o["grad_att_src"] for o in outs], w_cpu).to(dev),
-            _sum([o["grad_att_dst"] for o in outs], w_cpu).to(dev),
+        spans = [(*block.rows, 0, 0) for block in ctx.blocks]
+        futures = submit_intervals(call.executor, bwd_name, tensors, attrs, spans)
+        grad_h = torch.zeros((ctx.n_full, ctx.width), dtype=ctx.dtype) if needs_h else None
+        outs = []
+        for block, future in zip(ctx.blocks, futures):
+            out = future.result()
+            if grad_h is not None:  # ∇GA of this interval, over the rows it touches
+                part = torch.sparse.mm(block.adj_t, out.pop(f"grad_{ctx.gather_input}"))
+                grad_h.index_add_(0, block.cols, part)
+            outs.append(out)
+        merged = merge_outputs(bwd, outs)
+        result: list[Tensor | None] = [
             None,
             None,
-        )
-
-
-class ApplyEdge(torch.autograd.Function):
-    """AE: GAT attention per interval: softmax over each dst's in-edges of ``leaky_relu(a_src + a_dst)``."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        alpha_src_e: Tensor,
-        alpha_dst: Tensor,
-        dst_ptr: Tensor,
-        executor: TensorOpExecutor,
-        intervals: list[tuple[int, int]],
-        negative_slope: float,
-    ) -> Tensor:
-        src_cpu, dst_cpu, ptr_cpu = _cpu(alpha_src_e), _cpu(alpha_dst), _cpu(dst_ptr)
-        attrs = {"negative_slope": negative_slope}
-        requests, spans = [], []
-        for i, (a, b) in enumerate(intervals):
-            e0, e1 = int(ptr_cpu[a]), int(ptr_cpu[b])
-            spans.append((a, b, e0, e1))
-            requests.append(
-                TensorOpRequest(
-                    "apply_edge.forward",
-                    {
-                        "alpha_src_e": src_cpu[e0:e1],
-                        "alpha_dst": dst_cpu[a:b],
-                        "dst_ptr": (ptr_cpu[a : b + 1] - e0).contiguous(),
-                    },
-                    attrs,
-                    interval=i,
-                )
-            )
-        att = _cat([o["attention"] for o in executor.map(requests)], src_cpu, (src_cpu.size(1),))
-        if att.size(0) != src_cpu.size(0):
-            raise RuntimeError(
-                f"intervals cover {att.size(0)} of {src_cpu.size(0)} edges; they must cover all"
-            )
-        ctx.executor, ctx.spans, ctx.attrs, ctx.device = executor, spans, attrs, alpha_src_e.device
-        ctx.save_for_backward(src_cpu, dst_cpu, ptr_cpu, att)
-        return att.to(alpha_src_e.device)
-
-    @staticmethod
-    def backward(ctx: Any, grad_att: Tensor) -> tuple[Tensor | None, ...]:
-        src_cpu, dst_cpu, ptr_cpu, att = ctx.saved_tensors
-        g_cpu = _cpu(grad_att)
-        requests = [
-            TensorOpRequest(
-                "apply_edge.backward",
-                {
-                    "alpha_src_e": src_cpu[e0:e1],
-                    "alpha_dst": dst_cpu[a:b],
-                    "dst_ptr": (ptr_cpu[a : b + 1] - e0).contiguous(),
-                    "attention": att[e0:e1],
-                    "grad_attention": g_cpu[e0:e1],
-                },
-                ctx.attrs,
-                interval=i,
-            )
-            for i, (a, b, e0, e1) in enumerate(ctx.spans)
+            None,
+            grad_h.to(ctx.device) if grad_h is not None else None,
+            None,
         ]
-        outs = ctx.executor.map(requests)
-        heads = src_cpu.size(1)
-        grad_src = _cat([o["grad_alpha_src_e"] for o in outs], src_cpu, (heads,)).to(ctx.device)
-        grad_dst = _cat([o["grad_alpha_dst"] for o in outs], dst_cpu, (heads,)).to(ctx.device)
-        return grad_src, grad_dst, None, None, None, None
+        for name, need in needs.items():
+            grad = merged.get(f"grad_{name}")
+            result.append(grad.to(ctx.device) if need and grad is not None else None)
+        return tuple(result)
+
+
+def gather_apply(
+    call: OpCall, blocks: list, gather_input: str, h_full: Tensor, **tensors: Tensor | None
+) -> tuple[Tensor, ...]:
+    """Differentiable per-interval-pipelined GA (``blocks``) + AV ``call.op``; the GA result feeds input
+    ``gather_input``; other row inputs and the weights are ``tensors``."""
+    if not blocks:
+        raise ValueError("gather_apply needs at least one interval")
+    return GatherApply.apply(call, blocks, gather_input, h_full, tuple(tensors), *tensors.values())

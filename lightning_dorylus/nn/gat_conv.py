@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from lightning_dorylus.graph import GraphContext, attention_gather
 from lightning_dorylus.nn.base import DorylusLayer
 from lightning_dorylus.nn.dropout import edge_ids, row_dropout
-from lightning_dorylus.nn.functions import ApplyEdge, GATProject
+from lightning_dorylus.nn.functions import OpCall, tensor_op
 
 
 class GATConv(DorylusLayer):
@@ -67,9 +67,8 @@ class GATConv(DorylusLayer):
 
     def apply_vertex(self, x: Tensor, graph: GraphContext) -> tuple[Tensor, Tensor, Tensor]:
         """AV (PyG ``lin`` + attention scores): ``h (n, H*C)``, ``alpha_src (n, H)``, ``alpha_dst (n, H)``."""
-        return GATProject.apply(
-            x, self.weight, self.att_src, self.att_dst, self.runtime.executor, graph.intervals
-        )
+        call = OpCall("gat.project.forward", self.runtime.executor, graph.intervals)
+        return tensor_op(call, x=x, weight=self.weight, att_src=self.att_src, att_dst=self.att_dst)
 
     def apply_edge(
         self, alpha_src_full: Tensor, alpha_dst: Tensor, graph: GraphContext, dropout_key: int | None = None
@@ -81,8 +80,10 @@ class GATConv(DorylusLayer):
         """
         edges = graph.self_loops
         alpha_src_e = alpha_src_full.index_select(0, edges.src)  # (E', H): the server gathers source scores
-        attention = ApplyEdge.apply(
-            alpha_src_e, alpha_dst, edges.dst_ptr, self.runtime.executor, graph.intervals, self.negative_slope
+        attrs = {"negative_slope": self.negative_slope}
+        call = OpCall("apply_edge.forward", self.runtime.executor, graph.intervals, attrs)
+        (attention,) = tensor_op(
+            call, alpha_src_e=alpha_src_e, alpha_dst=alpha_dst, dst_ptr=edges.dst_ptr
         )
         if not self.training or self.dropout == 0.0:
             return attention

@@ -10,9 +10,12 @@ from torch import Tensor, nn
 
 from lightning_dorylus.graph import GraphContext, gcn_gather
 from lightning_dorylus.nn.base import DorylusLayer
-from lightning_dorylus.nn.functions import ApplyVertex
+from lightning_dorylus.nn.functions import OpCall, gather_apply, tensor_op
+from lightning_dorylus.ops.vertex import ACTIVATIONS
 
-ACTIVATIONS = ("relu", "elu", "none")
+#: The server-side (torch) form of each activation the executors' numpy code implements.
+TORCH_ACTIVATIONS = {"relu": F.relu, "elu": F.elu, "none": lambda z: z}
+assert tuple(TORCH_ACTIVATIONS) == ACTIVATIONS
 ORDERS = ("auto", "gather_first", "weight_first")
 
 
@@ -73,23 +76,20 @@ class GCNConv(DorylusLayer):
 
     def apply_vertex(self, z: Tensor, graph: GraphContext) -> Tensor:
         """AV (PyG ``update``): ``act(z W + b)`` for each interval of rows, on the executor."""
-        return ApplyVertex.apply(
-            z, self.weight, self.bias, self.runtime.executor, graph.intervals, self.activation
-        )
+        attrs = {"activation": self.activation}
+        call = OpCall("apply_vertex.forward", self.runtime.executor, graph.intervals, attrs)
+        return tensor_op(call, z=z, weight=self.weight, bias=self.bias)[0]
 
     def project(self, x: Tensor, graph: GraphContext) -> Tensor:
         """AV of the weight-first order (PyG ``lin``): ``x W`` for each interval of rows, on the executor."""
-        return ApplyVertex.apply(x, self.weight, None, self.runtime.executor, graph.intervals, "none")
+        call = OpCall("apply_vertex.forward", self.runtime.executor, graph.intervals, {"activation": "none"})
+        return tensor_op(call, z=x, weight=self.weight)[0]
 
     def update(self, z: Tensor) -> Tensor:
         """The weight-first order's last step, on the server: ``act(z + b)`` (elementwise, cheap)."""
         if self.bias is not None:
             z = z + self.bias
-        if self.activation == "relu":
-            return F.relu(z)
-        if self.activation == "elu":
-            return F.elu(z)
-        return z
+        return TORCH_ACTIVATIONS[self.activation](z)
 
     def forward(self, x: Tensor, graph: GraphContext) -> Tensor:
         """``(n_local, F_in) -> (n_local, F_out)``.
@@ -103,6 +103,11 @@ class GCNConv(DorylusLayer):
             p_full = self.scatter(p, graph)  # SC: (n_local + n_ghost, F_out)
             return self.update(self.gather(p_full, graph))  # GA, then bias + activation: (n_local, F_out)
         h_full = self.scatter(x, graph)  # SC of the previous layer's output: (n_local + n_ghost, F_in)
+        if self.runtime.pipelined and graph.intervals:  # GA and AV pipelined per interval
+            attrs = {"activation": self.activation}
+            call = OpCall("apply_vertex.forward", self.runtime.executor, graph.intervals, attrs)
+            blocks = graph.blocks("gcn", h_full.dtype)
+            return gather_apply(call, blocks, "z", h_full, weight=self.weight, bias=self.bias)[0]
         z = self.gather(h_full, graph)  # GA: (n_local, F_in)
         return self.apply_vertex(z, graph)  # AV: (n_local, F_out)
 

@@ -12,9 +12,12 @@ Edges of an interval arrive sorted by destination with an interval-local CSR poi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from .spec import OpSpec, Shape
 
 
 def project_forward(inputs: dict[str, np.ndarray], attrs: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -143,3 +146,52 @@ def _check_project(x: np.ndarray, weight: np.ndarray, att_src: np.ndarray,
 def _check_shape(name: str, arr: np.ndarray, expected: tuple[int, ...]) -> None:
     if arr.shape != tuple(expected):
         raise ValueError(f"{name} has shape {arr.shape}; expected {tuple(expected)}")
+
+
+def _project_forward_shapes(s: Mapping[str, Shape], attrs: Mapping[str, Any]) -> dict[str, Shape]:
+    n, heads = s["x"][0], s["att_src"][0]
+    return {"h": (n, s["weight"][1]), "alpha_src": (n, heads), "alpha_dst": (n, heads)}
+
+
+def _project_backward_shapes(s: Mapping[str, Shape], attrs: Mapping[str, Any]) -> dict[str, Shape]:
+    out: dict[str, Shape] = {}
+    if attrs.get("needs_grad_x", True):
+        out["grad_x"] = tuple(s["x"])
+    out.update(grad_weight=tuple(s["weight"]), grad_att_src=tuple(s["att_src"]),
+               grad_att_dst=tuple(s["att_dst"]))
+    return out
+
+
+def _edge_forward_shapes(s: Mapping[str, Shape], attrs: Mapping[str, Any]) -> dict[str, Shape]:
+    return {"attention": tuple(s["alpha_src_e"])}
+
+
+def _edge_backward_shapes(s: Mapping[str, Shape], attrs: Mapping[str, Any]) -> dict[str, Shape]:
+    return {"grad_alpha_src_e": tuple(s["alpha_src_e"]), "grad_alpha_dst": tuple(s["alpha_dst"])}
+
+
+OPS = {
+    "gat.project.forward": OpSpec(project_forward, ("x", "weight", "att_src", "att_dst"),
+                                  outputs=("h", "alpha_src", "alpha_dst"), backward="gat.project.backward",
+                                  row_inputs=("x",), row_outputs=("h", "alpha_src", "alpha_dst"),
+                                  output_shapes=_project_forward_shapes),
+    "gat.project.backward": OpSpec(project_backward, ("x", "weight", "att_src", "att_dst", "h", "grad_h",
+                                                      "grad_alpha_src", "grad_alpha_dst"),
+                                   outputs=("grad_x", "grad_weight", "grad_att_src", "grad_att_dst"),
+                                   row_inputs=("x", "h", "grad_h", "grad_alpha_src", "grad_alpha_dst"),
+                                   row_outputs=("grad_x",),
+                                   summed_outputs=("grad_weight", "grad_att_src", "grad_att_dst"),
+                                   grad_flags=("x",), output_shapes=_project_backward_shapes),
+    "apply_edge.forward": OpSpec(apply_edge_forward, ("alpha_src_e", "alpha_dst", "dst_ptr"),
+                                 integer_inputs=("dst_ptr",), outputs=("attention",),
+                                 backward="apply_edge.backward", dst_inputs=("alpha_dst",),
+                                 edge_inputs=("alpha_src_e",), ptr_inputs=("dst_ptr",),
+                                 edge_outputs=("attention",), output_shapes=_edge_forward_shapes),
+    "apply_edge.backward": OpSpec(apply_edge_backward, ("alpha_src_e", "alpha_dst", "dst_ptr", "attention",
+                                                        "grad_attention"),
+                                  integer_inputs=("dst_ptr",), outputs=("grad_alpha_src_e", "grad_alpha_dst"),
+                                  dst_inputs=("alpha_dst",), edge_inputs=("alpha_src_e", "attention",
+                                                                          "grad_attention"),
+                                  ptr_inputs=("dst_ptr",), edge_outputs=("grad_alpha_src_e",),
+                                  dst_outputs=("grad_alpha_dst",), output_shapes=_edge_backward_shapes),
+}

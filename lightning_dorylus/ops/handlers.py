@@ -21,108 +21,29 @@ gat.project.bwd    x, weight, att_src, att_dst, h, grad_h, grad_alpha_src,   [gr
 apply_edge.fwd     alpha_src_e, alpha_dst, dst_ptr; attrs negative_slope     attention
 apply_edge.bwd     alpha_src_e, alpha_dst, dst_ptr, attention,               grad_alpha_src_e,
                    grad_attention; attrs negative_slope                      grad_alpha_dst
+sage.update.fwd    agg, x, weight_l, weight_r, [bias]; attrs activation      h
+sage.update.bwd    agg, x, weight_l, weight_r, h, grad_h; attrs activation,  [grad_agg], [grad_x],
+                   has_bias, [needs_grad_agg], [needs_grad_x]                grad_weight_l, grad_weight_r,
+                                                                             [grad_bias]
 ================== ========================================================= ==========================
-(".fwd"/".bwd" abbreviate ".forward"/".backward".)
+(".fwd"/".bwd" abbreviate ".forward"/".backward".) Each op is declared once, as an ``OpSpec`` in its
+module's ``OPS`` (see ``spec.py``: inputs, outputs, how it splits over intervals, its backward op).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from .. import wire
-from . import gat, vertex
+from . import gat, sage, vertex
+from .spec import OpSpec
 
-OpFn = Callable[[dict[str, np.ndarray], dict[str, Any]], dict[str, np.ndarray]]
+__all__ = ["OPS", "OpSpec", "handle", "run_op"]
 
-
-Shape = tuple[int, ...]
-ShapeFn = Callable[[Mapping[str, Shape], Mapping[str, Any]], dict[str, Shape]]
-
-
-@dataclass(frozen=True)
-class OpSpec:
-    """An op's function, the array names it needs (``required``) or accepts (``optional``), and how a
-    request may be cut into row ranges (read by ``executors.planning``, the one place that splits and merges).
-
-    ``row_inputs`` are cut along axis 0 (the interval's vertices); every other input is sent whole with each
-    piece. ``row_outputs`` are concatenated along axis 0 again; ``summed_outputs`` (weight gradients) are
-    added up over the pieces. An op with no ``row_inputs`` is never split (``apply_edge``: its edges belong
-    to destinations, a cut at a row is not a cut at an edge). ``output_shapes`` gives the outputs' shapes
-    from the inputs' shapes and the attrs, so a response's size is known before it is computed.
-    """
-
-    fn: OpFn
-    required: tuple[str, ...]
-    optional: tuple[str, ...] = ()
-    integer_inputs: tuple[str, ...] = ()  # everything else must share one floating dtype
-    row_inputs: tuple[str, ...] = ()
-    row_outputs: tuple[str, ...] = ()
-    summed_outputs: tuple[str, ...] = ()
-    output_shapes: ShapeFn | None = None
-
-
-def _av_forward_shapes(s: Mapping[str, Shape], attrs: Mapping[str, Any]) -> dict[str, Shape]:
-    return {"h": (s["z"][0], s["weight"][1])}
-
-
-def _av_backward_shapes(s: Mapping[str, Shape], attrs: Mapping[str, Any]) -> dict[str, Shape]:
-    out: dict[str, Shape] = {}
-    if attrs.get("needs_grad_z", True):
-        out["grad_z"] = (s["z"][0], s["weight"][0])
-    out["grad_weight"] = tuple(s["weight"])
-    if attrs.get("has_bias", False):
-        out["grad_bias"] = (s["weight"][1],)
-    return out
-
-
-def _project_forward_shapes(s: Mapping[str, Shape], attrs: Mapping[str, Any]) -> dict[str, Shape]:
-    n, heads = s["x"][0], s["att_src"][0]
-    return {"h": (n, s["weight"][1]), "alpha_src": (n, heads), "alpha_dst": (n, heads)}
-
-
-def _project_backward_shapes(s: Mapping[str, Shape], attrs: Mapping[str, Any]) -> dict[str, Shape]:
-    out: dict[str, Shape] = {}
-    if attrs.get("needs_grad_x", True):
-        out["grad_x"] = tuple(s["x"])
-    out.update(grad_weight=tuple(s["weight"]), grad_att_src=tuple(s["att_src"]),
-               grad_att_dst=tuple(s["att_dst"]))
-    return out
-
-
-def _edge_forward_shapes(s: Mapping[str, Shape], attrs: Mapping[str, Any]) -> dict[str, Shape]:
-    return {"attention": tuple(s["alpha_src_e"])}
-
-
-def _edge_backward_shapes(s: Mapping[str, Shape], attrs: Mapping[str, Any]) -> dict[str, Shape]:
-    return {"grad_alpha_src_e": tuple(s["alpha_src_e"]), "grad_alpha_dst": tuple(s["alpha_dst"])}
-
-
-OPS: dict[str, OpSpec] = {
-    "apply_vertex.forward": OpSpec(vertex.apply_vertex_forward, ("z", "weight"), ("bias",),
-                                   row_inputs=("z",), row_outputs=("h",), output_shapes=_av_forward_shapes),
-    "apply_vertex.backward": OpSpec(vertex.apply_vertex_backward, ("z", "weight", "h", "grad_h"),
-                                    row_inputs=("z", "h", "grad_h"), row_outputs=("grad_z",),
-                                    summed_outputs=("grad_weight", "grad_bias"),
-                                    output_shapes=_av_backward_shapes),
-    "gat.project.forward": OpSpec(gat.project_forward, ("x", "weight", "att_src", "att_dst"),
-                                  row_inputs=("x",), row_outputs=("h", "alpha_src", "alpha_dst"),
-                                  output_shapes=_project_forward_shapes),
-    "gat.project.backward": OpSpec(gat.project_backward, ("x", "weight", "att_src", "att_dst", "h", "grad_h",
-                                                          "grad_alpha_src", "grad_alpha_dst"),
-                                   row_inputs=("x", "h", "grad_h", "grad_alpha_src", "grad_alpha_dst"),
-                                   row_outputs=("grad_x",),
-                                   summed_outputs=("grad_weight", "grad_att_src", "grad_att_dst"),
-                                   output_shapes=_project_backward_shapes),
-    "apply_edge.forward": OpSpec(gat.apply_edge_forward, ("alpha_src_e", "alpha_dst", "dst_ptr"),
-                                 integer_inputs=("dst_ptr",), output_shapes=_edge_forward_shapes),
-    "apply_edge.backward": OpSpec(gat.apply_edge_backward, ("alpha_src_e", "alpha_dst", "dst_ptr",
-                                                            "attention", "grad_attention"),
-                                  integer_inputs=("dst_ptr",), output_shapes=_edge_backward_shapes),
-}
+OPS: dict[str, OpSpec] = {**vertex.OPS, **gat.OPS, **sage.OPS}
 
 FLOAT_DTYPES = ("float16", "float32", "float64")
 #: Error messages sent back to the caller are cut to this many characters (see ``error_header``).

@@ -6,9 +6,12 @@ touches one vertex row at a time, so an interval of rows can go to any executor.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from .spec import OpSpec, Shape
 
 ACTIVATIONS = ("relu", "elu", "none")
 
@@ -91,3 +94,29 @@ def _check_matmul(a: np.ndarray, b: np.ndarray, a_name: str, b_name: str) -> Non
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"{a_name} {a.shape} @ {b_name} {b.shape}: expected 2-D arrays with "
                          f"{a_name}.shape[1] == {b_name}.shape[0]")
+
+
+def _forward_shapes(s: Mapping[str, Shape], attrs: Mapping[str, Any]) -> dict[str, Shape]:
+    return {"h": (s["z"][0], s["weight"][1])}
+
+
+def _backward_shapes(s: Mapping[str, Shape], attrs: Mapping[str, Any]) -> dict[str, Shape]:
+    out: dict[str, Shape] = {}
+    if attrs.get("needs_grad_z", True):
+        out["grad_z"] = (s["z"][0], s["weight"][0])
+    out["grad_weight"] = tuple(s["weight"])
+    if attrs.get("has_bias", False):
+        out["grad_bias"] = (s["weight"][1],)
+    return out
+
+
+OPS = {
+    "apply_vertex.forward": OpSpec(apply_vertex_forward, ("z", "weight"), ("bias",), outputs=("h",),
+                                   backward="apply_vertex.backward", row_inputs=("z",), row_outputs=("h",),
+                                   output_shapes=_forward_shapes),
+    "apply_vertex.backward": OpSpec(apply_vertex_backward, ("z", "weight", "h", "grad_h"),
+                                    outputs=("grad_z", "grad_weight", "grad_bias"),
+                                    row_inputs=("z", "h", "grad_h"), row_outputs=("grad_z",),
+                                    summed_outputs=("grad_weight", "grad_bias"), grad_flags=("z",),
+                                    output_shapes=_backward_shapes),
+}

@@ -1,9 +1,9 @@
 """DorylusStrategy: N graph servers (subprocesses, gloo) train exactly what one process trains.
 
-Each case launches ``scripts/exact_run.py`` (GCN or GAT, float64, 5 epochs) on 2 or 3 graph servers and
-compares its per-epoch global loss, val accuracy and final weights with the same model trained in this
-process under ``strategy="auto"`` on the single whole-graph partition. Two cases train with dropout on:
-masks are keyed by global vertex/edge ids, so N servers draw exactly the one-process masks.
+Each case launches ``scripts/exact_run.py`` (GCN, GAT or GraphSAGE, float64, 5 epochs) on 2 or 3 graph
+servers and compares its per-epoch global loss, val accuracy and final weights with the same model trained
+in this process under ``strategy="auto"`` on the single whole-graph partition. Three cases train with
+dropout on: masks are keyed by global vertex/edge ids, so N servers draw exactly the one-process masks.
 """
 
 from __future__ import annotations
@@ -41,8 +41,11 @@ def reference(model_name: str, dropout: float = 0.0) -> tuple[dict, dict[str, to
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("model_name", "servers", "executor", "dropout"),
-    [("gcn", 2, "local", 0.0), ("gcn", 3, "inline", 0.0), ("gat", 2, "inline", 0.0), ("gat", 3, "local", 0.0),
-     ("gcn", 3, "inline", 0.5), ("gat", 2, "inline", 0.5)],
+    [
+        ("gcn", 2, "local", 0.0), ("gcn", 3, "inline", 0.0), ("gat", 2, "inline", 0.0),
+        ("gat", 3, "local", 0.0), ("sage", 2, "local", 0.0), ("gcn", 3, "inline", 0.5),
+        ("gat", 2, "inline", 0.5), ("sage", 2, "inline", 0.5),
+    ],
 )
 def test_graph_servers_match_single_process(
     tmp_path: Path, model_name: str, servers: int, executor: str, dropout: float
@@ -113,7 +116,10 @@ def test_mmap_threshold_returns_freed_buffers_to_the_os() -> None:
     for mode in ("set", "unset"):
         out = subprocess.run(
             [sys.executable, str(SCRIPTS / "heap_release.py"), mode],
-            capture_output=True, text=True, timeout=60, check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
         )
         released[mode] = float(out.stdout.split()[-1])
     assert released["set"] >= 150, released  # 39 x 4 MiB back to the OS at once
@@ -213,3 +219,69 @@ def test_model_without_dorylus_layers_is_rejected() -> None:
     with pytest.raises(TypeError, match=r"BoringModel has no DorylusLayer .* only trains models built from"):
         strategy._start_runtime()
     assert strategy.executor is None  # nothing was started
+
+
+def _run_exact(
+    tmp_path: Path, model_name: str, servers: int, executor: str, staleness: int | None, intervals: str = ""
+) -> dict:
+    args = [
+        str(tmp_path),
+        "--model",
+        model_name,
+        "--servers",
+        str(servers),
+        "--executor",
+        executor,
+        "--epochs",
+        str(EPOCHS),
+    ]
+    if staleness is not None:
+        args += ["--staleness", str(staleness)]
+    if intervals:
+        args += ["--intervals", intervals]
+    run_script("exact_run.py", args, timeout=240, cwd=tmp_path)
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_pipeline_engine_staleness_zero_is_exact(tmp_path: Path) -> None:
+    """staleness=0: per-interval GA -> AV pipeline (GraphSAGE: both layers) trains what one process trains,
+    also after ``intervals="auto"`` re-cuts the partitions from the first epoch's measured requests."""
+    result = _run_exact(tmp_path, "sage", 2, "inline", staleness=0, intervals="auto")
+    expected, expected_weights = reference("sage")
+    torch.testing.assert_close(
+        torch.tensor(result["losses"]), torch.tensor(expected["losses"]), rtol=1e-9, atol=1e-11
+    )
+    weights = load_file(str(tmp_path / "weights_rank0.safetensors"))
+    for rank in range(2):
+        tuned = json.loads((tmp_path / f"stale_rank{rank}.json").read_text())
+        assert tuned["tuned_intervals"] >= 1 and tuned["tuned_in_flight"] >= 1
+        assert tuned["intervals_used"] == tuned["tuned_intervals"]
+    for name, value in expected_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_pipeline_engine_staleness_one_reads_ghosts_at_most_one_epoch_old(tmp_path: Path) -> None:
+    """staleness=1: the first epoch is exact (nothing older exists), ghosts are never more than 1 epoch old,
+    replicas stay identical and the loss goes down."""
+    result = _run_exact(tmp_path, "gcn", 2, "local", staleness=1)
+    expected, _ = reference("gcn")
+    assert result["losses"][0] == pytest.approx(expected["losses"][0], rel=1e-9)
+    assert result["losses"][-1] < result["losses"][0]
+    for rank in range(2):
+        stale = json.loads((tmp_path / f"stale_rank{rank}.json").read_text())
+        # per epoch: SC of both layers, ∇SC of layer 2 (layer 1's input, the features, needs no gradient)
+        assert stale["reads"] == 3 * EPOCHS
+        assert 0 <= stale["max_age"] <= 1
+    replicas = [load_file(str(tmp_path / f"weights_rank{r}.safetensors")) for r in range(2)]
+    for name, value in replicas[1].items():
+        torch.testing.assert_close(value, replicas[0][name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_bad_staleness_is_rejected(bad) -> None:
+    with pytest.raises(ValueError, match=r"staleness=.*: expected None \(synchronous\) or an int >= 0"):
+        DorylusStrategy(staleness=bad)

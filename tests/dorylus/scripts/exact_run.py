@@ -6,8 +6,8 @@ and val accuracy); every rank writes ``weights_rank{r}.safetensors`` so the test
 replicas stayed identical. The test builds the same graph and model with :func:`make_graph` and
 :func:`make_model` and trains them in one process as the reference.
 
-Usage: python exact_run.py OUT_DIR --model gcn|gat --servers N --executor local|inline [--epochs 5]
-    [--dropout 0.0]
+Usage: python exact_run.py OUT_DIR --model gcn|gat|sage --servers N --executor local|inline [--epochs 5]
+       [--dropout 0.0] [--staleness S] [--intervals auto|K]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from torch_geometric.data import Data
 from torch_geometric.utils import to_undirected
 
-from lightning_dorylus import GAT, GCN, DorylusStrategy
+from lightning_dorylus import GAT, GCN, DorylusStrategy, GraphSAGE
 from lightning_dorylus.data import GraphPartition, partition_graph
 
 NUM_NODES, NUM_FEATURES, NUM_CLASSES, INTERVAL_SIZE = 240, 12, 4, 32
@@ -63,8 +63,10 @@ def make_model(name: str, seed: int = 0, dropout: float = 0.0) -> LightningModul
         model = GAT(
             NUM_FEATURES, 4, NUM_CLASSES, heads=3, out_heads=2, dropout=dropout, lr=0.05, weight_decay=5e-4
         )
+    elif name == "sage":
+        model = GraphSAGE(NUM_FEATURES, 16, NUM_CLASSES, dropout=dropout, lr=0.05, weight_decay=5e-4)
     else:
-        raise ValueError(f"--model {name!r}: expected 'gcn' or 'gat'")
+        raise ValueError(f"--model {name!r}: expected 'gcn', 'gat' or 'sage'")
     return model.double()
 
 
@@ -97,7 +99,9 @@ class Recorder(Callback):
             self.val_acc.append(float(trainer.callback_metrics["val_acc"]))
 
 
-def train(model: LightningModule, partitions: list[GraphPartition], epochs: int, strategy, devices: int):
+def train(
+    model: LightningModule, partitions: list[GraphPartition], epochs: int, strategy, devices: int, extra=()
+):
     """Fits ``model`` on ``partitions[trainer.global_rank]``; returns the trainer and the recorder."""
     recorder = Recorder()
     trainer = Trainer(
@@ -110,7 +114,7 @@ def train(model: LightningModule, partitions: list[GraphPartition], epochs: int,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[recorder],
+        callbacks=[recorder, *extra],
     )
     part = partitions[trainer.global_rank]
     trainer.fit(model, train_dataloaders=loader(part), val_dataloaders=loader(part))
@@ -125,17 +129,45 @@ def main() -> None:
     parser.add_argument("--executor", default="inline")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--staleness", type=int, default=None)
+    parser.add_argument("--intervals", default=None, help="'auto' or an int (DorylusStrategy(intervals=...))")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
     partitions = partition_graph(make_graph(), args.servers, partitioner="metis", interval_size=INTERVAL_SIZE)
     options = {"num_workers": 1} if args.executor == "local" else {}
     strategy = DorylusStrategy(
-        executor=args.executor, executor_options=options, timeout=datetime.timedelta(seconds=60)
+        executor=args.executor,
+        executor_options=options,
+        timeout=datetime.timedelta(seconds=60),
+        staleness=args.staleness,
+        intervals=None
+        if args.intervals is None
+        else args.intervals
+        if args.intervals == "auto"
+        else int(args.intervals),
     )
     model = make_model(args.model, dropout=args.dropout)
-    trainer, recorder = train(model, partitions, args.epochs, strategy, devices=args.servers)
+    stale = {}
+
+    class StaleStats(Callback):  # read before teardown drops the runtime
+        def on_train_end(self, trainer, pl_module) -> None:
+            exchange = strategy.runtime.stale_exchange if strategy.runtime is not None else None
+            if exchange is not None:
+                stale.update(reads=exchange.reads, waits=exchange.waits, max_age=exchange.max_age)
+            if strategy.tuned is not None:
+                stale.update(
+                    tuned_intervals=strategy.tuned.num_intervals, tuned_in_flight=strategy.tuned.max_in_flight
+                )
+                stale.update(
+                    intervals_used=len(pl_module._graphs.context(partitions[trainer.global_rank]).intervals)
+                )
+
+    trainer, recorder = train(
+        model, partitions, args.epochs, strategy, devices=args.servers, extra=[StaleStats()]
+    )
     rank = trainer.global_rank
+    (args.out / f"stale_rank{rank}.json").write_text(json.dumps(stale))
     collectives = {  # DorylusStrategy's own collectives (no pickle), checked by the test
         "broadcast_str": strategy.broadcast(f"from-{rank}"),
         "broadcast_path": str(strategy.broadcast(Path(f"/tmp/rank{rank}"))),

@@ -1,0 +1,329 @@
+"""Seconds per training epoch of Dorylus graph servers: synchronous vs the pipeline engine (staleness 0, 1).
+
+    python benchmarks/dorylus_pipeline.py                                     # the part-1 graph: 1M vertices
+    python benchmarks/dorylus_pipeline.py --nodes 4000 --features 16 --epochs 1 --warmup 1   # CI size
+
+Setup (issue 10): the part-1 benchmark's generated power-law graph and 2-layer GCN
+(``benchmarks/dorylus_epoch.py``), ``--servers`` graph servers (2), the ``local`` executor (worker processes
+running the numpy Lambda handler) behind :class:`DelayedExecutor`, which adds ``--latency-ms`` (20 ms) of
+round trip to every request before it reaches a worker, the way an AWS Lambda invocation would. The delay is
+this benchmark's, not the executor's. Concurrent requests are not capped (Lambda's 1,000 per region), the
+executor's workers are (``--executor-workers``).
+
+One run measures three configurations, each in fresh processes: ``DorylusStrategy(staleness=None)``
+(synchronous, layer by layer), ``staleness=0`` (per-interval GA -> AV pipeline: the server's GA of one
+interval overlaps the requests of others) and ``staleness=1`` (also bounded-stale ghost exchange). The epoch
+time is the median over ``--epochs`` epochs after ``--warmup``, each epoch counted as its slowest server's.
+
+The last line printed is ``async_speedup=<sync / staleness=1 epoch s> s0_speedup=<sync / staleness=0>``.
+"""
+
+# Only the standard library at module level: the parent process only launches workers and prints.
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LR, WEIGHT_DECAY = 0.01, 5e-4
+MODES = {"sync": None, "s0": 0, "s1": 1}
+
+
+def make_delayed_executor(inner: Any, latency_s: float, max_in_flight: int = 256) -> Any:
+    """``inner`` (a ``TensorOpExecutor``) with ``latency_s`` of round trip added to every request.
+
+    A request waits ``latency_s`` on one of ``max_in_flight`` threads (the network), then runs on ``inner``
+    (its worker processes); its future resolves when ``inner``'s result is back.
+    """
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from lightning_dorylus.executors import TensorOpExecutor
+
+    class DelayedExecutor(TensorOpExecutor):
+        def __init__(self) -> None:
+            self.inner, self.latency_s = inner, latency_s
+            self._pool: ThreadPoolExecutor | None = None
+
+        def start(self) -> None:
+            self.inner.start()
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix="lambda-rtt")
+
+        def submit(self, request: Any) -> Future:
+            self.start()
+            assert self._pool is not None
+            return self._pool.submit(self._call, request)
+
+        def _call(self, request: Any) -> Any:
+            time.sleep(self.latency_s)
+            return self.inner.submit(request).result()
+
+        def close(self) -> None:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+                self._pool = None
+            self.inner.close()
+
+    return DelayedExecutor()
+
+
+# --------------------------------------------------------------------------- workers
+def run_prepare(args: argparse.Namespace) -> dict[str, Any]:
+    """Generate (or read from the cache) the graph and its partitions; not timed."""
+    from lightning_dorylus.data import DorylusDataModule
+    from lightning_dorylus.data.synthetic import powerlaw_graph
+
+    data = powerlaw_graph(
+        num_nodes=args.nodes,
+        avg_degree=args.avg_degree,
+        num_features=args.features,
+        num_classes=args.classes,
+        seed=args.seed,
+        cache_dir=Path(args.cache_dir) / "graphs",
+    )
+    datamodule = DorylusDataModule(
+        data,
+        num_parts=args.servers,
+        partitioner=args.partitioner,
+        interval_size=args.interval_size,
+        cache_dir=Path(args.cache_dir) / "partitions",
+        seed=args.seed,
+    )
+    datamodule.prepare_data()
+    return {
+        "nodes": int(data.num_nodes),
+        "edges": int(data.num_edges),
+        "partition_dir": str(datamodule.resolved_partition_dir()),
+    }
+
+
+def run_server(args: argparse.Namespace) -> dict[str, Any]:
+    """One graph server (rank from ``LOCAL_RANK``) in mode ``--mode``; its per-epoch seconds and losses."""
+    from datetime import timedelta
+
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_dorylus import DorylusStrategy
+    from lightning_dorylus.data import DorylusDataModule
+    from lightning_dorylus.executors import LocalPoolExecutor
+    from lightning_dorylus.models import GCN
+
+    torch.set_num_threads(args.threads_per_server)
+
+    class EpochTimer(pl.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.losses: list[float] = []
+            self._start = 0.0
+
+        def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self._start = time.perf_counter()
+
+        def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.times.append(time.perf_counter() - self._start)
+            self.losses.append(float(trainer.callback_metrics.get("train_loss", float("nan"))))
+
+    timer = EpochTimer()
+    inner = LocalPoolExecutor(num_workers=args.executor_workers)
+    executor = make_delayed_executor(inner, args.latency_ms / 1000.0)
+    strategy = DorylusStrategy(
+        executor=executor, timeout=timedelta(seconds=args.timeout), staleness=MODES[args.mode]
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.servers,
+        strategy=strategy,
+        max_epochs=args.warmup + args.epochs,
+        callbacks=[timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    torch.manual_seed(args.seed)
+    model = GCN(
+        args.features,
+        args.hidden,
+        args.classes,
+        num_layers=2,
+        dropout=args.dropout,
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+    )
+    try:
+        trainer.fit(model, datamodule=DorylusDataModule(args.partition_dir))
+    finally:
+        executor.close()
+    return {"rank": trainer.global_rank, "epoch_times": timer.times[args.warmup :], "losses": timer.losses}
+
+
+# --------------------------------------------------------------------------- launching
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    args: argparse.Namespace, worker: str, workdir: Path, num_procs: int = 1, mode: str = ""
+) -> list[dict[str, Any]]:
+    """Run ``num_procs`` fresh processes of ``worker`` (torchrun-style env when > 1); their JSON results.
+
+    Raises:
+        RuntimeError: if a worker fails or runs past ``--timeout``; its output tail is in the message.
+    """
+    port = _free_port()
+    forwarded = [
+        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "result", "mode")
+    ]
+    procs = []
+    for rank in range(num_procs):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE=str(num_procs),
+            NODE_RANK="0",
+            LOCAL_RANK=str(rank),
+        )
+        result, log = workdir / f"{worker}{mode}{rank}.json", workdir / f"{worker}{mode}{rank}.log"
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            f"--worker={worker}",
+            f"--result={result}",
+            f"--mode={mode or 'sync'}",
+            *forwarded,
+        ]
+        with open(log, "w") as log_file:
+            proc = subprocess.Popen(
+                command,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO_ROOT,
+                start_new_session=True,
+            )
+        procs.append((proc, result, log))
+    deadline = time.monotonic() + args.timeout
+    try:
+        while any(proc.poll() is None for proc, _, _ in procs):
+            for proc, _, log in procs:  # one failed server would leave its peer waiting in a collective
+                if proc.poll() not in (None, 0):
+                    raise RuntimeError(
+                        f"{worker} worker exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+                    )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{worker} ran past --timeout ({args.timeout} s):\n{procs[0][2].read_text()[-3000:]}"
+                )
+            time.sleep(0.2)
+        for proc, _, log in procs:
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"{worker} worker exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+                )
+    finally:
+        for proc, _, _ in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return [json.loads(result.read_text()) for _, result, _ in procs]
+
+
+def job_epoch(servers: list[dict[str, Any]]) -> float:
+    """Median over epochs of the slowest server's epoch time (an epoch ends when its last server ends it)."""
+    return statistics.median(max(epoch) for epoch in zip(*(s["epoch_times"] for s in servers)))
+
+
+def report(graph: dict[str, Any], results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
+    """The table, then the summary line (always last)."""
+    print(
+        f"graph: {graph['nodes']:,} vertices, {graph['edges']:,} directed edges; "
+        f"{args.servers} graph servers, "
+        f"{args.executor_workers} executor worker(s) each, {args.latency_ms:g} ms per request, "
+        f"interval size {args.interval_size}; load average {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)"
+    )
+    print(f"{'configuration':<26}{'s/epoch':>10}{'loss':>16}")
+    epochs = {}
+    for mode, servers in results.items():
+        epochs[mode] = job_epoch(servers)
+        losses = servers[0]["losses"]
+        print(
+            f"{'staleness=' + str(MODES[mode]):<26}{epochs[mode]:>10.3f}{losses[0]:>8.3f}->{losses[-1]:.3f}"
+        )
+    print(f"async_speedup={epochs['sync'] / epochs['s1']:.2f} s0_speedup={epochs['sync'] / epochs['s0']:.2f}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=1_000_000)
+    parser.add_argument("--avg-degree", type=float, default=20.5)
+    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=16)
+    parser.add_argument("--classes", type=int, default=16)
+    parser.add_argument("--dropout", type=float, default=0.5)
+    parser.add_argument("--epochs", type=int, default=3, help="measured epochs (after --warmup)")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured epochs first")
+    parser.add_argument("--servers", type=int, default=2)
+    parser.add_argument("--executor-workers", type=int, default=1, help="local executor workers per server")
+    parser.add_argument("--threads-per-server", type=int, default=0, help="default: cores // servers")
+    parser.add_argument("--interval-size", type=int, default=8192)
+    parser.add_argument("--latency-ms", type=float, default=20.0, help="injected round trip per request")
+    parser.add_argument("--partitioner", default="metis")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache-dir", default=str(REPO_ROOT / ".cache" / "dorylus"))
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
+    parser.add_argument("--worker", choices=["prepare", "server"], help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=sorted(MODES), default="sync", help=argparse.SUPPRESS)
+    parser.add_argument("--partition-dir", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for name in (
+        "nodes",
+        "features",
+        "hidden",
+        "classes",
+        "epochs",
+        "servers",
+        "executor_workers",
+        "interval_size",
+    ):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.latency_ms < 0:
+        parser.error(f"--latency-ms must be >= 0, got {args.latency_ms}")
+    if args.threads_per_server == 0:
+        args.threads_per_server = max(1, (os.cpu_count() or 1) // args.servers)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker is not None:
+        run = {"prepare": run_prepare, "server": run_server}[args.worker]
+        Path(args.result).write_text(json.dumps(run(args)))
+        return
+    with tempfile.TemporaryDirectory(prefix="dorylus_pipeline_") as tmp:
+        workdir = Path(tmp)
+        (graph,) = launch(args, "prepare", workdir)
+        args.partition_dir = graph["partition_dir"]
+        results = {mode: launch(args, "server", workdir, num_procs=args.servers, mode=mode) for mode in MODES}
+    report(graph, results, args)
+
+
+if __name__ == "__main__":
+    main()

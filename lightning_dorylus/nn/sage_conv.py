@@ -1,0 +1,76 @@
+"""``SAGEConv`` (mean aggregator) as Dorylus operations: SC -> GA (mean) -> AV (``update``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from lightning_dorylus.graph import GraphContext, mean_gather
+from lightning_dorylus.nn.base import DorylusLayer
+from lightning_dorylus.nn.functions import OpCall, gather_apply, tensor_op
+from lightning_dorylus.ops.vertex import ACTIVATIONS
+
+
+class SAGEConv(DorylusLayer):
+    """Hamilton et al.'s GraphSAGE layer with the mean aggregator, equal to PyG's ``SAGEConv`` + activation:
+    ``h_i = act(W_l · mean_{j -> i} x_j + b + W_r · x_i)``.
+
+    The whole layer, in PyG's vocabulary: ``message`` is ``x_j`` and ``aggregate`` the mean (GA, on the graph
+    server, over local and ghost rows after SC); ``update`` is the executor op ``sage.update`` (AV, per
+    interval; numpy forward/backward in ``lightning_dorylus/ops/sage.py``, declared once in its ``OPS``).
+
+    Args:
+        in_channels: Input feature width.
+        out_channels: Output feature width.
+        activation: ``"relu"``, ``"elu"`` or ``"none"`` (last layer: logits).
+        bias: Whether ``lin_l`` has a bias (PyG's default: yes).
+    """
+
+    def __init__(
+        self, in_channels: int, out_channels: int, activation: str = "relu", bias: bool = True
+    ) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is not supported; expected one of {ACTIVATIONS}")
+        self.in_channels, self.out_channels, self.activation = in_channels, out_channels, activation
+        self.weight_l = nn.Parameter(torch.empty(in_channels, out_channels))  # neighbours: agg @ weight_l
+        self.weight_r = nn.Parameter(torch.empty(in_channels, out_channels))  # root: x @ weight_r
+        self.bias = nn.Parameter(torch.empty(out_channels)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Kaiming-uniform weights and bias as ``torch.nn.Linear`` (PyG's ``Linear`` default)."""
+        bound = 1.0 / math.sqrt(self.in_channels)
+        for weight in (self.weight_l, self.weight_r):
+            nn.init.uniform_(weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def aggregate(self, x_full: Tensor, graph: GraphContext) -> Tensor:
+        """GA (PyG ``message`` + ``aggregate``): mean of the in-neighbours' rows, ``(n_local, F_in)``."""
+        return mean_gather(x_full, graph.mean(x_full.dtype))
+
+    def update(self, agg: Tensor, x: Tensor, graph: GraphContext) -> Tensor:
+        """AV (PyG ``update``): ``act(agg W_l + x W_r + b)`` per interval on the executor."""
+        call = OpCall(
+            "sage.update.forward", self.runtime.executor, graph.intervals, {"activation": self.activation}
+        )
+        return tensor_op(call, agg=agg, x=x, weight_l=self.weight_l, weight_r=self.weight_r, bias=self.bias)[
+            0
+        ]
+
+    def forward(self, x: Tensor, graph: GraphContext) -> Tensor:
+        """``(n_local, F_in) -> (n_local, F_out)``: SC, GA (mean), AV (update)."""
+        x_full = self.scatter(x, graph)  # SC: (n_local + n_ghost, F_in)
+        if self.runtime.pipelined and graph.intervals:  # GA and AV pipelined per interval
+            attrs = {"activation": self.activation}
+            call = OpCall("sage.update.forward", self.runtime.executor, graph.intervals, attrs)
+            blocks = graph.blocks("mean", x_full.dtype)
+            weights = {"weight_l": self.weight_l, "weight_r": self.weight_r, "bias": self.bias}
+            return gather_apply(call, blocks, "agg", x_full, x=x, **weights)[0]
+        return self.update(self.aggregate(x_full, graph), x, graph)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_channels}, {self.out_channels}, aggr='mean', activation={self.activation!r}"

@@ -1,0 +1,95 @@
+"""benchmarks/dorylus_pipeline.py: the injected latency, the summary line, and the whole run at tiny size."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_dorylus.executors import InlineExecutor, TensorOpRequest
+from tests.process import REPO as REPO_ROOT
+from tests.process import run_process
+
+SCRIPT = REPO_ROOT / "benchmarks" / "dorylus_pipeline.py"
+SUMMARY = re.compile(r"^async_speedup=\d+\.\d\d s0_speedup=\d+\.\d\d$")
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("dorylus_pipeline", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_delayed_executor_adds_the_round_trip_to_every_request_concurrently() -> None:
+    bench = load_benchmark()
+    executor = bench.make_delayed_executor(InlineExecutor(), latency_s=0.2)
+    z, w = torch.ones(4, 3), torch.ones(3, 2)
+    start = time.perf_counter()
+    futures = [
+        executor.submit(TensorOpRequest("apply_vertex.forward", {"z": z, "weight": w})) for _ in range(8)
+    ]
+    outs = [f.result() for f in futures]
+    elapsed = time.perf_counter() - start
+    executor.close()
+    assert all(torch.equal(o["h"], torch.full((4, 2), 3.0)) for o in outs)
+    assert 0.2 <= elapsed < 1.6  # every request waited 0.2 s, all 8 at the same time
+
+
+def test_report_prints_sync_over_stale_ratios_last(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_benchmark()
+    args = bench.parse_args([])
+
+    def servers(times_a: list[float], times_b: list[float]) -> list[dict]:
+        return [
+            {"rank": 0, "epoch_times": times_a, "losses": [2.0, 1.0]},
+            {"rank": 1, "epoch_times": times_b, "losses": [2.0, 1.0]},
+        ]
+
+    results = {
+        "sync": servers([3.0, 1.0, 3.0], [1.0, 3.0, 1.0]),  # slowest per epoch: 3, 3, 3
+        "s0": servers([2.0], [1.0]),
+        "s1": servers([1.5], [1.0]),
+    }
+    bench.report({"nodes": 10, "edges": 20}, results, args)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "async_speedup=2.00 s0_speedup=1.50"
+
+
+@pytest.mark.slow  # 7 fresh processes (prepare + 3 configurations x 2 servers): ~1 min quiet, 3+ min loaded
+@pytest.mark.multiprocess
+def test_benchmark_tiny_size_prints_the_summary_line(tmp_path: Path) -> None:
+    """The whole benchmark (prepare, then 3 configurations x 2 graph servers) on a 600-vertex graph."""
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--nodes",
+        "600",
+        "--avg-degree",
+        "6",
+        "--features",
+        "8",
+        "--hidden",
+        "8",
+        "--classes",
+        "4",
+        "--epochs",
+        "1",
+        "--warmup",
+        "0",
+        "--interval-size",
+        "128",
+        "--latency-ms",
+        "5",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--timeout",
+        "240",
+    ]
+    lines = run_process(command, timeout=600, cwd=REPO_ROOT).stdout.strip().splitlines()
+    assert SUMMARY.match(lines[-1]), lines[-1]
+    assert [line.split()[0] for line in lines[-4:-1]] == ["staleness=None", "staleness=0", "staleness=1"]
