@@ -68,6 +68,7 @@ class TimedExecutor(TensorOpExecutor):
         self._lock = threading.Lock()
         self._epoch = -1
         self._requests: list[dict[str, Any]] = []
+        self._index: dict[int, int] = {}  # id(future) -> its request's row in _requests
         self._stages: list[dict[str, Any]] = []
         self._blocked = 0.0
 
@@ -83,15 +84,18 @@ class TimedExecutor(TensorOpExecutor):
         """Forget what was recorded so far and record for ``epoch``."""
         with self._lock:
             self._epoch, self._requests, self._stages, self._blocked = epoch, [], [], 0.0
+            self._index = {}
 
     @override
     def submit(self, request: TensorOpRequest) -> Future[dict[str, Tensor]]:
         record = {"op": request.op, "submitted": time.perf_counter(), "done": math.nan,
                   "bytes_in": sum(t.numel() * t.element_size() for t in request.tensors.values()),
                   "bytes_out": 0}
-        with self._lock:
-            self._requests.append(record)
         future = self.inner.submit(request)
+        record["submit_s"] = time.perf_counter() - record["submitted"]  # an inline executor works in submit
+        with self._lock:
+            self._index[id(future)] = len(self._requests)
+            self._requests.append(record)
 
         def finished(f: Future[dict[str, Tensor]]) -> None:
             record["done"] = time.perf_counter()
@@ -102,15 +106,16 @@ class TimedExecutor(TensorOpExecutor):
         return future
 
     @override
-    def map(self, requests: Any, timeout: float | None = None) -> list[dict[str, Tensor]]:
-        with self._lock:
-            first = len(self._requests)
+    def wait(self, futures: Any, timeout: float | None = None) -> list[dict[str, Tensor]]:
+        """The graph server blocked on these requests (submitting them, then waiting): one stage."""
         start = time.perf_counter()
-        outs = super().map(requests, timeout)
-        wall = time.perf_counter() - start
+        outs = super().wait(futures, timeout)
+        end = time.perf_counter()
         with self._lock:
-            self._blocked += wall
-            self._stages.append({"first": first, "count": len(requests), "wall_s": wall})
+            rows = [self._index[id(f)] for f in futures if id(f) in self._index]
+            self._blocked += end - start + sum(self._requests[i]["submit_s"] for i in rows)
+            first = min((self._requests[i]["submitted"] for i in rows), default=start)
+            self._stages.append({"rows": rows, "wall_s": end - first})  # first submission to last result
         return outs
 
     def end_epoch(self, epoch_seconds: float) -> dict[str, Any]:
@@ -129,11 +134,11 @@ class TimedExecutor(TensorOpExecutor):
             op["bytes_out"] += record["bytes_out"]
         stage_rows = []
         for stage in stages:
-            part = range(stage["first"], stage["first"] + stage["count"])
+            part = stage["rows"]
             times = [service[i] for i in part]
             stage_rows.append({
-                "op": requests[stage["first"]]["op"] if stage["count"] else "",
-                "requests": stage["count"], "wall_s": stage["wall_s"],
+                "op": requests[part[0]]["op"] if part else "",
+                "requests": len(part), "wall_s": stage["wall_s"],
                 "service_sum_s": sum(times), "service_max_s": max(times, default=0.0),
                 "bytes_in": sum(requests[i]["bytes_in"] for i in part),
                 "bytes_out": sum(requests[i]["bytes_out"] for i in part),

@@ -113,7 +113,19 @@ class TensorOpExecutor(ABC):
             requests: the requests, typically one per interval.
             timeout: seconds to wait for each result; ``None`` waits as long as it takes.
         """
-        futures = [self.submit(r) for r in requests]
+        return self.wait([self.submit(r) for r in requests], timeout)
+
+    def wait(self, futures: Sequence[Future[dict[str, Tensor]]],
+             timeout: float | None = None) -> list[dict[str, Tensor]]:
+        """Block until ``futures`` (from :meth:`submit`) resolve and return their outputs in order.
+
+        The one place a graph server waits for tensor ops, so a wrapper (``lightning_dorylus.value.OpTimer``)
+        can measure how long the server was blocked on its executor.
+
+        Args:
+            futures: futures returned by this executor's ``submit``.
+            timeout: seconds to wait for each result; ``None`` waits as long as it takes.
+        """
         return [f.result(timeout=timeout) for f in futures]
 
     def close(self) -> None:  # noqa: B027 - optional hook, idempotent

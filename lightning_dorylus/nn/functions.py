@@ -107,7 +107,7 @@ def run_intervals(
     """Run ``op`` on every interval (CPU tensors in and out) and merge the results."""
     spec = op_spec(op)
     futures = submit_intervals(executor, op, tensors, attrs, interval_spans(spec, tensors, intervals))
-    return merge_outputs(spec, [f.result() for f in futures])
+    return merge_outputs(spec, executor.wait(futures))
 
 
 def _cpu(t: Tensor) -> Tensor:
@@ -211,7 +211,7 @@ class GatherApply(torch.autograd.Function):
             zs.append(z_i)
             inputs = {gather_input: z_i, **slice_inputs(spec, present, (a, b, 0, 0))}
             futures.append(call.executor.submit(TensorOpRequest(call.op, inputs, call.attrs, interval=i)))
-        outs = merge_outputs(spec, [f.result() for f in futures])
+        outs = merge_outputs(spec, call.executor.wait(futures))
         z = torch.cat(zs) if len(zs) > 1 else zs[0]
         bwd = op_spec(spec.backward)
         wanted = set(bwd.required) | set(bwd.optional)
@@ -246,7 +246,7 @@ class GatherApply(torch.autograd.Function):
         grad_h = torch.zeros((ctx.n_full, ctx.width), dtype=ctx.dtype) if needs_h else None
         outs = []
         for block, future in zip(ctx.blocks, futures):
-            out = future.result()
+            (out,) = call.executor.wait([future])
             if grad_h is not None:  # ∇GA of this interval, over the rows it touches
                 part = torch.sparse.mm(block.adj_t, out.pop(f"grad_{ctx.gather_input}"))
                 grad_h.index_add_(0, block.cols, part)
