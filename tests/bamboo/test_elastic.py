@@ -26,7 +26,8 @@ SCRIPT = Path(__file__).parent / "scripts" / "train_elastic.py"
 TOL = {"rtol": 1e-9, "atol": 1e-11}
 STEPS = 6
 # One re-run: a member can still die on a gloo "connection reset" raised outside the failure handling while a
-# second kill is in flight (seen once in 20+ runs of test_sigkill_middle_stage; open, docs/bamboo-elastic.md).
+# second kill is in flight (seen once, in a full-suite run of test_sigkill_middle_stage; open, see
+# docs/bamboo-elastic.md).
 pytestmark = pytest.mark.flaky(reruns=1)
 
 
