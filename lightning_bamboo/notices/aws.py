@@ -12,8 +12,8 @@ import json
 import logging
 import time
 
-from lightning_bamboo.notices.base import Notice, PreemptionNoticeSource
-from lightning_bamboo.notices.metadata_http import EndpointDown, request
+from lightning_bamboo.notices.base import Notice
+from lightning_bamboo.notices.metadata_http import EndpointDown, MetadataSource, request
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
 
 
-class AwsSpotNoticeSource(PreemptionNoticeSource):
+class AwsSpotNoticeSource(MetadataSource):
     """Polls the EC2 spot ``instance-action`` through IMDSv2.
 
     Args:
@@ -47,18 +47,11 @@ class AwsSpotNoticeSource(PreemptionNoticeSource):
             raise ValueError(
                 f"token_ttl_s must be an integer in 1..21600 (IMDSv2 limit), got {token_ttl_s!r}"
             )
-        if poll_interval_s <= 0 or timeout_s <= 0:
-            raise ValueError(
-                f"poll_interval_s and timeout_s must be > 0, got {poll_interval_s!r} and {timeout_s!r}"
-            )
-        self.endpoint = endpoint.rstrip("/")
-        self.poll_interval_s = poll_interval_s
-        self.timeout_s = timeout_s
+        super().__init__(endpoint, poll_interval_s, timeout_s)
         self.token_ttl_s = token_ttl_s
         self._token: str | None = None
         self._token_expires = 0.0
         self.token_fetches = 0
-        self.errors = 0
 
     def _fetch_token(self) -> str:
         resp = request(

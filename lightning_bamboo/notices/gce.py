@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from lightning_bamboo.notices.base import Notice, PreemptionNoticeSource
-from lightning_bamboo.notices.metadata_http import EndpointDown, request
+from lightning_bamboo.notices.base import Notice
+from lightning_bamboo.notices.metadata_http import EndpointDown, MetadataSource, request
 
 log = logging.getLogger(__name__)
 
@@ -13,7 +13,7 @@ PREEMPTED_PATH = "/computeMetadata/v1/instance/preempted"
 FLAVOR = {"Metadata-Flavor": "Google"}
 
 
-class GcePreemptedSource(PreemptionNoticeSource):
+class GcePreemptedSource(MetadataSource):
     """Polls GCE's ``instance/preempted`` (``"TRUE"``/``"FALSE"``), header ``Metadata-Flavor: Google``.
 
     Args:
@@ -30,14 +30,7 @@ class GcePreemptedSource(PreemptionNoticeSource):
         poll_interval_s: float = 2.0,
         timeout_s: float = 1.0,
     ) -> None:
-        if poll_interval_s <= 0 or timeout_s <= 0:
-            raise ValueError(
-                f"poll_interval_s and timeout_s must be > 0, got {poll_interval_s!r} and {timeout_s!r}"
-            )
-        self.endpoint = endpoint.rstrip("/")
-        self.poll_interval_s = poll_interval_s
-        self.timeout_s = timeout_s
-        self.errors = 0
+        super().__init__(endpoint, poll_interval_s, timeout_s)
 
     def detect(self) -> bool:
         """On GCE iff the metadata server answers with the ``Metadata-Flavor: Google`` response header."""

@@ -6,6 +6,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from lightning_bamboo.notices.base import PreemptionNoticeSource
+
 
 @dataclass(frozen=True)
 class Response:
@@ -36,3 +38,23 @@ def request(
         return Response(err.code, body, dict(err.headers or {}))
     except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
         raise EndpointDown(f"{method} {url}: {getattr(err, 'reason', err)}") from err
+
+
+class MetadataSource(PreemptionNoticeSource):
+    """A source polling a cloud metadata endpoint: keeps and checks its endpoint, poll interval and timeout.
+
+    Args:
+        endpoint: base URL of the metadata service (a trailing ``/`` is dropped).
+        poll_interval_s: seconds between polls (> 0).
+        timeout_s: per-request timeout (> 0); also how long ``detect`` waits off that cloud.
+    """
+
+    def __init__(self, endpoint: str, poll_interval_s: float, timeout_s: float) -> None:
+        if poll_interval_s <= 0 or timeout_s <= 0:
+            raise ValueError(
+                f"poll_interval_s and timeout_s must be > 0, got {poll_interval_s!r} and {timeout_s!r}"
+            )
+        self.endpoint = endpoint.rstrip("/")
+        self.poll_interval_s = poll_interval_s
+        self.timeout_s = timeout_s
+        self.errors = 0  # polls that found the endpoint down or answering an unexpected status
