@@ -48,7 +48,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_bamboo import membership as ms
-from lightning_bamboo.contract import check_contract, find_pipeline_body, replay_step
+from lightning_bamboo.contract import check_contract, find_pipeline_body
 from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
 from lightning_bamboo.microbatch import split_microbatches
@@ -485,15 +485,7 @@ class ElasticBambooStrategy(BambooStrategy):
         assert self.engine is not None and self.lightning_module is not None
         batch = args[0] if args else kwargs["batch"]
         share = split_microbatches(batch, self.num_pipelines)[self.pipeline_index]
-        microbatches = split_microbatches(share, self._num_microbatches)
-        params = self._stage_params()
-        for p in params:
-            p.grad = None
-        with self.precision_plugin.train_step_context():
-            loss = self.engine.run_step(microbatches)
-        self._stashed_grads = [p.grad for p in params]
-        with replay_step(self.lightning_module, self._body_attr, loss):
-            return self.lightning_module.training_step(*args, **kwargs)
+        return self._run_schedule_and_replay(split_microbatches(share, self._num_microbatches), args, kwargs)
 
     @override
     def optimizer_step(

@@ -421,7 +421,11 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         """Run the whole schedule for the batch, then replay the user's ``training_step`` to log the loss."""
         assert self.engine is not None and self.lightning_module is not None
         batch, args, kwargs = self._stage0_batch(args, kwargs)
-        microbatches = split_microbatches(batch, self._num_microbatches)
+        return self._run_schedule_and_replay(split_microbatches(batch, self._num_microbatches), args, kwargs)
+
+    def _run_schedule_and_replay(self, microbatches: list[Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Run the schedule on ``microbatches`` (gradients held aside), then replay the training_step."""
+        assert self.engine is not None and self.lightning_module is not None
         params = self._stage_params()
         earlier = [p.grad for p in params]  # accumulated by earlier batches (accumulate_grad_batches > 1)
         for p in params:
