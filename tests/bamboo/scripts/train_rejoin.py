@@ -89,7 +89,9 @@ def main() -> None:
     train = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
     strategy: ElasticBambooStrategy | str = "auto"
     if args.strategy == "elastic":
-        strategy = ElasticBambooStrategy(num_stages=args.stages, num_microbatches=args.microbatches, timeout=20)
+        strategy = ElasticBambooStrategy(
+            num_stages=args.stages, num_microbatches=args.microbatches, timeout=20
+        )
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
