@@ -180,3 +180,10 @@ def test_join_claim_and_failover_first_writer_wins() -> None:
     assert joining.close(store, 1) is None
     assert not joining.claim(store, 1, step=7)
     assert joining.adopted_step(store, 1) is None
+
+
+def test_replace_delay_must_not_be_negative() -> None:
+    from lightning_bamboo.launch import Supervisor
+
+    with pytest.raises(ValueError, match=re.escape("--replace-delay must be >= 0 seconds, got -1")):
+        Supervisor(["true"], 1, replace=True, replace_delay=-1)
