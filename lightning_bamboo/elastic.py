@@ -24,6 +24,11 @@ eager redundant forwards (FR) are pure cost for failover: they are kept so the s
 
 Data: every member loads the GLOBAL batch (the sampler is not sharded) and takes the share of its
 pipeline under the current layout, so the samples of a step do not depend on how many pipelines exist.
+
+Joins: a worker the launcher starts while the job runs registers in ``on_train_start``; the members adopt
+the launcher's proposal at a step's commit and form it at the next step boundary with the joiner, which
+receives its layers and optimizer state from peers and the trainer's progress as JSON
+(:mod:`lightning_bamboo.joining`, :mod:`lightning_bamboo.progress`).
 """
 
 from __future__ import annotations
