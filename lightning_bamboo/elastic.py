@@ -633,14 +633,6 @@ class ElasticBambooStrategy(BambooStrategy):
         if ms.current_generation(self._store) > self.owners.generation:
             self._next_generation()
 
-    def _emit(self, hook: str, **kwargs: Any) -> None:
-        """Call ``hook`` on every trainer callback that has it (the Bamboo callback interface)."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        for callback in getattr(trainer, "callbacks", []) or []:
-            method = getattr(callback, hook, None)
-            if callable(method):
-                method(trainer, self.lightning_module, **kwargs)
-
     # ------------------------------------------------------------------ fault injection
     def _fault(self, phase: str) -> None:
         for member, step, where, sig in self._fault_spec:

@@ -28,6 +28,9 @@ class Recorder(BambooCallback):
     def on_preemption_notice(self, trainer, pl_module, notice, **info):  # type: ignore[no-untyped-def]
         self.calls.append(("notice", pl_module, {"notice": notice, **info}))
 
+    def on_drain(self, trainer, pl_module, member, rank, **info):  # type: ignore[no-untyped-def]
+        self.calls.append(("drain", pl_module, {"member": member, "rank": rank, **info}))
+
     def on_failover(self, trainer, pl_module, old_map, new_map, **info):  # type: ignore[no-untyped-def]
         self.calls.append(("failover", pl_module, {"old_map": old_map, "new_map": new_map, **info}))
 
@@ -48,19 +51,22 @@ def test_fire_calls_each_hook_once_with_its_payload() -> None:
     trainer = fake_trainer(recorder, object(), metrics)  # a callback without the hooks is skipped
     notice = Notice(source="aws", rank=2)
     assert fire(trainer, "on_preemption_notice", notice=notice) == 2  # type: ignore[arg-type]
+    fire(trainer, "on_drain", member=5, rank=2, step=7)  # type: ignore[arg-type]
     fire(trainer, "on_failover", old_map={0: 0, 1: 1}, new_map={0: 0, 1: 0}, seconds_lost=1.5,  # type: ignore[arg-type]
-         pipeline_length=3)
+         pipeline_length=3, cause="drain", members=[5])
     fire(trainer, "on_rejoin", old_map={0: 0, 1: 0}, new_map={0: 0, 1: 1}, seconds_lost=0.5)  # type: ignore[arg-type]
     fire(trainer, "on_fallback", checkpoint_path="/ckpt")  # type: ignore[arg-type]
     assert recorder.calls == [
         ("notice", "module", {"notice": notice}),
+        ("drain", "module", {"member": 5, "rank": 2, "step": 7}),
         ("failover", "module", {"old_map": {0: 0, 1: 1}, "new_map": {0: 0, 1: 0}, "seconds_lost": 1.5,
-                                "pipeline_length": 3}),
+                                "pipeline_length": 3, "cause": "drain", "members": [5]}),
         ("rejoin", "module", {"old_map": {0: 0, 1: 0}, "new_map": {0: 0, 1: 1}, "seconds_lost": 0.5}),
         ("fallback", "module", {"checkpoint_path": "/ckpt"}),
     ]
     assert metrics.metrics(trainer) == {  # type: ignore[arg-type]
-        "bamboo/preemptions": 1.0, "bamboo/failovers": 1.0, "bamboo/rejoins": 1.0, "bamboo/fallbacks": 1.0,
+        "bamboo/preemptions": 1.0, "bamboo/drains": 1.0, "bamboo/failovers": 1.0, "bamboo/rejoins": 1.0,
+        "bamboo/fallbacks": 1.0,
         "bamboo/seconds_lost": 2.0, "bamboo/pipeline_length": 3.0,
     }
     assert BambooMetrics().metrics(trainer)["bamboo/pipeline_length"] == 4.0  # type: ignore[arg-type]
@@ -71,7 +77,7 @@ def test_fire_rejects_bad_events() -> None:
     with pytest.raises(ValueError, match=re.escape("unknown Bamboo event 'on_boom'; expected one of")):
         fire(trainer, "on_boom")  # type: ignore[arg-type]
     message = ("event 'on_failover' needs payload keys ['old_map', 'new_map'] (optional ['seconds_lost', "
-               "'pipeline_length']); missing ['new_map'], unexpected ['extra']")
+               "'pipeline_length', 'step', 'cause', 'members']); missing ['new_map'], unexpected ['extra']")
     with pytest.raises(ValueError, match=re.escape(message)):
         fire(trainer, "on_failover", old_map={}, extra=1)  # type: ignore[arg-type]
 
