@@ -34,6 +34,7 @@ import signal
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +48,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_bamboo import departure
 from lightning_bamboo import membership as ms
 from lightning_bamboo.contract import check_contract, find_pipeline_body
 from lightning_bamboo.engine import PipelineEngine
@@ -59,6 +61,8 @@ from lightning_bamboo.strategy import _STAGE_MARK, BambooStrategy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+    from lightning_bamboo.notices.base import Notice
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +213,8 @@ class ElasticBambooStrategy(BambooStrategy):
         self._step = 0
         self._fault_spec = _parse_fault(os.environ.get(ENV_FAULT))
         self.failovers: list[tuple[OwnershipMap, OwnershipMap]] = []
+        self.departed = False  # this member left by an announced departure (it stops after its last step)
+        self.drain_timer = departure.DrainTimer()
 
     # ------------------------------------------------------------------ ranks follow the generation
     @property
@@ -241,6 +247,11 @@ class ElasticBambooStrategy(BambooStrategy):
     def member(self) -> int:
         assert self._env is not None
         return self._env.member
+
+    @property
+    def pipeline_length(self) -> int:
+        """Positions of this member's pipeline now (shorter than ``num_stages`` after a failover)."""
+        return self.view.num_stages if self.view is not None else self._num_stages
 
     @property
     def num_pipelines(self) -> int:
@@ -500,6 +511,7 @@ class ElasticBambooStrategy(BambooStrategy):
         self._join_at_boundary()
         while True:
             failed = False
+            attempt = time.monotonic()
             commit = ms.StepCommit(self._store, self.owners.generation, len(self.owners.members()))
             try:
                 result = closure()
@@ -520,13 +532,16 @@ class ElasticBambooStrategy(BambooStrategy):
                 self._apply_replica_step(optimizer)
                 self._fault("applied")
                 self._step += 1
+                report = self.drain_timer.committed()
+                if report is not None:
+                    rank_zero_only(print)(report, flush=True)
                 if failed:
-                    self._next_generation()
+                    self._next_generation(since=attempt)
                 return output
             log.warning(
                 "Bamboo: step %d aborted by a lost peer; replaying it on the next generation", self._step
             )
-            self._next_generation()
+            self._next_generation(since=attempt)
 
     def _exchange_replica_gradients(self) -> None:
         """Send this member's stage gradients to its replica holder, receive its successor's (blocking)."""
@@ -597,9 +612,13 @@ class ElasticBambooStrategy(BambooStrategy):
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def _next_generation(self) -> None:
-        """Wait for the generation after this one and form it (or wait as a spare)."""
+    def _next_generation(self, since: float | None = None) -> None:
+        """Wait for the generation after this one and form it (or wait as a spare).
+
+        ``since`` (``time.monotonic()``) is when training stopped counting: the event's ``seconds_lost``.
+        """
         assert self._store is not None and self.owners is not None
+        since = time.monotonic() if since is None else since
         old = self.owners
         while True:
             generation = ms.current_generation(self._store)
@@ -620,7 +639,18 @@ class ElasticBambooStrategy(BambooStrategy):
         self._form(new)
         self._store.add(f"gen{generation}/formed", 1)
         self.failovers.append((old, new))
-        self._emit("on_failover", old_map=old, new_map=new)
+        info = {
+            "step": self._step,
+            "seconds_lost": time.monotonic() - since,
+            "pipeline_length": self.pipeline_length,
+        }
+        if kind == "rejoin":
+            joined = sorted(set(new.members()) - set(old.members()))
+            self._emit("on_rejoin", old_map=old, new_map=new, members=joined, **info)
+        else:
+            gone = sorted(set(old.members()) - set(new.members()) - set(new.spares))
+            cause = "drain" if kind == "drain" else "lost"
+            self._emit("on_failover", old_map=old, new_map=new, cause=cause, members=gone, **info)
         rank_zero_only(print)(
             f"[bamboo] {kind} at step {self._step}: generation {old.generation} -> {generation} "
             f"({time.monotonic() - start:.2f}s to re-form)\n{old.format()}\n->\n{new.format()}",
@@ -632,6 +662,37 @@ class ElasticBambooStrategy(BambooStrategy):
         assert self._store is not None and self.owners is not None
         if ms.current_generation(self._store) > self.owners.generation:
             self._next_generation()
+
+    @override
+    def _drain_all(
+        self,
+        ranks: list[int],
+        checkpoint_dir: str | Path | None = None,
+        notices: dict[int, Notice] | None = None,
+    ) -> None:
+        """Announced departure of ``ranks`` after the step just committed (:mod:`lightning_bamboo.departure`).
+
+        Called on every member at the same boundary. The leavers stop training once the launcher published
+        the generation without them; the survivors form it now and replay nothing. ``checkpoint_dir`` is not
+        used: nothing is checkpointed.
+        """
+        assert self._store is not None and self.owners is not None and self.lightning_module is not None
+        start = time.monotonic()
+        old = self.owners
+        leaving = departure.announce(self._store, old, ranks, self._step)
+        for member in leaving:
+            self._emit("on_drain", member=member, rank=old.rank_of(member), step=self._step)
+        self.drain_timer.begin(leaving, self._step, [n.received_at for n in (notices or {}).values()])
+        departure.wait_without(self._store, old.generation, leaving, self._failure_wait)
+        if self.member in leaving:
+            log.warning(
+                "Bamboo member %d: leaving after step %d (announced departure)", self.member, self._step
+            )
+            self.departed = True
+            self.lightning_module.trainer.should_stop = True
+            return
+        self._next_generation(since=start)
+        self.drain_timer.reformed()
 
     # ------------------------------------------------------------------ fault injection
     def _fault(self, phase: str) -> None:

@@ -7,7 +7,8 @@ The supervisor is not a training rank, so no preemption of a worker can take it 
 * starts ``N`` workers (each in its own session, member ids ``0..N-1``, told where the store is through
   ``BAMBOO_*`` environment variables),
 * watches them: a worker that exits non-zero (SIGKILL included) is lost; a worker whose heartbeat stops
-  for ``--hang-timeout`` seconds (SIGSTOP, a deadlock) is SIGKILLed by PID and lost,
+  for ``--hang-timeout`` seconds (SIGSTOP, a deadlock) is SIGKILLed by PID and lost; a worker that
+  announced its departure (a preemption notice, :mod:`lightning_bamboo.departure`) leaves: not a loss,
 * and is the one place membership is decided: it writes generation ``g+1``'s ownership map
   (:func:`lightning_bamboo.ownership.failover`, or a checkpoint fallback when redundancy cannot cover the
   loss) into the store and prints the old and new maps. Workers form the new generation themselves.
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from lightning_bamboo import departure
 from lightning_bamboo import membership as ms
 from lightning_bamboo.ownership import FallbackNeeded, OwnershipMap, failover, initial, rejoin
 
@@ -81,6 +83,8 @@ class Supervisor:
         self.next_member = 0
         self.finished: set[int] = set()
         self.lost: set[int] = set()
+        self.departed: set[int] = set()
+        self._leave_checked = 0  # generations below this were checked for announced departures
         self.events: list[dict[str, object]] = []
         self._pending_joins: list[int] = []
         self.start_time = time.monotonic()
@@ -121,7 +125,7 @@ class Supervisor:
         lost: set[int] = set()
         now = time.monotonic()
         for member, worker in self.workers.items():
-            if member in self.lost or member in self.finished:
+            if member in self.lost or member in self.finished or member in self.departed:
                 continue
             code = worker.proc.poll()
             if code is not None:
@@ -165,26 +169,39 @@ class Supervisor:
         self.store.set(f"gen{new.generation}/kind", kind)
         self.store.set("gen", str(new.generation))
 
-    def _reform(self, lost: set[int], joined: list[int]) -> bool:
+    def _departures(self) -> set[int]:
+        """Members of the current generation announced as leaving (in it or in an earlier generation)."""
+        generation, current = self._current()
+        if current is None:
+            return set()
+        leaving: set[int] = set()
+        for g in range(self._leave_checked, generation + 1):
+            leaving |= set(departure.announced(self.store, g))
+        self._leave_checked = generation  # the current one may still be announced; earlier ones are final
+        return (leaving & set(current.members())) - self.departed
+
+    def _reform(self, lost: set[int], joined: list[int], leaving: set[int] = frozenset()) -> bool:
         """Publish the next generation; ``False`` when the job cannot continue."""
         _, old = self._current()
         if old is None:
             self.log("[bamboo.launch] a worker was lost before generation 0 formed", flush=True)
             return False
-        kind = "failover" if lost else "rejoin"
+        gone = set(lost) | set(leaving)
+        kind = ("failover" if lost else "drain") if gone else "rejoin"
         try:
-            new = failover(old, lost) if lost else old
+            new = failover(old, gone) if gone else old
             if joined:
                 new = rejoin(new, joined)
         except FallbackNeeded as err:
-            survivors = sorted(m for m in old.members() + list(old.spares) if m not in lost) + joined
+            survivors = sorted(m for m in old.members() + list(old.spares) if m not in gone) + joined
             if not survivors:
                 self.log(f"[bamboo.launch] {err}\nno worker left", flush=True)
                 return False
             new = fallback_map(old, survivors)
             kind = "fallback"
+        left = f" left {sorted(leaving)}" if leaving else ""
         self.log(
-            f"[bamboo.launch] {kind}: lost {sorted(lost)} joined {joined}\n{old.format()}\n->\n"
+            f"[bamboo.launch] {kind}: lost {sorted(lost)}{left} joined {joined}\n{old.format()}\n->\n"
             f"{new.format()}",
             flush=True,
         )
@@ -193,6 +210,7 @@ class Supervisor:
                 "t_s": time.monotonic() - self.start_time,
                 "kind": kind,
                 "lost": sorted(lost),
+                "left": sorted(leaving),
                 "joined": joined,
                 "old": old.to_json(),
                 "new": new.to_json(),
@@ -210,16 +228,20 @@ class Supervisor:
         try:
             while True:
                 lost = self._check()
-                if lost:
-                    time.sleep(self.settle)  # losses that arrive together are handled together
-                    self.lost |= lost
-                    lost |= self._check()
-                    self.lost |= lost
+                leaving = self._departures()  # announced together, at one step boundary: no settling
+                if lost or leaving:
+                    if lost:
+                        time.sleep(self.settle)  # losses that arrive together are handled together
+                        self.lost |= lost
+                        lost |= self._check()
+                        self.lost |= lost
+                        leaving |= self._departures()
+                    self.departed |= leaving
                     joined: list[int] = []
-                    if not self._reform(lost, joined):
+                    if not self._reform(lost, joined, leaving):
                         return 1
                     if self.replace and budget != 0:
-                        for _ in lost:
+                        for _ in lost | leaving:
                             self._pending_joins.append(self.start_worker(joining=True))
                             budget -= 1
                 for member in self._ready_joins():

@@ -1,0 +1,89 @@
+"""Callbacks of the elastic drain test's workers: each member polls its own (fake) IMDSv2, the warned one
+waits for its notice at a chosen step, and every member records the Bamboo hooks it saw."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch import Callback
+
+from lightning_bamboo.callbacks import BambooCallback, BambooMetrics, BambooNotices
+
+
+def _plain(value: Any) -> Any:
+    to_json = getattr(value, "to_json", None)
+    if callable(to_json):  # an OwnershipMap
+        return json.loads(to_json())
+    to_dict = getattr(value, "to_dict", None)
+    return to_dict() if callable(to_dict) else value
+
+
+class WaitForNotice(Callback):
+    """At step boundary ``at``: write ``<out>/reached{at}`` (the fake IMDS starts serving the notice), then
+    hold this member until its watcher has seen the notice, so the drain's step does not depend on timing."""
+
+    def __init__(self, out: Path, at: int, notices: BambooNotices) -> None:
+        self.out, self.at, self.notices = out, at, notices
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step != self.at:
+            return
+        (self.out / f"reached{self.at}").write_text("")
+        deadline = time.monotonic() + 60
+        assert self.notices.watcher is not None
+        while self.notices.watcher.pending() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the fake IMDS notice was not seen within 60 s")
+            time.sleep(0.01)
+
+
+class RecordHooks(BambooCallback):
+    """Writes ``<out>/events_member{m}.json``: each hook call (name, step, payload) and the logged metrics."""
+
+    def __init__(self, out: Path, member: int) -> None:
+        self.out, self.member = out, member
+        self.events: list[dict[str, Any]] = []
+
+    def _add(self, name: str, trainer: pl.Trainer, **payload: Any) -> None:
+        self.events.append({"hook": name, "global_step": trainer.global_step,
+                            **{k: _plain(v) for k, v in payload.items()}})
+
+    def on_preemption_notice(self, trainer, pl_module, notice, **info):  # type: ignore[no-untyped-def]
+        self._add("on_preemption_notice", trainer, notice=notice, **info)
+
+    def on_drain(self, trainer, pl_module, member, rank, **info):  # type: ignore[no-untyped-def]
+        self._add("on_drain", trainer, member=member, rank=rank, **info)
+
+    def on_failover(self, trainer, pl_module, old_map, new_map, **info):  # type: ignore[no-untyped-def]
+        self._add("on_failover", trainer, old_map=old_map, new_map=new_map, **info)
+
+    def on_rejoin(self, trainer, pl_module, old_map, new_map, **info):  # type: ignore[no-untyped-def]
+        self._add("on_rejoin", trainer, old_map=old_map, new_map=new_map, **info)
+
+    def on_fallback(self, trainer, pl_module, checkpoint_path, **info):  # type: ignore[no-untyped-def]
+        self._add("on_fallback", trainer, checkpoint_path=checkpoint_path, **info)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("bamboo/")}
+        record = {"events": self.events, "metrics": metrics, "global_step": trainer.global_step}
+        (self.out / f"events_member{self.member}.json").write_text(json.dumps(record, indent=1))
+
+
+def notice_callbacks(out: Path, member: int, endpoints: list[str], wait: str = "") -> list[Callback]:
+    """This member's callbacks: its own IMDS endpoint (if any) polled every 50 ms, hooks recorded, metrics.
+
+    ``wait`` is ``"MEMBER:STEP"``: that member waits at that step boundary until it has seen its notice.
+    """
+    url = endpoints[member] if member < len(endpoints) else ""
+    aws = {"enabled": True, "endpoint": url, "poll_interval_s": 0.05, "timeout_s": 2.0} if url else None
+    notices = BambooNotices(aws=aws)
+    waits: list[Callback] = []
+    if wait and int(wait.split(":")[0]) == member:
+        waits.append(WaitForNotice(out, int(wait.split(":")[1]), notices))
+    # order: the wait, then the recorder, then the notices (flag at this boundary), metrics after notices
+    return [*waits, RecordHooks(out, member), notices, BambooMetrics()]
