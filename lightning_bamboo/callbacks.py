@@ -9,7 +9,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from functools import partial
@@ -135,6 +137,70 @@ class BambooMetrics(BambooCallback):
         for key, value in self.metrics(trainer).items():
             bar = self.prog_bar and key in _PROG_BAR
             pl_module.log(key, value, prog_bar=bar, on_step=True, on_epoch=False, rank_zero_only=True)
+
+
+class BambooEventLog(BambooCallback):
+    """Appends every Bamboo event this process sees to ``<dirpath>/events-<who>.jsonl``, one JSON line each.
+
+    ``<who>`` is ``member<m>`` under the elastic runtime (member ids outlive generations) and ``rank<r>``
+    otherwise. Lines are written and flushed when the event fires, so a worker preempted right after keeps
+    what it saw. Each line: ``{"event", "time", "global_step", **payload}``; ownership maps are written as
+    their JSON form and notices as dicts.
+
+    Args:
+        dirpath: directory of the logs (default: ``<trainer.default_root_dir>/bamboo-events``).
+    """
+
+    def __init__(self, dirpath: str | Path | None = None) -> None:
+        self.dirpath = Path(dirpath) if dirpath is not None else None
+
+    def _path(self, trainer: pl.Trainer) -> Path:
+        base = self.dirpath if self.dirpath is not None else Path(trainer.default_root_dir) / "bamboo-events"
+        member = getattr(trainer.strategy, "member", None)
+        who = f"member{member}" if isinstance(member, int) else f"rank{trainer.global_rank}"
+        return base / f"events-{who}.jsonl"
+
+    def _write(self, trainer: pl.Trainer, event: str, payload: Mapping[str, Any]) -> None:
+        record = {"event": event, "time": time.time(), "global_step": trainer.global_step}
+        record.update({key: _plain(value) for key, value in payload.items()})
+        path = self._path(trainer)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as stream:
+            stream.write(json.dumps(record) + "\n")
+
+    @override
+    def on_preemption_notice(self, trainer: pl.Trainer, pl_module: pl.LightningModule, notice: Notice,
+                             **info: Any) -> None:
+        self._write(trainer, "on_preemption_notice", {"notice": notice, **info})
+
+    @override
+    def on_drain(self, trainer: pl.Trainer, pl_module: pl.LightningModule, member: int, rank: int,
+                 **info: Any) -> None:
+        self._write(trainer, "on_drain", {"member": member, "rank": rank, **info})
+
+    @override
+    def on_failover(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Any,
+                    new_map: Any, **info: Any) -> None:
+        self._write(trainer, "on_failover", {"old_map": old_map, "new_map": new_map, **info})
+
+    @override
+    def on_rejoin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Any,
+                  new_map: Any, **info: Any) -> None:
+        self._write(trainer, "on_rejoin", {"old_map": old_map, "new_map": new_map, **info})
+
+    @override
+    def on_fallback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint_path: str,
+                    **info: Any) -> None:
+        self._write(trainer, "on_fallback", {"checkpoint_path": checkpoint_path, **info})
+
+
+def _plain(value: Any) -> Any:
+    """A payload value as JSON data: ownership maps by their JSON form, notices as dicts."""
+    to_json = getattr(value, "to_json", None)
+    if callable(to_json):
+        return json.loads(to_json())
+    to_dict = getattr(value, "to_dict", None)
+    return to_dict() if callable(to_dict) else value
 
 
 class BambooNotices(Callback):

@@ -1,5 +1,5 @@
 """Callbacks of the elastic drain test's workers: each member polls its own (fake) IMDSv2, the warned one
-waits for its notice at a chosen step, and every member records the Bamboo hooks it saw."""
+waits for its notice at a chosen step, and every member logs the Bamboo events it saw (``BambooEventLog``)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch import Callback
 
-from lightning_bamboo.callbacks import BambooCallback, BambooMetrics, BambooNotices
-
-
-def _plain(value: Any) -> Any:
-    to_json = getattr(value, "to_json", None)
-    if callable(to_json):  # an OwnershipMap
-        return json.loads(to_json())
-    to_dict = getattr(value, "to_dict", None)
-    return to_dict() if callable(to_dict) else value
+from lightning_bamboo.callbacks import BambooEventLog, BambooMetrics, BambooNotices
 
 
 class WaitForNotice(Callback):
@@ -42,36 +34,16 @@ class WaitForNotice(Callback):
             time.sleep(0.01)
 
 
-class RecordHooks(BambooCallback):
-    """Writes ``<out>/events_member{m}.json``: each hook call (name, step, payload) and the logged metrics."""
+class RecordEnd(Callback):
+    """Writes ``<out>/end_member{m}.json`` when training ends: its last global step, bamboo/ metrics."""
 
     def __init__(self, out: Path, member: int) -> None:
         self.out, self.member = out, member
-        self.events: list[dict[str, Any]] = []
-
-    def _add(self, name: str, trainer: pl.Trainer, **payload: Any) -> None:
-        self.events.append({"hook": name, "global_step": trainer.global_step,
-                            **{k: _plain(v) for k, v in payload.items()}})
-
-    def on_preemption_notice(self, trainer, pl_module, notice, **info):  # type: ignore[no-untyped-def]
-        self._add("on_preemption_notice", trainer, notice=notice, **info)
-
-    def on_drain(self, trainer, pl_module, member, rank, **info):  # type: ignore[no-untyped-def]
-        self._add("on_drain", trainer, member=member, rank=rank, **info)
-
-    def on_failover(self, trainer, pl_module, old_map, new_map, **info):  # type: ignore[no-untyped-def]
-        self._add("on_failover", trainer, old_map=old_map, new_map=new_map, **info)
-
-    def on_rejoin(self, trainer, pl_module, old_map, new_map, **info):  # type: ignore[no-untyped-def]
-        self._add("on_rejoin", trainer, old_map=old_map, new_map=new_map, **info)
-
-    def on_fallback(self, trainer, pl_module, checkpoint_path, **info):  # type: ignore[no-untyped-def]
-        self._add("on_fallback", trainer, checkpoint_path=checkpoint_path, **info)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("bamboo/")}
-        record = {"events": self.events, "metrics": metrics, "global_step": trainer.global_step}
-        (self.out / f"events_member{self.member}.json").write_text(json.dumps(record, indent=1))
+        record = {"metrics": metrics, "global_step": trainer.global_step}
+        (self.out / f"end_member{self.member}.json").write_text(json.dumps(record, indent=1))
 
 
 def notice_callbacks(out: Path, member: int, endpoints: list[str], wait: str = "") -> list[Callback]:
@@ -85,5 +57,5 @@ def notice_callbacks(out: Path, member: int, endpoints: list[str], wait: str = "
     waits: list[Callback] = []
     if wait and int(wait.split(":")[0]) == member:
         waits.append(WaitForNotice(out, int(wait.split(":")[1]), notices))
-    # order: the wait, then the recorder, then the notices (flag at this boundary), metrics after notices
-    return [*waits, RecordHooks(out, member), notices, BambooMetrics()]
+    # order: the wait, then the notices (flag at this boundary), metrics after notices
+    return [*waits, BambooEventLog(out / "events"), notices, BambooMetrics(), RecordEnd(out, member)]
