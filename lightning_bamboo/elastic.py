@@ -42,6 +42,7 @@ import torch.distributed as dist
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
@@ -672,9 +673,9 @@ class ElasticBambooStrategy(BambooStrategy):
     ) -> None:
         """Announced departure of ``ranks`` after the step just committed (:mod:`lightning_bamboo.departure`).
 
-        Called on every member at the same boundary. The leavers stop training once the launcher published
-        the generation without them; the survivors form it now and replay nothing. ``checkpoint_dir`` is not
-        used: nothing is checkpointed.
+        Called on every member at the same boundary. A leaver ends its ``fit`` (teardown hooks run, not
+        ``on_train_end``) once the launcher published the generation without it; the survivors form that
+        generation now and replay nothing. ``checkpoint_dir`` is not used: nothing is checkpointed.
         """
         assert self._store is not None and self.owners is not None and self.lightning_module is not None
         start = time.monotonic()
@@ -689,8 +690,10 @@ class ElasticBambooStrategy(BambooStrategy):
                 "Bamboo member %d: leaving after step %d (announced departure)", self.member, self._step
             )
             self.departed = True
-            self.lightning_module.trainer.should_stop = True
-            return
+            # leave ``fit`` now, the way Lightning's own tuner callbacks end it early: teardown hooks run,
+            # nothing else. Whatever ran after this boundary (ModelCheckpoint's collective decisions and save,
+            # on_train_end) would run against a world the survivors have already left.
+            raise _TunerExitException
         self._next_generation(since=start)
         self.drain_timer.reformed()
 

@@ -22,6 +22,7 @@ workers by PID and exits 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -114,6 +115,11 @@ class Supervisor:
             os.kill(worker.proc.pid, sig)
 
     def stop_all(self) -> None:
+        for member in self.departed:  # a leaver ends its fit right after its drain: let it exit on its own
+            worker = self.workers[member]
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.proc.wait(timeout=5)
+        self._check()  # reports the leavers' exits
         for worker in self.workers.values():
             if worker.proc.poll() is None:
                 os.kill(worker.proc.pid, signal.SIGKILL)
@@ -125,6 +131,9 @@ class Supervisor:
         lost: set[int] = set()
         now = time.monotonic()
         for member, worker in self.workers.items():
+            if member in self.departed and member not in self.finished and worker.proc.poll() is not None:
+                self.finished.add(member)
+                self.log(f"[bamboo.launch] member {member} left (exit {worker.proc.returncode})", flush=True)
             if member in self.lost or member in self.finished or member in self.departed:
                 continue
             code = worker.proc.poll()

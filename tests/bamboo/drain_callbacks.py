@@ -35,12 +35,13 @@ class WaitForNotice(Callback):
 
 
 class RecordEnd(Callback):
-    """Writes ``<out>/end_member{m}.json`` when training ends: its last global step, bamboo/ metrics."""
+    """Writes ``<out>/end_member{m}.json`` when ``fit`` ends: its last global step and bamboo/ metrics."""
 
     def __init__(self, out: Path, member: int) -> None:
         self.out, self.member = out, member
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """At teardown, not ``on_train_end``: a member that left ends its ``fit`` at the drain boundary."""
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("bamboo/")}
         record = {"metrics": metrics, "global_step": trainer.global_step}
         (self.out / f"end_member{self.member}.json").write_text(json.dumps(record, indent=1))

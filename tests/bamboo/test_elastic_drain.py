@@ -50,6 +50,7 @@ def test_spot_notice_drains_member_with_no_step_lost(tmp_path: Path) -> None:
     assert any(r[1] == "/latest/meta-data/spot/instance-action" for r in quiet.requests)  # polled: 404s
 
     assert "[bamboo.launch] drain: lost [] left [1] joined []" in log
+    assert "[bamboo.launch] member 1 left (exit 0)" in log
     assert "exited with" not in log and "aborted" not in log  # nothing lost, nothing replayed
     line = r"bamboo_drain members=1 step=(\d+) notice_s=\S+ reform_s=\S+ drain_s=(\S+) step_s=\S+"
     match = re.search(line, log)
