@@ -85,7 +85,6 @@ class Supervisor:
         self.finished: set[int] = set()
         self.lost: set[int] = set()
         self.departed: set[int] = set()
-        self._leave_checked = 0  # generations below this were checked for announced departures
         self.events: list[dict[str, object]] = []
         self._pending_joins: list[int] = []
         self.start_time = time.monotonic()
@@ -184,9 +183,9 @@ class Supervisor:
         if current is None:
             return set()
         leaving: set[int] = set()
-        for g in range(self._leave_checked, generation + 1):
+        # members announce in the generation they train in, which may have just been superseded by a loss
+        for g in range(max(generation - 2, 0), generation + 1):
             leaving |= set(departure.announced(self.store, g))
-        self._leave_checked = generation  # the current one may still be announced; earlier ones are final
         return (leaving & set(current.members())) - self.departed
 
     def _reform(self, lost: set[int], joined: list[int], leaving: set[int] = frozenset()) -> bool:

@@ -20,6 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lightning_bamboo import departure
+from lightning_bamboo import membership as ms
+from lightning_bamboo.launch import Supervisor
+from lightning_bamboo.ownership import OwnershipMap, initial
 from tests.bamboo.fake_metadata import FakeMetadata
 from tests.process import launch_env, run_process
 
@@ -89,3 +93,44 @@ def test_spot_notice_drains_member_with_no_step_lost(tmp_path: Path) -> None:
     metrics = survivor["metrics"]
     assert metrics["bamboo/preemptions"] == metrics["bamboo/drains"] == metrics["bamboo/failovers"] == 1.0
     assert metrics["bamboo/pipeline_length"] == 1.0 and metrics["bamboo/fallbacks"] == 0.0
+
+
+def test_launcher_publishes_an_announced_departure_as_a_drain_generation() -> None:
+    """The store protocol alone (no workers): announce -> the launcher's next map -> the leavers may go."""
+    lines: list[str] = []
+    supervisor = Supervisor(["true"], nproc=4, log=lambda text, **_: lines.append(text))
+    owners = initial(2, range(4))
+    supervisor.store.set("gen0/map", owners.to_json())
+    supervisor.store.set("gen", "0")
+    worker = ms.connect(supervisor.store_url, supervisor.job)
+    assert supervisor._departures() == set()
+    with pytest.raises(ValueError, match=re.escape("ranks [4] are not ranks of generation 0 (0..3)")):
+        departure.announce(worker, owners, [4], step=5)
+    assert departure.announce(worker, owners, [3, 1], step=5) == [1, 3]
+    assert departure.announce(worker, owners, [2], step=5) == [1, 3]  # the first announcement holds
+    with pytest.raises(TimeoutError, match=re.escape("members [1, 3] announced their departure from gen")):
+        departure.wait_without(worker, 0, [1, 3], timeout=0.05)
+    leaving = supervisor._departures()
+    assert leaving == {1, 3}
+    supervisor.departed |= leaving
+    assert supervisor._reform(set(), [], leaving)
+    new = departure.wait_without(worker, 0, [1, 3], timeout=1)
+    assert new == OwnershipMap(1, 2, {0: {0: 0, 1: 0}, 1: {0: 2, 1: 2}})
+    assert ms.get_str(worker, "gen1/kind") == "drain"
+    assert lines[0].startswith("[bamboo.launch] drain: lost [] left [1, 3] joined []")
+    assert supervisor.events[0]["left"] == [1, 3] and supervisor.events[0]["lost"] == []
+    assert supervisor._departures() == set()  # handled once
+
+
+def test_drain_timer_reports_the_step_after_a_drain() -> None:
+    timer = departure.DrainTimer()
+    assert timer.committed() is None and timer.committed() is None and timer.committed() is None
+    assert len(timer.steps) == 2
+    timer.begin([1], step=3, received_at=[])
+    timer.reformed()
+    line = timer.committed()
+    assert line is not None
+    assert re.fullmatch(r"bamboo_drain members=1 step=3 notice_s=0\.\d{3} reform_s=\d\.\d{3} "
+                        r"drain_s=\d\.\d{3} step_s=\d\.\d{3}", line), line
+    assert timer.drains[0]["members"] == [1] and len(timer.steps) == 2  # the drain's step is not a normal one
+    assert timer.committed() is None
