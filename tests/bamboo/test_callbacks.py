@@ -137,7 +137,9 @@ def test_aws_notice_mid_training_drains_at_a_step_boundary(tmp_path: Path) -> No
     from tests.bamboo.launch import run_script
 
     steps = 12
-    run_script("train_notice.py", ["--out", str(tmp_path / "ref"), "--steps", str(steps)], timeout=240)
+    # the reference needs no pause at its step boundaries (it has no notice to wait for)
+    ref_args = ["--out", str(tmp_path / "ref"), "--steps", str(steps), "--pause", "0"]
+    run_script("train_notice.py", ref_args, timeout=240)
     with FakeMetadata(notice=True, notice_after=8) as fake:  # ~8 x 50 ms of 404s, then the notice
         args = ["--out", str(tmp_path / "run"), "--steps", str(steps), "--aws", fake.url]
         run_script("train_notice.py", args, timeout=240)
