@@ -44,11 +44,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     with tempfile.TemporaryDirectory(prefix="bamboo-drain-") as run_dir:
         cmd = [
-            sys.executable, "-m", "lightning_bamboo.launch", "--nproc", str(args.nproc),
-            "-m", "recipes.train", "experiment=bamboo_gpt_elastic_spot",
+            sys.executable,
+            "-m",
+            "lightning_bamboo.launch",
+            "--nproc",
+            str(args.nproc),
+            "-m",
+            "recipes.train",
+            "experiment=bamboo_gpt_elastic_spot",
             "notices@trainer.callbacks.notices=fault_demo",
             f"trainer.callbacks.notices.faults=[{{rank:{args.rank},at_step:{args.drain_step},action:drain}}]",
-            f"trainer.max_steps={args.steps}", f"hydra.run.dir={run_dir}",
+            f"trainer.max_steps={args.steps}",
+            f"hydra.run.dir={run_dir}",
             "+trainer.enable_progress_bar=false",
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -58,13 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     match = LINE.search(out)
     if proc.returncode != 0 or match is None:
         print(out[-4000:], file=sys.stderr)
-        print(f"the run exited with {proc.returncode} and printed {'a' if match else 'no'} bamboo_drain line",
-              file=sys.stderr)
+        print(
+            f"the run exited with {proc.returncode} and printed {'a' if match else 'no'} bamboo_drain line",
+            file=sys.stderr,
+        )
         return 1
     step, notice_s, reform_s, drain_s, step_s = (float(g) for g in match.groups())
     print(f"drained after step {int(step)} of {args.steps} ({args.nproc} workers): {match.group(0)}")
-    print(f"drain_s={drain_s:.3f} step_s={step_s:.3f} drain_vs_step={drain_s / step_s:.2f} "
-          f"reform_s={reform_s:.3f} notice_s={notice_s:.3f}")
+    print(
+        f"drain_s={drain_s:.3f} step_s={step_s:.3f} drain_vs_step={drain_s / step_s:.2f} "
+        f"reform_s={reform_s:.3f} notice_s={notice_s:.3f}"
+    )
     return 0
 
 

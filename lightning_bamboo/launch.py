@@ -188,7 +188,9 @@ class Supervisor:
             leaving |= set(departure.announced(self.store, g))
         return (leaving & set(current.members())) - self.departed
 
-    def _reform(self, lost: set[int], joined: list[int], leaving: set[int] = frozenset()) -> bool:
+    def _reform(
+        self, lost: set[int], joined: list[int], leaving: frozenset[int] | set[int] = frozenset()
+    ) -> bool:
         """Publish the next generation; ``False`` when the job cannot continue."""
         _, old = self._current()
         if old is None:
