@@ -1,11 +1,12 @@
 """A spot notice served mid-training drains that member through the elastic failover, losing no step.
 
 Two members (2 stages) run ``scripts/train_elastic.py`` under ``python -m lightning_bamboo.launch``; each
-polls its own fake IMDSv2 on 127.0.0.1 (``--aws-endpoints``). Member 1's starts serving a spot
-instance-action once training reached step 3; member 1 drains at the next step boundary: the launcher
-publishes the generation without it, it exits 0, member 0 promotes its replica and finishes every step with
-nothing replayed. Final parameters and optimizer state equal an uninterrupted single-process run (float64),
-and the Bamboo hooks fired once each, with the right ownership maps.
+polls its own fake IMDSv2 on 127.0.0.1 (``--aws-endpoints``). Member 0's (rank 0, stage 0) starts serving a
+spot instance-action once training reached step 3; member 0 drains at the next step boundary: the launcher
+publishes the generation without it, it exits 0, and member 1, which holds stage 0's replica (the ring's
+last position), promotes it, becomes rank 0 and finishes every step with nothing replayed. Final parameters
+and optimizer state equal an uninterrupted single-process run (float64), and the Bamboo hooks fired once
+each, with the right ownership maps.
 """
 
 from __future__ import annotations
@@ -48,26 +49,26 @@ def test_spot_notice_drains_member_with_no_step_lost(tmp_path: Path) -> None:
     common = ["--stages", "2", "--steps", str(STEPS)]
     run_process([sys.executable, str(SCRIPT), "--out", str(ref), "--strategy", "auto", *common], timeout=240)
     reached = out / f"reached{NOTICE_AT}"  # written by the warned member at that step boundary
-    with FakeMetadata() as quiet, FakeMetadata(notice=True, notice_when=reached.exists) as warned:
+    with FakeMetadata(notice=True, notice_when=reached.exists) as warned, FakeMetadata() as quiet:
         cmd = [
             sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "2", str(SCRIPT), "--out", str(out),
-            *common, "--aws-endpoints", f"{quiet.url},{warned.url}", "--wait-notice", f"1:{NOTICE_AT}",
+            *common, "--aws-endpoints", f"{warned.url},{quiet.url}", "--wait-notice", f"0:{NOTICE_AT}",
         ]
         log = run_process(cmd, timeout=300, env=launch_env()).stdout  # exit 0: the departure is no failure
     assert any(r[1] == "/latest/meta-data/spot/instance-action" for r in quiet.requests)  # polled: 404s
 
-    assert "[bamboo.launch] drain: lost [] left [1] joined []" in log
-    assert "[bamboo.launch] member 1 left (exit 0)" in log
+    assert "[bamboo.launch] drain: lost [] left [0] joined []" in log
+    assert "[bamboo.launch] member 0 left (exit 0)" in log
     assert "exited with" not in log and "aborted" not in log  # nothing lost, nothing replayed
-    line = r"bamboo_drain members=1 step=(\d+) notice_s=\S+ reform_s=\S+ drain_s=(\S+) step_s=\S+"
+    line = r"bamboo_drain members=0 step=(\d+) notice_s=\S+ reform_s=\S+ drain_s=(\S+) step_s=\S+"
     match = re.search(line, log)
     assert match is not None, log[-3000:]
     assert int(match.group(1)) == DRAINED_AFTER and float(match.group(2)) > 0
 
-    # member 0 finished every step with what an uninterrupted run holds; member 1 left, writing no final
-    assert not (out / "final_member1.safetensors").exists()
+    # member 1 finished every step with what an uninterrupted run holds; member 0 left, writing no final
+    assert not (out / "final_member0.safetensors").exists()
     reference = load_file(str(ref / "final_reference.safetensors"))
-    final = load_file(str(out / "final_member0.safetensors"))
+    final = load_file(str(out / "final_member1.safetensors"))
     assert final.keys() == reference.keys()
     for key, value in final.items():
         torch.testing.assert_close(
@@ -78,19 +79,19 @@ def test_spot_notice_drains_member_with_no_step_lost(tmp_path: Path) -> None:
         lines = (out / "events" / f"events-member{member}.jsonl").read_text().splitlines()
         return [{k: v for k, v in json.loads(line).items() if k != "time"} for line in lines]
 
-    survivor = json.loads((out / "end_member0.json").read_text())
-    leaver = json.loads((out / "end_member1.json").read_text())
+    survivor = json.loads((out / "end_member1.json").read_text())
+    leaver = json.loads((out / "end_member0.json").read_text())
     assert survivor["global_step"] == STEPS and leaver["global_step"] == DRAINED_AFTER
-    notice, drain, failover = events(0)
-    assert events(1) == [notice, drain]  # the leaver sees the notice and its own drain, no failover
+    notice, drain, failover = events(1)
+    assert events(0) == [notice, drain]  # the leaver sees the notice and its own drain, no failover
     assert notice["event"] == "on_preemption_notice" and notice["step"] == DRAINED_AFTER
-    assert notice["notice"]["source"] == "aws" and notice["notice"]["rank"] == 1
+    assert notice["notice"]["source"] == "aws" and notice["notice"]["rank"] == 0
     assert notice["notice"]["deadline"] == warned.action["time"]
     at = DRAINED_AFTER
-    assert drain == {"event": "on_drain", "global_step": at, "member": 1, "rank": 1, "step": at}
-    assert failover["event"] == "on_failover" and failover["cause"] == "drain" and failover["members"] == [1]
+    assert drain == {"event": "on_drain", "global_step": at, "member": 0, "rank": 0, "step": at}
+    assert failover["event"] == "on_failover" and failover["cause"] == "drain" and failover["members"] == [0]
     assert failover["old_map"] == gen_map(0, {0: 0, 1: 1})
-    assert failover["new_map"] == gen_map(1, {0: 0, 1: 0})
+    assert failover["new_map"] == gen_map(1, {0: 1, 1: 1})
     assert failover["step"] == DRAINED_AFTER and failover["pipeline_length"] == 1
     assert 0 <= failover["seconds_lost"] < 30
     metrics = survivor["metrics"]
