@@ -72,6 +72,24 @@ def test_fire_calls_each_hook_once_with_its_payload() -> None:
     assert BambooMetrics().metrics(trainer)["bamboo/pipeline_length"] == 4.0  # type: ignore[arg-type]
 
 
+def test_event_log_writes_one_json_line_per_event(tmp_path: Path) -> None:
+    from lightning_bamboo.callbacks import BambooEventLog
+    from lightning_bamboo.ownership import initial
+
+    log = BambooEventLog(tmp_path / "events")
+    trainer = SimpleNamespace(callbacks=[log], lightning_module="module", strategy=SimpleNamespace(member=3),
+                              global_step=7, global_rank=1, default_root_dir=str(tmp_path))
+    old = initial(2, [0, 3])
+    fire(trainer, "on_preemption_notice", notice=Notice(source="gce", rank=1, received_at=1.0))  # type: ignore[arg-type]
+    fire(trainer, "on_failover", old_map=old, new_map=old, cause="lost", members=[0])  # type: ignore[arg-type]
+    text = (tmp_path / "events" / "events-member3.jsonl").read_text()
+    lines = [json.loads(line) for line in text.splitlines()]
+    events = [(r["event"], r["global_step"]) for r in lines]
+    assert events == [("on_preemption_notice", 7), ("on_failover", 7)]
+    assert lines[0]["notice"] == Notice(source="gce", rank=1, received_at=1.0).to_dict()
+    assert lines[1]["old_map"] == json.loads(old.to_json()) and lines[1]["members"] == [0]
+
+
 def test_fire_rejects_bad_events() -> None:
     trainer = fake_trainer(Recorder())
     with pytest.raises(ValueError, match=re.escape("unknown Bamboo event 'on_boom'; expected one of")):
