@@ -9,7 +9,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from functools import partial
@@ -32,20 +34,31 @@ log = logging.getLogger(__name__)
 
 
 class BambooCallback(Callback):
-    """A Lightning ``Callback`` with Bamboo's four event hooks (all no-ops: override the ones you need).
+    """A Lightning ``Callback`` with Bamboo's event hooks (all no-ops: override the ones you need).
 
-    ``info`` may hold ``seconds_lost`` (training time the event cost) and ``pipeline_length`` (stages after
-    it). ``old_map``/``new_map`` are the failover runtime's ownership maps (which member holds which stage
-    and replica) before and after the event.
+    Each event fires once, on every rank that takes part in it. ``info`` may hold ``seconds_lost`` (wall
+    seconds in which no counted step ran because of the event), ``pipeline_length`` (positions of this
+    rank's pipeline after it), ``step`` (the global step training goes on from), ``cause`` and ``members``.
+    ``old_map``/``new_map`` are the failover runtime's :class:`~lightning_bamboo.ownership.OwnershipMap`
+    (``{pipeline: {stage: member}}`` and the generation) before and after the event.
     """
 
     def on_preemption_notice(self, trainer: pl.Trainer, pl_module: pl.LightningModule, notice: Notice,
                              **info: Any) -> None:
-        """A rank was warned it will be preempted; it is drained at this step boundary."""
+        """A rank was warned it will be preempted (``notice.rank``); it is drained at this step boundary."""
+
+    def on_drain(self, trainer: pl.Trainer, pl_module: pl.LightningModule, member: int, rank: int,
+                 **info: Any) -> None:
+        """Member ``member`` (rank ``rank`` of the ending generation) leaves after the step just committed.
+
+        Fired by the failover runtime on every member, the leaving one included (its last chance to act,
+        e.g. upload its logs); the survivors' ``on_failover`` (``cause="drain"``) follows once they re-formed.
+        """
 
     def on_failover(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Any,
                     new_map: Any, **info: Any) -> None:
-        """A stage's owner was lost and its predecessor's replica took over."""
+        """Stages changed owner after members left (``info["cause"]``: ``"lost"`` = died, ``"drain"`` =
+        announced); their predecessors' replicas took over. Fired on the survivors once they re-formed."""
 
     def on_rejoin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Any,
                   new_map: Any, **info: Any) -> None:
@@ -62,15 +75,16 @@ _PROG_BAR = ("bamboo/preemptions", "bamboo/failovers", "bamboo/pipeline_length")
 class BambooMetrics(BambooCallback):
     """Logs the events as metrics (progress bar and every logger): counts, seconds lost, pipeline length.
 
-    Logged after every training batch under ``bamboo/``: ``preemptions``, ``failovers``, ``rejoins``,
-    ``fallbacks``, ``seconds_lost`` and ``pipeline_length`` (the strategy's ``num_stages`` unless an
-    event reported another). Place it after ``BambooNotices`` in ``callbacks`` so a notice acted on at a
+    Logged after every training batch under ``bamboo/``: ``preemptions``, ``drains``, ``failovers``,
+    ``rejoins``, ``fallbacks``, ``seconds_lost`` and ``pipeline_length`` (the strategy's live
+    ``pipeline_length`` when it has one, else the last one an event reported, else its ``num_stages``).
+    Place it after ``BambooNotices`` in ``callbacks`` so a notice acted on at a
     step boundary is counted in that step's metrics.
     """
 
     def __init__(self, prog_bar: bool = True) -> None:
         self.prog_bar = prog_bar
-        self.counts = {"preemptions": 0, "failovers": 0, "rejoins": 0, "fallbacks": 0}
+        self.counts = {"preemptions": 0, "drains": 0, "failovers": 0, "rejoins": 0, "fallbacks": 0}
         self.seconds_lost = 0.0
         self.pipeline_length: int | None = None
 
@@ -84,6 +98,11 @@ class BambooMetrics(BambooCallback):
     def on_preemption_notice(self, trainer: pl.Trainer, pl_module: pl.LightningModule, notice: Notice,
                              **info: Any) -> None:
         self._account("preemptions", info)
+
+    @override
+    def on_drain(self, trainer: pl.Trainer, pl_module: pl.LightningModule, member: int, rank: int,
+                 **info: Any) -> None:
+        self._account("drains", info)
 
     @override
     def on_failover(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Any,
@@ -101,7 +120,9 @@ class BambooMetrics(BambooCallback):
         self._account("fallbacks", info)
 
     def metrics(self, trainer: pl.Trainer) -> dict[str, float]:
-        length = self.pipeline_length
+        length = getattr(trainer.strategy, "pipeline_length", None)
+        if length is None:
+            length = self.pipeline_length
         if length is None:
             length = int(getattr(trainer.strategy, "num_stages", 1))
         return {
@@ -118,6 +139,70 @@ class BambooMetrics(BambooCallback):
             pl_module.log(key, value, prog_bar=bar, on_step=True, on_epoch=False, rank_zero_only=True)
 
 
+class BambooEventLog(BambooCallback):
+    """Appends every Bamboo event this process sees to ``<dirpath>/events-<who>.jsonl``, one JSON line each.
+
+    ``<who>`` is ``member<m>`` under the elastic runtime (member ids outlive generations) and ``rank<r>``
+    otherwise. Lines are written and flushed when the event fires, so a worker preempted right after keeps
+    what it saw. Each line: ``{"event", "time", "global_step", **payload}``; ownership maps are written as
+    their JSON form and notices as dicts.
+
+    Args:
+        dirpath: directory of the logs (default: ``<trainer.default_root_dir>/bamboo-events``).
+    """
+
+    def __init__(self, dirpath: str | Path | None = None) -> None:
+        self.dirpath = Path(dirpath) if dirpath is not None else None
+
+    def _path(self, trainer: pl.Trainer) -> Path:
+        base = self.dirpath if self.dirpath is not None else Path(trainer.default_root_dir) / "bamboo-events"
+        member = getattr(trainer.strategy, "member", None)
+        who = f"member{member}" if isinstance(member, int) else f"rank{trainer.global_rank}"
+        return base / f"events-{who}.jsonl"
+
+    def _write(self, trainer: pl.Trainer, event: str, payload: Mapping[str, Any]) -> None:
+        record = {"event": event, "time": time.time(), "global_step": trainer.global_step}
+        record.update({key: _plain(value) for key, value in payload.items()})
+        path = self._path(trainer)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as stream:
+            stream.write(json.dumps(record) + "\n")
+
+    @override
+    def on_preemption_notice(self, trainer: pl.Trainer, pl_module: pl.LightningModule, notice: Notice,
+                             **info: Any) -> None:
+        self._write(trainer, "on_preemption_notice", {"notice": notice, **info})
+
+    @override
+    def on_drain(self, trainer: pl.Trainer, pl_module: pl.LightningModule, member: int, rank: int,
+                 **info: Any) -> None:
+        self._write(trainer, "on_drain", {"member": member, "rank": rank, **info})
+
+    @override
+    def on_failover(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Any,
+                    new_map: Any, **info: Any) -> None:
+        self._write(trainer, "on_failover", {"old_map": old_map, "new_map": new_map, **info})
+
+    @override
+    def on_rejoin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, old_map: Any,
+                  new_map: Any, **info: Any) -> None:
+        self._write(trainer, "on_rejoin", {"old_map": old_map, "new_map": new_map, **info})
+
+    @override
+    def on_fallback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint_path: str,
+                    **info: Any) -> None:
+        self._write(trainer, "on_fallback", {"checkpoint_path": checkpoint_path, **info})
+
+
+def _plain(value: Any) -> Any:
+    """A payload value as JSON data: ownership maps by their JSON form, notices as dicts."""
+    to_json = getattr(value, "to_json", None)
+    if callable(to_json):
+        return json.loads(to_json())
+    to_dict = getattr(value, "to_dict", None)
+    return to_dict() if callable(to_dict) else value
+
+
 class BambooNotices(Callback):
     """Watches the preemption-notice sources and drains a warned rank at the next step boundary.
 
@@ -125,7 +210,8 @@ class BambooNotices(Callback):
     stepped the optimizer) every rank contributes its "warned" flag to a tiny all-reduce on a dedicated
     gloo group, issued without waiting (``async_op``) and read at the following boundary, so a step never
     waits on it. When ranks are warned, every rank fires ``on_preemption_notice`` with the warned rank's
-    notice, then calls the strategy's ``_drain(rank)``: the failover runtime's drain, or, without one,
+    notice, then calls the strategy's ``_drain_all(ranks)`` once: the elastic runtime's announced departure
+    (:mod:`lightning_bamboo.departure`), or, without a failover runtime,
     :func:`lightning_bamboo.events.drain_with_checkpoint` (checkpoint, then stop).
 
     Args:
@@ -216,20 +302,22 @@ class BambooNotices(Callback):
     def _act(self, trainer: pl.Trainer, ranks: list[int], local: Notice | None) -> None:
         strategy = trainer.strategy
         emit = getattr(strategy, "_emit", None) or partial(fire, trainer)
+        notices: dict[int, Notice] = {}
         for rank in ranks:
             notice = local
             if self._distributed():
                 mine = local.to_dict() if rank == trainer.global_rank and local is not None else None
                 notice = Notice(**broadcast_json(mine, rank, torch.device("cpu"), group=self._group))
             assert notice is not None
-            emit("on_preemption_notice", notice=notice)
-        drain = getattr(strategy, "_drain", None) or partial(drain_with_checkpoint, trainer)
+            notices[rank] = notice
+            emit("on_preemption_notice", notice=notice, step=trainer.global_step)
+        self.drained.extend(ranks)
+        drain_all = getattr(strategy, "_drain_all", None)
+        if callable(drain_all):  # a Bamboo strategy: all ranks warned at this boundary leave together
+            drain_all(ranks, self.checkpoint_dir, notices)
+            return
         for rank in ranks:
-            self.drained.append(rank)
-            if self.checkpoint_dir is not None:
-                drain(rank, self.checkpoint_dir)
-            else:
-                drain(rank)
+            drain_with_checkpoint(trainer, rank, self.checkpoint_dir)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -40,6 +40,7 @@ import signal
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,13 +48,14 @@ import torch.distributed as dist
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_bamboo import joining
+from lightning_bamboo import departure, joining
 from lightning_bamboo import membership as ms
 from lightning_bamboo import progress as trainer_progress
 from lightning_bamboo.contract import check_contract, find_pipeline_body
@@ -67,6 +69,8 @@ from lightning_bamboo.strategy import _STAGE_MARK, BambooStrategy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+    from lightning_bamboo.notices.base import Notice
 
 log = logging.getLogger(__name__)
 
@@ -218,8 +222,11 @@ class ElasticBambooStrategy(BambooStrategy):
         self._fault_spec = _parse_fault(os.environ.get(ENV_FAULT))
         self.failovers: list[tuple[OwnershipMap, OwnershipMap]] = []
         self._join_adopted = False  # the last commit adopted a join: form it at the next step boundary
+        self._lost_since: float | None = None  # a peer lost after a commit: when (formed at the boundary)
         self._joining_setup = False  # a joiner before its first step: no collective with the running job
         self._skip: trainer_progress.SkipFirstBatches | None = None  # a joiner's training batch sampler
+        self.departed = False  # this member left by an announced departure (it stops after its last step)
+        self.drain_timer = departure.DrainTimer()
 
     # ------------------------------------------------------------------ ranks follow the generation
     @property
@@ -254,6 +261,11 @@ class ElasticBambooStrategy(BambooStrategy):
     def member(self) -> int:
         assert self._env is not None
         return self._env.member
+
+    @property
+    def pipeline_length(self) -> int:
+        """Positions of this member's pipeline now (shorter than ``num_stages`` after a failover)."""
+        return self.view.num_stages if self.view is not None else self._num_stages
 
     @property
     def num_pipelines(self) -> int:
@@ -525,6 +537,7 @@ class ElasticBambooStrategy(BambooStrategy):
         self._join_at_boundary()
         while True:
             failed = False
+            attempt = time.monotonic()
             commit = ms.StepCommit(self._store, self.owners.generation, len(self.owners.members()))
             try:
                 result = closure()
@@ -546,6 +559,11 @@ class ElasticBambooStrategy(BambooStrategy):
                 self._apply_replica_step(optimizer)
                 self._fault("applied")
                 self._step += 1
+                report = self.drain_timer.committed()
+                if report is not None:
+                    rank_zero_only(print)(report, flush=True)
+                if failed:
+                    self._lost_since = attempt  # seconds_lost of the failover formed at the next boundary
                 # a lost peer after the commit (rolled forward) or an adopted join: the next generation is
                 # formed at the next step boundary (_join_at_boundary), where a joiner can be positioned
                 self._join_adopted = outcome == ms.COMMIT_JOIN
@@ -553,7 +571,7 @@ class ElasticBambooStrategy(BambooStrategy):
             log.warning(
                 "Bamboo: step %d aborted by a lost peer; replaying it on the next generation", self._step
             )
-            self._next_generation()
+            self._next_generation(since=attempt)
 
     def _exchange_replica_gradients(self) -> None:
         """Send this member's stage gradients to its replica holder, receive its successor's (blocking)."""
@@ -624,9 +642,13 @@ class ElasticBambooStrategy(BambooStrategy):
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def _next_generation(self) -> None:
-        """Wait for the generation after this one and form it (or wait as a spare)."""
+    def _next_generation(self, since: float | None = None) -> None:
+        """Wait for the generation after this one and form it (or wait as a spare).
+
+        ``since`` (``time.monotonic()``) is when training stopped counting: the event's ``seconds_lost``.
+        """
         assert self._store is not None and self.owners is not None
+        since = time.monotonic() if since is None else since
         old = self.owners
         while True:
             generation = ms.current_generation(self._store)
@@ -648,11 +670,18 @@ class ElasticBambooStrategy(BambooStrategy):
         self._form(new)
         self._store.add(f"gen{generation}/formed", 1)
         self.failovers.append((old, new))
+        info = {
+            "step": self._step,
+            "seconds_lost": time.monotonic() - since,
+            "pipeline_length": self.pipeline_length,
+        }
         if kind == "rejoin":
             joined = sorted(set(new.members()) - set(old.members()))
-            self._emit("on_rejoin", old_map=old, new_map=new, members=joined, step=self._step)
+            self._emit("on_rejoin", old_map=old, new_map=new, members=joined, **info)
         else:
-            self._emit("on_failover", old_map=old, new_map=new)
+            gone = sorted(set(old.members()) - set(new.members()) - set(new.spares))
+            cause = "drain" if kind == "drain" else "lost"
+            self._emit("on_failover", old_map=old, new_map=new, cause=cause, members=gone, **info)
         rank_zero_only(print)(
             f"[bamboo] {kind} at step {self._step}: generation {old.generation} -> {generation} "
             f"({time.monotonic() - start:.2f}s to re-form)\n{old.format()}\n->\n{new.format()}",
@@ -666,7 +695,8 @@ class ElasticBambooStrategy(BambooStrategy):
         self._joining_setup = False
         if self._join_adopted or ms.current_generation(self._store) > self.owners.generation:
             self._join_adopted = False
-            self._next_generation()
+            since, self._lost_since = self._lost_since, None
+            self._next_generation(since=since)
 
     # ------------------------------------------------------------------ joining (lightning_bamboo.joining)
     def _claim_join(self, step: int) -> bool:
@@ -761,13 +791,38 @@ class ElasticBambooStrategy(BambooStrategy):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         return tensor if self._joining_setup else super().reduce(tensor, group, reduce_op)
 
-    def _emit(self, hook: str, **kwargs: Any) -> None:
-        """Call ``hook`` on every trainer callback that has it (the Bamboo callback interface)."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        for callback in getattr(trainer, "callbacks", []) or []:
-            method = getattr(callback, hook, None)
-            if callable(method):
-                method(trainer, self.lightning_module, **kwargs)
+    @override
+    def _drain_all(
+        self,
+        ranks: list[int],
+        checkpoint_dir: str | Path | None = None,
+        notices: dict[int, Notice] | None = None,
+    ) -> None:
+        """Announced departure of ``ranks`` after the step just committed (:mod:`lightning_bamboo.departure`).
+
+        Called on every member at the same boundary. A leaver ends its ``fit`` (teardown hooks run, not
+        ``on_train_end``) once the launcher published the generation without it; the survivors form that
+        generation now and replay nothing. ``checkpoint_dir`` is not used: nothing is checkpointed.
+        """
+        assert self._store is not None and self.owners is not None and self.lightning_module is not None
+        start = time.monotonic()
+        old = self.owners
+        leaving = departure.announce(self._store, old, ranks, self._step)
+        for member in leaving:
+            self._emit("on_drain", member=member, rank=old.rank_of(member), step=self._step)
+        self.drain_timer.begin(leaving, self._step, [n.received_at for n in (notices or {}).values()])
+        departure.wait_without(self._store, old.generation, leaving, self._failure_wait)
+        if self.member in leaving:
+            log.warning(
+                "Bamboo member %d: leaving after step %d (announced departure)", self.member, self._step
+            )
+            self.departed = True
+            # leave ``fit`` now, the way Lightning's own tuner callbacks end it early: teardown hooks run,
+            # nothing else. Whatever ran after this boundary (ModelCheckpoint's collective decisions and save,
+            # on_train_end) would run against a world the survivors have already left.
+            raise _TunerExitException
+        self._next_generation(since=start)
+        self.drain_timer.reformed()
 
     # ------------------------------------------------------------------ fault injection
     def _fault(self, phase: str) -> None:

@@ -16,18 +16,24 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_bamboo.notices.base import Notice
+
 log = logging.getLogger(__name__)
 
 EVENTS: dict[str, tuple[str, ...]] = {
     "on_preemption_notice": ("notice",),
+    "on_drain": ("member", "rank"),
     "on_failover": ("old_map", "new_map"),
     "on_rejoin": ("old_map", "new_map"),
     "on_fallback": ("checkpoint_path",),
 }
-"""Event name -> its required payload keys."""
+"""Event name -> its required payload keys (see ``lightning_bamboo.callbacks.BambooCallback``)."""
 
-OPTIONAL = ("seconds_lost", "pipeline_length")
-"""Payload keys any event may add: seconds of training the event cost, the pipeline length after it."""
+OPTIONAL = ("seconds_lost", "pipeline_length", "step", "cause", "members")
+"""Payload keys any event may add: ``seconds_lost`` (wall seconds no counted step ran because of the event),
+``pipeline_length`` (positions of this rank's pipeline after it), ``step`` (the global step training goes on
+from), ``cause`` (failover: ``"lost"`` for a dead peer, ``"drain"`` for an announced departure) and
+``members`` (the member ids that left or joined)."""
 
 
 def fire(trainer: pl.Trainer, name: str, **payload: Any) -> int:
@@ -84,8 +90,8 @@ def drain_with_checkpoint(trainer: pl.Trainer, rank: int, checkpoint_dir: str | 
 class BambooEventsMixin:
     """What ``BambooStrategy`` adds for events: ``_emit`` (fire a hook) and ``_drain`` (leave a rank).
 
-    The failover runtime overrides ``_drain`` to hand the rank's stage to its predecessor; this default
-    checkpoints and stops (no step lost, but the job must be resumed).
+    The failover runtime overrides ``_drain_all`` to hand the ranks' stages to their predecessors; this
+    default checkpoints and stops (no step lost, but the job must be resumed).
     """
 
     def _emit(self, name: str, **payload: Any) -> int:
@@ -98,3 +104,17 @@ class BambooEventsMixin:
     def _drain(self, rank: int, checkpoint_dir: str | Path | None = None) -> None:
         """Take rank ``rank`` out of training at this step boundary (called on every rank)."""
         drain_with_checkpoint(self.lightning_module.trainer, rank, checkpoint_dir)  # type: ignore[attr-defined]
+
+    def _drain_all(
+        self,
+        ranks: list[int],
+        checkpoint_dir: str | Path | None = None,
+        notices: dict[int, Notice] | None = None,
+    ) -> None:
+        """Take every rank in ``ranks`` out at this step boundary (called on every rank, same list).
+
+        ``notices`` maps each rank to the notice that warned it (the failover runtime times its drain from
+        it). This default drains them one by one with :meth:`_drain`.
+        """
+        for rank in ranks:
+            self._drain(rank, checkpoint_dir)

@@ -7,7 +7,8 @@ The supervisor is not a training rank, so no preemption of a worker can take it 
 * starts ``N`` workers (each in its own session, member ids ``0..N-1``, told where the store is through
   ``BAMBOO_*`` environment variables),
 * watches them: a worker that exits non-zero (SIGKILL included) is lost; a worker whose heartbeat stops
-  for ``--hang-timeout`` seconds (SIGSTOP, a deadlock) is SIGKILLed by PID and lost,
+  for ``--hang-timeout`` seconds (SIGSTOP, a deadlock) is SIGKILLed by PID and lost; a worker that
+  announced its departure (a preemption notice, :mod:`lightning_bamboo.departure`) leaves: not a loss,
 * and is the one place membership is decided: it writes generation ``g+1``'s ownership map
   (:func:`lightning_bamboo.ownership.failover`, or a checkpoint fallback when redundancy cannot cover the
   loss) into the store and prints the old and new maps. Workers form the new generation themselves.
@@ -25,6 +26,7 @@ workers by PID and exits 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -39,7 +41,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from lightning_bamboo import joining
+from lightning_bamboo import departure, joining
 from lightning_bamboo import membership as ms
 from lightning_bamboo.ownership import FallbackNeeded, OwnershipMap, failover, initial, rejoin
 
@@ -91,6 +93,7 @@ class Supervisor:
         self.next_member = 0
         self.finished: set[int] = set()
         self.lost: set[int] = set()
+        self.departed: set[int] = set()
         self.events: list[dict[str, object]] = []
         self._pending_joins: list[int] = []
         self.start_time = time.monotonic()
@@ -161,6 +164,11 @@ class Supervisor:
                 os.kill(worker.proc.pid, sig)
 
     def stop_all(self) -> None:
+        for member in self.departed:  # a leaver ends its fit right after its drain: let it exit on its own
+            worker = self.workers[member]
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.proc.wait(timeout=5)
+        self._check()  # reports the leavers' exits
         with self._lock:
             workers = list(self.workers.values())
         for worker in workers:
@@ -176,7 +184,10 @@ class Supervisor:
         with self._lock:
             workers = list(self.workers.items())
         for member, worker in workers:
-            if member in self.lost or member in self.finished:
+            if member in self.departed and member not in self.finished and worker.proc.poll() is not None:
+                self.finished.add(member)
+                self.log(f"[bamboo.launch] member {member} left (exit {worker.proc.returncode})", flush=True)
+            if member in self.lost or member in self.finished or member in self.departed:
                 continue
             code = worker.proc.poll()
             if code is not None:
@@ -220,37 +231,52 @@ class Supervisor:
         self.store.set(f"gen{new.generation}/kind", kind)
         self.store.set("gen", str(new.generation))
 
-    def _reform(self, lost: set[int], joined: list[int]) -> bool:
+    def _departures(self) -> set[int]:
+        """Members of the current generation announced as leaving (in it or in an earlier generation)."""
+        generation, current = self._current()
+        if current is None:
+            return set()
+        leaving: set[int] = set()
+        # members announce in the generation they train in, which may have just been superseded by a loss
+        for g in range(max(generation - 2, 0), generation + 1):
+            leaving |= set(departure.announced(self.store, g))
+        return (leaving & set(current.members())) - self.departed
+
+    def _reform(
+        self, lost: set[int], joined: list[int], leaving: frozenset[int] | set[int] = frozenset()
+    ) -> bool:
         """Publish the next generation; ``False`` when the job cannot continue."""
         generation, old = self._current()
         if old is None:
             self.log("[bamboo.launch] a worker was lost before generation 0 formed", flush=True)
             return False
         proposed = set(self._proposal[1].members()) if self._proposal is not None else set()
-        if lost and not lost & (set(old.members()) | set(old.spares) | proposed):
+        if lost and not leaving and not lost & (set(old.members()) | set(old.spares) | proposed):
             with self._lock:
                 self._pending_joins = [m for m in self._pending_joins if m not in lost]
             return True  # a joiner died before it was placed anywhere: nothing to re-form
-        if lost:
+        gone = set(lost) | set(leaving)
+        if gone:
             adopted = joining.close(self.store, generation)
             if adopted is not None and self._proposal is not None:
                 # the members adopted the join before the loss: the failover applies to the joined layout
                 old = self._publish_join(adopted)
             self._proposal = None
-        kind = "failover" if lost else "rejoin"
+        kind = ("failover" if lost else "drain") if gone else "rejoin"
         try:
-            new = failover(old, lost) if lost else old
+            new = failover(old, gone) if gone else old
             if joined:
                 new = rejoin(new, joined)
         except FallbackNeeded as err:
-            survivors = sorted(m for m in old.members() + list(old.spares) if m not in lost) + joined
+            survivors = sorted(m for m in old.members() + list(old.spares) if m not in gone) + joined
             if not survivors:
                 self.log(f"[bamboo.launch] {err}\nno worker left", flush=True)
                 return False
             new = fallback_map(old, survivors)
             kind = "fallback"
+        left = f" left {sorted(leaving)}" if leaving else ""
         self.log(
-            f"[bamboo.launch] {kind}: lost {sorted(lost)} joined {joined}\n{old.format()}\n->\n"
+            f"[bamboo.launch] {kind}: lost {sorted(lost)}{left} joined {joined}\n{old.format()}\n->\n"
             f"{new.format()}",
             flush=True,
         )
@@ -259,6 +285,7 @@ class Supervisor:
                 "t_s": time.monotonic() - self.start_time,
                 "kind": kind,
                 "lost": sorted(lost),
+                "left": sorted(leaving),
                 "joined": joined,
                 "old": old.to_json(),
                 "new": new.to_json(),
@@ -285,16 +312,20 @@ class Supervisor:
         try:
             while True:
                 lost = self._check()
-                if lost:
-                    time.sleep(self.settle)  # losses that arrive together are handled together
-                    self.lost |= lost
-                    lost |= self._check()
-                    self.lost |= lost
+                leaving = self._departures()  # announced together, at one step boundary: no settling
+                if lost or leaving:
+                    if lost:
+                        time.sleep(self.settle)  # losses that arrive together are handled together
+                        self.lost |= lost
+                        lost |= self._check()
+                        self.lost |= lost
+                        leaving |= self._departures()
+                    self.departed |= leaving
                     joined: list[int] = []
-                    if not self._reform(lost, joined):
+                    if not self._reform(lost, joined, leaving):
                         return 1
                     if self.replace and budget != 0:
-                        for _ in lost:
+                        for _ in lost | leaving:
                             if budget == 0:
                                 break
                             self._due.append(time.monotonic() + self.replace_delay)

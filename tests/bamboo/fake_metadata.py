@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -12,13 +13,17 @@ class FakeMetadata:
     """One loopback server that answers like IMDSv2 and like the GCE metadata server.
 
     ``notice`` (AWS: the instance-action JSON; GCE: ``preempted`` is ``TRUE``) turns on after
-    ``notice_after`` notice GETs, so a test can serve it "mid-training". ``expire_tokens()`` makes every
+    ``notice_after`` notice GETs and once ``notice_when()`` (if given) is true, so a test can serve it
+    "mid-training". ``expire_tokens()`` makes every
     token issued so far answer 401. ``requests`` logs (method, path, lower-cased headers) of every request.
     """
 
-    def __init__(self, notice: bool = False, notice_after: int = 0) -> None:
+    def __init__(
+        self, notice: bool = False, notice_after: int = 0, notice_when: Callable[[], bool] | None = None
+    ) -> None:
         self.notice = notice
         self.notice_after = notice_after
+        self.notice_when = notice_when
         self.notice_gets = 0
         self.tokens: set[str] = set()
         self.requests: list[tuple[str, str, dict[str, str]]] = []
@@ -51,7 +56,8 @@ class FakeMetadata:
 
             def _noticed(self) -> bool:
                 fake.notice_gets += 1
-                return fake.notice and fake.notice_gets > fake.notice_after
+                when = fake.notice_when is None or fake.notice_when()
+                return fake.notice and fake.notice_gets > fake.notice_after and when
 
             def do_GET(self) -> None:
                 fake.requests.append(("GET", self.path, {k.lower(): v for k, v in self.headers.items()}))

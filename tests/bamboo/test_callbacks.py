@@ -28,6 +28,9 @@ class Recorder(BambooCallback):
     def on_preemption_notice(self, trainer, pl_module, notice, **info):  # type: ignore[no-untyped-def]
         self.calls.append(("notice", pl_module, {"notice": notice, **info}))
 
+    def on_drain(self, trainer, pl_module, member, rank, **info):  # type: ignore[no-untyped-def]
+        self.calls.append(("drain", pl_module, {"member": member, "rank": rank, **info}))
+
     def on_failover(self, trainer, pl_module, old_map, new_map, **info):  # type: ignore[no-untyped-def]
         self.calls.append(("failover", pl_module, {"old_map": old_map, "new_map": new_map, **info}))
 
@@ -48,22 +51,43 @@ def test_fire_calls_each_hook_once_with_its_payload() -> None:
     trainer = fake_trainer(recorder, object(), metrics)  # a callback without the hooks is skipped
     notice = Notice(source="aws", rank=2)
     assert fire(trainer, "on_preemption_notice", notice=notice) == 2  # type: ignore[arg-type]
+    fire(trainer, "on_drain", member=5, rank=2, step=7)  # type: ignore[arg-type]
     fire(trainer, "on_failover", old_map={0: 0, 1: 1}, new_map={0: 0, 1: 0}, seconds_lost=1.5,  # type: ignore[arg-type]
-         pipeline_length=3)
+         pipeline_length=3, cause="drain", members=[5])
     fire(trainer, "on_rejoin", old_map={0: 0, 1: 0}, new_map={0: 0, 1: 1}, seconds_lost=0.5)  # type: ignore[arg-type]
     fire(trainer, "on_fallback", checkpoint_path="/ckpt")  # type: ignore[arg-type]
     assert recorder.calls == [
         ("notice", "module", {"notice": notice}),
+        ("drain", "module", {"member": 5, "rank": 2, "step": 7}),
         ("failover", "module", {"old_map": {0: 0, 1: 1}, "new_map": {0: 0, 1: 0}, "seconds_lost": 1.5,
-                                "pipeline_length": 3}),
+                                "pipeline_length": 3, "cause": "drain", "members": [5]}),
         ("rejoin", "module", {"old_map": {0: 0, 1: 0}, "new_map": {0: 0, 1: 1}, "seconds_lost": 0.5}),
         ("fallback", "module", {"checkpoint_path": "/ckpt"}),
     ]
     assert metrics.metrics(trainer) == {  # type: ignore[arg-type]
-        "bamboo/preemptions": 1.0, "bamboo/failovers": 1.0, "bamboo/rejoins": 1.0, "bamboo/fallbacks": 1.0,
+        "bamboo/preemptions": 1.0, "bamboo/drains": 1.0, "bamboo/failovers": 1.0, "bamboo/rejoins": 1.0,
+        "bamboo/fallbacks": 1.0,
         "bamboo/seconds_lost": 2.0, "bamboo/pipeline_length": 3.0,
     }
     assert BambooMetrics().metrics(trainer)["bamboo/pipeline_length"] == 4.0  # type: ignore[arg-type]
+
+
+def test_event_log_writes_one_json_line_per_event(tmp_path: Path) -> None:
+    from lightning_bamboo.callbacks import BambooEventLog
+    from lightning_bamboo.ownership import initial
+
+    log = BambooEventLog(tmp_path / "events")
+    trainer = SimpleNamespace(callbacks=[log], lightning_module="module", strategy=SimpleNamespace(member=3),
+                              global_step=7, global_rank=1, default_root_dir=str(tmp_path))
+    old = initial(2, [0, 3])
+    fire(trainer, "on_preemption_notice", notice=Notice(source="gce", rank=1, received_at=1.0))  # type: ignore[arg-type]
+    fire(trainer, "on_failover", old_map=old, new_map=old, cause="lost", members=[0])  # type: ignore[arg-type]
+    text = (tmp_path / "events" / "events-member3.jsonl").read_text()
+    lines = [json.loads(line) for line in text.splitlines()]
+    events = [(r["event"], r["global_step"]) for r in lines]
+    assert events == [("on_preemption_notice", 7), ("on_failover", 7)]
+    assert lines[0]["notice"] == Notice(source="gce", rank=1, received_at=1.0).to_dict()
+    assert lines[1]["old_map"] == json.loads(old.to_json()) and lines[1]["members"] == [0]
 
 
 def test_fire_rejects_bad_events() -> None:
@@ -71,7 +95,7 @@ def test_fire_rejects_bad_events() -> None:
     with pytest.raises(ValueError, match=re.escape("unknown Bamboo event 'on_boom'; expected one of")):
         fire(trainer, "on_boom")  # type: ignore[arg-type]
     message = ("event 'on_failover' needs payload keys ['old_map', 'new_map'] (optional ['seconds_lost', "
-               "'pipeline_length']); missing ['new_map'], unexpected ['extra']")
+               "'pipeline_length', 'step', 'cause', 'members']); missing ['new_map'], unexpected ['extra']")
     with pytest.raises(ValueError, match=re.escape(message)):
         fire(trainer, "on_failover", old_map={}, extra=1)  # type: ignore[arg-type]
 
@@ -131,7 +155,9 @@ def test_aws_notice_mid_training_drains_at_a_step_boundary(tmp_path: Path) -> No
     from tests.bamboo.launch import run_script
 
     steps = 12
-    run_script("train_notice.py", ["--out", str(tmp_path / "ref"), "--steps", str(steps)], timeout=240)
+    # the reference needs no pause at its step boundaries (it has no notice to wait for)
+    ref_args = ["--out", str(tmp_path / "ref"), "--steps", str(steps), "--pause", "0"]
+    run_script("train_notice.py", ref_args, timeout=240)
     with FakeMetadata(notice=True, notice_after=8) as fake:  # ~8 x 50 ms of 404s, then the notice
         args = ["--out", str(tmp_path / "run"), "--steps", str(steps), "--aws", fake.url]
         run_script("train_notice.py", args, timeout=240)

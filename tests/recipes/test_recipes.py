@@ -66,6 +66,19 @@ def test_spot_recipe_wires_notices_and_metrics(tmp_path: Path) -> None:
     assert cloud.trainer.callbacks.notices.gce.enabled == "auto"
 
 
+def test_elastic_spot_recipe_drains_through_the_elastic_strategy(tmp_path: Path) -> None:
+    from lightning_bamboo.callbacks import BambooEventLog, BambooMetrics, BambooNotices
+    from lightning_bamboo.elastic import ElasticBambooStrategy
+
+    demo = ["notices@trainer.callbacks.notices=fault_demo"]
+    cfg = compose_recipe("bamboo_gpt_elastic_spot", tmp_path, demo)
+    _, _, trainer = instantiate_components(cfg)
+    assert isinstance(trainer.strategy, ElasticBambooStrategy)  # its _drain_all is the announced departure
+    ours = [c for c in trainer.callbacks if isinstance(c, (BambooNotices, BambooMetrics, BambooEventLog))]
+    assert [type(c) for c in ours] == [BambooNotices, BambooMetrics, BambooEventLog]
+    assert ours[0]._config["faults"] == [{"rank": 1, "at_step": 10, "action": "drain"}]
+
+
 @pytest.mark.parametrize("trace", sorted(p.stem for p in (CONFIG_DIR / "trace").glob("*.yaml")))
 def test_replay_recipe_composes_and_runs(trace: str, tmp_path: Path) -> None:
     from recipes.replay import replay, replay_args

@@ -5,6 +5,11 @@
 owns at the end, and ``<out>/failovers_member{m}.json`` (the ownership maps it went through).
 ``--strategy auto`` is the uninterrupted single-process reference on the same global batches; it writes
 ``<out>/final_reference.safetensors`` in the same format.
+
+``--aws-endpoints U0,U1,..`` gives member ``m`` its own (fake) IMDSv2 ``U<m>`` polled by ``BambooNotices``
+(an announced departure drains it); members record their Bamboo hook calls and metrics in
+``<out>/events_member{m}.json`` (see ``tests/bamboo/drain_callbacks.py``). A member that left writes no
+``final_*`` file.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
     parser.add_argument("--no-redundancy", action="store_true")
+    parser.add_argument("--aws-endpoints", default="", help="comma-separated IMDS URL per member ('' = none)")
+    parser.add_argument("--wait-notice", default="", help="MEMBER:STEP: that member waits for its notice")
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -60,7 +67,14 @@ def main() -> None:
     else:
         strategy = "auto"
 
+    callbacks = []
+    if args.aws_endpoints and isinstance(strategy, ElasticBambooStrategy):
+        from tests.bamboo.drain_callbacks import notice_callbacks
+
+        endpoints = args.aws_endpoints.split(",")
+        callbacks = notice_callbacks(args.out, strategy.member, endpoints, args.wait_notice)
     trainer = Trainer(
+        callbacks=callbacks,
         accelerator="cpu",
         devices=1,
         strategy=strategy,
@@ -79,6 +93,8 @@ def main() -> None:
         for key, value in values.items():
             tensors[f"own_opt/{name}/{key}"] = value.detach().clone().reshape(-1)
     tensors["global_step"] = torch.tensor([trainer.global_step], dtype=torch.int64)
+    if isinstance(strategy, ElasticBambooStrategy) and strategy.departed:
+        return
     if isinstance(strategy, ElasticBambooStrategy):
         name = f"member{strategy.member}"
         (args.out / f"failovers_{name}.json").write_text(
