@@ -1,0 +1,328 @@
+"""Checkpoint fallback of elastic Bamboo: periodic asynchronous checkpoints keyed by layer, and the batches to
+re-run from them.
+
+When redundancy cannot cover a loss (two adjacent stages lost at once, fewer processes than stages), the
+survivors load the last complete checkpoint into whatever layout they can run and re-run the steps since it,
+inside the same ``fit`` (:meth:`lightning_bamboo.elastic.ElasticBambooStrategy`). This module holds what that
+needs and nothing about process groups:
+
+* :class:`PeriodicCheckpointer`: every ``N`` steps each member of the first pipeline writes the layers of its
+  stages (parameters, buffers, optimizer state) with ``torch.distributed.checkpoint.async_save`` (no
+  collectives: one DCP checkpoint per member) into ``<root>/step_<c>.partial/member<m>/``, after writing
+  ``member<m>.json`` (each layer's description, the writers, the LR schedulers' and optimizer groups'
+  settings). DCP renames its ``.metadata`` into place after the data, so a member's part is finished when
+  that file exists; a folder whose writers' parts all exist is renamed to ``step_<c>`` (an atomic rename) by
+  whichever member notices first. Readers only consider renamed folders, and check them again.
+* :class:`BatchRing`: the global batches of the last steps (every member keeps the same ones: the data of a
+  step does not depend on the layout).
+
+Tensors are keyed ``layer<L>/<i>`` (the ``i``-th tensor of :func:`lightning_bamboo.reshard.describe`), so any
+later layout loads the layers it needs, wherever they were written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_bamboo.checkpoint import _load_tensors
+from lightning_bamboo.reshard import LayerState, describe, materialize
+
+log = logging.getLogger(__name__)
+
+PREFIX = "step_"
+PARTIAL = ".partial"
+_DCP_METADATA = ".metadata"
+
+
+def check_options(every: Any, directory: Any, keep: Any) -> None:
+    """Validate the strategy's checkpoint arguments (both or neither of ``every`` and ``directory``)."""
+    if (every is None) != (directory is None):
+        raise ValueError(
+            "checkpoint_every_n_steps and checkpoint_dir go together (checkpoint fallback needs both), got "
+            f"checkpoint_every_n_steps={every!r}, checkpoint_dir={directory!r}"
+        )
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(f"checkpoint_every_n_steps must be an integer >= 1, got {every!r}")
+    if directory is not None and not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"checkpoint_dir must be a path (str or os.PathLike), got {type(directory).__name__}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep_checkpoints must be an integer >= 1, got {keep!r}")
+
+
+def folder(root: Path, step: int, partial: bool = False) -> Path:
+    return root / f"{PREFIX}{step:08d}{PARTIAL if partial else ''}"
+
+
+def _step_of(path: Path) -> int | None:
+    name = path.name.removesuffix(PARTIAL)
+    if not name.startswith(PREFIX) or not name[len(PREFIX) :].isdigit():
+        return None
+    return int(name[len(PREFIX) :])
+
+
+def is_complete(path: Path) -> bool:
+    """Every writer named in the folder finished its part, and their parts hold every layer."""
+    metas = sorted(path.glob("member*.json"))
+    if not metas:
+        return False
+    first = json.loads(metas[0].read_text())
+    layers: set[int] = set()
+    for writer in first["writers"]:
+        meta = path / f"member{writer}.json"
+        if not meta.exists() or not (path / f"member{writer}" / _DCP_METADATA).exists():
+            return False
+        layers |= set(json.loads(meta.read_text())["layers"])
+    return layers == set(range(first["num_layers"]))
+
+
+def finalize(root: Path) -> list[int]:
+    """Rename every complete ``.partial`` folder into place (atomic); returns the steps now final."""
+    done = []
+    for path in sorted(root.glob(f"{PREFIX}*{PARTIAL}")):
+        step = _step_of(path)
+        if step is None or not is_complete(path):
+            continue
+        try:
+            path.rename(folder(root, step))
+        except OSError:  # another member renamed it first
+            if not folder(root, step).exists():
+                raise
+        done.append(step)
+    return done
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps of the complete checkpoints under ``root``, oldest first (``.partial`` folders never count)."""
+    steps = []
+    for path in root.glob(f"{PREFIX}*"):
+        step = _step_of(path)
+        if step is not None and not path.name.endswith(PARTIAL) and is_complete(path):
+            steps.append(step)
+    return sorted(steps)
+
+
+def latest_complete(root: Path) -> int | None:
+    steps = complete_steps(root)
+    return steps[-1] if steps else None
+
+
+def prune(root: Path, keep: int) -> None:
+    """Keep the ``keep`` newest complete checkpoints; drop older ones and ``.partial`` folders older still."""
+    steps = complete_steps(root)
+    if len(steps) <= keep:
+        return
+    oldest_kept = steps[-keep]
+    for path in root.glob(f"{PREFIX}*"):
+        step = _step_of(path)
+        if step is not None and step < oldest_kept:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def settings(optimizer: Optimizer, scheduler_configs: list[Any]) -> dict[str, Any]:
+    """The optimizer groups' hyper-parameters and the LR schedulers' states, as JSON-ready values.
+
+    Raises:
+        ValueError: a value is not JSON-serializable (it could not be written without pickling).
+    """
+    out = {
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        "schedulers": [config.scheduler.state_dict() for config in scheduler_configs],
+    }
+    try:
+        json.dumps(out)
+    except TypeError as err:
+        raise ValueError(
+            "checkpoint fallback writes the optimizer's param-group settings and the LR schedulers' "
+            f"state_dict() as JSON, and one value is not JSON-serializable: {err}"
+        ) from err
+    return out
+
+
+def restore_settings(optimizer: Optimizer, scheduler_configs: list[Any], saved: dict[str, Any]) -> None:
+    """Inverse of :func:`settings` (JSON turned tuples into lists: they are turned back)."""
+    for group, values in zip(optimizer.param_groups, saved["param_groups"]):
+        for key, value in values.items():
+            group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+    for config, state in zip(scheduler_configs, saved["schedulers"]):
+        config.scheduler.load_state_dict(state)
+
+
+def check_schedulers(scheduler_configs: list[Any]) -> None:
+    """Fallback re-steps ``interval="step"`` schedulers during re-runs; any other kind is refused."""
+    for config in scheduler_configs:
+        if config.reduce_on_plateau or config.interval != "step":
+            raise ValueError(
+                "checkpoint fallback (checkpoint_every_n_steps) re-steps LR schedulers with interval='step' "
+                f"while it re-runs steps; got {type(config.scheduler).__name__} with interval="
+                f"{config.interval!r}{' (ReduceLROnPlateau)' if config.reduce_on_plateau else ''}"
+            )
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
+
+
+class PeriodicCheckpointer:
+    """Writes this member's layers every ``every`` steps, one asynchronous write in flight at a time.
+
+    Args:
+        root: the job's checkpoint folder (``<checkpoint_dir>/<job id>``, so runs never see each other's).
+        every: steps between checkpoints (a checkpoint at step ``c`` holds the state before step ``c``).
+        keep: complete checkpoints kept.
+        member: this member's id.
+    """
+
+    def __init__(self, root: Path, every: int, keep: int, member: int) -> None:
+        self.root = root
+        self.every = every
+        self.keep = keep
+        self.member = member
+        self._last: int | None = None
+        self._pending: tuple[int, Future, float] | None = None
+        self._written_at: dict[int, float] = {}
+        root.mkdir(parents=True, exist_ok=True)
+
+    def due(self, step: int) -> bool:
+        """Whether a checkpoint is taken before ``step`` (once per step, on every member)."""
+        if step % self.every != 0 or step == self._last:
+            return False
+        self._last = step
+        return True
+
+    def save(
+        self,
+        step: int,
+        layers: dict[int, LayerState],
+        writers: list[int],
+        num_layers: int,
+        extra: dict[str, Any],
+    ) -> tuple[float, int]:
+        """Start writing ``layers`` for ``step``; returns (seconds blocked, bytes of tensors).
+
+        The previous write is waited for first (a failure of it raises), finished folders are renamed into
+        place and old ones pruned. ``async_save`` copies the tensors before it returns (the blocking part),
+        so training may change them right after.
+        """
+        self.wait(strict=True)
+        finalize(self.root)
+        prune(self.root, self.keep)
+        path = folder(self.root, step, partial=True)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors: dict[str, Tensor] = {}
+        descriptions = {}
+        for layer, held in sorted(layers.items()):
+            desc, values = describe(held)
+            descriptions[str(layer)] = desc
+            for i, tensor in enumerate(values):
+                tensors[f"layer{layer}/{i}"] = tensor
+        meta = {
+            "step": step,
+            "member": self.member,
+            "writers": sorted(writers),
+            "num_layers": num_layers,
+            "layers": sorted(layers),
+            "descriptions": descriptions,
+            **extra,
+        }
+        _write_json(path / f"member{self.member}.json", meta)
+        start = time.perf_counter()
+        future = dcp.async_save(tensors, checkpoint_id=str(path / f"member{self.member}"), no_dist=True)
+        blocking = time.perf_counter() - start
+        future.add_done_callback(lambda _f, s=step: self._written_at.__setitem__(s, time.perf_counter()))
+        self._pending = (step, future, start)
+        return blocking, sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def wait(self, strict: bool) -> tuple[int, float] | None:
+        """Wait for the write in flight; returns (its step, seconds from start to written) or ``None``.
+
+        Args:
+            strict: raise when the write failed (``False``: log it; the checkpoint just never completes).
+        """
+        if self._pending is None:
+            return None
+        step, future, start = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except Exception as err:
+            if strict:
+                raise RuntimeError(
+                    f"the checkpoint of step {step} in {self.root} failed to write: {err}"
+                ) from err
+            log.warning("Bamboo: the checkpoint of step %d failed to write: %s", step, err)
+            return None
+        return step, self._written_at.get(step, time.perf_counter()) - start
+
+
+def load_layers(
+    path: Path, layers: list[int], template: Callable[[int], nn.Module], device: torch.device
+) -> tuple[dict[int, LayerState], dict[str, Any]]:
+    """Load ``layers`` (parameters, buffers, optimizer state) from a complete checkpoint into their templates.
+
+    Returns:
+        The layers' states and the checkpoint's settings (see :func:`settings`) and ``step``.
+    """
+    if not is_complete(path):
+        raise FileNotFoundError(f"{path} is not a complete Bamboo fallback checkpoint")
+    metas = [json.loads(p.read_text()) for p in sorted(path.glob("member*.json"))]
+    writer_of = {layer: meta for meta in metas for layer in meta["layers"]}
+    missing = [layer for layer in layers if layer not in writer_of]
+    if missing:
+        raise KeyError(f"checkpoint {path} holds no layers {missing}")
+    out: dict[int, LayerState] = {}
+    for meta in metas:
+        wanted = [layer for layer in layers if writer_of[layer] is meta]
+        if not wanted:
+            continue
+        counts = {
+            layer: sum(len(meta["descriptions"][str(layer)][k]) for k in ("params", "buffers"))
+            + sum(1 for entry in meta["descriptions"][str(layer)]["state"] if entry[2] == "tensor")
+            for layer in wanted
+        }
+        keys = [f"layer{layer}/{i}" for layer in wanted for i in range(counts[layer])]
+        loaded = _load_tensors(path / f"member{meta['member']}", keys, no_dist=True)
+        for layer in wanted:
+            values = iter(loaded[f"layer{layer}/{i}"] for i in range(counts[layer]))
+            out[layer] = materialize(
+                template(layer), meta["descriptions"][str(layer)], lambda _d, _s, v=values: next(v), device
+            )
+    return out, metas[0]
+
+
+class BatchRing:
+    """The global batches of the last ``capacity`` steps (private copies): ``step -> (batch_idx, batch)``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[int, tuple[int, Any]] = OrderedDict()
+
+    def put(self, step: int, batch_idx: int, batch: Any) -> None:
+        self._items[step] = (batch_idx, apply_to_collection(batch, Tensor, lambda t: t.detach().clone()))
+        self._items.move_to_end(step)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, step: int) -> tuple[int, Any]:
+        if step not in self._items:
+            raise RuntimeError(
+                f"the batch of step {step} is no longer kept (the ring holds steps {list(self._items)}); "
+                "the last complete checkpoint is older than the ring: raise the ring or checkpoint more often"
+            )
+        return self._items[step]

@@ -1,0 +1,123 @@
+"""Checkpoint fallback of elastic Bamboo: a loss the replicas cannot cover resumes from the last complete
+asynchronous checkpoint inside the same ``fit``, re-running the steps since it.
+
+The multi-process test really SIGKILLs two adjacent stages of a 3-stage pipeline at once (fault injection
+``1+2:step:exchange``) and checks the survivor's final parameters and optimizer state (float64) against the
+uninterrupted single-process run. The unit tests check that an incomplete checkpoint is never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from lightning_bamboo import fallback as fb
+from lightning_bamboo.elastic import ElasticBambooStrategy
+from lightning_bamboo.reshard import gather
+from tests.bamboo.test_elastic import SCRIPT, STEPS, check_final
+from tests.process import launch_env, run_process
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("reference")
+    run_process(
+        [sys.executable, str(SCRIPT), "--out", str(out), "--strategy", "auto", "--steps", str(STEPS)],
+        timeout=240,
+    )
+    return load_file(str(out / "final_reference.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_adjacent_stages_lost_falls_back_to_checkpoint(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    """3 stages x 1 pipeline, a checkpoint every 2 steps; members 1 and 2 die together in step 5 (before
+    the replica exchange, so the step aborts). Nobody holds stages 1-2 any more: the launcher publishes a
+    fallback, member 0 alone (fewer processes than stages) loads the last complete checkpoint (step 4, or 2
+    if a dead member's part of step 4 never finished), re-runs the steps since it, replays step 5 and
+    finishes: equal to the uninterrupted run."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "3", str(SCRIPT), "--out", str(out)]
+    cmd += ["--stages", "3", "--steps", str(STEPS), "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt)]
+    log = run_process(cmd, timeout=400, env=launch_env({"BAMBOO_FAULT": "1+2:5:exchange"})).stdout
+    assert "fallback: lost [1, 2]" in log, log[-3000:]
+    assert "pipe0  m0      m0      m0" in log
+    found = re.search(
+        r"fallback: loaded checkpoint step=(\d+) .* re-ran steps (\d+)\.\.(\d+) \((\d+) steps\)", log
+    )
+    assert found, log[-3000:]
+    step, first, last, count = map(int, found.groups())
+    assert step in (2, 4) and first == step and last == 4 and count == 5 - step
+    assert re.search(r"\[bamboo\] checkpoint step=2 member=0 blocking_s=[0-9.]+ bytes=\d+", log)
+    check_final(out, reference)
+    (job,) = list(ckpt.iterdir())
+    assert fb.complete_steps(job) == [2, 4]  # keep_checkpoints=2
+
+
+def _write(root: Path, step: int, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer) -> None:
+    checkpointer = fb.PeriodicCheckpointer(root, every=2, keep=5, member=0)
+    assert checkpointer.due(step)
+    checkpointer.save(
+        step, gather(layers, optimizer), [0], len(layers), {"param_groups": [], "schedulers": []}
+    )
+    assert checkpointer.wait(strict=True) is not None
+    fb.finalize(root)
+
+
+def test_an_incomplete_checkpoint_is_never_loaded(tmp_path: Path) -> None:
+    """The loader takes the newest COMPLETE checkpoint: a ``.partial`` folder (a writer still writing, or
+    dead) and a renamed folder missing a writer's part are skipped; the complete one loads exactly."""
+    torch.manual_seed(0)
+    layers = {0: nn.Linear(3, 3).double(), 1: nn.Tanh()}
+    optimizer = torch.optim.Adam(layers[0].parameters(), lr=0.1)
+    layers[0](torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    _write(tmp_path, 2, layers, optimizer)
+    expected = {k: v.clone() for k, v in layers[0].state_dict().items()}
+    expected_avg = optimizer.state[layers[0].weight]["exp_avg"].clone()
+    with torch.no_grad():
+        layers[0].weight.add_(1.0)
+    _write(tmp_path, 4, layers, optimizer)
+    # step 4 loses its DCP metadata (a writer killed mid-write): as a .partial folder, and renamed by mistake
+    shutil.move(fb.folder(tmp_path, 4), fb.folder(tmp_path, 4, partial=True))
+    (fb.folder(tmp_path, 4, partial=True) / "member0" / ".metadata").unlink()
+    shutil.copytree(fb.folder(tmp_path, 4, partial=True), fb.folder(tmp_path, 6))
+    # step 8: complete data, but it names a second writer whose part never came
+    shutil.copytree(fb.folder(tmp_path, 2), fb.folder(tmp_path, 8, partial=True))
+    meta = fb.folder(tmp_path, 8, partial=True) / "member0.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "writers": [0, 1]}))
+
+    assert fb.finalize(tmp_path) == []
+    assert fb.complete_steps(tmp_path) == [2]
+    assert fb.latest_complete(tmp_path) == 2
+    with pytest.raises(FileNotFoundError, match="not a complete Bamboo fallback checkpoint"):
+        fb.load_layers(fb.folder(tmp_path, 6), [0], layers.__getitem__, torch.device("cpu"))
+    fresh = {0: nn.Linear(3, 3).double(), 1: nn.Tanh()}
+    held, saved = fb.load_layers(fb.folder(tmp_path, 2), [0, 1], fresh.__getitem__, torch.device("cpu"))
+    assert saved["step"] == 2 and held[0].module is fresh[0]
+    for key, value in expected.items():
+        torch.testing.assert_close(fresh[0].state_dict()[key], value, rtol=0, atol=0)
+    torch.testing.assert_close(held[0].state["weight"]["exp_avg"], expected_avg, rtol=0, atol=0)
+
+
+def test_checkpoint_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="checkpoint_every_n_steps and checkpoint_dir go together"):
+        ElasticBambooStrategy(num_stages=2, checkpoint_every_n_steps=2)
+    with pytest.raises(ValueError, match="checkpoint_every_n_steps must be an integer >= 1, got 0"):
+        ElasticBambooStrategy(num_stages=2, checkpoint_every_n_steps=0, checkpoint_dir="x")
+    with pytest.raises(ValueError, match="keep_checkpoints must be an integer >= 1, got 0"):
+        ElasticBambooStrategy(
+            num_stages=2, checkpoint_every_n_steps=2, checkpoint_dir="x", keep_checkpoints=0
+        )
+    with pytest.raises(TypeError, match="checkpoint_dir must be a path"):
+        ElasticBambooStrategy(num_stages=2, checkpoint_every_n_steps=2, checkpoint_dir=3)
