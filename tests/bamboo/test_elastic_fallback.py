@@ -64,6 +64,26 @@ def test_two_adjacent_stages_lost_falls_back_to_checkpoint(
     assert fb.complete_steps(job) == [2, 4]  # keep_checkpoints=2
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fewer_processes_than_stages_after_a_loss_after_the_commit(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    """4 stages x 1 pipeline; members 1 and 2 die together after reading the commit of step 4 (the survivors
+    apply it). Two survivors for four stages: members 0 and 3 run stages 0-1 and 2-3 fused, each with the
+    other's replica, all loaded from the checkpoint, and re-run the steps since it with replica exchange."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "4", str(SCRIPT), "--out", str(out)]
+    cmd += ["--stages", "4", "--steps", str(STEPS), "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt)]
+    log = run_process(cmd, timeout=400, env=launch_env({"BAMBOO_FAULT": "1+2:4:commit"})).stdout
+    assert "fallback: lost [1, 2]" in log, log[-3000:]
+    assert "pipe0  m0      m0      m3      m3" in log
+    found = re.search(r"fallback: loaded checkpoint step=(\d+) .* re-ran steps (\d+)\.\.(\d+)", log)
+    assert found, log[-3000:]
+    assert [int(v) for v in found.groups()] in ([4, 4, 4], [2, 2, 4])
+    check_final(out, reference)
+
+
 def _write(root: Path, step: int, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer) -> None:
     checkpointer = fb.PeriodicCheckpointer(root, every=2, keep=5, member=0)
     assert checkpointer.due(step)
