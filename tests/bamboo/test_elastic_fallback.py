@@ -13,6 +13,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -94,6 +95,7 @@ def _write(root: Path, step: int, layers: dict[int, nn.Module], optimizer: torch
     fb.finalize(root)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_an_incomplete_checkpoint_is_never_loaded(tmp_path: Path) -> None:
     """The loader takes the newest COMPLETE checkpoint: a ``.partial`` folder (a writer still writing, or
     dead) and a renamed folder missing a writer's part are skipped; the complete one loads exactly."""
@@ -141,3 +143,24 @@ def test_checkpoint_arguments_are_checked() -> None:
         )
     with pytest.raises(TypeError, match="checkpoint_dir must be a path"):
         ElasticBambooStrategy(num_stages=2, checkpoint_every_n_steps=2, checkpoint_dir=3)
+
+
+def test_only_step_schedulers_are_re_stepped_and_the_ring_says_what_it_lacks() -> None:
+    """Fallback re-steps interval="step" schedulers; epoch and plateau schedulers are refused at setup."""
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    step_lr = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    fb.check_schedulers([SimpleNamespace(scheduler=step_lr, interval="step", reduce_on_plateau=False)])
+    with pytest.raises(ValueError, match=r"interval='step' .* got StepLR with interval='epoch'"):
+        fb.check_schedulers([SimpleNamespace(scheduler=step_lr, interval="epoch", reduce_on_plateau=False)])
+    saved = fb.settings(optimizer, [SimpleNamespace(scheduler=step_lr)])
+    step_lr.step()
+    fb.restore_settings(optimizer, [SimpleNamespace(scheduler=step_lr)], json.loads(json.dumps(saved)))
+    assert optimizer.param_groups[0]["lr"] == 0.1 and step_lr.last_epoch == 0
+    ring = fb.BatchRing(capacity=2)
+    for step in range(3):
+        ring.put(step, step, torch.full((1,), float(step)))
+    assert ring.get(2)[1].item() == 2.0
+    with pytest.raises(
+        RuntimeError, match=r"the batch of step 0 is no longer kept \(the ring holds steps \[1, 2\]\)"
+    ):
+        ring.get(0)
