@@ -76,7 +76,17 @@ def _step_of(path: Path) -> int | None:
 
 
 def is_complete(path: Path) -> bool:
-    """Every writer named in the folder finished its part, and their parts hold every layer."""
+    """Every writer named in the folder finished its part, and their parts hold every layer.
+
+    ``False`` for a folder another member renames or prunes while this one looks at it.
+    """
+    try:
+        return _is_complete(path)
+    except FileNotFoundError:
+        return False
+
+
+def _is_complete(path: Path) -> bool:
     metas = sorted(path.glob("member*.json"))
     if not metas:
         return False

@@ -153,6 +153,7 @@ def test_only_step_schedulers_are_re_stepped_and_the_ring_says_what_it_lacks() -
     with pytest.raises(ValueError, match=r"interval='step' .* got StepLR with interval='epoch'"):
         fb.check_schedulers([SimpleNamespace(scheduler=step_lr, interval="epoch", reduce_on_plateau=False)])
     saved = fb.settings(optimizer, [SimpleNamespace(scheduler=step_lr)])
+    optimizer.step()
     step_lr.step()
     fb.restore_settings(optimizer, [SimpleNamespace(scheduler=step_lr)], json.loads(json.dumps(saved)))
     assert optimizer.param_groups[0]["lr"] == 0.1 and step_lr.last_epoch == 0
