@@ -229,6 +229,8 @@ class Supervisor:
                 if current is not None and current.members() and set(current.members()) <= self.finished:
                     return 0
                 if all(w.proc.poll() is not None for w in self.workers.values()):
+                    # a member that exited 0 after this iteration's _check() is finished, not a failure
+                    self._check()
                     return 0 if current is not None and set(current.members()) <= self.finished else 1
                 time.sleep(poll)
         finally:
