@@ -740,6 +740,7 @@ class ElasticBambooStrategy(BambooStrategy):
             raise RuntimeError(
                 f"Bamboo: redundancy cannot cover the loss and {root} holds no complete checkpoint"
             )
+        fb.share_batches(self._ring, range(step, target), self.root_device)  # for members that joined later
         held, saved = fb.load_layers(
             fb.folder(root, step), self._needs(new)[self.member], self._template, self.root_device
         )

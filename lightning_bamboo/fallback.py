@@ -27,18 +27,19 @@ import logging
 import os
 import shutil
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
 from lightning_bamboo.checkpoint import _load_tensors
 from lightning_bamboo.reshard import LayerState, describe, materialize
 
@@ -321,13 +322,15 @@ class BatchRing:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[int, tuple[int, Any]] = OrderedDict()
+        self._items: dict[int, tuple[int, Any]] = {}
 
     def put(self, step: int, batch_idx: int, batch: Any) -> None:
         self._items[step] = (batch_idx, apply_to_collection(batch, Tensor, lambda t: t.detach().clone()))
-        self._items.move_to_end(step)
         while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+            del self._items[min(self._items)]
+
+    def holds(self, steps: range) -> bool:
+        return all(step in self._items for step in steps)
 
     def get(self, step: int) -> tuple[int, Any]:
         if step not in self._items:
@@ -336,3 +339,29 @@ class BatchRing:
                 "the last complete checkpoint is older than the ring: raise the ring or checkpoint more often"
             )
         return self._items[step]
+
+
+def share_batches(ring: BatchRing, steps: range, device: torch.device) -> None:
+    """Make every rank of the default process group hold the batches of ``steps`` (collective).
+
+    Members that started together keep the same batches; a member that joined later lacks the steps before
+    it joined: the lowest rank holding them all broadcasts them (JSON header + raw bytes, nothing pickled).
+
+    Raises:
+        RuntimeError: no rank holds them all.
+    """
+    has = torch.tensor([int(ring.holds(steps))], dtype=torch.int64)
+    flags = [torch.zeros_like(has) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, has)
+    holders = [rank for rank, flag in enumerate(flags) if flag.item()]
+    if len(holders) == len(flags):
+        return
+    if not holders:
+        raise RuntimeError(f"no member keeps the batches of steps {steps.start}..{steps.stop - 1} to re-run")
+    src, me = holders[0], dist.get_rank()
+    for step in steps:
+        batch_idx, batch = ring.get(step) if me == src else (None, None)
+        batch_idx = broadcast_json(batch_idx, src, device)
+        batch = broadcast_batch(batch, src, device)
+        if me != src:
+            ring.put(step, int(batch_idx), batch)

@@ -165,3 +165,14 @@ def test_only_step_schedulers_are_re_stepped_and_the_ring_says_what_it_lacks() -
         RuntimeError, match=r"the batch of step 0 is no longer kept \(the ring holds steps \[1, 2\]\)"
     ):
         ring.get(0)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_member_lacking_the_batches_gets_them_from_a_peer() -> None:
+    """A member that joined later lacks the batches to re-run: the lowest rank keeping them broadcasts them
+    (2 real gloo processes, bit-equal batches; steps nobody keeps are refused on every rank)."""
+    out = run_process(
+        [sys.executable, str(Path(__file__).parent / "scripts" / "share_batches.py")], timeout=450
+    )
+    assert "rank 0 ok" in out.stdout and "rank 1 ok" in out.stdout
