@@ -29,8 +29,8 @@ def batch(step: int) -> list[torch.Tensor]:
 
 
 def worker(rank: int, port: int) -> None:
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=300))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=300))
     ring = BatchRing(capacity=5)
     for step in (2, 3, 4) if rank == 0 else (5,):
         ring.put(step, step - 1, batch(step))
