@@ -10,9 +10,13 @@ needs and nothing about process groups:
   stages (parameters, buffers, optimizer state) with ``torch.distributed.checkpoint.async_save`` (no
   collectives: one DCP checkpoint per member) into ``<root>/step_<c>.partial/member<m>/``, after writing
   ``member<m>.json`` (each layer's description, the writers, the LR schedulers' and optimizer groups'
-  settings). DCP renames its ``.metadata`` into place after the data, so a member's part is finished when
-  that file exists; a folder whose writers' parts all exist is renamed to ``step_<c>`` (an atomic rename) by
-  whichever member notices first. Readers only consider renamed folders, and check them again.
+  settings). The tensors go through DCP's ``HuggingFaceStorageWriter``: a safetensors file and a JSON index,
+  so loading never unpickles anything (DCP's default ``FileSystemReader`` reads its ``.metadata`` with
+  ``pickle``). Non-tensor values (optimizer-state scalars, group settings, scheduler states) are in the JSON.
+  The writer writes its index after the data (synced), so a member's part is finished when that index parses
+  and lists every tensor the member's JSON promises; a folder whose writers' parts are all finished is renamed
+  to ``step_<c>`` (an atomic rename) by whichever member notices first. Readers only consider renamed
+  folders, and check them again.
 * :class:`BatchRing`: the global batches of the last steps (every member keeps the same ones: the data of a
   step does not depend on the layout).
 
@@ -37,17 +41,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.optim import Optimizer
 
 from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
-from lightning_bamboo.checkpoint import _load_tensors
-from lightning_bamboo.reshard import LayerState, describe, materialize
+from lightning_bamboo.reshard import LayerState, _dtype, describe, materialize
 
 log = logging.getLogger(__name__)
 
 PREFIX = "step_"
 PARTIAL = ".partial"
-_DCP_METADATA = ".metadata"
+# HuggingFaceStorageWriter's JSON index (tensor name -> safetensors file), written after the data
+_INDEX = "model.safetensors.index.json"
 
 
 def check_options(every: Any, directory: Any, keep: Any) -> None:
@@ -95,10 +100,38 @@ def _is_complete(path: Path) -> bool:
     layers: set[int] = set()
     for writer in first["writers"]:
         meta = path / f"member{writer}.json"
-        if not meta.exists() or not (path / f"member{writer}" / _DCP_METADATA).exists():
+        if not meta.exists():
             return False
-        layers |= set(json.loads(meta.read_text())["layers"])
+        values = json.loads(meta.read_text())
+        if not _part_written(path / f"member{writer}", values):
+            return False
+        layers |= set(values["layers"])
     return layers == set(range(first["num_layers"]))
+
+
+def _part_written(part: Path, meta: dict[str, Any]) -> bool:
+    """The writer's index exists, is whole JSON (a write cut short never parses: the closing brace comes last)
+    and names every tensor of the member's layers."""
+    index = part / _INDEX
+    if not index.exists():
+        return False
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return False
+    return all(key in weight_map for key in _tensor_specs(meta, meta["layers"]))
+
+
+def _tensor_specs(meta: dict[str, Any], layers: list[int]) -> dict[str, tuple[torch.dtype, list[int]]]:
+    """``layer<L>/<i>`` -> (dtype, shape) of the tensors a member's JSON describes, describe() order."""
+    specs: dict[str, tuple[torch.dtype, list[int]]] = {}
+    for layer in layers:
+        desc = meta["descriptions"][str(layer)]
+        entries = [*desc["params"], *desc["buffers"]]
+        entries += [entry[2:] for entry in desc["state"] if entry[2] == "tensor"]
+        for i, entry in enumerate(entries):
+            specs[f"layer{layer}/{i}"] = (_dtype(entry[-2]), list(entry[-1]))
+    return specs
 
 
 def finalize(root: Path) -> list[int]:
@@ -254,7 +287,8 @@ class PeriodicCheckpointer:
         }
         _write_json(path / f"member{self.member}.json", meta)
         start = time.perf_counter()
-        future = dcp.async_save(tensors, checkpoint_id=str(path / f"member{self.member}"), no_dist=True)
+        writer = HuggingFaceStorageWriter(str(path / f"member{self.member}"))
+        future = dcp.async_save(tensors, storage_writer=writer, no_dist=True)
         blocking = time.perf_counter() - start
         future.add_done_callback(lambda _f, s=step: self._written_at.__setitem__(s, time.perf_counter()))
         self._pending = (step, future, start)
@@ -302,15 +336,13 @@ def load_layers(
         wanted = [layer for layer in layers if writer_of[layer] is meta]
         if not wanted:
             continue
-        counts = {
-            layer: sum(len(meta["descriptions"][str(layer)][k]) for k in ("params", "buffers"))
-            + sum(1 for entry in meta["descriptions"][str(layer)]["state"] if entry[2] == "tensor")
-            for layer in wanted
-        }
-        keys = [f"layer{layer}/{i}" for layer in wanted for i in range(counts[layer])]
-        loaded = _load_tensors(path / f"member{meta['member']}", keys, no_dist=True)
+        specs = _tensor_specs(meta, wanted)
+        loaded = {key: torch.empty(shape, dtype=dtype) for key, (dtype, shape) in specs.items()}
+        if loaded:  # read through the safetensors files and their JSON index: nothing is unpickled
+            reader = HuggingFaceStorageReader(str(path / f"member{meta['member']}"))
+            dcp.load(loaded, storage_reader=reader, no_dist=True)
         for layer in wanted:
-            values = iter(loaded[f"layer{layer}/{i}"] for i in range(counts[layer]))
+            values = iter(loaded[key] for key in specs if key.startswith(f"layer{layer}/"))
             out[layer] = materialize(
                 template(layer), meta["descriptions"][str(layer)], lambda _d, _s, v=values: next(v), device
             )

@@ -9,6 +9,7 @@ uninterrupted single-process run. The unit tests check that an incomplete checkp
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import shutil
 import sys
@@ -17,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch import nn
 
@@ -110,9 +112,10 @@ def test_an_incomplete_checkpoint_is_never_loaded(tmp_path: Path) -> None:
     with torch.no_grad():
         layers[0].weight.add_(1.0)
     _write(tmp_path, 4, layers, optimizer)
-    # step 4 loses its DCP metadata (a writer killed mid-write): as a .partial folder, and renamed by mistake
+    # step 4's index is cut short (writer killed while writing it): as a .partial folder, and renamed too
     shutil.move(fb.folder(tmp_path, 4), fb.folder(tmp_path, 4, partial=True))
-    (fb.folder(tmp_path, 4, partial=True) / "member0" / ".metadata").unlink()
+    index = fb.folder(tmp_path, 4, partial=True) / "member0" / "model.safetensors.index.json"
+    index.write_text(index.read_text()[: len(index.read_text()) // 2])
     shutil.copytree(fb.folder(tmp_path, 4, partial=True), fb.folder(tmp_path, 6))
     # step 8: complete data, but it names a second writer whose part never came
     shutil.copytree(fb.folder(tmp_path, 2), fb.folder(tmp_path, 8, partial=True))
@@ -130,6 +133,35 @@ def test_an_incomplete_checkpoint_is_never_loaded(tmp_path: Path) -> None:
     for key, value in expected.items():
         torch.testing.assert_close(fresh[0].state_dict()[key], value, rtol=0, atol=0)
     torch.testing.assert_close(held[0].state["weight"]["exp_avg"], expected_avg, rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_loading_a_checkpoint_never_unpickles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fallback checkpoints are safetensors + JSON: loading one works with every pickle entry point raising,
+    bit-exact (float64 parameters and Adam state). Control: DCP's default format cannot be read that way."""
+    torch.manual_seed(0)
+    layers = {0: nn.Linear(3, 3).double()}
+    optimizer = torch.optim.Adam(layers[0].parameters(), lr=0.1)
+    layers[0](torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    _write(tmp_path, 2, layers, optimizer)
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "default"), no_dist=True)
+
+    def unpickle(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a fallback checkpoint load unpickled something")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, unpickle)
+    # the patch does catch DCP's default format (its .metadata is unpickled)
+    with pytest.raises(dcp.CheckpointException, match="read failed: a fallback checkpoint load unpickled"):
+        dcp.load({"w": torch.empty(2)}, checkpoint_id=str(tmp_path / "default"), no_dist=True)
+    fresh = {0: nn.Linear(3, 3).double()}
+    held, _ = fb.load_layers(fb.folder(tmp_path, 2), [0], fresh.__getitem__, torch.device("cpu"))
+    monkeypatch.undo()
+    for key, value in layers[0].state_dict().items():
+        torch.testing.assert_close(fresh[0].state_dict()[key], value, rtol=0, atol=0)
+    for key, value in optimizer.state[layers[0].weight].items():
+        torch.testing.assert_close(held[0].state["weight"][key], value, rtol=0, atol=0)
 
 
 def test_checkpoint_arguments_are_checked() -> None:
