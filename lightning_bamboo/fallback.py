@@ -41,7 +41,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.optim import Optimizer
 
 from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
@@ -217,6 +216,19 @@ def check_schedulers(scheduler_configs: list[Any]) -> None:
             )
 
 
+def _hf_storage() -> tuple[type, type]:
+    """DCP's safetensors writer and reader (torch 2.13 has them; older torch lacks them: say so)."""
+    try:
+        from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+    except ImportError as err:
+        raise RuntimeError(
+            "checkpoint fallback writes safetensors through torch.distributed.checkpoint's "
+            f"HuggingFaceStorageWriter/Reader, which torch {torch.__version__} lacks: install the torch "
+            "version scripts/setup.sh pins"
+        ) from err
+    return HuggingFaceStorageWriter, HuggingFaceStorageReader
+
+
 def _write_json(path: Path, value: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(value))
@@ -241,6 +253,7 @@ class PeriodicCheckpointer:
         self._last: int | None = None
         self._pending: tuple[int, Future, float] | None = None
         self._written_at: dict[int, float] = {}
+        _hf_storage()  # a torch without the safetensors writer fails at setup, not at the first checkpoint
         root.mkdir(parents=True, exist_ok=True)
 
     def due(self, step: int) -> bool:
@@ -287,7 +300,7 @@ class PeriodicCheckpointer:
         }
         _write_json(path / f"member{self.member}.json", meta)
         start = time.perf_counter()
-        writer = HuggingFaceStorageWriter(str(path / f"member{self.member}"))
+        writer = _hf_storage()[0](str(path / f"member{self.member}"))
         future = dcp.async_save(tensors, storage_writer=writer, no_dist=True)
         blocking = time.perf_counter() - start
         future.add_done_callback(lambda _f, s=step: self._written_at.__setitem__(s, time.perf_counter()))
@@ -339,7 +352,7 @@ def load_layers(
         specs = _tensor_specs(meta, wanted)
         loaded = {key: torch.empty(shape, dtype=dtype) for key, (dtype, shape) in specs.items()}
         if loaded:  # read through the safetensors files and their JSON index: nothing is unpickled
-            reader = HuggingFaceStorageReader(str(path / f"member{meta['member']}"))
+            reader = _hf_storage()[1](str(path / f"member{meta['member']}"))
             dcp.load(loaded, storage_reader=reader, no_dist=True)
         for layer in wanted:
             values = iter(loaded[key] for key in specs if key.startswith(f"layer{layer}/"))
