@@ -56,13 +56,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_bamboo import departure, joining
+from lightning_bamboo import fallback as fb
 from lightning_bamboo import membership as ms
 from lightning_bamboo import progress as trainer_progress
 from lightning_bamboo.contract import check_contract, find_pipeline_body
 from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
 from lightning_bamboo.microbatch import split_microbatches
-from lightning_bamboo.ownership import OwnershipMap, initial
+from lightning_bamboo.ownership import FallbackNeeded, OwnershipMap, initial
 from lightning_bamboo.reshard import LayerState, Resharder, gather, install
 from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b
 from lightning_bamboo.strategy import _STAGE_MARK, BambooStrategy
@@ -76,7 +77,8 @@ log = logging.getLogger(__name__)
 
 ENV_FAULT = "BAMBOO_FAULT"
 """Fault injection for tests and the demo: ``member:step:phase[:STOP]``; the member SIGKILLs (or SIGSTOPs)
-itself at that phase of that step. Phases: ``forward`` (inside the schedule, at micro-batch 1's forward),
+itself at that phase of that step (``1+2:step:phase``: members 1 and 2 at once). Phases: ``forward``
+(inside the schedule, at micro-batch 1's forward),
 ``exchange`` (schedule done, replica gradients not sent), ``prepared`` (prepared, outcome not read),
 ``commit`` (outcome read, nothing applied), ``applied`` (own stage and replica stepped)."""
 
@@ -196,15 +198,36 @@ class ElasticBambooStrategy(BambooStrategy):
             decides when a silent worker is lost).
         failure_wait: seconds a member that saw a communication error waits for the launcher to publish
             the next generation before it treats the error as a real one and raises it.
+        checkpoint_every_n_steps: take an asynchronous ``torch.distributed.checkpoint`` every N steps, for the
+            checkpoint fallback (a loss redundancy cannot cover); ``None`` (default): no checkpoints, and
+            such a loss ends the job. Needs ``checkpoint_dir``.
+        checkpoint_dir: folder of those checkpoints (each job writes under ``<checkpoint_dir>/<job id>``);
+            on several machines, a filesystem every worker sees.
+        keep_checkpoints: complete checkpoints kept (older ones are deleted).
     """
 
     strategy_name = "bamboo_elastic"
 
     def __init__(
-        self, *args: Any, heartbeat: float = 0.25, failure_wait: float = 30.0, **kwargs: Any
+        self,
+        *args: Any,
+        heartbeat: float = 0.25,
+        failure_wait: float = 30.0,
+        checkpoint_every_n_steps: int | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        keep_checkpoints: int = 2,
+        **kwargs: Any,
     ) -> None:
         kwargs.setdefault("timeout", 30.0)
         super().__init__(*args, **kwargs)
+        fb.check_options(checkpoint_every_n_steps, checkpoint_dir, keep_checkpoints)
+        self._checkpoint_options = (checkpoint_every_n_steps, checkpoint_dir, keep_checkpoints)
+        self._checkpointer: fb.PeriodicCheckpointer | None = None
+        # steps since the last complete checkpoint: at most 2N-1 before the step in progress (one write in
+        # flight), plus the step in progress
+        self._ring = fb.BatchRing(2 * checkpoint_every_n_steps + 1 if checkpoint_every_n_steps else 0)
+        self._in_step = 0
+        self._rerunning = False
         self._heartbeat_interval = heartbeat
         self._failure_wait = failure_wait
         self._env = ms.WorkerEnv.from_env()
@@ -222,6 +245,7 @@ class ElasticBambooStrategy(BambooStrategy):
         self._fault_spec = _parse_fault(os.environ.get(ENV_FAULT))
         self.failovers: list[tuple[OwnershipMap, OwnershipMap]] = []
         self._join_adopted = False  # the last commit adopted a join: form it at the next step boundary
+        self._fallback_path = ""  # the checkpoint folder the last fallback loaded (on_fallback's payload)
         self._lost_since: float | None = None  # a peer lost after a commit: when (formed at the boundary)
         self._joining_setup = False  # a joiner before its first step: no collective with the running job
         self._skip: trainer_progress.SkipFirstBatches | None = None  # a joiner's training batch sampler
@@ -378,6 +402,13 @@ class ElasticBambooStrategy(BambooStrategy):
             )
         self.setup_precision_plugin()
         self._build_replica_optimizer()
+        every, directory, keep = self._checkpoint_options
+        if every is not None and directory is not None:
+            fb.check_schedulers(self.lr_scheduler_configs)
+            fb.settings(self.optimizers[0], self.lr_scheduler_configs)  # JSON-ready, or a clear error now
+            assert self._env is not None
+            root = Path(directory) / self._env.job
+            self._checkpointer = fb.PeriodicCheckpointer(root, every, keep, self.member)
         self._store.add(f"gen{owners.generation}/formed", 1)
         rank_zero_only(print)(f"[bamboo] generation {owners.generation}:\n{owners.format()}", flush=True)
 
@@ -417,18 +448,22 @@ class ElasticBambooStrategy(BambooStrategy):
         owners: OwnershipMap,
         build_optimizers: bool = True,
         holdings: dict[int, LayerState] | None = None,
+        held: dict[int, LayerState] | None = None,
     ) -> None:
-        """Move layers to where ``owners`` needs them and rebuild stage, replica, groups and engine.
+        """Move layers to where ``owners`` needs them (or take ``held``, loaded from a checkpoint) and rebuild
+        stage, replica, groups and engine.
 
         ``holdings``: the layers this member can give (default: all it holds now; a joiner gives none).
         """
         assert self._store is not None and self.lightning_module is not None
         me = self.member
-        resharder = Resharder(
-            self._store, owners.generation, me, owners.rank_of, self._template, self.root_device
-        )
-        current = self._current_holdings() if holdings is None else holdings
-        self._held = resharder.run(current, self._needs(owners))
+        if held is None:
+            resharder = Resharder(
+                self._store, owners.generation, me, owners.rank_of, self._template, self.root_device
+            )
+            current = self._current_holdings() if holdings is None else holdings
+            held = resharder.run(current, self._needs(owners))
+        self._held = held
         own_layers = [layer for s in owners.stages_of(me) for layer in self._stage_layers[s]]
         replica_layers = [layer for s in owners.replica_stages_of(me) for layer in self._stage_layers[s]]
         for layer in own_layers + replica_layers:
@@ -521,6 +556,8 @@ class ElasticBambooStrategy(BambooStrategy):
         """This pipeline's share of the global batch through the schedule (see :class:`BambooStrategy`)."""
         assert self.engine is not None and self.lightning_module is not None
         batch = args[0] if args else kwargs["batch"]
+        if self._checkpointer is not None:
+            self._ring.put(self._step, args[1] if len(args) > 1 else kwargs.get("batch_idx", 0), batch)
         share = split_microbatches(batch, self.num_pipelines)[self.pipeline_index]
         return self._run_schedule_and_replay(split_microbatches(share, self._num_microbatches), args, kwargs)
 
@@ -534,7 +571,9 @@ class ElasticBambooStrategy(BambooStrategy):
     ) -> Any:
         """The two-phase step; a lost peer leads to the next generation and a replay or a roll-forward."""
         assert self._store is not None and self.owners is not None
+        self._in_step = self._step
         self._join_at_boundary()
+        self._maybe_checkpoint()
         while True:
             failed = False
             attempt = time.monotonic()
@@ -657,17 +696,20 @@ class ElasticBambooStrategy(BambooStrategy):
             time.sleep(0.01)
         new = ms.read_map(self._store, generation)
         kind = ms.get_str(self._store, f"gen{generation}/kind")
-        if kind == "fallback":
-            raise RuntimeError(
-                f"Bamboo: redundancy cannot cover the loss (generation {generation}):\n"
-                f"{new.format()}\ncheckpoint fallback is not implemented"
-            )
         if self.member not in new.members():
             raise RuntimeError(f"Bamboo member {self.member} is a spare in generation {generation}")
         start = time.monotonic()
         self._send_progress(old, new)
         self._init_generation(new)
-        self._form(new)
+        if kind == "fallback":
+            self._fall_back(new)
+        else:
+            try:
+                self._form(new)
+            except FallbackNeeded as err:  # every member plans the same moves, so all of them get here
+                log.warning("Bamboo: %s", err)
+                kind = "fallback"
+                self._fall_back(new)
         self._store.add(f"gen{generation}/formed", 1)
         self.failovers.append((old, new))
         info = {
@@ -675,7 +717,9 @@ class ElasticBambooStrategy(BambooStrategy):
             "seconds_lost": time.monotonic() - since,
             "pipeline_length": self.pipeline_length,
         }
-        if kind == "rejoin":
+        if kind == "fallback":
+            self._emit("on_fallback", checkpoint_path=self._fallback_path, **info)
+        elif kind == "rejoin":
             joined = sorted(set(new.members()) - set(old.members()))
             self._emit("on_rejoin", old_map=old, new_map=new, members=joined, **info)
         else:
@@ -824,10 +868,125 @@ class ElasticBambooStrategy(BambooStrategy):
         self._next_generation(since=start)
         self.drain_timer.reformed()
 
+    # ------------------------------------------------------------------ checkpoint fallback
+    def _maybe_checkpoint(self) -> None:
+        """Before a step that is a multiple of N: the first pipeline's members write their stages' layers."""
+        checkpointer, owners = self._checkpointer, self.owners
+        if checkpointer is None or owners is None or not checkpointer.due(self._step):
+            return
+        writers = sorted({m for m, _ in owners.positions(owners.pipeline_ids()[0])})
+        if self.member not in writers:
+            return
+        layers = [layer for s in owners.stages_of(self.member) for layer in self._stage_layers[s]]
+        held = gather({layer: self._layers[layer] for layer in layers}, self.optimizers[0])
+        written = checkpointer.wait(strict=True)
+        if written is not None:
+            print(
+                f"[bamboo] checkpoint_written step={written[0]} member={self.member} "
+                f"write_s={written[1]:.4f}",
+                flush=True,
+            )
+        blocking, size = checkpointer.save(
+            self._step,
+            held,
+            writers,
+            len(self._layers),
+            fb.settings(self.optimizers[0], self.lr_scheduler_configs),
+        )
+        print(
+            f"[bamboo] checkpoint step={self._step} member={self.member} blocking_s={blocking:.4f} "
+            f"bytes={size}",
+            flush=True,
+        )
+
+    def _fall_back(self, new: OwnershipMap) -> None:
+        """Load the last complete checkpoint into ``new`` (whose process group is formed) and re-run the
+        steps since it, so the members are where they were before the loss."""
+        assert self._store is not None
+        if self._checkpointer is None:
+            raise RuntimeError(
+                f"Bamboo: redundancy cannot cover the loss (generation {new.generation}):\n{new.format()}\n"
+                "and there is no checkpoint to fall back to: pass checkpoint_every_n_steps and "
+                "checkpoint_dir to ElasticBambooStrategy"
+            )
+        start = time.monotonic()
+        target = self._step
+        root = self._checkpointer.root
+        self._checkpointer.wait(strict=False)  # this member's part of the last checkpoint, if it was writing
+        fb.finalize(root)
+        dist.barrier()  # every survivor has finished its writes: the set of complete checkpoints is settled
+        key = f"gen{new.generation}/fallback_from"
+        if self._rank == 0:
+            latest = fb.latest_complete(root)
+            self._store.set(key, str(-1 if latest is None else latest))
+        step = int(ms.get_str(self._store, key))
+        if step < 0:
+            raise RuntimeError(
+                f"Bamboo: redundancy cannot cover the loss and {root} holds no complete checkpoint"
+            )
+        fb.share_batches(self._ring, range(step, target), self.root_device)  # for members that joined later
+        held, saved = fb.load_layers(
+            fb.folder(root, step), self._needs(new)[self.member], self._template, self.root_device
+        )
+        self._form(new, held=held)
+        fb.restore_settings(self.optimizers[0], self.lr_scheduler_configs, saved)
+        self._step = step
+        self._rerunning = True
+        try:
+            while self._step < target:
+                batch_idx, batch = self._ring.get(self._step)
+                # Lightning steps the schedulers after the step in progress returns; earlier ones are ours
+                self._rerun_step(batch, batch_idx, step_schedulers=self._step < self._in_step)
+        finally:
+            self._rerunning = False
+        self._fallback_path = str(fb.folder(root, step))
+        rank_zero_only(print)(
+            f"[bamboo] fallback: loaded checkpoint step={step} from {fb.folder(root, step)}, re-ran steps "
+            f"{step}..{target - 1} ({target - step} steps) in {time.monotonic() - start:.2f}s",
+            flush=True,
+        )
+
+    def _rerun_step(self, batch: Any, batch_idx: int, step_schedulers: bool) -> None:
+        """One step of the fallback's re-run: schedule, replica exchange, commit, optimizer and scheduler.
+
+        Lightning's hooks around a step (``training_step``, ``on_before_optimizer_step``, logging) are not
+        called again: they ran when the step first ran.
+        """
+        assert self.engine is not None and self._store is not None and self.owners is not None
+        optimizer = self.optimizers[0]
+        share = split_microbatches(batch, self.num_pipelines)[self.pipeline_index]
+        for p in self._stage_params():
+            p.grad = None
+        with self.precision_plugin.train_step_context():
+            self.engine.run_step(split_microbatches(share, self._num_microbatches))
+        self._exchange_replica_gradients()
+        commit = ms.StepCommit(self._store, self.owners.generation, len(self.owners.members()))
+        if commit.prepare_and_wait(self._step) != ms.COMMIT:
+            raise RuntimeError(
+                f"Bamboo: a member was lost while re-running step {self._step} after a fallback"
+            )
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self._apply_replica_step(optimizer)
+        if step_schedulers:
+            assert self.lightning_module is not None
+            for config in self.lr_scheduler_configs:
+                if config.interval == "step" and (batch_idx + 1) % config.frequency == 0:
+                    self.lightning_module.lr_scheduler_step(config.scheduler, None)
+        self._step += 1
+
     # ------------------------------------------------------------------ fault injection
     def _fault(self, phase: str) -> None:
-        for member, step, where, sig in self._fault_spec:
-            if member == self.member and step == self._step and where == phase:
+        if self._rerunning:
+            return
+        for members, step, where, sig in self._fault_spec:
+            if self.member in members and step == self._step and where == phase:
+                if len(members) > 1:  # die together: wait until every listed member has reached this point
+                    assert self._store is not None
+                    key = f"fault/{step}/{where}"
+                    self._store.add(key, 1)
+                    while int(ms.get_str(self._store, key)) < len(members):
+                        time.sleep(0.002)
                 os.kill(os.getpid(), sig)
                 time.sleep(0.1)  # a SIGSTOP takes effect before this member runs on
 
@@ -838,6 +997,10 @@ class ElasticBambooStrategy(BambooStrategy):
     @override
     def teardown(self) -> None:
         """Tell the launcher this member is done (its heartbeat stops now), leave the process group."""
+        if self._checkpointer is not None:  # a write in flight finishes before the process exits
+            self._checkpointer.wait(strict=False)
+            fb.finalize(self._checkpointer.root)
+            fb.prune(self._checkpointer.root, self._checkpointer.keep)
         if self._heartbeat is not None:
             self._heartbeat.stop()
         if self._store is not None:
@@ -850,8 +1013,9 @@ class ElasticBambooStrategy(BambooStrategy):
 _PHASES = ("forward", "exchange", "prepared", "commit", "applied")
 
 
-def _parse_fault(spec: str | None) -> list[tuple[int, int, str, int]]:
-    """``member:step:phase[:STOP]``, several separated by commas."""
+def _parse_fault(spec: str | None) -> list[tuple[tuple[int, ...], int, str, int]]:
+    """``member:step:phase[:STOP]``, several separated by commas; ``1+2:...`` kills members 1 and 2 together
+    (each waits at the phase until all listed have reached it: use a phase each reaches on its own)."""
     faults = []
     for item in filter(None, (spec or "").split(",")):
         parts = item.split(":")
@@ -860,5 +1024,5 @@ def _parse_fault(spec: str | None) -> list[tuple[int, int, str, int]]:
                 f"{ENV_FAULT} must be member:step:phase[:STOP] with phase one of {_PHASES}, got {item!r}"
             )
         sig = signal.SIGSTOP if len(parts) == 4 else signal.SIGKILL
-        faults.append((int(parts[0]), int(parts[1]), parts[2], sig))
+        faults.append((tuple(int(m) for m in parts[0].split("+")), int(parts[1]), parts[2], sig))
     return faults

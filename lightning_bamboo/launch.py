@@ -340,6 +340,8 @@ class Supervisor:
                 with self._lock:
                     procs = [w.proc for w in self.workers.values()]
                 if all(proc.poll() is not None for proc in procs):
+                    # a member that exited 0 after this iteration's _check() is finished, not a failure
+                    self._check()
                     return 0 if current is not None and set(current.members()) <= self.finished else 1
                 time.sleep(poll)
         finally:

@@ -170,31 +170,43 @@ class Resharder:
         return out
 
     def _receive(self, layer: int, src: int, desc: dict[str, Any]) -> LayerState:
-        module = self.template(layer)
         src_rank = self.rank_of(src)
+
+        def fetch(dtype: torch.dtype, shape: list[int]) -> Tensor:
+            flat = torch.empty(math.prod(shape), dtype=dtype, device=self.device)
+            dist.recv(flat, src_rank)
+            return flat.view(shape)
+
+        return materialize(self.template(layer), desc, fetch, self.device)
+
+
+def materialize(
+    module: nn.Module,
+    desc: dict[str, Any],
+    fetch: Callable[[torch.dtype, list[int]], Tensor],
+    device: torch.device,
+) -> LayerState:
+    """Fill ``module`` (a template, possibly on the meta device) from a :func:`describe` description.
+
+    ``fetch(dtype, shape)`` returns the next tensor in :func:`describe`'s order (received from a peer, or read
+    from a checkpoint).
+    """
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+    if any(t.is_meta for t in [*params.values(), *buffers.values()]):
+        module.to_empty(device=device)
         params = dict(module.named_parameters())
         buffers = dict(module.named_buffers())
-        if any(t.is_meta for t in [*params.values(), *buffers.values()]):
-            module.to_empty(device=self.device)
-            params = dict(module.named_parameters())
-            buffers = dict(module.named_buffers())
-        with torch.no_grad():
-            for name, dtype, shape in desc["params"]:
-                flat = torch.empty(math.prod(shape), dtype=_dtype(dtype), device=self.device)
-                dist.recv(flat, src_rank)
-                params[name].data = flat.view(shape).to(params[name].dtype)
-            for name, dtype, shape in desc["buffers"]:
-                flat = torch.empty(math.prod(shape), dtype=_dtype(dtype), device=self.device)
-                dist.recv(flat, src_rank)
-                buffers[name].data = flat.view(shape)
-        state: dict[str, dict[str, Any]] = {}
-        for entry in desc["state"]:
-            name, key, kind = entry[0], entry[1], entry[2]
-            if kind == "tensor":
-                shape = entry[4]
-                flat = torch.empty(math.prod(shape), dtype=_dtype(entry[3]), device=self.device)
-                dist.recv(flat, src_rank)
-                state.setdefault(name, {})[key] = flat.view(shape)
-            else:
-                state.setdefault(name, {})[key] = json.loads(entry[3])
-        return LayerState(module, state, {k: int(v) for k, v in desc["group"].items()})
+    with torch.no_grad():
+        for name, dtype, shape in desc["params"]:
+            params[name].data = fetch(_dtype(dtype), shape).to(device=device, dtype=params[name].dtype)
+        for name, dtype, shape in desc["buffers"]:
+            buffers[name].data = fetch(_dtype(dtype), shape).to(device)
+    state: dict[str, dict[str, Any]] = {}
+    for entry in desc["state"]:
+        name, key, kind = entry[0], entry[1], entry[2]
+        if kind == "tensor":
+            state.setdefault(name, {})[key] = fetch(_dtype(entry[3]), entry[4]).to(device)
+        else:
+            state.setdefault(name, {})[key] = json.loads(entry[3])
+    return LayerState(module, state, {k: int(v) for k, v in desc["group"].items()})

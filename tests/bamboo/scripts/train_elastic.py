@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--no-redundancy", action="store_true")
     parser.add_argument("--aws-endpoints", default="", help="comma-separated IMDS URL per member ('' = none)")
     parser.add_argument("--wait-notice", default="", help="MEMBER:STEP: that member waits for its notice")
+    parser.add_argument("--checkpoint-every", type=int, default=None, help="fallback checkpoints")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -63,6 +65,8 @@ def main() -> None:
             num_microbatches=args.microbatches,
             redundancy=not args.no_redundancy,
             timeout=20,
+            checkpoint_every_n_steps=args.checkpoint_every,
+            checkpoint_dir=args.checkpoint_dir,
         )
     else:
         strategy = "auto"

@@ -1,0 +1,210 @@
+"""Checkpoint fallback of elastic Bamboo: a loss the replicas cannot cover resumes from the last complete
+asynchronous checkpoint inside the same ``fit``, re-running the steps since it.
+
+The multi-process test really SIGKILLs two adjacent stages of a 3-stage pipeline at once (fault injection
+``1+2:step:exchange``) and checks the survivor's final parameters and optimizer state (float64) against the
+uninterrupted single-process run. The unit tests check that an incomplete checkpoint is never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import shutil
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch import nn
+
+from lightning_bamboo import fallback as fb
+from lightning_bamboo.elastic import ElasticBambooStrategy
+from lightning_bamboo.reshard import gather
+from tests.bamboo.test_elastic import SCRIPT, STEPS, check_final
+from tests.process import launch_env, run_process
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("reference")
+    run_process(
+        [sys.executable, str(SCRIPT), "--out", str(out), "--strategy", "auto", "--steps", str(STEPS)],
+        timeout=240,
+    )
+    return load_file(str(out / "final_reference.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_adjacent_stages_lost_falls_back_to_checkpoint(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    """3 stages x 1 pipeline, a checkpoint every 2 steps; members 1 and 2 die together in step 5 (before
+    the replica exchange, so the step aborts). Nobody holds stages 1-2 any more: the launcher publishes a
+    fallback, member 0 alone (fewer processes than stages) loads the last complete checkpoint (step 4, or 2
+    if a dead member's part of step 4 never finished), re-runs the steps since it, replays step 5 and
+    finishes: equal to the uninterrupted run."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "3", str(SCRIPT), "--out", str(out)]
+    cmd += ["--stages", "3", "--steps", str(STEPS), "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt)]
+    log = run_process(cmd, timeout=400, env=launch_env({"BAMBOO_FAULT": "1+2:5:exchange"})).stdout
+    assert "fallback: lost [1, 2]" in log, log[-3000:]
+    assert "pipe0  m0      m0      m0" in log
+    found = re.search(
+        r"fallback: loaded checkpoint step=(\d+) .* re-ran steps (\d+)\.\.(\d+) \((\d+) steps\)", log
+    )
+    assert found, log[-3000:]
+    step, first, last, count = map(int, found.groups())
+    assert step in (2, 4) and first == step and last == 4 and count == 5 - step
+    assert re.search(r"\[bamboo\] checkpoint step=2 member=0 blocking_s=[0-9.]+ bytes=\d+", log)
+    check_final(out, reference)
+    (job,) = list(ckpt.iterdir())
+    assert fb.complete_steps(job) == [2, 4]  # keep_checkpoints=2
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fewer_processes_than_stages_after_a_loss_after_the_commit(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    """4 stages x 1 pipeline; members 1 and 2 die together after reading the commit of step 4 (the survivors
+    apply it). Two survivors for four stages: members 0 and 3 run stages 0-1 and 2-3 fused, each with the
+    other's replica, all loaded from the checkpoint, and re-run the steps since it with replica exchange."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "4", str(SCRIPT), "--out", str(out)]
+    cmd += ["--stages", "4", "--steps", str(STEPS), "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt)]
+    log = run_process(cmd, timeout=400, env=launch_env({"BAMBOO_FAULT": "1+2:4:commit"})).stdout
+    assert "fallback: lost [1, 2]" in log, log[-3000:]
+    assert "pipe0  m0      m0      m3      m3" in log
+    found = re.search(r"fallback: loaded checkpoint step=(\d+) .* re-ran steps (\d+)\.\.(\d+)", log)
+    assert found, log[-3000:]
+    assert [int(v) for v in found.groups()] in ([4, 4, 4], [2, 2, 4])
+    check_final(out, reference)
+
+
+def _write(root: Path, step: int, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer) -> None:
+    checkpointer = fb.PeriodicCheckpointer(root, every=2, keep=5, member=0)
+    assert checkpointer.due(step)
+    checkpointer.save(
+        step, gather(layers, optimizer), [0], len(layers), {"param_groups": [], "schedulers": []}
+    )
+    assert checkpointer.wait(strict=True) is not None
+    fb.finalize(root)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_an_incomplete_checkpoint_is_never_loaded(tmp_path: Path) -> None:
+    """The loader takes the newest COMPLETE checkpoint: a ``.partial`` folder (a writer still writing, or
+    dead) and a renamed folder missing a writer's part are skipped; the complete one loads exactly."""
+    torch.manual_seed(0)
+    layers = {0: nn.Linear(3, 3).double(), 1: nn.Tanh()}
+    optimizer = torch.optim.Adam(layers[0].parameters(), lr=0.1)
+    layers[0](torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    _write(tmp_path, 2, layers, optimizer)
+    expected = {k: v.clone() for k, v in layers[0].state_dict().items()}
+    expected_avg = optimizer.state[layers[0].weight]["exp_avg"].clone()
+    with torch.no_grad():
+        layers[0].weight.add_(1.0)
+    _write(tmp_path, 4, layers, optimizer)
+    # step 4's index is cut short (writer killed while writing it): as a .partial folder, and renamed too
+    shutil.move(fb.folder(tmp_path, 4), fb.folder(tmp_path, 4, partial=True))
+    index = fb.folder(tmp_path, 4, partial=True) / "member0" / "model.safetensors.index.json"
+    index.write_text(index.read_text()[: len(index.read_text()) // 2])
+    shutil.copytree(fb.folder(tmp_path, 4, partial=True), fb.folder(tmp_path, 6))
+    # step 8: complete data, but it names a second writer whose part never came
+    shutil.copytree(fb.folder(tmp_path, 2), fb.folder(tmp_path, 8, partial=True))
+    meta = fb.folder(tmp_path, 8, partial=True) / "member0.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "writers": [0, 1]}))
+
+    assert fb.finalize(tmp_path) == []
+    assert fb.complete_steps(tmp_path) == [2]
+    assert fb.latest_complete(tmp_path) == 2
+    with pytest.raises(FileNotFoundError, match="not a complete Bamboo fallback checkpoint"):
+        fb.load_layers(fb.folder(tmp_path, 6), [0], layers.__getitem__, torch.device("cpu"))
+    fresh = {0: nn.Linear(3, 3).double(), 1: nn.Tanh()}
+    held, saved = fb.load_layers(fb.folder(tmp_path, 2), [0, 1], fresh.__getitem__, torch.device("cpu"))
+    assert saved["step"] == 2 and held[0].module is fresh[0]
+    for key, value in expected.items():
+        torch.testing.assert_close(fresh[0].state_dict()[key], value, rtol=0, atol=0)
+    torch.testing.assert_close(held[0].state["weight"]["exp_avg"], expected_avg, rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_loading_a_checkpoint_never_unpickles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fallback checkpoints are safetensors + JSON: loading one works with every pickle entry point raising,
+    bit-exact (float64 parameters and Adam state). Control: DCP's default format cannot be read that way."""
+    torch.manual_seed(0)
+    layers = {0: nn.Linear(3, 3).double()}
+    optimizer = torch.optim.Adam(layers[0].parameters(), lr=0.1)
+    layers[0](torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    _write(tmp_path, 2, layers, optimizer)
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "default"), no_dist=True)
+
+    def unpickle(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a fallback checkpoint load unpickled something")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, unpickle)
+    # the patch does catch DCP's default format (its .metadata is unpickled)
+    with pytest.raises(dcp.CheckpointException, match="read failed: a fallback checkpoint load unpickled"):
+        dcp.load({"w": torch.empty(2)}, checkpoint_id=str(tmp_path / "default"), no_dist=True)
+    fresh = {0: nn.Linear(3, 3).double()}
+    held, _ = fb.load_layers(fb.folder(tmp_path, 2), [0], fresh.__getitem__, torch.device("cpu"))
+    monkeypatch.undo()
+    for key, value in layers[0].state_dict().items():
+        torch.testing.assert_close(fresh[0].state_dict()[key], value, rtol=0, atol=0)
+    for key, value in optimizer.state[layers[0].weight].items():
+        torch.testing.assert_close(held[0].state["weight"][key], value, rtol=0, atol=0)
+
+
+def test_checkpoint_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="checkpoint_every_n_steps and checkpoint_dir go together"):
+        ElasticBambooStrategy(num_stages=2, checkpoint_every_n_steps=2)
+    with pytest.raises(ValueError, match="checkpoint_every_n_steps must be an integer >= 1, got 0"):
+        ElasticBambooStrategy(num_stages=2, checkpoint_every_n_steps=0, checkpoint_dir="x")
+    with pytest.raises(ValueError, match="keep_checkpoints must be an integer >= 1, got 0"):
+        ElasticBambooStrategy(
+            num_stages=2, checkpoint_every_n_steps=2, checkpoint_dir="x", keep_checkpoints=0
+        )
+    with pytest.raises(TypeError, match="checkpoint_dir must be a path"):
+        ElasticBambooStrategy(num_stages=2, checkpoint_every_n_steps=2, checkpoint_dir=3)
+
+
+def test_only_step_schedulers_are_re_stepped_and_the_ring_says_what_it_lacks() -> None:
+    """Fallback re-steps interval="step" schedulers; epoch and plateau schedulers are refused at setup."""
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    step_lr = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    fb.check_schedulers([SimpleNamespace(scheduler=step_lr, interval="step", reduce_on_plateau=False)])
+    with pytest.raises(ValueError, match=r"interval='step' .* got StepLR with interval='epoch'"):
+        fb.check_schedulers([SimpleNamespace(scheduler=step_lr, interval="epoch", reduce_on_plateau=False)])
+    saved = fb.settings(optimizer, [SimpleNamespace(scheduler=step_lr)])
+    optimizer.step()
+    step_lr.step()
+    fb.restore_settings(optimizer, [SimpleNamespace(scheduler=step_lr)], json.loads(json.dumps(saved)))
+    assert optimizer.param_groups[0]["lr"] == 0.1 and step_lr.last_epoch == 0
+    ring = fb.BatchRing(capacity=2)
+    for step in range(3):
+        ring.put(step, step, torch.full((1,), float(step)))
+    assert ring.get(2)[1].item() == 2.0
+    with pytest.raises(
+        RuntimeError, match=r"the batch of step 0 is no longer kept \(the ring holds steps \[1, 2\]\)"
+    ):
+        ring.get(0)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_member_lacking_the_batches_gets_them_from_a_peer() -> None:
+    """A member that joined later lacks the batches to re-run: the lowest rank keeping them broadcasts them
+    (2 real gloo processes, bit-equal batches; steps nobody keeps are refused on every rank)."""
+    out = run_process(
+        [sys.executable, str(Path(__file__).parent / "scripts" / "share_batches.py")], timeout=450
+    )
+    assert "rank 0 ok" in out.stdout and "rank 1 ok" in out.stdout
