@@ -49,6 +49,7 @@ from typing_extensions import override
 
 from lightning_bamboo import membership as ms
 from lightning_bamboo.contract import check_contract, find_pipeline_body
+from lightning_bamboo.cutter import GenerationCutter
 from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
 from lightning_bamboo.microbatch import split_microbatches
@@ -198,6 +199,7 @@ class ElasticBambooStrategy(BambooStrategy):
         self._env = ms.WorkerEnv.from_env()
         self._store: dist.Store | None = None
         self._heartbeat: ms.Heartbeat | None = None
+        self._cutter: GenerationCutter | None = None
         self.owners: OwnershipMap | None = None
         self.view: PipelineView | None = None
         self._rank = 0
@@ -284,12 +286,15 @@ class ElasticBambooStrategy(BambooStrategy):
             )
         self._store = ms.connect(self._env.store_url, self._env.job)
         self._heartbeat = ms.Heartbeat(self._env, self._heartbeat_interval)
+        self._cutter = GenerationCutter(self._env)
         self._process_group_backend = self._process_group_backend or "gloo"
 
     def _init_generation(self, owners: OwnershipMap) -> None:
-        assert self._store is not None
+        assert self._store is not None and self._cutter is not None
+        self._cutter.disarm()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._cutter.before_init()
         self.owners = owners
         self._rank, self._world = owners.rank_of(self.member), len(owners.members())
         dist.init_process_group(
@@ -350,6 +355,7 @@ class ElasticBambooStrategy(BambooStrategy):
             )
         self.setup_precision_plugin()
         self._build_replica_optimizer()
+        self._cutter.arm(owners.generation)  # type: ignore[union-attr]
         self._store.add(f"gen{owners.generation}/formed", 1)
         rank_zero_only(print)(f"[bamboo] generation {owners.generation}:\n{owners.format()}", flush=True)
 
@@ -585,6 +591,8 @@ class ElasticBambooStrategy(BambooStrategy):
         """Abort this member's process groups: peers blocked on it fail now instead of at their timeout."""
         if not dist.is_initialized():
             return
+        if self._cutter is not None:
+            self._cutter.disarm()
         try:
             dist.distributed_c10d._abort_process_group()
         except Exception as err:  # the groups are being thrown away either way
@@ -618,6 +626,7 @@ class ElasticBambooStrategy(BambooStrategy):
         start = time.monotonic()
         self._init_generation(new)
         self._form(new)
+        self._cutter.arm(generation)  # type: ignore[union-attr]
         self._store.add(f"gen{generation}/formed", 1)
         self.failovers.append((old, new))
         self._emit("on_failover", old_map=old, new_map=new)
@@ -657,6 +666,9 @@ class ElasticBambooStrategy(BambooStrategy):
         """Tell the launcher this member is done (its heartbeat stops now), leave the process group."""
         if self._heartbeat is not None:
             self._heartbeat.stop()
+        if self._cutter is not None:
+            self._cutter.disarm()
+            self._cutter.stop()
         if self._store is not None:
             self._store.set(f"done/{self.member}", "1")
         if dist.is_initialized():
