@@ -82,6 +82,9 @@ class YoungDalyCheckpoint(Callback):
         )
         self.last = time.monotonic()
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.last = time.monotonic()  # the interval counts training time, not start-up and reload
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         first = self.interval_s is None and trainer.global_step >= WARMUP_STEPS
         due = self.interval_s is not None and time.monotonic() - self.last >= self.interval_s
