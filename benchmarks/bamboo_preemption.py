@@ -84,7 +84,7 @@ class Plan:
 def make_plan(trace_path: Path, start_ms: int, end_ms: int, compression: float, seed: int) -> Plan:
     """Map the segment's fleet changes onto ``WORKERS`` workers (see the module docstring)."""
     trace = parse_trace(trace_path)
-    fleet = trace.nodes_at(start_ms / 1000.0)
+    fleet = fleet_start = trace.nodes_at(start_ms / 1000.0)
     rng = random.Random(seed)
     alive = [f"m{i}" for i in range(WORKERS)]
     initial = list(alive)
@@ -107,7 +107,7 @@ def make_plan(trace_path: Path, start_ms: int, end_ms: int, compression: float, 
             alive.append(node)
             events.append((t, "add", node))
             count += 1
-    return Plan(events, (end_ms - start_ms) / 1000.0 / compression, initial, fleet)
+    return Plan(events, (end_ms - start_ms) / 1000.0 / compression, initial, fleet_start)
 
 
 # ---------------------------------------------------------------------------------------------- step files

@@ -36,6 +36,7 @@ import hydra  # noqa: E402
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
 
 from lightning_bamboo.elastic import ElasticBambooStrategy  # noqa: E402
+from lightning_bamboo.replay.model import shape_key  # noqa: E402
 from lightning_bamboo.strategy import BambooStrategy  # noqa: E402
 from recipes.compose import compose_recipe  # noqa: E402
 
@@ -44,14 +45,10 @@ WARMUP_STEPS = 2
 
 
 def layout_of(strategy: Any) -> str:
-    """``<positions>x<pipelines>`` when every pipeline has as many positions, else e.g. ``2+1``."""
+    """The layout a step ran on, keyed as the replay keys it (``2x2``; ``2+1`` for a fused pipeline)."""
     if isinstance(strategy, ElasticBambooStrategy):
-        owners = strategy.owners
-        assert owners is not None
-        lengths = sorted((len(owners.positions(p)) for p in owners.pipeline_ids()), reverse=True)
-        if len(set(lengths)) == 1:
-            return f"{lengths[0]}x{len(lengths)}"
-        return "+".join(str(n) for n in lengths)
+        assert strategy.owners is not None
+        return shape_key(strategy.owners)
     return f"{strategy.num_stages}x{strategy.num_pipelines}"
 
 

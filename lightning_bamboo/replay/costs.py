@@ -24,11 +24,12 @@ class Costs:
     step_s: float
     step_s_by_layout: dict[str, float]
     failover_s: float
-    rejoin_s: float
+    rejoin_s: float | None
     checkpoint_s: float
     restart_s: float
     fallback_s: float | None
     cr_step_s_by_layout: dict[str, float] = field(default_factory=dict)
+    step_s_by_shape: dict[str, float] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
@@ -76,11 +77,12 @@ def load_costs(path: str | Path) -> Costs:
         step_s=_seconds(_need(costs, "step_s", "costs.", path), "costs.step_s", path),  # type: ignore[arg-type]
         step_s_by_layout={k: float(v) for k, v in by_layout.items()},
         failover_s=_seconds(_need(costs, "failover_s", "costs.", path), "costs.failover_s", path),  # type: ignore[arg-type]
-        rejoin_s=_seconds(_need(costs, "rejoin_s", "costs.", path), "costs.rejoin_s", path),  # type: ignore[arg-type]
+        rejoin_s=_seconds(_need(costs, "rejoin_s", "costs.", path), "costs.rejoin_s", path, allow_none=True),
         checkpoint_s=_seconds(_need(costs, "checkpoint_s", "costs.", path), "costs.checkpoint_s", path),  # type: ignore[arg-type]
         restart_s=_seconds(_need(costs, "restart_s", "costs.", path), "costs.restart_s", path),  # type: ignore[arg-type]
         fallback_s=_seconds(costs.get("fallback_s"), "costs.fallback_s", path, allow_none=True),
         cr_step_s_by_layout={k: float(v) for k, v in cr_layout.items()},
+        step_s_by_shape={k: float(v) for k, v in (costs.get("step_s_by_shape") or {}).items()},
         raw=data,
     )
 
