@@ -293,8 +293,17 @@ class CheckpointRestart:
             proc.wait()
         self.procs = []
 
-    def drain(self, timeout: float = 120.0) -> None:
-        """Checkpoint now and exit cleanly (a grow restart loses nothing)."""
+    def training(self) -> bool:
+        """Whether the current launch has completed a step (it is past start-up and reload)."""
+        path = self.run_dir / f"steps-launch{self.launches - 1}-rank0.txt"
+        return self.pipelines > 0 and path.exists() and path.stat().st_size > 0
+
+    def drain(self, timeout: float = 60.0) -> None:
+        """Checkpoint now and exit cleanly (a grow restart loses nothing). A launch still starting has
+        trained nothing since the checkpoint it is loading: it is stopped at once."""
+        if not self.training():
+            self.kill_all()
+            return
         flag = self.run_dir / "drain"
         flag.write_text("1")
         try:
@@ -445,6 +454,8 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directory here")
     parser.add_argument("overrides", nargs="*", help="recipe overrides (both systems), e.g. model.n_layer=4")
     args = parser.parse_args()
+    # workers run in their own sessions: a SIGTERM unwinds through the ``finally`` blocks that kill them
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     preset = CI if args.ci else FULL
     compression = args.compression or preset["compression"]
     segment = tuple(int(x) for x in args.segment.split(":")) if args.segment else preset["segment_ms"]
