@@ -348,6 +348,13 @@ def run_checkpoint_restart(plan: Plan, run_dir: Path, overrides: list[str], log:
             log(f"[bench] checkpoint-restart t={start - live.t0:6.2f}s {why} {node}: relaunch "
                 f"{cr.pipelines} pipeline(s) ({time.time() - start:.2f}s to stop)")
         time.sleep(max(0.0, live.t0 + plan.window_s - time.time()))
+        # the window is over (progress is read at its end); a relaunch still starting is let run to its
+        # first step so that its restart cost is measured too
+        if cr.pipelines and not cr.training():
+            try:
+                wait_for(cr.training, 180, "the last relaunch's first step")
+            except TimeoutError as err:
+                log(f"[bench] checkpoint-restart: {err}; its restart cost is not measured")
     finally:
         cr.kill_all()
     return live
