@@ -28,6 +28,7 @@ pipeline under the current layout, so the samples of a step do not depend on how
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -47,7 +48,9 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_bamboo import joining
 from lightning_bamboo import membership as ms
+from lightning_bamboo import progress as trainer_progress
 from lightning_bamboo.contract import check_contract, find_pipeline_body
 from lightning_bamboo.cutter import GenerationCutter
 from lightning_bamboo.engine import PipelineEngine
@@ -211,6 +214,9 @@ class ElasticBambooStrategy(BambooStrategy):
         self._step = 0
         self._fault_spec = _parse_fault(os.environ.get(ENV_FAULT))
         self.failovers: list[tuple[OwnershipMap, OwnershipMap]] = []
+        self._join_adopted = False  # the last commit adopted a join: form it at the next step boundary
+        self._joining_setup = False  # a joiner before its first step: no collective with the running job
+        self._skip_batches = 0  # a joiner's training DataLoader skips the epoch's batches already trained on
 
     # ------------------------------------------------------------------ ranks follow the generation
     @property
@@ -221,7 +227,9 @@ class ElasticBambooStrategy(BambooStrategy):
     @property
     @override
     def world_size(self) -> int:
-        return self._world
+        # a joiner's setup and the start of its first batch run while the others are inside that step: it
+        # joins no per-batch collective there (Lightning broadcasts a SIGTERM flag when world_size > 1)
+        return 1 if self._joining_setup else self._world
 
     @property
     @override
@@ -333,12 +341,18 @@ class ElasticBambooStrategy(BambooStrategy):
         costs = self._layer_costs if self._layer_costs is not None else estimate_layer_costs(list(body))
         self._stage_layers = StageLayout.plan(costs, self._num_stages, self._num_stages).stage_layers
         self._layers = {i: body[i] for i in range(len(body))}
-        owners = self._generation_zero()
+        joiner = self._env is not None and self._env.joining
+        if joiner:
+            self._joining_setup = True
+            joining.register(self._store, self.member)
+            owners = joining.wait_for_membership(self._store, self.member)
+        else:
+            owners = self._generation_zero()
         self._init_generation(owners)
         # generation 0: pipeline 0's members hold their stages as built; everyone else receives them
         first = owners.pipeline_ids()[0]
         held = {}
-        if owners.pipeline_of(self.member) == first:
+        if owners.pipeline_of(self.member) == first and not joiner:
             held = {
                 layer: LayerState(self._layers[layer])
                 for s in owners.stages_of(self.member)
@@ -354,6 +368,8 @@ class ElasticBambooStrategy(BambooStrategy):
                 f"ElasticBambooStrategy supports exactly one optimizer, got {len(self.optimizers)}"
             )
         self.setup_precision_plugin()
+        if joiner:
+            self._position_joiner(trainer, owners)
         self._build_replica_optimizer()
         self._cutter.arm(owners.generation)  # type: ignore[union-attr]
         self._store.add(f"gen{owners.generation}/formed", 1)
@@ -511,23 +527,25 @@ class ElasticBambooStrategy(BambooStrategy):
                 result = closure()
                 self._fault("exchange")
                 self._exchange_replica_gradients()
-                outcome = commit.prepare_and_wait(self._step)
+                outcome = commit.prepare_and_wait(self._step, self._claim_join)
                 self._fault("prepared")
             except Exception as err:
                 if not self._generation_ended(err):
                     raise
                 failed = True
                 outcome = commit.decide(self._step, ms.ABORT)
-            if outcome != ms.COMMIT and not failed:
+            committed = outcome in (ms.COMMIT, ms.COMMIT_JOIN)
+            if not committed and not failed:
                 failed = True  # a peer was lost while this member waited for the outcome
-            if outcome == ms.COMMIT:
+            if committed:
                 self._fault("commit")
                 output = super().optimizer_step(optimizer, lambda result=result: result, model, **kwargs)
                 self._apply_replica_step(optimizer)
                 self._fault("applied")
                 self._step += 1
-                if failed:
-                    self._next_generation()
+                # a lost peer after the commit (rolled forward) or an adopted join: the next generation is
+                # formed at the next step boundary (_join_at_boundary), where a joiner can be positioned
+                self._join_adopted = outcome == ms.COMMIT_JOIN
                 return output
             log.warning(
                 "Bamboo: step %d aborted by a lost peer; replaying it on the next generation", self._step
@@ -624,12 +642,17 @@ class ElasticBambooStrategy(BambooStrategy):
         if self.member not in new.members():
             raise RuntimeError(f"Bamboo member {self.member} is a spare in generation {generation}")
         start = time.monotonic()
+        self._send_progress(old, new)
         self._init_generation(new)
         self._form(new)
         self._cutter.arm(generation)  # type: ignore[union-attr]
         self._store.add(f"gen{generation}/formed", 1)
         self.failovers.append((old, new))
-        self._emit("on_failover", old_map=old, new_map=new)
+        if kind == "rejoin":
+            joined = sorted(set(new.members()) - set(old.members()))
+            self._emit("on_rejoin", old_map=old, new_map=new, members=joined, step=self._step)
+        else:
+            self._emit("on_failover", old_map=old, new_map=new)
         rank_zero_only(print)(
             f"[bamboo] {kind} at step {self._step}: generation {old.generation} -> {generation} "
             f"({time.monotonic() - start:.2f}s to re-form)\n{old.format()}\n->\n{new.format()}",
@@ -637,10 +660,79 @@ class ElasticBambooStrategy(BambooStrategy):
         )
 
     def _join_at_boundary(self) -> None:
-        """A generation published without a failure (members joined): form it before the step."""
+        """Form the next generation before the step when the last commit adopted a join (every member read
+        the same outcome, so all switch here) or when a generation came without a failure seen here."""
         assert self._store is not None and self.owners is not None
-        if ms.current_generation(self._store) > self.owners.generation:
+        self._joining_setup = False
+        if self._join_adopted or ms.current_generation(self._store) > self.owners.generation:
+            self._join_adopted = False
             self._next_generation()
+
+    # ------------------------------------------------------------------ joining (lightning_bamboo.joining)
+    def _claim_join(self, step: int) -> bool:
+        """Called by the member committing ``step``: adopt the launcher's join proposal after it, unless the
+        next step starts an epoch (no mid-epoch position to give a joiner) or there is no next step."""
+        assert self._store is not None and self.owners is not None and self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            return False
+        if trainer.max_steps != -1 and trainer.global_step + 1 >= trainer.max_steps:
+            return False
+        return joining.claim(self._store, self.owners.generation, step)
+
+    def _send_progress(self, old: OwnershipMap, new: OwnershipMap) -> None:
+        """The lowest continuing member writes the trainer's progress for the members joining in ``new``."""
+        assert self._store is not None and self.lightning_module is not None
+        joiners = set(new.members()) - set(old.members())
+        staying = sorted(set(old.members()) & set(new.members()))
+        if not joiners or not staying or self.member != staying[0]:
+            return
+        snap = trainer_progress.snapshot(self.lightning_module.trainer, self.optimizers[0], self._step)
+        self._store.set(f"gen{new.generation}/progress", trainer_progress.to_json(snap))
+
+    def _position_joiner(self, trainer: pl.Trainer, owners: OwnershipMap) -> None:
+        """A joiner: optimizer state of its layers, hyper-parameters, schedulers, loop and data position."""
+        assert self._store is not None
+        install(
+            self.optimizers[0],
+            [
+                (layer, self._held[layer])
+                for s in owners.stages_of(self.member)
+                for layer in self._stage_layers[s]
+            ],
+        )
+        progress = json.loads(self._store.get(f"gen{owners.generation}/progress"))
+        trainer_progress.restore_optimizer(trainer, self.optimizers[0], progress)
+        trainer_progress.restore_loop(trainer, progress)
+        self._step = int(progress["step"])
+        self._skip_batches = int(progress["skip"])
+        rank_zero_only(print)(
+            f"[bamboo] member {self.member} joined generation {owners.generation} at step {self._step} "
+            f"(global step {progress['global_step']}, epoch {progress['epoch']}, batch {self._skip_batches})",
+            flush=True,
+        )
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """A joiner's training ``DataLoader`` starts at the batch the job is at (see :mod:`.progress`)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._skip_batches and trainer is not None and trainer.training:
+            skip, self._skip_batches = self._skip_batches, 0
+            return trainer_progress.skip_first_batches(dataloader, skip)  # type: ignore[arg-type]
+        return dataloader
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not self._joining_setup:  # a joiner's setup runs while the others train: nobody to meet
+            super().barrier(name)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj if self._joining_setup else super().broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        return tensor if self._joining_setup else super().reduce(tensor, group, reduce_op)
 
     def _emit(self, hook: str, **kwargs: Any) -> None:
         """Call ``hook`` on every trainer callback that has it (the Bamboo callback interface)."""

@@ -12,8 +12,12 @@ The supervisor is not a training rank, so no preemption of a worker can take it 
   (:func:`lightning_bamboo.ownership.failover`, or a checkpoint fallback when redundancy cannot cover the
   loss) into the store and prints the old and new maps. Workers form the new generation themselves.
 
-It restarts nobody on its own. ``--replace`` starts a replacement worker (a new member id) after each loss,
-which joins at a step boundary. When the members of the current generation have all exited 0, remaining
+It restarts nobody on its own. ``--replace K`` starts a replacement worker (a new member id)
+``--replace-delay`` seconds after each loss (at most ``K``); :meth:`Supervisor.add_worker` starts one from
+another thread at any time. A new worker registers once its model is built; the supervisor then proposes the
+next map and the members adopt it after one committed step (:mod:`lightning_bamboo.joining`); it prints
+``[bamboo.launch] join members=[..] step=S generation=G wait_s=.. join_s=..`` when the first step at the new
+size is committed. When the members of the current generation have all exited 0, remaining
 spare workers are stopped by PID and the supervisor exits 0; if no pipeline can continue it stops all
 workers by PID and exits 1.
 """
@@ -26,6 +30,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -34,6 +39,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from lightning_bamboo import joining
 from lightning_bamboo import membership as ms
 from lightning_bamboo.ownership import FallbackNeeded, OwnershipMap, failover, initial, rejoin
 
@@ -58,16 +64,20 @@ class Supervisor:
         settle: float = 0.3,
         replace: bool = False,
         log=print,
+        replace_delay: float = 0.0,
     ) -> None:
         if nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {nproc}")
         if hang_timeout <= 0:
             raise ValueError(f"--hang-timeout must be > 0 seconds, got {hang_timeout}")
+        if replace_delay < 0:
+            raise ValueError(f"--replace-delay must be >= 0 seconds, got {replace_delay}")
         self.command = command
         self.nproc = nproc
         self.hang_timeout = hang_timeout
         self.settle = settle
         self.replace = replace
+        self.replace_delay = replace_delay
         self.log = log
         self.job = uuid.uuid4().hex[:12]
         if store_url is None:
@@ -84,20 +94,60 @@ class Supervisor:
         self.events: list[dict[str, object]] = []
         self._pending_joins: list[int] = []
         self.start_time = time.monotonic()
+        self._lock = threading.RLock()  # add_worker / kill may come from another thread while run() runs
+        self._due: list[float] = []  # when the next replacements start
+        self._added_at: dict[int, float] = {}
+        self._proposal: tuple[int, OwnershipMap, float] | None = None  # (generation, next map, proposed at)
+        self._join_watch: dict[str, object] | None = None
+        self.joins: list[dict[str, object]] = []
+        """One entry per completed join: members, step, generation, start_s, wait_s, join_s."""
+        self.returncode: int | None = None
 
     # ------------------------------------------------------------------ processes
     def start_worker(self, joining: bool = False) -> int:
+        with self._lock:
+            return self._start_worker(joining)
+
+    def add_worker(self) -> int:
+        """Start one more worker while the job runs; it joins at a step boundary once its model is built.
+
+        Safe to call from another thread while :meth:`run` runs. Returns its member id.
+        """
+        with self._lock:
+            member = self._start_worker(joining=True)
+            self._pending_joins.append(member)
+            self._added_at[member] = time.monotonic()
+            return member
+
+    def live_members(self) -> list[int]:
+        """Member ids of the workers whose process is running."""
+        with self._lock:
+            return sorted(m for m, w in self.workers.items() if w.proc.poll() is None)
+
+    def wait_formed(self, timeout: float = 300.0) -> None:
+        """Block until all members formed generation 0 (for callers that run :meth:`run` in a thread)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.store.check(["gen0/map", "gen0/formed"]):
+                owners = ms.read_map(self.store, 0)
+                if int(self.store.add("gen0/formed", 0)) >= len(owners.members()):
+                    return
+            if self.returncode is not None:
+                raise RuntimeError(f"the job ended (exit code {self.returncode}) before generation 0 formed")
+            time.sleep(0.05)
+        raise TimeoutError(f"generation 0 did not form in {timeout}s")
+
+    def _start_worker(self, joining: bool = False) -> int:
         member = self.next_member
         self.next_member += 1
         env = {
             **os.environ,
+            ms.ENV_JOINING: "1" if joining else "0",
             ms.ENV_STORE: self.store_url,
             ms.ENV_JOB: self.job,
             ms.ENV_MEMBER: str(member),
             ms.ENV_NPROC: str(self.nproc),
         }
-        if joining:
-            env["BAMBOO_JOINING"] = "1"
         proc = subprocess.Popen(self.command, env=env, start_new_session=True)
         self.workers[member] = _Worker(member, proc)
         self.log(f"[bamboo.launch] started member {member} (pid {proc.pid})", flush=True)
@@ -105,12 +155,15 @@ class Supervisor:
 
     def kill(self, member: int, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to one worker, by PID (the tests and the benchmark preempt workers this way)."""
-        worker = self.workers[member]
-        if worker.proc.poll() is None:
-            os.kill(worker.proc.pid, sig)
+        with self._lock:
+            worker = self.workers[member]
+            if worker.proc.poll() is None:
+                os.kill(worker.proc.pid, sig)
 
     def stop_all(self) -> None:
-        for worker in self.workers.values():
+        with self._lock:
+            workers = list(self.workers.values())
+        for worker in workers:
             if worker.proc.poll() is None:
                 os.kill(worker.proc.pid, signal.SIGKILL)
                 worker.proc.wait()
@@ -120,7 +173,9 @@ class Supervisor:
         """Newly lost members: exited non-zero, or heartbeat silent for ``hang_timeout`` (then SIGKILLed)."""
         lost: set[int] = set()
         now = time.monotonic()
-        for member, worker in self.workers.items():
+        with self._lock:
+            workers = list(self.workers.items())
+        for member, worker in workers:
             if member in self.lost or member in self.finished:
                 continue
             code = worker.proc.poll()
@@ -167,10 +222,19 @@ class Supervisor:
 
     def _reform(self, lost: set[int], joined: list[int]) -> bool:
         """Publish the next generation; ``False`` when the job cannot continue."""
-        _, old = self._current()
+        generation, old = self._current()
         if old is None:
             self.log("[bamboo.launch] a worker was lost before generation 0 formed", flush=True)
             return False
+        if lost and not lost & (set(old.members()) | set(old.spares)):
+            self._pending_joins = [m for m in self._pending_joins if m not in lost]
+            return True  # a joiner died before it owned anything: nothing to re-form
+        if lost:
+            adopted = joining.close(self.store, generation)
+            if adopted is not None and self._proposal is not None:
+                # the members adopted the join before the loss: the failover applies to the joined layout
+                old = self._publish_join(adopted)
+            self._proposal = None
         kind = "failover" if lost else "rejoin"
         try:
             new = failover(old, lost) if lost else old
@@ -202,7 +266,16 @@ class Supervisor:
         return True
 
     def run(self, replacements: int = 0, poll: float = 0.02) -> int:
-        """Start the workers and supervise until the job ends; returns the exit code."""
+        """Start the workers and supervise until the job ends; returns the exit code (also ``returncode``)."""
+        self.returncode = None
+        try:
+            self.returncode = self._run(replacements, poll)
+        finally:
+            if self.returncode is None:
+                self.returncode = 1
+        return self.returncode
+
+    def _run(self, replacements: int, poll: float) -> int:
         self.store.set("gen", "0")
         for _ in range(self.nproc):
             self.start_worker()
@@ -220,15 +293,20 @@ class Supervisor:
                         return 1
                     if self.replace and budget != 0:
                         for _ in lost:
-                            self._pending_joins.append(self.start_worker(joining=True))
+                            if budget == 0:
+                                break
+                            self._due.append(time.monotonic() + self.replace_delay)
                             budget -= 1
-                for member in self._ready_joins():
-                    if not self._reform(set(), [member]):
-                        return 1
+                while self._due and self._due[0] <= time.monotonic():
+                    self._due.pop(0)
+                    self.add_worker()
+                self._advance_joins()
                 _, current = self._current()
                 if current is not None and current.members() and set(current.members()) <= self.finished:
                     return 0
-                if all(w.proc.poll() is not None for w in self.workers.values()):
+                with self._lock:
+                    procs = [w.proc for w in self.workers.values()]
+                if all(proc.poll() is not None for proc in procs):
                     return 0 if current is not None and set(current.members()) <= self.finished else 1
                 time.sleep(poll)
         finally:
@@ -239,12 +317,89 @@ class Supervisor:
                 else None
             )
 
-    def _ready_joins(self) -> list[int]:
-        """Joiners that registered in the store (``join/{member}``), taken one at a time."""
-        ready = [m for m in self._pending_joins if self.store.check([f"join/{m}"])]
-        for member in ready[:1]:
-            self._pending_joins.remove(member)
-        return ready[:1]
+    def _advance_joins(self) -> None:
+        """Propose a map with the registered joiners, publish it once adopted, report the join's cost."""
+        generation, current = self._current()
+        if current is None:
+            return
+        self._watch_join()
+        if self._proposal is None:
+            with self._lock:
+                pending = [
+                    m
+                    for m in self._pending_joins
+                    if m not in current.members() and joining.registered(self.store, m)
+                ]
+            if not pending:
+                return
+            proposal = rejoin(current, pending)
+            if proposal.pipelines == current.pipelines:
+                return  # not enough new workers to change the layout yet: they wait
+            joining.propose(self.store, generation, proposal)
+            self._proposal = (generation, proposal, time.monotonic())
+            return
+        proposed_in, _, _ = self._proposal
+        step = joining.adopted_step(self.store, proposed_in)
+        if step is not None and self.store.check([f"g{proposed_in}/outcome/{step}"]):
+            self._publish_join(step)
+
+    def _publish_join(self, step: int) -> OwnershipMap:
+        """Publish the adopted proposal as the next generation (the members form it after ``step``)."""
+        assert self._proposal is not None
+        generation, proposal, proposed_at = self._proposal
+        old = ms.read_map(self.store, generation)
+        joined = sorted(set(proposal.members()) - set(old.members()))
+        self.log(
+            f"[bamboo.launch] rejoin after step {step}: joined {joined}\n{old.format()}\n->\n"
+            f"{proposal.format()}",
+            flush=True,
+        )
+        self.events.append(
+            {
+                "t_s": time.monotonic() - self.start_time,
+                "kind": "rejoin",
+                "lost": [],
+                "joined": joined,
+                "old": old.to_json(),
+                "new": proposal.to_json(),
+            }
+        )
+        self._publish(proposal, "rejoin")
+        with self._lock:
+            self._pending_joins = [m for m in self._pending_joins if m not in joined]
+        self._proposal = None
+        now = time.monotonic()
+        self._join_watch = {
+            "members": joined,
+            "step": step + 1,
+            "generation": proposal.generation,
+            "start_s": max((proposed_at - self._added_at.get(m, proposed_at) for m in joined), default=0.0),
+            "proposed_at": proposed_at,
+            "wait_s": now - proposed_at,
+        }
+        return proposal
+
+    def _watch_join(self) -> None:
+        """The join is complete when the first step at the new size commits: print its cost."""
+        watch = self._join_watch
+        if watch is None:
+            return
+        generation, step = watch["generation"], watch["step"]
+        if ms.current_generation(self.store) != generation:
+            self._join_watch = None  # a failover came first: no step ran at the joined size
+            return
+        key = f"g{generation}/outcome/{step}"
+        if not self.store.check([key]) or ms.get_str(self.store, key) == ms.ABORT:
+            return
+        join_s = time.monotonic() - float(watch.pop("proposed_at"))  # type: ignore[arg-type]
+        entry = {**watch, "join_s": join_s}
+        self.joins.append(entry)
+        self._join_watch = None
+        self.log(
+            f"[bamboo.launch] join members={entry['members']} step={step} generation={generation} "
+            f"wait_s={entry['wait_s']:.3f} join_s={join_s:.3f} start_s={entry['start_s']:.2f}",
+            flush=True,
+        )
 
 
 def fallback_map(old: OwnershipMap, survivors: list[int]) -> OwnershipMap:
@@ -285,6 +440,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="start up to this many replacement workers, one after each loss (-1: no limit)",
     )
+    parser.add_argument(
+        "--replace-delay",
+        type=float,
+        default=0.0,
+        help="seconds after a loss before its replacement worker starts (a new spot machine's arrival)",
+    )
     parser.add_argument("-m", dest="module", action="store_true", help="the script is a module (python -m)")
     parser.add_argument("script", help="the training script (or module, with -m)")
     parser.add_argument("args", nargs=argparse.REMAINDER)
@@ -296,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         args.store,
         args.hang_timeout,
         replace=args.replace != 0,
+        replace_delay=args.replace_delay,
     )
     return supervisor.run(replacements=args.replace)
 

@@ -10,6 +10,8 @@ losing any rank, rank 0 included, loses nothing of it. Keys (all under the job's
 * ``g{g}/prep/{step}`` and ``g{g}/outcome/{step}``: the two-phase commit of a training step
   (:class:`StepCommit`).
 * ``config/num_stages``: the pipeline length the workers were started with (the launcher needs it).
+* ``join/{member}``, ``gen{g}/join``, ``gen{g}/next``, ``gen{g}/progress``: a worker joining the running job
+  (:mod:`lightning_bamboo.joining`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import urlparse
@@ -31,8 +34,12 @@ ENV_JOB = "BAMBOO_JOB"
 ENV_MEMBER = "BAMBOO_MEMBER"
 ENV_NPROC = "BAMBOO_NPROC"
 ENV_HEARTBEAT = "BAMBOO_HEARTBEAT_S"
+ENV_JOINING = "BAMBOO_JOINING"
+"""``1`` for a worker the launcher started while the job runs (it joins instead of forming gen 0)."""
 
 COMMIT = "commit"
+COMMIT_JOIN = "commit+join"
+"""The step commits and the members adopt the join proposal after it (:mod:`lightning_bamboo.joining`)."""
 ABORT = "abort"
 
 
@@ -77,6 +84,7 @@ class WorkerEnv:
     job: str
     member: int
     nproc: int
+    joining: bool = False
 
     @classmethod
     def from_env(cls) -> WorkerEnv | None:
@@ -94,6 +102,7 @@ class WorkerEnv:
             os.environ[ENV_JOB],
             int(os.environ[ENV_MEMBER]),
             int(os.environ[ENV_NPROC]),
+            os.environ.get(ENV_JOINING) == "1",
         )
 
 
@@ -144,10 +153,15 @@ class StepCommit:
         """Write ``proposal`` unless an outcome exists; return the outcome that holds."""
         return self.store.compare_set(self._outcome_key(step), "", proposal).decode()
 
-    def prepare_and_wait(self, step: int) -> str:
-        """Mark this member prepared and wait for the outcome (``abort`` if the generation ends first)."""
+    def prepare_and_wait(self, step: int, claim_join: Callable[[int], bool] | None = None) -> str:
+        """Mark this member prepared and wait for the outcome (``abort`` if the generation ends first).
+
+        ``claim_join(step)``: called by the member that commits; ``True`` when it adopted a join proposal
+        after this step (the outcome is then ``commit+join``).
+        """
         if self.store.add(f"g{self.generation}/prep/{step}", 1) == self.size:
-            return self.decide(step, COMMIT)
+            joins = claim_join is not None and claim_join(step)
+            return self.decide(step, COMMIT_JOIN if joins else COMMIT)
         key = self._outcome_key(step)
         polls = 0
         while True:

@@ -1,0 +1,114 @@
+"""Elastic Bamboo rejoin end to end: workers started while the job runs join it at a step boundary, receive
+their layers and optimizer state from peers and the trainer's progress through the store, and the job ends
+with final parameters and optimizer state equal (float64) to an uninterrupted single-process run, every
+sample of every step consumed exactly once.
+
+The worker script (``scripts/train_rejoin.py``) records the ids of the samples whose loss each member
+computed; its ``--hold-at S`` makes the members wait at step ``S`` until a join is proposed, so the join
+happens after step ``S`` whatever the machine's load (a new process takes seconds to start).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.process import launch_env, run_process
+
+SCRIPTS = Path(__file__).parent / "scripts"
+WORKER = SCRIPTS / "train_rejoin.py"
+TOL = {"rtol": 1e-9, "atol": 1e-11}
+STEPS = 7  # 4 batches per epoch: the runs cross into a second epoch (the sampler's order changes)
+JOIN_LINE = re.compile(r"\[bamboo\.launch\] join members=\[([\d, ]+)\] step=(\d+) .*join_s=([\d.]+)")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], list]:
+    out = tmp_path_factory.mktemp("reference")
+    cmd = [sys.executable, str(WORKER), "--out", str(out), "--strategy", "auto", "--steps", str(STEPS)]
+    run_process(cmd, timeout=240, env=launch_env())
+    ids = json.loads((out / "ids_reference.json").read_text())
+    return load_file(str(out / "final_reference.safetensors")), ids
+
+
+def check_final(out: Path, reference: dict[str, torch.Tensor], members: set[int]) -> None:
+    """Every member in ``members`` finished all steps with its stages equal to the reference; all covered."""
+    finals = {int(p.stem.removeprefix("final_member")): p for p in out.glob("final_member*.safetensors")}
+    assert set(finals) == members, f"finished: {sorted(finals)}, expected {sorted(members)}"
+    covered: set[str] = set()
+    for member, path in sorted(finals.items()):
+        state = load_file(str(path))
+        assert int(state.pop("global_step")) == STEPS, f"member {member}"
+        for key, value in state.items():
+            torch.testing.assert_close(
+                value, reference[key], **TOL, msg=lambda m, k=key, n=member: f"member {n} {k}: {m}"
+            )
+            covered.add(key)
+    assert covered == set(reference) - {"global_step"}
+
+
+def consumed(out: Path) -> tuple[dict[int, list[int]], dict[int, dict[int, list[int]]]]:
+    """Sample ids per step over all finished members, and per member."""
+    per_step: dict[int, list[int]] = defaultdict(list)
+    per_member: dict[int, dict[int, list[int]]] = {}
+    for path in out.glob("ids_member*.json"):
+        member = int(path.stem.removeprefix("ids_member"))
+        per_member[member] = defaultdict(list)
+        for step, ids in json.loads(path.read_text()):
+            per_step[step] += ids
+            per_member[member][step] += ids
+    return per_step, per_member
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_rank_joining_back(tmp_path: Path, reference: tuple[dict[str, torch.Tensor], list]) -> None:
+    """2 stages x 1 pipeline: member 1 is SIGKILLed in step 1 (member 0 runs both stages), the launcher's
+    ``--replace`` starts member 2, which joins after step 4 (in the second epoch): the pipeline is back at
+    full length, member 2 received stage 1's layers and Adam state from member 0 and reads the batches the
+    reference reads from step 5 on."""
+    params, ids = reference
+    env = launch_env({"BAMBOO_FAULT": "1:1:forward"})
+    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "2", "--replace", "1"]
+    cmd += [str(WORKER), "--out", str(tmp_path), "--stages", "2", "--steps", str(STEPS), "--hold-at", "4"]
+    log = run_process(cmd, timeout=400, env=env).stdout
+    assert "failover: lost [1]" in log and "pipe0  m0      m0" in log
+    assert "rejoin after step 4: joined [2]" in log and "pipe0  m0      m2" in log
+    match = JOIN_LINE.search(log)
+    assert match is not None and match.group(1) == "2" and match.group(2) == "5", log[-3000:]
+    check_final(tmp_path, params, {0, 2})
+    per_step, per_member = consumed(tmp_path)
+    # step 0's losses were computed by the killed member; from the replayed step 1 on, exactly the reference's
+    for step, expected in ids[1:]:
+        assert sorted(per_step[step]) == sorted(expected), f"step {step}"
+    assert {s: sorted(v) for s, v in per_member[2].items()} == {s: sorted(i) for s, i in ids[5:]}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_join_adds_a_pipeline(tmp_path: Path, reference: tuple[dict[str, torch.Tensor], list]) -> None:
+    """2 stages x 1 pipeline; two workers added through ``Supervisor.add_worker()`` (from another thread
+    while ``run()`` runs) form a second pipeline after step 2: both receive their stage's layers and Adam
+    state from pipeline 0, the global batch is split over two pipelines from step 3 on (and the joiners
+    cross into epoch 2), and no sample is repeated or skipped."""
+    params, ids = reference
+    cmd = [sys.executable, str(SCRIPTS / "rejoin_driver.py"), "--nproc", "2", "--add", "2", "--"]
+    cmd += [str(WORKER), "--out", str(tmp_path), "--stages", "2", "--steps", str(STEPS), "--hold-at", "2"]
+    log = run_process(cmd, timeout=400, env=launch_env()).stdout
+    assert "rejoin after step 2: joined [2, 3]" in log and "pipe1  m2      m3" in log
+    joins = json.loads(log.split("joins=", 1)[1].splitlines()[0])
+    assert [(j["members"], j["step"]) for j in joins] == [([2, 3], 3)]
+    check_final(tmp_path, params, {0, 1, 2, 3})
+    per_step, per_member = consumed(tmp_path)
+    assert sorted(per_step) == list(range(STEPS))
+    for step, expected in ids:
+        assert sorted(per_step[step]) == sorted(expected), f"step {step}: {per_step[step]} vs {expected}"
+    # after the join each pipeline's last stage consumed half of every global batch
+    assert all(len(per_member[3][s]) == 4 and len(per_member[1][s]) == 4 for s in range(3, STEPS))
