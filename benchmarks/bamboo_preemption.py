@@ -53,6 +53,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from lightning_bamboo import membership as ms  # noqa: E402
 from lightning_bamboo.launch import Supervisor  # noqa: E402
 from lightning_bamboo.replay.traces import parse_trace  # noqa: E402
 
@@ -198,6 +199,8 @@ class Live:
     t0: float = 0.0
     applied: list[dict[str, Any]] = field(default_factory=list)
     restarts: list[dict[str, float]] = field(default_factory=list)  # checkpoint-restart only
+    joins: list[dict[str, Any]] = field(default_factory=list)  # bamboo: the supervisor's completed joins
+    kills: list[float] = field(default_factory=list)  # bamboo: kills of a member of the map (failovers)
     log: str = ""
 
 
@@ -233,8 +236,12 @@ def run_bamboo(plan: Plan, run_dir: Path, overrides: list[str], rejoin: bool, lo
                 victim = node if node in running else (sorted(running)[0] if running else None)
                 if victim is None:
                     continue
+                generation = ms.current_generation(sup.store)
+                member_of_map = node_member[victim] in ms.read_map(sup.store, generation).members()
                 sup.kill(node_member[victim])
                 live.applied.append({"t_s": now - live.t0, "kind": "remove", "node": victim})
+                if member_of_map:
+                    live.kills.append(now)
                 log(f"[bench] bamboo t={now - live.t0:6.2f}s kill {victim} (member {node_member[victim]})")
             elif rejoin:
                 member = add_replacement(sup)
@@ -247,6 +254,7 @@ def run_bamboo(plan: Plan, run_dir: Path, overrides: list[str], rejoin: bool, lo
             else:
                 log(f"[bench] bamboo t={now - live.t0:6.2f}s add {node}: not applied (--no-rejoin)")
         time.sleep(max(0.0, live.t0 + plan.window_s - time.time()))
+        live.joins = [dict(j) for j in getattr(sup, "joins", [])]
     finally:
         sup.stop_all()
         thread.join(timeout=30)
@@ -370,18 +378,16 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
     c_steps = progress_at(c_rows, c_end) - progress_at(c_rows, crl.t0)
     # failover: kill -> next completed step (a step's first completion on any member)
     b_times = sorted(t for t, _ in first_completion(b_rows).values())
-    kills = [bamboo.t0 + e["t_s"] for e in bamboo.applied if e["kind"] == "remove"]
+    kills = bamboo.kills  # kills of a worker still starting (not yet joined) are no failover
     adds = [bamboo.t0 + e["t_s"] for e in bamboo.applied if e["kind"] == "add"]
     failovers = [next(t for t in b_times if t > k) - k for k in kills if any(t > k for t in b_times)]
     b_quiet = [(k, next((t for t in b_times if t > k), k) + 1e-9) for k in kills + adds]
     b_layouts = step_times(b_rows, b_quiet)
-    rejoins = []
-    for a in adds:
-        later = [(t, layout) for _, t, layout, _ in b_rows if t > a]
-        before = [layout for _, t, layout, _ in b_rows if t <= a]
-        grown = [t for t, layout in later if before and layout != before[-1]]
-        if grown:
-            rejoins.append(grown[0] - a)
+    # rejoin: the supervisor's own measure of each completed join (the old layout trains meanwhile):
+    # start_s (add -> the new process registered), wait_s (-> the step boundary), join_s (-> first step at
+    # the new size). The replay keeps training start_s + wait_s, then pauses join_s - wait_s.
+    rejoins = [float(j["join_s"]) - float(j["wait_s"]) for j in bamboo.joins]
+    rejoin_delays = [float(j["start_s"]) + float(j["wait_s"]) for j in bamboo.joins]
     # checkpoint-restart: checkpoints, restarts
     ckpts = [line.split() for line in (run_dir / "cr" / "checkpoints.txt").read_text().splitlines()] \
         if (run_dir / "cr" / "checkpoints.txt").exists() else []
@@ -426,6 +432,7 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
             "checkpoint_restart_step_s_by_layout": c_layouts,
             "failover_s": statistics.median(failovers) if failovers else None,
             "rejoin_s": statistics.median(rejoins) if rejoins else None,
+            "rejoin_delay_s": statistics.median(rejoin_delays) if rejoin_delays else None,
             "checkpoint_s": checkpoint_s,
             "restart_s": statistics.median(restart_costs) if restart_costs else None,
             "fallback_s": None,
@@ -433,8 +440,9 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
         "live": {
             "bamboo": {
                 "wall_s": plan.window_s, "samples": b_steps * BATCH, "samples_per_s": b_sps,
-                "failovers": len(kills), "rejoins": len(adds), "fallbacks": 0, "events": bamboo.applied,
-                "failover_s_each": failovers, "rejoin_s_each": rejoins,
+                "failovers": len(kills), "rejoins": len(bamboo.joins), "fallbacks": 0,
+                "events": bamboo.applied, "failover_s_each": failovers, "rejoin_s_each": rejoins,
+                "joins": bamboo.joins,
             },
             "checkpoint_restart": {
                 "wall_s": plan.window_s, "samples": c_steps * BATCH, "samples_per_s": c_sps,

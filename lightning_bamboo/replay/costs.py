@@ -30,6 +30,7 @@ class Costs:
     fallback_s: float | None
     cr_step_s_by_layout: dict[str, float] = field(default_factory=dict)
     step_s_by_shape: dict[str, float] = field(default_factory=dict)
+    rejoin_delay_s: float = 0.0
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
@@ -83,6 +84,9 @@ def load_costs(path: str | Path) -> Costs:
         fallback_s=_seconds(costs.get("fallback_s"), "costs.fallback_s", path, allow_none=True),
         cr_step_s_by_layout={k: float(v) for k, v in cr_layout.items()},
         step_s_by_shape={k: float(v) for k, v in (costs.get("step_s_by_shape") or {}).items()},
+        rejoin_delay_s=_seconds(  # type: ignore[arg-type]
+            costs.get("rejoin_delay_s") or 0.0, "costs.rejoin_delay_s", path
+        ),
         raw=data,
     )
 

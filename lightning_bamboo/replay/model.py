@@ -208,14 +208,24 @@ def simulate_bamboo(
     lost stages fused; a pipeline that lost two adjacent positions is dropped and its survivors wait as
     spares); a loss no pipeline survives falls back to the last checkpoint (``fallback_s``, else
     ``restart_s``, plus the lost work) on the survivors (:func:`~lightning_bamboo.launch.fallback_map`).
-    New nodes join through :func:`~lightning_bamboo.ownership.rejoin` (splitting fused positions first, then
-    new pipelines, with the spares) at ``rejoin_s`` when the map changes; when the benchmark measured no
-    rejoin (``rejoin_s`` null: the runtime could not), they stay spares. Nodes are members in join order."""
+    A node added after the start is paid for at once but joins ``rejoin_delay_s`` later (its process starts
+    and waits for a step boundary while the job trains on; a node removed before that never joins), through
+    :func:`~lightning_bamboo.ownership.rejoin` (splitting fused positions first, then new pipelines, with the
+    spares), pausing ``rejoin_s`` when the map changes; when the benchmark measured no rejoin (``rejoin_s``
+    null: the runtime could not), new nodes stay spares. Nodes are members in join order."""
     duration = trace.duration_s / compression
     result = Result("bamboo", duration, price=price, checkpoint_interval_s=checkpoint_interval_s)
     clock = _Clock(result, costs.checkpoint_s, checkpoint_interval_s, _ticks(duration, points))
     ids: dict[str, int] = {}
     state: dict[str, OwnershipMap | None] = {"map": None}
+    start = trace.events[0].t_s if trace.events else 0.0
+    delay = costs.rejoin_delay_s * compression  # in trace seconds
+    joins = [
+        Event(e.t_s + (delay if e.t_s > start else 0.0), "join", e.node)  # type: ignore[arg-type]
+        for e in trace.events
+        if e.kind == "add" and costs.rejoin_s is not None
+    ]
+    timeline = Trace(tuple(sorted(trace.events + tuple(joins), key=lambda e: e.t_s)), trace.duration_s)
 
     def on_events(alive: list[str], events: list[Event]) -> None:
         owners = state["map"]
@@ -225,7 +235,7 @@ def simulate_bamboo(
             ids[node] = len(ids)
         alive[:] = [n for n in alive if n not in lost_nodes] + added
         lost = {ids[n] for n in lost_nodes}
-        joined = [ids[n] for n in added]
+        joined = [ids[e.node] for e in events if e.kind == "join" and e.node in alive]
         if owners is None:
             members = [ids[n] for n in alive]
             owners = _capped(initial(stages, members), cap) if len(members) >= stages else None
@@ -245,21 +255,21 @@ def simulate_bamboo(
             elif lost and owners is not None:
                 owners = OwnershipMap(owners.generation, owners.num_stages, owners.pipelines,
                                       tuple(m for m in owners.spares if m not in lost))
-            if joined and owners is not None:
-                if costs.rejoin_s is None:
-                    owners = OwnershipMap(owners.generation, owners.num_stages, owners.pipelines,
-                                          tuple(sorted(set(owners.spares) | set(joined))))
-                else:
-                    grown = _capped(rejoin(owners, joined), cap)
-                    if shape_key(grown) != shape_key(owners):
-                        clock.pause(costs.rejoin_s)
-                        _count(result, "rejoins")
-                    owners = grown
+            newcomers = [ids[n] for n in added]
+            if newcomers and owners is not None and costs.rejoin_s is None:  # no rejoin: they stay spares
+                owners = OwnershipMap(owners.generation, owners.num_stages, owners.pipelines,
+                                      tuple(sorted(set(owners.spares) | set(newcomers))))
+            if joined and owners is not None and costs.rejoin_s is not None:
+                grown = _capped(rejoin(owners, joined), cap)
+                if shape_key(grown) != shape_key(owners):
+                    clock.pause(costs.rejoin_s)
+                    _count(result, "rejoins")
+                owners = grown
         state["map"] = owners
         clock.nodes = len(alive)
         clock.rate = map_rate(owners, costs) if owners is not None else 0.0
 
-    return _replay(result, trace, compression, clock, on_events)
+    return _replay(result, timeline, compression, clock, on_events)
 
 
 def young_daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
