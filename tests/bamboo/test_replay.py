@@ -194,6 +194,6 @@ def test_cli_prints_the_comparison_and_saves_the_plot(
 def test_unmeasured_stage_count_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(TRACES / "aws-p3-trace.csv"), "--costs", str(FIXTURE), "--stages", "4"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "error: no measured step time for layout 4x4 (stages x pipelines) nor a narrower 4-stage one; "
+        "error: no measured step time for a layout with 4 stages (for 4x4, stages x pipelines); "
         "measured layouts: ['1x1', '2x1', '2x2'] (choose --stages among them)"
     )
