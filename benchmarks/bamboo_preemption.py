@@ -201,6 +201,7 @@ class Live:
     restarts: list[dict[str, float]] = field(default_factory=list)  # checkpoint-restart only
     joins: list[dict[str, Any]] = field(default_factory=list)  # bamboo: the supervisor's completed joins
     kills: list[float] = field(default_factory=list)  # bamboo: kills of a member of the map (failovers)
+    added_at: dict[int, float] = field(default_factory=dict)  # bamboo: member -> wall time of its add
     log: str = ""
 
 
@@ -249,11 +250,25 @@ def run_bamboo(plan: Plan, run_dir: Path, overrides: list[str], rejoin: bool, lo
                     log(f"[bench] bamboo t={now - live.t0:6.2f}s add {node}: no rejoin in runtime, skipped")
                     continue
                 node_member[node] = member
+                live.added_at[member] = now
                 live.applied.append({"t_s": now - live.t0, "kind": "add", "node": node})
                 log(f"[bench] bamboo t={now - live.t0:6.2f}s add {node} (member {member})")
             else:
                 log(f"[bench] bamboo t={now - live.t0:6.2f}s add {node}: not applied (--no-rejoin)")
         time.sleep(max(0.0, live.t0 + plan.window_s - time.time()))
+        # the window is over (progress is read at its end); a replacement still starting is let join so that
+        # the join's costs are measured too (as checkpoint-restart's last relaunch is)
+        added = [m for n, m in node_member.items() if n not in plan.initial]
+        pending = [m for m in added if sup.workers[m].proc.poll() is None]
+
+        def joined() -> bool:
+            done = {m for j in getattr(sup, "joins", []) for m in j["members"]}
+            return all(m in done or sup.workers[m].proc.poll() is not None for m in pending)
+
+        try:
+            wait_for(joined, 180, "the pending joins")
+        except TimeoutError as err:
+            log(f"[bench] bamboo: {err}; their cost is not measured")
         live.joins = [dict(j) for j in getattr(sup, "joins", [])]
     finally:
         sup.stop_all()
@@ -369,6 +384,12 @@ def run_checkpoint_restart(plan: Plan, run_dir: Path, overrides: list[str], log:
 
 
 # ---------------------------------------------------------------------------------------------- figures
+def joined_at(bamboo: Live, join: dict[str, Any]) -> float:
+    """Wall time at which a join completed (its first step at the new size)."""
+    added = max(bamboo.added_at[m] for m in join["members"])
+    return added + float(join["start_s"]) + float(join["join_s"])
+
+
 def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: float, segment: tuple[int, int],
             overrides: list[str]) -> dict[str, Any]:
     b_rows = read_steps(sorted((run_dir / "bamboo").glob("steps-member*.txt")))
@@ -440,7 +461,8 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
         "live": {
             "bamboo": {
                 "wall_s": plan.window_s, "samples": b_steps * BATCH, "samples_per_s": b_sps,
-                "failovers": len(kills), "rejoins": len(bamboo.joins), "fallbacks": 0,
+                "failovers": len(kills), "fallbacks": 0,
+                "rejoins": sum(1 for j in bamboo.joins if joined_at(bamboo, j) <= b_end),
                 "events": bamboo.applied, "failover_s_each": failovers, "rejoin_s_each": rejoins,
                 "joins": bamboo.joins,
             },
