@@ -49,6 +49,7 @@ class GenerationCutter:
 
     def __init__(self, env: ms.WorkerEnv, interval: float = 0.05) -> None:
         self._store = ms.connect(env.store_url, env.job)
+        self._store_port = int(env.store_url.rsplit(":", 1)[1].split("/")[0])
         self._interval = interval
         self._lock = threading.Lock()
         self._before: set[int] = set()
@@ -98,8 +99,11 @@ class GenerationCutter:
                 with contextlib.suppress(OSError):
                     sock = socket.socket(fileno=os.dup(fd))  # a duplicate: closing it leaves ``fd`` open
                     try:
-                        # connections only: gloo's listener aborts the process when its accept() fails
-                        if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        # connections only (gloo's listener aborts the process when its accept() fails),
+                        # and never one to the job's store (an etcd client may open some while forming)
+                        if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and (
+                            sock.getpeername()[1] != self._store_port
+                        ):
                             sock.shutdown(socket.SHUT_RDWR)  # acts on the socket itself, seen by gloo
                     finally:
                         sock.close()
