@@ -420,6 +420,11 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
     c_quiet += [(crl.t0 + r["t_s"], crl.t0 + r["t_s"] + 1e-3) for r in crl.restarts]
     c_layouts = step_times(c_rows, c_quiet)
     restart_costs = []
+    lost_steps = 0  # trained, then lost to a kill (the next launch that trains resumes from a checkpoint)
+    for r in crl.restarts:
+        later = [row for row in c_rows if int(row[3].split("-")[1][6:]) >= r["launch"]]
+        if r["why"] == "kill" and later:
+            lost_steps += max(0, progress_at(c_rows, crl.t0 + r["t_s"]) - (later[0][0] - 1))
     for r in crl.restarts:
         rows = [row for row in c_rows if row[3] == f"steps-launch{r['launch']}-rank0"]
         if not rows:
@@ -472,7 +477,8 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
                 "wall_s": plan.window_s, "samples": c_steps * BATCH, "samples_per_s": c_sps,
                 "restarts": len(crl.restarts), "checkpoint_interval_s": interval.get("interval_s", 0.0),
                 "checkpoints": len(ckpts), "events": crl.applied,
-                "lost_s": None, "restart_s_each": restart_costs, "checkpoint_s_each": ckpt_costs,
+                "lost_s": lost_steps * c_layouts.get(f"{STAGES}x{WORKERS // STAGES}", 0.0),
+                "lost_steps": lost_steps, "restart_s_each": restart_costs, "checkpoint_s_each": ckpt_costs,
             },
         },
         "load_average": os.getloadavg(),
