@@ -24,6 +24,11 @@ eager redundant forwards (FR) are pure cost for failover: they are kept so the s
 
 Data: every member loads the GLOBAL batch (the sampler is not sharded) and takes the share of its
 pipeline under the current layout, so the samples of a step do not depend on how many pipelines exist.
+
+Joins: a worker the launcher starts while the job runs registers in ``on_train_start``; the members adopt
+the launcher's proposal at a step's commit and form it at the next step boundary with the joiner, which
+receives its layers and optimizer state from peers and the trainer's progress as JSON
+(:mod:`lightning_bamboo.joining`, :mod:`lightning_bamboo.progress`).
 """
 
 from __future__ import annotations
@@ -216,7 +221,7 @@ class ElasticBambooStrategy(BambooStrategy):
         self.failovers: list[tuple[OwnershipMap, OwnershipMap]] = []
         self._join_adopted = False  # the last commit adopted a join: form it at the next step boundary
         self._joining_setup = False  # a joiner before its first step: no collective with the running job
-        self._skip_batches = 0  # a joiner's training DataLoader skips the epoch's batches already trained on
+        self._skip: trainer_progress.SkipFirstBatches | None = None  # a joiner's training batch sampler
 
     # ------------------------------------------------------------------ ranks follow the generation
     @property
@@ -341,18 +346,15 @@ class ElasticBambooStrategy(BambooStrategy):
         costs = self._layer_costs if self._layer_costs is not None else estimate_layer_costs(list(body))
         self._stage_layers = StageLayout.plan(costs, self._num_stages, self._num_stages).stage_layers
         self._layers = {i: body[i] for i in range(len(body))}
-        joiner = self._env is not None and self._env.joining
-        if joiner:
-            self._joining_setup = True
-            joining.register(self._store, self.member)
-            owners = joining.wait_for_membership(self._store, self.member)
-        else:
-            owners = self._generation_zero()
+        if self._env is not None and self._env.joining:
+            self._setup_joiner(trainer)
+            return
+        owners = self._generation_zero()
         self._init_generation(owners)
         # generation 0: pipeline 0's members hold their stages as built; everyone else receives them
         first = owners.pipeline_ids()[0]
         held = {}
-        if owners.pipeline_of(self.member) == first and not joiner:
+        if owners.pipeline_of(self.member) == first:
             held = {
                 layer: LayerState(self._layers[layer])
                 for s in owners.stages_of(self.member)
@@ -368,8 +370,6 @@ class ElasticBambooStrategy(BambooStrategy):
                 f"ElasticBambooStrategy supports exactly one optimizer, got {len(self.optimizers)}"
             )
         self.setup_precision_plugin()
-        if joiner:
-            self._position_joiner(trainer, owners)
         self._build_replica_optimizer()
         self._cutter.arm(owners.generation)  # type: ignore[union-attr]
         self._store.add(f"gen{owners.generation}/formed", 1)
@@ -406,14 +406,23 @@ class ElasticBambooStrategy(BambooStrategy):
     def _template(self, layer: int) -> nn.Module:
         return self._layers[layer]
 
-    def _form(self, owners: OwnershipMap, build_optimizers: bool = True) -> None:
-        """Move layers to where ``owners`` needs them and rebuild stage, replica, groups and engine."""
+    def _form(
+        self,
+        owners: OwnershipMap,
+        build_optimizers: bool = True,
+        holdings: dict[int, LayerState] | None = None,
+    ) -> None:
+        """Move layers to where ``owners`` needs them and rebuild stage, replica, groups and engine.
+
+        ``holdings``: the layers this member can give (default: all it holds now; a joiner gives none).
+        """
         assert self._store is not None and self.lightning_module is not None
         me = self.member
         resharder = Resharder(
             self._store, owners.generation, me, owners.rank_of, self._template, self.root_device
         )
-        self._held = resharder.run(self._current_holdings(), self._needs(owners))
+        current = self._current_holdings() if holdings is None else holdings
+        self._held = resharder.run(current, self._needs(owners))
         own_layers = [layer for s in owners.stages_of(me) for layer in self._stage_layers[s]]
         replica_layers = [layer for s in owners.replica_stages_of(me) for layer in self._stage_layers[s]]
         for layer in own_layers + replica_layers:
@@ -690,25 +699,50 @@ class ElasticBambooStrategy(BambooStrategy):
         snap = trainer_progress.snapshot(self.lightning_module.trainer, self.optimizers[0], self._step)
         self._store.set(f"gen{new.generation}/progress", trainer_progress.to_json(snap))
 
-    def _position_joiner(self, trainer: pl.Trainer, owners: OwnershipMap) -> None:
-        """A joiner: optimizer state of its layers, hyper-parameters, schedulers, loop and data position."""
+    def _setup_joiner(self, trainer: pl.Trainer) -> None:
+        """A joiner's ``setup``: its optimizer over the whole body, no process group yet.
+
+        It joins the job in :meth:`on_train_start`, once Lightning's own start (logger, data, callbacks) is
+        done, so the members wait for nothing but the re-form; the optimizer's param groups are then refilled
+        with its stages' layers and their state (:func:`lightning_bamboo.reshard.install`).
+        """
+        self._joining_setup = True
+        self.model = self.precision_plugin.convert_module(self.lightning_module)
+        self.model_to_device()
+        self.setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"ElasticBambooStrategy supports exactly one optimizer, got {len(self.optimizers)}"
+            )
+        self.setup_precision_plugin()
+
+    @override
+    def on_train_start(self) -> None:
+        """A joiner registers now and, once the members adopted the join, forms the generation with them."""
+        if self._env is not None and self._env.joining and self.owners is None:
+            self._join(self.lightning_module.trainer)  # type: ignore[union-attr]
+        super().on_train_start()
+
+    def _join(self, trainer: pl.Trainer) -> None:
+        """Register, wait for a generation listing this member, form it, position the trainer."""
         assert self._store is not None
-        install(
-            self.optimizers[0],
-            [
-                (layer, self._held[layer])
-                for s in owners.stages_of(self.member)
-                for layer in self._stage_layers[s]
-            ],
-        )
+        joining.register(self._store, self.member)
+        owners = joining.wait_for_membership(self._store, self.member)
+        start = time.monotonic()
+        self._init_generation(owners)
+        self._form(owners, holdings={})
         progress = json.loads(self._store.get(f"gen{owners.generation}/progress"))
         trainer_progress.restore_optimizer(trainer, self.optimizers[0], progress)
         trainer_progress.restore_loop(trainer, progress)
         self._step = int(progress["step"])
-        self._skip_batches = int(progress["skip"])
-        rank_zero_only(print)(
+        if self._skip is None:
+            raise RuntimeError("Bamboo: the joiner's training DataLoader was not prepared to skip batches")
+        self._skip.skip = int(progress["skip"])
+        self._store.add(f"gen{owners.generation}/formed", 1)
+        print(
             f"[bamboo] member {self.member} joined generation {owners.generation} at step {self._step} "
-            f"(global step {progress['global_step']}, epoch {progress['epoch']}, batch {self._skip_batches})",
+            f"(global step {progress['global_step']}, epoch {progress['epoch']}, batch {self._skip.skip}; "
+            f"{time.monotonic() - start:.2f}s to form)\n{owners.format()}",
             flush=True,
         )
 
@@ -716,9 +750,11 @@ class ElasticBambooStrategy(BambooStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         """A joiner's training ``DataLoader`` starts at the batch the job is at (see :mod:`.progress`)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self._skip_batches and trainer is not None and trainer.training:
-            skip, self._skip_batches = self._skip_batches, 0
-            return trainer_progress.skip_first_batches(dataloader, skip)  # type: ignore[arg-type]
+        if self._joining_setup and self._skip is None and trainer is not None and trainer.training:
+            # how many batches to skip is known when the joiner forms (on_train_start, before the first fetch)
+            loader = trainer_progress.skip_first_batches(dataloader, 0)  # type: ignore[arg-type]
+            self._skip = loader.batch_sampler  # type: ignore[assignment]
+            return loader
         return dataloader
 
     @override

@@ -226,9 +226,11 @@ class Supervisor:
         if old is None:
             self.log("[bamboo.launch] a worker was lost before generation 0 formed", flush=True)
             return False
-        if lost and not lost & (set(old.members()) | set(old.spares)):
-            self._pending_joins = [m for m in self._pending_joins if m not in lost]
-            return True  # a joiner died before it owned anything: nothing to re-form
+        proposed = set(self._proposal[1].members()) if self._proposal is not None else set()
+        if lost and not lost & (set(old.members()) | set(old.spares) | proposed):
+            with self._lock:
+                self._pending_joins = [m for m in self._pending_joins if m not in lost]
+            return True  # a joiner died before it was placed anywhere: nothing to re-form
         if lost:
             adopted = joining.close(self.store, generation)
             if adopted is not None and self._proposal is not None:
@@ -328,7 +330,7 @@ class Supervisor:
                 pending = [
                     m
                     for m in self._pending_joins
-                    if m not in current.members() and joining.registered(self.store, m)
+                    if m not in current.members() and m not in self.lost and joining.registered(self.store, m)
                 ]
             if not pending:
                 return

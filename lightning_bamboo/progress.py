@@ -112,8 +112,11 @@ def to_json(progress: dict[str, Any]) -> str:
 
 
 def restore_loop(trainer: pl.Trainer, progress: dict[str, Any]) -> None:
-    """Position the joiner's fit loop (call before the loop runs: in the strategy's ``setup``)."""
+    """Position the joiner's fit loop; called in ``on_train_start`` (before the first epoch starts and before
+    the first batch is fetched), so the restart stage Lightning derived at the loop's reset is derived
+    again from the loaded state."""
     trainer.fit_loop.load_state_dict(progress["loop"])
+    trainer.fit_loop.update_restart_stage()
 
 
 def restore_optimizer(trainer: pl.Trainer, optimizer: Optimizer, progress: dict[str, Any]) -> None:

@@ -112,3 +112,78 @@ def test_join_adds_a_pipeline(tmp_path: Path, reference: tuple[dict[str, torch.T
         assert sorted(per_step[step]) == sorted(expected), f"step {step}: {per_step[step]} vs {expected}"
     # after the join each pipeline's last stage consumed half of every global batch
     assert all(len(per_member[3][s]) == 4 and len(per_member[1][s]) == 4 for s in range(3, STEPS))
+
+
+# ---------------------------------------------------------------------- single-process pieces (fast)
+def test_skip_first_batches_skips_once_and_follows_the_epoch() -> None:
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from lightning_bamboo.progress import skip_first_batches
+
+    data = TensorDataset(torch.arange(12))
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    plain = DataLoader(data, batch_size=3, sampler=sampler)
+    sampler.set_epoch(1)
+    epoch1 = [b[0].tolist() for b in plain]
+    sampler.set_epoch(2)
+    epoch2 = [b[0].tolist() for b in plain]
+    joined = skip_first_batches(plain, 2)
+    assert len(joined) == 4  # Lightning counts the skipped batches as fetched
+    joined.batch_sampler.set_epoch(1)  # type: ignore[union-attr]
+    assert [b[0].tolist() for b in joined] == epoch1[2:]
+    joined.batch_sampler.set_epoch(2)  # type: ignore[union-attr]
+    assert [b[0].tolist() for b in joined] == epoch2
+
+
+def test_skip_first_batches_refuses_what_it_cannot_position() -> None:
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from lightning_bamboo.progress import skip_first_batches
+
+    class Stream(IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield from range(4)
+
+    with pytest.raises(TypeError, match=re.escape("a plain torch.utils.data.DataLoader over a map-style")):
+        skip_first_batches(DataLoader(Stream(), batch_size=None), 1)
+
+
+def test_progress_refuses_what_json_cannot_carry() -> None:
+    from lightning_bamboo.progress import _check_json
+
+    _check_json({"a": [1, 2.5, "x", None, {"b": True}]}, "progress")
+    with pytest.raises(TypeError, match=r"progress\.schedulers\[0\]\.t is a Tensor; .* never pickled"):
+        _check_json({"schedulers": [{"t": torch.zeros(1)}]}, "progress")
+
+
+def test_join_claim_and_failover_first_writer_wins() -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_bamboo import joining
+    from lightning_bamboo.ownership import initial, rejoin
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=5))
+    gen0 = initial(2, [0, 1])
+    assert not joining.claim(store, 0, step=3)  # nothing proposed: nothing to adopt
+    joining.propose(store, 0, rejoin(gen0, [2, 3]))
+    assert joining.proposal(store, 0) == rejoin(gen0, [2, 3])
+    assert joining.adopted_step(store, 0) is None
+    assert joining.claim(store, 0, step=3)
+    assert not joining.claim(store, 0, step=4)  # decided once
+    assert joining.adopted_step(store, 0) == 3
+    assert joining.close(store, 0) == 3  # a later loss: the failover applies to the joined layout
+    # generation 1: the launcher's failover claims first, a later commit cannot adopt the proposal
+    joining.propose(store, 1, rejoin(gen0, [4, 5]))
+    assert joining.close(store, 1) is None
+    assert not joining.claim(store, 1, step=7)
+    assert joining.adopted_step(store, 1) is None
+
+
+def test_replace_delay_must_not_be_negative() -> None:
+    from lightning_bamboo.launch import Supervisor
+
+    with pytest.raises(ValueError, match=re.escape("--replace-delay must be >= 0 seconds, got -1")):
+        Supervisor(["true"], 1, replace=True, replace_delay=-1)
