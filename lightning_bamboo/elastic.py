@@ -738,6 +738,7 @@ class ElasticBambooStrategy(BambooStrategy):
         if self._skip is None:
             raise RuntimeError("Bamboo: the joiner's training DataLoader was not prepared to skip batches")
         self._skip.skip = int(progress["skip"])
+        self._cutter.arm(owners.generation)  # type: ignore[union-attr]
         self._store.add(f"gen{owners.generation}/formed", 1)
         print(
             f"[bamboo] member {self.member} joined generation {owners.generation} at step {self._step} "
