@@ -60,6 +60,7 @@ from lightning_bamboo import fallback as fb
 from lightning_bamboo import membership as ms
 from lightning_bamboo import progress as trainer_progress
 from lightning_bamboo.contract import check_contract, find_pipeline_body
+from lightning_bamboo.cutter import GenerationCutter
 from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
 from lightning_bamboo.microbatch import split_microbatches
@@ -233,6 +234,7 @@ class ElasticBambooStrategy(BambooStrategy):
         self._env = ms.WorkerEnv.from_env()
         self._store: dist.Store | None = None
         self._heartbeat: ms.Heartbeat | None = None
+        self._cutter: GenerationCutter | None = None
         self.owners: OwnershipMap | None = None
         self.view: PipelineView | None = None
         self._rank = 0
@@ -333,12 +335,15 @@ class ElasticBambooStrategy(BambooStrategy):
             )
         self._store = ms.connect(self._env.store_url, self._env.job)
         self._heartbeat = ms.Heartbeat(self._env, self._heartbeat_interval)
+        self._cutter = GenerationCutter(self._env)
         self._process_group_backend = self._process_group_backend or "gloo"
 
     def _init_generation(self, owners: OwnershipMap) -> None:
-        assert self._store is not None
+        assert self._store is not None and self._cutter is not None
+        self._cutter.disarm()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._cutter.before_init()
         self.owners = owners
         self._rank, self._world = owners.rank_of(self.member), len(owners.members())
         dist.init_process_group(
@@ -409,6 +414,7 @@ class ElasticBambooStrategy(BambooStrategy):
             assert self._env is not None
             root = Path(directory) / self._env.job
             self._checkpointer = fb.PeriodicCheckpointer(root, every, keep, self.member)
+        self._cutter.arm(owners.generation)  # type: ignore[union-attr]
         self._store.add(f"gen{owners.generation}/formed", 1)
         rank_zero_only(print)(f"[bamboo] generation {owners.generation}:\n{owners.format()}", flush=True)
 
@@ -669,6 +675,8 @@ class ElasticBambooStrategy(BambooStrategy):
         """Abort this member's process groups: peers blocked on it fail now instead of at their timeout."""
         if not dist.is_initialized():
             return
+        if self._cutter is not None:
+            self._cutter.disarm()
         try:
             dist.distributed_c10d._abort_process_group()
         except Exception as err:  # the groups are being thrown away either way
@@ -710,6 +718,8 @@ class ElasticBambooStrategy(BambooStrategy):
                 log.warning("Bamboo: %s", err)
                 kind = "fallback"
                 self._fall_back(new)
+        self._form(new)
+        self._cutter.arm(generation)  # type: ignore[union-attr]
         self._store.add(f"gen{generation}/formed", 1)
         self.failovers.append((old, new))
         info = {
@@ -803,6 +813,7 @@ class ElasticBambooStrategy(BambooStrategy):
         if self._skip is None:
             raise RuntimeError("Bamboo: the joiner's training DataLoader was not prepared to skip batches")
         self._skip.skip = int(progress["skip"])
+        self._cutter.arm(owners.generation)  # type: ignore[union-attr]
         self._store.add(f"gen{owners.generation}/formed", 1)
         print(
             f"[bamboo] member {self.member} joined generation {owners.generation} at step {self._step} "
@@ -1003,6 +1014,9 @@ class ElasticBambooStrategy(BambooStrategy):
             fb.prune(self._checkpointer.root, self._checkpointer.keep)
         if self._heartbeat is not None:
             self._heartbeat.stop()
+        if self._cutter is not None:
+            self._cutter.disarm()
+            self._cutter.stop()
         if self._store is not None:
             self._store.set(f"done/{self.member}", "1")
         if dist.is_initialized():

@@ -24,11 +24,13 @@ class Costs:
     step_s: float
     step_s_by_layout: dict[str, float]
     failover_s: float
-    rejoin_s: float
+    rejoin_s: float | None
     checkpoint_s: float
     restart_s: float
     fallback_s: float | None
     cr_step_s_by_layout: dict[str, float] = field(default_factory=dict)
+    step_s_by_shape: dict[str, float] = field(default_factory=dict)
+    rejoin_delay_s: float = 0.0
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
@@ -76,11 +78,15 @@ def load_costs(path: str | Path) -> Costs:
         step_s=_seconds(_need(costs, "step_s", "costs.", path), "costs.step_s", path),  # type: ignore[arg-type]
         step_s_by_layout={k: float(v) for k, v in by_layout.items()},
         failover_s=_seconds(_need(costs, "failover_s", "costs.", path), "costs.failover_s", path),  # type: ignore[arg-type]
-        rejoin_s=_seconds(_need(costs, "rejoin_s", "costs.", path), "costs.rejoin_s", path),  # type: ignore[arg-type]
+        rejoin_s=_seconds(_need(costs, "rejoin_s", "costs.", path), "costs.rejoin_s", path, allow_none=True),
         checkpoint_s=_seconds(_need(costs, "checkpoint_s", "costs.", path), "costs.checkpoint_s", path),  # type: ignore[arg-type]
         restart_s=_seconds(_need(costs, "restart_s", "costs.", path), "costs.restart_s", path),  # type: ignore[arg-type]
         fallback_s=_seconds(costs.get("fallback_s"), "costs.fallback_s", path, allow_none=True),
         cr_step_s_by_layout={k: float(v) for k, v in cr_layout.items()},
+        step_s_by_shape={k: float(v) for k, v in (costs.get("step_s_by_shape") or {}).items()},
+        rejoin_delay_s=_seconds(  # type: ignore[arg-type]
+            costs.get("rejoin_delay_s") or 0.0, "costs.rejoin_delay_s", path
+        ),
         raw=data,
     )
 
@@ -97,22 +103,22 @@ def rate(by_layout: dict[str, float], stages: int, pipelines: int, samples_per_s
     """Samples/s of ``stages x pipelines``: ``samples_per_step`` over its measured step time.
 
     A step trains the same global batch whatever the layout (the live runtime gives each pipeline its share),
-    so a measured layout's rate is ``samples_per_step / step_s``. Beyond the widest layout measured with
-    ``stages`` stages (``P_w`` pipelines), each pipeline is assumed to keep that layout's per-pipeline rate
-    (weak scaling of data parallelism): ``pipelines / P_w`` times its rate. Stated in docs/bamboo-replay.md.
+    so a measured layout's rate is ``samples_per_step / step_s``. A layout not measured takes the per-pipeline
+    rate of the nearest measured one with ``stages`` stages (``P_m`` pipelines; the narrower one on a tie):
+    ``pipelines / P_m`` times its rate (weak scaling of data parallelism: the benchmark cannot measure 16
+    pipelines on one machine, and may not see every narrower layout). Stated in docs/bamboo-replay.md.
 
     Raises:
-        KeyError: when neither the layout nor a narrower one with ``stages`` stages was measured.
+        KeyError: when no layout with ``stages`` stages was measured.
     """
     key = f"{stages}x{pipelines}"
     if key in by_layout:
         return samples_per_step / by_layout[key]
     measured = sorted(int(k.split("x")[1]) for k in by_layout if int(k.split("x")[0]) == stages)
-    narrower = [p for p in measured if p < pipelines]
-    if not narrower:
+    if not measured:
         raise KeyError(
-            f"no measured step time for layout {key} (stages x pipelines) nor a narrower {stages}-stage one; "
+            f"no measured step time for a layout with {stages} stages (for {key}, stages x pipelines); "
             f"measured layouts: {sorted(by_layout)} (choose --stages among them)"
         )
-    widest = narrower[-1]
-    return pipelines / widest * samples_per_step / by_layout[f"{stages}x{widest}"]
+    nearest = min(measured, key=lambda p: (abs(p - pipelines), p))
+    return pipelines / nearest * samples_per_step / by_layout[f"{stages}x{nearest}"]

@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 
+from lightning_bamboo.launch import fallback_map
+from lightning_bamboo.ownership import FallbackNeeded, OwnershipMap, failover, initial, rejoin
 from lightning_bamboo.replay.costs import Costs, rate
 from lightning_bamboo.replay.traces import Event, Trace
 
@@ -148,28 +150,46 @@ def _replay(
     return result
 
 
-def bamboo_layout(nodes: int, stages: int, by_layout: dict[str, float], cap: int | None) -> tuple[int, int]:
-    """Bamboo's layout on ``nodes``: ``floor(nodes/stages)`` full pipelines (at most ``cap``); fewer nodes
-    than stages run one shortened pipeline of ``nodes`` stages (redundancy lets a pipeline lose stages) when
-    that layout was measured; else nothing runs."""
-    pipelines = nodes // stages if cap is None else min(nodes // stages, cap)
-    if pipelines >= 1:
-        return stages, pipelines
-    if nodes >= 1 and f"{nodes}x1" in by_layout:
-        return nodes, 1
-    return 0, 0
+def shape_key(owners: OwnershipMap) -> str:
+    """The layout of a map as the live benchmark logs it: ``<positions>x<pipelines>`` when every pipeline
+    has as many positions (a member running two stages fused is one position), else e.g. ``2+1``."""
+    lengths = sorted((len(owners.positions(p)) for p in owners.pipeline_ids()), reverse=True)
+    if len(set(lengths)) == 1:
+        return f"{lengths[0]}x{len(lengths)}"
+    return "+".join(str(n) for n in lengths)
 
 
-def _adjacent_loss(active: list[str], lost: set[str], stages: int, pipelines: int) -> bool:
-    """Two ring-adjacent stages of one pipeline lost at once: redundancy cannot cover it."""
-    if stages < 2:
-        return bool(lost & set(active))
-    for p in range(pipelines):
-        members = active[p * stages : (p + 1) * stages]
-        gone = [node in lost for node in members]
-        if any(gone[s] and gone[(s + 1) % stages] for s in range(stages)):
-            return True
-    return False
+def map_rate(owners: OwnershipMap, costs: Costs) -> float:
+    """Samples/s of the job laid out as ``owners``.
+
+    The measured step time of its shape when the benchmark saw it (``step_s_by_layout``/``step_s_by_shape``).
+    Otherwise a step waits for its slowest pipeline, the one with the fewest positions ``L`` (its members run
+    the most stages each): the rate of ``L x P`` (weak scaling from the widest ``L``-position layout
+    measured, :func:`rate`); if no ``L``-position layout was measured, ``S x P``'s rate times ``L / S``
+    (the busiest member runs ``S / L`` times the layers). Stated in docs/bamboo-replay.md.
+    """
+    key = shape_key(owners)
+    if key in costs.step_s_by_shape:
+        return costs.samples_per_step / costs.step_s_by_shape[key]
+    lengths = [len(owners.positions(p)) for p in owners.pipeline_ids()]
+    shortest, pipelines = min(lengths), len(lengths)
+    try:
+        return rate(costs.step_s_by_layout, shortest, pipelines, costs.samples_per_step)
+    except KeyError:
+        full = rate(costs.step_s_by_layout, owners.num_stages, pipelines, costs.samples_per_step)
+        return full * shortest / owners.num_stages
+
+
+def _capped(owners: OwnershipMap, cap: int | None) -> OwnershipMap:
+    """At most ``cap`` pipelines: the others' members become spares."""
+    if cap is None or len(owners.pipelines) <= cap:
+        return owners
+    keep = owners.pipeline_ids()[:cap]
+    extra = [m for p in owners.pipeline_ids()[cap:] for m in owners.pipelines[p].values()]
+    return OwnershipMap(
+        owners.generation, owners.num_stages, {p: owners.pipelines[p] for p in keep},
+        tuple(sorted(set(owners.spares) | set(extra))),
+    )
 
 
 def simulate_bamboo(
@@ -182,39 +202,74 @@ def simulate_bamboo(
     checkpoint_interval_s: float | None = None,
     points: int = 400,
 ) -> Result:
-    """Bamboo: a lost active node costs ``failover_s`` (its predecessor's replica takes over, the layout
-    shrinks); a join that grows the layout costs ``rejoin_s``; two adjacent stages of one pipeline lost at
-    once fall back to the last checkpoint (``fallback_s``, else ``restart_s``, plus the lost work)."""
+    """Bamboo as its runtime re-forms: the replay keeps the job's ownership map and changes it with the
+    runtime's own rules (:mod:`lightning_bamboo.ownership`). A loss of a member costs ``failover_s``
+    (:func:`~lightning_bamboo.ownership.failover`: a replica takes over and the member before it runs the
+    lost stages fused; a pipeline that lost two adjacent positions is dropped and its survivors wait as
+    spares); a loss no pipeline survives falls back to the last checkpoint (``fallback_s``, else
+    ``restart_s``, plus the lost work) on the survivors (:func:`~lightning_bamboo.launch.fallback_map`).
+    A node added after the start is paid for at once but joins ``rejoin_delay_s`` later (its process starts
+    and waits for a step boundary while the job trains on; a node removed before that never joins), through
+    :func:`~lightning_bamboo.ownership.rejoin` (splitting fused positions first, then new pipelines, with the
+    spares), pausing ``rejoin_s`` when the map changes; when the benchmark measured no rejoin (``rejoin_s``
+    null: the runtime could not), new nodes stay spares. Nodes are members in join order."""
     duration = trace.duration_s / compression
     result = Result("bamboo", duration, price=price, checkpoint_interval_s=checkpoint_interval_s)
     clock = _Clock(result, costs.checkpoint_s, checkpoint_interval_s, _ticks(duration, points))
-    state = {"layout": (0, 0)}
+    ids: dict[str, int] = {}
+    state: dict[str, OwnershipMap | None] = {"map": None}
+    start = trace.events[0].t_s if trace.events else 0.0
+    delay = costs.rejoin_delay_s * compression  # in trace seconds
+    joins = [
+        Event(e.t_s + (delay if e.t_s > start else 0.0), "join", e.node)  # type: ignore[arg-type]
+        for e in trace.events
+        if e.kind == "add" and costs.rejoin_s is not None
+    ]
+    timeline = Trace(tuple(sorted(trace.events + tuple(joins), key=lambda e: e.t_s)), trace.duration_s)
 
     def on_events(alive: list[str], events: list[Event]) -> None:
-        s, p = state["layout"]
-        active = alive[: s * p]
-        lost = {e.node for e in events if e.kind == "remove"}
+        owners = state["map"]
+        lost_nodes = {e.node for e in events if e.kind == "remove"}
         added = [e.node for e in events if e.kind == "add"]
-        fallback = p > 0 and _adjacent_loss(active, lost, s, p)
-        alive[:] = [n for n in alive if n not in lost] + added
-        layout = bamboo_layout(len(alive), stages, costs.step_s_by_layout, cap)
-        if fallback:
-            clock.rollback()
-            clock.pause(costs.fallback_s if costs.fallback_s is not None else costs.restart_s, extend=False)
-            _count(result, "fallbacks")
-        elif lost & set(active):
-            clock.pause(costs.failover_s)
-            _count(result, "failovers")
-        grew = layout[0] * layout[1] > s * p
-        if added and grew and p > 0:
-            clock.pause(costs.rejoin_s)
-            _count(result, "rejoins")
-        state["layout"] = layout
+        for node in added:
+            ids[node] = len(ids)
+        alive[:] = [n for n in alive if n not in lost_nodes] + added
+        lost = {ids[n] for n in lost_nodes}
+        joined = [ids[e.node] for e in events if e.kind == "join" and e.node in alive]
+        if owners is None:
+            members = [ids[n] for n in alive]
+            owners = _capped(initial(stages, members), cap) if len(members) >= stages else None
+        else:
+            if lost & set(owners.members()):
+                try:
+                    owners = failover(owners, lost)
+                    clock.pause(costs.failover_s)
+                    _count(result, "failovers")
+                except FallbackNeeded:
+                    survivors = [m for m in owners.members() + list(owners.spares) if m not in lost]
+                    clock.rollback()
+                    clock.pause(costs.fallback_s if costs.fallback_s is not None else costs.restart_s,
+                                extend=False)
+                    _count(result, "fallbacks")
+                    owners = fallback_map(owners, survivors) if survivors else None
+            elif lost and owners is not None:
+                owners = OwnershipMap(owners.generation, owners.num_stages, owners.pipelines,
+                                      tuple(m for m in owners.spares if m not in lost))
+            newcomers = [ids[n] for n in added]
+            if newcomers and owners is not None and costs.rejoin_s is None:  # no rejoin: they stay spares
+                owners = OwnershipMap(owners.generation, owners.num_stages, owners.pipelines,
+                                      tuple(sorted(set(owners.spares) | set(newcomers))))
+            if joined and owners is not None and costs.rejoin_s is not None:
+                grown = _capped(rejoin(owners, joined), cap)
+                if shape_key(grown) != shape_key(owners):
+                    clock.pause(costs.rejoin_s)
+                    _count(result, "rejoins")
+                owners = grown
+        state["map"] = owners
         clock.nodes = len(alive)
-        ls, lp = layout
-        clock.rate = rate(costs.step_s_by_layout, ls, lp, costs.samples_per_step) if lp else 0.0
+        clock.rate = map_rate(owners, costs) if owners is not None else 0.0
 
-    return _replay(result, trace, compression, clock, on_events)
+    return _replay(result, timeline, compression, clock, on_events)
 
 
 def young_daly_interval(checkpoint_s: float, mtbf_s: float) -> float:

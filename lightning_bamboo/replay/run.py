@@ -94,6 +94,9 @@ class Validation:
 def validate(costs: Costs) -> Validation:
     """Replay the benchmark's compressed segment (``events``, already in run seconds) with its own costs.
 
+    Each system replays the events its live run applied (``live.<system>.events`` when the file lists them:
+    a Bamboo run without rejoin applies no adds), so the prediction and the run saw the same preemptions.
+
     Bamboo runs over ``live.bamboo.wall_s`` with at most ``max_pipelines`` pipelines; checkpoint-restart over
     ``live.checkpoint_restart.wall_s`` with the interval the live run used. Nodes that the events remove
     without adding them first were there from the start (as were ``initial_nodes`` if the file lists them).
@@ -112,7 +115,8 @@ def validate(costs: Costs) -> Validation:
     measured: dict[str, float] = {}
     for system in ("bamboo", "checkpoint_restart"):
         run = live[system]
-        trace = parse_events(events, run["wall_s"], initial, costs.num_stages * costs.max_pipelines)
+        applied = run.get("events", events)  # what this system's run applied (e.g. adds without rejoin)
+        trace = parse_events(applied, run["wall_s"], initial, costs.num_stages * costs.max_pipelines)
         if system == "bamboo":
             result = simulate_bamboo(trace, costs, costs.num_stages, 1.0, cap=costs.max_pipelines)
         else:

@@ -126,14 +126,36 @@ def test_young_daly_interval_uses_the_trace_mtbf() -> None:
     assert young_daly_interval(30.0, 3600.0) == pytest.approx(math.sqrt(2 * 30 * 3600))
 
 
-def test_adjacent_stages_lost_together_fall_back(tmp_path: Path) -> None:
+def test_adjacent_stages_lost_together_drop_the_pipeline(tmp_path: Path) -> None:
+    """As the runtime's ownership rules: a pipeline that loses both its positions is dropped (a failover, the
+    other pipeline runs on); when no pipeline is left, the survivors fall back to the checkpoint."""
     trace_path = tmp_path / "t.csv"
     trace_path.write_text("0,add,a\n0,add,b\n0,add,c\n0,add,d\n10000,remove,a\n10000,remove,b\n")
     costs = load_costs(FIXTURE)
     result = simulate_bamboo(parse_trace(trace_path, duration_s=20.0), costs, 2, price=0.91, cap=2)
+    assert result.counts == {"failovers": 1}
+    assert result.samples == pytest.approx(10 * 64 + 8 * 32)  # failover 2 s, then 2x1
+
+
+def test_no_pipeline_left_falls_back(tmp_path: Path) -> None:
+    trace_path = tmp_path / "t.csv"
+    trace_path.write_text("0,add,a\n0,add,b\n0,add,c\n10000,remove,a\n10000,remove,b\n")
+    costs = load_costs(FIXTURE)
+    result = simulate_bamboo(parse_trace(trace_path, duration_s=20.0), costs, 2, price=0.91, cap=2)
     assert result.counts == {"fallbacks": 1}
-    # no checkpoint was ever taken: everything before the fallback is lost; restart 5 s; 5 s at 32/s
-    assert result.samples == pytest.approx(5 * 32)
+    # no checkpoint was ever taken: everything before the fallback is lost; restart 5 s; then the spare c
+    # runs both stages alone (1x1, 16/s) for 5 s
+    assert result.samples == pytest.approx(5 * 16)
+
+
+def test_without_rejoin_new_nodes_stay_spares(tmp_path: Path) -> None:
+    data = json.loads(FIXTURE.read_text())
+    data["costs"]["rejoin_s"] = None
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    costs = load_costs(tmp_path / "c.json")
+    result = simulate_bamboo(parse_events(costs.raw["events"], 40.0), costs, 2, price=0.91, cap=2)
+    assert result.counts == {"failovers": 1}
+    assert result.samples == pytest.approx(10 * 64 + 28 * 32)  # 2+1 (the fused pipeline) to the end
 
 
 def test_validation_against_the_fixture_live_numbers() -> None:
@@ -172,6 +194,6 @@ def test_cli_prints_the_comparison_and_saves_the_plot(
 def test_unmeasured_stage_count_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(TRACES / "aws-p3-trace.csv"), "--costs", str(FIXTURE), "--stages", "4"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "error: no measured step time for layout 4x4 (stages x pipelines) nor a narrower 4-stage one; "
+        "error: no measured step time for a layout with 4 stages (for 4x4, stages x pipelines); "
         "measured layouts: ['1x1', '2x1', '2x2'] (choose --stages among them)"
     )

@@ -1,0 +1,189 @@
+"""One training process of ``benchmarks/bamboo_preemption.py`` (started by it, never by hand).
+
+Both systems train the recipe ``experiment=bamboo_gpt_elastic`` (same model, same seed, same GLOBAL batch)
+until the benchmark kills them; every completed step is appended to ``<run-dir>/steps-<name>.txt`` as
+``global_step wall_time layout`` (one line, flushed), which is all the benchmark measures from.
+
+* ``--system bamboo``: ``ElasticBambooStrategy`` under the benchmark's ``lightning_bamboo.launch.Supervisor``
+  (failover inside the same ``fit``). The layout is the current ownership map's shape.
+* ``--system checkpoint_restart``: the plain ``BambooStrategy`` without redundancy, ranks given by the
+  benchmark through ``LOCAL_RANK``/``WORLD_SIZE`` (as torchrun would). It resumes from the last complete
+  checkpoint in ``<run-dir>/ckpt`` and checkpoints every Young/Daly interval: the first checkpoint (taken
+  right after the warm-up step of the first launch) measures the cost ``C``; the interval is
+  ``sqrt(2 * C * MTBF)`` with ``--mtbf-s`` from the trace segment, written to ``interval.json`` and reused by
+  later launches. ``<run-dir>/drain`` asks for a checkpoint now and a clean exit (a grow restart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import hydra  # noqa: E402
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
+
+from lightning_bamboo.elastic import ElasticBambooStrategy  # noqa: E402
+from lightning_bamboo.replay.model import shape_key  # noqa: E402
+from lightning_bamboo.strategy import BambooStrategy  # noqa: E402
+from recipes.compose import compose_recipe  # noqa: E402
+
+EXPERIMENT = "bamboo_gpt_elastic"
+WARMUP_STEPS = 2
+
+
+def layout_of(strategy: Any) -> str:
+    """The layout a step ran on, keyed as the replay keys it (``2x2``; ``2+1`` for a fused pipeline)."""
+    if isinstance(strategy, ElasticBambooStrategy):
+        assert strategy.owners is not None
+        return shape_key(strategy.owners)
+    return f"{strategy.num_stages}x{strategy.num_pipelines}"
+
+
+class StepClock(Callback):
+    """Appends ``global_step time layout`` for every completed step (the benchmark's only measurement)."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = path.open("a", buffering=1)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self.file.write(f"{trainer.global_step} {time.time():.6f} {layout_of(trainer.strategy)}\n")
+
+
+class YoungDalyCheckpoint(Callback):
+    """Checkpoint-restart's checkpoints: every Young/Daly interval, and on a drain request.
+
+    Every rank must take the same decision at the same step: the flags (interval elapsed, drain requested)
+    are max-all-reduced as one small tensor after each step.
+    """
+
+    def __init__(self, run_dir: Path, mtbf_s: float) -> None:
+        self.run_dir = run_dir
+        self.mtbf_s = mtbf_s
+        self.ckpt_dir = run_dir / "ckpt"
+        self.interval_file = run_dir / "interval.json"
+        self.interval_s: float | None = (
+            json.loads(self.interval_file.read_text())["interval_s"] if self.interval_file.exists() else None
+        )
+        self.last = time.monotonic()
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.last = time.monotonic()  # the interval counts training time, not start-up and reload
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        first = self.interval_s is None and trainer.global_step >= WARMUP_STEPS
+        due = self.interval_s is not None and time.monotonic() - self.last >= self.interval_s
+        drain = (self.run_dir / "drain").exists()
+        flags = torch.tensor([float(first or due), float(drain)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0] or flags[1]:
+            cost = self._save(trainer)
+            if self.interval_s is None:
+                self.interval_s = math.sqrt(2.0 * cost * self.mtbf_s)
+                if trainer.is_global_zero:
+                    tmp = self.interval_file.with_suffix(".tmp")
+                    tmp.write_text(json.dumps({"interval_s": self.interval_s, "checkpoint_s": cost}))
+                    tmp.rename(self.interval_file)
+        if flags[1]:
+            trainer.should_stop = True
+
+    def _save(self, trainer: Trainer) -> float:
+        """Save, point ``latest`` at it (atomic rename), drop the older one; returns the cost (s)."""
+        start = time.monotonic()
+        path = self.ckpt_dir / f"step={trainer.global_step}.ckpt"
+        trainer.save_checkpoint(path, weights_only=False)
+        if trainer.is_global_zero:
+            previous = latest_checkpoint(self.ckpt_dir)
+            tmp = self.ckpt_dir / "latest.tmp"
+            tmp.write_text(path.name)
+            tmp.rename(self.ckpt_dir / "latest")
+            if previous is not None and previous != path:
+                shutil.rmtree(previous, ignore_errors=True)
+        trainer.strategy.barrier()
+        cost = torch.tensor([time.monotonic() - start])
+        dist.all_reduce(cost, op=dist.ReduceOp.MAX)
+        self.last = time.monotonic()
+        if trainer.is_global_zero:
+            with (self.run_dir / "checkpoints.txt").open("a") as f:
+                f.write(f"{trainer.global_step} {time.time():.6f} {float(cost):.6f}\n")
+        return float(cost)
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    pointer = ckpt_dir / "latest"
+    if not pointer.exists():
+        return None
+    path = ckpt_dir / pointer.read_text().strip()
+    return path if path.exists() else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--system", choices=["bamboo", "checkpoint_restart"], required=True)
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--batch", type=int, required=True, help="GLOBAL batch (sequences per step)")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--mtbf-s", type=float, default=0.0, help="checkpoint_restart: the segment's MTBF")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. model.n_layer=4")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    cfg = compose_recipe(EXPERIMENT, args.run_dir / "hydra", args.overrides)
+    seed_everything(int(cfg.seed))
+    model = hydra.utils.instantiate(cfg.model)
+    if args.system == "bamboo":
+        name = f"member{os.environ['BAMBOO_MEMBER']}"
+        batch = args.batch  # every member loads the global batch and takes its pipeline's share
+        strategy: Any = ElasticBambooStrategy(
+            num_stages=args.stages, num_microbatches=args.microbatches, timeout=float(cfg.strategy.timeout)
+        )
+        devices = 1
+        callbacks: list[Callback] = []
+        ckpt_path = None
+    else:
+        world = int(os.environ["WORLD_SIZE"])
+        name = f"launch{os.environ['BENCH_LAUNCH']}-rank{os.environ['LOCAL_RANK']}"
+        pipelines = world // args.stages
+        if args.batch % pipelines:
+            raise ValueError(f"--batch {args.batch} is not divisible by the {pipelines} pipelines")
+        batch = args.batch // pipelines  # per pipeline: the global batch is the same
+        strategy = BambooStrategy(
+            num_stages=args.stages, num_microbatches=args.microbatches, redundancy=False,
+            timeout=float(cfg.strategy.timeout),
+        )
+        devices = world
+        callbacks = [YoungDalyCheckpoint(args.run_dir, args.mtbf_s)]
+        found = latest_checkpoint(args.run_dir / "ckpt")
+        ckpt_path = str(found) if found is not None else None
+    data = hydra.utils.instantiate(cfg.data, batch_size=batch)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=1_000_000,
+        max_epochs=-1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[StepClock(args.run_dir / f"steps-{name}.txt"), *callbacks],
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+
+
+if __name__ == "__main__":
+    main()
