@@ -217,6 +217,7 @@ class StepTransfers:
                     "which its lowered program never receives before this action"
                 )
             self._issue(*self._queue[0], force=True)
+        self._pump(force=False)  # what queued behind a header may go now
         buffer, work = self._inbox.pop(target)
         start = time.perf_counter()
         work.wait()
