@@ -145,6 +145,12 @@ class ReplicaSync:
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        # the forward pre-hook runs this inside the engine's FR (inference mode): the optimizer's state must
+        # be created and updated as normal tensors, usable outside inference mode (a takeover trains it)
+        with torch.inference_mode(False):
+            self._apply(pending)
+
+    def _apply(self, pending: _PendingUpdate) -> None:
         for work in pending.works:
             work.wait()
         replica_params = self._replica_params()
