@@ -74,6 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-embd", type=int, default=128, help="model width C")
     parser.add_argument("--n-head", type=int, default=4, help="attention heads")
     parser.add_argument(
+        "--fused-adamw", action="store_true",
+        help="every mode (and the replica) steps with the fused AdamW kernel instead of the default loop",
+    )
+    parser.add_argument(
         "--trace", action="store_true",
         help="after timing, record one more step of (c) and (d) per rank and print the timelines",
     )
@@ -124,8 +128,15 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def make_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+def make_optimizer(params: list[nn.Parameter], args: argparse.Namespace) -> torch.optim.Optimizer:
+    """AdamW as the GPT recipe configures it; ``--fused-adamw``: PyTorch's fused kernel (same settings).
+
+    The replica gets the same optimizer as its successor stage (Bamboo builds it from the same
+    ``configure_optimizers``), so with the fused kernel the replica's update is fused too and stays bit for
+    bit equal to the successor's.
+    """
+    fused = True if args.fused_adamw else None
+    return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
 
 
 def plan_layout(args: argparse.Namespace, world_size: int) -> StageLayout:
@@ -175,7 +186,7 @@ def time_interleaved(steps: dict[str, StepFn], args: argparse.Namespace) -> dict
 def plain_step(args: argparse.Namespace) -> StepFn:
     """Forward + backward of each micro-batch (loss / m, gradients accumulate), then one optimizer step."""
     model = build_model(args)
-    optimizer = make_optimizer(list(model.parameters()))
+    optimizer = make_optimizer(list(model.parameters()), args)
     inputs, targets = fixed_batch(args)
     micro = list(zip(inputs.chunk(args.microbatches), targets.chunk(args.microbatches)))
 
@@ -203,7 +214,7 @@ def torch_1f1b_step(args: argparse.Namespace, rank: int, world_size: int) -> Ste
     submodule = stage_module(args, plan_layout(args, world_size).stage_layers[rank])
     stage = PipelineStage(submodule, rank, world_size, torch.device("cpu"))
     schedule = Schedule1F1B(stage, args.microbatches, loss_fn=lm_loss)  # scales grads by 1/m, like (a)
-    optimizer = make_optimizer(list(submodule.parameters()))
+    optimizer = make_optimizer(list(submodule.parameters()), args)
     inputs, targets = fixed_batch(args)
 
     def step() -> float | None:
@@ -269,13 +280,13 @@ def bamboo_step(
     device = torch.device("cpu")
     layout = groups.layout
     stage = stage_module(args, layout.stage_layers[groups.stage])
-    optimizer = make_optimizer(list(stage.parameters()))
+    optimizer = make_optimizer(list(stage.parameters()), args)
     schedule = build_1f1b(layout.num_stages, args.microbatches)
     replica, sync = None, None
     if redundancy:
         schedule = add_forward_redundancy(schedule, layout.num_stages, args.microbatches)
         replica = stage_module(args, layout.stage_layers[layout.successor(groups.stage)])
-        replica_optimizer = make_optimizer(list(replica.parameters()))  # the successor's optimizer settings
+        replica_optimizer = make_optimizer(list(replica.parameters()), args)  # the successor's settings
         sync = TimedReplicaSync(stage, replica, replica_optimizer, groups, device, seconds=replica_seconds)
         sync.sync_parameters()
     engine = PipelineEngine(
@@ -433,7 +444,8 @@ def main(argv: list[str] | None = None) -> None:
     medians = summarise(results)
     print(f"GPT n_layer={args.n_layer} n_embd={args.n_embd} T={args.block_size}, batch {args.batch_size} in "
           f"{args.microbatches} micro-batches, {args.stages} stages; median of {args.steps} steps after "
-          f"{args.warmup} warm-up; {len(os.sched_getaffinity(0))} CPUs, load average at start {load:.2f}")
+          f"{args.warmup} warm-up; {len(os.sched_getaffinity(0))} CPUs, load average at start {load:.2f}"
+          + ("; fused AdamW" if args.fused_adamw else ""))
     print(f"{'mode':<42}{'s/step':>10}{'first loss':>12}{'last loss':>11}")
     for mode in MODES:
         losses = results[mode]["losses"]

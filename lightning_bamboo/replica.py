@@ -65,6 +65,8 @@ class ReplicaSync:
         self.groups = groups
         self.device = device
         self._pending: _PendingUpdate | None = None
+        self._send_flats: list[Tensor] | None = None
+        self._receive_flats: list[Tensor] | None = None
         # any forward of the replica (FR, a takeover) first applies the update still in flight
         self._hook = replica.register_forward_pre_hook(lambda module, args: self.flush())
 
@@ -102,7 +104,8 @@ class ReplicaSync:
         with torch.no_grad():
             own = _flatten(_state_tensors(self.stage), self.device)
             targets = _state_tensors(self._replica)
-            works, incoming = self._post(own, targets, p2p.Tag.REPLICA_PARAM)
+            incoming = _empty_flats(targets, self.device)
+            works = self._post(own, incoming, p2p.Tag.REPLICA_PARAM)
             for work in works:
                 work.wait()
             _unflatten(incoming, targets)
@@ -123,28 +126,47 @@ class ReplicaSync:
         # and this stage's optimizer hyper-parameters, which are the ones the replica must step with
         outgoing = [_grad_or_zeros(p) for p in own_params] + [b.detach() for b in self.stage.buffers()]
         meta = [float(p.grad is not None) for p in own_params] + encode_hyperparameters(main_optimizer)
-        own = _flatten(outgoing, self.device)
+        # the flat buffers are kept from step to step (no fresh 2 x model-size allocation per step): the
+        # previous exchange is applied (flush above), so neither is in use any more
+        if self._send_flats is None:
+            self._send_flats = _empty_flats(outgoing, self.device)
+        own = _flatten(outgoing, self.device, out=self._send_flats)
         own.append(torch.tensor([len(meta), *meta], dtype=torch.float64, device=self.device))
         replica_params = self._replica_params()
-        for p in replica_params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        targets = [p.grad for p in replica_params] + list(self._replica.buffers())
+        if self._receive_flats is None:
+            self._receive_flats = _empty_flats([*replica_params, *self._replica.buffers()], self.device)
         expected = len(replica_params) + len(encode_hyperparameters(self._optimizer))  # the successor's count
-        works, incoming = self._post(own, targets, p2p.Tag.REPLICA_GRAD, extra=expected)  # type: ignore[arg-type]
-        self._pending = _PendingUpdate(works, incoming, sent=own)
+        meta_in = torch.empty(expected + 1, dtype=torch.float64, device=self.device)
+        incoming = [*self._receive_flats, meta_in]
+        self._pending = _PendingUpdate(self._post(own, incoming, p2p.Tag.REPLICA_GRAD), incoming, sent=own)
 
     def flush(self) -> None:
         """Wait for the exchange in flight (if any) and apply the successor's gradients to the replica."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        # the forward pre-hook runs this inside the engine's FR (inference mode): the optimizer's state must
+        # be created and updated as normal tensors, usable outside inference mode (a takeover trains it)
+        with torch.inference_mode(False):
+            self._apply(pending)
+
+    def _apply(self, pending: _PendingUpdate) -> None:
         for work in pending.works:
             work.wait()
         replica_params = self._replica_params()
         *flats, meta = pending.incoming
         with torch.no_grad():
-            _unflatten(flats, [p.grad for p in replica_params] + list(self._replica.buffers()))  # type: ignore[misc]
+            # the gradients are used where they were received: ``.grad`` becomes a view of the flat buffer
+            # (a copy only if the replica lives on another device); buffers are copied
+            buffers = list(self._replica.buffers())
+            views = _views(flats, [*replica_params, *buffers])
+            for p, view in zip(replica_params, views):
+                if view.device == p.device:
+                    p.grad = view
+                else:
+                    p.grad = view.to(p.device, copy=True)
+            for buffer, view in zip(buffers, views[len(replica_params) :]):
+                buffer.copy_(view)
         values = meta.tolist()
         if int(values[0]) != len(values) - 1:
             raise RuntimeError(
@@ -161,27 +183,18 @@ class ReplicaSync:
         device_type = replica_params[0].device.type if replica_params else "cpu"
         with torch.autocast(device_type, enabled=False):  # the successor stepped outside autocast too
             self._optimizer.step()
-        self._optimizer.zero_grad(set_to_none=False)
+        # no zero_grad: the next exchange overwrites every gradient (set to views of its buffer again)
 
-    def _post(
-        self, outgoing: list[Tensor], targets: list[Tensor], tag: p2p.Tag, extra: int | None = None
-    ) -> tuple[list, list[Tensor]]:
+    def _post(self, outgoing: list[Tensor], incoming: list[Tensor], tag: p2p.Tag) -> list[Any]:
         """Post the send of ``outgoing`` (flat buckets) to the predecessor and the receive of the
-        successor's buckets shaped like ``targets`` (plus, with ``extra``, one float64 buffer of
-        ``extra + 1`` values: count, then values); return the works and the receive buffers.
+        successor's into ``incoming``; return the works.
 
         Both are posted in one batch (:func:`p2p.post_batch`) on every rank, so the ring (two ranks: each
         other's predecessor and successor) cannot deadlock, on gloo or NCCL.
         """
-        incoming = [
-            torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=self.device)
-            for bucket in _by_dtype(targets)
-        ]
-        if extra is not None:
-            incoming.append(torch.empty(extra + 1, dtype=torch.float64, device=self.device))
         ops = [p2p.isend_op(flat, self.groups.predecessor_rank, tag) for flat in outgoing]
         ops += [p2p.irecv_op(flat, self.groups.successor_rank, tag) for flat in incoming]
-        return p2p.post_batch(ops), incoming
+        return p2p.post_batch(ops)
 
 
 @dataclass
@@ -280,8 +293,35 @@ def _by_dtype(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
     return list(buckets.values())
 
 
-def _flatten(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
-    return [torch.cat([t.reshape(-1).to(device) for t in bucket]) for bucket in _by_dtype(tensors)]
+def _flatten(tensors: list[Tensor], device: torch.device, out: list[Tensor] | None = None) -> list[Tensor]:
+    """One flat tensor per dtype (:func:`_by_dtype` order); written into ``out`` when given."""
+    buckets = _by_dtype(tensors)
+    if out is None:
+        return [torch.cat([t.reshape(-1).to(device) for t in bucket]) for bucket in buckets]
+    for bucket, flat in zip(buckets, out, strict=True):
+        torch.cat([t.reshape(-1).to(device) for t in bucket], out=flat)
+    return list(out)
+
+
+def _empty_flats(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
+    """Uninitialised flat buffers (one per dtype) the size of :func:`_flatten` of ``tensors``."""
+    return [
+        torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=device)
+        for bucket in _by_dtype(tensors)
+    ]
+
+
+def _views(flats: list[Tensor], targets: list[Tensor]) -> list[Tensor]:
+    """Views of ``flats`` (one per dtype, :func:`_by_dtype` order) shaped like each of ``targets``, in the
+    order of ``targets``."""
+    offsets: dict[torch.dtype, int] = {}
+    by_dtype = {bucket[0].dtype: flat for bucket, flat in zip(_by_dtype(targets), flats, strict=True)}
+    views = []
+    for target in targets:
+        start = offsets.get(target.dtype, 0)
+        views.append(by_dtype[target.dtype][start : start + target.numel()].view_as(target))
+        offsets[target.dtype] = start + target.numel()
+    return views
 
 
 def _unflatten(flats: list[Tensor], targets: list[Tensor]) -> None:

@@ -14,9 +14,11 @@ order from the same schedule, so:
   of the schedule (``validate_schedule``), so even a backend that serialises ALL of a rank's point-to-point
   operations on one stream cannot wait in a cycle.
 
-:class:`StepTransfers` issues the operations in that order as early as it can: a receive as soon as every
-earlier operation is issued (so it is posted long before the action that consumes it), a send as soon as
-the action that produces its tensor has run. Nothing blocks until an action needs a received tensor
+:func:`lightning_bamboo.schedule.lower_schedule` places the same operations, as explicit ``SEND``/``RECV``
+entries, into each rank's program (the lowering derives them from producers and consumers of any action
+kind; for ``F``/``B`` schedules the order is exactly :func:`rank_transfers`'s, which the tests check), and
+:class:`StepTransfers` issues them: a receive is posted long before the action that consumes it, a send as
+soon as the action that produces its tensor has run. Nothing blocks until an action needs a received tensor
 (:meth:`StepTransfers.take`) or the step ends (:meth:`StepTransfers.finish`, which waits for the sends).
 
 Activation shapes are sent once, not per message: a fixed-size int64 header ``[dtype, ndim, shape...]``
@@ -30,6 +32,7 @@ input shapes); a stage whose output shape changes without its input shape changi
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -41,6 +44,7 @@ from torch import Tensor
 
 from lightning_bamboo import p2p
 from lightning_bamboo.schedule import ActionKind, Schedule
+from lightning_bamboo.schedule.lowering import Comm, CommKind
 
 ShapeKey = tuple[Any, ...]
 """What an activation's shape is cached under: ``(train, signature of the micro-batch)``."""
@@ -150,12 +154,21 @@ def header_microbatches(keys: Sequence[ShapeKey], known: Mapping[ShapeKey, Any])
 
 
 class StepTransfers:
-    """Issues one step's transfers of this rank in canonical order, as early as possible.
+    """Issues one step's ``SEND``/``RECV`` operations of this rank (from the lowered program) in order.
+
+    The lowered program (:func:`lightning_bamboo.schedule.lower_schedule`) lists them in the canonical order
+    and places each as early as it can go: a receive right after the rank's previous operation, a send right
+    after the action producing its tensor. This class turns them into non-blocking ``irecv``/``isend``; the
+    only blocking points are :meth:`take` (the consuming action waits for its tensor, as late as possible)
+    and :meth:`finish` (the sends, at the end of the step).
+
+    Shape headers: a receive of an activation whose micro-batch signature is new waits for its header before
+    the activation's buffer can be allocated. It is not waited for when posted: operations after it stay
+    queued (in order) until an action needs a tensor or the step ends.
 
     Args:
-        schedule: the step's schedule.
-        stage: this rank's stage.
-        rank_of_stage: global rank of a stage of this pipeline.
+        stage: this rank's stage (for error messages).
+        rank_of_stage: global rank of a rank position of this pipeline (``Comm.peer``).
         device: where receive buffers are allocated.
         keys: ``ShapeKey`` of every micro-batch of the step.
         shapes: the engine's shape cache (read and updated).
@@ -166,7 +179,6 @@ class StepTransfers:
 
     def __init__(
         self,
-        schedule: Schedule,
         stage: int,
         rank_of_stage: Callable[[int], int],
         device: torch.device,
@@ -181,32 +193,31 @@ class StepTransfers:
         self.keys = keys
         self.shapes = shapes
         self.gradient_buffer = gradient_buffer
-        headers = {
-            stage - 1: header_microbatches(keys, shapes.received),
-            stage: header_microbatches(keys, shapes.sent),
-        }
-        self.transfers = rank_transfers(schedule, stage, headers)
-        self._next = 0
-        self._outbox: dict[tuple[Kind, int], Tensor] = {}
+        self._header_in = header_microbatches(keys, shapes.received)
+        self._header_out = header_microbatches(keys, shapes.sent)
+        self._queue: deque[tuple[Comm, Tensor | None]] = deque()
         self._inbox: dict[tuple[Kind, int], tuple[Tensor, Any]] = {}
         self._sends: list[Any] = []
         self.trace = trace
 
-    def offer(self, kind: Kind, microbatch: int, tensor: Tensor) -> None:
-        """Hand over a tensor this rank sends (activation or gradient), then issue what became ready."""
-        self._outbox[(kind, microbatch)] = tensor.detach().contiguous()
-        self.pump()
+    def post(self, comm: Comm, tensor: Tensor | None = None) -> None:
+        """Queue ``comm`` (a send with its ``tensor``, or a receive) and issue what can go without waiting."""
+        if comm.kind.is_send and tensor is None:
+            raise RuntimeError(f"stage {self.stage}: {comm} has no tensor to send")
+        self._queue.append((comm, None if tensor is None else tensor.detach().contiguous()))
+        self._pump(force=False)
 
     def take(self, kind: Kind, microbatch: int) -> Tensor:
         """The received activation or gradient of ``microbatch``: issue up to its receive and wait for it."""
         target = (kind, microbatch)
         while target not in self._inbox:
-            if self._next >= len(self.transfers):
+            if not self._queue:
                 raise RuntimeError(
                     f"stage {self.stage} waits for the {kind.name.lower()} of micro-batch {microbatch}, "
-                    "which the schedule never sends to it"
+                    "which its lowered program never receives before this action"
                 )
-            self._issue(self.transfers[self._next], force=True)
+            self._issue(*self._queue[0], force=True)
+        self._pump(force=False)  # what queued behind a header may go now
         buffer, work = self._inbox.pop(target)
         start = time.perf_counter()
         work.wait()
@@ -214,39 +225,50 @@ class StepTransfers:
             self.trace.append((f"wait {kind.name[0]}{microbatch}", start, time.perf_counter()))
         return buffer
 
-    def pump(self) -> None:
-        """Issue transfers in order while the next one can go without waiting."""
-        while self._next < len(self.transfers) and self._issue(self.transfers[self._next], force=False):
-            pass
-
     def finish(self) -> None:
         """Issue everything left and wait for this rank's sends (their tensors may be reused after)."""
-        while self._next < len(self.transfers):
-            self._issue(self.transfers[self._next], force=True)
+        self._pump(force=True)
         if self._inbox:
             raise RuntimeError(f"stage {self.stage} received tensors no action used: {sorted(self._inbox)}")
         for work in self._sends:
             work.wait()
         self._sends = []
 
-    # ------------------------------------------------------------------ one transfer
-    def _issue(self, transfer: Transfer, force: bool) -> bool:
-        """Issue ``transfer`` if it can go now (or, with ``force``, after waiting for the header it needs)."""
-        peer = self.rank_of_stage(transfer.peer_stage)
-        mb = transfer.microbatch
-        if transfer.send:
-            return self._issue_send(transfer, peer, force)
-        if transfer.kind is Kind.HEADER:
-            header = torch.empty(p2p.HEADER_LEN, dtype=torch.int64, device=self.device)
-            self._inbox[(Kind.HEADER, mb)] = (header, dist.irecv(header, peer, tag=int(p2p.Tag.HEADER)))
-        elif transfer.kind is Kind.ACTIVATION:
+    def _pump(self, force: bool) -> None:
+        while self._queue and self._issue(*self._queue[0], force=force):
+            pass
+
+    # ------------------------------------------------------------------ one operation
+    def _issue(self, comm: Comm, tensor: Tensor | None, force: bool) -> bool:
+        """Issue the queue's head ``comm`` if it can go now (or, with ``force``, after its header)."""
+        peer = self.rank_of_stage(comm.peer)
+        mb = comm.microbatch
+        if comm.kind is CommKind.SEND_F:
+            assert tensor is not None
             key = self.keys[mb]
-            if (Kind.HEADER, mb) in self._inbox:  # this activation's header was posted just before it
+            if mb in self._header_out:
+                self.shapes.sent[key] = (tensor.dtype, tuple(tensor.shape))
+                self._sends.append(dist.isend(p2p.encode_header(tensor), peer, tag=int(p2p.Tag.HEADER)))
+                self._header_out.discard(mb)
+            else:
+                self._check_cached_shape(mb, tensor)
+            self._sends.append(dist.isend(tensor, peer, tag=int(p2p.Tag.ACTIVATION)))
+        elif comm.kind is CommKind.SEND_B:
+            assert tensor is not None
+            self._sends.append(dist.isend(tensor, peer, tag=int(p2p.Tag.GRADIENT)))
+        elif comm.kind is CommKind.RECV_F:
+            key = self.keys[mb]
+            if mb in self._header_in:
+                if (Kind.HEADER, mb) not in self._inbox:
+                    header = torch.empty(p2p.HEADER_LEN, dtype=torch.int64, device=self.device)
+                    work = dist.irecv(header, peer, tag=int(p2p.Tag.HEADER))
+                    self._inbox[(Kind.HEADER, mb)] = (header, work)
                 if not force:
                     return False  # do not block on the header while actions could run
                 header, work = self._inbox.pop((Kind.HEADER, mb))
                 work.wait()
                 self.shapes.received[key] = p2p.decode_header(header.cpu())
+                self._header_in.discard(mb)
             dtype, shape = self.shapes.received[key]
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
             work = dist.irecv(buffer, peer, tag=int(p2p.Tag.ACTIVATION))
@@ -254,31 +276,7 @@ class StepTransfers:
         else:
             buffer = self.gradient_buffer(mb)
             self._inbox[(Kind.GRADIENT, mb)] = (buffer, dist.irecv(buffer, peer, tag=int(p2p.Tag.GRADIENT)))
-        self._next += 1
-        return True
-
-    def _issue_send(self, transfer: Transfer, peer: int, force: bool) -> bool:
-        mb = transfer.microbatch
-        payload_kind = Kind.ACTIVATION if transfer.kind is Kind.HEADER else transfer.kind
-        tensor = self._outbox.get((payload_kind, mb))
-        if tensor is None:
-            if force:
-                raise RuntimeError(
-                    f"stage {self.stage} must send the {payload_kind.name.lower()} of micro-batch {mb} "
-                    f"(slot {transfer.slot}) before it can go on, but the action producing it has not run: "
-                    "the schedule's order on this rank disagrees with its slots"
-                )
-            return False
-        if transfer.kind is Kind.HEADER:
-            self.shapes.sent[self.keys[mb]] = (tensor.dtype, tuple(tensor.shape))
-            self._sends.append(dist.isend(p2p.encode_header(tensor), peer, tag=int(p2p.Tag.HEADER)))
-        else:
-            if transfer.kind is Kind.ACTIVATION:
-                self._check_cached_shape(mb, tensor)
-            del self._outbox[(payload_kind, mb)]
-            tag = p2p.Tag.ACTIVATION if transfer.kind is Kind.ACTIVATION else p2p.Tag.GRADIENT
-            self._sends.append(dist.isend(tensor, peer, tag=int(tag)))
-        self._next += 1
+        self._queue.popleft()
         return True
 
     def _check_cached_shape(self, mb: int, tensor: Tensor) -> None:

@@ -15,6 +15,7 @@ from .failover import (
     validate_failover_schedule,
 )
 from .grid import bubble_fraction, format_grid, parse_grid, rank_program
+from .lowering import Comm, CommKind, LoweredAction, format_program, lower_schedule
 from .one_f_one_b import build_1f1b, one_f_one_b_program
 from .redundancy import add_forward_redundancy, forward_redundancy_windows, place_in_bubbles
 from .validate import validate_schedule
@@ -23,6 +24,9 @@ __all__ = [
     "UNIT_COSTS",
     "Action",
     "ActionKind",
+    "Comm",
+    "CommKind",
+    "LoweredAction",
     "Schedule",
     "ScheduleError",
     "add_forward_redundancy",
@@ -31,7 +35,9 @@ __all__ = [
     "dependencies",
     "failover_dependencies",
     "format_grid",
+    "format_program",
     "forward_redundancy_windows",
+    "lower_schedule",
     "makespan",
     "one_f_one_b_program",
     "parse_grid",
