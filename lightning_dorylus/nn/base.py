@@ -79,6 +79,12 @@ class DorylusLayer(nn.Module):
             self._runtime = DorylusRuntime(executor=executor, exchange=GhostExchange())
         return self._runtime
 
+    @property
+    def takes_row_source(self) -> bool:
+        """Whether ``forward`` accepts a :class:`~lightning_dorylus.nn.dropout.RowSource` for its input
+        (rows made per interval as their requests go out); a layer that needs its whole input at once: no."""
+        return False
+
     def scatter(self, h_local: Tensor, graph: GraphContext) -> Tensor:
         """SC: ``(n_local, ...) -> (n_local + n_ghost, ...)``: own rows, then ghost rows from their owners."""
         runtime = self.runtime
