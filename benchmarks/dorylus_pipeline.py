@@ -304,7 +304,8 @@ def report(graph: dict[str, Any], results: dict[str, list[dict[str, Any]]], args
             for server in servers:
                 last = server["profile"][-1]
                 print(f"profile {mode} rank {server['rank']}: epoch {last['epoch_s']:.3f} s, blocked on the "
-                      f"executor {last['blocked_s']:.3f} s, CPU (server + its workers) {last['cpu_s']:.3f} s; stages (op, requests, first submit to last result s):")
+                      f"executor {last['blocked_s']:.3f} s, CPU (server + its workers) "
+                      f"{last['cpu_s']:.3f} s; stages (op, requests, first submit to last result s):")
                 for stage in last["stages"]:
                     print(f"    {stage}")
     print(f"async_speedup={epochs['sync'] / epochs['s1']:.2f} s0_speedup={epochs['sync'] / epochs['s0']:.2f}")

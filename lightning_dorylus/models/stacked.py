@@ -58,8 +58,8 @@ class StackedConvClassifier(NodeClassifier):
     @override
     def forward(self, graph: GraphContext) -> Tensor:
         """Logits ``(n_local, out_channels)`` of this server's owned vertices."""
-        key = self.dropout_key(0)
-        h: Tensor | RowSource = RowSource(graph, self.dropout, self.training, key)  # only nonzeros hashed
+        key, next_key = self.dropout_key(0), self.next_step_dropout_key(0)
+        h: Tensor | RowSource = RowSource(graph, self.dropout, self.training, key, next_key)
         for i, conv in enumerate(self.convs):
             if i > 0:
                 key = self.dropout_key(i)

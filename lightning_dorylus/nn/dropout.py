@@ -170,6 +170,7 @@ class RowSource:
     p: float
     training: bool
     key: int
+    next_key: int | None = None  # the key of the next training step's rows, if known (run-ahead)
 
     def full(self) -> Tensor:
         """All rows, as :func:`feature_dropout`."""

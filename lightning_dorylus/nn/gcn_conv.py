@@ -128,7 +128,9 @@ class GCNConv(DorylusLayer):
         call = OpCall("apply_vertex.forward", self.runtime.executor, graph.intervals, {"activation": "none"})
         blocks = graph.column_blocks(self.weight.dtype)
         if isinstance(x, RowSource):
-            p, z = apply_gather(call, blocks[:-1], self.weight, source=x.rows)
+            runahead = self.runtime.runahead if self.runtime.runs_ahead and self.training else None
+            p, z = apply_gather(call, blocks[:-1], self.weight, source=x, runahead=runahead,
+                                layer=self.layer_index)
         else:
             p, z = apply_gather(call, blocks[:-1], self.weight, x=x)
         n_local = graph.partition.n_local
