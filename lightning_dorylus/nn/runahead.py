@@ -31,7 +31,7 @@ class Prefetch:
     """First-layer AV requests of a coming epoch: their inputs (kept for ∇AV) and futures."""
 
     key: int  # dropout key of the rows (identifies the step they belong to)
-    blocks: list  # the column blocks the requests were cut by (identity = same intervals)
+    blocks: list  # the column blocks the requests were cut by (the same block objects = same intervals)
     xs: list[Tensor]
     futures: list[Future]
     weight: Tensor  # the version sent with them
@@ -57,7 +57,8 @@ class RunAhead:
         prefetch = self.pending.pop(layer, None)
         if prefetch is None:
             return None
-        if prefetch.key == key and prefetch.blocks is blocks:
+        same = len(prefetch.blocks) == len(blocks) and all(a is b for a, b in zip(prefetch.blocks, blocks))
+        if prefetch.key == key and same:
             self.used += 1
             return prefetch
         _settle(prefetch)
