@@ -304,7 +304,7 @@ class ApplyGather(torch.autograd.Function):
             xs, futures = [], []
             for i, block in enumerate(blocks):
                 a, b = block.rows
-                x_i = _cpu(x[a:b]) if x is not None else source.rows(a, b)
+                x_i = _cpu(x[a:b] if x is not None else source.rows(a, b))
                 xs.append(x_i)
                 futures.append(call.executor.submit(
                     TensorOpRequest(call.op, {"z": x_i, "weight": w}, call.attrs, interval=i)))
@@ -359,7 +359,7 @@ def _run_ahead(ctx: Any, weight: Tensor) -> None:
     xs, futures = [], []
     for i, block in enumerate(ctx.blocks):
         a, b = block.rows
-        x_i = source.rows(a, b)
+        x_i = _cpu(source.rows(a, b))
         xs.append(x_i)
         futures.append(call.executor.submit(TensorOpRequest(call.op, {"z": x_i, "weight": w}, call.attrs,
                                                             interval=i)))
