@@ -100,8 +100,10 @@ class DorylusStrategy(ParallelStrategy):
             one interval overlaps the executor's AV of others (forward and backward); values stay exact.
             ``S >= 1``: also bounded-stale SC/∇SC while training: ghost rows and ghost gradients may be up
             to ``S`` epochs old, so a graph server waits for a peer only when it is more than ``S`` epochs
-            behind (see ``docs/dorylus.md``, "Bounded asynchrony"). Validation, test and checkpoints first
-            drain the exchange and then run synchronously.
+            behind; and a weight-first first layer sends the next epoch's requests during this epoch's last
+            wait, with the weights one update behind (see ``docs/dorylus.md``, "Bounded asynchrony").
+            Validation, test and checkpoints first drain the pipeline and then run synchronously;
+            checkpoints also drop the requests sent ahead.
         intervals: ``None`` (default): each partition's own intervals (the DataModule's ``interval_size``);
             an int ``k``: every partition cut into ``k`` even intervals; ``"auto"``: the first training epoch
             runs on the partition's intervals while every request is timed, then ``k`` and ``max_in_flight``
