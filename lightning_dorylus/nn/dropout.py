@@ -68,10 +68,17 @@ def _row_keys(key: int, row_ids: Tensor) -> Tensor:
 
 
 def _entry_hash_(z: Tensor) -> Tensor:
-    """MurmurHash3's 32-bit finalizer in place on int32 (a bijection: distinct in, distinct out)."""
-    z.bitwise_xor_(_lsr(z, 16, 32)).mul_(_signed(_MIX32[0], 32))
-    z.bitwise_xor_(_lsr(z, 13, 32)).mul_(_signed(_MIX32[1], 32))
-    return z.bitwise_xor_(_lsr(z, 16, 32))
+    """MurmurHash3's 32-bit finalizer in place on int32 (a bijection: distinct in, distinct out).
+
+    One scratch tensor serves the three logical shifts: a first layer's dropout hashes ``n x F_in`` entries,
+    and each fresh temporary of that size is a new mapping whose pages the kernel zeroes."""
+    scratch = torch.empty_like(z)
+    for shift, mix in ((16, _MIX32[0]), (13, _MIX32[1]), (16, None)):
+        torch.bitwise_right_shift(z, shift, out=scratch).bitwise_and_((1 << (32 - shift)) - 1)
+        z.bitwise_xor_(scratch)
+        if mix is not None:
+            z.mul_(_signed(mix, 32))
+    return z
 
 
 def _keep(hashed: Tensor, p: float) -> Tensor:
