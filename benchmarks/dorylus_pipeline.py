@@ -133,7 +133,8 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
             if self.profiler is not None:
                 self.profiler.start_epoch(trainer.current_epoch)
             self._start = time.perf_counter()
-            self._cpu = self._cpu_seconds()
+            if self.profiler is not None:
+                self._cpu = self._cpu_seconds()
 
         def _cpu_seconds(self) -> float:
             """CPU seconds of this server and its executor's worker processes so far (Linux /proc)."""
@@ -188,14 +189,7 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
         weight_decay=WEIGHT_DECAY,
     )
     try:
-        if os.environ.get("DPIPE_CPROFILE"):
-            import cProfile
-            prof = cProfile.Profile()
-            prof.enable()
         trainer.fit(model, datamodule=DorylusDataModule(args.partition_dir))
-        if os.environ.get("DPIPE_CPROFILE"):
-            prof.disable()
-            prof.dump_stats(f"{os.environ['DPIPE_CPROFILE']}.{args.mode}.{trainer.global_rank}")
     finally:
         executor.close()
     return {"rank": trainer.global_rank, "epoch_times": timer.times[args.warmup :], "losses": timer.losses,
