@@ -15,6 +15,10 @@ One run measures three configurations, each in fresh processes: ``DorylusStrateg
 interval overlaps the requests of others) and ``staleness=1`` (also bounded-stale ghost exchange). The epoch
 time is the median over ``--epochs`` epochs after ``--warmup``, each epoch counted as its slowest server's.
 
+``--profile`` also prints, per configuration and server (last measured epoch), the seconds the server was
+blocked in ``executor.wait``, the CPU seconds of the server and its executor workers, and every wait stage
+(op, requests, first submit to last result): where an epoch waits.
+
 The last line printed is ``async_speedup=<sync / staleness=1 epoch s> s0_speedup=<sync / staleness=0>``.
 """
 
