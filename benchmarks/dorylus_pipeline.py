@@ -15,6 +15,10 @@ One run measures three configurations, each in fresh processes: ``DorylusStrateg
 interval overlaps the requests of others) and ``staleness=1`` (also bounded-stale ghost exchange). The epoch
 time is the median over ``--epochs`` epochs after ``--warmup``, each epoch counted as its slowest server's.
 
+``--profile`` also prints, per configuration and server (last measured epoch), the seconds the server was
+blocked in ``executor.wait``, the CPU seconds of the server and its executor workers, and every wait stage
+(op, requests, first submit to last result): where an epoch waits.
+
 The last line printed is ``async_speedup=<sync / staleness=1 epoch s> s0_speedup=<sync / staleness=0>``.
 """
 
@@ -122,21 +126,46 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads_per_server)
 
     class EpochTimer(pl.Callback):
-        def __init__(self) -> None:
+        def __init__(self, profiler: Any = None, pool: Any = None) -> None:
             self.times: list[float] = []
             self.losses: list[float] = []
+            self.profiler, self.profile, self.pool = profiler, [], pool
+            self._cpu = 0.0
             self._start = 0.0
 
         def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if self.profiler is not None:
+                self.profiler.start_epoch(trainer.current_epoch)
             self._start = time.perf_counter()
+            if self.profiler is not None:
+                self._cpu = self._cpu_seconds()
+
+        def _cpu_seconds(self) -> float:
+            """CPU seconds of this server and its executor's worker processes so far (Linux /proc)."""
+            total = time.process_time()
+            for pid in self.pool.worker_pids if self.pool is not None else []:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            return total
 
         def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self.times.append(time.perf_counter() - self._start)
+            if self.profiler is not None:
+                row = self.profiler.end_epoch(self.times[-1])
+                stages = [(s["op"], s["requests"], round(s["wall_s"], 4)) for s in row["stages"]]
+                cpu = self._cpu_seconds() - self._cpu
+                self.profile.append({"epoch_s": row["epoch_s"], "blocked_s": row["blocked_s"], "cpu_s": cpu,
+                                     "stages": stages})
             self.losses.append(float(trainer.callback_metrics.get("train_loss", float("nan"))))
 
-    timer = EpochTimer()
     inner = LocalPoolExecutor(num_workers=args.executor_workers)
     executor = make_delayed_executor(inner, args.latency_ms / 1000.0)
+    if args.profile:  # where the server blocks on tensor ops (executor.wait), per op and stage
+        from lightning_dorylus.value import TimedExecutor
+
+        executor = TimedExecutor(executor, workers=args.executor_workers)
+    timer = EpochTimer(executor if args.profile else None, inner)
     strategy = DorylusStrategy(
         executor=executor, timeout=timedelta(seconds=args.timeout), staleness=MODES[args.mode]
     )
@@ -167,7 +196,8 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
         trainer.fit(model, datamodule=DorylusDataModule(args.partition_dir))
     finally:
         executor.close()
-    return {"rank": trainer.global_rank, "epoch_times": timer.times[args.warmup :], "losses": timer.losses}
+    return {"rank": trainer.global_rank, "epoch_times": timer.times[args.warmup :], "losses": timer.losses,
+            "profile": timer.profile[args.warmup :]}
 
 
 # --------------------------------------------------------------------------- launching
@@ -187,7 +217,9 @@ def launch(
     """
     port = _free_port()
     forwarded = [
-        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "result", "mode")
+        f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
+        for k, v in vars(args).items()
+        if k not in ("worker", "result", "mode") and v is not False
     ]
     procs = []
     for rank in range(num_procs):
@@ -265,6 +297,15 @@ def report(graph: dict[str, Any], results: dict[str, list[dict[str, Any]]], args
         print(
             f"{'staleness=' + str(MODES[mode]):<26}{epochs[mode]:>10.3f}{losses[0]:>8.3f}->{losses[-1]:.3f}"
         )
+    if args.profile:
+        for mode, servers in results.items():
+            for server in servers:
+                last = server["profile"][-1]
+                print(f"profile {mode} rank {server['rank']}: epoch {last['epoch_s']:.3f} s, blocked on the "
+                      f"executor {last['blocked_s']:.3f} s, CPU (server + its workers) "
+                      f"{last['cpu_s']:.3f} s; stages (op, requests, first submit to last result s):")
+                for stage in last["stages"]:
+                    print(f"    {stage}")
     print(f"async_speedup={epochs['sync'] / epochs['s1']:.2f} s0_speedup={epochs['sync'] / epochs['s0']:.2f}")
 
 
@@ -287,6 +328,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=str(REPO_ROOT / ".cache" / "dorylus"))
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print, per configuration and server, the seconds blocked on the executor")
     parser.add_argument("--worker", choices=["prepare", "server"], help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=sorted(MODES), default="sync", help=argparse.SUPPRESS)

@@ -100,8 +100,10 @@ class DorylusStrategy(ParallelStrategy):
             one interval overlaps the executor's AV of others (forward and backward); values stay exact.
             ``S >= 1``: also bounded-stale SC/∇SC while training: ghost rows and ghost gradients may be up
             to ``S`` epochs old, so a graph server waits for a peer only when it is more than ``S`` epochs
-            behind (see ``docs/dorylus.md``, "Bounded asynchrony"). Validation, test and checkpoints first
-            drain the exchange and then run synchronously.
+            behind; and a weight-first first layer sends the next epoch's requests during this epoch's last
+            wait, with the weights one update behind (see ``docs/dorylus.md``, "Bounded asynchrony").
+            Validation, test and checkpoints first drain the pipeline and then run synchronously;
+            checkpoints also drop the requests sent ahead.
         intervals: ``None`` (default): each partition's own intervals (the DataModule's ``interval_size``);
             an int ``k``: every partition cut into ``k`` even intervals; ``"auto"``: the first training epoch
             runs on the partition's intervals while every request is timed, then ``k`` and ``max_in_flight``
@@ -335,9 +337,14 @@ class DorylusStrategy(ParallelStrategy):
         """What the layers run on (``None`` outside ``setup`` .. ``teardown``)."""
         return self._runtime
 
-    def drain(self) -> None:
-        """Waits for every stale SC/∇SC message in flight (before evaluation and checkpoints)."""
-        if self._runtime is not None and self._runtime.stale_exchange is not None:
+    def drain(self, discard: bool = False) -> None:
+        """Waits for every stale SC/∇SC message and every request sent ahead (before evaluation and
+        checkpoints); ``discard`` also drops the requests sent ahead for the next epoch (checkpoints, so a
+        run resumed from one computes that epoch as the uninterrupted run does: with the saved weights)."""
+        if self._runtime is None:
+            return
+        self._runtime.runahead.drain(discard)
+        if self._runtime.stale_exchange is not None:
             self._runtime.stale_exchange.drain()
 
     @override
@@ -387,7 +394,7 @@ class DorylusStrategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        self.drain()
+        self.drain(discard=True)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _dorylus_layers(self) -> list[DorylusLayer]:
@@ -484,6 +491,7 @@ class DorylusStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self.drain(discard=True)
         for layer in self._dorylus_layers():
             layer.attach(None)
         if self._executor is not None and isinstance(self._executor_spec, str):

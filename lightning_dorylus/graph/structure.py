@@ -140,6 +140,19 @@ def interval_blocks(adjacency: GCNAdjacency, intervals: list[tuple[int, int]]) -
     return blocks
 
 
+def column_blocks(adjacency: GCNAdjacency, intervals: list[tuple[int, int]]) -> list[AdjacencyBlock]:
+    """The columns of ``adjacency.adj`` cut per local interval, then one block for all ghost columns.
+
+    Block ``j`` stands for ``Â[:, a:b]``: its ``adj`` is ``Âᵀ[a:b]`` (``(b - a, n_local)``, for ∇GA of the
+    interval's rows), its ``adj_t`` the compact ``Â[cols, a:b]`` and ``cols`` the local rows it reaches. So
+    ``Z = Σ_j Â[:, a:b] P[a:b]`` can be accumulated as interval ``j``'s rows ``P[a:b]`` arrive (weight-first
+    GCN: AV before GA); the last block is ``Â[:, n_local:]``, the ghost columns.
+    """
+    n_local, n_total = adjacency.adj.shape
+    transposed = GCNAdjacency(adj=adjacency.adj_t, adj_t=adjacency.adj)
+    return interval_blocks(transposed, [*intervals, (n_local, n_total)])
+
+
 def self_loop_edges(partition: GraphPartition) -> SelfLoopEdges:
     """In-edges without self loops plus one self loop per local vertex (as PyG's GATConv)."""
     n_local = partition.n_local
@@ -168,6 +181,7 @@ class GraphContext:
     _mean: dict[torch.dtype, GCNAdjacency] = field(default_factory=dict, repr=False)
     _loops: SelfLoopEdges | None = field(default=None, repr=False)
     _blocks: dict[tuple[str, torch.dtype], list[AdjacencyBlock]] = field(default_factory=dict, repr=False)
+    _column_blocks: dict[torch.dtype, list[AdjacencyBlock]] = field(default_factory=dict, repr=False)
     _intervals: list[tuple[int, int]] | None = field(default=None, repr=False)
     num_intervals: int | None = None  # None: the partition's own interval_ptr; k: k even intervals (autotune)
     _nonzeros: tuple[tuple, tuple[Tensor, Tensor] | None] | None = field(default=None, repr=False)
@@ -209,6 +223,12 @@ class GraphContext:
             self._blocks[key] = interval_blocks(adjacency, self.intervals)
         return self._blocks[key]
 
+    def column_blocks(self, dtype: torch.dtype) -> list[AdjacencyBlock]:
+        """Per-interval column blocks of the GCN adjacency, then the ghost block (:func:`column_blocks`)."""
+        if dtype not in self._column_blocks:
+            self._column_blocks[dtype] = column_blocks(self.gcn(dtype), self.intervals)
+        return self._column_blocks[dtype]
+
     @property
     def self_loops(self) -> SelfLoopEdges:
         """The self-loop-augmented in-edge list (built on first use)."""
@@ -223,6 +243,7 @@ class GraphContext:
         if num_intervals != self.num_intervals:
             self.num_intervals, self._intervals = num_intervals, None
             self._blocks.clear()
+            self._column_blocks.clear()
 
     @property
     def intervals(self) -> list[tuple[int, int]]:

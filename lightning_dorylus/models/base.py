@@ -59,6 +59,18 @@ class NodeClassifier(LightningModule):
             return dropout_key(self.dropout_seed, -1, self._free_steps, site)
         return dropout_key(self.dropout_seed, self.current_epoch, self.global_step, site)
 
+    def next_step_dropout_key(self, site: int) -> int | None:
+        """Key of site ``site`` in the NEXT training step, assuming one step per epoch (Dorylus: one
+        partition per graph server); ``None`` outside training or a Trainer, and in the last epoch. Lets the
+        pipeline engine make the next epoch's first-layer input early; a wrong guess only costs the early
+        work."""
+        if self._trainer is None or not self.training:
+            return None
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is not None and 0 <= max_epochs <= self.current_epoch + 1:
+            return None
+        return dropout_key(self.dropout_seed, self.current_epoch + 1, self.global_step + 1, site)
+
     def next_free_step(self) -> None:
         """Advance the step counter used outside a Trainer (called once per training forward)."""
         if self._trainer is None and self.training:

@@ -15,7 +15,7 @@ from typing_extensions import override
 from lightning_dorylus.graph import GraphContext
 from lightning_dorylus.models.base import NodeClassifier
 from lightning_dorylus.nn import DorylusLayer
-from lightning_dorylus.nn.dropout import feature_dropout, row_dropout
+from lightning_dorylus.nn.dropout import RowSource, row_dropout
 
 
 class StackedConvClassifier(NodeClassifier):
@@ -58,11 +58,14 @@ class StackedConvClassifier(NodeClassifier):
     @override
     def forward(self, graph: GraphContext) -> Tensor:
         """Logits ``(n_local, out_channels)`` of this server's owned vertices."""
-        h = feature_dropout(graph, self.dropout, self.training, self.dropout_key(0))  # only nonzeros hashed
+        key, next_key = self.dropout_key(0), self.next_step_dropout_key(0)
+        h: Tensor | RowSource = RowSource(graph, self.dropout, self.training, key, next_key)
         for i, conv in enumerate(self.convs):
             if i > 0:
                 key = self.dropout_key(i)
                 h = row_dropout(h, graph.partition.local_nodes, self.dropout, self.training, key)
+            elif not conv.takes_row_source:  # type: ignore[union-attr]
+                h = h.full()  # type: ignore[union-attr]
             h = conv(h, graph)
         self.next_free_step()
         return h

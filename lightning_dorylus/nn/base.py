@@ -19,7 +19,7 @@ The runtime (executor + ghost exchange) is injected by :class:`~lightning_dorylu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from lightning_dorylus.executors import TensorOpExecutor, build_executor
 from lightning_dorylus.graph import GhostExchange, GraphContext
 from lightning_dorylus.graph.stale import StaleGhostExchange
+from lightning_dorylus.nn.runahead import RunAhead
 
 
 @dataclass
@@ -40,6 +41,7 @@ class DorylusRuntime:
             for ``S >= 1`` training SC/∇SC through ``stale_exchange`` (ghosts at most ``S`` epochs old).
         stale_exchange: The bounded-stale exchange (``S >= 1`` only).
         epoch: The training epoch the next forward belongs to (set by the strategy each step).
+        runahead: The next epoch's first-layer requests sent early (``S >= 1``; :mod:`~.runahead`).
     """
 
     executor: TensorOpExecutor
@@ -47,11 +49,17 @@ class DorylusRuntime:
     staleness: int | None = None
     stale_exchange: StaleGhostExchange | None = None
     epoch: int = 0
+    runahead: RunAhead = field(default_factory=RunAhead)
 
     @property
     def pipelined(self) -> bool:
         """Whether layers run the per-interval GA -> AV pipeline (any ``staleness`` but ``None``)."""
         return self.staleness is not None
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether a training step may send the next epoch's first-layer requests early (``S >= 1``)."""
+        return self.staleness is not None and self.staleness >= 1
 
 
 class DorylusLayer(nn.Module):
@@ -78,6 +86,12 @@ class DorylusLayer(nn.Module):
             executor.start()
             self._runtime = DorylusRuntime(executor=executor, exchange=GhostExchange())
         return self._runtime
+
+    @property
+    def takes_row_source(self) -> bool:
+        """Whether ``forward`` accepts a :class:`~lightning_dorylus.nn.dropout.RowSource` for its input
+        (rows made per interval as their requests go out); a layer that needs its whole input at once: no."""
+        return False
 
     def scatter(self, h_local: Tensor, graph: GraphContext) -> Tensor:
         """SC: ``(n_local, ...) -> (n_local + n_ghost, ...)``: own rows, then ghost rows from their owners."""

@@ -17,6 +17,8 @@ Each entry is kept with probability ``1 - p`` (to within ``2**-32``) and scaled 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -66,10 +68,17 @@ def _row_keys(key: int, row_ids: Tensor) -> Tensor:
 
 
 def _entry_hash_(z: Tensor) -> Tensor:
-    """MurmurHash3's 32-bit finalizer in place on int32 (a bijection: distinct in, distinct out)."""
-    z.bitwise_xor_(_lsr(z, 16, 32)).mul_(_signed(_MIX32[0], 32))
-    z.bitwise_xor_(_lsr(z, 13, 32)).mul_(_signed(_MIX32[1], 32))
-    return z.bitwise_xor_(_lsr(z, 16, 32))
+    """MurmurHash3's 32-bit finalizer in place on int32 (a bijection: distinct in, distinct out).
+
+    One scratch tensor serves the three logical shifts: a first layer's dropout hashes ``n x F_in`` entries,
+    and each fresh temporary of that size is a new mapping whose pages the kernel zeroes."""
+    scratch = torch.empty_like(z)
+    for shift, mix in ((16, _MIX32[0]), (13, _MIX32[1]), (16, None)):
+        torch.bitwise_right_shift(z, shift, out=scratch).bitwise_and_((1 << (32 - shift)) - 1)
+        z.bitwise_xor_(scratch)
+        if mix is not None:
+            z.mul_(_signed(mix, 32))
+    return z
 
 
 def _keep(hashed: Tensor, p: float) -> Tensor:
@@ -153,6 +162,48 @@ def feature_dropout(graph: GraphContext, p: float, training: bool, key: int) -> 
     out = torch.zeros_like(x)
     out.view(-1).index_copy_(0, index, values * _scale_mask(keep, p, x.dtype))
     return out
+
+
+@dataclass
+class RowSource:
+    """The first layer's input, ``feature_dropout(graph, p, training, key)``, made on demand by row range.
+
+    The pipeline engine's weight-first layer asks for interval ``a:b`` just before sending its request, so
+    the server's dropout of one interval overlaps the requests of the previous ones. Entries are the same as
+    :func:`feature_dropout`'s (each is hashed from its global coordinates), whatever the cut.
+    """
+
+    graph: GraphContext
+    p: float
+    training: bool
+    key: int
+    next_key: int | None = None  # the key of the next training step's rows, if known (run-ahead)
+
+    def full(self) -> Tensor:
+        """All rows, as :func:`feature_dropout`."""
+        return feature_dropout(self.graph, self.p, self.training, self.key)
+
+    def rows(self, a: int, b: int) -> Tensor:
+        """Rows ``a:b`` of :meth:`full` (a new tensor in training mode)."""
+        _check_p(self.p)
+        partition = self.graph.partition
+        x = partition.x
+        if x.requires_grad:
+            raise ValueError("RowSource makes the features' dropout, which needs no gradient; x requires one")
+        if not self.training or self.p == 0.0:
+            return x[a:b]
+        row_ids = partition.local_nodes[a:b]
+        nonzeros = self.graph.feature_nonzeros()
+        if nonzeros is None:
+            return row_dropout(x[a:b], row_ids, self.p, self.training, self.key)
+        index, values = nonzeros
+        width = x.shape[1]
+        lo, hi = torch.searchsorted(index, torch.tensor([a * width, b * width], device=index.device)).tolist()
+        index, values = index[lo:hi] - a * width, values[lo:hi]
+        keep = _keep(entry_hashes(self.key, row_ids, index // width, index % width), self.p)
+        out = x.new_zeros((b - a, width))
+        out.view(-1).index_copy_(0, index, values * _scale_mask(keep, self.p, x.dtype))
+        return out
 
 
 def edge_ids(graph: GraphContext) -> Tensor:

@@ -11,6 +11,7 @@ the graph server. No autograd state crosses the executor boundary, only named ar
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_dorylus.executors import TensorOpExecutor, TensorOpRequest
+from lightning_dorylus.nn.runahead import Prefetch
 from lightning_dorylus.ops.handlers import OPS
 from lightning_dorylus.ops.spec import OpSpec
 
@@ -273,3 +275,134 @@ def gather_apply(
     if not blocks:
         raise ValueError("gather_apply needs at least one interval")
     return GatherApply.apply(call, blocks, gather_input, h_full, tuple(tensors), *tensors.values())
+
+
+class ApplyGather(torch.autograd.Function):
+    """AV then the local part of GA, pipelined per interval: the weight-first GCN layer's unit of overlap.
+
+    Forward: interval ``i``'s rows ``x[a:b]`` (or ``source.rows(a, b)``, made just before its request goes
+    out) are submitted as AV ``P_i = x_i W`` at once; as each result comes back (in interval order, so sums
+    are deterministic) the server adds its column block ``Â[:, a:b] P_i`` into ``Z_local`` while later
+    intervals are still in flight. Returns ``(P, Z_local)``: the caller scatters ``P`` (SC) and adds the
+    ghost columns' share (:func:`ghost_gather`). Backward: for interval ``i``, ∇GA of its rows ``Âᵀ[a:b] ∇Z``
+    plus the ghost gradients its owners sent back (``∇P``) form ``∇P_i``, whose ∇AV request goes out at
+    once, so ∇GA of interval ``i + 1`` overlaps ∇AV of ``i``. Same values as AV -> SC -> GA (sums in another
+    order). With ``runahead`` (``staleness >= 1``, a first layer fed by a ``RowSource``) the backward also
+    sends the next epoch's AV requests while its own ∇AV requests are out (:mod:`.runahead`).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, call: OpCall, blocks: list, source: Any, runahead: Any, layer: int, x: Tensor | None,
+        weight: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        prefetch = runahead.take(layer, source.key, blocks) if runahead is not None else None
+        if prefetch is not None:  # sent during the previous epoch's backward, with that epoch's weights
+            w, xs, futures = prefetch.weight, prefetch.xs, prefetch.futures
+        else:
+            w = _cpu(weight)
+            xs, futures = [], []
+            for i, block in enumerate(blocks):
+                a, b = block.rows
+                x_i = _cpu(x[a:b] if x is not None else source.rows(a, b))
+                xs.append(x_i)
+                futures.append(call.executor.submit(
+                    TensorOpRequest(call.op, {"z": x_i, "weight": w}, call.attrs, interval=i)))
+        n_local = blocks[-1].rows[1]
+        z = torch.zeros((n_local, w.size(1)), dtype=w.dtype)
+        ps = []
+        for block, future in zip(blocks, futures):
+            (out,) = call.executor.wait([future])
+            p_i = out["h"]
+            ps.append(p_i)
+            z.index_add_(0, block.cols, torch.sparse.mm(block.adj_t, p_i))  # GA share of these columns
+        p = torch.cat(ps) if len(ps) > 1 else ps[0]
+        ctx.call, ctx.blocks, ctx.xs, ctx.ps, ctx.w = call, blocks, xs, ps, w
+        ctx.source, ctx.runahead, ctx.layer = source, runahead, layer
+        ctx.save_for_backward(weight)
+        ctx.device = weight.device
+        return p.to(weight.device), z.to(weight.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad_p: Tensor | None, grad_z: Tensor | None) -> tuple[Tensor | None, ...]:
+        call: OpCall = ctx.call
+        bwd_name = op_spec(call.op).backward
+        needs_x = bool(ctx.needs_input_grad[5])
+        attrs = {**call.attrs, "has_bias": False, "needs_grad_z": needs_x}
+        width = ctx.w.size(1)
+        grad_z = _cpu(grad_z) if grad_z is not None else None
+        grad_p = _cpu(grad_p) if grad_p is not None else None
+        futures = []
+        for i, block in enumerate(ctx.blocks):
+            a, b = block.rows
+            g_i = (torch.sparse.mm(block.adj, grad_z) if grad_z is not None  # ∇GA of this interval's rows
+                   else torch.zeros((b - a, width), dtype=ctx.w.dtype))
+            if grad_p is not None:
+                g_i += grad_p[a:b]
+            inputs = {"z": ctx.xs[i], "weight": ctx.w, "h": ctx.ps[i], "grad_h": g_i}
+            futures.append(call.executor.submit(TensorOpRequest(bwd_name, inputs, attrs, interval=i)))
+        del ctx.xs, ctx.ps
+        if ctx.runahead is not None and ctx.source.next_key is not None:
+            _run_ahead(ctx, ctx.saved_tensors[0])
+        outs = [call.executor.wait([future])[0] for future in futures]
+        merged = merge_outputs(op_spec(bwd_name), outs)
+        grad_x = merged["grad_z"].to(ctx.device) if needs_x else None
+        return None, None, None, None, None, grad_x, merged["grad_weight"].to(ctx.device)
+
+
+def _run_ahead(ctx: Any, weight: Tensor) -> None:
+    """Send the next epoch's first-layer AV requests now, with the current weights (copied: the optimizer
+    updates the parameter in place while they may still be waiting to be encoded)."""
+    call: OpCall = ctx.call
+    source = dataclasses.replace(ctx.source, key=ctx.source.next_key, next_key=None)
+    w = weight.detach().to("cpu", copy=True).contiguous()
+    xs, futures = [], []
+    for i, block in enumerate(ctx.blocks):
+        a, b = block.rows
+        x_i = _cpu(source.rows(a, b))
+        xs.append(x_i)
+        futures.append(call.executor.submit(TensorOpRequest(call.op, {"z": x_i, "weight": w}, call.attrs,
+                                                            interval=i)))
+    ctx.runahead.put(ctx.layer, Prefetch(source.key, ctx.blocks, xs, futures, w))
+
+
+class _GhostGather(torch.autograd.Function):
+    """``Z_ghost = Â[:, ghost] P_ghost`` with the ghost column block; backward ``Âᵀ[ghost] ∇Z``."""
+
+    @staticmethod
+    def forward(ctx: Any, p_ghost: Tensor, block: Any, n_local: int) -> Tensor:
+        ctx.block = block
+        z = p_ghost.new_zeros((n_local, p_ghost.size(1)))
+        return z.index_add_(0, block.cols, torch.sparse.mm(block.adj_t, p_ghost.contiguous()))
+
+    @staticmethod
+    def backward(ctx: Any, grad_z: Tensor) -> tuple[Tensor | None, None, None]:
+        return torch.sparse.mm(ctx.block.adj, grad_z.contiguous()), None, None
+
+
+def apply_gather(
+    call: OpCall,
+    blocks: list,
+    weight: Tensor,
+    x: Tensor | None = None,
+    source: Any = None,
+    runahead: Any = None,
+    layer: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """Differentiable per-interval-pipelined AV ``x W`` + GA over the local columns (``blocks``: the local
+    intervals' column blocks); a ``RowSource`` ``source`` stands in for ``x`` when the input needs no
+    gradient and is cheaper made per interval (first-layer dropout). ``runahead`` (with ``source``): the
+    graph server's :class:`~lightning_dorylus.nn.runahead.RunAhead`, under ``layer``. Returns
+    ``(P, Z_local)``."""
+    if not blocks:
+        raise ValueError("apply_gather needs at least one interval")
+    if (x is None) == (source is None):
+        raise ValueError("apply_gather takes exactly one of x (a tensor) and source (rows a:b on demand)")
+    if runahead is not None and source is None:
+        raise ValueError("apply_gather runs ahead only for a RowSource input (a first layer's features)")
+    return ApplyGather.apply(call, blocks, source, runahead, layer, x, weight)
+
+
+def ghost_gather(p_ghost: Tensor, block: Any, n_local: int) -> Tensor:
+    """Differentiable share of the ghost columns in ``Z = Â P`` (``block``: the ghost column block)."""
+    return _GhostGather.apply(p_ghost, block, n_local)

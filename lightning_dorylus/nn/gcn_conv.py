@@ -10,7 +10,8 @@ from torch import Tensor, nn
 
 from lightning_dorylus.graph import GraphContext, gcn_gather
 from lightning_dorylus.nn.base import DorylusLayer
-from lightning_dorylus.nn.functions import OpCall, gather_apply, tensor_op
+from lightning_dorylus.nn.dropout import RowSource
+from lightning_dorylus.nn.functions import OpCall, apply_gather, gather_apply, ghost_gather, tensor_op
 from lightning_dorylus.ops.vertex import ACTIVATIONS
 
 #: The server-side (torch) form of each activation the executors' numpy code implements.
@@ -91,13 +92,23 @@ class GCNConv(DorylusLayer):
             z = z + self.bias
         return TORCH_ACTIVATIONS[self.activation](z)
 
-    def forward(self, x: Tensor, graph: GraphContext) -> Tensor:
+    @property
+    def takes_row_source(self) -> bool:
+        """Weight-first in the pipeline engine: a first layer's input is made per interval, just in time."""
+        return self.order == "weight_first" and self.runtime.pipelined
+
+    def forward(self, x: Tensor | RowSource, graph: GraphContext) -> Tensor:
         """``(n_local, F_in) -> (n_local, F_out)``.
 
         Args:
-            x: This server's rows of the layer input (after dropout, so ghosts see the same dropped values).
+            x: This server's rows of the layer input (after dropout, so ghosts see the same dropped values),
+                or a :class:`RowSource` making them per interval (see :attr:`takes_row_source`).
             graph: The partition and its derived structures.
         """
+        if self.order == "weight_first" and self.runtime.pipelined and graph.intervals:
+            return self.update(self._pipelined_weight_first(x, graph))
+        if isinstance(x, RowSource):
+            x = x.full()
         if self.order == "weight_first":
             p = self.project(x, graph)  # AV: (n_local, F_out)
             p_full = self.scatter(p, graph)  # SC: (n_local + n_ghost, F_out)
@@ -110,6 +121,23 @@ class GCNConv(DorylusLayer):
             return gather_apply(call, blocks, "z", h_full, weight=self.weight, bias=self.bias)[0]
         z = self.gather(h_full, graph)  # GA: (n_local, F_in)
         return self.apply_vertex(z, graph)  # AV: (n_local, F_out)
+
+    def _pipelined_weight_first(self, x: Tensor | RowSource, graph: GraphContext) -> Tensor:
+        """The pipeline engine's AV -> SC -> GA: per interval, AV requests out while the server adds each
+        returned interval's GA share (``nn.functions.ApplyGather``); then SC and the ghost columns' share."""
+        call = OpCall("apply_vertex.forward", self.runtime.executor, graph.intervals, {"activation": "none"})
+        blocks = graph.column_blocks(self.weight.dtype)
+        if isinstance(x, RowSource):
+            runahead = self.runtime.runahead if self.runtime.runs_ahead and self.training else None
+            p, z = apply_gather(call, blocks[:-1], self.weight, source=x, runahead=runahead,
+                                layer=self.layer_index)
+        else:
+            p, z = apply_gather(call, blocks[:-1], self.weight, x=x)
+        n_local = graph.partition.n_local
+        if graph.partition.num_parts == 1:
+            return z
+        p_full = self.scatter(p, graph)  # SC: (n_local + n_ghost, F_out)
+        return z + ghost_gather(p_full[n_local:], blocks[-1], n_local)
 
     def extra_repr(self) -> str:
         return (

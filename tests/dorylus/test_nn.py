@@ -15,7 +15,7 @@ from lightning_dorylus.data import partition_graph
 from lightning_dorylus.executors import InlineExecutor, TensorOpExecutor, TensorOpRequest
 from lightning_dorylus.graph import GhostExchange, GraphCache, gcn_adjacency, gcn_gather
 from lightning_dorylus.nn import DorylusRuntime, GATConv, GCNConv, SAGEConv
-from lightning_dorylus.nn.dropout import dropout_key, feature_dropout
+from lightning_dorylus.nn.dropout import RowSource, dropout_key, feature_dropout
 
 N, F_IN = 60, 7
 
@@ -256,14 +256,32 @@ def test_feature_dropout_draws_only_nonzeros_with_dense_dropout_distribution(gra
     assert 0.4 < (dense != 0).float().mean() < 0.6
 
 
-@pytest.mark.parametrize("layer", ["gcn", "sage"])
+def test_row_source_makes_the_feature_dropout_per_interval(graph: Data) -> None:
+    """The weight-first pipeline's per-interval input equals the rows of the whole-partition dropout
+    (sparse and dense features, training and eval)."""
+    [part] = partition_graph(graph, 1, interval_size=16)
+    sparse = torch.zeros(part.n_local, 40)
+    sparse[:, ::8] = torch.rand(part.n_local, 5) + 0.5
+    for x in (sparse, torch.rand(part.n_local, 40) + 0.1):
+        part.x = x
+        ctx = GraphCache().context(part)
+        for training in (True, False):
+            source = RowSource(ctx, 0.5, training, dropout_key(3, 1))
+            full = source.full()
+            torch.testing.assert_close(full, feature_dropout(ctx, 0.5, training, dropout_key(3, 1)))
+            cuts = [(0, 7), (7, 8), (8, 31), (31, part.n_local)]
+            torch.testing.assert_close(torch.cat([source.rows(a, b) for a, b in cuts]), full, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layer", ["gcn", "gcn_weight_first", "sage"])
 def test_pipelined_gather_apply_equals_layer_by_layer(graph: Data, layer: str) -> None:
-    """The engine's per-interval GA -> AV (staleness 0) gives the synchronous layer's values and gradients,
-    with one forward and one backward request per interval."""
+    """The engine's per-interval GA -> AV (staleness 0; weight-first GCN: AV -> GA) gives the synchronous
+    layer's values and gradients, with one forward and one backward request per interval."""
     [part] = partition_graph(graph, 1, interval_size=16)
     ctx = GraphCache().context(part)
     torch.manual_seed(0)
-    conv = (GCNConv(F_IN, 5, order="gather_first") if layer == "gcn" else SAGEConv(F_IN, 5)).double()
+    conv = {"gcn": lambda: GCNConv(F_IN, 5, order="gather_first"), "sage": lambda: SAGEConv(F_IN, 5),
+            "gcn_weight_first": lambda: GCNConv(F_IN, 5, order="weight_first")}[layer]().double()
     piped = copy.deepcopy(conv)
     executor = RecordingExecutor()
     piped.attach(DorylusRuntime(executor=executor, exchange=GhostExchange(), staleness=0))
@@ -274,10 +292,13 @@ def test_pipelined_gather_apply_equals_layer_by_layer(graph: Data, layer: str) -
         out.square().sum().backward()
         results.append((out, x.grad, [p.grad for p in module.parameters()]))
     (out, gx, gp), (out_p, gx_p, gp_p) = results
-    torch.testing.assert_close(out_p, out, rtol=0, atol=0)  # same rows, same sums
+    if layer == "gcn_weight_first":  # GA summed per column block as the intervals' rows come back
+        torch.testing.assert_close(out_p, out)
+    else:
+        torch.testing.assert_close(out_p, out, rtol=0, atol=0)  # same rows, same sums
     torch.testing.assert_close(gx_p, gx)  # the per-interval ∇GA adds in another order
     for a, b in zip(gp_p, gp):
         torch.testing.assert_close(a, b)
-    op = "apply_vertex" if layer == "gcn" else "sage.update"
+    op = "sage.update" if layer == "sage" else "apply_vertex"
     expected = [(f"{op}.forward", i) for i in range(4)] + [(f"{op}.backward", i) for i in range(4)]
     assert executor.calls == expected

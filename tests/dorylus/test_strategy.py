@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from safetensors.torch import load_file
 
 from lightning_dorylus import GCN, DorylusStrategy
@@ -28,10 +28,12 @@ from tests.dorylus.scripts.launch import SCRIPTS, run_script
 EPOCHS = 5
 
 
-def reference(model_name: str, dropout: float = 0.0) -> tuple[dict, dict[str, torch.Tensor]]:
+def reference(
+    model_name: str, dropout: float = 0.0, hidden: int = 16
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """One process, one partition (the whole graph), inline executor: the single-process full-graph run."""
     partitions = partition_graph(make_graph(), 1, partitioner="metis", interval_size=INTERVAL_SIZE)
-    model = make_model(model_name, dropout=dropout)
+    model = make_model(model_name, dropout=dropout, hidden=hidden)
     _, recorder = train(model, partitions, EPOCHS, strategy="auto", devices=1)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"losses": recorder.losses, "val_acc": recorder.val_acc}, weights
@@ -222,7 +224,8 @@ def test_model_without_dorylus_layers_is_rejected() -> None:
 
 
 def _run_exact(
-    tmp_path: Path, model_name: str, servers: int, executor: str, staleness: int | None, intervals: str = ""
+    tmp_path: Path, model_name: str, servers: int, executor: str, staleness: int | None, intervals: str = "",
+    extra: tuple[str, ...] = (),
 ) -> dict:
     args = [
         str(tmp_path),
@@ -239,6 +242,7 @@ def _run_exact(
         args += ["--staleness", str(staleness)]
     if intervals:
         args += ["--intervals", intervals]
+    args += list(extra)
     run_script("exact_run.py", args, timeout=240, cwd=tmp_path)
     return json.loads((tmp_path / "result.json").read_text())
 
@@ -246,10 +250,13 @@ def _run_exact(
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_pipeline_engine_staleness_zero_is_exact(tmp_path: Path) -> None:
-    """staleness=0: per-interval GA -> AV pipeline (GraphSAGE: both layers) trains what one process trains,
-    also after ``intervals="auto"`` re-cuts the partitions from the first epoch's measured requests."""
-    result = _run_exact(tmp_path, "sage", 2, "inline", staleness=0, intervals="auto")
-    expected, expected_weights = reference("sage")
+    """staleness=0: the per-interval AV -> GA pipeline of weight-first GCN layers (12 -> 8 -> 4: layer 1's
+    dropped-out input made per interval, layer 2's a tensor needing its gradient, SC of both through the
+    exchange) trains what one process trains, with dropout, also after ``intervals="auto"`` re-cuts the
+    partitions from the first epoch's measured requests. (Gather-first layers: ``test_nn.py``.)"""
+    result = _run_exact(tmp_path, "gcn", 2, "inline", staleness=0, intervals="auto",
+                        extra=("--hidden", "8", "--dropout", "0.5"))
+    expected, expected_weights = reference("gcn", dropout=0.5, hidden=8)
     torch.testing.assert_close(
         torch.tensor(result["losses"]), torch.tensor(expected["losses"]), rtol=1e-9, atol=1e-11
     )
@@ -266,19 +273,74 @@ def test_pipeline_engine_staleness_zero_is_exact(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_pipeline_engine_staleness_one_reads_ghosts_at_most_one_epoch_old(tmp_path: Path) -> None:
     """staleness=1: the first epoch is exact (nothing older exists), ghosts are never more than 1 epoch old,
-    replicas stay identical and the loss goes down."""
-    result = _run_exact(tmp_path, "gcn", 2, "local", staleness=1)
-    expected, _ = reference("gcn")
+    every later epoch's first-layer requests were sent ahead during the previous epoch (validation between
+    epochs drains but keeps them), replicas stay identical and the loss goes down."""
+    result = _run_exact(tmp_path, "gcn", 2, "local", staleness=1, extra=("--hidden", "8"))
+    expected, _ = reference("gcn", hidden=8)
     assert result["losses"][0] == pytest.approx(expected["losses"][0], rel=1e-9)
     assert result["losses"][-1] < result["losses"][0]
     for rank in range(2):
         stale = json.loads((tmp_path / f"stale_rank{rank}.json").read_text())
-        # per epoch: SC of both layers, ∇SC of layer 2 (layer 1's input, the features, needs no gradient)
-        assert stale["reads"] == 3 * EPOCHS
+        # per epoch: SC and ∇SC of both (weight-first) layers: P = x W needs its gradient for ∇W
+        assert stale["reads"] == 4 * EPOCHS
         assert 0 <= stale["max_age"] <= 1
+        assert stale["runahead_used"] == EPOCHS - 1 and stale["runahead_dropped"] == 0
     replicas = [load_file(str(tmp_path / f"weights_rank{r}.safetensors")) for r in range(2)]
     for name, value in replicas[1].items():
         torch.testing.assert_close(value, replicas[0][name], rtol=0, atol=0)
+
+
+def test_run_ahead_first_layer_reads_the_previous_weight_version(tmp_path: Path) -> None:
+    """staleness=1 on one graph server (no ghosts, so deterministic): epoch ``e >= 1``'s weight-first first
+    layer runs on the weights of before epoch ``e - 1``'s update (its requests were sent during epoch
+    ``e - 1``'s backward) and its gradient updates the current weights: the synchronous model trained with
+    exactly that delay, by swapping the first layer's weight around each step, gives the same losses and
+    weights."""
+    partitions = partition_graph(make_graph(), 1, partitioner="metis", interval_size=INTERVAL_SIZE)
+
+    class DelayFirstLayer(Callback):
+        """Forward and backward of epoch e on W_{e-1}; the step applies the gradient to W_e."""
+
+        def __init__(self) -> None:
+            self.before_last_step: torch.Tensor | None = None
+            self.current: torch.Tensor | None = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            weight = pl_module.convs[0].weight
+            self.current = weight.detach().clone()
+            if self.before_last_step is not None:
+                weight.data.copy_(self.before_last_step)
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            pl_module.convs[0].weight.data.copy_(self.current)
+            self.before_last_step = self.current
+
+    class Counters(Callback):
+        def on_train_end(self, trainer, pl_module) -> None:
+            ahead = trainer.strategy.runtime.runahead
+            counted.update(used=ahead.used, dropped=ahead.dropped)
+
+    runs, counted = {}, {}
+    for name, strategy, extra in (
+        ("delayed", "auto", [DelayFirstLayer()]),
+        ("stale", DorylusStrategy(executor="inline", staleness=1, timeout=datetime.timedelta(seconds=30)),
+         [Counters()]),
+    ):
+        model = make_model("gcn", dropout=0.5, hidden=8)
+        assert model.convs[0].order == "weight_first"
+        try:
+            _, recorder = train(model, partitions, EPOCHS, strategy=strategy, devices=1, extra=extra)
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        runs[name] = (recorder.losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    assert counted == {"used": EPOCHS - 1, "dropped": 0}
+    synchronous = reference("gcn", dropout=0.5, hidden=8)[0]["losses"]
+    losses, weights = runs["stale"]
+    assert losses[0] == pytest.approx(synchronous[0], rel=1e-12) and losses[1:] != synchronous[1:]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(runs["delayed"][0]), rtol=1e-9, atol=1e-12)
+    for key, value in runs["delayed"][1].items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True])

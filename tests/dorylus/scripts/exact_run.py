@@ -51,13 +51,13 @@ def make_graph(seed: int = 0) -> Data:
     )
 
 
-def make_model(name: str, seed: int = 0, dropout: float = 0.0) -> LightningModule:
+def make_model(name: str, seed: int = 0, dropout: float = 0.0, hidden: int = 16) -> LightningModule:
     """The model under test, float64. One process and N servers compute the same function even with
     ``dropout > 0``: masks are keyed by (seed, epoch, step, site, global vertex/edge id)."""
     seed_everything(seed, verbose=False)
     if name == "gcn":
         model: LightningModule = GCN(
-            NUM_FEATURES, 16, NUM_CLASSES, dropout=dropout, lr=0.05, weight_decay=5e-4
+            NUM_FEATURES, hidden, NUM_CLASSES, dropout=dropout, lr=0.05, weight_decay=5e-4
         )
     elif name == "gat":
         model = GAT(
@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--staleness", type=int, default=None)
+    parser.add_argument("--hidden", type=int, default=16, help="GCN hidden width (< 12: weight-first)")
     parser.add_argument("--intervals", default=None, help="'auto' or an int (DorylusStrategy(intervals=...))")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -147,7 +148,7 @@ def main() -> None:
         if args.intervals == "auto"
         else int(args.intervals),
     )
-    model = make_model(args.model, dropout=args.dropout)
+    model = make_model(args.model, dropout=args.dropout, hidden=args.hidden)
     stale = {}
 
     class StaleStats(Callback):  # read before teardown drops the runtime
@@ -155,6 +156,9 @@ def main() -> None:
             exchange = strategy.runtime.stale_exchange if strategy.runtime is not None else None
             if exchange is not None:
                 stale.update(reads=exchange.reads, waits=exchange.waits, max_age=exchange.max_age)
+            if strategy.runtime is not None:
+                ahead = strategy.runtime.runahead
+                stale.update(runahead_used=ahead.used, runahead_dropped=ahead.dropped)
             if strategy.tuned is not None:
                 stale.update(
                     tuned_intervals=strategy.tuned.num_intervals, tuned_in_flight=strategy.tuned.max_in_flight
