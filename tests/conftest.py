@@ -1,0 +1,47 @@
+"""Suite-wide hooks: per-test CPU accounting (``--cpu-times``), for measuring the suite on a busy machine.
+
+Wall times (``--durations``) inflate when other work shares the cores; CPU seconds do not. With
+``--cpu-times`` every test's CPU (this process + the subprocesses it waited for, i.e. ``RUSAGE_CHILDREN``)
+is summed and the largest are printed at the end, with the total: total / cores estimates a quiet run.
+"""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Generator
+
+import pytest
+
+_CPU_KEY = pytest.StashKey[dict[str, float]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-times", action="store_true", default=False,
+        help="print each test's CPU seconds (own + waited-for subprocesses) and the total",
+    )
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    if not item.config.getoption("--cpu-times"):
+        yield
+        return
+    start = _cpu_seconds()
+    yield
+    item.config.stash.setdefault(_CPU_KEY, {})[item.nodeid] = _cpu_seconds() - start
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    times = config.stash.get(_CPU_KEY, {})
+    if not times:
+        return
+    terminalreporter.section("CPU seconds per test (own + subprocesses)")
+    for nodeid, seconds in sorted(times.items(), key=lambda kv: -kv[1])[:40]:
+        terminalreporter.write_line(f"{seconds:8.1f}  {nodeid}")
+    terminalreporter.write_line(f"{sum(times.values()):8.1f}  total over {len(times)} tests")
