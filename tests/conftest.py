@@ -1,4 +1,11 @@
-"""Suite-wide hooks: per-test CPU accounting (``--cpu-times``), for measuring the suite on a busy machine.
+"""Suite-wide hooks: one xdist group for the tests that launch processes or share the local services, and
+per-test CPU accounting (``--cpu-times``), for measuring the suite on a busy machine.
+
+``scripts/test.sh`` runs the suite on 2 pytest-xdist workers with ``--dist loadgroup``: every test marked
+``multiprocess`` or ``services`` is put in the group ``serial``, which one worker runs one test after another
+(at most one multi-process launch at a time on the 2 cores, one user of the moto/etcd servers at a time);
+the single-process tests run beside it on the other worker, in the launches' idle time (waits for
+heartbeats, timeouts, peers). Without ``-n`` the marker does nothing.
 
 Wall times (``--durations``) inflate when other work shares the cores; CPU seconds do not. With
 ``--cpu-times`` every test's CPU (this process + the subprocesses it waited for, i.e. ``RUSAGE_CHILDREN``)
@@ -20,6 +27,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--cpu-times", action="store_true", default=False,
         help="print each test's CPU seconds (own + waited-for subprocesses) and the total",
     )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("multiprocess") or item.get_closest_marker("services"):
+            item.add_marker(pytest.mark.xdist_group("serial"))
 
 
 def _cpu_seconds() -> float:
