@@ -22,8 +22,14 @@ if [[ -f scripts/services.sh ]]; then
     done < <(DORYLUS_SERVICES_DIR="$services_dir" bash scripts/services.sh)
 fi
 
+# 2 pytest-xdist workers: the multi-process and services tests run one at a time on one worker (the group
+# "serial", tests/conftest.py), the single-process tests beside them on the other. PYTEST_WORKERS=0: serial.
+workers=${PYTEST_WORKERS:-2}
+parallel=()
+if [[ "$workers" -gt 1 ]]; then parallel=(-n "$workers" --dist loadgroup); fi
+
 set +e
-"$PY" -m pytest "$@"
+"$PY" -m pytest "${parallel[@]}" "$@"
 rc=$?
 set -e
 exit $rc

@@ -9,7 +9,9 @@ heartbeats, timeouts, peers). Without ``-n`` the marker does nothing.
 
 Wall times (``--durations``) inflate when other work shares the cores; CPU seconds do not. With
 ``--cpu-times`` every test's CPU (this process + the subprocesses it waited for, i.e. ``RUSAGE_CHILDREN``)
-is summed and the largest are printed at the end, with the total: total / cores estimates a quiet run.
+is summed and the largest are printed at the end, with the total: total / cores estimates a quiet run
+(also under xdist: each worker measures its own tests and the controller prints them). Not counted: the
+ranks that Lightning's popen launcher starts (nobody waits for them), so a 2-process launch shows ~half.
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ import resource
 from collections.abc import Generator
 
 import pytest
-
-_CPU_KEY = pytest.StashKey[dict[str, float]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -40,19 +40,34 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+_START_KEY = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.config.getoption("--cpu-times"):
+        item.stash[_START_KEY] = _cpu_seconds()
+
+
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
-    if not item.config.getoption("--cpu-times"):
-        yield
-        return
-    start = _cpu_seconds()
-    yield
-    item.config.stash.setdefault(_CPU_KEY, {})[item.nodeid] = _cpu_seconds() - start
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, None, None]:
+    outcome = yield
+    if call.when == "teardown" and _START_KEY in item.stash:  # the report travels to the xdist controller
+        outcome.get_result().user_properties.append(("cpu_s", _cpu_seconds() - item.stash[_START_KEY]))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for key, value in report.user_properties:
+        if key == "cpu_s" and report.when == "teardown":
+            _TIMES[report.nodeid] = _TIMES.get(report.nodeid, 0.0) + float(value)
+
+
+_TIMES: dict[str, float] = {}
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    times = config.stash.get(_CPU_KEY, {})
-    if not times:
+    times = _TIMES
+    if not times or hasattr(config, "workerinput"):  # printed by the xdist controller, not each worker
         return
     terminalreporter.section("CPU seconds per test (own + subprocesses)")
     for nodeid, seconds in sorted(times.items(), key=lambda kv: -kv[1])[:40]:

@@ -82,7 +82,7 @@ def run_references(out: Path) -> dict[str, Path]:
     for name, key in keys.items():
         _, pipelines, optimizer, _, flags = CASES[name]
         unique[key] = reference_args(optimizer, pipelines, flags or [])
-    folders = run_batch(out, unique, timeout=300)
+    folders = run_batch(out, unique, timeout=600)
     return {name: folders[key] for name, key in keys.items()}
 
 
@@ -93,4 +93,4 @@ def run_bamboo(out: Path, devices: int) -> dict[str, Path]:
         for name, (stages, pipelines, optimizer, flags, _) in CASES.items()
         if stages * pipelines == devices
     }
-    return run_batch(out, cases, timeout=120 + 60 * len(cases))
+    return run_batch(out, cases, timeout=300 + 60 * len(cases))

@@ -184,7 +184,7 @@ def train(args: argparse.Namespace) -> None:
             num_microbatches=args.microbatches,
             redundancy=not args.no_redundancy,
             replica_device=args.replica_device,
-            timeout=120,  # collectives and the rendezvous: 4 ranks starting on 2 busy cores take time
+            timeout=180,  # rendezvous + collectives: 4 ranks importing torch on 2 busy cores can take >60 s
         )
     else:
         strategy = "auto"

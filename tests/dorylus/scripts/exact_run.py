@@ -158,7 +158,8 @@ def run_case(args: argparse.Namespace, partitions: list[GraphPartition]) -> None
     strategy = DorylusStrategy(
         executor=args.executor,
         executor_options=options,
-        timeout=datetime.timedelta(seconds=60),
+        # rendezvous + collectives: on a busy machine 3 servers importing torch on 2 cores can take > 60 s
+        timeout=datetime.timedelta(seconds=180),
         staleness=args.staleness,
         intervals=None
         if args.intervals is None
