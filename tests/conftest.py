@@ -1,16 +1,9 @@
-"""Suite-wide hooks: one xdist group for the tests that launch processes or share the local services, and
-per-test CPU accounting (``--cpu-times``), for measuring the suite on a busy machine.
-
-``scripts/test.sh`` runs the suite on 2 pytest-xdist workers with ``--dist loadgroup``: every test marked
-``multiprocess`` or ``services`` is put in the group ``serial``, which one worker runs one test after another
-(at most one multi-process launch at a time on the 2 cores, one user of the moto/etcd servers at a time);
-the single-process tests run beside it on the other worker, in the launches' idle time (waits for
-heartbeats, timeouts, peers). Without ``-n`` the marker does nothing.
+"""Suite-wide hooks: per-test CPU accounting (``--cpu-times``), for measuring the suite on a busy machine.
 
 Wall times (``--durations``) inflate when other work shares the cores; CPU seconds do not. With
 ``--cpu-times`` every test's CPU (this process + the subprocesses it waited for, i.e. ``RUSAGE_CHILDREN``)
 is summed and the largest are printed at the end, with the total: total / cores estimates a quiet run
-(also under xdist: each worker measures its own tests and the controller prints them). Not counted: the
+(also under pytest-xdist, if used: the controller prints the workers' figures). Not counted: the
 ranks that Lightning's popen launcher starts (nobody waits for them), so a 2-process launch shows ~half.
 """
 
@@ -27,12 +20,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--cpu-times", action="store_true", default=False,
         help="print each test's CPU seconds (own + waited-for subprocesses) and the total",
     )
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("multiprocess") or item.get_closest_marker("services"):
-            item.add_marker(pytest.mark.xdist_group("serial"))
 
 
 def _cpu_seconds() -> float:
