@@ -22,8 +22,37 @@ if [[ -f scripts/services.sh ]]; then
     done < <(DORYLUS_SERVICES_DIR="$services_dir" bash scripts/services.sh)
 fi
 
+# Two pytest sessions side by side on the 2 cores: the multi-process and services tests one after another
+# (at most one launch of training processes at a time; one user of the local services at a time), and the
+# in-process tests (one core) beside them, filling the launches' idle time. Exit status 5 (no test selected,
+# e.g. a file of one kind passed as an argument) counts as success unless both sessions selected nothing.
+# TEST_SPLIT=0 (or a -m selection of the caller's): one session.
+split=${TEST_SPLIT:-1}
+for arg in "$@"; do
+    if [[ "$arg" == -m* ]]; then split=0; fi  # the caller selects by marker: one session, theirs
+done
+if [[ "$split" == 0 ]]; then
+    set +e
+    "$PY" -m pytest "$@"
+    rc=$?
+    set -e
+    exit $rc
+fi
+inproc_log="$services_dir/inprocess.log"
 set +e
-"$PY" -m pytest "$@"
-rc=$?
+"$PY" -m pytest -m "not multiprocess and not services" "$@" >"$inproc_log" 2>&1 &
+inproc_pid=$!
+pids+=("$inproc_pid")
+"$PY" -m pytest -m "multiprocess or services" "$@"
+rc_launch=$?
+wait "$inproc_pid"
+rc_inproc=$?
 set -e
-exit $rc
+echo "=== in-process tests (the session that ran beside the one above) ==="
+cat "$inproc_log"
+echo "test.sh: launch tests exit $rc_launch, in-process tests exit $rc_inproc"
+if [[ $rc_launch == 5 && $rc_inproc == 5 ]]; then exit 5; fi
+for rc in $rc_launch $rc_inproc; do
+    if [[ $rc != 0 && $rc != 5 ]]; then exit "$rc"; fi
+done
+exit 0

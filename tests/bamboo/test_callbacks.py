@@ -155,12 +155,11 @@ def test_aws_notice_mid_training_drains_at_a_step_boundary(tmp_path: Path) -> No
     from tests.bamboo.launch import run_script
 
     steps = 12
-    # the reference needs no pause at its step boundaries (it has no notice to wait for)
-    ref_args = ["--out", str(tmp_path / "ref"), "--steps", str(steps), "--pause", "0"]
-    run_script("train_notice.py", ref_args, timeout=240)
     with FakeMetadata(notice=True, notice_after=8) as fake:  # ~8 x 50 ms of 404s, then the notice
-        args = ["--out", str(tmp_path / "run"), "--steps", str(steps), "--aws", fake.url]
-        run_script("train_notice.py", args, timeout=240)
+        # one launch: the uninterrupted reference first (nothing polled), then the run polling the fake IMDS
+        args = ["--ref-out", str(tmp_path / "ref"), "--out", str(tmp_path / "run"), "--steps", str(steps),
+                "--aws", fake.url]
+        run_script("train_notice.py", args, timeout=300)
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert json.loads((ref / "summary.json").read_text())["global_step"] == steps
     assert json.loads((ref / "events_rank0.json").read_text()) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,12 @@ def test_two_stage_checkpoint_merges_and_resumes(tmp_path: Path) -> None:
         "--checkpoint-dir",
         str(callback_dir),
     ]
-    run_script("train_pipe.py", run, timeout=180)
+    resume = tmp_path / "resume"
+    resumed = [*common, "--out", str(resume), "--resume", str(path), "--steps", "4", "--max-epochs", "2"]
+    # one launch, two Trainers: train 3 steps and save; then a fresh model + strategy resumes from the files
+    cases = tmp_path / "cases.json"
+    cases.write_text(json.dumps({"save": run, "resume": resumed}))
+    run_script("train_pipe.py", ["--cases", str(cases)], timeout=300)
     assert (path / ckpt.META_FILE).exists()
     assert not path.with_name(path.name + ".partial").exists()
     # ModelCheckpoint (paths broadcast without pickle): the 2 lowest train losses of 3 steps are kept, + last
@@ -44,12 +50,6 @@ def test_two_stage_checkpoint_merges_and_resumes(tmp_path: Path) -> None:
         torch.testing.assert_close(param.detach(), trained[f"own/{name}"], rtol=0, atol=0)
 
     # resuming restores every stage, its optimizer state AND its replica (with optimizer state) exactly
-    resume = tmp_path / "resume"
-    run_script(
-        "train_pipe.py",
-        [*common, "--out", str(resume), "--resume", str(path), "--steps", "4", "--max-epochs", "2"],
-        timeout=180,
-    )
     for rank in range(2):
         saved, loaded = snapshot(tmp_path / "run", 3, rank), _load(resume / f"start_rank{rank}.safetensors")
         keys = {k for k in saved if k.startswith(("own", "replica"))}

@@ -3,7 +3,8 @@
 Each case runs ``scripts/train_pipe.py`` twice: once with ``strategy="auto"`` on one process (the same
 ``PipeMLP`` class, the union of the pipelines' batches per step) and once with ``strategy="bamboo"``. After
 every step, EVERY parameter and optimizer state of every stage, and of every replica, must equal the
-reference; so must the returned and the logged loss.
+reference; so must the returned and the logged loss. The runs are batched (``pipe_runs.py``: all references
+in one process, all 2-process runs in one launch, all 4-process ones in another), each case checked here.
 """
 
 from __future__ import annotations
@@ -14,58 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.bamboo.launch import run_script, snapshot
+from tests.bamboo.launch import snapshot
+from tests.bamboo.pipe_runs import STEPS
 
 # float64 model: the only differences are summation orders (micro-batches, all-reduce)
 TOL = {"rtol": 1e-10, "atol": 1e-12}
-STEPS = 3
-
-
-def reference(out: Path, optimizer: str, pipelines: int, extra: list[str]) -> Path:
-    ref = out / "reference"
-    run_script(
-        "train_pipe.py",
-        [
-            "--out",
-            str(ref),
-            "--strategy",
-            "auto",
-            "--optimizer",
-            optimizer,
-            "--pipelines",
-            str(pipelines),
-            "--steps",
-            str(STEPS),
-            *extra,
-        ],
-    )
-    return ref
-
-
-def bamboo(out: Path, stages: int, pipelines: int, optimizer: str, extra: list[str]) -> Path:
-    run = out / "bamboo"
-    run_script(
-        "train_pipe.py",
-        [
-            "--out",
-            str(run),
-            "--strategy",
-            "bamboo",
-            "--devices",
-            str(stages * pipelines),
-            "--stages",
-            str(stages),
-            "--pipelines",
-            str(pipelines),
-            "--optimizer",
-            optimizer,
-            "--steps",
-            str(STEPS),
-            *extra,
-        ],
-        timeout=180,
-    )
-    return run
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, where: str) -> None:
@@ -113,34 +67,33 @@ def assert_matches_reference(run: Path, ref: Path, stages: int, pipelines: int, 
         torch.testing.assert_close(torch.stack(pipeline_losses).mean(0), expected["loss"], **TOL)
 
 
-CASES = [
-    pytest.param(2, 1, True, "sgd", [], id="2stages-redundant-sgd"),
-    pytest.param(2, 1, False, "adam", [], id="2stages-plain-adam"),
-    pytest.param(4, 1, True, "adam", ["--microbatches", "4"], id="4stages-redundant-adam"),
-    pytest.param(4, 1, False, "sgd", ["--microbatches", "4"], id="4stages-plain-sgd"),
-    pytest.param(2, 2, True, "adam", [], id="2stages-x-2pipelines-redundant-adam"),
+CASES = [  # name in pipe_runs.CASES, stages, pipelines, redundancy
+    pytest.param("2stages-redundant-sgd", 2, 1, True, id="2stages-redundant-sgd"),
+    pytest.param("2stages-plain-adam", 2, 1, False, id="2stages-plain-adam"),
+    pytest.param("4stages-redundant-adam", 4, 1, True, id="4stages-redundant-adam"),
+    pytest.param("4stages-plain-sgd", 4, 1, False, id="4stages-plain-sgd"),
+    pytest.param("2stages-x-2pipelines-redundant-adam", 2, 2, True, id="2stages-x-2pipelines-redundant-adam"),
 ]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize(("stages", "pipelines", "redundancy", "optimizer", "extra"), CASES)
+@pytest.mark.parametrize(("case", "stages", "pipelines", "redundancy"), CASES)
 def test_bamboo_matches_single_process(
-    tmp_path: Path, stages: int, pipelines: int, redundancy: bool, optimizer: str, extra: list[str]
+    request: pytest.FixtureRequest, pipe_references: dict[str, Path], case: str, stages: int, pipelines: int,
+    redundancy: bool,
 ) -> None:
-    ref = reference(tmp_path, optimizer, pipelines, [])
-    flags = [*extra, *([] if redundancy else ["--no-redundancy"])]
-    run = bamboo(tmp_path, stages, pipelines, optimizer, flags)
-    assert_matches_reference(run, ref, stages, pipelines, redundancy)
+    runs = request.getfixturevalue(f"pipe_bamboo_{stages * pipelines}")
+    assert_matches_reference(runs[case], pipe_references[case], stages, pipelines, redundancy)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_global_norm_clipping_cpu_replica_and_validation(tmp_path: Path) -> None:
+def test_global_norm_clipping_cpu_replica_and_validation(
+    pipe_references: dict[str, Path], pipe_bamboo_2: dict[str, Path]
+) -> None:
     """Clipping by the norm over all stages; replica in host memory; validation loss from the last stage."""
-    common = ["--clip", "0.05", "--validate"]
-    ref = reference(tmp_path, "adam", 1, common)
-    run = bamboo(tmp_path, 2, 1, "adam", [*common, "--replica-device", "cpu"])
+    ref, run = pipe_references["clip-cpu-replica-validate"], pipe_bamboo_2["clip-cpu-replica-validate"]
     assert_matches_reference(run, ref, 2, 1, True)
     expected = json.loads((ref / "validate.json").read_text())[0]["val_loss"]
     got = json.loads((run / "validate.json").read_text())[0]["val_loss"]
@@ -149,11 +102,9 @@ def test_global_norm_clipping_cpu_replica_and_validation(tmp_path: Path) -> None
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_bf16_mixed_precision(tmp_path: Path) -> None:
+def test_bf16_mixed_precision(pipe_references: dict[str, Path], pipe_bamboo_2: dict[str, Path]) -> None:
     """Autocast around every stage forward: close to single-process bf16-mixed, replicas still bit-exact."""
-    common = ["--dtype", "float32", "--precision", "bf16-mixed"]
-    ref = reference(tmp_path, "sgd", 1, common)
-    run = bamboo(tmp_path, 2, 1, "sgd", common)
+    ref, run = pipe_references["bf16-mixed"], pipe_bamboo_2["bf16-mixed"]
     for step in range(1, STEPS + 1):
         expected = snapshot(ref, step, 0)
         ranks = [snapshot(run, step, rank) for rank in range(2)]

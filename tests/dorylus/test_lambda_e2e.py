@@ -19,13 +19,12 @@ from tests.process import REPO, launch_env, run_process
 PLANETOID = REPO / "data" / "planetoid"
 
 
-def _run(tmp: Path, executor: str, extra_env: dict[str, str]) -> dict:
-    out = tmp / executor
-    out.mkdir()
+def _run(out: Path, extra_env: dict[str, str]) -> dict[str, dict]:
+    """Both executors in one launch of the 2 graph servers (Lambda first, then the local pool)."""
     cmd = [sys.executable, str(SCRIPTS / "lambda_cora_run.py"), str(out), str(PLANETOID),
-           "--executor", executor, "--epochs", "3"]
+           "--executor", "lambda,local", "--epochs", "3"]
     run_process(cmd, timeout=900, cwd=out, env=launch_env(extra_env))
-    return json.loads((out / "result.json").read_text())
+    return {name: json.loads((out / name / "result.json").read_text()) for name in ("lambda", "local")}
 
 
 @pytest.mark.slow
@@ -37,8 +36,8 @@ def test_two_graph_servers_on_lambda_match_the_local_pool(tmp_path: Path, lambda
                                                           s3_endpoint: str) -> None:
     env = {"DORYLUS_TEST_LAMBDA_ENDPOINT": lambda_endpoint, "DORYLUS_TEST_S3_ENDPOINT": s3_endpoint,
            "DORYLUS_TEST_S3_BUCKET": BUCKET}
-    on_lambda = _run(tmp_path, "lambda", env)
-    local = _run(tmp_path, "local", {})
+    results = _run(tmp_path, env)
+    on_lambda, local = results["lambda"], results["local"]
     assert len(on_lambda["losses"]) == len(local["losses"]) == 3
     np.testing.assert_allclose(on_lambda["losses"], local["losses"], rtol=1e-9)
     np.testing.assert_allclose(on_lambda["val_acc"], local["val_acc"], rtol=1e-9)

@@ -95,9 +95,9 @@ def states(trainer: Trainer, pl_module: LightningModule) -> dict[str, torch.Tens
     return {k: v.contiguous().cpu() for k, v in tensors.items()}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=None, help="required unless --cases")
     parser.add_argument("--strategy", choices=["auto", "bamboo"], default="bamboo")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--stages", type=int, default=2)
@@ -124,7 +124,30 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     parser.add_argument("--extra-samples", type=int, default=0, help="samples beyond whole batches")
     parser.add_argument("--per-rank-state", action="store_true", help="frozen params/buffers drawn per rank")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--cases", type=Path, default=None,
+        help="JSON file {name: [argument, ...]}: run each case (these arguments, --out included) in turn, "
+        "in this one launch; every case of a bamboo launch uses the same --devices",
+    )
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    """One case from the command line, or every case of ``--cases`` one after another (imports and, under
+    bamboo, the popen launch of the other ranks paid once: Lightning starts them with the first Trainer)."""
+    args = parse_args()
+    if args.cases is None:
+        if args.out is None:
+            raise SystemExit("train_pipe.py: --out (or --cases) is required")
+        train(args)
+        return
+    cases = json.loads(args.cases.read_text())
+    for name, argv in cases.items():
+        print(f"train_pipe: case {name}", flush=True)
+        train(parse_args(argv))
+
+
+def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -161,7 +184,7 @@ def main() -> None:
             num_microbatches=args.microbatches,
             redundancy=not args.no_redundancy,
             replica_device=args.replica_device,
-            timeout=60,
+            timeout=180,  # rendezvous + collectives: 4 ranks importing torch on 2 busy cores can take >60 s
         )
     else:
         strategy = "auto"

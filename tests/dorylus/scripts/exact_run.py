@@ -8,6 +8,9 @@ replicas stayed identical. The test builds the same graph and model with :func:`
 
 Usage: python exact_run.py OUT_DIR --model gcn|gat|sage --servers N --executor local|inline [--epochs 5]
        [--dropout 0.0] [--staleness S] [--intervals auto|K]
+       python exact_run.py OUT_DIR --servers N --cases CASES_JSON
+With ``--cases`` (``{name: [--model ..., --executor ..., ...]}``) every case trains in turn in this one launch
+(a Trainer and a strategy per case; the imports and the process group paid once), into ``OUT_DIR/<name>``.
 """
 
 from __future__ import annotations
@@ -121,7 +124,7 @@ def train(
     return trainer, recorder
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--model", default="gcn")
@@ -132,15 +135,32 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=16, help="GCN hidden width (< 12: weight-first)")
     parser.add_argument("--intervals", default=None, help="'auto' or an int (DorylusStrategy(intervals=...))")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    parser.add_argument("--cases", type=Path, default=None, help="JSON {name: [arguments]}, one launch")
+    return parser.parse_args(argv)
 
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
     partitions = partition_graph(make_graph(), args.servers, partitioner="metis", interval_size=INTERVAL_SIZE)
+    if args.cases is None:
+        run_case(args, partitions)
+        return
+    for name, argv in json.loads(args.cases.read_text()).items():
+        print(f"exact_run: case {name}", flush=True)
+        case = parse_args([str(args.out / name), "--servers", str(args.servers), *argv])
+        case.out.mkdir(parents=True, exist_ok=True)
+        run_case(case, partitions)
+
+
+def run_case(args: argparse.Namespace, partitions: list[GraphPartition]) -> None:
+    """Trains one case on ``args.servers`` graph servers and writes its results under ``args.out``."""
     options = {"num_workers": 1} if args.executor == "local" else {}
     strategy = DorylusStrategy(
         executor=args.executor,
         executor_options=options,
-        timeout=datetime.timedelta(seconds=60),
+        # rendezvous + collectives: on a busy machine 3 servers importing torch on 2 cores can take > 60 s
+        timeout=datetime.timedelta(seconds=180),
         staleness=args.staleness,
         intervals=None
         if args.intervals is None
@@ -187,6 +207,8 @@ def main() -> None:
         ghosts = [p.n_ghost for p in partitions]
         result = {"losses": recorder.losses, "val_acc": recorder.val_acc, "ghosts": ghosts}
         (args.out / "result.json").write_text(json.dumps(result))
+
+
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ endpoint in ``DORYLUS_TEST_LAMBDA_ENDPOINT`` (the local endpoint running the dep
 not fit 6 MB through the S3 endpoint in ``DORYLUS_TEST_S3_ENDPOINT``. Rank 0 writes ``result.json``
 (per-epoch global train losses, val accuracies and the executor's counters).
 
-Usage: python lambda_cora_run.py OUT_DIR PLANETOID_ROOT --executor lambda|local [--servers 2] [--epochs 3]
+Usage: python lambda_cora_run.py OUT_DIR PLANETOID_ROOT --executor lambda|local|lambda,local [--servers 2]
+       [--epochs 3]
+With several executors, each trains in turn in this one launch (a strategy and a model per executor; the
+imports and the process group paid once) and writes ``OUT_DIR/<executor>/result.json``.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("planetoid_root", type=Path)
-    parser.add_argument("--executor", default="lambda")
+    parser.add_argument("--executor", default="lambda", help="lambda, local, or both comma-separated")
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
@@ -55,17 +58,25 @@ def main() -> None:
     data = T.NormalizeFeatures()(dataset[0])
     data.x = data.x.double()
     partitions = partition_graph(data, args.servers, partitioner="metis")
-    strategy = DorylusStrategy(executor=args.executor, executor_options=executor_options(args.executor),
+    executors = args.executor.split(",")
+    for name in executors:
+        out = args.out if len(executors) == 1 else args.out / name
+        out.mkdir(parents=True, exist_ok=True)
+        run(name, partitions, int(data.y.max()) + 1, data.num_features, args, out)
+
+
+def run(executor: str, partitions: list, num_classes: int, num_features: int, args, out: Path) -> None:
+    """Trains the GCN with ``executor``; rank 0 writes ``out/result.json``."""
+    strategy = DorylusStrategy(executor=executor, executor_options=executor_options(executor),
                                timeout=datetime.timedelta(seconds=300))
     seed_everything(0, verbose=False)
-    num_classes = int(data.y.max()) + 1
-    model = GCN(data.num_features, 16, num_classes, dropout=0.0, lr=0.01, weight_decay=5e-4).double()
+    model = GCN(num_features, 16, num_classes, dropout=0.0, lr=0.01, weight_decay=5e-4).double()
     stats: dict = {}
     model.on_train_end = lambda: stats.update(getattr(strategy.executor, "stats", {}))  # before teardown
     trainer, recorder = train(model, partitions, args.epochs, strategy, devices=args.servers)
     if trainer.global_rank == 0:
         result = {"losses": recorder.losses, "val_acc": recorder.val_acc, "stats": stats}
-        (args.out / "result.json").write_text(json.dumps(result))
+        (out / "result.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

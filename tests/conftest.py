@@ -1,0 +1,62 @@
+"""Suite-wide hooks: per-test CPU accounting (``--cpu-times``), for measuring the suite on a busy machine.
+
+Wall times (``--durations``) inflate when other work shares the cores; CPU seconds do not. With
+``--cpu-times`` every test's CPU (this process + the subprocesses it waited for, i.e. ``RUSAGE_CHILDREN``)
+is summed and the largest are printed at the end, with the total: total / cores estimates a quiet run
+(also under pytest-xdist, if used: the controller prints the workers' figures). Not counted: the
+ranks that Lightning's popen launcher starts (nobody waits for them), so a 2-process launch shows ~half.
+"""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Generator
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-times", action="store_true", default=False,
+        help="print each test's CPU seconds (own + waited-for subprocesses) and the total",
+    )
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+_START_KEY = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.config.getoption("--cpu-times"):
+        item.stash[_START_KEY] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, None, None]:
+    outcome = yield
+    if call.when == "teardown" and _START_KEY in item.stash:  # the report travels to the xdist controller
+        outcome.get_result().user_properties.append(("cpu_s", _cpu_seconds() - item.stash[_START_KEY]))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for key, value in report.user_properties:
+        if key == "cpu_s" and report.when == "teardown":
+            _TIMES[report.nodeid] = _TIMES.get(report.nodeid, 0.0) + float(value)
+
+
+_TIMES: dict[str, float] = {}
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    times = _TIMES
+    if not times or hasattr(config, "workerinput"):  # printed by the xdist controller, not each worker
+        return
+    terminalreporter.section("CPU seconds per test (own + subprocesses)")
+    for nodeid, seconds in sorted(times.items(), key=lambda kv: -kv[1])[:40]:
+        terminalreporter.write_line(f"{seconds:8.1f}  {nodeid}")
+    terminalreporter.write_line(f"{sum(times.values()):8.1f}  total over {len(times)} tests")
