@@ -8,6 +8,7 @@ timeout, killed by process group if it outlives it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -164,11 +165,14 @@ def etcd_endpoint() -> Iterator[str]:
         timeout=60,
         check=True,
     ).stdout
-    values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    pairs = [line.split("=", 1) for line in out.splitlines() if "=" in line]
+    pids = [int(value) for key, value in pairs if key == "PID"]  # one per server services.sh started
     try:
-        yield values["BAMBOO_TEST_ETCD"]
+        yield dict(pairs)["BAMBOO_TEST_ETCD"]
     finally:
-        os.kill(int(values["PID"]), signal.SIGTERM)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
 
 
 @pytest.mark.slow
