@@ -718,7 +718,6 @@ class ElasticBambooStrategy(BambooStrategy):
                 log.warning("Bamboo: %s", err)
                 kind = "fallback"
                 self._fall_back(new)
-        self._form(new)
         self._cutter.arm(generation)  # type: ignore[union-attr]
         self._store.add(f"gen{generation}/formed", 1)
         self.failovers.append((old, new))
