@@ -1,12 +1,17 @@
-"""Session fixtures: the batched launches behind the Bamboo exactness tests (tests/bamboo/pipe_runs.py)."""
+"""Session fixtures: the batched launches behind the Bamboo exactness tests (tests/bamboo/pipe_runs.py), and
+the uninterrupted reference the elastic tests compare with."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tests.bamboo.pipe_runs import run_bamboo, run_references
+from tests.process import run_process
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +30,17 @@ def pipe_bamboo_2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def pipe_bamboo_4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Case name -> folder of its 4-process Bamboo run (all in one launch)."""
     return run_bamboo(tmp_path_factory.mktemp("pipe-bamboo-4"), devices=4)
+
+
+@pytest.fixture(scope="session")
+def elastic_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """Final state of the uninterrupted single-process run of ``train_elastic.py`` (launched once for the
+    failover and fallback tests, which train the same model for the same steps)."""
+    from tests.bamboo.test_elastic import SCRIPT, STEPS
+
+    out = tmp_path_factory.mktemp("elastic-reference")
+    run_process(
+        [sys.executable, str(SCRIPT), "--out", str(out), "--strategy", "auto", "--steps", str(STEPS)],
+        timeout=240,
+    )
+    return load_file(str(out / "final_reference.safetensors"))

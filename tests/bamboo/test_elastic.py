@@ -32,16 +32,6 @@ STEPS = 6
 pytestmark = pytest.mark.flaky(reruns=1)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    out = tmp_path_factory.mktemp("reference")
-    run_process(
-        [sys.executable, str(SCRIPT), "--out", str(out), "--strategy", "auto", "--steps", str(STEPS)],
-        timeout=240,
-    )
-    return load_file(str(out / "final_reference.safetensors"))
-
-
 def run_elastic(
     out: Path,
     nproc: int,
@@ -93,62 +83,66 @@ def maps_seen(out: Path) -> list[list[str]]:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_sigkill_last_stage_two_stages(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+def test_sigkill_last_stage_two_stages(tmp_path: Path, elastic_reference: dict[str, torch.Tensor]) -> None:
     """The last stage dies mid-step; stage 0 holds its replica and runs the whole model."""
     log = run_elastic(tmp_path, nproc=2, stages=2, fault="1:2:forward")
     assert "failover: lost [1]" in log
     assert "pipe0  m0      m0" in log
-    check_final(tmp_path, reference)
+    check_final(tmp_path, elastic_reference)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_sigkill_middle_stage(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+def test_sigkill_middle_stage(tmp_path: Path, elastic_reference: dict[str, torch.Tensor]) -> None:
     """Stage 1 of 3 dies mid-step; stage 0 promotes its replica and runs stages 0-1 fused."""
     log = run_elastic(tmp_path, nproc=3, stages=3, fault="1:2:forward")
     assert "pipe0  m0      m0      m2" in log
-    check_final(tmp_path, reference)
+    check_final(tmp_path, elastic_reference)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_sigkill_rank0(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+def test_sigkill_rank0(tmp_path: Path, elastic_reference: dict[str, torch.Tensor]) -> None:
     """Member 0 (rank 0 of the process group, stage 0) dies: the store is on the launcher, the job goes on."""
     log = run_elastic(tmp_path, nproc=2, stages=2, fault="0:3:forward")
     assert "failover: lost [0]" in log
     assert "pipe0  m1      m1" in log
-    check_final(tmp_path, reference)
+    check_final(tmp_path, elastic_reference)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_failures_at_two_phases(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+def test_two_failures_at_two_phases(tmp_path: Path, elastic_reference: dict[str, torch.Tensor]) -> None:
     """3 stages: member 1 dies before sending its replica gradients (step 1 aborted and replayed), then
     member 2 dies after the commit of step 3 and before applying it (survivors roll step 3 forward)."""
     log = run_elastic(tmp_path, nproc=3, stages=3, fault="1:1:exchange,2:3:commit")
     assert "pipe0  m0      m0      m2" in log and "pipe0  m0      m0      m0" in log
-    check_final(tmp_path, reference)
+    check_final(tmp_path, elastic_reference)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_pipelines_prepared_and_applied(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+def test_two_pipelines_prepared_and_applied(
+    tmp_path: Path, elastic_reference: dict[str, torch.Tensor]
+) -> None:
     """2 stages x 2 pipelines: member 3 dies once prepared (the step commits: all had prepared, or aborts:
     one had not — either way the survivors agree), later member 0 dies after applying its step."""
     log = run_elastic(tmp_path, nproc=4, stages=2, fault="3:1:prepared,0:4:applied")
     assert "pipe1  m2      m2" in log and "pipe0  m1      m1" in log
-    check_final(tmp_path, reference)
+    check_final(tmp_path, elastic_reference)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_hung_member_detected_by_heartbeat(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+def test_hung_member_detected_by_heartbeat(
+    tmp_path: Path, elastic_reference: dict[str, torch.Tensor]
+) -> None:
     """A SIGSTOPped member stops its heartbeat; the launcher kills it after --hang-timeout and fails over."""
     log = run_elastic(
         tmp_path, nproc=2, stages=2, fault="1:2:forward:STOP", launch_args=("--hang-timeout", "3")
     )
     assert "member 1 silent for" in log and "failover: lost [1]" in log
-    check_final(tmp_path, reference)
+    check_final(tmp_path, elastic_reference)
 
 
 @pytest.fixture(scope="module")
@@ -179,11 +173,11 @@ def etcd_endpoint() -> Iterator[str]:
 @pytest.mark.multiprocess
 @pytest.mark.services
 def test_failover_through_etcd(
-    tmp_path: Path, reference: dict[str, torch.Tensor], etcd_endpoint: str
+    tmp_path: Path, elastic_reference: dict[str, torch.Tensor], etcd_endpoint: str
 ) -> None:
     """The job's membership and every generation's rendezvous live in a real etcd server."""
     log = run_elastic(
         tmp_path, nproc=2, stages=2, fault="1:2:forward", launch_args=("--store", f"etcd://{etcd_endpoint}")
     )
     assert "failover: lost [1]" in log
-    check_final(tmp_path, reference)
+    check_final(tmp_path, elastic_reference)

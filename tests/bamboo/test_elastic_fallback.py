@@ -19,7 +19,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
 from torch import nn
 
 from lightning_bamboo import fallback as fb
@@ -29,20 +28,10 @@ from tests.bamboo.test_elastic import SCRIPT, STEPS, check_final
 from tests.process import launch_env, run_process
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    out = tmp_path_factory.mktemp("reference")
-    run_process(
-        [sys.executable, str(SCRIPT), "--out", str(out), "--strategy", "auto", "--steps", str(STEPS)],
-        timeout=240,
-    )
-    return load_file(str(out / "final_reference.safetensors"))
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_adjacent_stages_lost_falls_back_to_checkpoint(
-    tmp_path: Path, reference: dict[str, torch.Tensor]
+    tmp_path: Path, elastic_reference: dict[str, torch.Tensor]
 ) -> None:
     """3 stages x 1 pipeline, a checkpoint every 2 steps; members 1 and 2 die together in step 5 (before
     the replica exchange, so the step aborts). Nobody holds stages 1-2 any more: the launcher publishes a
@@ -62,7 +51,7 @@ def test_two_adjacent_stages_lost_falls_back_to_checkpoint(
     step, first, last, count = map(int, found.groups())
     assert step in (2, 4) and first == step and last == 4 and count == 5 - step
     assert re.search(r"\[bamboo\] checkpoint step=2 member=0 blocking_s=[0-9.]+ bytes=\d+", log)
-    check_final(out, reference)
+    check_final(out, elastic_reference)
     (job,) = list(ckpt.iterdir())
     assert fb.complete_steps(job) == [2, 4]  # keep_checkpoints=2
 
@@ -70,7 +59,7 @@ def test_two_adjacent_stages_lost_falls_back_to_checkpoint(
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_fewer_processes_than_stages_after_a_loss_after_the_commit(
-    tmp_path: Path, reference: dict[str, torch.Tensor]
+    tmp_path: Path, elastic_reference: dict[str, torch.Tensor]
 ) -> None:
     """4 stages x 1 pipeline; members 1 and 2 die together after reading the commit of step 4 (the survivors
     apply it). Two survivors for four stages: members 0 and 3 run stages 0-1 and 2-3 fused, each with the
@@ -84,7 +73,7 @@ def test_fewer_processes_than_stages_after_a_loss_after_the_commit(
     found = re.search(r"fallback: loaded checkpoint step=(\d+) .* re-ran steps (\d+)\.\.(\d+)", log)
     assert found, log[-3000:]
     assert [int(v) for v in found.groups()] in ([4, 4, 4], [2, 2, 4])
-    check_final(out, reference)
+    check_final(out, elastic_reference)
 
 
 def _write(root: Path, step: int, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer) -> None:
