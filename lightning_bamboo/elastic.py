@@ -398,14 +398,7 @@ class ElasticBambooStrategy(BambooStrategy):
             }
         self._held = held
         self._form(owners, build_optimizers=False)
-        self.model = self.precision_plugin.convert_module(module)
-        self.model_to_device()
-        self.setup_optimizers(trainer)
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"ElasticBambooStrategy supports exactly one optimizer, got {len(self.optimizers)}"
-            )
-        self.setup_precision_plugin()
+        self._setup_model_and_optimizer(trainer, module)
         self._build_replica_optimizer()
         every, directory, keep = self._checkpoint_options
         if every is not None and directory is not None:
@@ -773,6 +766,17 @@ class ElasticBambooStrategy(BambooStrategy):
         snap = trainer_progress.snapshot(self.lightning_module.trainer, self.optimizers[0], self._step)
         self._store.set(f"gen{new.generation}/progress", trainer_progress.to_json(snap))
 
+    def _setup_model_and_optimizer(self, trainer: pl.Trainer, module: nn.Module) -> None:
+        """Lightning's model, device, optimizer and precision set-up, shared by members and joiners."""
+        self.model = self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        self.setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"ElasticBambooStrategy supports exactly one optimizer, got {len(self.optimizers)}"
+            )
+        self.setup_precision_plugin()
+
     def _setup_joiner(self, trainer: pl.Trainer) -> None:
         """A joiner's ``setup``: its optimizer over the whole body, no process group yet.
 
@@ -781,14 +785,7 @@ class ElasticBambooStrategy(BambooStrategy):
         with its stages' layers and their state (:func:`lightning_bamboo.reshard.install`).
         """
         self._joining_setup = True
-        self.model = self.precision_plugin.convert_module(self.lightning_module)
-        self.model_to_device()
-        self.setup_optimizers(trainer)
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"ElasticBambooStrategy supports exactly one optimizer, got {len(self.optimizers)}"
-            )
-        self.setup_precision_plugin()
+        self._setup_model_and_optimizer(trainer, self.lightning_module)
 
     @override
     def on_train_start(self) -> None:
