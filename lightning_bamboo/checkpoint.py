@@ -3,10 +3,16 @@
 On-disk layout of one checkpoint (a directory, written by every rank)::
 
     epoch=0-step=3.ckpt/
-        .metadata            torch.distributed.checkpoint index of every tensor
-        __0_0.distcp ...     one shard file per rank: its stage's tensors
+        shard-00001-model-00001-of-00001.safetensors ...
+                             one safetensors file per rank that holds tensors: its stage's tensors,
+                             written by torch.distributed.checkpoint's HuggingFaceStorageWriter; the
+                             files' own headers are the index (shapes, dtypes)
         meta.pt              trainer state (epoch, loops, callbacks, schedulers, optimizer hyper-parameters),
                              written by rank 0, loaded with weights_only=True
+
+Nothing is unpickled on load: DCP's default ``FileSystemWriter`` would write a pickled ``.metadata`` index
+(read back with ``pickle.load``); safetensors headers are JSON. Checkpoints of the older format (a
+``.metadata`` file, no safetensors) are refused with an error saying so.
 
 Tensor keys are flat and name-based, so shards of different stages never collide and a merged checkpoint
 loads into a single-process model: ``model/pipeline.3.weight`` and ``optim0/pipeline.3.weight/exp_avg``.
@@ -19,7 +25,9 @@ mid-save never leaves a half-written checkpoint under the final name.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +41,7 @@ from torch.optim import Optimizer
 
 META_FILE = "meta.pt"
 _MODEL = "model/"
+_SAFETENSORS = ".safetensors"
 
 
 def named_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
@@ -86,12 +95,45 @@ def _group_names(module: nn.Module, group: dict[str, Any]) -> list[str]:
 
 
 def _tensor_tree(checkpoint: dict[str, Any]) -> dict[str, Tensor]:
+    """Flat name -> tensor; a tensor sharing memory with an earlier one (tied weights) is copied, since a
+    safetensors file stores each name's bytes once and refuses aliases."""
     tensors = {f"{_MODEL}{k}": v for k, v in checkpoint.get("state_dict", {}).items()}
     for i, named in enumerate(checkpoint.get("optimizer_states", [])):
         for name, values in named["state"].items():
             for key, value in values.items():
                 tensors[f"optim{i}/{name}/{key}"] = value
+    seen: set[tuple[Any, int]] = set()
+    for key, tensor in tensors.items():
+        if tensor.numel() == 0:
+            continue
+        ident = (tensor.untyped_storage().data_ptr(), tensor.device.index or 0)
+        if ident in seen:
+            tensors[key] = tensor.detach().clone()
+        else:
+            seen.add(ident)
     return tensors
+
+
+@contextmanager
+def single_process_dcp() -> Iterator[None]:
+    """DCP warns on every save/load without a process group ("assuming the intent is to save in a single
+    process"); here that is the intent (a rank's own shard, or merging on one machine), so say nothing."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+        yield
+
+
+def _writer(path: Path) -> dcp.StorageWriter:
+    """Safetensors shards, one file per rank (``save_distributed``: file names carry the rank's index)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    return HuggingFaceStorageWriter(str(path), save_distributed=True)
+
+
+def _reader(path: Path) -> dcp.StorageReader:
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    return HuggingFaceStorageReader(str(path))
 
 
 def save_sharded(
@@ -105,7 +147,8 @@ def save_sharded(
             shutil.rmtree(partial)
         partial.mkdir(parents=True)
     barrier()
-    dcp.save(_tensor_tree(checkpoint), storage_writer=dcp.FileSystemWriter(str(partial)))
+    with single_process_dcp():
+        dcp.save(_tensor_tree(checkpoint), storage_writer=_writer(partial), no_dist=not dist.is_initialized())
     if is_global_zero:
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         meta["optimizer_param_groups"] = [
@@ -136,9 +179,18 @@ def remove(filepath: str | Path) -> None:
 
 
 def _metadata(path: Path) -> dict[str, Any]:
-    if not (path / ".metadata").exists():
-        raise FileNotFoundError(f"{path} is not a BambooStrategy checkpoint directory (no .metadata inside)")
-    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    """Every tensor's shape and dtype, from the safetensors headers (JSON: nothing unpickled)."""
+    shards = [p for p in path.iterdir() if p.name.endswith(_SAFETENSORS)] if path.is_dir() else []
+    if not shards:
+        if (path / ".metadata").exists():
+            raise ValueError(
+                f"{path} is a BambooStrategy checkpoint of the older format (DCP's pickled .metadata index); "
+                "it is not loaded, since loading it would unpickle a file: re-save it with this version"
+            )
+        raise FileNotFoundError(
+            f"{path} is not a BambooStrategy checkpoint directory (no {_SAFETENSORS} shard inside)"
+        )
+    return _reader(path).read_metadata().state_dict_metadata
 
 
 def _load_tensors(path: Path, keys: list[str], no_dist: bool) -> dict[str, Tensor]:
@@ -154,7 +206,8 @@ def _load_tensors(path: Path, keys: list[str], no_dist: bool) -> dict[str, Tenso
             raise TypeError(f"checkpoint entry {key} is not a tensor")
         out[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
     if out:
-        dcp.load(out, storage_reader=dcp.FileSystemReader(str(path)), no_dist=no_dist)
+        with single_process_dcp():
+            dcp.load(out, storage_reader=_reader(path), no_dist=no_dist)
     return out
 
 

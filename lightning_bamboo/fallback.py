@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
+from lightning_bamboo.checkpoint import single_process_dcp
 from lightning_bamboo.reshard import LayerState, _dtype, describe, materialize
 
 log = logging.getLogger(__name__)
@@ -301,7 +302,8 @@ class PeriodicCheckpointer:
         _write_json(path / f"member{self.member}.json", meta)
         start = time.perf_counter()
         writer = _hf_storage()[0](str(path / f"member{self.member}"))
-        future = dcp.async_save(tensors, storage_writer=writer, no_dist=True)
+        with single_process_dcp():
+            future = dcp.async_save(tensors, storage_writer=writer, no_dist=True)
         blocking = time.perf_counter() - start
         future.add_done_callback(lambda _f, s=step: self._written_at.__setitem__(s, time.perf_counter()))
         self._pending = (step, future, start)
@@ -353,7 +355,8 @@ def load_layers(
         loaded = {key: torch.empty(shape, dtype=dtype) for key, (dtype, shape) in specs.items()}
         if loaded:  # read through the safetensors files and their JSON index: nothing is unpickled
             reader = _hf_storage()[1](str(path / f"member{meta['member']}"))
-            dcp.load(loaded, storage_reader=reader, no_dist=True)
+            with single_process_dcp():
+                dcp.load(loaded, storage_reader=reader, no_dist=True)
         for layer in wanted:
             values = iter(loaded[key] for key in specs if key.startswith(f"layer{layer}/"))
             out[layer] = materialize(

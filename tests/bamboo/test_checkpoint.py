@@ -92,7 +92,9 @@ def test_failed_save_leaves_previous_checkpoint_intact(
     def crash(*args: object, **kwargs: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt.torch, "save", crash)
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "save", crash)  # the shard write of the rank's tensors
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
@@ -119,3 +121,69 @@ def test_named_optimizer_state_round_trip() -> None:
     assert fresh.param_groups[0]["lr"] == 0.1
     for p in model.parameters():
         torch.testing.assert_close(fresh.state[p]["exp_avg"], optimizer.state[p]["exp_avg"], rtol=0, atol=0)
+
+
+def _saved(tmp_path: Path, model: torch.nn.Module) -> tuple[Path, torch.optim.Optimizer]:
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model.pipeline(torch.randn(2, 8, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    checkpoint = {
+        "state_dict": model.state_dict(),
+        "optimizer_states": [ckpt.named_optimizer_state(model, optimizer)],
+        "global_step": 1,
+    }
+    path = tmp_path / "model.ckpt"
+    ckpt.save_sharded(checkpoint, path, is_global_zero=True, barrier=lambda: None)
+    return path, optimizer
+
+
+def test_loading_never_unpickles_and_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shards are safetensors (headers are JSON) and meta.pt loads with weights_only=True: with every pickle
+    entry point raising, the model and optimizer state come back bit-exact."""
+    import pickle
+
+    model = PipeMLP()
+    path, optimizer = _saved(tmp_path, model)
+    assert not (path / ".metadata").exists() and list(path.glob("*.safetensors"))
+
+    def unpickle(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a checkpoint load unpickled something")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, unpickle)
+    merged = consolidate_checkpoint(path)
+    fresh = PipeMLP()
+    loaded = ckpt.load_sharded(path, fresh, [torch.optim.Adam(fresh.parameters(), lr=0.5)])
+    monkeypatch.undo()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(merged[key], value, rtol=0, atol=0)
+        torch.testing.assert_close(loaded["state_dict"][key], value, rtol=0, atol=0)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, values in optimizer.state.items():
+        for key, value in values.items():
+            torch.testing.assert_close(loaded["optimizer_states"][0]["state"][names[id(p)]][key], value)
+    assert loaded["global_step"] == 1
+
+
+def test_tied_weights_are_saved_once_per_name(tmp_path: Path) -> None:
+    """safetensors refuses aliased tensors: a weight shared by two modules (tied embeddings) is still saved,
+    under both names, equal."""
+    model = PipeMLP()
+    model.pipeline[2].weight = model.pipeline[0].weight  # two 8 x 8 layers share one weight
+    path, _ = _saved(tmp_path, model)
+    assert set(model.state_dict()) >= {"pipeline.0.weight", "pipeline.2.weight"}
+    merged = consolidate_checkpoint(path)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(merged[key], value, rtol=0, atol=0)
+
+
+def test_a_checkpoint_of_the_pickled_format_is_refused(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    old = tmp_path / "old.ckpt"
+    with ckpt.single_process_dcp():
+        dcp.save({"model/w": torch.ones(2)}, checkpoint_id=str(old), no_dist=True)
+    with pytest.raises(ValueError, match=r"older format .* not loaded, since loading it would unpickle"):
+        consolidate_checkpoint(old)
+    with pytest.raises(FileNotFoundError, match="is not a BambooStrategy checkpoint directory"):
+        consolidate_checkpoint(tmp_path)
