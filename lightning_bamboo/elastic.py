@@ -49,6 +49,7 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import _TunerExitException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
@@ -59,6 +60,7 @@ from lightning_bamboo import departure, joining
 from lightning_bamboo import fallback as fb
 from lightning_bamboo import membership as ms
 from lightning_bamboo import progress as trainer_progress
+from lightning_bamboo.clipping import ClipPlan, apply_clipping, plan_clipping
 from lightning_bamboo.contract import check_contract, find_pipeline_body
 from lightning_bamboo.cutter import GenerationCutter
 from lightning_bamboo.engine import PipelineEngine
@@ -229,6 +231,7 @@ class ElasticBambooStrategy(BambooStrategy):
         self._ring = fb.BatchRing(2 * checkpoint_every_n_steps + 1 if checkpoint_every_n_steps else 0)
         self._in_step = 0
         self._rerunning = False
+        self._clip_plan: ClipPlan | None = None
         self._heartbeat_interval = heartbeat
         self._failure_wait = failure_wait
         self._env = ms.WorkerEnv.from_env()
@@ -374,8 +377,12 @@ class ElasticBambooStrategy(BambooStrategy):
                 "ElasticBambooStrategy needs accumulate_grad_batches=1 (a step is its unit of commit), "
                 f"got {trainer.accumulate_grad_batches}"
             )
-        if trainer.gradient_clip_val:
-            raise ValueError("ElasticBambooStrategy does not support gradient_clip_val yet")
+        if trainer.gradient_clip_val and is_overridden("configure_gradient_clipping", module):
+            raise ValueError(
+                "ElasticBambooStrategy clips gradients itself (gradient_clip_val / gradient_clip_algorithm: "
+                "each replica must clip exactly as the stage it mirrors); "
+                f"{type(module).__name__}.configure_gradient_clipping is overridden, remove the override"
+            )
         attr, body = find_pipeline_body(module, self._pipeline_attr)
         check_contract(module, attr, body)
         self._body_attr = attr
@@ -581,6 +588,7 @@ class ElasticBambooStrategy(BambooStrategy):
                 result = closure()
                 self._fault("exchange")
                 self._exchange_replica_gradients()
+                self._plan_clipping()
                 outcome = commit.prepare_and_wait(self._step, self._claim_join)
                 self._fault("prepared")
             except Exception as err:
@@ -636,9 +644,26 @@ class ElasticBambooStrategy(BambooStrategy):
             p.grad = incoming[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
             offset += p.numel()
 
+    def _plan_clipping(self) -> None:
+        """Agree on the step's gradient clipping before the commit (the norm is a collective)."""
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        view = self.view
+        group = view.pipeline_group if view is not None and view.num_stages > 1 else None
+        grads = [p.grad for p in self._stage_params()]
+        clip_val, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+        self._clip_plan = plan_clipping(grads, clip_val, algorithm, group)
+
+    @override
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """Lightning's norm clipping, after the commit: the coefficient agreed before it (no collective)."""
+        apply_clipping(self._clip_plan, [p.grad for g in optimizer.param_groups for p in g["params"]])
+
     def _apply_replica_step(self, optimizer: Optimizer) -> None:
         if self._replica_optimizer is None:
             return
+        replica_groups = self._replica_optimizer.param_groups
+        apply_clipping(self._clip_plan, [p.grad for g in replica_groups for p in g["params"]])
         for target, source in zip(self._replica_optimizer.param_groups, optimizer.param_groups):
             target.update({k: v for k, v in source.items() if k != "params"})
         self._replica_optimizer.step()
@@ -776,6 +801,7 @@ class ElasticBambooStrategy(BambooStrategy):
                 f"ElasticBambooStrategy supports exactly one optimizer, got {len(self.optimizers)}"
             )
         self.setup_precision_plugin()
+        self._install_global_norm_clipping()  # the norm agreed before the commit (_plan_clipping)
 
     def _setup_joiner(self, trainer: pl.Trainer) -> None:
         """A joiner's ``setup``: its optimizer over the whole body, no process group yet.
@@ -967,11 +993,13 @@ class ElasticBambooStrategy(BambooStrategy):
         with self.precision_plugin.train_step_context():
             self.engine.run_step(split_microbatches(share, self._num_microbatches))
         self._exchange_replica_gradients()
+        self._plan_clipping()
         commit = ms.StepCommit(self._store, self.owners.generation, len(self.owners.members()))
         if commit.prepare_and_wait(self._step) != ms.COMMIT:
             raise RuntimeError(
                 f"Bamboo: a member was lost while re-running step {self._step} after a fallback"
             )
+        apply_clipping(self._clip_plan, [p.grad for p in self._stage_params()])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self._apply_replica_step(optimizer)

@@ -32,15 +32,25 @@ def pipe_bamboo_4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return run_bamboo(tmp_path_factory.mktemp("pipe-bamboo-4"), devices=4)
 
 
+def _elastic_reference(out: Path, *extra: str) -> dict[str, torch.Tensor]:
+    from tests.bamboo.test_elastic import SCRIPT, STEPS
+
+    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--strategy", "auto", "--steps", str(STEPS)]
+    cmd += extra
+    run_process(cmd, timeout=240)
+    return load_file(str(out / "final_reference.safetensors"))
+
+
 @pytest.fixture(scope="session")
 def elastic_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """Final state of the uninterrupted single-process run of ``train_elastic.py`` (launched once for the
     failover and fallback tests, which train the same model for the same steps)."""
-    from tests.bamboo.test_elastic import SCRIPT, STEPS
+    return _elastic_reference(tmp_path_factory.mktemp("elastic-reference"))
 
-    out = tmp_path_factory.mktemp("elastic-reference")
-    run_process(
-        [sys.executable, str(SCRIPT), "--out", str(out), "--strategy", "auto", "--steps", str(STEPS)],
-        timeout=240,
-    )
-    return load_file(str(out / "final_reference.safetensors"))
+
+@pytest.fixture(scope="session")
+def elastic_reference_clipped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The same uninterrupted run with ``Trainer(gradient_clip_val=CLIP)`` (Lightning's norm clipping)."""
+    from tests.bamboo.test_elastic import CLIP
+
+    return _elastic_reference(tmp_path_factory.mktemp("elastic-reference-clipped"), "--clip", str(CLIP))

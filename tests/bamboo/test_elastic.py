@@ -26,6 +26,7 @@ from tests.process import REPO, launch_env, run_process
 SCRIPT = Path(__file__).parent / "scripts" / "train_elastic.py"
 TOL = {"rtol": 1e-9, "atol": 1e-11}
 STEPS = 6
+CLIP = 0.05  # small enough that every step of the model clips
 # One re-run: a member can still die on a gloo "connection reset" raised outside the failure handling while a
 # second kill is in flight (seen once, in a full-suite run of test_sigkill_middle_stage; open, see
 # docs/bamboo-elastic.md).
@@ -39,6 +40,7 @@ def run_elastic(
     fault: str = "",
     launch_args: tuple[str, ...] = (),
     extra_env: dict[str, str] | None = None,
+    extra_args: tuple[str, ...] = (),
 ) -> str:
     env = launch_env({"BAMBOO_FAULT": fault, **(extra_env or {})})
     cmd = [
@@ -55,6 +57,7 @@ def run_elastic(
         str(stages),
         "--steps",
         str(STEPS),
+        *extra_args,
     ]
     return run_process(cmd, timeout=400, env=env).stdout
 
@@ -112,12 +115,22 @@ def test_sigkill_rank0(tmp_path: Path, elastic_reference: dict[str, torch.Tensor
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_failures_at_two_phases(tmp_path: Path, elastic_reference: dict[str, torch.Tensor]) -> None:
-    """3 stages: member 1 dies before sending its replica gradients (step 1 aborted and replayed), then
-    member 2 dies after the commit of step 3 and before applying it (survivors roll step 3 forward)."""
-    log = run_elastic(tmp_path, nproc=3, stages=3, fault="1:1:exchange,2:3:commit")
+def test_two_failures_at_two_phases_with_gradient_clipping(
+    tmp_path: Path,
+    elastic_reference: dict[str, torch.Tensor],
+    elastic_reference_clipped: dict[str, torch.Tensor],
+) -> None:
+    """3 stages, ``gradient_clip_val``: member 1 dies before sending its replica gradients (step 1 aborted
+    and replayed), then member 2 dies after the commit of step 3 and before applying it (survivors roll step
+    3 forward with the clipping agreed before the commit: the global norm over all stages, also on the
+    replicas)."""
+    assert any(
+        not torch.equal(value, elastic_reference[key]) for key, value in elastic_reference_clipped.items()
+    ), "the clip value must change the trajectory, or this test would not see clipping"
+    clip = ("--clip", str(CLIP))
+    log = run_elastic(tmp_path, nproc=3, stages=3, fault="1:1:exchange,2:3:commit", extra_args=clip)
     assert "pipe0  m0      m0      m2" in log and "pipe0  m0      m0      m0" in log
-    check_final(tmp_path, elastic_reference)
+    check_final(tmp_path, elastic_reference_clipped)
 
 
 @pytest.mark.slow

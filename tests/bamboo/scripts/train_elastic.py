@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--aws-endpoints", default="", help="comma-separated IMDS URL per member ('' = none)")
     parser.add_argument("--wait-notice", default="", help="MEMBER:STEP: that member waits for its notice")
     parser.add_argument("--checkpoint-every", type=int, default=None, help="fallback checkpoints")
+    parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
+    parser.add_argument("--clip-algorithm", choices=["norm", "value"], default="norm")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -84,6 +86,8 @@ def main() -> None:
         strategy=strategy,
         max_steps=args.steps,
         max_epochs=1,
+        gradient_clip_val=args.clip,
+        gradient_clip_algorithm=args.clip_algorithm,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
