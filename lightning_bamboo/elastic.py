@@ -83,7 +83,8 @@ ENV_FAULT = "BAMBOO_FAULT"
 itself at that phase of that step (``1+2:step:phase``: members 1 and 2 at once). Phases: ``forward``
 (inside the schedule, at micro-batch 1's forward),
 ``exchange`` (schedule done, replica gradients not sent), ``prepared`` (prepared, outcome not read),
-``commit`` (outcome read, nothing applied), ``applied`` (own stage and replica stepped)."""
+``commit`` (outcome read, nothing applied), ``applied`` (own stage and replica stepped), ``validate`` (at a
+validation batch run after ``step`` steps)."""
 
 
 class _Failure(Exception):
@@ -232,6 +233,7 @@ class ElasticBambooStrategy(BambooStrategy):
         self._in_step = 0
         self._rerunning = False
         self._clip_plan: ClipPlan | None = None
+        self._created_during_eval: list[nn.Module] = []
         self._heartbeat_interval = heartbeat
         self._failure_wait = failure_wait
         self._env = ms.WorkerEnv.from_env()
@@ -566,6 +568,43 @@ class ElasticBambooStrategy(BambooStrategy):
             self._ring.put(self._step, args[1] if len(args) > 1 else kwargs.get("batch_idx", 0), batch)
         share = split_microbatches(batch, self.num_pipelines)[self.pipeline_index]
         return self._run_schedule_and_replay(split_microbatches(share, self._num_microbatches), args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward-only on the current layout. A peer lost mid-batch: form the next generation and run the
+        batch again on it (evaluation changes no state, so the re-run gives the uninterrupted result)."""
+        while True:
+            self._fault("validate")
+            since = time.monotonic()
+            try:
+                return super().validation_step(*args, **kwargs)
+            except Exception as err:
+                if not self._generation_ended(err):
+                    raise
+                log.warning("Bamboo: validation batch interrupted by a lost peer; re-running it")
+                self._reform_during_evaluation(since)
+
+    def _reform_during_evaluation(self, since: float) -> None:
+        """Form the next generation in training mode (a fallback re-runs training steps), then put every
+        module back in evaluation mode. Modules the re-form created were never seen by Lightning's capture
+        of the modes, so Lightning would not restore them: :meth:`on_validation_end` puts them back in
+        training mode."""
+        assert self.lightning_module is not None
+        module = self.lightning_module
+        before = {id(m) for m in module.modules()}
+        module.train()
+        try:
+            self._next_generation(since=since)
+        finally:
+            module.eval()
+        self._created_during_eval += [m for m in module.modules() if id(m) not in before]
+
+    @override
+    def on_validation_end(self) -> None:
+        for created in self._created_during_eval:
+            created.training = True
+        self._created_during_eval = []
+        super().on_validation_end()
 
     @override
     def optimizer_step(
@@ -1048,7 +1087,7 @@ class ElasticBambooStrategy(BambooStrategy):
         ParallelStrategy.teardown(self)
 
 
-_PHASES = ("forward", "exchange", "prepared", "commit", "applied")
+_PHASES = ("forward", "exchange", "prepared", "commit", "applied", "validate")
 
 
 def _parse_fault(spec: str | None) -> list[tuple[tuple[int, ...], int, str, int]]:

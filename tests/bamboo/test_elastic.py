@@ -135,6 +135,23 @@ def test_two_failures_at_two_phases_with_gradient_clipping(
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_sigkill_during_validation(tmp_path: Path) -> None:
+    """Validation every 3 steps (after Lightning's sanity check): member 1 dies inside the first validation
+    run; member 0 forms the next generation, runs the interrupted validation batch again on it and trains on.
+    The logged val_loss of both validation runs and the final state equal the uninterrupted run's."""
+    validate = ("--validate", "3")
+    run_process([sys.executable, str(SCRIPT), "--out", str(tmp_path / "reference"), "--strategy", "auto",
+                 "--steps", str(STEPS), *validate], timeout=240)
+    reference = load_file(str(tmp_path / "reference" / "final_reference.safetensors"))
+    assert reference["val_losses"].numel() == 2
+    log = run_elastic(tmp_path / "run", nproc=2, stages=2, fault="1:3:validate", extra_args=validate)
+    assert "validation batch interrupted by a lost peer; re-running it" in log
+    assert "failover: lost [1]" in log
+    check_final(tmp_path / "run", reference)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_pipelines_prepared_and_applied(
     tmp_path: Path, elastic_reference: dict[str, torch.Tensor]
 ) -> None:

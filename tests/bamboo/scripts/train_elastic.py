@@ -23,13 +23,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_bamboo.checkpoint import named_optimizer_state
 from lightning_bamboo.elastic import ElasticBambooStrategy
 from tests.bamboo.pipe_mlp import PipeMLP, make_data
+
+
+class ValLosses(Callback):
+    """The logged ``val_loss`` of each validation run (what Lightning saw), kept for the final file."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.losses.append(float(trainer.callback_metrics["val_loss"]))
 
 
 def main() -> None:
@@ -46,6 +57,7 @@ def main() -> None:
     parser.add_argument("--aws-endpoints", default="", help="comma-separated IMDS URL per member ('' = none)")
     parser.add_argument("--wait-notice", default="", help="MEMBER:STEP: that member waits for its notice")
     parser.add_argument("--checkpoint-every", type=int, default=None, help="fallback checkpoints")
+    parser.add_argument("--validate", type=int, default=0, help="validate every N steps (2 batches)")
     parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--clip-algorithm", choices=["norm", "value"], default="norm")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
@@ -61,6 +73,8 @@ def main() -> None:
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
         x, y = x[order], y[order]
     train = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=False)
+    vx, vy = make_data(2 * args.batch_size, seed=99)
+    val = DataLoader(TensorDataset(vx, vy), batch_size=args.batch_size, shuffle=False)
     if args.strategy == "elastic":
         strategy: ElasticBambooStrategy | str = ElasticBambooStrategy(
             num_stages=args.stages,
@@ -79,8 +93,8 @@ def main() -> None:
 
         endpoints = args.aws_endpoints.split(",")
         callbacks = notice_callbacks(args.out, strategy.member, endpoints, args.wait_notice)
+    val_losses = ValLosses()
     trainer = Trainer(
-        callbacks=callbacks,
         accelerator="cpu",
         devices=1,
         strategy=strategy,
@@ -92,15 +106,19 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        num_sanity_val_steps=2 if args.validate else 0,  # Lightning's default sanity check, when validating
+        limit_val_batches=2 if args.validate else 0,
+        val_check_interval=args.validate or None,
+        callbacks=[*callbacks, val_losses],
     )
-    trainer.fit(model, train_dataloaders=train)
+    trainer.fit(model, train_dataloaders=train, val_dataloaders=val if args.validate else None)
     tensors = {f"own/{name}": p.detach().clone() for name, p in model.named_parameters()}
     for name, values in named_optimizer_state(model, trainer.optimizers[0])["state"].items():
         for key, value in values.items():
             tensors[f"own_opt/{name}/{key}"] = value.detach().clone().reshape(-1)
     tensors["global_step"] = torch.tensor([trainer.global_step], dtype=torch.int64)
+    if args.validate:
+        tensors["val_losses"] = torch.tensor(val_losses.losses, dtype=torch.float64)
     if isinstance(strategy, ElasticBambooStrategy) and strategy.departed:
         return
     if isinstance(strategy, ElasticBambooStrategy):
