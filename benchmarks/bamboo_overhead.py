@@ -441,12 +441,25 @@ def replay_estimate(profile: dict[str, list[list[float]]], args: argparse.Namesp
     """Step time of (c) and (d) with the profiled CPU costs: every rank runs its program in order on a core
     of its own, transfers are free (:func:`program_makespan`), the first ``FR`` also applies the replica
     update, and the step ends with the slowest rank's tail. ``bamboo_rc_no_update``: (d) without the replica
-    update (no apply, (c)'s tail)."""
+    update (no apply, (c)'s tail).
+
+    ``F`` and ``B`` are the same computation in (c) and (d), so both replays use the mean of the two parts'
+    medians: the ratio then depends on what redundancy adds (``FR``, apply, tail), not on the noise between
+    two measurements of the same forward (about +-1 ms per action under load, 0.02-0.04 on the ratio).
+    """
     plain = build_1f1b(args.stages, args.microbatches)
     redundant = add_forward_redundancy(plain, args.stages, args.microbatches)
+    shared = {
+        key: [(c[PROFILE_KEYS.index(key)] + d[PROFILE_KEYS.index(key)]) / 2
+              for c, d in zip(profile["bamboo"], profile["bamboo_rc"])]
+        for key in ("F", "B")
+    }
 
     def step_time(part: str, schedule: Schedule, update: bool) -> float:
-        costs = [dict(zip(PROFILE_KEYS, row)) for row in profile[part]]
+        costs = [
+            {**dict(zip(PROFILE_KEYS, row)), "F": shared["F"][rank], "B": shared["B"][rank]}
+            for rank, row in enumerate(profile[part])
+        ]
         programs = {rank: rank_program(schedule, rank) for rank in range(args.stages)}
         first_fr = {
             rank: next((i for i, a in enumerate(p) if a.kind is ActionKind.FORWARD_REDUNDANT), -1)
