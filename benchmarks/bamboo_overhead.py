@@ -45,9 +45,20 @@ from lightning_bamboo.layout import StageLayout, estimate_layer_costs
 from lightning_bamboo.microbatch import split_microbatches
 from lightning_bamboo.models.gpt import build_pipeline
 from lightning_bamboo.replica import ReplicaSync
-from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b, predicted_overhead
+from lightning_bamboo.schedule import (
+    Action,
+    ActionKind,
+    Schedule,
+    add_forward_redundancy,
+    build_1f1b,
+    predicted_overhead,
+    rank_program,
+)
+from lightning_bamboo.schedule.cost import program_makespan
 from recipes.components.text import DEFAULT_MODULES, VOCAB_SIZE, TokenWindows, corpus_tokens
 
+ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "loop")
+"""``--adamw`` choices: PyTorch's AdamW implementations (``fused=True``, ``foreach=True``, the for-loop)."""
 MODES = ("plain", "torch_1f1b", "bamboo", "bamboo_rc")
 StepFn = Callable[[], float | None]
 """One optimizer step; returns the step's mean loss where this process knows it."""
@@ -74,12 +85,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-embd", type=int, default=128, help="model width C")
     parser.add_argument("--n-head", type=int, default=4, help="attention heads")
     parser.add_argument(
-        "--fused-adamw", action="store_true",
-        help="every mode (and the replica) steps with the fused AdamW kernel instead of the default loop",
+        "--adamw", choices=ADAMW_IMPLEMENTATIONS, default="fused",
+        help="PyTorch AdamW implementation of every mode and of the replica (default: fused, the fastest on "
+        "CPU; loop: PyTorch's CPU default, the per-parameter for-loop; foreach: the multi-tensor one)",
     )
     parser.add_argument(
         "--trace", action="store_true",
         help="after timing, record one more step of (c) and (d) per rank and print the timelines",
+    )
+    parser.add_argument(
+        "--cpu-profile", type=int, default=0, metavar="N",
+        help="after timing, record N more steps of (c) and (d) in each rank's CPU time and replay the "
+        "schedules with those costs (a free core per rank): an estimate of rc_overhead that survives load",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for the workers")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -92,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_args(args: argparse.Namespace) -> None:
     """Reject sizes the pipeline cannot run, printing the arithmetic."""
     sizes = ("stages", "microbatches", "steps", "batch_size", "block_size", "n_layer", "n_embd", "n_head")
+    if args.cpu_profile < 0:
+        raise SystemExit(f"--cpu-profile must be >= 0, got {args.cpu_profile}")
     for name in sizes:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -129,14 +148,16 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 def make_optimizer(params: list[nn.Parameter], args: argparse.Namespace) -> torch.optim.Optimizer:
-    """AdamW as the GPT recipe configures it; ``--fused-adamw``: PyTorch's fused kernel (same settings).
+    """AdamW with the GPT recipe's settings, in the ``--adamw`` implementation, for every part alike.
 
-    The replica gets the same optimizer as its successor stage (Bamboo builds it from the same
-    ``configure_optimizers``), so with the fused kernel the replica's update is fused too and stays bit for
-    bit equal to the successor's.
+    Every compared system steps with the same implementation (each at its best: ``fused`` by default, the
+    fastest PyTorch has on CPU; ``loop`` is what ``torch.optim.AdamW`` picks on CPU when not told). The
+    replica gets the same optimizer as its successor stage (Bamboo builds it from the same
+    ``configure_optimizers``), so its update uses the same kernel and stays bit for bit equal to the
+    successor's.
     """
-    fused = True if args.fused_adamw else None
-    return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
+    flags = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[args.adamw]
+    return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, **flags)
 
 
 def plan_layout(args: argparse.Namespace, world_size: int) -> StageLayout:
@@ -247,22 +268,24 @@ class TimedReplicaSync(ReplicaSync):
         super().__init__(*args, **kwargs)
         self.seconds = seconds
         self.trace: list[tuple[str, float, float]] | None = None
+        self.clock: Callable[[], float] = time.perf_counter
+        """The clock of ``trace`` (the engine's)."""
 
     def step(self, main_optimizer: torch.optim.Optimizer) -> None:
-        start = time.perf_counter()
+        start, mark = time.perf_counter(), self.clock()
         super().step(main_optimizer)
         self.seconds[-1] += time.perf_counter() - start
         if self.trace is not None:
-            self.trace.append(("replica post", start, time.perf_counter()))
+            self.trace.append(("replica post", mark, self.clock()))
 
     def flush(self) -> None:
-        start = time.perf_counter()
+        start, mark = time.perf_counter(), self.clock()
         was_pending = self.pending
         super().flush()
         if self.seconds:
             self.seconds[-1] += time.perf_counter() - start
         if self.trace is not None and was_pending:
-            self.trace.append(("replica apply", start, time.perf_counter()))
+            self.trace.append(("replica apply", mark, self.clock()))
 
 
 def bamboo_step(
@@ -299,10 +322,10 @@ def bamboo_step(
     def step() -> float:
         replica_seconds.append(0.0)
         loss = engine.run_step(microbatches)
-        start = time.perf_counter()
+        start = engine.clock()
         optimizer.step()
         if engine.trace is not None:
-            engine.trace.append(("optimizer", start, time.perf_counter()))
+            engine.trace.append(("optimizer", start, engine.clock()))
         if sync is not None:
             sync.step(optimizer)
         optimizer.zero_grad()
@@ -340,6 +363,9 @@ def worker_main(args: argparse.Namespace) -> None:
                 "bamboo_rc": trace_step(bamboo_rc, engine_rc, sync),
             }
             print_traces(traces, rank, world_size)
+        if args.cpu_profile:
+            parts = {"bamboo": (bamboo, engine, None), "bamboo_rc": (bamboo_rc, engine_rc, sync)}
+            results["cpu_profile"] = cpu_profile(parts, args)  # type: ignore[assignment]
         sync.flush()  # the last step's exchange, before the process group goes
         results["bamboo_rc"]["replica_update_seconds"] = replica_seconds[args.warmup :]
         for result in results.values():
@@ -354,22 +380,105 @@ def worker_main(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def trace_step(step: StepFn, engine: PipelineEngine, sync: TimedReplicaSync | None) -> list[tuple]:
-    """One more step with the engine (and replica) recording; times relative to the opening barrier."""
+def trace_step(
+    step: StepFn,
+    engine: PipelineEngine,
+    sync: TimedReplicaSync | None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[tuple]:
+    """One more step with the engine (and replica) recording in ``clock`` time; times relative to the opening
+    barrier."""
     trace: list[tuple[str, float, float]] = []
-    engine.trace = trace
+    engine.trace, engine.clock = trace, clock
     if sync is not None:
-        sync.trace = trace
+        sync.trace, sync.clock = trace, clock
     dist.barrier()
-    origin = time.perf_counter()
+    origin = clock()
     step()
-    start = time.perf_counter()
+    start = clock()
     dist.barrier()
-    trace.append(("barrier", start, time.perf_counter()))
-    engine.trace = None
+    trace.append(("barrier", start, clock()))
+    engine.trace, engine.clock = None, time.perf_counter
     if sync is not None:
-        sync.trace = None
+        sync.trace, sync.clock = None, time.perf_counter
     return [(name, begin - origin, end - origin) for name, begin, end in trace]
+
+
+PROFILE_KEYS = ("F", "B", "FR", "replica apply", "tail")
+"""Per rank and Bamboo part, the median CPU seconds :func:`cpu_profile` reports, in this order. ``tail``: the
+loss broadcast, the optimizer step and (d)'s replica post after the last action (:data:`TAIL_EVENTS`)."""
+TAIL_EVENTS = ("allreduce+loss", "optimizer", "replica post")
+
+
+def cpu_profile(
+    parts: dict[str, tuple[StepFn, PipelineEngine, TimedReplicaSync | None]], args: argparse.Namespace
+) -> dict[str, list[list[float]]]:
+    """``--cpu-profile N``: N steps of each Bamboo part, every event timed in this rank's main-thread CPU time
+    (``time.thread_time``: what the rank computed, not what it waited, so load from other jobs hardly moves
+    it); the median per action kind, gathered from every rank: ``{part: [rank][PROFILE_KEYS]}``."""
+    samples: dict[str, dict[str, list[float]]] = {part: {} for part in parts}
+    for _ in range(args.cpu_profile):
+        for part, (step, engine, sync) in parts.items():
+            first_fr = True
+            for name, begin, end in trace_step(step, engine, sync, clock=time.thread_time):
+                kind = name.split(" ")[0].rstrip("0123456789,") if name[0] in "FB" else name
+                if kind == "FR" and first_fr:  # its span contains the replica apply (the forward pre-hook)
+                    first_fr = False
+                    continue
+                samples[part].setdefault(kind, []).append(end - begin)
+    result = {}
+    for part, by_kind in samples.items():
+        median = {kind: statistics.median(values) for kind, values in by_kind.items()}
+        tail = sum(median.get(kind, 0.0) for kind in TAIL_EVENTS)
+        values = [tail if key == "tail" else median.get(key, 0.0) for key in PROFILE_KEYS]
+        gathered = [torch.zeros(len(PROFILE_KEYS), dtype=torch.float64) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, torch.tensor(values, dtype=torch.float64))
+        result[part] = [row.tolist() for row in gathered]
+    return result
+
+
+def replay_estimate(profile: dict[str, list[list[float]]], args: argparse.Namespace) -> dict[str, float]:
+    """Step time of (c) and (d) with the profiled CPU costs: every rank runs its program in order on a core
+    of its own, transfers are free (:func:`program_makespan`), the first ``FR`` also applies the replica
+    update, and the step ends with the slowest rank's tail. ``bamboo_rc_no_update``: (d) without the replica
+    update (no apply, (c)'s tail).
+
+    ``F`` and ``B`` are the same computation in (c) and (d), so both replays use the mean of the two parts'
+    medians: the ratio then depends on what redundancy adds (``FR``, apply, tail), not on the noise between
+    two measurements of the same forward (about +-1 ms per action under load, 0.02-0.04 on the ratio).
+    """
+    plain = build_1f1b(args.stages, args.microbatches)
+    redundant = add_forward_redundancy(plain, args.stages, args.microbatches)
+    shared = {
+        key: [(c[PROFILE_KEYS.index(key)] + d[PROFILE_KEYS.index(key)]) / 2
+              for c, d in zip(profile["bamboo"], profile["bamboo_rc"])]
+        for key in ("F", "B")
+    }
+
+    def step_time(part: str, schedule: Schedule, update: bool) -> float:
+        costs = [
+            {**dict(zip(PROFILE_KEYS, row)), "F": shared["F"][rank], "B": shared["B"][rank]}
+            for rank, row in enumerate(profile[part])
+        ]
+        programs = {rank: rank_program(schedule, rank) for rank in range(args.stages)}
+        first_fr = {
+            rank: next((i for i, a in enumerate(p) if a.kind is ActionKind.FORWARD_REDUNDANT), -1)
+            for rank, p in programs.items()
+        }
+
+        def duration(rank: int, index: int, action: Action) -> float:
+            extra = costs[rank]["replica apply"] if update and index == first_fr[rank] else 0.0
+            return costs[rank][action.kind.value] + extra
+
+        body = program_makespan(programs, args.stages, duration=duration)
+        tails = [c["tail"] if update else profile["bamboo"][rank][-1] for rank, c in enumerate(costs)]
+        return body + max(tails)
+
+    return {
+        "bamboo": step_time("bamboo", plain, True),
+        "bamboo_rc": step_time("bamboo_rc", redundant, True),
+        "bamboo_rc_no_update": step_time("bamboo_rc", redundant, False),
+    }
 
 
 def print_traces(traces: dict[str, list[tuple]], rank: int, world_size: int) -> None:
@@ -441,11 +550,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     load = os.getloadavg()[0]
     results = {"plain": time_steps(plain_step(args), args), **launch(args, argv)}
+    profile = results.pop("cpu_profile", None)
     medians = summarise(results)
     print(f"GPT n_layer={args.n_layer} n_embd={args.n_embd} T={args.block_size}, batch {args.batch_size} in "
           f"{args.microbatches} micro-batches, {args.stages} stages; median of {args.steps} steps after "
           f"{args.warmup} warm-up; {len(os.sched_getaffinity(0))} CPUs, load average at start {load:.2f}"
-          + ("; fused AdamW" if args.fused_adamw else ""))
+          + f"; {args.adamw} AdamW")
     print(f"{'mode':<42}{'s/step':>10}{'first loss':>12}{'last loss':>11}")
     for mode in MODES:
         losses = results[mode]["losses"]
@@ -466,6 +576,16 @@ def main(argv: list[str] | None = None) -> None:
     # F = 1, B = 2, FR = 1 and no overlap of compute (lightning_bamboo.schedule.cost)
     model = predicted_overhead(redundant_schedule, plain_schedule)
     print(f"unit-cost model of the schedules: rc_overhead {model:.3f}")
+    if profile is not None:
+        for part in ("bamboo", "bamboo_rc"):
+            for rank, row in enumerate(profile[part]):
+                costs = "  ".join(f"{key} {1e3 * value:.2f}" for key, value in zip(PROFILE_KEYS, row))
+                print(f"CPU ms per action, {part:<9} rank {rank}: {costs}")
+        estimate = replay_estimate(profile, args)
+        plain_s, rc_s, bare_s = estimate["bamboo"], estimate["bamboo_rc"], estimate["bamboo_rc_no_update"]
+        print(f"CPU-time replay ({args.cpu_profile} steps, a free core per rank, free transfers): (c) "
+              f"{1e3 * plain_s:.1f} ms, (d) {1e3 * rc_s:.1f} ms, rc_overhead {rc_s / plain_s:.3f} "
+              f"({bare_s / plain_s:.3f} without the replica update)")
     rc_overhead = medians["bamboo_rc"] / medians["bamboo"]
     vs_torch = medians["bamboo"] / medians["torch_1f1b"]
     print(f"rc_overhead={rc_overhead:.2f} vs_torch_1f1b={vs_torch:.2f}")

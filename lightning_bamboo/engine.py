@@ -99,8 +99,11 @@ class PipelineEngine:
         self.shapes = ShapeCache()
         """Activation shapes learned from the headers of earlier steps (sent once per micro-batch shape)."""
         self.trace: list[tuple[str, float, float]] | None = None
-        """Set to a list to record ``(event, start, end)`` (``time.perf_counter``) of every action, receive
+        """Set to a list to record ``(event, start, end)`` (times of :attr:`clock`) of every action, receive
         wait and collective of the following steps; ``None`` (the default) records nothing."""
+        self.clock: Callable[[], float] = time.perf_counter
+        """The clock of :attr:`trace`: wall time by default; ``time.thread_time`` records each event's CPU
+        time instead (what ``benchmarks/bamboo_overhead.py --cpu-profile`` replays; it survives load)."""
         has_fr = any(action.kind is ActionKind.FORWARD_REDUNDANT for action in self.program)
         if has_fr and replica is None:
             raise ValueError(
@@ -126,11 +129,11 @@ class PipelineEngine:
         self.redundant_outputs = {}
         step = _StepState(count=len(microbatches))
         self._run_program(self.schedule, microbatches, step, train=True)
-        start = time.perf_counter()
+        start = self.clock()
         self._average_gradients()
         loss = self._broadcast_loss(step.losses)
         if self.trace is not None:
-            self.trace.append(("allreduce+loss", start, time.perf_counter()))
+            self.trace.append(("allreduce+loss", start, self.clock()))
         return loss
 
     @torch.no_grad()
@@ -174,23 +177,24 @@ class PipelineEngine:
             self.shapes,
             gradient_buffer=lambda mb: torch.empty_like(step.outputs[mb]),
             trace=self.trace,
+            clock=self.clock,
         )
-        trace = self.trace
+        trace, clock = self.trace, self.clock
         for entry in self.lowered(schedule):
             if isinstance(entry, Comm):
                 key = (entry.kind.is_forward, entry.microbatch)
                 transfers.post(entry, step.produced.pop(key) if entry.kind.is_send else None)
                 continue
-            start = time.perf_counter()
+            start = clock()
             self._execute(entry, microbatches, step, train)
             if trace is not None:
                 name = f"{entry.kind.value}{entry.stage},{entry.microbatch}"
-                trace.append((name, start, time.perf_counter()))
-        start = time.perf_counter()
+                trace.append((name, start, clock()))
+        start = clock()
         transfers.finish()
         step.produced.clear()  # outputs no other rank needs (a stage whose consumer is on this rank)
         if trace is not None:
-            trace.append(("finish", start, time.perf_counter()))
+            trace.append(("finish", start, clock()))
 
     def _execute(self, action: Action, microbatches: Sequence[Any], step: _StepState, train: bool) -> None:
         mb = action.microbatch

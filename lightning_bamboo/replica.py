@@ -65,8 +65,16 @@ class ReplicaSync:
         self.groups = groups
         self.device = device
         self._pending: _PendingUpdate | None = None
+        # Kept from step to step, made at the first exchange: the flat buffers (one per dtype), views of the
+        # send buffers shaped like this stage's trainable parameters then buffers (gradients are copied into
+        # them), views of the receive buffers shaped like the replica's (they become its ``.grad``), and the
+        # receive buffer of the float64 values. Building the views costs about as much as copying the
+        # gradients, so they are built once.
         self._send_flats: list[Tensor] | None = None
+        self._send_views: list[Tensor] = []
         self._receive_flats: list[Tensor] | None = None
+        self._receive_views: list[Tensor] = []
+        self._meta_in: Tensor | None = None
         # any forward of the replica (FR, a takeover) first applies the update still in flight
         self._hook = replica.register_forward_pre_hook(lambda module, args: self.flush())
 
@@ -124,20 +132,28 @@ class ReplicaSync:
         own_params = self._own_params()
         # with the gradients go: the stage's buffers (BatchNorm statistics), which gradient a parameter has,
         # and this stage's optimizer hyper-parameters, which are the ones the replica must step with
-        outgoing = [_grad_or_zeros(p) for p in own_params] + [b.detach() for b in self.stage.buffers()]
+        buffers = list(self.stage.buffers())
         meta = [float(p.grad is not None) for p in own_params] + encode_hyperparameters(main_optimizer)
         # the flat buffers are kept from step to step (no fresh 2 x model-size allocation per step): the
         # previous exchange is applied (flush above), so neither is in use any more
         if self._send_flats is None:
-            self._send_flats = _empty_flats(outgoing, self.device)
-        own = _flatten(outgoing, self.device, out=self._send_flats)
-        own.append(torch.tensor([len(meta), *meta], dtype=torch.float64, device=self.device))
-        replica_params = self._replica_params()
-        if self._receive_flats is None:
-            self._receive_flats = _empty_flats([*replica_params, *self._replica.buffers()], self.device)
-        expected = len(replica_params) + len(encode_hyperparameters(self._optimizer))  # the successor's count
-        meta_in = torch.empty(expected + 1, dtype=torch.float64, device=self.device)
-        incoming = [*self._receive_flats, meta_in]
+            self._send_flats = _empty_flats([*own_params, *buffers], self.device)
+            self._send_views = _views(self._send_flats, [*own_params, *buffers])
+        with torch.no_grad():
+            for view, source in zip(self._send_views, [*(p.grad for p in own_params), *buffers], strict=True):
+                if source is None:
+                    view.zero_()  # no gradient: its flag says so, the values are not used
+                else:
+                    view.copy_(source)
+        own = [*self._send_flats, torch.tensor([len(meta), *meta], dtype=torch.float64, device=self.device)]
+        if self._receive_flats is None or self._meta_in is None:
+            replica_tensors = [*self._replica_params(), *self._replica.buffers()]
+            self._receive_flats = _empty_flats(replica_tensors, self.device)
+            self._receive_views = _views(self._receive_flats, replica_tensors)
+            # the successor's count: its has-gradient flags and hyper-parameters, behind the count itself
+            expected = len(self._replica_params()) + len(encode_hyperparameters(self._optimizer))
+            self._meta_in = torch.empty(expected + 1, dtype=torch.float64, device=self.device)
+        incoming = [*self._receive_flats, self._meta_in]
         self._pending = _PendingUpdate(self._post(own, incoming, p2p.Tag.REPLICA_GRAD), incoming, sent=own)
 
     def flush(self) -> None:
@@ -154,12 +170,12 @@ class ReplicaSync:
         for work in pending.works:
             work.wait()
         replica_params = self._replica_params()
-        *flats, meta = pending.incoming
+        meta = pending.incoming[-1]
         with torch.no_grad():
             # the gradients are used where they were received: ``.grad`` becomes a view of the flat buffer
             # (a copy only if the replica lives on another device); buffers are copied
             buffers = list(self._replica.buffers())
-            views = _views(flats, [*replica_params, *buffers])
+            views = self._receive_views  # of the flat buffers in ``pending.incoming``
             for p, view in zip(replica_params, views):
                 if view.device == p.device:
                     p.grad = view
@@ -282,10 +298,6 @@ def _state_tensors(module: nn.Module) -> list[Tensor]:
     return [p.data for p in module.parameters()] + list(module.buffers())
 
 
-def _grad_or_zeros(p: Tensor) -> Tensor:
-    return p.grad.detach() if p.grad is not None else torch.zeros_like(p)
-
-
 def _by_dtype(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
     buckets: dict[torch.dtype, list[Tensor]] = {}
     for tensor in tensors:
@@ -293,14 +305,9 @@ def _by_dtype(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
     return list(buckets.values())
 
 
-def _flatten(tensors: list[Tensor], device: torch.device, out: list[Tensor] | None = None) -> list[Tensor]:
-    """One flat tensor per dtype (:func:`_by_dtype` order); written into ``out`` when given."""
-    buckets = _by_dtype(tensors)
-    if out is None:
-        return [torch.cat([t.reshape(-1).to(device) for t in bucket]) for bucket in buckets]
-    for bucket, flat in zip(buckets, out, strict=True):
-        torch.cat([t.reshape(-1).to(device) for t in bucket], out=flat)
-    return list(out)
+def _flatten(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
+    """One flat tensor per dtype (:func:`_by_dtype` order)."""
+    return [torch.cat([t.reshape(-1).to(device) for t in bucket]) for bucket in _by_dtype(tensors)]
 
 
 def _empty_flats(tensors: list[Tensor], device: torch.device) -> list[Tensor]:

@@ -186,6 +186,7 @@ class StepTransfers:
         shapes: ShapeCache,
         gradient_buffer: Callable[[int], Tensor],
         trace: list[tuple[str, float, float]] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.stage = stage
         self.rank_of_stage = rank_of_stage
@@ -199,6 +200,8 @@ class StepTransfers:
         self._inbox: dict[tuple[Kind, int], tuple[Tensor, Any]] = {}
         self._sends: list[Any] = []
         self.trace = trace
+        self.clock = clock
+        """The clock of ``trace`` events."""
 
     def post(self, comm: Comm, tensor: Tensor | None = None) -> None:
         """Queue ``comm`` (a send with its ``tensor``, or a receive) and issue what can go without waiting."""
@@ -219,10 +222,10 @@ class StepTransfers:
             self._issue(*self._queue[0], force=True)
         self._pump(force=False)  # what queued behind a header may go now
         buffer, work = self._inbox.pop(target)
-        start = time.perf_counter()
+        start = self.clock()
         work.wait()
         if self.trace is not None:
-            self.trace.append((f"wait {kind.name[0]}{microbatch}", start, time.perf_counter()))
+            self.trace.append((f"wait {kind.name[0]}{microbatch}", start, self.clock()))
         return buffer
 
     def finish(self) -> None:

@@ -10,7 +10,7 @@ where nothing overlaps with compute (see ``docs/bamboo-benchmark.md``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from .actions import Action, ActionKind, Schedule, ScheduleError
 from .dependencies import dependencies
@@ -31,8 +31,14 @@ def program_makespan(
     programs: Mapping[int, Sequence[Action]],
     num_stages: int,
     costs: Mapping[ActionKind, float] = UNIT_COSTS,
+    *,
+    duration: Callable[[int, int, Action], float] | None = None,
 ) -> float:
     """Time until the last rank finishes, each rank running its ``programs[rank]`` in order.
+
+    ``duration(rank, index, action)``, when given, is the time of the ``index``-th action of ``rank``'s
+    program instead of ``costs[action.kind]`` (measured costs differ by rank, and an action may carry other
+    work, e.g. the replica update run by a rank's first ``FR``).
 
     Raises:
         ScheduleError: if the programs deadlock (a rank waits for an action that never runs before it).
@@ -51,7 +57,8 @@ def program_makespan(
                 if not all(dep in end for dep in inputs):
                     break
                 start = max([free[rank], *(end[dep] for dep in inputs)])
-                end[action] = free[rank] = start + costs[action.kind]
+                cost = costs[action.kind] if duration is None else duration(rank, cursor[rank], action)
+                end[action] = free[rank] = start + cost
                 cursor[rank] += 1
                 remaining -= 1
                 progressed = True

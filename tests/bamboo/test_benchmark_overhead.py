@@ -22,6 +22,10 @@ CI_SIZE = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", 
            "--microbatches", "4", "--stages", "2", "--steps", "2", "--warmup", "1", "--timeout", "150"]
 TRACE = re.compile(r"^rank(?P<rank>\d) (?P<mode>bamboo|bamboo_rc)\s+(?P<events>.*)$")
 EVENT = re.compile(r"(?P<name>[A-Za-z+ ]+?|[A-Z]+\d,\d) (?P<start>\d+)-(?P<end>\d+)")
+REPLAY = re.compile(
+    r"CPU-time replay \(1 steps, a free core per rank, free transfers\): \(c\) \d+\.\d ms, \(d\) \d+\.\d ms, "
+    r"rc_overhead \d+\.\d{3} \(\d+\.\d{3} without the replica update\)"
+)
 SPEEDUP = re.compile(r"pipeline speed-up \(a\)/\(c\) \d+\.\d\d, ideal S\*M/\(M\+S-1\) 1\.60")
 ROW = re.compile(r"^\((?P<part>[abcd])\) .*?\s(?P<sec>\d+\.\d+)\s+(?P<first>\d+\.\d+)\s+(?P<last>\d+\.\d+)$")
 
@@ -44,11 +48,14 @@ def run_script(args: list[str], timeout: float) -> subprocess.CompletedProcess[s
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_benchmark_runs_all_parts_and_prints_the_summary_line() -> None:
-    result = run_script([*CI_SIZE, "--trace"], timeout=240)
+    result = run_script([*CI_SIZE, "--trace", "--cpu-profile", "1"], timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
     speedups = [line for line in lines if SPEEDUP.fullmatch(line)]
     assert len(speedups) == 1, lines  # S = 2, M = 4: ideal 2 * 4 / (4 + 2 - 1) = 1.60
+    # --cpu-profile: per-action CPU costs of every rank and part, replayed through the schedules
+    assert sum(line.startswith("CPU ms per action, ") for line in lines) == 4, lines
+    assert len([line for line in lines if REPLAY.fullmatch(line)]) == 1, lines
     assert re.fullmatch(r"rc_overhead=\d+\.\d\d vs_torch_1f1b=\d+\.\d\d", lines[-1]), lines[-1]
     rows = {m["part"]: m for m in map(ROW.match, lines) if m}
     assert sorted(rows) == ["a", "b", "c", "d"], result.stdout

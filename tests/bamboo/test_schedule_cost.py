@@ -32,6 +32,17 @@ def test_model_runs_each_rank_in_order_and_waits_for_inputs():
         program_makespan({0: [Action(0, B, 0), Action(0, F, 0)], 1: [Action(1, F, 0), Action(1, B, 0)]}, 2)
 
 
+def test_measured_durations_per_rank_and_position_replace_the_unit_costs():
+    programs = {0: [Action(0, F, 0), Action(0, B, 0)], 1: [Action(1, F, 0), Action(1, B, 0)]}
+    # rank 1 twice as slow, and its first action carries 0.5 of other work (a replica update)
+    durations = {0: {F: 1.0, B: 2.0}, 1: {F: 2.0, B: 4.0}}
+
+    def duration(rank: int, index: int, action: Action) -> float:
+        return durations[rank][action.kind] + (0.5 if (rank, index) == (1, 0) else 0.0)
+
+    assert program_makespan(programs, 2, duration=duration) == 1 + 2.5 + 4 + 2
+
+
 @pytest.mark.parametrize(
     ("stages", "microbatches", "units", "overhead"),
     [
