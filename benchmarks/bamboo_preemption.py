@@ -53,6 +53,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.preemption_timeline import (  # noqa: E402
+    WARMUP_WINDOW,
+    event_warmups,
+    median_by,
+    restart_records,
+    warmup_excess,
+)
 from lightning_bamboo import membership as ms  # noqa: E402
 from lightning_bamboo.launch import Supervisor  # noqa: E402
 from lightning_bamboo.replay.traces import parse_trace  # noqa: E402
@@ -198,7 +205,7 @@ class Live:
 
     t0: float = 0.0
     applied: list[dict[str, Any]] = field(default_factory=list)
-    restarts: list[dict[str, float]] = field(default_factory=list)  # checkpoint-restart only
+    restarts: list[dict[str, Any]] = field(default_factory=list)  # checkpoint-restart only
     joins: list[dict[str, Any]] = field(default_factory=list)  # bamboo: the supervisor's completed joins
     kills: list[float] = field(default_factory=list)  # bamboo: kills of a member of the map (failovers)
     added_at: dict[int, float] = field(default_factory=dict)  # bamboo: member -> wall time of its add
@@ -321,12 +328,13 @@ class CheckpointRestart:
         path = self.run_dir / f"steps-launch{self.launches - 1}-rank0.txt"
         return self.pipelines > 0 and path.exists() and path.stat().st_size > 0
 
-    def drain(self, timeout: float = 60.0) -> None:
+    def drain(self, timeout: float = 60.0) -> bool:
         """Checkpoint now and exit cleanly (a grow restart loses nothing). A launch still starting has
-        trained nothing since the checkpoint it is loading: it is stopped at once."""
+        trained nothing since the checkpoint it is loading: it is stopped at once. Returns whether it
+        drained (``False``: stopped at once)."""
         if not self.training():
             self.kill_all()
-            return
+            return False
         flag = self.run_dir / "drain"
         flag.write_text("1")
         try:
@@ -336,6 +344,7 @@ class CheckpointRestart:
         finally:
             flag.unlink()
         self.kill_all()
+        return True
 
 
 def run_checkpoint_restart(
@@ -359,17 +368,22 @@ def run_checkpoint_restart(
                     log(f"[bench] checkpoint-restart t={now - live.t0:6.2f}s {node} (idle) lost: no restart")
                     continue
                 cr.kill_all()
-                start, why = now, "kill"
+                start, why, drained = now, "kill", False
             else:
                 alive.append(node)
                 live.applied.append({"t_s": now - live.t0, "kind": "add", "node": node})
                 if len(alive) // STAGES <= cr.pipelines:
                     log(f"[bench] checkpoint-restart t={now - live.t0:6.2f}s {node} added as a standby")
                     continue
-                cr.drain()
+                drained = cr.drain()
                 start, why = now, "grow"
+            stopped = time.time()
             cr.launch(len(alive) // STAGES)
-            live.restarts.append({"t_s": start - live.t0, "launch": cr.launches - 1, "why": why})  # type: ignore[dict-item]
+            live.restarts.append({  # type: ignore[arg-type]
+                "t_s": start - live.t0, "launch": cr.launches - 1, "why": why, "drained": drained,
+                "stopped_s": stopped - live.t0, "launched_s": time.time() - live.t0,
+                "layout": f"{STAGES}x{cr.pipelines}",
+            })
             log(f"[bench] checkpoint-restart t={start - live.t0:6.2f}s {why} {node}: relaunch "
                 f"{cr.pipelines} pipeline(s) ({time.time() - start:.2f}s to stop)")
         time.sleep(max(0.0, live.t0 + plan.window_s - time.time()))
@@ -390,6 +404,10 @@ def joined_at(bamboo: Live, join: dict[str, Any]) -> float:
     """Wall time at which a join completed (its first step at the new size)."""
     added = max(bamboo.added_at[m] for m in join["members"])
     return added + float(join["start_s"]) + float(join["join_s"])
+
+
+def step_s_of(layouts: dict[str, float], stages: int, workers: int) -> float:
+    return layouts.get(f"{stages}x{workers // stages}", 0.0)
 
 
 def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: float, segment: tuple[int, int],
@@ -432,6 +450,26 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
         first, layout = rows[0][1], rows[0][2]
         cost = first - (crl.t0 + r["t_s"]) - c_layouts.get(layout, 0.0)
         restart_costs.append(cost - (checkpoint_s if r["why"] == "grow" else 0.0))
+    # where each restart's time goes (benchmarks/preemption_timeline.py); the warm-up after failovers, joins
+    ckpt_marks = [(float(c[1]), float(c[2])) for c in ckpts]
+    restart_each = restart_records(run_dir / "cr", crl.t0, crl.restarts, c_rows, ckpt_marks, c_layouts)
+    for rec in restart_each:
+        rec["stop_kind"] = "drain" if rec["drained"] else "kill"
+    resumed = [next(t for t in b_times if t > k) for k in kills if any(t > k for t in b_times)]
+    joins_done = [joined_at(bamboo, j) for j in bamboo.joins if j["members"][0] in bamboo.added_at]
+    marks = sorted([bamboo.t0 + e["t_s"] for e in bamboo.applied] + [b_end])
+    ends = [next(m for m in marks if m > t + 1e-9) if any(m > t + 1e-9 for m in marks) else t
+            for t in resumed + joins_done]
+    b_warm = event_warmups(b_rows, resumed + joins_done, ends, b_layouts)
+    failover_warm, join_warm = b_warm[: len(resumed)], b_warm[len(resumed):]
+    start_warm = {
+        "bamboo": warmup_excess(sorted(t for t, _ in first_completion(b_rows).values() if t >= bamboo.t0),
+                                step_s_of(b_layouts, STAGES, WORKERS), (), min(marks)),
+        "checkpoint_restart": warmup_excess(
+            [r[1] for r in c_rows if r[3] == "steps-launch0-rank0" and r[1] >= crl.t0],
+            step_s_of(c_layouts, STAGES, WORKERS), ckpt_marks,
+            crl.t0 + crl.restarts[0]["t_s"] if crl.restarts else c_end),
+    }
     interval = json.loads((run_dir / "cr" / "interval.json").read_text()) \
         if (run_dir / "cr" / "interval.json").exists() else {}
     step_s = b_layouts.get(f"{STAGES}x{WORKERS // STAGES}", 0.0)
@@ -464,6 +502,12 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
             "checkpoint_s": checkpoint_s,
             "restart_s": statistics.median(restart_costs) if restart_costs else None,
             "fallback_s": None,
+            "restart_stop_s": median_by(restart_each, "stop_kind", "stop_s"),
+            "relaunch_s_by_layout": median_by(restart_each, "layout", "relaunch_s"),
+            "relaunch_warmup_s_by_layout": median_by(restart_each, "layout", "warmup_s"),
+            "failover_warmup_s": median_by(failover_warm, "layout", "warmup_s"),
+            "rejoin_warmup_s": median_by(join_warm, "layout", "warmup_s"),
+            "warmup_window_steps": WARMUP_WINDOW,
         },
         "live": {
             "bamboo": {
@@ -471,7 +515,8 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
                 "failovers": len(kills), "fallbacks": 0,
                 "rejoins": sum(1 for j in bamboo.joins if joined_at(bamboo, j) <= b_end),
                 "events": bamboo.applied, "failover_s_each": failovers, "rejoin_s_each": rejoins,
-                "joins": bamboo.joins,
+                "joins": bamboo.joins, "failover_warmup_each": failover_warm, "rejoin_warmup_each": join_warm,
+                "start_warmup": start_warm["bamboo"],
             },
             "checkpoint_restart": {
                 "wall_s": plan.window_s, "samples": c_steps * BATCH, "samples_per_s": c_sps,
@@ -479,6 +524,7 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
                 "checkpoints": len(ckpts), "events": crl.applied,
                 "lost_s": lost_steps * c_layouts.get(f"{STAGES}x{WORKERS // STAGES}", 0.0),
                 "lost_steps": lost_steps, "restart_s_each": restart_costs, "checkpoint_s_each": ckpt_costs,
+                "restart_each": restart_each, "start_warmup": start_warm["checkpoint_restart"],
             },
         },
         "load_average": os.getloadavg(),
