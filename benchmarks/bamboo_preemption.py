@@ -57,6 +57,7 @@ from benchmarks.preemption_timeline import (  # noqa: E402
     WARMUP_WINDOW,
     event_warmups,
     median_by,
+    median_of,
     restart_records,
     warmup_excess,
 )
@@ -478,7 +479,7 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
     b_sps = b_steps * BATCH / plan.window_s
     c_sps = c_steps * BATCH / plan.window_s
     return {
-        "schema": 1,
+        "schema": 2,
         "trace": TRACE,
         "segment": {"start_ms": segment[0], "end_ms": segment[1]},
         "compression": compression,
@@ -505,8 +506,8 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
             "restart_stop_s": median_by(restart_each, "stop_kind", "stop_s"),
             "relaunch_s_by_layout": median_by(restart_each, "layout", "relaunch_s"),
             "relaunch_warmup_s_by_layout": median_by(restart_each, "layout", "warmup_s"),
-            "failover_warmup_s": median_by(failover_warm, "layout", "warmup_s"),
-            "rejoin_warmup_s": median_by(join_warm, "layout", "warmup_s"),
+            "failover_warmup_s": median_of(failover_warm, "warmup_s"),
+            "rejoin_warmup_s": median_of(join_warm, "warmup_s"),
             "warmup_window_steps": WARMUP_WINDOW,
         },
         "live": {
@@ -543,6 +544,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="which worker each removal kills")
     parser.add_argument("--no-rejoin", action="store_true", help="do not start replacements")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directory here")
+    parser.add_argument("--remeasure", type=Path, default=None,
+                        help="recompute the figures from a run directory kept with --keep (runs nothing)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides (both systems), e.g. model.n_layer=4")
     args = parser.parse_args()
     # workers run in their own sessions: a SIGTERM unwinds through the ``finally`` blocks that kill them
@@ -557,17 +560,26 @@ def main() -> int:
     out = args.out if args.out is not None else default_out
     print(f"segment {segment[0]}-{segment[1]} ms of {TRACE}, compression {compression:g}: window "
           f"{plan.window_s:.1f} s, events {[(round(t, 2), k, n) for t, k, n in plan.events]}", flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix="bamboo_preemption_")) if args.keep is None else args.keep
-    (tmp / "bamboo").mkdir(parents=True, exist_ok=True)
-    (tmp / "cr").mkdir(parents=True, exist_ok=True)
     log = lambda line: print(line, flush=True)  # noqa: E731
     started = time.time()
-    bamboo = run_bamboo(plan, tmp / "bamboo", args.overrides, not args.no_rejoin, log)
-    (tmp / "bamboo" / "supervisor.log").write_text(bamboo.log)
-    crl = run_checkpoint_restart(plan, tmp / "cr", args.overrides, log, measure_after=not args.ci)
-    (tmp / "live.json").write_text(json.dumps({"bamboo": vars(bamboo), "cr": vars(crl)}))
+    if args.remeasure is not None:  # the same run's files, measured again (e.g. after a fix to measure())
+        tmp = args.remeasure
+        kept = json.loads((tmp / "live.json").read_text())
+        bamboo, crl = Live(**kept["bamboo"]), Live(**kept["cr"])
+        bamboo.added_at = {int(k): v for k, v in bamboo.added_at.items()}
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="bamboo_preemption_")) if args.keep is None else args.keep
+        (tmp / "bamboo").mkdir(parents=True, exist_ok=True)
+        (tmp / "cr").mkdir(parents=True, exist_ok=True)
+        bamboo = run_bamboo(plan, tmp / "bamboo", args.overrides, not args.no_rejoin, log)
+        (tmp / "bamboo" / "supervisor.log").write_text(bamboo.log)
+        crl = run_checkpoint_restart(plan, tmp / "cr", args.overrides, log, measure_after=not args.ci)
+        kept = {"bamboo": vars(bamboo), "cr": vars(crl), "load_average": os.getloadavg(),
+                "benchmark_wall_s": time.time() - started}
+        (tmp / "live.json").write_text(json.dumps(kept))
     result = measure(plan, tmp, bamboo, crl, compression, segment, args.overrides)  # type: ignore[arg-type]
-    result["benchmark_wall_s"] = time.time() - started
+    result["load_average"] = kept.get("load_average", result["load_average"])
+    result["benchmark_wall_s"] = kept.get("benchmark_wall_s")
     live = result["live"]
     cr = live["checkpoint_restart"]
     print(f"bamboo: {live['bamboo']['samples']} samples in {plan.window_s:.1f} s "

@@ -62,7 +62,7 @@ def restart_records(
         mine = [row for row in rows if row[3] == f"steps-launch{r['launch']}-rank0" and row[1] <= end]
         layout = mine[0][2] if mine else r["layout"]
         step = steady.get(layout, 0.0)
-        launched = t0 + r["launched_s"]
+        launched = t0 + r["stopped_s"]  # the launch begins (its processes are created from here)
         record: dict[str, Any] = {
             "t_s": r["t_s"], "why": r["why"], "drained": r["drained"], "layout": layout,
             "stop_s": r["stopped_s"] - r["t_s"], "relaunch_s": None, "warmup_s": None, "warmup_steps": 0,
@@ -119,3 +119,9 @@ def median_by(records: Sequence[dict[str, Any]], key: str, field: str) -> dict[s
         if r.get(field) is not None:
             groups.setdefault(str(r[key]), []).append(float(r[field]))
     return {k: statistics.median(v) for k, v in sorted(groups.items())}
+
+
+def median_of(records: Sequence[dict[str, Any]], field: str) -> float | None:
+    """Median of ``field`` over the records (``None`` when none has it: not measured in this run)."""
+    values = [float(r[field]) for r in records if r.get(field) is not None]
+    return statistics.median(values) if values else None
