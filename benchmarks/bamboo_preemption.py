@@ -26,7 +26,7 @@ lost to a restart is not counted. Workers append every completed step to files; 
 them. Last line, exactly::
 
     vs_checkpoint_restart=<bamboo samples/s / checkpoint-restart samples/s> failover_s=<median s from kill to
-    next completed step> step_s=<median failure-free step s, 2x2>
+    next completed step> step_s=<mean failure-free step s, 2x2>
 
 (one line). The JSON (``--out``) is what ``lightning_bamboo.replay`` reads (schema: docs/bamboo-replay.md).
 """
@@ -150,8 +150,9 @@ def first_completion(rows: list[tuple[int, float, str, str]]) -> dict[int, tuple
 
 
 def step_times(rows: list[tuple[int, float, str, str]], quiet: list[tuple[float, float]]) -> dict[str, float]:
-    """Median failure-free step time per layout: consecutive steps of one source with the same layout and no
-    event (kill, add, restart, checkpoint) inside ``(t_prev, t]`` (``quiet`` lists those intervals)."""
+    """Mean failure-free step time per layout — a throughput is samples over the *mean* step (slow steps are
+    paid too; the median prices a step faster than the run's): consecutive steps of one source with the same
+    layout and no event (kill, add, restart, checkpoint) inside ``(t_prev, t]`` (``quiet`` lists those)."""
     by_source: dict[str, list[tuple[int, float, str]]] = {}
     for s, t, layout, source in rows:
         by_source.setdefault(source, []).append((s, t, layout))
@@ -163,7 +164,7 @@ def step_times(rows: list[tuple[int, float, str, str]], quiet: list[tuple[float,
             if any(a < t1 and b > t0 for a, b in quiet):
                 continue
             samples.setdefault(l1, []).append(t1 - t0)
-    return {layout: statistics.median(v) for layout, v in samples.items() if len(v) >= 3}
+    return {layout: statistics.fmean(v) for layout, v in samples.items() if len(v) >= 3}
 
 
 def wait_for(predicate: Any, timeout: float, what: str) -> None:

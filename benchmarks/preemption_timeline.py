@@ -113,15 +113,17 @@ def event_warmups(
 
 
 def median_by(records: Sequence[dict[str, Any]], key: str, field: str) -> dict[str, float]:
-    """Median of ``field`` over the records grouped by ``key`` (records without a value are skipped)."""
+    """Median of ``field`` over the records grouped by ``key`` (records without a value are skipped), as a
+    cost: a negative median (a warm-up within the steps' noise) is no cost, 0."""
     groups: dict[str, list[float]] = {}
     for r in records:
         if r.get(field) is not None:
             groups.setdefault(str(r[key]), []).append(float(r[field]))
-    return {k: statistics.median(v) for k, v in sorted(groups.items())}
+    return {k: max(0.0, statistics.median(v)) for k, v in sorted(groups.items())}
 
 
 def median_of(records: Sequence[dict[str, Any]], field: str) -> float | None:
-    """Median of ``field`` over the records (``None`` when none has it: not measured in this run)."""
+    """Median of ``field`` over the records as a cost (>= 0, as :func:`median_by`); ``None`` when none has
+    it (not measured in this run)."""
     values = [float(r[field]) for r in records if r.get(field) is not None]
-    return statistics.median(values) if values else None
+    return max(0.0, statistics.median(values)) if values else None
