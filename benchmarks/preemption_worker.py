@@ -72,7 +72,7 @@ class StepClock(Callback):
 
 class Phases(Callback):
     """Writes when this process reached each start-up phase (wall times) to ``phases-<name>.json``: ``exec``
-    (interpreter running), ``imported`` (torch, Lightning), ``setup`` (process group formed: rendezvous
+    (the OS created the process), ``imported`` (torch, Lightning), ``setup`` (process group formed: rendezvous
     done), ``train_start`` (model built, checkpoint restored). The benchmark splits each relaunch with it."""
 
     def __init__(self, path: Path) -> None:
