@@ -26,7 +26,7 @@ lost to a restart is not counted. Workers append every completed step to files; 
 them. Last line, exactly::
 
     vs_checkpoint_restart=<bamboo samples/s / checkpoint-restart samples/s> failover_s=<median s from kill to
-    next completed step> step_s=<median failure-free step s, 2x2>
+    next completed step> step_s=<mean failure-free step s, 2x2>
 
 (one line). The JSON (``--out``) is what ``lightning_bamboo.replay`` reads (schema: docs/bamboo-replay.md).
 """
@@ -53,6 +53,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.preemption_timeline import (  # noqa: E402
+    WARMUP_WINDOW,
+    event_warmups,
+    median_by,
+    median_of,
+    restart_records,
+    warmup_excess,
+)
 from lightning_bamboo import membership as ms  # noqa: E402
 from lightning_bamboo.launch import Supervisor  # noqa: E402
 from lightning_bamboo.replay.traces import parse_trace  # noqa: E402
@@ -142,8 +150,9 @@ def first_completion(rows: list[tuple[int, float, str, str]]) -> dict[int, tuple
 
 
 def step_times(rows: list[tuple[int, float, str, str]], quiet: list[tuple[float, float]]) -> dict[str, float]:
-    """Median failure-free step time per layout: consecutive steps of one source with the same layout and no
-    event (kill, add, restart, checkpoint) inside ``(t_prev, t]`` (``quiet`` lists those intervals)."""
+    """Mean failure-free step time per layout — a throughput is samples over the *mean* step (slow steps are
+    paid too; the median prices a step faster than the run's): consecutive steps of one source with the same
+    layout and no event (kill, add, restart, checkpoint) inside ``(t_prev, t]`` (``quiet`` lists those)."""
     by_source: dict[str, list[tuple[int, float, str]]] = {}
     for s, t, layout, source in rows:
         by_source.setdefault(source, []).append((s, t, layout))
@@ -155,7 +164,7 @@ def step_times(rows: list[tuple[int, float, str, str]], quiet: list[tuple[float,
             if any(a < t1 and b > t0 for a, b in quiet):
                 continue
             samples.setdefault(l1, []).append(t1 - t0)
-    return {layout: statistics.median(v) for layout, v in samples.items() if len(v) >= 3}
+    return {layout: statistics.fmean(v) for layout, v in samples.items() if len(v) >= 3}
 
 
 def wait_for(predicate: Any, timeout: float, what: str) -> None:
@@ -198,10 +207,11 @@ class Live:
 
     t0: float = 0.0
     applied: list[dict[str, Any]] = field(default_factory=list)
-    restarts: list[dict[str, float]] = field(default_factory=list)  # checkpoint-restart only
+    restarts: list[dict[str, Any]] = field(default_factory=list)  # checkpoint-restart only
     joins: list[dict[str, Any]] = field(default_factory=list)  # bamboo: the supervisor's completed joins
     kills: list[float] = field(default_factory=list)  # bamboo: kills of a member of the map (failovers)
     added_at: dict[int, float] = field(default_factory=dict)  # bamboo: member -> wall time of its add
+    drain_after_s: float | None = None  # checkpoint-restart: a drain measured after the window (none in it)
     log: str = ""
 
 
@@ -321,12 +331,13 @@ class CheckpointRestart:
         path = self.run_dir / f"steps-launch{self.launches - 1}-rank0.txt"
         return self.pipelines > 0 and path.exists() and path.stat().st_size > 0
 
-    def drain(self, timeout: float = 60.0) -> None:
+    def drain(self, timeout: float = 60.0) -> bool:
         """Checkpoint now and exit cleanly (a grow restart loses nothing). A launch still starting has
-        trained nothing since the checkpoint it is loading: it is stopped at once."""
+        trained nothing since the checkpoint it is loading: it is stopped at once. Returns whether it
+        drained (``False``: stopped at once)."""
         if not self.training():
             self.kill_all()
-            return
+            return False
         flag = self.run_dir / "drain"
         flag.write_text("1")
         try:
@@ -336,6 +347,7 @@ class CheckpointRestart:
         finally:
             flag.unlink()
         self.kill_all()
+        return True
 
 
 def run_checkpoint_restart(
@@ -359,17 +371,22 @@ def run_checkpoint_restart(
                     log(f"[bench] checkpoint-restart t={now - live.t0:6.2f}s {node} (idle) lost: no restart")
                     continue
                 cr.kill_all()
-                start, why = now, "kill"
+                start, why, drained = now, "kill", False
             else:
                 alive.append(node)
                 live.applied.append({"t_s": now - live.t0, "kind": "add", "node": node})
                 if len(alive) // STAGES <= cr.pipelines:
                     log(f"[bench] checkpoint-restart t={now - live.t0:6.2f}s {node} added as a standby")
                     continue
-                cr.drain()
+                drained = cr.drain()
                 start, why = now, "grow"
+            stopped = time.time()
             cr.launch(len(alive) // STAGES)
-            live.restarts.append({"t_s": start - live.t0, "launch": cr.launches - 1, "why": why})  # type: ignore[dict-item]
+            live.restarts.append({  # type: ignore[arg-type]
+                "t_s": start - live.t0, "launch": cr.launches - 1, "why": why, "drained": drained,
+                "stopped_s": stopped - live.t0, "launched_s": time.time() - live.t0,
+                "layout": f"{STAGES}x{cr.pipelines}",
+            })
             log(f"[bench] checkpoint-restart t={start - live.t0:6.2f}s {why} {node}: relaunch "
                 f"{cr.pipelines} pipeline(s) ({time.time() - start:.2f}s to stop)")
         time.sleep(max(0.0, live.t0 + plan.window_s - time.time()))
@@ -380,6 +397,14 @@ def run_checkpoint_restart(
                 wait_for(cr.training, 180, "the last relaunch's first step")
             except TimeoutError as err:
                 log(f"[bench] checkpoint-restart: {err}; its restart cost is not measured")
+        # a grow's drain (boundary, checkpoint, exit) is a cost the replay prices: when no grow of the window
+        # found a launch training (all were still starting under load), one drain is measured after it
+        if measure_after and not any(r["drained"] for r in live.restarts) and cr.training():
+            start = time.time()
+            if cr.drain():
+                live.drain_after_s = time.time() - start
+                log(f"[bench] checkpoint-restart: no drain in the window; one after it took "
+                    f"{live.drain_after_s:.2f}s")
     finally:
         cr.kill_all()
     return live
@@ -390,6 +415,10 @@ def joined_at(bamboo: Live, join: dict[str, Any]) -> float:
     """Wall time at which a join completed (its first step at the new size)."""
     added = max(bamboo.added_at[m] for m in join["members"])
     return added + float(join["start_s"]) + float(join["join_s"])
+
+
+def step_s_of(layouts: dict[str, float], stages: int, workers: int) -> float:
+    return layouts.get(f"{stages}x{workers // stages}", 0.0)
 
 
 def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: float, segment: tuple[int, int],
@@ -432,6 +461,28 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
         first, layout = rows[0][1], rows[0][2]
         cost = first - (crl.t0 + r["t_s"]) - c_layouts.get(layout, 0.0)
         restart_costs.append(cost - (checkpoint_s if r["why"] == "grow" else 0.0))
+    # where each restart's time goes (benchmarks/preemption_timeline.py); the warm-up after failovers, joins
+    ckpt_marks = [(float(c[1]), float(c[2])) for c in ckpts]
+    restart_each = restart_records(run_dir / "cr", crl.t0, crl.restarts, c_rows, ckpt_marks, c_layouts)
+    for rec in restart_each:
+        rec["stop_kind"] = "drain" if rec["drained"] else "kill"
+    after = [{"stop_kind": "drain", "stop_s": crl.drain_after_s}] if crl.drain_after_s is not None else []
+    stops = restart_each + after
+    resumed = [next(t for t in b_times if t > k) for k in kills if any(t > k for t in b_times)]
+    joins_done = [joined_at(bamboo, j) for j in bamboo.joins if j["members"][0] in bamboo.added_at]
+    marks = sorted([bamboo.t0 + e["t_s"] for e in bamboo.applied] + [b_end])
+    ends = [next(m for m in marks if m > t + 1e-9) if any(m > t + 1e-9 for m in marks) else t
+            for t in resumed + joins_done]
+    b_warm = event_warmups(b_rows, resumed + joins_done, ends, b_layouts)
+    failover_warm, join_warm = b_warm[: len(resumed)], b_warm[len(resumed):]
+    start_warm = {
+        "bamboo": warmup_excess(sorted(t for t, _ in first_completion(b_rows).values() if t >= bamboo.t0),
+                                step_s_of(b_layouts, STAGES, WORKERS), (), min(marks)),
+        "checkpoint_restart": warmup_excess(
+            [r[1] for r in c_rows if r[3] == "steps-launch0-rank0" and r[1] >= crl.t0],
+            step_s_of(c_layouts, STAGES, WORKERS), ckpt_marks,
+            crl.t0 + crl.restarts[0]["t_s"] if crl.restarts else c_end),
+    }
     interval = json.loads((run_dir / "cr" / "interval.json").read_text()) \
         if (run_dir / "cr" / "interval.json").exists() else {}
     step_s = b_layouts.get(f"{STAGES}x{WORKERS // STAGES}", 0.0)
@@ -440,7 +491,7 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
     b_sps = b_steps * BATCH / plan.window_s
     c_sps = c_steps * BATCH / plan.window_s
     return {
-        "schema": 1,
+        "schema": 2,
         "trace": TRACE,
         "segment": {"start_ms": segment[0], "end_ms": segment[1]},
         "compression": compression,
@@ -464,6 +515,12 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
             "checkpoint_s": checkpoint_s,
             "restart_s": statistics.median(restart_costs) if restart_costs else None,
             "fallback_s": None,
+            "restart_stop_s": median_by(stops, "stop_kind", "stop_s"),
+            "relaunch_s_by_layout": median_by(restart_each, "layout", "relaunch_s"),
+            "relaunch_warmup_s_by_layout": median_by(restart_each, "layout", "warmup_s"),
+            "failover_warmup_s": median_of(failover_warm, "warmup_s"),
+            "rejoin_warmup_s": median_of(join_warm, "warmup_s"),
+            "warmup_window_steps": WARMUP_WINDOW,
         },
         "live": {
             "bamboo": {
@@ -471,14 +528,17 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
                 "failovers": len(kills), "fallbacks": 0,
                 "rejoins": sum(1 for j in bamboo.joins if joined_at(bamboo, j) <= b_end),
                 "events": bamboo.applied, "failover_s_each": failovers, "rejoin_s_each": rejoins,
-                "joins": bamboo.joins,
+                "joins": bamboo.joins, "failover_warmup_each": failover_warm, "rejoin_warmup_each": join_warm,
+                "start_warmup": start_warm["bamboo"],
             },
             "checkpoint_restart": {
                 "wall_s": plan.window_s, "samples": c_steps * BATCH, "samples_per_s": c_sps,
                 "restarts": len(crl.restarts), "checkpoint_interval_s": interval.get("interval_s", 0.0),
-                "checkpoints": len(ckpts), "events": crl.applied,
+                "checkpoints": sum(1 for c in ckpts if float(c[1]) <= c_end), "events": crl.applied,
                 "lost_s": lost_steps * c_layouts.get(f"{STAGES}x{WORKERS // STAGES}", 0.0),
                 "lost_steps": lost_steps, "restart_s_each": restart_costs, "checkpoint_s_each": ckpt_costs,
+                "restart_each": restart_each, "start_warmup": start_warm["checkpoint_restart"],
+                "drain_after_window_s": crl.drain_after_s,
             },
         },
         "load_average": os.getloadavg(),
@@ -497,6 +557,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="which worker each removal kills")
     parser.add_argument("--no-rejoin", action="store_true", help="do not start replacements")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directory here")
+    parser.add_argument("--remeasure", type=Path, default=None,
+                        help="recompute the figures from a run directory kept with --keep (runs nothing)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides (both systems), e.g. model.n_layer=4")
     args = parser.parse_args()
     # workers run in their own sessions: a SIGTERM unwinds through the ``finally`` blocks that kill them
@@ -511,17 +573,26 @@ def main() -> int:
     out = args.out if args.out is not None else default_out
     print(f"segment {segment[0]}-{segment[1]} ms of {TRACE}, compression {compression:g}: window "
           f"{plan.window_s:.1f} s, events {[(round(t, 2), k, n) for t, k, n in plan.events]}", flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix="bamboo_preemption_")) if args.keep is None else args.keep
-    (tmp / "bamboo").mkdir(parents=True, exist_ok=True)
-    (tmp / "cr").mkdir(parents=True, exist_ok=True)
     log = lambda line: print(line, flush=True)  # noqa: E731
     started = time.time()
-    bamboo = run_bamboo(plan, tmp / "bamboo", args.overrides, not args.no_rejoin, log)
-    (tmp / "bamboo" / "supervisor.log").write_text(bamboo.log)
-    crl = run_checkpoint_restart(plan, tmp / "cr", args.overrides, log, measure_after=not args.ci)
-    (tmp / "live.json").write_text(json.dumps({"bamboo": vars(bamboo), "cr": vars(crl)}))
+    if args.remeasure is not None:  # the same run's files, measured again (e.g. after a fix to measure())
+        tmp = args.remeasure
+        kept = json.loads((tmp / "live.json").read_text())
+        bamboo, crl = Live(**kept["bamboo"]), Live(**kept["cr"])
+        bamboo.added_at = {int(k): v for k, v in bamboo.added_at.items()}
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="bamboo_preemption_")) if args.keep is None else args.keep
+        (tmp / "bamboo").mkdir(parents=True, exist_ok=True)
+        (tmp / "cr").mkdir(parents=True, exist_ok=True)
+        bamboo = run_bamboo(plan, tmp / "bamboo", args.overrides, not args.no_rejoin, log)
+        (tmp / "bamboo" / "supervisor.log").write_text(bamboo.log)
+        crl = run_checkpoint_restart(plan, tmp / "cr", args.overrides, log, measure_after=not args.ci)
+        kept = {"bamboo": vars(bamboo), "cr": vars(crl), "load_average": os.getloadavg(),
+                "benchmark_wall_s": time.time() - started}
+        (tmp / "live.json").write_text(json.dumps(kept))
     result = measure(plan, tmp, bamboo, crl, compression, segment, args.overrides)  # type: ignore[arg-type]
-    result["benchmark_wall_s"] = time.time() - started
+    result["load_average"] = kept.get("load_average", result["load_average"])
+    result["benchmark_wall_s"] = kept.get("benchmark_wall_s")
     live = result["live"]
     cr = live["checkpoint_restart"]
     print(f"bamboo: {live['bamboo']['samples']} samples in {plan.window_s:.1f} s "

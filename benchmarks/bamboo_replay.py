@@ -46,7 +46,11 @@ def main() -> int:
         print(f"error: {args.costs} does not exist: the replay needs the costs measured by the live "
               f"preemption benchmark; run: {PRODUCER}", file=sys.stderr)
         return 2
-    costs = load_costs(args.costs)
+    try:
+        costs = load_costs(args.costs)
+    except ValueError as err:  # a wrong schema, a missing key, a bad duration: named in the message
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if costs.raw.get("fixture"):
         if args.allow_fixture:
             print(f"WARNING: fixture costs, not measured: {costs.raw['fixture']}")
@@ -56,8 +60,12 @@ def main() -> int:
             return 2
     compression = args.compression if args.compression is not None else float(costs.raw["compression"])
     trace = parse_trace(args.trace)
-    comparison = replay(trace, costs, prices=Prices(args.spot, args.on_demand), compression=compression)
-    check = validate(costs)
+    try:
+        comparison = replay(trace, costs, prices=Prices(args.spot, args.on_demand), compression=compression)
+        check = validate(costs)
+    except KeyError as err:  # a cost the replay needs that this benchmark run did not measure
+        print(f"error: {err.args[0]}", file=sys.stderr)
+        return 2
     print(f"trace {trace.name}: {trace.duration_s / 3600:.2f} h, {trace.removal_groups()} preemption events, "
           f"mean {trace.mean_nodes():.1f} nodes; replayed at compression {compression:g}; costs {args.costs}")
     print("\n".join(report(comparison)))

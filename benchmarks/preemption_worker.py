@@ -42,6 +42,14 @@ from recipes.compose import compose_recipe  # noqa: E402
 
 EXPERIMENT = "bamboo_gpt_elastic"
 WARMUP_STEPS = 2
+T_IMPORTED = time.time()
+
+
+def process_start_time() -> float:
+    """Wall time at which the OS created this process (``/proc/self/stat`` start ticks since boot, 10 ms),
+    i.e. before the interpreter started and imported torch and Lightning."""
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def layout_of(strategy: Any) -> str:
@@ -60,6 +68,23 @@ class StepClock(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         self.file.write(f"{trainer.global_step} {time.time():.6f} {layout_of(trainer.strategy)}\n")
+
+
+class Phases(Callback):
+    """Writes when this process reached each start-up phase (wall times) to ``phases-<name>.json``: ``exec``
+    (the OS created the process), ``imported`` (torch, Lightning), ``setup`` (process group formed: rendezvous
+    done), ``train_start`` (model built, checkpoint restored). The benchmark splits each relaunch with it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.times = {"exec": process_start_time(), "imported": T_IMPORTED}
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.times["setup"] = time.time()
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.times["train_start"] = time.time()
+        self.path.write_text(json.dumps(self.times))
 
 
 class YoungDalyCheckpoint(Callback):
@@ -180,7 +205,8 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[StepClock(args.run_dir / f"steps-{name}.txt"), *callbacks],
+        callbacks=[StepClock(args.run_dir / f"steps-{name}.txt"),
+                   Phases(args.run_dir / f"phases-{name}.json"), *callbacks],
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
 

@@ -12,6 +12,10 @@ from typing import Any
 
 DEFAULT_COSTS = Path("benchmarks/results/bamboo_preemption.json")
 PRODUCER = "python benchmarks/bamboo_preemption.py --out benchmarks/results/bamboo_preemption.json"
+SCHEMA = 2
+"""2: checkpoint-restart's restarts priced by their measured parts (``restart_stop_s``,
+``relaunch_s_by_layout``, ``relaunch_warmup_s_by_layout``) and the warm-up after Bamboo's failovers and
+joins (``failover_warmup_s``, ``rejoin_warmup_s``); 1 priced every restart with one median."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,32 @@ class Costs:
     cr_step_s_by_layout: dict[str, float] = field(default_factory=dict)
     step_s_by_shape: dict[str, float] = field(default_factory=dict)
     rejoin_delay_s: float = 0.0
+    restart_stop_s: dict[str, float] = field(default_factory=dict)
+    relaunch_s_by_layout: dict[str, float] = field(default_factory=dict)
+    relaunch_warmup_s_by_layout: dict[str, float] = field(default_factory=dict)
+    failover_warmup_s: float = 0.0
+    rejoin_warmup_s: float = 0.0
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def restart_parts(self, stop: str | None, stages: int, pipelines: int) -> tuple[float, float, float]:
+        """Checkpoint-restart's pause for one restart as its three measured parts ``(stop, relaunch,
+        warm-up)``: stopping the job (``stop``: ``"kill"``, ``"drain"`` = next step boundary + checkpoint +
+        exit, or ``None`` when nothing runs), relaunching at ``stages x pipelines`` up to its first step
+        (``nearest`` measured layout), and the excess of the steps after it over failure-free ones.
+
+        Raises:
+            KeyError: naming the cost the benchmark run did not measure.
+        """
+        if stop is not None and stop not in self.restart_stop_s:
+            raise KeyError(
+                f"no measured restart stop of kind {stop!r} (costs.restart_stop_s has "
+                f"{sorted(self.restart_stop_s)}): the benchmark run saw no such restart"
+            )
+        return (
+            self.restart_stop_s[stop] if stop is not None else 0.0,
+            nearest(self.relaunch_s_by_layout, stages, pipelines, "costs.relaunch_s_by_layout"),
+            nearest(self.relaunch_warmup_s_by_layout, stages, pipelines, "costs.relaunch_warmup_s_by_layout"),
+        )
 
 
 def _need(obj: dict[str, Any], key: str, where: str, path: Path) -> Any:
@@ -61,8 +90,11 @@ def load_costs(path: str | Path) -> Costs:
             f"costs file {str(path)!r} does not exist; produce it with the live benchmark: {PRODUCER}"
         )
     data = json.loads(path.read_text())
-    if data.get("schema") != 1:
-        raise ValueError(f"{path}: schema must be 1, got {data.get('schema')!r}")
+    if data.get("schema") != SCHEMA:
+        raise ValueError(
+            f"{path}: schema must be {SCHEMA} (per-restart costs: stop, relaunch, warm-up), got "
+            f"{data.get('schema')!r}; re-measure with the live benchmark: {PRODUCER}"
+        )
     costs = _need(data, "costs", "", path)
     by_layout = _need(costs, "step_s_by_layout", "costs.", path)
     if not isinstance(by_layout, dict) or not by_layout:
@@ -87,8 +119,46 @@ def load_costs(path: str | Path) -> Costs:
         rejoin_delay_s=_seconds(  # type: ignore[arg-type]
             costs.get("rejoin_delay_s") or 0.0, "costs.rejoin_delay_s", path
         ),
+        restart_stop_s=_durations(costs, "restart_stop_s", path, layouts=False),
+        relaunch_s_by_layout=_durations(costs, "relaunch_s_by_layout", path),
+        relaunch_warmup_s_by_layout=_durations(costs, "relaunch_warmup_s_by_layout", path),
+        failover_warmup_s=_seconds(  # type: ignore[arg-type]
+            _need(costs, "failover_warmup_s", "costs.", path), "costs.failover_warmup_s", path
+        ),
+        rejoin_warmup_s=_seconds(  # type: ignore[arg-type]
+            costs.get("rejoin_warmup_s") or 0.0, "costs.rejoin_warmup_s", path
+        ),
         raw=data,
     )
+
+
+def _durations(costs: dict[str, Any], key: str, path: Path, layouts: bool = True) -> dict[str, float]:
+    """A required object of durations (keyed by layout ``'SxP'`` when ``layouts``)."""
+    value = _need(costs, key, "costs.", path)
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: costs.{key} must be an object of seconds, got {value!r}")
+    for name, seconds in value.items():
+        if layouts:
+            _layout(name, path)
+        _seconds(seconds, f"costs.{key}[{name!r}]", path)
+    return {k: float(v) for k, v in value.items()}
+
+
+def nearest(by_layout: dict[str, float], stages: int, pipelines: int, what: str) -> float:
+    """The value measured for ``stages x pipelines``, else for the measured layout with ``stages`` stages
+    and the nearest pipeline count (the narrower one on a tie): the benchmark measures at most its own
+    width, and a wider job's relaunch is priced as its widest measured one.
+
+    Raises:
+        KeyError: naming ``what`` when no layout with ``stages`` stages was measured.
+    """
+    key = f"{stages}x{pipelines}"
+    if key in by_layout:
+        return by_layout[key]
+    measured = sorted(int(k.split("x")[1]) for k in by_layout if int(k.split("x")[0]) == stages)
+    if not measured:
+        raise KeyError(f"{what} has no layout with {stages} stages (for {key}); measured {sorted(by_layout)}")
+    return by_layout[f"{stages}x{min(measured, key=lambda p: (abs(p - pipelines), p))}"]
 
 
 def _layout(key: str, path: Path) -> tuple[int, int]:

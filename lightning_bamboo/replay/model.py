@@ -243,7 +243,7 @@ def simulate_bamboo(
             if lost & set(owners.members()):
                 try:
                     owners = failover(owners, lost)
-                    clock.pause(costs.failover_s)
+                    clock.pause(costs.failover_s + costs.failover_warmup_s)
                     _count(result, "failovers")
                 except FallbackNeeded:
                     survivors = [m for m in owners.members() + list(owners.spares) if m not in lost]
@@ -262,7 +262,7 @@ def simulate_bamboo(
             if joined and owners is not None and costs.rejoin_s is not None:
                 grown = _capped(rejoin(owners, joined), cap)
                 if shape_key(grown) != shape_key(owners):
-                    clock.pause(costs.rejoin_s)
+                    clock.pause(costs.rejoin_s + costs.rejoin_warmup_s)
                     _count(result, "rejoins")
                 owners = grown
         state["map"] = owners
@@ -288,8 +288,10 @@ def simulate_checkpoint_restart(
     points: int = 400,
 ) -> Result:
     """Checkpoint-restart (torchrun elastic + checkpoints): ``floor(nodes/stages)`` pipelines without
-    redundancy; losing an active node stops everyone, loses the work since the last checkpoint and costs
-    ``restart_s``; a join that grows the layout checkpoints and restarts (``checkpoint_s + restart_s``).
+    redundancy; losing an active node kills everyone, loses the work since the last checkpoint and relaunches;
+    a join that grows the layout drains (checkpoint at the next step boundary, exit: nothing lost) and
+    relaunches — or kills at once a launch still starting, which has trained nothing. Each restart pauses
+    :meth:`Costs.restart_parts`: the stop, the relaunch at the new layout, its warm-up, all measured.
     Checkpoints every ``checkpoint_interval_s`` of training (default: Young/Daly with the trace's MTBF)."""
     duration = trace.duration_s / compression
     if checkpoint_interval_s is None:
@@ -299,23 +301,33 @@ def simulate_checkpoint_restart(
     result = Result("checkpoint_restart", duration, price=price, checkpoint_interval_s=checkpoint_interval_s)
     clock = _Clock(result, costs.checkpoint_s, checkpoint_interval_s, _ticks(duration, points))
     by_layout = costs.cr_step_s_by_layout or costs.step_s_by_layout
-    state = {"layout": (0, 0)}
+    state: dict[str, tuple[int, int] | float] = {"layout": (0, 0), "relaunched_at": -math.inf}
 
     def on_events(alive: list[str], events: list[Event]) -> None:
-        s, p = state["layout"]
+        s, p = state["layout"]  # type: ignore[misc]
         active = set(alive[: s * p])
         lost = {e.node for e in events if e.kind == "remove"}
         added = [e.node for e in events if e.kind == "add"]
         alive[:] = [n for n in alive if n not in lost] + added
         pipelines = len(alive) // stages if cap is None else min(len(alive) // stages, cap)
         layout = (stages, pipelines) if pipelines else (0, 0)
+        started = state["relaunched_at"] > -math.inf  # type: ignore[operator]  # the first launch is free
+        starting = clock.t < state["relaunched_at"]  # type: ignore[operator]  # the launch has not trained yet
+        restart, stop = False, None
         if lost & active:
             clock.rollback()
-            clock.pause(costs.restart_s, extend=False)
-            _count(result, "restarts")
-        elif added and layout[1] > p and p > 0:
-            clock.pause(costs.checkpoint_s + costs.restart_s, extend=False)
+            restart, stop = True, "kill"
+        elif added and layout[1] > p and (p > 0 or started):
+            # grow: drain (its checkpoint: nothing lost), or kill a launch still starting (it trained nothing)
+            restart, stop = True, None if p == 0 else "kill" if starting else "drain"
             clock.since_checkpoint, clock.samples_at_checkpoint = 0.0, result.samples
+        elif added and layout[1] > p:
+            state["relaunched_at"] = clock.t  # the trace's first fleet: launched before time 0
+        if restart:
+            # with no pipeline left nothing trains (rate 0) until an add relaunches (stop None)
+            halt, relaunch, warmup = costs.restart_parts(stop, *layout) if layout[1] else (0.0, 0.0, 0.0)
+            clock.pause(halt + relaunch + warmup, extend=False)
+            state["relaunched_at"] = clock.t + halt + relaunch
             _count(result, "restarts")
         state["layout"] = layout
         clock.nodes = len(alive)

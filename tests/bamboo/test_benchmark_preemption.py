@@ -66,3 +66,8 @@ def test_ci_run_kills_a_worker_and_bamboo_trains_on(tmp_path: Path) -> None:
     ]
     assert any(layout == "2+1" for _, _, layout in steps), "no step on the shrunk layout"
     assert kill > 0 and cr["restarts"] == 1
+    # the restart's record (--ci does not wait for the relaunch's first step, so only its stop is measured;
+    # the split of a relaunch is checked on hand-written files in test_preemption_timeline.py)
+    (restart,) = cr["restart_each"]
+    assert restart["why"] == "kill" and restart["stop_kind"] == "kill" and restart["layout"] == "2x1"
+    assert result["schema"] == 2 and result["costs"]["restart_stop_s"] == {"kill": restart["stop_s"]}

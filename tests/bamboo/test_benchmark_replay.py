@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import subprocess
 import sys
@@ -37,6 +38,18 @@ def test_missing_costs_names_the_file_and_the_command(tmp_path: Path) -> None:
         f"error: {tmp_path / 'missing.json'} does not exist: the replay needs the costs measured by the live "
         "preemption benchmark; run: python benchmarks/bamboo_preemption.py --out "
         "benchmarks/results/bamboo_preemption.json"
+    )
+
+
+def test_a_cost_the_run_did_not_measure_is_named(tmp_path: Path) -> None:
+    data = json.loads(FIXTURE.read_text())
+    del data["costs"]["restart_stop_s"]["drain"]  # a run in which no grow found a launch training
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    proc = run("--costs", str(tmp_path / "c.json"), "--allow-fixture")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "error: no measured restart stop of kind 'drain' (costs.restart_stop_s has ['kill']): the benchmark "
+        "run saw no such restart"
     )
 
 

@@ -91,6 +91,12 @@ def test_costs_file_is_checked(tmp_path: Path) -> None:
     message = "costs.failover_s must be a number of seconds >= 0, got -1"
     with pytest.raises(ValueError, match=re.escape(message)):
         load_costs(tmp_path / "b.json")
+    data = json.loads(FIXTURE.read_text())
+    data["costs"]["relaunch_s_by_layout"]["2x1"] = "slow"
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    message = "costs.relaunch_s_by_layout['2x1'] must be a number of seconds >= 0, got 'slow'"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_costs(tmp_path / "c.json")
 
 
 def fixture_trace(duration_s: float = 40.0):  # type: ignore[no-untyped-def]
@@ -99,8 +105,9 @@ def fixture_trace(duration_s: float = 40.0):  # type: ignore[no-untyped-def]
 
 
 def test_bamboo_model_by_hand() -> None:
-    """4 nodes (2x2, 64 samples/s); node4 lost at 10 s: failover 2 s, then 2x1 (32/s); node5 joins at 20 s:
-    rejoin 3 s, then 2x2 again. 10*64 + 8*32 + 17*64 = 1984 samples in 40 s."""
+    """4 nodes (2x2, 64 samples/s); node4 lost at 10 s: failover 1.5 s + its warm-up 0.5 s, then 2x1 (32/s);
+    node5 joins at 20 s: rejoin 2.5 s + warm-up 0.5 s, then 2x2 again. 10*64 + 8*32 + 17*64 = 1984 samples
+    in 40 s."""
     trace, costs = fixture_trace()
     result = simulate_bamboo(trace, costs, 2, price=0.91, cap=2)
     assert result.samples == pytest.approx(1984.0)
@@ -111,12 +118,48 @@ def test_bamboo_model_by_hand() -> None:
 
 def test_checkpoint_restart_model_by_hand() -> None:
     """Checkpoint every 8 s of training (1 s each): 8 s (512), checkpoint, 1 s (576); the loss at 10 s rolls
-    back to 512 and restarts (5 s); 5 s at 32/s (672); the join at 20 s checkpoints and restarts (6 s);
-    8 s at 64/s (1184), checkpoint, 5 s (1504)."""
+    back to 512 and restarts: kill 0.5 s + relaunch at 2x1 3.5 s + its warm-up 1 s = 5 s; 5 s at 32/s (672);
+    the join at 20 s drains (1 s: boundary, checkpoint, exit) and relaunches at 2x2 (4.5 s + warm-up 0.5 s):
+    6 s; 8 s at 64/s (1184), checkpoint, 5 s (1504)."""
     trace, costs = fixture_trace()
     result = simulate_checkpoint_restart(trace, costs, 2, price=0.91, cap=2, checkpoint_interval_s=8.0)
     assert result.samples == pytest.approx(1504.0)
     assert result.counts == {"checkpoints": 2, "restarts": 2}
+
+
+def test_a_grow_during_a_relaunch_kills_it_instead_of_draining(tmp_path: Path) -> None:
+    """As the benchmark's checkpoint-restart: a launch that has not trained yet is stopped at once (the
+    ``kill`` stop, not the drain). Checkpoint every 8 s: 8 s (512), checkpoint, 1 s (576); node4 lost at
+    10 s: back to 512, restart until 15 s (0.5 + 3.5 + 1); node5 added at 12 s, the 2x1 launch still
+    starting: kill 0.5 + relaunch at 2x2 4.5 + warm-up 0.5 = 5.5 s from 12 s; 17.5-20 s at 64/s: 672."""
+    trace_path = tmp_path / "t.csv"
+    trace_path.write_text("0,add,a\n0,add,b\n0,add,c\n0,add,d\n10000,remove,d\n12000,add,e\n")
+    costs = load_costs(FIXTURE)
+    trace = parse_trace(trace_path, duration_s=20.0)
+    result = simulate_checkpoint_restart(trace, costs, 2, price=0.91, cap=2, checkpoint_interval_s=8.0)
+    assert result.counts == {"checkpoints": 1, "restarts": 2}
+    assert result.samples == pytest.approx(512 + 2.5 * 64)
+
+
+def test_restart_parts_are_the_measured_ones() -> None:
+    costs = load_costs(FIXTURE)
+    assert costs.restart_parts("kill", 2, 1) == (0.5, 3.5, 1.0)
+    assert costs.restart_parts("drain", 2, 2) == (1.0, 4.5, 0.5)
+    assert costs.restart_parts(None, 2, 16) == (0.0, 4.5, 0.5)  # wider than measured: the widest measured
+    with pytest.raises(KeyError, match=re.escape("no measured restart stop of kind 'preempt'")):
+        costs.restart_parts("preempt", 2, 2)
+    with pytest.raises(KeyError, match=re.escape("costs.relaunch_s_by_layout has no layout with 4 stages")):
+        costs.restart_parts("kill", 4, 1)
+
+
+def test_schema_1_files_are_refused(tmp_path: Path) -> None:
+    data = json.loads(FIXTURE.read_text())
+    data["schema"] = 1
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    message = (f"{tmp_path / 'old.json'}: schema must be 2 (per-restart costs: stop, relaunch, warm-up), "
+               "got 1; re-measure with the live benchmark: python benchmarks/bamboo_preemption.py")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_costs(tmp_path / "old.json")
 
 
 def test_young_daly_interval_uses_the_trace_mtbf() -> None:
