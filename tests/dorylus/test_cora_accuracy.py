@@ -33,7 +33,8 @@ PLANETOID = next(
 def cora_seed0(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Both recipes, seed 0, in one launch of the 2 graph servers (the imports and the group paid once)."""
     out = tmp_path_factory.mktemp("cora")
-    run_script("cora_run.py", [str(out), "--model", "gcn,gat", "--seeds", "1"], timeout=900, cwd=out)
+    args = [str(out), "--model", "gcn,gat", "--seeds", "1"]
+    run_script("cora_run.py", args, timeout=900, cwd=out, nprocs=2)  # both servers started together
     return json.loads((out / "cora.json").read_text())["models"]
 
 
@@ -77,7 +78,7 @@ def test_bounded_staleness_keeps_gcn_accuracy_and_epochs(tmp_path: Path) -> None
         "--staleness",
         "none,0,1",
     ]
-    run_script("cora_staleness_run.py", args, timeout=1800, cwd=tmp_path)
+    run_script("cora_staleness_run.py", args, timeout=1800, cwd=tmp_path, nprocs=2)
     configs = json.loads((tmp_path / "cora.json").read_text())["configs"]
     sync = configs["none"]
     target = max(sync["mean_val_curve"]) - 0.01

@@ -31,7 +31,7 @@ from lightning_dorylus.data import (
     save_graph,
 )
 from lightning_dorylus.data.synthetic import powerlaw_graph
-from tests.process import DATA, run_process
+from tests.process import DATA, run_ranks
 
 PLANETOID_ROOT = DATA / "planetoid"
 
@@ -245,7 +245,8 @@ def test_planetoid_never_downloads(tmp_path) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_processes_each_load_their_own_partition(tmp_path) -> None:
-    run_process([sys.executable, __file__, str(tmp_path / "out"), str(tmp_path / "cache")], timeout=240)
+    # both ranks started together (an external launcher): rank 1 reaches the data module as early as rank 0
+    run_ranks([sys.executable, __file__, str(tmp_path / "out"), str(tmp_path / "cache")], 2, timeout=240)
     expected = partition_graph(small_graph(), 2)
     for rank in range(2):
         result = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())

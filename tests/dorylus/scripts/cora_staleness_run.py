@@ -1,6 +1,7 @@
 """Worker script: Cora node classification with ``DorylusStrategy`` on N graph servers, several seeds.
 
-One job (Lightning's popen launcher starts the other graph servers), seeds trained one after another. Per
+One job (the test starts every graph server, ``tests.process.run_ranks``; run alone, Lightning's popen
+launcher starts the others), seeds trained one after another. Per
 seed: ``max_epochs`` epochs (one full-graph step each) and, every epoch, one evaluation forward that gives
 the global validation AND test accuracy; the test accuracy of the best validation epoch is kept in memory
 (:class:`BestValidation`) — the model selection of PyG's ``examples/gcn.py`` and ``examples/gat.py``
