@@ -4,7 +4,8 @@ Wall times (``--durations``) inflate when other work shares the cores; CPU secon
 ``--cpu-times`` every test's CPU (this process + the subprocesses it waited for, i.e. ``RUSAGE_CHILDREN``)
 is summed and the largest are printed at the end, with the total: total / cores estimates a quiet run
 (also under pytest-xdist, if used: the controller prints the workers' figures). Not counted: the
-ranks that Lightning's popen launcher starts (nobody waits for them), so a 2-process launch shows ~half.
+ranks that Lightning's popen launcher starts (nobody waits for them), so such a 2-process launch shows ~half;
+the ranks that ``tests.process.run_ranks`` starts are all waited for, so counted.
 """
 
 from __future__ import annotations

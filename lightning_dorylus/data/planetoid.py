@@ -3,6 +3,11 @@
 PyG's ``Planetoid`` keeps raw and processed files under one root. Here the raw files may sit in a read-only
 folder (e.g. a shared data directory): they are read from ``<root>/<name>/raw/`` and PyG's processed file
 goes to ``<processed_root>/<name>/processed/``.
+
+Every graph server of a job loads the graph, and an external launcher (torchrun, SLURM) starts them at the
+same moment: PyG would then process into the same file from several processes, and one reads the other's
+half-written file. A file lock beside the processed folder lets the first process write it and the others
+load what it wrote.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import os.path as osp
 from pathlib import Path
 
+from filelock import FileLock
 from torch_geometric.datasets import Planetoid
 from typing_extensions import override
 
@@ -30,7 +36,10 @@ class LocalPlanetoid(Planetoid):
 
     def __init__(self, root: str | Path, name: str, processed_root: str | Path) -> None:
         self.processed_root = str(processed_root)
-        super().__init__(str(root), name, split="public")
+        lock = processing_lock(processed_root, name)
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(lock):  # one process writes the processed file; the others wait, then load it
+            super().__init__(str(root), name, split="public")
 
     @property
     @override
@@ -43,6 +52,11 @@ class LocalPlanetoid(Planetoid):
             f"Planetoid {self.name!r} raw files are missing from {self.raw_dir}; lightning_dorylus never "
             "downloads: copy PyG's raw Planetoid files (ind.<name>.*) there"
         )
+
+
+def processing_lock(processed_root: str | Path, name: str) -> Path:
+    """The lock file that processes loading ``name`` under ``processed_root`` take in turn."""
+    return Path(processed_root) / name / "processing.lock"
 
 
 def load_planetoid(

@@ -9,18 +9,26 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.process import run_process
+from tests.process import run_process, run_ranks
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
-def run_script(name: str, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_script(
+    name: str, args: list[str], timeout: float = 120, nprocs: int | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``scripts/<name>`` with ``args``; kill its whole process group if it outlives ``timeout``.
+
+    ``nprocs``: start that many ranks at once (:func:`tests.process.run_ranks`, an external launcher)
+    instead of one process whose Trainer launches the others (Lightning's ``popen`` launcher).
 
     Raises:
         AssertionError: with the script's output when it fails or times out.
     """
-    return run_process([sys.executable, str(SCRIPTS / name), *args], timeout=timeout)
+    cmd = [sys.executable, str(SCRIPTS / name), *args]
+    if nprocs is not None:
+        return run_ranks(cmd, nprocs, timeout=timeout)
+    return run_process(cmd, timeout=timeout)
 
 
 def snapshot(out: Path, step: int, rank: int) -> dict[str, torch.Tensor]:

@@ -65,13 +65,17 @@ def _reference_key(name: str) -> str:
     return "-".join([optimizer, f"p{pipelines}", *(f.lstrip("-") for f in flags)])
 
 
-def run_batch(out: Path, cases: dict[str, list[str]], timeout: float) -> dict[str, Path]:
-    """Runs ``cases`` (name -> train_pipe.py arguments without ``--out``) in one launch; their folders."""
+def run_batch(
+    out: Path, cases: dict[str, list[str]], timeout: float, nprocs: int | None = None
+) -> dict[str, Path]:
+    """Runs ``cases`` (name -> train_pipe.py arguments without ``--out``) in one launch; their folders.
+
+    ``nprocs``: the ranks are started together by the test (:func:`tests.process.run_ranks`)."""
     out.mkdir(parents=True, exist_ok=True)
     folders = {name: out / name for name in cases}
     spec = {name: ["--out", str(folders[name]), *argv] for name, argv in cases.items()}
     (out / "cases.json").write_text(json.dumps(spec, indent=1))
-    run_script("train_pipe.py", ["--cases", str(out / "cases.json")], timeout=timeout)
+    run_script("train_pipe.py", ["--cases", str(out / "cases.json")], timeout=timeout, nprocs=nprocs)
     return folders
 
 
@@ -87,10 +91,10 @@ def run_references(out: Path) -> dict[str, Path]:
 
 
 def run_bamboo(out: Path, devices: int) -> dict[str, Path]:
-    """Every case on ``devices`` Bamboo processes, in one launch; by case name."""
+    """Every case on ``devices`` Bamboo processes started together (an external launcher), in one launch."""
     cases = {
         name: bamboo_args(stages, pipelines, optimizer, flags)
         for name, (stages, pipelines, optimizer, flags, _) in CASES.items()
         if stages * pipelines == devices
     }
-    return run_batch(out, cases, timeout=300 + 60 * len(cases))
+    return run_batch(out, cases, timeout=300 + 60 * len(cases), nprocs=devices)

@@ -159,7 +159,7 @@ def test_aws_notice_mid_training_drains_at_a_step_boundary(tmp_path: Path) -> No
         # one launch: the uninterrupted reference first (nothing polled), then the run polling the fake IMDS
         args = ["--ref-out", str(tmp_path / "ref"), "--out", str(tmp_path / "run"), "--steps", str(steps),
                 "--aws", fake.url]
-        run_script("train_notice.py", args, timeout=300)
+        run_script("train_notice.py", args, timeout=300, nprocs=2)
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert json.loads((ref / "summary.json").read_text())["global_step"] == steps
     assert json.loads((ref / "events_rank0.json").read_text()) == []

@@ -64,7 +64,7 @@ def test_partial_last_batch_is_refused_before_training(tmp_path: Path) -> None:
     """4 + 4 + 4 + 1 samples, 2 micro-batches: a clear error before the first step, not at the epoch's end."""
     with pytest.raises(AssertionError) as failure:
         args = bamboo_args(2, 1, "sgd", ["--extra-samples", "1"])
-        run_script("train_pipe.py", ["--out", str(tmp_path / "bamboo"), *args], timeout=180)
+        run_script("train_pipe.py", ["--out", str(tmp_path / "bamboo"), *args], timeout=180, nprocs=2)
     message = str(failure.value)
     assert "drop_last=False leaves a last batch of 1 samples" in message.replace("\n", " "), message[-3000:]
     assert "num_microbatches (2)" in message

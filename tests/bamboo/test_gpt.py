@@ -14,7 +14,7 @@ from torch import Tensor
 from lightning_bamboo.models import GPT, build_pipeline
 from lightning_bamboo.models.gpt import warmup_cosine
 from recipes.components.text import VOCAB_SIZE, TokenDataModule, TokenWindows, corpus_tokens
-from tests.process import run_process
+from tests.process import run_ranks
 
 TINY = {"block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
 
@@ -169,10 +169,12 @@ def test_gpt_learns_under_the_default_strategy(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_bamboo_gpt_recipe_trains_two_cpu_stages(tmp_path: Path) -> None:
-    """``python -m recipes.train experiment=bamboo_gpt``: 2 processes, layout and schedule grid printed."""
+    """``python -m recipes.train experiment=bamboo_gpt``: 2 processes, layout and schedule grid printed.
+
+    Both ranks started together, as torchrun would (Lightning's popen launcher: ``test_readme.py``)."""
     cmd = [sys.executable, "-m", "recipes.train", "experiment=bamboo_gpt", "trainer.max_steps=3",
            "trainer.limit_val_batches=0", "+trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}"]
-    output = run_process(cmd, timeout=240).stdout
+    output = run_ranks(cmd, 2, timeout=240).stdout
     # The stage layout: 4 layers [embedding, block, block, head], two per stage, each replicating the other.
     assert re.search(r"^stage\s+ranks\s+layers\s+cost\s+replica-of$", output, re.MULTILINE), output[-4000:]
     assert re.search(r"^0\s+0\s+0-1\s+\S+\s+1$", output, re.MULTILINE), output[-4000:]

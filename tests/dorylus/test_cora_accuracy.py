@@ -33,7 +33,8 @@ PLANETOID = next(
 def cora_seed0(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Both recipes, seed 0, in one launch of the 2 graph servers (the imports and the group paid once)."""
     out = tmp_path_factory.mktemp("cora")
-    run_script("cora_run.py", [str(out), "--model", "gcn,gat", "--seeds", "1"], timeout=900, cwd=out)
+    args = [str(out), "--model", "gcn,gat", "--seeds", "1"]
+    run_script("cora_run.py", args, timeout=900, cwd=out, nprocs=2)  # both servers started together
     return json.loads((out / "cora.json").read_text())["models"]
 
 
@@ -59,10 +60,17 @@ def epochs_to_reach(curve: list[float], target: float) -> int:
     not (PLANETOID / "Cora" / "raw").is_dir(), reason=f"Cora raw files not found in {PLANETOID}"
 )
 def test_bounded_staleness_keeps_gcn_accuracy_and_epochs(tmp_path: Path) -> None:
-    """GCN, 2 graph servers, 5 seeds each: the pipeline engine with staleness 0 and 1 lands within 1.0 point
-    of the synchronous mean test accuracy, and its mean validation curve reaches the synchronous one's best
+    """GCN, 2 graph servers, 5 seeds: the pipeline engine with staleness 0 and 1 lands within 1.0 point of
+    the synchronous mean test accuracy, and its mean validation curve reaches the synchronous one's best
     (minus 1 point) in at most 1.2x the synchronous epochs. 100 epochs (GCN's best validation epoch on Cora
-    comes well before that) keep the 15 trainings cheap."""
+    comes well before that) keep the trainings cheap.
+
+    staleness=0 is exact (values, not just accuracy: ``test_strategy.py``'s
+    ``test_pipeline_engine_staleness_zero_is_exact``, with dropout), so each of its seeds IS the synchronous
+    run of that seed: it trains seed 0 only, and the test asserts its whole validation curve and its test
+    accuracy equal synchronous seed 0's, on real Cora over 100 epochs; its 5-seed mean then equals the
+    synchronous mean (0 points apart), which is what the 1.0-point and 1.2x bars ask. That saves 4 of the
+    5 staleness-0 trainings, the dearest ones (the per-interval pipeline costs more per epoch on 2 cores)."""
     args = [
         str(tmp_path),
         str(PLANETOID),
@@ -76,8 +84,10 @@ def test_bounded_staleness_keeps_gcn_accuracy_and_epochs(tmp_path: Path) -> None
         "100",
         "--staleness",
         "none,0,1",
+        "--seeds-of",
+        "0=1",
     ]
-    run_script("cora_staleness_run.py", args, timeout=1800, cwd=tmp_path)
+    run_script("cora_staleness_run.py", args, timeout=1800, cwd=tmp_path, nprocs=2)
     configs = json.loads((tmp_path / "cora.json").read_text())["configs"]
     sync = configs["none"]
     target = max(sync["mean_val_curve"]) - 0.01
@@ -85,12 +95,16 @@ def test_bounded_staleness_keeps_gcn_accuracy_and_epochs(tmp_path: Path) -> None
     print(
         f"staleness=None: mean test acc {sync['mean_test_acc']:.4f}, {sync_epochs} epochs to val {target:.4f}"
     )
-    for name in ("0", "1"):
-        got = configs[name]
-        epochs = epochs_to_reach(got["mean_val_curve"], target)
-        print(
-            f"staleness={name}: mean test acc {got['mean_test_acc']:.4f}, {epochs} epochs to val {target:.4f}"
-        )
-        assert len(got["runs"]) == 5
-        assert abs(got["mean_test_acc"] - sync["mean_test_acc"]) <= 0.01, (name, got["mean_test_acc"])
-        assert epochs <= 1.2 * sync_epochs, (name, epochs, sync_epochs)
+    assert len(sync["runs"]) == 5
+    (exact,) = configs["0"]["runs"]
+    assert exact["seed"] == sync["runs"][0]["seed"] == 0
+    assert exact["val_curve"] == sync["runs"][0]["val_curve"], "staleness=0 left the synchronous run"
+    assert exact["test_acc"] == sync["runs"][0]["test_acc"]
+    assert exact["best_epoch"] == sync["runs"][0]["best_epoch"]
+    print(f"staleness=0: seed 0 equals synchronous seed 0 at every epoch, test acc {exact['test_acc']:.4f}")
+    got = configs["1"]
+    epochs = epochs_to_reach(got["mean_val_curve"], target)
+    print(f"staleness=1: mean test acc {got['mean_test_acc']:.4f}, {epochs} epochs to val {target:.4f}")
+    assert len(got["runs"]) == 5
+    assert abs(got["mean_test_acc"] - sync["mean_test_acc"]) <= 0.01, got["mean_test_acc"]
+    assert epochs <= 1.2 * sync_epochs, (epochs, sync_epochs)

@@ -31,7 +31,7 @@ from lightning_dorylus.data import (
     save_graph,
 )
 from lightning_dorylus.data.synthetic import powerlaw_graph
-from tests.process import DATA, run_process
+from tests.process import DATA, run_ranks
 
 PLANETOID_ROOT = DATA / "planetoid"
 
@@ -235,6 +235,35 @@ def test_cora_loads_and_partitions(tmp_path) -> None:
     assert "GraphPartition(part_id=1, num_parts=2" in str(datamodule)
 
 
+def test_planetoid_processing_waits_for_the_process_holding_the_lock(tmp_path) -> None:
+    """Graph servers started together (torchrun, ``tests.process.run_ranks``) all load the graph: while
+    another process holds the processing lock (it is writing the processed file), a loader writes and reads
+    nothing; once released, it loads the graph. (Without the lock, two servers started together once read
+    the other's half-written file: "PytorchStreamReader failed reading zip archive".)"""
+    import threading
+
+    from filelock import FileLock
+
+    from lightning_dorylus.data.planetoid import processing_lock
+
+    processed = tmp_path / "processed"
+    lock = processing_lock(processed, "Cora")
+    lock.parent.mkdir(parents=True)
+    loaded: list = []
+    with FileLock(lock):  # stands for the other process, in the middle of processing
+        loader = threading.Thread(
+            target=lambda: loaded.append(load_planetoid(PLANETOID_ROOT, "Cora", processed_root=processed))
+        )
+        loader.start()
+        loader.join(timeout=1.0)
+        assert loader.is_alive() and not loaded, "loaded while another process held the lock"
+        assert not (processed / "Cora" / "processed").exists(), "processed while the lock was held"
+    loader.join(timeout=60)
+    assert not loader.is_alive()
+    assert loaded[0][0].num_nodes == 2708
+    assert (processed / "Cora" / "processed" / "data.pt").is_file()
+
+
 def test_planetoid_never_downloads(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match=r"missing from .*Cora/raw; lightning_dorylus never download"):
         load_planetoid(tmp_path, "Cora", processed_root=tmp_path)
@@ -245,7 +274,8 @@ def test_planetoid_never_downloads(tmp_path) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_processes_each_load_their_own_partition(tmp_path) -> None:
-    run_process([sys.executable, __file__, str(tmp_path / "out"), str(tmp_path / "cache")], timeout=240)
+    # both ranks started together (an external launcher): rank 1 reaches the data module as early as rank 0
+    run_ranks([sys.executable, __file__, str(tmp_path / "out"), str(tmp_path / "cache")], 2, timeout=240)
     expected = partition_graph(small_graph(), 2)
     for rank in range(2):
         result = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())

@@ -14,7 +14,7 @@ import pytest
 
 from tests.dorylus.aws_services import BUCKET
 from tests.dorylus.scripts.launch import SCRIPTS
-from tests.process import REPO, launch_env, run_process
+from tests.process import REPO, launch_env, run_ranks
 
 PLANETOID = REPO / "data" / "planetoid"
 
@@ -23,7 +23,7 @@ def _run(out: Path, extra_env: dict[str, str]) -> dict[str, dict]:
     """Both executors in one launch of the 2 graph servers (Lambda first, then the local pool)."""
     cmd = [sys.executable, str(SCRIPTS / "lambda_cora_run.py"), str(out), str(PLANETOID),
            "--executor", "lambda,local", "--epochs", "3"]
-    run_process(cmd, timeout=900, cwd=out, env=launch_env(extra_env))
+    run_ranks(cmd, 2, timeout=900, cwd=out, env=launch_env(extra_env))  # both servers started together
     return {name: json.loads((out / name / "result.json").read_text()) for name in ("lambda", "local")}
 
 

@@ -15,18 +15,25 @@ import torch
 
 from tests.dorylus.planetoid_raw import write_planetoid_raw
 from tests.process import REPO as REPO_ROOT
-from tests.process import run_process
+from tests.process import run_process, run_ranks
 from tests.warnings_check import warning_lines
 
 TEST_ACC = re.compile(r"test_acc\W+(\d+\.\d+)")  # plain or rich table row
 
 
-def run_recipe(experiment: str, overrides: list[str], tmp_path: Path, timeout: float = 300) -> str:
-    """Runs one recipe with its outputs and caches under ``tmp_path``; returns stdout + stderr."""
+def run_recipe(
+    experiment: str, overrides: list[str], tmp_path: Path, timeout: float = 300, nprocs: int | None = None
+) -> str:
+    """Runs one recipe with its outputs and caches under ``tmp_path``; returns stdout + stderr.
+
+    ``nprocs``: start that many graph servers together, as torchrun would (else Lightning's popen launcher
+    starts them from the one command, as ``make demo`` does)."""
     command = [
         sys.executable, "-m", "recipes.train", f"experiment={experiment}",
         f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache={tmp_path / 'cache'}", *overrides,
     ]
+    if nprocs is not None:
+        return run_ranks(command, nprocs, timeout=timeout, cwd=REPO_ROOT).stdout
     return run_process(command, timeout=timeout, cwd=REPO_ROOT).stdout
 
 
@@ -65,6 +72,7 @@ def test_planetoid_recipe_runs_another_graph_by_name(tmp_path: Path) -> None:
         ["data.data.name=CiteSeer", f"data.data.root={tmp_path / 'planetoid'}",
          "trainer.max_epochs=3", "++trainer.enable_progress_bar=false"],
         tmp_path,
+        nprocs=2,
     )
     assert warning_lines(output) == [], output[-4000:]
     assert 0.0 <= printed_test_accuracy(output) <= 1.0

@@ -56,7 +56,7 @@ def _run_batch(out: Path, servers: int) -> dict[str, Path]:
     }
     (out / "cases.json").write_text(json.dumps(cases))
     run_script("exact_run.py", [str(out), "--servers", str(servers), "--cases", str(out / "cases.json")],
-               timeout=300 + 60 * len(cases), cwd=out)
+               timeout=300 + 60 * len(cases), cwd=out, nprocs=servers)
     return {name: out / name for name in cases}
 
 

@@ -134,7 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     """One case from the command line, or every case of ``--cases`` one after another (imports and, under
-    bamboo, the popen launch of the other ranks paid once: Lightning starts them with the first Trainer)."""
+    bamboo, the launch of the other ranks paid once: the test starts every rank, ``tests.process.run_ranks``,
+    or, run alone, Lightning's popen launcher starts them with the first Trainer)."""
     args = parse_args()
     if args.cases is None:
         if args.out is None:

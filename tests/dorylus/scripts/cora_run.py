@@ -4,8 +4,9 @@ Each seed runs exactly what ``python -m recipes.train experiment=dorylus_<model>
 (:func:`recipes.train.run`: the recipe's model, ``NormalizeFeatures``, METIS partitions, 200 epochs,
 ``ModelCheckpoint(monitor="val_acc")`` and ``trainer.test(ckpt_path="best")``), with the overrides below:
 the inline executor (the tensor ops' results equal the local pool's: ``tests/dorylus/test_strategy.py``)
-and no progress bar. Models and seeds run one after another in the same processes (Lightning's popen
-launcher starts the second graph server once; the process group is reused, the imports are paid once).
+and no progress bar. Models and seeds run one after another in the same processes (both graph servers
+started together by the test, ``tests.process.run_ranks``, or by Lightning's popen launcher with the first
+Trainer when run alone; the process group is reused, the imports are paid once).
 Rank 0 writes ``cora.json``: per model its runs and mean (``{"models": {"gcn": {...}, ...}}``; with one
 model, that model's summary at the top level too).
 

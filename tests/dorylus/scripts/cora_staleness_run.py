@@ -1,6 +1,7 @@
 """Worker script: Cora node classification with ``DorylusStrategy`` on N graph servers, several seeds.
 
-One job (Lightning's popen launcher starts the other graph servers), seeds trained one after another. Per
+One job (the test starts every graph server, ``tests.process.run_ranks``; run alone, Lightning's popen
+launcher starts the others), seeds trained one after another. Per
 seed: ``max_epochs`` epochs (one full-graph step each) and, every epoch, one evaluation forward that gives
 the global validation AND test accuracy; the test accuracy of the best validation epoch is kept in memory
 (:class:`BestValidation`) — the model selection of PyG's ``examples/gcn.py`` and ``examples/gat.py``
@@ -9,13 +10,13 @@ second evaluation pass. Rank 0 writes ``cora.json``.
 
 Usage: python cora_staleness_run.py OUT_DIR PLANETOID_ROOT --model gcn|gat [--seeds 5] [--servers 2]
        [--epochs 200] [--staleness none,0,1]   (one config after another; cora.json holds each config's runs)
+       [--seeds-of 0=1]   (a config trained on fewer seeds than --seeds: seeds 0..N-1)
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import time
 from pathlib import Path
@@ -92,15 +93,25 @@ def main() -> None:
     parser.add_argument(
         "--staleness", default="none", help="comma-separated: 'none' (synchronous) and/or ints, e.g. none,0,1"
     )
+    parser.add_argument(
+        "--seeds-of", action="append", default=[], metavar="CONFIG=N",
+        help="train config CONFIG (e.g. '0') on seeds 0..N-1 instead of --seeds; repeatable",
+    )
     args = parser.parse_args()
     stalenesses = [None if s == "none" else int(s) for s in args.staleness.split(",")]
+    seeds_of = {name: int(n) for name, n in (item.split("=", 1) for item in args.seeds_of)}
     torch.set_num_threads(1)
 
     dataset = load_planetoid(args.planetoid_root, "Cora", processed_root=args.out / "processed")
     data = T.NormalizeFeatures()(dataset[0])  # once, before partitioning: never recomputed per epoch
     datamodule = DorylusDataModule(data, partitioner="metis", cache_dir=args.out / "partitions")
     configs: dict[str, list[dict]] = {}
-    for staleness, seed in itertools.product(stalenesses, range(args.seeds)):
+    runs = [
+        (staleness, seed)
+        for staleness in stalenesses
+        for seed in range(seeds_of.get("none" if staleness is None else str(staleness), args.seeds))
+    ]
+    for staleness, seed in runs:
         results = configs.setdefault("none" if staleness is None else str(staleness), [])
         seed_everything(seed, verbose=False)
         model = make_model(args.model, datamodule.num_features, datamodule.num_classes)

@@ -1,7 +1,8 @@
 """Worker script: train GCN or GAT with ``DorylusStrategy`` on N graph servers and record losses and weights.
 
-Launched by ``tests/dorylus/test_strategy.py`` as a subprocess (Lightning's popen launcher then starts the
-other graph servers by re-running this script). Rank 0 writes ``result.json`` (per-epoch global train loss
+Launched by ``tests/dorylus/test_strategy.py``, one process per graph server started together
+(``tests.process.run_ranks``; run alone, Lightning's popen launcher starts the others by re-running it).
+Rank 0 writes ``result.json`` (per-epoch global train loss
 and val accuracy); every rank writes ``weights_rank{r}.safetensors`` so the test can check that the weight
 replicas stayed identical. The test builds the same graph and model with :func:`make_graph` and
 :func:`make_model` and trains them in one process as the reference.

@@ -1,7 +1,8 @@
 """Worker script: Cora GCN (float64, dropout 0) on N graph servers with the "lambda" or "local" executor.
 
-Launched by ``tests/dorylus/test_lambda_e2e.py`` (Lightning's popen launcher starts the other graph servers
-by re-running this script). With ``--executor lambda`` every tensor op goes through boto3 to the Lambda
+Launched by ``tests/dorylus/test_lambda_e2e.py``, one process per graph server started together
+(``tests.process.run_ranks``; run alone, Lightning's popen launcher starts the others by re-running it).
+With ``--executor lambda`` every tensor op goes through boto3 to the Lambda
 endpoint in ``DORYLUS_TEST_LAMBDA_ENDPOINT`` (the local endpoint running the deploy zip) and pieces that do
 not fit 6 MB through the S3 endpoint in ``DORYLUS_TEST_S3_ENDPOINT``. Rank 0 writes ``result.json``
 (per-epoch global train losses, val accuracies and the executor's counters).
