@@ -1,22 +1,34 @@
 """Bamboo: pipeline-parallel training that survives preemption through redundant computation.
 
 ``import lightning_bamboo`` registers ``Trainer(strategy="bamboo")`` with Lightning.
+
+The package's own command-line tools (``python -m lightning_bamboo.launch``, ``... lightning_bamboo.replay``)
+need no Lightning: when Python imports this package only to locate one of them, Lightning is not imported (the
+supervisor starts its workers about 5 CPU-seconds sooner); the names below are then imported on first use.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from __future__ import annotations
 
-from lightning_bamboo._warnings import filter_lightning_leafspec_warning
-from lightning_bamboo.checkpoint import consolidate_checkpoint
-from lightning_bamboo.engine import PipelineEngine
-from lightning_bamboo.groups import BambooGroups
-from lightning_bamboo.microbatch import split_microbatches
-from lightning_bamboo.replica import ReplicaSync
-from lightning_bamboo.strategy import BambooStrategy
+import importlib
+import sys
+from typing import TYPE_CHECKING, Any
 
-filter_lightning_leafspec_warning()
-if BambooStrategy.strategy_name not in StrategyRegistry:
-    BambooStrategy.register_strategies(StrategyRegistry)
+if TYPE_CHECKING:
+    from lightning_bamboo.checkpoint import consolidate_checkpoint
+    from lightning_bamboo.engine import PipelineEngine
+    from lightning_bamboo.groups import BambooGroups
+    from lightning_bamboo.microbatch import split_microbatches
+    from lightning_bamboo.replica import ReplicaSync
+    from lightning_bamboo.strategy import BambooStrategy
 
+_EXPORTS = {
+    "BambooGroups": "lightning_bamboo.groups",
+    "BambooStrategy": "lightning_bamboo.strategy",
+    "PipelineEngine": "lightning_bamboo.engine",
+    "ReplicaSync": "lightning_bamboo.replica",
+    "consolidate_checkpoint": "lightning_bamboo.checkpoint",
+    "split_microbatches": "lightning_bamboo.microbatch",
+}
 __all__ = [
     "BambooGroups",
     "BambooStrategy",
@@ -25,3 +37,34 @@ __all__ = [
     "consolidate_checkpoint",
     "split_microbatches",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lightning_bamboo' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def _locating_own_tool() -> bool:
+    """Whether Python imports this package only to run one of its modules with ``-m`` (while it locates the
+    module, ``sys.argv[0]`` is ``"-m"``; ``sys.orig_argv`` names the module)."""
+    if sys.argv[:1] != ["-m"]:
+        return False
+    argv = getattr(sys, "orig_argv", [])
+    module = next((argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "-m"), "")
+    return module.startswith(f"{__name__}.")
+
+
+def _register_strategy() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_bamboo._warnings import filter_lightning_leafspec_warning
+    from lightning_bamboo.strategy import BambooStrategy
+
+    filter_lightning_leafspec_warning()
+    if BambooStrategy.strategy_name not in StrategyRegistry:
+        BambooStrategy.register_strategies(StrategyRegistry)
+
+
+if not _locating_own_tool():
+    _register_strategy()

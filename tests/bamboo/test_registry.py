@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from lightning.pytorch import Trainer
@@ -10,6 +13,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_bamboo
 from lightning_bamboo import BambooStrategy
+from tests.process import launch_env
 
 
 def test_bamboo_is_registered() -> None:
@@ -33,3 +37,16 @@ def test_trainer_resolves_bamboo(name: str, init_params: dict) -> None:
     assert strategy.world_size == 2
     # one pipeline: every stage reads the same (only) shard
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+
+
+def test_the_supervisor_imports_no_lightning(tmp_path: Path) -> None:
+    """``python -m lightning_bamboo.launch`` (the supervisor, not a training rank) does not import Lightning:
+    it starts its workers ~5 CPU-seconds sooner. A plain ``import lightning_bamboo`` still registers."""
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "lightning_bamboo.launch", "--help"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=launch_env(),
+    )
+    assert out.returncode == 0 and "--nproc" in out.stdout, out.stderr[-2000:]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line]
+    assert "torch.distributed" in imported
+    assert not [name for name in imported if name.split(".")[0] == "lightning"]
