@@ -38,6 +38,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -590,7 +591,11 @@ def main() -> int:
         kept = {"bamboo": vars(bamboo), "cr": vars(crl), "load_average": os.getloadavg(),
                 "benchmark_wall_s": time.time() - started}
         (tmp / "live.json").write_text(json.dumps(kept))
-    result = measure(plan, tmp, bamboo, crl, compression, segment, args.overrides)  # type: ignore[arg-type]
+    try:
+        result = measure(plan, tmp, bamboo, crl, compression, segment, args.overrides)  # type: ignore[arg-type]
+    finally:
+        if args.remeasure is None and args.keep is None:
+            shutil.rmtree(tmp, ignore_errors=True)  # a temporary run directory: --keep DIR keeps one
     result["load_average"] = kept.get("load_average", result["load_average"])
     result["benchmark_wall_s"] = kept.get("benchmark_wall_s")
     live = result["live"]
@@ -602,9 +607,10 @@ def main() -> int:
     print(f"checkpoint-restart: {cr['samples']} samples ({cr['samples_per_s']:.1f}/s), restarts "
           f"{cr['restarts']} {[round(x, 2) for x in cr['restart_s_each']]}, checkpoints {cr['checkpoints']} "
           f"every {cr['checkpoint_interval_s']:.2f} s (cost {costs['checkpoint_s']:.3f} s)")
+    where = tmp if (args.keep or args.remeasure) else "removed (--keep DIR keeps it)"
     print(f"step_s by layout: bamboo {costs['step_s_by_layout']} {costs['step_s_by_shape']}, "
           f"checkpoint-restart {costs['checkpoint_restart_step_s_by_layout']}; load average "
-          f"{result['load_average']}; run dir {tmp}")
+          f"{result['load_average']}; run dir {where}")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")

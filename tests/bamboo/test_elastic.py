@@ -176,9 +176,10 @@ def test_hung_member_detected_by_heartbeat(
 
 
 @pytest.fixture(scope="module")
-def etcd_endpoint() -> Iterator[str]:
+def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``host:port`` of an etcd server: ``BAMBOO_TEST_ETCD`` (scripts/test.sh starts one through
-    scripts/services.sh), else one started here with scripts/services.sh and stopped by its PID."""
+    scripts/services.sh), else one started here with scripts/services.sh (its logs and data in a pytest temp
+    folder) and stopped by its PID."""
     if os.environ.get("BAMBOO_TEST_ETCD"):
         yield os.environ["BAMBOO_TEST_ETCD"]
         return
@@ -188,6 +189,7 @@ def etcd_endpoint() -> Iterator[str]:
         text=True,
         timeout=60,
         check=True,
+        env={**os.environ, "DORYLUS_SERVICES_DIR": str(tmp_path_factory.mktemp("services"))},
     ).stdout
     pairs = [line.split("=", 1) for line in out.splitlines() if "=" in line]
     pids = [int(value) for key, value in pairs if key == "PID"]  # one per server services.sh started
