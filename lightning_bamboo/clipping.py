@@ -31,7 +31,11 @@ class ClipPlan:
 
 
 def plan_clipping(
-    grads: Iterable[Tensor | None], clip_val: float | None, algorithm: Any, pipeline_group: Any | None
+    grads: Iterable[Tensor | None],
+    clip_val: float | None,
+    algorithm: Any,
+    pipeline_group: Any | None,
+    device: torch.device,
 ) -> ClipPlan | None:
     """The step's clipping (collective over ``pipeline_group`` for the norm), or ``None`` without clipping.
 
@@ -39,7 +43,9 @@ def plan_clipping(
         grads: this member's own stages' gradients (not its replica's: those are its successor's own).
         clip_val: ``Trainer(gradient_clip_val=...)``.
         algorithm: ``Trainer(gradient_clip_algorithm=...)`` (``"norm"``, the default, or ``"value"``).
-        pipeline_group: the members of this pipeline (``None`` when one member runs the whole pipeline).
+        pipeline_group: the members of this pipeline; ``None``: nothing to reduce (one member runs the whole
+            pipeline) -- pass ``dist.group.WORLD`` for the default group.
+        device: where the norm is reduced (the rank's device: NCCL reduces on the GPU).
     """
     if not clip_val:
         return None
@@ -49,7 +55,6 @@ def plan_clipping(
     if kind != NORM:
         raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {algorithm!r}")
     grads = [g for g in grads if g is not None]
-    device = grads[0].device if grads else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float64, device=device)
     for grad in grads:
         squares += grad.detach().to(torch.float64).pow(2).sum()

@@ -691,7 +691,7 @@ class ElasticBambooStrategy(BambooStrategy):
         group = view.pipeline_group if view is not None and view.num_stages > 1 else None
         grads = [p.grad for p in self._stage_params()]
         clip_val, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
-        self._clip_plan = plan_clipping(grads, clip_val, algorithm, group)
+        self._clip_plan = plan_clipping(grads, clip_val, algorithm, group, self.root_device)
 
     @override
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:

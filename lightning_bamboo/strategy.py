@@ -47,6 +47,7 @@ from typing_extensions import override
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
+from lightning_bamboo.clipping import NORM, apply_clipping, plan_clipping
 from lightning_bamboo.contract import check_contract, find_pipeline_body, replay_step, sub_sequential
 from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.events import BambooEventsMixin
@@ -398,16 +399,11 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         assert self.groups is not None
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        local = torch.zeros((), dtype=torch.float64, device=self.root_device)
-        for grad in grads:
-            local += grad.detach().to(torch.float64).pow(2).sum()
-        if self._num_stages > 1:
-            dist.all_reduce(local, group=self.groups.pipeline_group)
-        total = local.sqrt()
-        coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(coef.to(grad.dtype))
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+        group = None  # one stage: nothing to reduce
+        if self._num_stages > 1:  # BambooGroups leaves pipeline_group None when the pipeline is the world
+            group = dist.group.WORLD if self.groups.pipeline_group is None else self.groups.pipeline_group
+        apply_clipping(plan_clipping(grads, clip_val, NORM, group, self.root_device), grads)
 
     # ------------------------------------------------------------------ training
     @override

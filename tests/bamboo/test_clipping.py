@@ -21,7 +21,7 @@ def test_norm_plan_matches_clip_grad_norm(scale: float) -> None:
         p.grad = g.clone()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     grads = _grads(scale)
-    plan = plan_clipping(grads, 1.0, GradClipAlgorithmType.NORM, pipeline_group=None)
+    plan = plan_clipping(grads, 1.0, GradClipAlgorithmType.NORM, None, torch.device("cpu"))
     apply_clipping(plan, grads)
     for p, g in zip(params, grads):
         torch.testing.assert_close(g, p.grad, rtol=1e-14, atol=0)
@@ -30,13 +30,13 @@ def test_norm_plan_matches_clip_grad_norm(scale: float) -> None:
 def test_value_plan_clamps_like_clip_grad_value() -> None:
     expected = _grads(1.0)
     grads = _grads(1.0)
-    apply_clipping(plan_clipping(grads, 0.5, "value", None), [*grads, None])
+    apply_clipping(plan_clipping(grads, 0.5, "value", None, torch.device("cpu")), [*grads, None])
     for g, e in zip(grads, expected):
         torch.testing.assert_close(g, e.clamp(-0.5, 0.5), rtol=0, atol=0)
 
 
 def test_no_clip_value_means_no_plan_and_a_bad_algorithm_is_named() -> None:
-    assert plan_clipping(_grads(1.0), None, "norm", None) is None
-    assert plan_clipping(_grads(1.0), 0, "norm", None) is None
+    assert plan_clipping(_grads(1.0), None, "norm", None, torch.device("cpu")) is None
+    assert plan_clipping(_grads(1.0), 0, "norm", None, torch.device("cpu")) is None
     with pytest.raises(ValueError, match="gradient_clip_algorithm must be 'norm' or 'value', got 'max'"):
-        plan_clipping(_grads(1.0), 1.0, "max", None)
+        plan_clipping(_grads(1.0), 1.0, "max", None, torch.device("cpu"))
