@@ -78,13 +78,7 @@ def test_failed_save_leaves_previous_checkpoint_intact(
     """One process, no process group: a crash while writing must not touch the checkpoint under the name."""
     model = PipeMLP()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model.pipeline(torch.randn(2, 8, dtype=torch.float64)).sum().backward()
-    optimizer.step()
-    checkpoint = {
-        "state_dict": model.state_dict(),
-        "optimizer_states": [ckpt.named_optimizer_state(model, optimizer)],
-        "global_step": 1,
-    }
+    checkpoint = _one_step_checkpoint(model, optimizer)
     path = tmp_path / "model.ckpt"
     ckpt.save_sharded(checkpoint, path, is_global_zero=True, barrier=lambda: None)
     before = consolidate_checkpoint(path)
@@ -123,17 +117,21 @@ def test_named_optimizer_state_round_trip() -> None:
         torch.testing.assert_close(fresh.state[p]["exp_avg"], optimizer.state[p]["exp_avg"], rtol=0, atol=0)
 
 
-def _saved(tmp_path: Path, model: torch.nn.Module) -> tuple[Path, torch.optim.Optimizer]:
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+def _one_step_checkpoint(model: PipeMLP, optimizer: torch.optim.Optimizer) -> dict:
+    """One optimizer step of ``model``, then the checkpoint dict the strategy would save (one process)."""
     model.pipeline(torch.randn(2, 8, dtype=torch.float64)).sum().backward()
     optimizer.step()
-    checkpoint = {
+    return {
         "state_dict": model.state_dict(),
         "optimizer_states": [ckpt.named_optimizer_state(model, optimizer)],
         "global_step": 1,
     }
+
+
+def _saved(tmp_path: Path, model: PipeMLP) -> tuple[Path, torch.optim.Optimizer]:
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     path = tmp_path / "model.ckpt"
-    ckpt.save_sharded(checkpoint, path, is_global_zero=True, barrier=lambda: None)
+    ckpt.save_sharded(_one_step_checkpoint(model, optimizer), path, is_global_zero=True, barrier=lambda: None)
     return path, optimizer
 
 
