@@ -124,9 +124,18 @@ def row_dropout(x: Tensor, row_ids: Tensor, p: float, training: bool, key: int) 
         raise ValueError(f"row_ids has shape {tuple(row_ids.shape)}; expected ({x.shape[0]},) for x of "
                          f"shape {tuple(x.shape)}")
     width = x[0].numel() if x.shape[0] else 0
-    cols = torch.arange(width, dtype=torch.int32, device=x.device).mul_(_signed(_GOLDEN32, 32))
+    return x * dropout_mask(row_ids, width, p, key, x.dtype).view(x.shape)
+
+
+def dropout_mask(row_ids: Tensor, width: int, p: float, key: int, dtype: torch.dtype) -> Tensor:
+    """The ``(n, width)`` scaled mask :func:`row_dropout` multiplies by (``0`` or ``1 / (1 - p)``).
+
+    Kept by a layer that applies the mask itself and needs it again in its backward (the pipelined GAT
+    layer drops each interval's attention and multiplies its gradient by the same entries)."""
+    _check_p(p)
+    cols = torch.arange(width, dtype=torch.int32, device=row_ids.device).mul_(_signed(_GOLDEN32, 32))
     hashed = _entry_hash_(_row_keys(key, row_ids)[:, None] + cols)  # (n, width) int32, one allocation
-    return x * _scale_mask(_keep(hashed, p), p, x.dtype).view(x.shape)
+    return _scale_mask(_keep(hashed, p), p, dtype)
 
 
 def feature_dropout(graph: GraphContext, p: float, training: bool, key: int) -> Tensor:

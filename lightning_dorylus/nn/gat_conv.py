@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from lightning_dorylus.graph import GraphContext, attention_gather
 from lightning_dorylus.nn.base import DorylusLayer
 from lightning_dorylus.nn.dropout import edge_ids, row_dropout
+from lightning_dorylus.nn.edge_pipeline import EdgeDropout, apply_edge_gather
 from lightning_dorylus.nn.functions import OpCall, tensor_op
 
 
@@ -109,10 +110,29 @@ class GATConv(DorylusLayer):
         boundary = torch.cat([h, alpha_src], dim=1)  # one SC message per row: (n, H*C + H)
         full = self.scatter(boundary, graph)  # SC: (n_local + n_ghost, H*C + H)
         h_full, alpha_src_full = full.split([self.heads * self.out_channels, self.heads], dim=1)
-        attention = self.apply_edge(alpha_src_full, alpha_dst, graph, dropout_key)  # AE: (E', H)
-        out = self.gather(h_full, attention, graph)  # GA: (n_local, H, C)
+        if self.runtime.pipelined and graph.intervals:  # AE, dropout and GA pipelined per interval
+            out = self._pipelined_edge_gather(h_full, alpha_src_full, alpha_dst, graph, dropout_key)
+        else:
+            attention = self.apply_edge(alpha_src_full, alpha_dst, graph, dropout_key)  # AE: (E', H)
+            out = self.gather(h_full, attention, graph)  # GA: (n_local, H, C)
         out = out.reshape(out.size(0), -1) if self.concat else out.mean(dim=1)
         return out if self.bias is None else out + self.bias
+
+    def _pipelined_edge_gather(
+        self, h_full: Tensor, alpha_src_full: Tensor, alpha_dst: Tensor, graph: GraphContext,
+        dropout_key: int | None,
+    ) -> Tensor:
+        """The pipeline engine's AE -> dropout -> GA: interval ``i``'s AE request in flight while the server
+        drops out and gathers the intervals that came back before it (``nn.edge_pipeline``)."""
+        attrs = {"negative_slope": self.negative_slope}
+        call = OpCall("apply_edge.forward", self.runtime.executor, graph.intervals, attrs)
+        dropout = None
+        if self.training and self.dropout > 0.0:
+            if dropout_key is None:
+                dropout_key = int(torch.randint(-(2**63), 2**63 - 1, ()))
+            dropout = EdgeDropout(self.dropout, dropout_key, edge_ids(graph))
+        h_full = h_full.view(-1, self.heads, self.out_channels)
+        return apply_edge_gather(call, graph.self_loops, h_full, alpha_src_full, alpha_dst, dropout)
 
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, heads={self.heads}, concat={self.concat}"

@@ -302,3 +302,39 @@ def test_pipelined_gather_apply_equals_layer_by_layer(graph: Data, layer: str) -
     op = "sage.update" if layer == "sage" else "apply_vertex"
     expected = [(f"{op}.forward", i) for i in range(4)] + [(f"{op}.backward", i) for i in range(4)]
     assert executor.calls == expected
+
+
+@pytest.mark.parametrize("concat", [True, False])
+def test_pipelined_gat_equals_layer_by_layer(graph: Data, concat: bool) -> None:
+    """The engine's per-interval AE -> attention dropout -> GA (staleness 0) gives the synchronous layer's
+    values and gradients (2 heads, dropout 0.5: masks hashed from global edge ids, so per-interval masks are
+    the whole layer's; 4 intervals, the last one shorter), with one request per interval and op."""
+    [part] = partition_graph(graph, 1, interval_size=16)
+    ctx = GraphCache().context(part)
+    assert [b - a for a, b in ctx.intervals] == [16, 16, 16, 12]
+    torch.manual_seed(0)
+    conv = GATConv(F_IN, 3, heads=2, concat=concat, dropout=0.5).double()
+    with torch.no_grad():
+        conv.bias.copy_(torch.randn_like(conv.bias))
+    piped = copy.deepcopy(conv)
+    executor = RecordingExecutor()
+    piped.attach(DorylusRuntime(executor=executor, exchange=GhostExchange(), staleness=0))
+    key = dropout_key(7, 1)
+    results = []
+    for module in (conv, piped):
+        x = graph.x[part.local_nodes].clone().requires_grad_()
+        out = module(x, ctx, dropout_key=key)
+        out.square().sum().backward()
+        results.append((out, x.grad, {n: p.grad for n, p in module.named_parameters()}))
+    (out, gx, gp), (out_p, gx_p, gp_p) = results
+    assert out.shape == (N, 6 if concat else 3)
+    without = GATConv(F_IN, 3, heads=2, concat=concat, dropout=0.0).double()
+    without.load_state_dict(conv.state_dict())
+    assert not torch.allclose(without(graph.x[part.local_nodes], ctx), out)  # the dropout really drops
+    torch.testing.assert_close(out_p, out, rtol=0, atol=0)  # each destination's edges, in the same order
+    torch.testing.assert_close(gx_p, gx, rtol=1e-9, atol=1e-12)  # ∇GA / ∇AE summed per interval
+    assert set(gp_p) == {"weight", "att_src", "att_dst", "bias"}
+    for name, grad in gp.items():
+        torch.testing.assert_close(gp_p[name], grad, rtol=1e-9, atol=1e-12)
+    ops = ["gat.project.forward", "apply_edge.forward", "apply_edge.backward", "gat.project.backward"]
+    assert executor.calls == [(op, i) for op in ops for i in range(4)]

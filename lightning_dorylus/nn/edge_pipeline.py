@@ -1,0 +1,154 @@
+"""AE then GA, pipelined per vertex interval: the GAT layer's unit of overlap in the pipeline engine.
+
+A GAT layer's graph work after SC is per destination: interval ``i``'s ApplyEdge (attention softmax over its
+destinations' in-edges) needs only the source scores of those edges, and its Gather (attention-weighted sum)
+only that interval's attention. So the graph server sends every interval's AE request as soon as it has
+gathered the interval's source scores, and as each comes back (in interval order) drops out and gathers that
+interval while later ones are still in flight. The backward mirrors it: for interval ``i`` the server
+computes ∇GA (the gradient of the attention-weighted sum w.r.t. the rows ``h`` and the attention) and sends
+its ∇AE request at once, so ∇GA of interval ``i + 1`` overlaps ∇AE of ``i``; the results are added in
+interval order (deterministic sums). The requests go through the op declarations (``ops/gat.py``'s
+``apply_edge.*``) and :mod:`~lightning_dorylus.nn.functions`'s span and slicing helpers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_dorylus.executors import TensorOpRequest
+from lightning_dorylus.graph import SelfLoopEdges
+from lightning_dorylus.nn.dropout import dropout_mask
+from lightning_dorylus.nn.functions import OpCall, interval_spans, op_spec, slice_inputs
+
+
+@dataclass(frozen=True)
+class EdgeDropout:
+    """Dropout of the attention: probability ``p``, site ``key``, edges' global ids ``edge_ids`` ``(E',)``."""
+
+    p: float
+    key: int
+    edge_ids: Tensor
+
+
+def _cpu(t: Tensor) -> Tensor:
+    return t.detach().to("cpu").contiguous()
+
+
+class ApplyEdgeGather(torch.autograd.Function):
+    """``out[v, k] = Σ_{e: u -> v} drop(AE(alpha_src, alpha_dst))[e, k] * h[u, k]`` per interval (module doc)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        call: OpCall,
+        edges: SelfLoopEdges,
+        dropout: EdgeDropout | None,
+        h_full: Tensor,
+        alpha_src_full: Tensor,
+        alpha_dst: Tensor,
+    ) -> Tensor:
+        spec = op_spec(call.op)
+        h, a_src = _cpu(h_full), _cpu(alpha_src_full)  # (n_full, H, C), (n_full, H)
+        per_dst = {"alpha_dst": _cpu(alpha_dst), "dst_ptr": _cpu(edges.dst_ptr)}
+        src, dst = _cpu(edges.src), _cpu(edges.dst)
+        edge_ids = _cpu(dropout.edge_ids) if dropout is not None else None
+        spans = interval_spans(spec, per_dst, call.intervals)
+        a_src_es, futures = [], []
+        for i, span in enumerate(spans):  # the server gathers each interval's source scores; AE goes out
+            a_src_e = a_src.index_select(0, src[span[2] : span[3]])
+            a_src_es.append(a_src_e)
+            inputs = {"alpha_src_e": a_src_e, **slice_inputs(spec, per_dst, span)}
+            futures.append(call.executor.submit(TensorOpRequest(call.op, inputs, call.attrs, interval=i)))
+        out = h.new_zeros((per_dst["alpha_dst"].size(0), *h.shape[1:]))
+        attentions, masks = [], []
+        for span, future in zip(spans, futures):  # dropout + GA of each interval as it comes back
+            _, _, e0, e1 = span
+            (result,) = call.executor.wait([future])
+            attention = result["attention"]  # (E_i, H)
+            mask = (dropout_mask(edge_ids[e0:e1], attention.size(1), dropout.p, dropout.key, attention.dtype)
+                    if dropout is not None and edge_ids is not None else None)
+            weights = attention * mask if mask is not None else attention
+            messages = h.index_select(0, src[e0:e1]) * weights.unsqueeze(-1)  # (E_i, H, C)
+            out.index_add_(0, dst[e0:e1], messages)
+            attentions.append(attention)
+            masks.append(mask)
+        ctx.call, ctx.spans, ctx.masks, ctx.device = call, spans, masks, h_full.device
+        ctx.a_src_es, ctx.attentions, ctx.n_full = a_src_es, attentions, h.size(0)
+        ctx.save_for_backward(h, per_dst["alpha_dst"], per_dst["dst_ptr"], src, dst)
+        return out.to(h_full.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        call: OpCall = ctx.call
+        bwd_name = op_spec(call.op).backward
+        assert bwd_name is not None
+        bwd = op_spec(bwd_name)
+        h, a_dst, dst_ptr, src, dst = ctx.saved_tensors
+        needs_h, needs_src, needs_dst = ctx.needs_input_grad[3:6]
+        needs_alpha = needs_src or needs_dst
+        grad_out = _cpu(grad_out)
+        grad_h = torch.zeros_like(h) if needs_h else None
+        per_dst = {"alpha_dst": a_dst, "dst_ptr": dst_ptr}
+        futures = []
+        for i, span in enumerate(ctx.spans):  # ∇GA on the server, then this interval's ∇AE goes out
+            _, _, e0, e1 = span
+            src_i, mask = src[e0:e1], ctx.masks[i]
+            grad_msg = grad_out.index_select(0, dst[e0:e1])  # (E_i, H, C)
+            if grad_h is not None:
+                weights = ctx.attentions[i] * mask if mask is not None else ctx.attentions[i]
+                grad_h.index_add_(0, src_i, grad_msg * weights.unsqueeze(-1))
+            if not needs_alpha:
+                continue
+            grad_attention = (grad_msg * h.index_select(0, src_i)).sum(-1)  # (E_i, H)
+            if mask is not None:
+                grad_attention *= mask
+            inputs = {"alpha_src_e": ctx.a_src_es[i], "attention": ctx.attentions[i],
+                      "grad_attention": grad_attention, **slice_inputs(bwd, per_dst, span)}
+            futures.append(call.executor.submit(TensorOpRequest(bwd_name, inputs, call.attrs, interval=i)))
+        del ctx.a_src_es, ctx.attentions, ctx.masks
+        grad_src = torch.zeros((ctx.n_full, a_dst.size(1)), dtype=a_dst.dtype) if needs_src else None
+        grad_dst = torch.zeros_like(a_dst) if needs_dst else None
+        for span, future in zip(ctx.spans, futures):  # ∇AE results added in interval order
+            a, b, e0, e1 = span
+            (result,) = call.executor.wait([future])
+            if grad_src is not None:  # ∇ of the server's gather of source scores
+                grad_src.index_add_(0, src[e0:e1], result["grad_alpha_src_e"])
+            if grad_dst is not None:
+                grad_dst[a:b] = result["grad_alpha_dst"]
+        return (None, None, None, *(g.to(ctx.device) if g is not None else None
+                                    for g in (grad_h, grad_src, grad_dst)))
+
+
+def apply_edge_gather(
+    call: OpCall,
+    edges: SelfLoopEdges,
+    h_full: Tensor,
+    alpha_src_full: Tensor,
+    alpha_dst: Tensor,
+    dropout: EdgeDropout | None = None,
+) -> Tensor:
+    """Differentiable per-interval-pipelined AE ``call.op`` (``apply_edge.forward``) + attention dropout +
+    GA over ``edges`` (the self-loop-augmented in-edges, sorted by destination).
+
+    Args:
+        call: The AE op, its executor, the local intervals and attrs (``negative_slope``).
+        edges: ``src`` (local/ghost ids), ``dst`` and ``dst_ptr`` of the in-edges.
+        h_full: ``(n_local + n_ghost, H, C)`` projected rows after SC.
+        alpha_src_full: ``(n_local + n_ghost, H)`` source scores after SC.
+        alpha_dst: ``(n_local, H)`` destination scores.
+        dropout: The attention dropout (training), or ``None``.
+
+    Returns:
+        ``(n_local, H, C)``, as ``attention_gather`` of the whole layer's (dropped-out) attention.
+    """
+    if h_full.dim() != 3 or alpha_src_full.shape != h_full.shape[:2]:
+        raise ValueError(f"h_full {tuple(h_full.shape)} must be (n, H, C) and alpha_src_full "
+                         f"{tuple(alpha_src_full.shape)} (n, H) with the same n and H")
+    if dropout is not None and dropout.edge_ids.shape != edges.src.shape:
+        raise ValueError(f"dropout.edge_ids has shape {tuple(dropout.edge_ids.shape)}; expected "
+                         f"{tuple(edges.src.shape)} (one id per in-edge)")
+    return ApplyEdgeGather.apply(call, edges, dropout, h_full, alpha_src_full, alpha_dst)
