@@ -39,7 +39,7 @@ def _cpu(t: Tensor) -> Tensor:
 
 
 class ApplyEdgeGather(torch.autograd.Function):
-    """``out[v, k] = Σ_{e: u -> v} drop(AE(alpha_src, alpha_dst))[e, k] * h[u, k]`` per interval (module doc)."""
+    """``out[v, k] = Σ_{e: u -> v} drop(AE(alpha_src, alpha_dst))[e, k] * h[u, k]``, per interval."""
 
     @staticmethod
     def forward(
