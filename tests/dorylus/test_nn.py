@@ -328,6 +328,8 @@ def test_pipelined_gat_equals_layer_by_layer(graph: Data, concat: bool) -> None:
         results.append((out, x.grad, {n: p.grad for n, p in module.named_parameters()}))
     (out, gx, gp), (out_p, gx_p, gp_p) = results
     assert out.shape == (N, 6 if concat else 3)
+    assert "ApplyEdgeGatherBackward" in _autograd_nodes(out_p)  # the pipelined path ran ...
+    assert "ApplyEdgeGatherBackward" not in _autograd_nodes(out)  # ... and only there
     without = GATConv(F_IN, 3, heads=2, concat=concat, dropout=0.0).double()
     without.load_state_dict(conv.state_dict())
     assert not torch.allclose(without(graph.x[part.local_nodes], ctx), out)  # the dropout really drops
@@ -338,3 +340,14 @@ def test_pipelined_gat_equals_layer_by_layer(graph: Data, concat: bool) -> None:
         torch.testing.assert_close(gp_p[name], grad, rtol=1e-9, atol=1e-12)
     ops = ["gat.project.forward", "apply_edge.forward", "apply_edge.backward", "gat.project.backward"]
     assert executor.calls == [(op, i) for op in ops for i in range(4)]
+
+
+def _autograd_nodes(t: torch.Tensor) -> set[str]:
+    """Names of the autograd nodes ``t`` was computed through."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and type(node).__name__ not in seen:
+            seen.add(type(node).__name__)
+            todo.extend(fn for fn, _ in node.next_functions)
+    return seen

@@ -48,6 +48,10 @@ EXACT_CASES["staleness0-gcn-auto"] = (
 EXACT_CASES["staleness1-gcn"] = (
     2, ["--model", "gcn", "--executor", "local", "--staleness", "1", "--hidden", "8"]
 )
+EXACT_CASES["staleness0-gat"] = (
+    2, ["--model", "gat", "--executor", "local", "--staleness", "0", "--dropout", "0.5"]
+)
+EXACT_CASES["staleness1-gat"] = (2, ["--model", "gat", "--executor", "inline", "--staleness", "1"])
 
 
 def _run_batch(out: Path, servers: int) -> dict[str, Path]:
@@ -280,25 +284,43 @@ def test_pipeline_engine_staleness_zero_is_exact(exact_runs) -> None:
         assert tuned["intervals_used"] == tuned["tuned_intervals"]
     for name, value in expected_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-9, atol=1e-11)
+    # GAT (12 -> 3 heads x 4 -> 2 heads, local executor): per-interval AE -> attention dropout -> GA, and
+    # the explicit per-interval backward, over the wire format, with attention and feature dropout 0.5
+    tmp_path = exact_runs(2)["staleness0-gat"]
+    result = json.loads((tmp_path / "result.json").read_text())
+    expected, expected_weights = reference("gat", dropout=0.5)
+    torch.testing.assert_close(
+        torch.tensor(result["losses"]), torch.tensor(expected["losses"]), rtol=1e-9, atol=1e-11
+    )
+    assert result["val_acc"] == pytest.approx(expected["val_acc"], abs=1e-12)
+    for rank in range(2):
+        weights = load_file(str(tmp_path / f"weights_rank{rank}.safetensors"))
+        for name, value in expected_weights.items():
+            torch.testing.assert_close(weights[name], value, rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_pipeline_engine_staleness_one_reads_ghosts_at_most_one_epoch_old(exact_runs) -> None:
+@pytest.mark.parametrize(("case", "runahead"), [("staleness1-gcn", EPOCHS - 1), ("staleness1-gat", 0)])
+def test_pipeline_engine_staleness_one_reads_ghosts_at_most_one_epoch_old(
+    exact_runs, case: str, runahead: int
+) -> None:
     """staleness=1: the first epoch is exact (nothing older exists), ghosts are never more than 1 epoch old,
-    every later epoch's first-layer requests were sent ahead during the previous epoch (validation between
-    epochs drains but keeps them), replicas stay identical and the loss goes down."""
-    tmp_path = exact_runs(2)["staleness1-gcn"]
+    every later epoch's first-layer requests were sent ahead during the previous epoch (weight-first GCN;
+    validation between epochs drains but keeps them; GAT's first layer does not run ahead), replicas stay
+    identical and the loss goes down."""
+    tmp_path = exact_runs(2)[case]
     result = json.loads((tmp_path / "result.json").read_text())
-    expected, _ = reference("gcn", hidden=8)
+    expected, _ = reference("gcn", hidden=8) if case.endswith("gcn") else reference("gat")
     assert result["losses"][0] == pytest.approx(expected["losses"][0], rel=1e-9)
     assert result["losses"][-1] < result["losses"][0]
     for rank in range(2):
         stale = json.loads((tmp_path / f"stale_rank{rank}.json").read_text())
-        # per epoch: SC and ∇SC of both (weight-first) layers: P = x W needs its gradient for ∇W
+        # per epoch: SC and ∇SC of both layers (GCN weight-first: P = x W needs its gradient for ∇W;
+        # GAT: [h | alpha_src] of the projection)
         assert stale["reads"] == 4 * EPOCHS
         assert 0 <= stale["max_age"] <= 1
-        assert stale["runahead_used"] == EPOCHS - 1 and stale["runahead_dropped"] == 0
+        assert stale["runahead_used"] == runahead and stale["runahead_dropped"] == 0
     replicas = [load_file(str(tmp_path / f"weights_rank{r}.safetensors")) for r in range(2)]
     for name, value in replicas[1].items():
         torch.testing.assert_close(value, replicas[0][name], rtol=0, atol=0)
