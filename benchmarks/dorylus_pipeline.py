@@ -4,16 +4,18 @@
     python benchmarks/dorylus_pipeline.py --nodes 4000 --features 16 --epochs 1 --warmup 1   # CI size
 
 Setup (issue 10): the part-1 benchmark's generated power-law graph and 2-layer GCN
-(``benchmarks/dorylus_epoch.py``), ``--servers`` graph servers (2), the ``local`` executor (worker processes
-running the numpy Lambda handler) behind :class:`DelayedExecutor`, which adds ``--latency-ms`` (20 ms) of
-round trip to every request before it reaches a worker, the way an AWS Lambda invocation would. The delay is
-this benchmark's, not the executor's. Concurrent requests are not capped (Lambda's 1,000 per region), the
-executor's workers are (``--executor-workers``).
+(``benchmarks/dorylus_epoch.py``; ``--model gat``: a 2-layer GAT instead, ``--heads`` heads of ``--hidden``
+channels in its first layer, one averaged head in its second), ``--servers`` graph servers (2), the
+``local`` executor (worker processes running the numpy Lambda handler) behind :class:`DelayedExecutor`,
+which adds ``--latency-ms`` (20 ms) of round trip to every request before it reaches a worker, the way an
+AWS Lambda invocation would. The delay is this benchmark's, not the executor's. Concurrent requests are
+not capped (Lambda's 1,000 per region), the executor's workers are (``--executor-workers``).
 
 One run measures three configurations, each in fresh processes: ``DorylusStrategy(staleness=None)``
-(synchronous, layer by layer), ``staleness=0`` (per-interval GA -> AV pipeline: the server's GA of one
-interval overlaps the requests of others) and ``staleness=1`` (also bounded-stale ghost exchange). The epoch
-time is the median over ``--epochs`` epochs after ``--warmup``, each epoch counted as its slowest server's.
+(synchronous, layer by layer), ``staleness=0`` (per-interval GA -> AV pipeline, GAT: AE -> GA: the
+server's GA of one interval overlaps the requests of others) and ``staleness=1`` (also bounded-stale
+ghost exchange). The epoch time is the median over ``--epochs`` epochs after ``--warmup``, each epoch
+counted as its slowest server's.
 
 ``--profile`` also prints, per configuration and server (last measured epoch), the seconds the server was
 blocked in ``executor.wait``, the CPU seconds of the server and its executor workers, and every wait stage
@@ -121,7 +123,7 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
     from lightning_dorylus import DorylusStrategy
     from lightning_dorylus.data import DorylusDataModule
     from lightning_dorylus.executors import LocalPoolExecutor
-    from lightning_dorylus.models import GCN
+    from lightning_dorylus.models import GAT, GCN
 
     torch.set_num_threads(args.threads_per_server)
 
@@ -183,15 +185,19 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
         num_sanity_val_steps=0,
     )
     torch.manual_seed(args.seed)
-    model = GCN(
-        args.features,
-        args.hidden,
-        args.classes,
-        num_layers=2,
-        dropout=args.dropout,
-        lr=LR,
-        weight_decay=WEIGHT_DECAY,
-    )
+    if args.model == "gat":  # per interval in the engine: AE of one interval out while GA of another runs
+        model: pl.LightningModule = GAT(args.features, args.hidden, args.classes, heads=args.heads,
+                                        out_heads=1, dropout=args.dropout, lr=LR, weight_decay=WEIGHT_DECAY)
+    else:
+        model = GCN(
+            args.features,
+            args.hidden,
+            args.classes,
+            num_layers=2,
+            dropout=args.dropout,
+            lr=LR,
+            weight_decay=WEIGHT_DECAY,
+        )
     try:
         trainer.fit(model, datamodule=DorylusDataModule(args.partition_dir))
     finally:
@@ -285,6 +291,7 @@ def report(graph: dict[str, Any], results: dict[str, list[dict[str, Any]]], args
     """The table, then the summary line (always last)."""
     print(
         f"graph: {graph['nodes']:,} vertices, {graph['edges']:,} directed edges; "
+        f"{args.model.upper()}{f' ({args.heads} heads)' if args.model == 'gat' else ''}, "
         f"{args.servers} graph servers, "
         f"{args.executor_workers} executor worker(s) each, {args.latency_ms:g} ms per request, "
         f"interval size {args.interval_size}; load average {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)"
@@ -314,7 +321,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, default=1_000_000)
     parser.add_argument("--avg-degree", type=float, default=20.5)
     parser.add_argument("--features", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=16)
+    parser.add_argument("--model", choices=["gcn", "gat"], default="gcn")
+    parser.add_argument("--hidden", type=int, default=16, help="hidden width (GAT: per head)")
+    parser.add_argument("--heads", type=int, default=2, help="GAT: heads of the first layer")
     parser.add_argument("--classes", type=int, default=16)
     parser.add_argument("--dropout", type=float, default=0.5)
     parser.add_argument("--epochs", type=int, default=3, help="measured epochs (after --warmup)")
@@ -339,6 +348,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "nodes",
         "features",
         "hidden",
+        "heads",
         "classes",
         "epochs",
         "servers",
