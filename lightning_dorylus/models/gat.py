@@ -9,7 +9,7 @@ from typing_extensions import override
 from lightning_dorylus.graph import GraphContext
 from lightning_dorylus.models.base import NodeClassifier
 from lightning_dorylus.nn import GATConv
-from lightning_dorylus.nn.dropout import feature_dropout, row_dropout
+from lightning_dorylus.nn.dropout import RowSource, row_dropout
 
 
 class GAT(NodeClassifier):
@@ -48,8 +48,10 @@ class GAT(NodeClassifier):
     @override
     def forward(self, graph: GraphContext) -> Tensor:
         """Logits ``(n_local, out_channels)`` of this server's owned vertices."""
-        h = feature_dropout(graph, self.dropout, self.training, self.dropout_key(0))  # only nonzeros hashed
-        h = F.elu(self.conv1(h, graph, dropout_key=self.dropout_key(1)))  # (n_local, heads * hidden)
+        # features' dropout (only nonzeros hashed); per interval as the requests go out in the pipeline engine
+        source = RowSource(graph, self.dropout, self.training, self.dropout_key(0))
+        x = source if self.conv1.takes_row_source else source.full()
+        h = F.elu(self.conv1(x, graph, dropout_key=self.dropout_key(1)))  # (n_local, heads * hidden)
         h = row_dropout(h, graph.partition.local_nodes, self.dropout, self.training, self.dropout_key(2))
         out = self.conv2(h, graph, dropout_key=self.dropout_key(3))  # (n_local, out_channels)
         self.next_free_step()

@@ -9,9 +9,10 @@ from torch import Tensor, nn
 
 from lightning_dorylus.graph import GraphContext, attention_gather
 from lightning_dorylus.nn.base import DorylusLayer
-from lightning_dorylus.nn.dropout import edge_ids, row_dropout
+from lightning_dorylus.nn.dropout import RowSource, edge_ids, row_dropout
 from lightning_dorylus.nn.edge_pipeline import EdgeDropout, apply_edge_gather
 from lightning_dorylus.nn.functions import OpCall, tensor_op
+from lightning_dorylus.nn.row_apply import apply_rows
 
 
 class GATConv(DorylusLayer):
@@ -66,10 +67,24 @@ class GATConv(DorylusLayer):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def apply_vertex(self, x: Tensor, graph: GraphContext) -> tuple[Tensor, Tensor, Tensor]:
-        """AV (PyG ``lin`` + attention scores): ``h (n, H*C)``, ``alpha_src (n, H)``, ``alpha_dst (n, H)``."""
+    def apply_vertex(self, x: Tensor | RowSource, graph: GraphContext) -> tuple[Tensor, Tensor, Tensor]:
+        """AV (PyG ``lin`` + attention scores): ``h (n, H*C)``, ``alpha_src (n, H)``, ``alpha_dst (n, H)``.
+
+        A :class:`RowSource` input (a first layer in the pipeline engine) is made per interval, each
+        interval's rows just before its request goes out (``nn.row_apply``)."""
         call = OpCall("gat.project.forward", self.runtime.executor, graph.intervals)
-        return tensor_op(call, x=x, weight=self.weight, att_src=self.att_src, att_dst=self.att_dst)
+        weights = {"weight": self.weight, "att_src": self.att_src, "att_dst": self.att_dst}
+        if isinstance(x, RowSource):
+            if not graph.intervals:
+                x = x.full()
+            else:
+                return apply_rows(call, x, "x", **weights)  # type: ignore[return-value]
+        return tensor_op(call, x=x, **weights)  # type: ignore[return-value]
+
+    @property
+    def takes_row_source(self) -> bool:
+        """In the pipeline engine: a first layer's input is made per interval, as its AV requests go out."""
+        return self.runtime.pipelined
 
     def apply_edge(
         self, alpha_src_full: Tensor, alpha_dst: Tensor, graph: GraphContext, dropout_key: int | None = None
@@ -97,11 +112,12 @@ class GATConv(DorylusLayer):
         h_full = h_full.view(-1, self.heads, self.out_channels)
         return attention_gather(h_full, attention, graph.self_loops, graph.partition.n_local)
 
-    def forward(self, x: Tensor, graph: GraphContext, dropout_key: int | None = None) -> Tensor:
+    def forward(self, x: Tensor | RowSource, graph: GraphContext, dropout_key: int | None = None) -> Tensor:
         """``(n_local, F_in) -> (n_local, H*C)`` (concat) or ``(n_local, C)`` (mean).
 
         Args:
-            x: This server's rows of the layer input.
+            x: This server's rows of the layer input, or a :class:`RowSource` making them per interval (see
+                :attr:`takes_row_source`).
             graph: The partition and its derived structures.
             dropout_key: Key of the attention dropout (see :func:`lightning_dorylus.nn.dropout.dropout_key`);
                 ``None`` draws one from torch's global generator, like ``F.dropout``.

@@ -341,6 +341,21 @@ def test_pipelined_gat_equals_layer_by_layer(graph: Data, concat: bool) -> None:
     ops = ["gat.project.forward", "apply_edge.forward", "apply_edge.backward", "gat.project.backward"]
     assert executor.calls == [(op, i) for op in ops for i in range(4)]
 
+    # a first layer: the features' dropout made per interval as the AV requests go out (RowSource)
+    source = RowSource(ctx, 0.5, True, dropout_key(7, 0))
+    assert piped.takes_row_source and not conv.takes_row_source
+    outs = []
+    for module, x in ((conv, source.full()), (piped, source)):
+        module.zero_grad()
+        out = module(x, ctx, dropout_key=key)
+        out.square().sum().backward()
+        outs.append((out, {n: p.grad for n, p in module.named_parameters()}))
+    (out, gp), (out_p, gp_p) = outs
+    assert "ApplyRowsBackward" in _autograd_nodes(out_p)
+    torch.testing.assert_close(out_p, out, rtol=0, atol=0)
+    for name, grad in gp.items():
+        torch.testing.assert_close(gp_p[name], grad, rtol=1e-9, atol=1e-12)
+
 
 def _autograd_nodes(t: torch.Tensor) -> set[str]:
     """Names of the autograd nodes ``t`` was computed through."""
