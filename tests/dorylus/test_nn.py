@@ -16,6 +16,9 @@ from lightning_dorylus.executors import InlineExecutor, TensorOpExecutor, Tensor
 from lightning_dorylus.graph import GhostExchange, GraphCache, gcn_adjacency, gcn_gather
 from lightning_dorylus.nn import DorylusRuntime, GATConv, GCNConv, SAGEConv
 from lightning_dorylus.nn.dropout import RowSource, dropout_key, feature_dropout
+from lightning_dorylus.nn.edge_pipeline import EdgeDropout, apply_edge_gather
+from lightning_dorylus.nn.functions import OpCall
+from lightning_dorylus.nn.row_apply import apply_rows
 
 N, F_IN = 60, 7
 
@@ -355,6 +358,25 @@ def test_pipelined_gat_equals_layer_by_layer(graph: Data, concat: bool) -> None:
     torch.testing.assert_close(out_p, out, rtol=0, atol=0)
     for name, grad in gp.items():
         torch.testing.assert_close(gp_p[name], grad, rtol=1e-9, atol=1e-12)
+
+
+def test_pipelined_gat_functions_name_bad_arguments(graph: Data) -> None:
+    [part] = partition_graph(graph, 1, interval_size=16)
+    ctx = GraphCache().context(part)
+    edges, n = ctx.self_loops, part.n_local
+    call = OpCall("apply_edge.forward", InlineExecutor(), ctx.intervals)
+    h, a_dst = torch.zeros(n, 2, 3), torch.zeros(n, 2)
+    with pytest.raises(ValueError, match=r"h_full \(60, 6\) must be \(n, H, C\)"):
+        apply_edge_gather(call, edges, h.view(n, 6), a_dst, a_dst)
+    with pytest.raises(ValueError, match=r"alpha_src_full \(60, 3\) \(n, H\) with the same n and H"):
+        apply_edge_gather(call, edges, h, torch.zeros(n, 3), a_dst)
+    bad = EdgeDropout(0.5, 1, torch.zeros(3, dtype=torch.long))
+    expected = rf"dropout.edge_ids has shape \(3,\); expected \({edges.src.numel()},\) \(one id per in-edge\)"
+    with pytest.raises(ValueError, match=expected):
+        apply_edge_gather(call, edges, h, a_dst, a_dst, bad)
+    source = RowSource(ctx, 0.0, False, 0)
+    with pytest.raises(ValueError, match="apply_rows needs at least one interval"):
+        apply_rows(OpCall("gat.project.forward", InlineExecutor(), []), source, "x", weight=torch.zeros(7, 6))
 
 
 def _autograd_nodes(t: torch.Tensor) -> set[str]:
