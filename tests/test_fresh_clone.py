@@ -54,8 +54,8 @@ def test_fresh_clone_runs_the_readme_example_and_the_cora_recipe(tmp_path: Path)
     where = run_process([sys.executable, "-c", code], timeout=120, cwd=clone, env=env).stdout.split()
     assert [Path(path).parents[1] for path in where] == [clone, clone]
 
-    # the README's Dorylus example, verbatim but 60 epochs, run from the clone's root. It sets no seed: after 30
-    # epochs its best-val test accuracy ranged 0.68-0.78 over runs (CI saw 0.684), after 60 epochs 0.79-0.81
+    # the README's Dorylus example, verbatim but 60 epochs, run from the clone's root. It sets no seed: after
+    # 30 epochs its best-val test accuracy ranged 0.68-0.78 over runs (CI saw 0.684), after 60 0.79-0.81
     script = tmp_path / "train_dorylus.py"
     script.write_text(example("DorylusStrategy(").replace("max_epochs=200", "max_epochs=60"))
     out = run_process([sys.executable, str(script)], timeout=420, cwd=clone, env=env).stdout
