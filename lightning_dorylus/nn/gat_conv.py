@@ -21,7 +21,9 @@ class GATConv(DorylusLayer):
 
     Flow: AV ``gat.project`` gives ``h = x W`` and per-head scores ``alpha_src``, ``alpha_dst`` of local rows;
     SC sends ``[h, alpha_src]`` of boundary rows to ghosts; AE computes each in-edge's attention per interval;
-    dropout on the attention (server); GA sums ``attention * h_src`` per head (server).
+    dropout on the attention (server); GA sums ``attention * h_src`` per head (server). In the pipeline
+    engine (``staleness`` 0 or S) AE, dropout and GA run interval by interval, overlapped
+    (:mod:`~lightning_dorylus.nn.edge_pipeline`), and a first layer's input rows are made per interval.
 
     Args:
         in_channels: Input feature width.
@@ -74,11 +76,10 @@ class GATConv(DorylusLayer):
         interval's rows just before its request goes out (``nn.row_apply``)."""
         call = OpCall("gat.project.forward", self.runtime.executor, graph.intervals)
         weights = {"weight": self.weight, "att_src": self.att_src, "att_dst": self.att_dst}
-        if isinstance(x, RowSource):
-            if not graph.intervals:
-                x = x.full()
-            else:
-                return apply_rows(call, x, "x", **weights)  # type: ignore[return-value]
+        if isinstance(x, RowSource) and graph.intervals:
+            return apply_rows(call, x, "x", **weights)  # type: ignore[return-value]
+        if isinstance(x, RowSource):  # an empty partition: nothing to cut
+            x = x.full()
         return tensor_op(call, x=x, **weights)  # type: ignore[return-value]
 
     @property
