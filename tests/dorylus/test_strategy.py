@@ -45,8 +45,9 @@ EXACT_CASES["staleness0-gcn-auto"] = (
     2, ["--model", "gcn", "--executor", "inline", "--staleness", "0", "--intervals", "auto", "--hidden", "8",
         "--dropout", "0.5"]
 )
-EXACT_CASES["staleness1-gcn"] = (
-    2, ["--model", "gcn", "--executor", "local", "--staleness", "1", "--hidden", "8"]
+EXACT_CASES["staleness1-gcn"] = (  # the deterministic reads: always epoch e - 1's ghosts
+    2, ["--model", "gcn", "--executor", "local", "--staleness", "1", "--stale-reads", "oldest",
+        "--hidden", "8"]
 )
 EXACT_CASES["staleness0-gat"] = (
     2, ["--model", "gat", "--executor", "local", "--staleness", "0", "--dropout", "0.5"]
@@ -308,7 +309,10 @@ def test_pipeline_engine_staleness_one_reads_ghosts_at_most_one_epoch_old(
     """staleness=1: the first epoch is exact (nothing older exists), ghosts are never more than 1 epoch old,
     every later epoch's first-layer requests were sent ahead during the previous epoch (weight-first GCN;
     validation between epochs drains but keeps them; GAT's first layer does not run ahead), replicas stay
-    identical and the loss goes down."""
+    identical and the loss goes down. GCN reads with ``stale_reads="oldest"``: every read after epoch 0 uses
+    the previous epoch's ghost rows and gradients (stale reads do happen). GAT reads the freshest arrived
+    (timing decides which): after epoch 0 a read never waits, since last epoch's buffer (complete after the
+    validation's drain) is fresh enough."""
     tmp_path = exact_runs(2)[case]
     result = json.loads((tmp_path / "result.json").read_text())
     expected, _ = reference("gcn", hidden=8) if case.endswith("gcn") else reference("gat")
@@ -320,6 +324,11 @@ def test_pipeline_engine_staleness_one_reads_ghosts_at_most_one_epoch_old(
         # GAT: [h | alpha_src] of the projection)
         assert stale["reads"] == 4 * EPOCHS
         assert 0 <= stale["max_age"] <= 1
+        assert sum(stale["ages"].values()) == stale["reads"]
+        if case == "staleness1-gcn":  # oldest: epoch 0 exact, then always epoch e - 1's
+            assert stale["ages"] == {"0": 4, "1": 4 * (EPOCHS - 1)}
+        else:  # freshest: only epoch 0's reads can wait
+            assert stale["waits"] <= 4, stale
         assert stale["runahead_used"] == runahead and stale["runahead_dropped"] == 0
     replicas = [load_file(str(tmp_path / f"weights_rank{r}.safetensors")) for r in range(2)]
     for name, value in replicas[1].items():

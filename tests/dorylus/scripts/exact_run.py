@@ -8,7 +8,7 @@ replicas stayed identical. The test builds the same graph and model with :func:`
 :func:`make_model` and trains them in one process as the reference.
 
 Usage: python exact_run.py OUT_DIR --model gcn|gat|sage --servers N --executor local|inline [--epochs 5]
-       [--dropout 0.0] [--staleness S] [--intervals auto|K]
+       [--dropout 0.0] [--staleness S] [--stale-reads freshest|oldest] [--intervals auto|K]
        python exact_run.py OUT_DIR --servers N --cases CASES_JSON
 With ``--cases`` (``{name: [--model ..., --executor ..., ...]}``) every case trains in turn in this one launch
 (a Trainer and a strategy per case; the imports and the process group paid once), into ``OUT_DIR/<name>``.
@@ -134,6 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--staleness", type=int, default=None)
+    parser.add_argument("--stale-reads", default="freshest", help="DorylusStrategy(stale_reads=...)")
     parser.add_argument("--hidden", type=int, default=16, help="GCN hidden width (< 12: weight-first)")
     parser.add_argument("--intervals", default=None, help="'auto' or an int (DorylusStrategy(intervals=...))")
     parser.add_argument("--cases", type=Path, default=None, help="JSON {name: [arguments]}, one launch")
@@ -163,6 +164,7 @@ def run_case(args: argparse.Namespace, partitions: list[GraphPartition]) -> None
         # rendezvous + collectives: on a busy machine 3 servers importing torch on 2 cores can take > 60 s
         timeout=datetime.timedelta(seconds=180),
         staleness=args.staleness,
+        stale_reads=args.stale_reads,
         intervals=None
         if args.intervals is None
         else args.intervals
@@ -176,7 +178,8 @@ def run_case(args: argparse.Namespace, partitions: list[GraphPartition]) -> None
         def on_train_end(self, trainer, pl_module) -> None:
             exchange = strategy.runtime.stale_exchange if strategy.runtime is not None else None
             if exchange is not None:
-                stale.update(reads=exchange.reads, waits=exchange.waits, max_age=exchange.max_age)
+                stale.update(reads=exchange.reads, waits=exchange.waits, max_age=exchange.max_age,
+                             ages={str(age): n for age, n in sorted(exchange.ages.items())})
             if strategy.runtime is not None:
                 ahead = strategy.runtime.runahead
                 stale.update(runahead_used=ahead.used, runahead_dropped=ahead.dropped)
