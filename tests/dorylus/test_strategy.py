@@ -332,7 +332,14 @@ def test_pipeline_engine_staleness_one_reads_ghosts_at_most_one_epoch_old(
         if case == "staleness1-gcn":  # oldest: epoch 0 exact, then always epoch e - 1's
             assert stale["ages"] == {"0": 4, "1": 4 * (EPOCHS - 1)}
         else:  # freshest: only epoch 0's reads can wait
-            assert stale["waits"] <= 4, stale
+            assert stale["waits"] <= 4, stale["waits"]
+        # every read used exactly what the peer sent in the epoch it says (float64 checksums, bitwise)
+        peer = json.loads((tmp_path / f"stale_rank{1 - rank}.json").read_text())
+        sent = {(d, layer, epoch): total for d, layer, epoch, total in peer["sent"]}
+        assert len(stale["read"]) == stale["reads"]
+        for direction, layer, epoch, read_epoch, total in stale["read"]:
+            assert epoch - 1 <= read_epoch <= epoch
+            assert total == sent[(direction, layer, read_epoch)], (direction, layer, epoch, read_epoch)
         assert stale["runahead_used"] == runahead and stale["runahead_dropped"] == 0
     replicas = [load_file(str(tmp_path / f"weights_rank{r}.safetensors")) for r in range(2)]
     for name, value in replicas[1].items():
