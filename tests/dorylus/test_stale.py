@@ -8,6 +8,7 @@ waits for them and flags each buffer as it arrives). The multi-process runs are 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -48,8 +49,19 @@ def arrive(inflight: _InFlight, work: FakeWork) -> None:
     assert inflight.arrived.wait(5), "the communication thread did not flag the delivered buffer"
 
 
-def deliver_later(work: FakeWork) -> None:
-    threading.Timer(0.05, work.deliver).start()
+def deliver_when_blocked(exchange: StaleGhostExchange, work: FakeWork) -> None:
+    """Delivers ``work`` once the exchange counts a blocking read (after 5 s anyway: the test then fails on
+    its counters instead of hanging), so the read cannot find it arrived however slow the machine."""
+    waits = exchange.waits
+
+    def deliver() -> None:
+        for _ in range(5000):
+            if exchange.waits > waits:
+                break
+            time.sleep(0.001)
+        work.deliver()
+
+    threading.Thread(target=deliver, daemon=True).start()
 
 
 @pytest.mark.parametrize(
@@ -72,7 +84,7 @@ def test_freshest_reads_what_has_arrived_and_waits_only_when_nothing_fresh_enoug
     exchange = StaleGhostExchange(1, group=None)
     try:
         _, w0 = post(exchange, 0, delivered=False)
-        deliver_later(w0)
+        deliver_when_blocked(exchange, w0)
         assert exchange.take(0, "rows", 0).epoch == 0  # nothing older: waits for epoch 0's (exact)
         assert (exchange.waits, exchange.max_age) == (1, 0)
 
@@ -81,7 +93,7 @@ def test_freshest_reads_what_has_arrived_and_waits_only_when_nothing_fresh_enoug
         assert (exchange.waits, exchange.max_age) == (1, 1)
 
         b2, w2 = post(exchange, 2, delivered=False)
-        deliver_later(w1)
+        deliver_when_blocked(exchange, w1)
         assert exchange.take(0, "rows", 2).epoch == 1  # epoch 0 is too old: waits for epoch 1's
         assert exchange.waits == 2
         assert [f.epoch for f in exchange._held[(0, "rows")]] == [1, 2]  # epoch 0's freed
@@ -101,7 +113,7 @@ def test_freshest_reads_what_has_arrived_and_waits_only_when_nothing_fresh_enoug
         exchange.drain(discard=True)  # a checkpoint: the next read is exact
         assert exchange._held == {}
         _, w5 = post(exchange, 5, delivered=False)
-        deliver_later(w5)
+        deliver_when_blocked(exchange, w5)
         assert exchange.take(0, "rows", 5).epoch == 5
         assert exchange.waits == 3
     finally:
@@ -122,7 +134,7 @@ def test_oldest_always_reads_epoch_e_minus_s(staleness: int, ages: list[int]) ->
         # the one of epoch e - S not in yet: waits for it though the newer ones are there
         exchange.drain(discard=True)
         first, w0 = post(exchange, 0, delivered=False)
-        deliver_later(w0)
+        deliver_when_blocked(exchange, w0)
         assert exchange.take(0, "rows", 0) is first and exchange.waits == 1
     finally:
         exchange.drain(discard=True)
@@ -132,7 +144,7 @@ def test_a_failed_message_is_raised_in_the_training_thread() -> None:
     exchange = StaleGhostExchange(1, group=None)
     work = FakeWork(error=RuntimeError("Connection closed by peer"))
     exchange.post(0, "rows", _InFlight(0, torch.zeros(2), [work], []))
-    deliver_later(work)
+    deliver_when_blocked(exchange, work)
     failed = "a stale ghost exchange message failed"
     with pytest.raises(RuntimeError, match=f"{failed}: Connection closed by peer"):
         exchange.take(0, "rows", 0)
