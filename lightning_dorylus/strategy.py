@@ -59,7 +59,7 @@ from lightning_dorylus.autotune import TimedExecutor, TuneResult, autotune
 from lightning_dorylus.data.partition import GraphPartition
 from lightning_dorylus.executors import EXECUTORS, TensorOpExecutor, build_executor
 from lightning_dorylus.graph import GhostExchange, GraphCache
-from lightning_dorylus.graph.stale import StaleGhostExchange
+from lightning_dorylus.graph.stale import StaleGhostExchange, StaleReads, check_stale_reads
 from lightning_dorylus.nn import DorylusLayer, DorylusRuntime
 from lightning_dorylus.threads import limit_server_threads
 
@@ -103,7 +103,11 @@ class DorylusStrategy(ParallelStrategy):
             behind; and a weight-first first layer sends the next epoch's requests during this epoch's last
             wait, with the weights one update behind (see ``docs/dorylus.md``, "Bounded asynchrony").
             Validation, test and checkpoints first drain the pipeline and then run synchronously;
-            checkpoints also drop the requests sent ahead.
+            checkpoints also drop the requests sent ahead and the held ghost buffers.
+        stale_reads: Which ghost rows/gradients a ``staleness >= 1`` read uses among those stamped
+            ``>= e - S``: ``"freshest"`` (default, Dorylus) the freshest that has arrived, waiting only when
+            none that fresh has (timing decides: not reproducible); ``"oldest"`` always epoch ``e - S``'s,
+            waiting for them if needed (reproducible; the worst case the bound allows).
         intervals: ``None`` (default): each partition's own intervals (the DataModule's ``interval_size``);
             an int ``k``: every partition cut into ``k`` even intervals; ``"auto"``: the first training epoch
             runs on the partition's intervals while every request is timed, then ``k`` and ``max_in_flight``
@@ -130,6 +134,7 @@ class DorylusStrategy(ParallelStrategy):
         mmap_threshold: int | None = 1 << 20,
         num_threads: int | None = None,
         staleness: int | None = None,
+        stale_reads: StaleReads = "freshest",
         intervals: int | Literal["auto"] | None = None,
         max_in_flight: int | None = None,
     ) -> None:
@@ -171,6 +176,13 @@ class DorylusStrategy(ParallelStrategy):
                                       or staleness < 0):
             raise ValueError(f"staleness={staleness!r}: expected None (synchronous) or an int >= 0")
         self._staleness = staleness
+        check_stale_reads(stale_reads)
+        if stale_reads != "freshest" and not staleness:
+            raise ValueError(
+                f"stale_reads={stale_reads!r} needs staleness >= 1 "
+                f"(staleness={staleness!r} reads no stale ghosts)"
+            )
+        self._stale_reads: StaleReads = stale_reads
         if not (intervals is None or intervals == "auto" or _positive_int(intervals)):
             raise ValueError(f"intervals={intervals!r}: expected None, 'auto' or an int >= 1")
         if max_in_flight is not None and not _positive_int(max_in_flight):
@@ -314,7 +326,7 @@ class DorylusStrategy(ParallelStrategy):
         if self._staleness and self.world_size > 1:
             if self._stale_group is None:  # its own group: stale P2P never interleaves with collectives
                 self._stale_group = dist.new_group(backend="gloo")
-            stale = StaleGhostExchange(self._staleness, self._stale_group)
+            stale = StaleGhostExchange(self._staleness, self._stale_group, self._stale_reads)
         executor: TensorOpExecutor = self._executor
         if self._intervals is not None or self._max_in_flight is not None:
             self._timed = TimedExecutor(self._executor, self._max_in_flight)
@@ -333,19 +345,25 @@ class DorylusStrategy(ParallelStrategy):
         return self._staleness
 
     @property
+    def stale_reads(self) -> StaleReads:
+        """Which ghost buffer a ``staleness >= 1`` read uses: ``"freshest"`` arrived or ``"oldest"``."""
+        return self._stale_reads
+
+    @property
     def runtime(self) -> DorylusRuntime | None:
         """What the layers run on (``None`` outside ``setup`` .. ``teardown``)."""
         return self._runtime
 
     def drain(self, discard: bool = False) -> None:
         """Waits for every stale SC/∇SC message and every request sent ahead (before evaluation and
-        checkpoints); ``discard`` also drops the requests sent ahead for the next epoch (checkpoints, so a
-        run resumed from one computes that epoch as the uninterrupted run does: with the saved weights)."""
+        checkpoints); ``discard`` also drops the requests sent ahead for the next epoch and the held ghost
+        buffers (checkpoints, so a run resumed from one computes that epoch as the uninterrupted run does:
+        with the saved weights and exact ghosts)."""
         if self._runtime is None:
             return
         self._runtime.runahead.drain(discard)
         if self._runtime.stale_exchange is not None:
-            self._runtime.stale_exchange.drain()
+            self._runtime.stale_exchange.drain(discard)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -10,6 +10,7 @@ second evaluation pass. Rank 0 writes ``cora.json``.
 
 Usage: python cora_staleness_run.py OUT_DIR PLANETOID_ROOT --model gcn|gat [--seeds 5] [--servers 2]
        [--epochs 200] [--staleness none,0,1]   (one config after another; cora.json holds each config's runs)
+       [--stale-reads freshest|oldest]   (DorylusStrategy(stale_reads=...) of the staleness >= 1 configs)
        [--seeds-of 0=1]   (a config trained on fewer seeds than --seeds: seeds 0..N-1)
 """
 
@@ -70,6 +71,22 @@ class BestValidation(Callback):
             self.best_epoch = trainer.current_epoch
 
 
+class StaleReads(Callback):
+    """Keeps the stale exchange's counters at the end of training (before teardown drops the runtime)."""
+
+    def __init__(self, strategy: DorylusStrategy) -> None:
+        self.strategy = strategy
+        self.stats: dict = {}
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        runtime = self.strategy.runtime
+        exchange = runtime.stale_exchange if runtime is not None else None
+        if exchange is not None:
+            ages = {str(age): n for age, n in sorted(exchange.ages.items())}
+            self.stats = {"reads": exchange.reads, "waits": exchange.waits, "ages": ages}
+
+
 def make_model(name: str, num_features: int, num_classes: int) -> LightningModule:
     """PyG's published Cora configurations."""
     if name == "gcn":
@@ -92,6 +109,10 @@ def main() -> None:
     parser.add_argument("--executor", default="inline")
     parser.add_argument(
         "--staleness", default="none", help="comma-separated: 'none' (synchronous) and/or ints, e.g. none,0,1"
+    )
+    parser.add_argument(
+        "--stale-reads", default="freshest", choices=["freshest", "oldest"],
+        help="DorylusStrategy(stale_reads=...) of the staleness >= 1 configs",
     )
     parser.add_argument(
         "--seeds-of", action="append", default=[], metavar="CONFIG=N",
@@ -117,8 +138,12 @@ def main() -> None:
         model = make_model(args.model, datamodule.num_features, datamodule.num_classes)
         best = BestValidation()
         strategy = DorylusStrategy(
-            executor=args.executor, timeout=datetime.timedelta(seconds=120), staleness=staleness
+            executor=args.executor,
+            timeout=datetime.timedelta(seconds=120),
+            staleness=staleness,
+            stale_reads=args.stale_reads if staleness else "freshest",
         )
+        stale = StaleReads(strategy)
         trainer = Trainer(  # a Trainer and a strategy per seed; the process group is created once
             accelerator="cpu",
             devices=args.servers,
@@ -129,7 +154,7 @@ def main() -> None:
             enable_progress_bar=False,
             enable_model_summary=False,
             num_sanity_val_steps=0,
-            callbacks=[best],
+            callbacks=[best, stale],
         )
         start = time.perf_counter()
         trainer.fit(model, datamodule=datamodule)
@@ -142,6 +167,7 @@ def main() -> None:
                 "best_epoch": best.best_epoch,
                 "fit_s": fit_s,
                 "val_curve": best.val_curve,
+                "stale_reads": stale.stats,  # rank 0's: reads, waits, ages (epochs -> reads)
             }
         )
     if trainer.global_rank == 0:

@@ -8,7 +8,7 @@ replicas stayed identical. The test builds the same graph and model with :func:`
 :func:`make_model` and trains them in one process as the reference.
 
 Usage: python exact_run.py OUT_DIR --model gcn|gat|sage --servers N --executor local|inline [--epochs 5]
-       [--dropout 0.0] [--staleness S] [--intervals auto|K]
+       [--dropout 0.0] [--staleness S] [--stale-reads freshest|oldest] [--intervals auto|K]
        python exact_run.py OUT_DIR --servers N --cases CASES_JSON
 With ``--cases`` (``{name: [--model ..., --executor ..., ...]}``) every case trains in turn in this one launch
 (a Trainer and a strategy per case; the imports and the process group paid once), into ``OUT_DIR/<name>``.
@@ -134,6 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--staleness", type=int, default=None)
+    parser.add_argument("--stale-reads", default="freshest", help="DorylusStrategy(stale_reads=...)")
     parser.add_argument("--hidden", type=int, default=16, help="GCN hidden width (< 12: weight-first)")
     parser.add_argument("--intervals", default=None, help="'auto' or an int (DorylusStrategy(intervals=...))")
     parser.add_argument("--cases", type=Path, default=None, help="JSON {name: [arguments]}, one launch")
@@ -154,6 +155,39 @@ def main() -> None:
         run_case(case, partitions)
 
 
+def checksum(t: torch.Tensor) -> float:
+    """Position-weighted sum (a plain sum of a last layer's gradient rows is 0: softmax); equal tensors give
+    bitwise equal checksums."""
+    flat = t.detach().contiguous().reshape(-1)
+    return (flat * torch.linspace(1.0, 2.0, flat.numel(), dtype=flat.dtype)).sum().item()
+
+
+def tap_exchange(exchange, sent: list, read: list) -> None:
+    """Records, per message, a checksum of what this server sends to its peer (2 servers) and of what each
+    read uses, with the epochs: the test matches every read against the peer's send of the epoch read."""
+
+    def post_rows(h_local, partition, layer, epoch):
+        (peer,) = [p for p in range(partition.num_parts) if p != partition.part_id]
+        sent.append(["rows", layer, epoch, checksum(h_local[partition.send_index[peer]])])
+        return original_rows(h_local, partition, layer, epoch)
+
+    def post_grads(grad_ghost, partition, layer, epoch):
+        sent.append(["grads", layer, epoch, checksum(grad_ghost)])
+        return original_grads(grad_ghost, partition, layer, epoch)
+
+    def take(layer, direction, epoch):
+        chosen = original_take(layer, direction, epoch)
+        if direction == "rows":
+            total = checksum(chosen.buffer)
+        else:
+            (total,) = [checksum(rows) for _, rows in chosen.received]
+        read.append([direction, layer, epoch, chosen.epoch, total])
+        return chosen
+
+    original_rows, original_grads, original_take = exchange.post_rows, exchange.post_grads, exchange.take
+    exchange.post_rows, exchange.post_grads, exchange.take = post_rows, post_grads, take
+
+
 def run_case(args: argparse.Namespace, partitions: list[GraphPartition]) -> None:
     """Trains one case on ``args.servers`` graph servers and writes its results under ``args.out``."""
     options = {"num_workers": 1} if args.executor == "local" else {}
@@ -163,6 +197,7 @@ def run_case(args: argparse.Namespace, partitions: list[GraphPartition]) -> None
         # rendezvous + collectives: on a busy machine 3 servers importing torch on 2 cores can take > 60 s
         timeout=datetime.timedelta(seconds=180),
         staleness=args.staleness,
+        stale_reads=args.stale_reads,
         intervals=None
         if args.intervals is None
         else args.intervals
@@ -173,10 +208,16 @@ def run_case(args: argparse.Namespace, partitions: list[GraphPartition]) -> None
     stale = {}
 
     class StaleStats(Callback):  # read before teardown drops the runtime
+        def on_fit_start(self, trainer, pl_module) -> None:
+            exchange = strategy.runtime.stale_exchange if strategy.runtime is not None else None
+            if exchange is not None and args.servers == 2:
+                tap_exchange(exchange, stale.setdefault("sent", []), stale.setdefault("read", []))
+
         def on_train_end(self, trainer, pl_module) -> None:
             exchange = strategy.runtime.stale_exchange if strategy.runtime is not None else None
             if exchange is not None:
-                stale.update(reads=exchange.reads, waits=exchange.waits, max_age=exchange.max_age)
+                stale.update(reads=exchange.reads, waits=exchange.waits, max_age=exchange.max_age,
+                             ages={str(age): n for age, n in sorted(exchange.ages.items())})
             if strategy.runtime is not None:
                 ahead = strategy.runtime.runahead
                 stale.update(runahead_used=ahead.used, runahead_dropped=ahead.dropped)
