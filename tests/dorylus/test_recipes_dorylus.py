@@ -27,14 +27,15 @@ def run_recipe(
     """Runs one recipe with its outputs and caches under ``tmp_path``; returns stdout + stderr.
 
     ``nprocs``: start that many graph servers together, as torchrun would (else Lightning's popen launcher
-    starts them from the one command, as ``make demo`` does)."""
+    starts them from the one command, as ``make demo`` does). Fresh interpreters, not the test zygote: the
+    tests check that nothing, importing included, prints a Python warning."""
     command = [
         sys.executable, "-m", "recipes.train", f"experiment={experiment}",
         f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache={tmp_path / 'cache'}", *overrides,
     ]
     if nprocs is not None:
-        return run_ranks(command, nprocs, timeout=timeout, cwd=REPO_ROOT).stdout
-    return run_process(command, timeout=timeout, cwd=REPO_ROOT).stdout
+        return run_ranks(command, nprocs, timeout=timeout, cwd=REPO_ROOT, fresh=True).stdout
+    return run_process(command, timeout=timeout, cwd=REPO_ROOT, fresh=True).stdout
 
 
 def printed_test_accuracy(output: str) -> float:
