@@ -90,6 +90,8 @@ class _Zygote:
 
 
 _ZYGOTE: list[_Zygote] = []
+# CPU seconds of the forked processes that have ended (not this process's children: ``--cpu-times`` adds it)
+FORKED_CPU_SECONDS = [0.0]
 
 
 def _zygote() -> _Zygote | None:
@@ -181,8 +183,9 @@ class ForkedProcess:
         return self.returncode
 
     def _finish(self) -> None:
-        line = self._line()  # "status <raw wait status>"; "" if the waiter was killed
-        self.returncode = os.waitstatus_to_exitcode(int(line.split()[1])) if line else -signal.SIGKILL
+        line = self._line().split()  # "status <raw wait status> <CPU seconds>"; [] if the waiter was killed
+        self.returncode = os.waitstatus_to_exitcode(int(line[1])) if line else -signal.SIGKILL
+        FORKED_CPU_SECONDS[0] += float(line[2]) if line else 0.0
         self._conn.close()
 
     def communicate(self, timeout: float | None = None) -> tuple[str, None]:

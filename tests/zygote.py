@@ -13,7 +13,8 @@ launch paths are untouched. ``TEST_ZYGOTE=0`` turns it off.
 
 Protocol (one Unix-socket connection per process): the client sends one JSON line (argv, cwd, env, process
 group) with its stdout/stderr file descriptors attached; the zygote forks a waiter, which forks the process,
-answers ``pid <pid>`` and later ``status <raw wait status>``. Nothing but JSON crosses the socket.
+answers ``pid <pid>`` and later ``status <raw wait status> <CPU seconds>``. Nothing but JSON and these lines
+crosses the socket.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def serve(path: str) -> Request | None:
                 os.close(fd)
             try:
                 conn.sendall(f"pid {pid}\n".encode())
-                _, status = os.waitpid(pid, 0)
-                conn.sendall(f"status {status}\n".encode())
+                _, status, usage = os.wait4(pid, 0)  # its CPU, with what it waited for, for --cpu-times
+                conn.sendall(f"status {status} {usage.ru_utime + usage.ru_stime:.3f}\n".encode())
             finally:
                 os._exit(0)
         conn.close()
