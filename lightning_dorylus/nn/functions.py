@@ -12,7 +12,7 @@ the graph server. No autograd state crosses the executor boundary, only named ar
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +112,14 @@ def run_intervals(
     return merge_outputs(spec, executor.wait(futures))
 
 
+def kept_for_backward(spec: OpSpec, tensors: Iterable[tuple[str, Tensor]]) -> dict[str, Tensor]:
+    """The named ``tensors`` that ``spec``'s backward op reads: what a forward keeps for it (by name)."""
+    assert spec.backward is not None, "a forward op with no declared backward keeps nothing"
+    bwd = op_spec(spec.backward)
+    wanted = set(bwd.required) | set(bwd.optional)
+    return {name: t for name, t in tensors if name in wanted}
+
+
 def _cpu(t: Tensor) -> Tensor:
     return t.detach().to("cpu").contiguous()
 
@@ -137,9 +145,7 @@ class TensorOp(torch.autograd.Function):
         present = {n: _cpu(v) for n, v in zip(names, values) if v is not None}
         outs = run_intervals(call.executor, call.op, present, call.attrs, call.intervals)
         device = next(v.device for v in values if v is not None)
-        bwd = op_spec(spec.backward)
-        wanted = set(bwd.required) | set(bwd.optional)
-        saved = {n: t for n, t in (*present.items(), *outs.items()) if n in wanted}
+        saved = kept_for_backward(spec, (*present.items(), *outs.items()))
         ctx.call, ctx.names, ctx.device = call, names, device
         ctx.has = {f"has_{n}": n in present for n in spec.optional}
         ctx.saved_names = tuple(saved)
@@ -215,9 +221,7 @@ class GatherApply(torch.autograd.Function):
             futures.append(call.executor.submit(TensorOpRequest(call.op, inputs, call.attrs, interval=i)))
         outs = merge_outputs(spec, call.executor.wait(futures))
         z = torch.cat(zs) if len(zs) > 1 else zs[0]
-        bwd = op_spec(spec.backward)
-        wanted = set(bwd.required) | set(bwd.optional)
-        saved = {n: t for n, t in [*present.items(), (gather_input, z), *outs.items()] if n in wanted}
+        saved = kept_for_backward(spec, [*present.items(), (gather_input, z), *outs.items()])
         ctx.call, ctx.blocks, ctx.gather_input, ctx.names = call, blocks, gather_input, names
         ctx.device, ctx.n_full, ctx.width = h_full.device, h_full.size(0), h_full.size(1)
         ctx.dtype = h_cpu.dtype

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from lightning_dorylus.executors import TensorOpRequest
 from lightning_dorylus.nn.dropout import RowSource
-from lightning_dorylus.nn.functions import OpCall, merge_outputs, op_spec, slice_inputs
+from lightning_dorylus.nn.functions import OpCall, kept_for_backward, merge_outputs, op_spec, slice_inputs
 
 
 def _cpu(t: Tensor) -> Tensor:
@@ -44,9 +44,7 @@ class ApplyRows(torch.autograd.Function):
             inputs = {input_name: x_i, **slice_inputs(spec, shared, span)}
             futures.append(call.executor.submit(TensorOpRequest(call.op, inputs, call.attrs, interval=i)))
         outs = merge_outputs(spec, call.executor.wait(futures))
-        bwd = op_spec(spec.backward)
-        wanted = set(bwd.required) | set(bwd.optional)
-        saved = {n: t for n, t in (*shared.items(), *outs.items()) if n in wanted}
+        saved = kept_for_backward(spec, (*shared.items(), *outs.items()))
         ctx.call, ctx.input_name, ctx.names, ctx.spans, ctx.xs = call, input_name, names, spans, xs
         ctx.saved_names, ctx.output_names, ctx.device = tuple(saved), spec.outputs, values[0].device
         ctx.output_like = {n: (tuple(outs[n].shape), outs[n].dtype) for n in spec.outputs}
