@@ -19,6 +19,7 @@ crosses the socket.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -95,6 +96,11 @@ def serve(path: str) -> Request | None:
                 return request
             for fd in fds:
                 os.close(fd)
+            # the process joins its group itself too; whichever runs first, the group exists before the pid is
+            # reported (the next rank of run_ranks joins it at once)
+            if request.process_group is not None:
+                with contextlib.suppress(OSError):
+                    os.setpgid(pid, request.process_group)
             try:
                 conn.sendall(f"pid {pid}\n".encode())
                 _, status, usage = os.wait4(pid, 0)  # its CPU, with what it waited for, for --cpu-times
