@@ -349,13 +349,14 @@ FIRST_LAYER = {"gcn": ("convs.0", ("weight",)), "gat": ("conv1", ("weight", "att
 
 
 @pytest.mark.parametrize("model_name", ["gcn", "gat"])
-def test_run_ahead_first_layer_reads_the_previous_weight_version(model_name: str) -> None:
+def test_run_ahead_first_layer_reads_the_previous_weight_version(model_name: str, tmp_path: Path) -> None:
     """staleness=1 on one graph server (no ghosts, so deterministic): epoch ``e >= 1``'s first layer (GCN:
     weight-first; GAT: ``gat.project``) runs forward AND backward on the parameters of before epoch
     ``e - 1``'s update (its requests were sent during epoch ``e - 1``'s backward, and GAT's backward sends
     the version its forward used, not the current one) and its gradient updates the current parameters: the
     synchronous model trained with exactly that delay, by swapping the first layer's AV parameters around
-    each step, gives the same losses and weights."""
+    each step, gives the same losses and weights. Validation between epochs keeps the requests sent ahead; a
+    checkpoint after every validation drops them, so that run is the synchronous one."""
     partitions = partition_graph(make_graph(), 1, partitioner="metis", interval_size=INTERVAL_SIZE)
     layer_name, param_names = FIRST_LAYER[model_name]
 
@@ -382,16 +383,26 @@ def test_run_ahead_first_layer_reads_the_previous_weight_version(model_name: str
             self.before_last_step = self.current
 
     class Counters(Callback):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
         def on_train_end(self, trainer, pl_module) -> None:
             ahead = trainer.strategy.runtime.runahead
-            counted.update(used=ahead.used, dropped=ahead.dropped)
+            counted[self.name] = {"used": ahead.used, "dropped": ahead.dropped}
+
+    class CheckpointEveryEpoch(Callback):
+        def on_validation_end(self, trainer, pl_module) -> None:
+            trainer.save_checkpoint(tmp_path / f"epoch{trainer.current_epoch}.ckpt")
+
+    def stale() -> DorylusStrategy:
+        return DorylusStrategy(executor="inline", staleness=1, timeout=datetime.timedelta(seconds=30))
 
     hidden = {"hidden": 8} if model_name == "gcn" else {}
     runs, counted = {}, {}
     for name, strategy, extra in (
         ("delayed", "auto", [DelayFirstLayer()]),
-        ("stale", DorylusStrategy(executor="inline", staleness=1, timeout=datetime.timedelta(seconds=30)),
-         [Counters()]),
+        ("stale", stale(), [Counters("stale")]),
+        ("checkpointed", stale(), [CheckpointEveryEpoch(), Counters("checkpointed")]),
     ):
         model = make_model(model_name, dropout=0.5, **hidden)
         if model_name == "gcn":
@@ -402,8 +413,11 @@ def test_run_ahead_first_layer_reads_the_previous_weight_version(model_name: str
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
         runs[name] = (recorder.losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
-    assert counted == {"used": EPOCHS - 1, "dropped": 0}
+    assert counted == {"stale": {"used": EPOCHS - 1, "dropped": 0},
+                       "checkpointed": {"used": 0, "dropped": EPOCHS - 1}}
     synchronous = reference(model_name, dropout=0.5, **hidden)[0]["losses"]
+    torch.testing.assert_close(torch.tensor(runs["checkpointed"][0]), torch.tensor(synchronous), rtol=1e-9,
+                               atol=1e-12)
     losses, weights = runs["stale"]
     assert losses[0] == pytest.approx(synchronous[0], rel=1e-12) and losses[1:] != synchronous[1:]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(runs["delayed"][0]), rtol=1e-9, atol=1e-12)
