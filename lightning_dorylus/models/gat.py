@@ -48,8 +48,10 @@ class GAT(NodeClassifier):
     @override
     def forward(self, graph: GraphContext) -> Tensor:
         """Logits ``(n_local, out_channels)`` of this server's owned vertices."""
-        # features' dropout (only nonzeros hashed); per interval as the requests go out in the pipeline engine
-        source = RowSource(graph, self.dropout, self.training, self.dropout_key(0))
+        # features' dropout (only nonzeros hashed); per interval as the requests go out in the pipeline
+        # engine; the next step's key lets it send those requests early (staleness >= 1)
+        key, next_key = self.dropout_key(0), self.next_step_dropout_key(0)
+        source = RowSource(graph, self.dropout, self.training, key, next_key)
         x = source if self.conv1.takes_row_source else source.full()
         h = F.elu(self.conv1(x, graph, dropout_key=self.dropout_key(1)))  # (n_local, heads * hidden)
         h = row_dropout(h, graph.partition.local_nodes, self.dropout, self.training, self.dropout_key(2))

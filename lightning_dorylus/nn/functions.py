@@ -302,7 +302,7 @@ class ApplyGather(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         prefetch = runahead.take(layer, source.key, blocks) if runahead is not None else None
         if prefetch is not None:  # sent during the previous epoch's backward, with that epoch's weights
-            w, xs, futures = prefetch.weight, prefetch.xs, prefetch.futures
+            w, xs, futures = prefetch.weights["weight"], prefetch.xs, prefetch.futures
         else:
             w = _cpu(weight)
             xs, futures = [], []
@@ -367,7 +367,7 @@ def _run_ahead(ctx: Any, weight: Tensor) -> None:
         xs.append(x_i)
         futures.append(call.executor.submit(TensorOpRequest(call.op, {"z": x_i, "weight": w}, call.attrs,
                                                             interval=i)))
-    ctx.runahead.put(ctx.layer, Prefetch(source.key, ctx.blocks, xs, futures, w))
+    ctx.runahead.put(ctx.layer, Prefetch(source.key, ctx.blocks, xs, futures, {"weight": w}))
 
 
 class _GhostGather(torch.autograd.Function):

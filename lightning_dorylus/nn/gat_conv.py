@@ -73,11 +73,14 @@ class GATConv(DorylusLayer):
         """AV (PyG ``lin`` + attention scores): ``h (n, H*C)``, ``alpha_src (n, H)``, ``alpha_dst (n, H)``.
 
         A :class:`RowSource` input (a first layer in the pipeline engine) is made per interval, each
-        interval's rows just before its request goes out (``nn.row_apply``)."""
+        interval's rows just before its request goes out (``nn.row_apply``); with ``staleness >= 1`` in
+        training, the next step's requests go out during this step's backward (``nn.runahead``)."""
         call = OpCall("gat.project.forward", self.runtime.executor, graph.intervals)
         weights = {"weight": self.weight, "att_src": self.att_src, "att_dst": self.att_dst}
         if isinstance(x, RowSource) and graph.intervals:
-            return apply_rows(call, x, "x", **weights)  # type: ignore[return-value]
+            runahead = self.runtime.runahead if self.runtime.runs_ahead and self.training else None
+            outs = apply_rows(call, x, "x", runahead, self.layer_index, **weights)
+            return outs  # type: ignore[return-value]
         if isinstance(x, RowSource):  # an empty partition: nothing to cut
             x = x.full()
         return tensor_op(call, x=x, **weights)  # type: ignore[return-value]

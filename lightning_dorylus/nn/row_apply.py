@@ -11,6 +11,8 @@ no GA fused to it, e.g. GAT's ``gat.project``). Slicing, per-interval submission
 
 from __future__ import annotations
 
+import dataclasses
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -18,7 +20,15 @@ from torch import Tensor
 
 from lightning_dorylus.executors import TensorOpRequest
 from lightning_dorylus.nn.dropout import RowSource
-from lightning_dorylus.nn.functions import OpCall, kept_for_backward, merge_outputs, op_spec, slice_inputs
+from lightning_dorylus.nn.functions import (
+    OpCall,
+    Span,
+    kept_for_backward,
+    merge_outputs,
+    op_spec,
+    slice_inputs,
+)
+from lightning_dorylus.nn.runahead import Prefetch, RunAhead
 
 
 def _cpu(t: Tensor) -> Tensor:
@@ -27,28 +37,36 @@ def _cpu(t: Tensor) -> Tensor:
 
 class ApplyRows(torch.autograd.Function):
     """``call.op`` per interval with row input ``input_name`` made by ``source`` per interval (no gradient
-    flows to it); gradients of the other (shared) inputs from the declared backward op, per interval."""
+    flows to it); gradients of the other (shared) inputs from the declared backward op, per interval.
+
+    With ``runahead`` (``staleness >= 1``, training, ``source.next_key`` known) the backward also sends the
+    next step's requests while its own backward requests are out, with the shared inputs (weights) as they
+    are then; the next forward takes them (:mod:`.runahead`). A forward made from such a prefetch keeps the
+    version its requests carried, so its backward sends that version too (``gat.project``'s backward reads
+    ``att_src``/``att_dst``/``weight``): each interval's forward and backward use one weight version.
+    """
 
     @staticmethod
     def forward(
-        ctx: Any, call: OpCall, source: RowSource, input_name: str, names: tuple[str, ...], *values: Tensor
+        ctx: Any, call: OpCall, source: RowSource, input_name: str, runahead: RunAhead | None, layer: int,
+        names: tuple[str, ...], *values: Tensor
     ) -> tuple[Tensor, ...]:
         spec = op_spec(call.op)
         assert spec.backward is not None
-        shared = {n: _cpu(v) for n, v in zip(names, values)}
         spans = [(a, b, 0, 0) for a, b in call.intervals]
-        xs, futures = [], []
-        for i, span in enumerate(spans):  # interval i's rows are made while i - 1's request is out
-            x_i = _cpu(source.rows(span[0], span[1]))
-            xs.append(x_i)
-            inputs = {input_name: x_i, **slice_inputs(spec, shared, span)}
-            futures.append(call.executor.submit(TensorOpRequest(call.op, inputs, call.attrs, interval=i)))
+        prefetch = runahead.take(layer, source.key, list(call.intervals)) if runahead is not None else None
+        if prefetch is not None:  # sent during the previous step's backward, with that step's weights
+            shared, xs, futures = prefetch.weights, prefetch.xs, prefetch.futures
+        else:
+            shared = {n: _cpu(v) for n, v in zip(names, values)}
+            xs, futures = _submit(call, call.op, source, input_name, shared, spans)
         outs = merge_outputs(spec, call.executor.wait(futures))
-        saved = kept_for_backward(spec, (*shared.items(), *outs.items()))
+        saved = kept_for_backward(spec, (*shared.items(), *outs.items()))  # the version this forward used
         ctx.call, ctx.input_name, ctx.names, ctx.spans, ctx.xs = call, input_name, names, spans, xs
+        ctx.source, ctx.runahead, ctx.layer = source, runahead, layer
         ctx.saved_names, ctx.output_names, ctx.device = tuple(saved), spec.outputs, values[0].device
         ctx.output_like = {n: (tuple(outs[n].shape), outs[n].dtype) for n in spec.outputs}
-        ctx.save_for_backward(*saved.values())
+        ctx.save_for_backward(*saved.values(), *values)  # then the live parameters (for the run-ahead)
         return tuple(outs[n].to(ctx.device) for n in spec.outputs)
 
     @staticmethod
@@ -57,7 +75,9 @@ class ApplyRows(torch.autograd.Function):
         bwd_name = op_spec(call.op).backward
         assert bwd_name is not None
         bwd = op_spec(bwd_name)
-        tensors = dict(zip(ctx.saved_names, ctx.saved_tensors))
+        n_saved = len(ctx.saved_names)
+        tensors = dict(zip(ctx.saved_names, ctx.saved_tensors[:n_saved]))
+        live = ctx.saved_tensors[n_saved:]
         for name, grad in zip(ctx.output_names, grads):
             if f"grad_{name}" in bwd.required or f"grad_{name}" in bwd.optional:
                 shape, dtype = ctx.output_like[name]
@@ -70,21 +90,52 @@ class ApplyRows(torch.autograd.Function):
             inputs = {ctx.input_name: ctx.xs[i], **slice_inputs(bwd, tensors, span)}
             futures.append(call.executor.submit(TensorOpRequest(bwd_name, inputs, attrs, interval=i)))
         del ctx.xs
+        if ctx.runahead is not None and ctx.source.next_key is not None:
+            _run_ahead(ctx, dict(zip(ctx.names, live)))
         merged = merge_outputs(bwd, call.executor.wait(futures))
-        needs = dict(zip(ctx.names, ctx.needs_input_grad[4:]))
-        result: list[Tensor | None] = [None, None, None, None]
+        needs = dict(zip(ctx.names, ctx.needs_input_grad[6:]))
+        result: list[Tensor | None] = [None] * 6
         for name, need in needs.items():
             grad = merged.get(f"grad_{name}")
             result.append(grad.to(ctx.device) if need and grad is not None else None)
         return tuple(result)
 
 
-def apply_rows(call: OpCall, source: RowSource, input_name: str, **shared: Tensor) -> tuple[Tensor, ...]:
+def _submit(
+    call: OpCall, op: str, source: RowSource, input_name: str, shared: dict[str, Tensor], spans: list[Span]
+) -> tuple[list[Tensor], list[Future]]:
+    """Interval ``i``'s rows made and its request sent, then ``i + 1``'s while ``i``'s is out."""
+    spec = op_spec(op)
+    xs, futures = [], []
+    for i, span in enumerate(spans):
+        x_i = _cpu(source.rows(span[0], span[1]))
+        xs.append(x_i)
+        inputs = {input_name: x_i, **slice_inputs(spec, shared, span)}
+        futures.append(call.executor.submit(TensorOpRequest(op, inputs, call.attrs, interval=i)))
+    return xs, futures
+
+
+def _run_ahead(ctx: Any, params: dict[str, Tensor]) -> None:
+    """Send the next step's requests now, with the parameters as they are (copied: the optimizer updates
+    them in place while the requests may still be waiting to be encoded, and the next backward needs
+    exactly this version)."""
+    call: OpCall = ctx.call
+    source = dataclasses.replace(ctx.source, key=ctx.source.next_key, next_key=None)
+    version = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in params.items()}
+    xs, futures = _submit(call, call.op, source, ctx.input_name, version, ctx.spans)
+    ctx.runahead.put(ctx.layer, Prefetch(source.key, list(call.intervals), xs, futures, version))
+
+
+def apply_rows(
+    call: OpCall, source: RowSource, input_name: str, runahead: RunAhead | None = None, layer: int = 0,
+    **shared: Tensor,
+) -> tuple[Tensor, ...]:
     """Differentiable ``call.op`` per interval of ``call.intervals`` whose row input ``input_name`` is made
-    by ``source`` per interval; ``shared`` are the op's other inputs (weights, sent whole). Outputs in the
-    order of the op's declared ``outputs``."""
+    by ``source`` per interval; ``shared`` are the op's other inputs (weights, sent whole). ``runahead``:
+    the graph server's :class:`~lightning_dorylus.nn.runahead.RunAhead` (``staleness >= 1``, training),
+    under ``layer``. Outputs in the order of the op's declared ``outputs``."""
     if not call.intervals:
         raise ValueError("apply_rows needs at least one interval")
     if not shared:
         raise ValueError("apply_rows needs the op's weights (shared inputs): none were given")
-    return ApplyRows.apply(call, source, input_name, tuple(shared), *shared.values())
+    return ApplyRows.apply(call, source, input_name, runahead, layer, tuple(shared), *shared.values())

@@ -1,20 +1,24 @@
 """Running ahead across the epoch boundary (``staleness >= 1``): the next epoch's first-layer AV, sent early.
 
-An epoch of a weight-first first layer starts with server work (the features' dropout, per interval) and an
-AV request per interval whose round trip nothing overlaps, and it ends with the ∇AV requests of the same
+An epoch of a first layer whose first op is AV on the features (weight-first GCN: ``ApplyGather``; GAT's
+``gat.project``: ``ApplyRows``) starts with server work (the features' dropout, per interval) and an AV
+request per interval whose round trip nothing overlaps, and it ends with the ∇AV requests of the same
 layer, during which the server has nothing left to do. With bounded staleness ``S >= 1`` the pipeline
 engine starts epoch ``e + 1``'s first-layer AV during epoch ``e``'s last wait: while epoch ``e``'s ∇AV
 requests are out, the server makes epoch ``e + 1``'s dropped-out rows interval by interval and sends their
-AV requests with the weights as they are then, ``W_e`` (epoch ``e``'s update is not applied yet). Epoch
-``e + 1`` then finds its first-layer results back (or on their way) and goes on with GA at once.
+AV requests with the parameters as they are then, ``W_e`` (epoch ``e``'s update is not applied yet). Epoch
+``e + 1`` then finds its first-layer results back (or on their way) and goes on at once.
 
-Weight versions: the request carries the weights, as a Lambda fetches one version from a weight server, so
-each interval's forward of epoch ``e + 1`` reads one version, ``W_e``, one update behind the optimizer's
-``W_{e+1}``: within the bound ``S``. Its backward needs no weight (a first layer's ∇AV computes only
-``∇W = Xᵀ ∇P``), so the ring of versions has nothing more to stash; ``∇W`` is applied to ``W_{e+1}``: a
-gradient delayed by one step, as Dorylus's weight servers apply gradients that were computed on an earlier
-version. A prefetch is used only if the next training forward asks for exactly what was prefetched (same
-partition intervals, same dropout key: one training step per epoch), else it is dropped and recomputed.
+Weight versions: the request carries the parameters, as a Lambda fetches one version from a weight server,
+so each interval's forward of epoch ``e + 1`` reads one version, ``W_e``, one update behind the optimizer's
+``W_{e+1}``: within the bound ``S``. Its backward uses the same version: GCN's first-layer ∇AV needs no
+weight (``∇W = Xᵀ ∇P``); ``gat.project``'s backward reads ``weight``, ``att_src`` and ``att_dst``, so the
+forward keeps the copy its prefetch carried (:attr:`Prefetch.weights`) and its backward sends that copy, not
+the current parameters. The ring of stashed versions thus holds at most 2 (``W_e`` for the backward in
+progress, ``W_{e+1}`` for the requests it sends ahead): within ``S + 1``. The gradients are applied to
+``W_{e+1}``: delayed by one step, as Dorylus's weight servers apply gradients that were computed on an
+earlier version. A prefetch is used only if the next training forward asks for exactly what was prefetched
+(same partition intervals, same dropout key: one training step per epoch), else it is dropped and recomputed.
 """
 
 from __future__ import annotations
@@ -28,13 +32,13 @@ from torch import Tensor
 
 @dataclass
 class Prefetch:
-    """First-layer AV requests of a coming epoch: their inputs (kept for ∇AV) and futures."""
+    """First-layer AV requests of a coming epoch: their inputs (kept for ∇AV), futures and weight version."""
 
     key: int  # dropout key of the rows (identifies the step they belong to)
-    blocks: list  # the column blocks the requests were cut by (the same block objects = same intervals)
+    blocks: list  # what the requests were cut by: column blocks or intervals (the same objects = same cut)
     xs: list[Tensor]
     futures: list[Future]
-    weight: Tensor  # the version sent with them
+    weights: dict[str, Tensor]  # the version sent with them, by op input name (copies: the stashed version)
 
 
 @dataclass

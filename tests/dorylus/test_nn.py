@@ -360,6 +360,45 @@ def test_pipelined_gat_equals_layer_by_layer(graph: Data, concat: bool) -> None:
         torch.testing.assert_close(gp_p[name], grad, rtol=1e-9, atol=1e-12)
 
 
+def test_gat_first_layer_runs_ahead_on_one_stashed_version(graph: Data) -> None:
+    """staleness=1: a GAT first layer's backward sends the next step's ``gat.project`` requests with the
+    parameters as they are then (``W_0``); after the optimizer's update (``W_1``) the next forward takes
+    them (no new projection request) and its backward sends ``W_0`` again, not ``W_1``: output and every
+    gradient equal the synchronous layer's with the projection's parameters at ``W_0`` (bias at ``W_1``)."""
+    [part] = partition_graph(graph, 1, interval_size=16)
+    ctx = GraphCache().context(part)
+    torch.manual_seed(0)
+    piped = GATConv(F_IN, 3, heads=2).double()
+    ref = copy.deepcopy(piped)
+    executor = RecordingExecutor()
+    runtime = DorylusRuntime(executor=executor, exchange=GhostExchange(), staleness=1)
+    piped.attach(runtime)
+    keys = dropout_key(7, 0), dropout_key(7, 1)
+    piped(RowSource(ctx, 0.5, True, keys[0], keys[1]), ctx).square().sum().backward()
+    ops = ["gat.project.forward", "apply_edge.forward", "apply_edge.backward", "gat.project.backward"]
+    assert executor.calls == [(op, i) for op in [*ops, "gat.project.forward"] for i in range(4)]
+    with torch.no_grad():  # the optimizer's step, in place
+        for param in piped.parameters():
+            param.add_(torch.randn_like(param))
+    ref.bias.data.copy_(piped.bias)  # added after GA, on the server: always the current version
+    piped.zero_grad()
+    executor.calls.clear()
+    source = RowSource(ctx, 0.5, True, keys[1])  # the last step: nothing more sent ahead
+    out = piped(source, ctx)
+    out.square().sum().backward()
+    assert executor.calls == [(op, i) for op in ops[1:] for i in range(4)]
+    assert (runtime.runahead.used, runtime.runahead.dropped, runtime.runahead.pending) == (1, 0, {})
+    out_ref = ref(source.full(), ctx)
+    out_ref.square().sum().backward()
+    torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)
+    for name, param in ref.named_parameters():
+        torch.testing.assert_close(dict(piped.named_parameters())[name].grad, param.grad, rtol=1e-9,
+                                   atol=1e-12)
+    current = copy.deepcopy(piped).requires_grad_(False)
+    current.attach(None)
+    assert not torch.allclose(current(source.full(), ctx), out)  # W_1 really differs from W_0
+
+
 def test_pipelined_gat_functions_name_bad_arguments(graph: Data) -> None:
     [part] = partition_graph(graph, 1, interval_size=16)
     ctx = GraphCache().context(part)

@@ -302,13 +302,11 @@ def test_pipeline_engine_staleness_zero_is_exact(exact_runs) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize(("case", "runahead"), [("staleness1-gcn", EPOCHS - 1), ("staleness1-gat", 0)])
-def test_pipeline_engine_staleness_one_reads_ghosts_at_most_one_epoch_old(
-    exact_runs, case: str, runahead: int
-) -> None:
+@pytest.mark.parametrize("case", ["staleness1-gcn", "staleness1-gat"])
+def test_pipeline_engine_staleness_one_reads_ghosts_at_most_one_epoch_old(exact_runs, case: str) -> None:
     """staleness=1: the first epoch is exact (nothing older exists), ghosts are never more than 1 epoch old,
-    every later epoch's first-layer requests were sent ahead during the previous epoch (weight-first GCN;
-    validation between epochs drains but keeps them; GAT's first layer does not run ahead), replicas stay
+    every later epoch's first-layer requests were sent ahead during the previous epoch (weight-first GCN and
+    GAT's projection; validation between epochs drains but keeps them), replicas stay
     identical and the loss goes down (GAT: its first step). GCN reads with ``stale_reads="oldest"``: every
     read after epoch 0 uses the previous epoch's ghost rows and gradients (stale reads do happen). GAT reads
     the freshest arrived (timing decides which): after epoch 0 a read never waits, since last epoch's buffer
@@ -340,58 +338,86 @@ def test_pipeline_engine_staleness_one_reads_ghosts_at_most_one_epoch_old(
         for direction, layer, epoch, read_epoch, total in stale["read"]:
             assert epoch - 1 <= read_epoch <= epoch
             assert total == sent[(direction, layer, read_epoch)], (direction, layer, epoch, read_epoch)
-        assert stale["runahead_used"] == runahead and stale["runahead_dropped"] == 0
+        assert stale["runahead_used"] == EPOCHS - 1 and stale["runahead_dropped"] == 0
     replicas = [load_file(str(tmp_path / f"weights_rank{r}.safetensors")) for r in range(2)]
     for name, value in replicas[1].items():
         torch.testing.assert_close(value, replicas[0][name], rtol=0, atol=0)
 
 
-def test_run_ahead_first_layer_reads_the_previous_weight_version(tmp_path: Path) -> None:
-    """staleness=1 on one graph server (no ghosts, so deterministic): epoch ``e >= 1``'s weight-first first
-    layer runs on the weights of before epoch ``e - 1``'s update (its requests were sent during epoch
-    ``e - 1``'s backward) and its gradient updates the current weights: the synchronous model trained with
-    exactly that delay, by swapping the first layer's weight around each step, gives the same losses and
-    weights."""
+# the first layer's parameters its AV requests carry (GAT: gat.project reads all three, backward included)
+FIRST_LAYER = {"gcn": ("convs.0", ("weight",)), "gat": ("conv1", ("weight", "att_src", "att_dst"))}
+
+
+@pytest.mark.parametrize("model_name", ["gcn", "gat"])
+def test_run_ahead_first_layer_reads_the_previous_weight_version(model_name: str, tmp_path: Path) -> None:
+    """staleness=1 on one graph server (no ghosts, so deterministic): epoch ``e >= 1``'s first layer (GCN:
+    weight-first; GAT: ``gat.project``) runs forward AND backward on the parameters of before epoch
+    ``e - 1``'s update (its requests were sent during epoch ``e - 1``'s backward, and GAT's backward sends
+    the version its forward used, not the current one) and its gradient updates the current parameters: the
+    synchronous model trained with exactly that delay, by swapping the first layer's AV parameters around
+    each step, gives the same losses and weights. Validation between epochs keeps the requests sent ahead; a
+    checkpoint after every validation drops them, so that run is the synchronous one."""
     partitions = partition_graph(make_graph(), 1, partitioner="metis", interval_size=INTERVAL_SIZE)
+    layer_name, param_names = FIRST_LAYER[model_name]
 
     class DelayFirstLayer(Callback):
         """Forward and backward of epoch e on W_{e-1}; the step applies the gradient to W_e."""
 
         def __init__(self) -> None:
-            self.before_last_step: torch.Tensor | None = None
-            self.current: torch.Tensor | None = None
+            self.before_last_step: list[torch.Tensor] | None = None
+            self.current: list[torch.Tensor] = []
+
+        def params(self, pl_module) -> list[torch.Tensor]:
+            layer = pl_module.get_submodule(layer_name)
+            return [getattr(layer, name) for name in param_names]
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            weight = pl_module.convs[0].weight
-            self.current = weight.detach().clone()
+            self.current = [p.detach().clone() for p in self.params(pl_module)]
             if self.before_last_step is not None:
-                weight.data.copy_(self.before_last_step)
+                for param, old in zip(self.params(pl_module), self.before_last_step):
+                    param.data.copy_(old)
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-            pl_module.convs[0].weight.data.copy_(self.current)
+            for param, current in zip(self.params(pl_module), self.current):
+                param.data.copy_(current)
             self.before_last_step = self.current
 
     class Counters(Callback):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
         def on_train_end(self, trainer, pl_module) -> None:
             ahead = trainer.strategy.runtime.runahead
-            counted.update(used=ahead.used, dropped=ahead.dropped)
+            counted[self.name] = {"used": ahead.used, "dropped": ahead.dropped}
 
+    class CheckpointEveryEpoch(Callback):
+        def on_validation_end(self, trainer, pl_module) -> None:
+            trainer.save_checkpoint(tmp_path / f"epoch{trainer.current_epoch}.ckpt")
+
+    def stale() -> DorylusStrategy:
+        return DorylusStrategy(executor="inline", staleness=1, timeout=datetime.timedelta(seconds=30))
+
+    hidden = {"hidden": 8} if model_name == "gcn" else {}
     runs, counted = {}, {}
     for name, strategy, extra in (
         ("delayed", "auto", [DelayFirstLayer()]),
-        ("stale", DorylusStrategy(executor="inline", staleness=1, timeout=datetime.timedelta(seconds=30)),
-         [Counters()]),
+        ("stale", stale(), [Counters("stale")]),
+        ("checkpointed", stale(), [CheckpointEveryEpoch(), Counters("checkpointed")]),
     ):
-        model = make_model("gcn", dropout=0.5, hidden=8)
-        assert model.convs[0].order == "weight_first"
+        model = make_model(model_name, dropout=0.5, **hidden)
+        if model_name == "gcn":
+            assert model.convs[0].order == "weight_first"
         try:
             _, recorder = train(model, partitions, EPOCHS, strategy=strategy, devices=1, extra=extra)
         finally:
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
         runs[name] = (recorder.losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
-    assert counted == {"used": EPOCHS - 1, "dropped": 0}
-    synchronous = reference("gcn", dropout=0.5, hidden=8)[0]["losses"]
+    assert counted == {"stale": {"used": EPOCHS - 1, "dropped": 0},
+                       "checkpointed": {"used": 0, "dropped": EPOCHS - 1}}
+    synchronous = reference(model_name, dropout=0.5, **hidden)[0]["losses"]
+    torch.testing.assert_close(torch.tensor(runs["checkpointed"][0]), torch.tensor(synchronous), rtol=1e-9,
+                               atol=1e-12)
     losses, weights = runs["stale"]
     assert losses[0] == pytest.approx(synchronous[0], rel=1e-12) and losses[1:] != synchronous[1:]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(runs["delayed"][0]), rtol=1e-9, atol=1e-12)
