@@ -22,7 +22,7 @@ from torch import Tensor
 from lightning_dorylus.executors import TensorOpRequest
 from lightning_dorylus.graph import SelfLoopEdges
 from lightning_dorylus.nn.dropout import dropout_mask
-from lightning_dorylus.nn.functions import OpCall, interval_spans, op_spec, slice_inputs
+from lightning_dorylus.nn.functions import OpCall, interval_spans, op_spec, slice_inputs, to_host
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,6 @@ class EdgeDropout:
     p: float
     key: int
     edge_ids: Tensor
-
-
-def _cpu(t: Tensor) -> Tensor:
-    return t.detach().to("cpu").contiguous()
 
 
 class ApplyEdgeGather(torch.autograd.Function):
@@ -52,10 +48,10 @@ class ApplyEdgeGather(torch.autograd.Function):
         alpha_dst: Tensor,
     ) -> Tensor:
         spec = op_spec(call.op)
-        h, a_src = _cpu(h_full), _cpu(alpha_src_full)  # (n_full, H, C), (n_full, H)
-        per_dst = {"alpha_dst": _cpu(alpha_dst), "dst_ptr": _cpu(edges.dst_ptr)}
-        src, dst = _cpu(edges.src), _cpu(edges.dst)
-        edge_ids = _cpu(dropout.edge_ids) if dropout is not None else None
+        h, a_src = to_host(h_full), to_host(alpha_src_full)  # (n_full, H, C), (n_full, H)
+        per_dst = {"alpha_dst": to_host(alpha_dst), "dst_ptr": to_host(edges.dst_ptr)}
+        src, dst = to_host(edges.src), to_host(edges.dst)
+        edge_ids = to_host(dropout.edge_ids) if dropout is not None else None
         spans = interval_spans(spec, per_dst, call.intervals)
         a_src_es, futures = [], []
         for i, span in enumerate(spans):  # the server gathers each interval's source scores; AE goes out
@@ -90,7 +86,7 @@ class ApplyEdgeGather(torch.autograd.Function):
         h, a_dst, dst_ptr, src, dst = ctx.saved_tensors
         needs_h, needs_src, needs_dst = ctx.needs_input_grad[3:6]
         needs_alpha = needs_src or needs_dst
-        grad_out = _cpu(grad_out)
+        grad_out = to_host(grad_out)
         grad_h = torch.zeros_like(h) if needs_h else None
         per_dst = {"alpha_dst": a_dst, "dst_ptr": dst_ptr}
         futures = []

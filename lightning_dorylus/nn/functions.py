@@ -120,8 +120,24 @@ def kept_for_backward(spec: OpSpec, tensors: Iterable[tuple[str, Tensor]]) -> di
     return {name: t for name, t in tensors if name in wanted}
 
 
-def _cpu(t: Tensor) -> Tensor:
+def to_host(t: Tensor) -> Tensor:
+    """A detached, contiguous CPU copy (or view): what a tensor request carries."""
     return t.detach().to("cpu").contiguous()
+
+
+def output_grads(
+    bwd: OpSpec, output_names: Sequence[str], grads: Sequence[Tensor | None],
+    output_like: dict[str, tuple[tuple[int, ...], torch.dtype]],
+) -> dict[str, Tensor]:
+    """The ``grad_<output>`` inputs the backward op ``bwd`` declares, on the host; an output autograd gave
+    no gradient for gets zeros of its shape."""
+    tensors: dict[str, Tensor] = {}
+    for name, grad in zip(output_names, grads):
+        key = f"grad_{name}"
+        if key in bwd.required or key in bwd.optional:
+            shape, dtype = output_like[name]
+            tensors[key] = to_host(grad) if grad is not None else torch.zeros(shape, dtype=dtype)
+    return tensors
 
 
 @dataclass
@@ -142,7 +158,7 @@ class TensorOp(torch.autograd.Function):
         spec = op_spec(call.op)
         if spec.backward is None:
             raise ValueError(f"op {call.op!r} is not a forward op (it declares no backward)")
-        present = {n: _cpu(v) for n, v in zip(names, values) if v is not None}
+        present = {n: to_host(v) for n, v in zip(names, values) if v is not None}
         outs = run_intervals(call.executor, call.op, present, call.attrs, call.intervals)
         device = next(v.device for v in values if v is not None)
         saved = kept_for_backward(spec, (*present.items(), *outs.items()))
@@ -161,12 +177,7 @@ class TensorOp(torch.autograd.Function):
         assert bwd_name is not None
         bwd = op_spec(bwd_name)
         saved = dict(zip(ctx.saved_names, ctx.saved_tensors))
-        tensors: dict[str, Tensor] = {}
-        for out_name, grad in zip(ctx.output_names, grads):
-            key = f"grad_{out_name}"
-            if key in bwd.required or key in bwd.optional:
-                shape, dtype = ctx.output_like[out_name]
-                tensors[key] = _cpu(grad) if grad is not None else torch.zeros(shape, dtype=dtype)
+        tensors = output_grads(bwd, ctx.output_names, grads, ctx.output_like)
         tensors.update({n: t for n, t in saved.items() if n in bwd.required or n in bwd.optional})
         attrs = {**call.attrs, **ctx.has}
         needs = dict(zip(ctx.names, ctx.needs_input_grad[2:]))
@@ -210,8 +221,8 @@ class GatherApply(torch.autograd.Function):
     ) -> tuple[Tensor, ...]:
         spec = op_spec(call.op)
         assert spec.backward is not None
-        present = {n: _cpu(v) for n, v in zip(names, values) if v is not None}
-        h_cpu = _cpu(h_full)
+        present = {n: to_host(v) for n, v in zip(names, values) if v is not None}
+        h_cpu = to_host(h_full)
         futures, zs = [], []
         for i, block in enumerate(blocks):
             a, b = block.rows
@@ -239,7 +250,7 @@ class GatherApply(torch.autograd.Function):
         for out_name, grad in zip(ctx.output_names, grads):
             key = f"grad_{out_name}"
             if key in bwd.required or key in bwd.optional:
-                tensors[key] = _cpu(grad)
+                tensors[key] = to_host(grad)
         attrs = {**call.attrs, **ctx.has}
         needs = dict(zip(ctx.names, ctx.needs_input_grad[5:]))
         needs_h = bool(ctx.needs_input_grad[3])
@@ -304,11 +315,11 @@ class ApplyGather(torch.autograd.Function):
         if prefetch is not None:  # sent during the previous epoch's backward, with that epoch's weights
             w, xs, futures = prefetch.weights["weight"], prefetch.xs, prefetch.futures
         else:
-            w = _cpu(weight)
+            w = to_host(weight)
             xs, futures = [], []
             for i, block in enumerate(blocks):
                 a, b = block.rows
-                x_i = _cpu(x[a:b] if x is not None else source.rows(a, b))
+                x_i = to_host(x[a:b] if x is not None else source.rows(a, b))
                 xs.append(x_i)
                 futures.append(call.executor.submit(
                     TensorOpRequest(call.op, {"z": x_i, "weight": w}, call.attrs, interval=i)))
@@ -334,8 +345,8 @@ class ApplyGather(torch.autograd.Function):
         needs_x = bool(ctx.needs_input_grad[5])
         attrs = {**call.attrs, "has_bias": False, "needs_grad_z": needs_x}
         width = ctx.w.size(1)
-        grad_z = _cpu(grad_z) if grad_z is not None else None
-        grad_p = _cpu(grad_p) if grad_p is not None else None
+        grad_z = to_host(grad_z) if grad_z is not None else None
+        grad_p = to_host(grad_p) if grad_p is not None else None
         futures = []
         for i, block in enumerate(ctx.blocks):
             a, b = block.rows
@@ -363,7 +374,7 @@ def _run_ahead(ctx: Any, weight: Tensor) -> None:
     xs, futures = [], []
     for i, block in enumerate(ctx.blocks):
         a, b = block.rows
-        x_i = _cpu(source.rows(a, b))
+        x_i = to_host(source.rows(a, b))
         xs.append(x_i)
         futures.append(call.executor.submit(TensorOpRequest(call.op, {"z": x_i, "weight": w}, call.attrs,
                                                             interval=i)))

@@ -26,13 +26,11 @@ from lightning_dorylus.nn.functions import (
     kept_for_backward,
     merge_outputs,
     op_spec,
+    output_grads,
     slice_inputs,
+    to_host,
 )
 from lightning_dorylus.nn.runahead import Prefetch, RunAhead
-
-
-def _cpu(t: Tensor) -> Tensor:
-    return t.detach().to("cpu").contiguous()
 
 
 class ApplyRows(torch.autograd.Function):
@@ -58,7 +56,7 @@ class ApplyRows(torch.autograd.Function):
         if prefetch is not None:  # sent during the previous step's backward, with that step's weights
             shared, xs, futures = prefetch.weights, prefetch.xs, prefetch.futures
         else:
-            shared = {n: _cpu(v) for n, v in zip(names, values)}
+            shared = {n: to_host(v) for n, v in zip(names, values)}
             xs, futures = _submit(call, call.op, source, input_name, shared, spans)
         outs = merge_outputs(spec, call.executor.wait(futures))
         saved = kept_for_backward(spec, (*shared.items(), *outs.items()))  # the version this forward used
@@ -78,10 +76,7 @@ class ApplyRows(torch.autograd.Function):
         n_saved = len(ctx.saved_names)
         tensors = dict(zip(ctx.saved_names, ctx.saved_tensors[:n_saved]))
         live = ctx.saved_tensors[n_saved:]
-        for name, grad in zip(ctx.output_names, grads):
-            if f"grad_{name}" in bwd.required or f"grad_{name}" in bwd.optional:
-                shape, dtype = ctx.output_like[name]
-                tensors[f"grad_{name}"] = _cpu(grad) if grad is not None else torch.zeros(shape, dtype=dtype)
+        tensors.update(output_grads(bwd, ctx.output_names, grads, ctx.output_like))
         attrs = dict(call.attrs)
         if ctx.input_name in bwd.grad_flags:
             attrs[f"needs_grad_{ctx.input_name}"] = False  # rows from a RowSource need no gradient
@@ -108,7 +103,7 @@ def _submit(
     spec = op_spec(op)
     xs, futures = [], []
     for i, span in enumerate(spans):
-        x_i = _cpu(source.rows(span[0], span[1]))
+        x_i = to_host(source.rows(span[0], span[1]))
         xs.append(x_i)
         inputs = {input_name: x_i, **slice_inputs(spec, shared, span)}
         futures.append(call.executor.submit(TensorOpRequest(op, inputs, call.attrs, interval=i)))
