@@ -36,7 +36,6 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
@@ -61,6 +60,7 @@ from lightning_dorylus.executors import EXECUTORS, TensorOpExecutor, build_execu
 from lightning_dorylus.graph import GhostExchange, GraphCache
 from lightning_dorylus.graph.stale import StaleGhostExchange, StaleReads, check_stale_reads
 from lightning_dorylus.nn import DorylusLayer, DorylusRuntime
+from lightning_dorylus.reduce import all_reduce
 from lightning_dorylus.threads import limit_server_threads
 
 log = logging.getLogger(__name__)
@@ -456,8 +456,8 @@ class DorylusStrategy(ParallelStrategy):
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         """All-reduces ``tensor`` over graph servers (``"sum"`` or ``"mean"``); non-tensors pass through."""
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        if isinstance(tensor, Tensor) and _distributed_is_initialized():
+            return all_reduce(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
