@@ -2,6 +2,7 @@
 
     python benchmarks/dorylus_pipeline.py                                     # the part-1 graph: 1M vertices
     python benchmarks/dorylus_pipeline.py --nodes 4000 --features 16 --epochs 1 --warmup 1   # CI size
+    python benchmarks/dorylus_pipeline.py --nodes 50000 --interval-size 4096 --rounds 5   # interleaved rounds
 
 Setup (issue 10): the part-1 benchmark's generated power-law graph and 2-layer GCN
 (``benchmarks/dorylus_epoch.py``; ``--model gat``: a 2-layer GAT instead, ``--heads`` heads of ``--hidden``
@@ -15,7 +16,10 @@ One run measures three configurations, each in fresh processes: ``DorylusStrateg
 (synchronous, layer by layer), ``staleness=0`` (per-interval GA -> AV pipeline, GAT: AE -> GA: the
 server's GA of one interval overlaps the requests of others) and ``staleness=1`` (also bounded-stale
 ghost exchange). The epoch time is the median over ``--epochs`` epochs after ``--warmup``, each epoch
-counted as its slowest server's.
+counted as its slowest server's. ``--rounds R`` runs the three configurations R times, interleaved (round
+``r`` starts with configuration ``r mod 3``), and takes each configuration's median over rounds: on a
+shared machine the load drifts within the minutes one configuration takes, and one round compares
+configurations that ran under different loads.
 
 ``--profile`` also prints, per configuration and server (last measured epoch), the seconds the server was
 blocked in ``executor.wait``, the CPU seconds of the server and its executor workers, and every wait stage
@@ -214,7 +218,7 @@ def _free_port() -> int:
 
 
 def launch(
-    args: argparse.Namespace, worker: str, workdir: Path, num_procs: int = 1, mode: str = ""
+    args: argparse.Namespace, worker: str, workdir: Path, num_procs: int = 1, mode: str = "", tag: str = ""
 ) -> list[dict[str, Any]]:
     """Run ``num_procs`` fresh processes of ``worker`` (torchrun-style env when > 1); their JSON results.
 
@@ -225,7 +229,7 @@ def launch(
     forwarded = [
         f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
         for k, v in vars(args).items()
-        if k not in ("worker", "result", "mode") and v is not False
+        if k not in ("worker", "result", "mode", "rounds") and v is not False
     ]
     procs = []
     for rank in range(num_procs):
@@ -237,7 +241,8 @@ def launch(
             NODE_RANK="0",
             LOCAL_RANK=str(rank),
         )
-        result, log = workdir / f"{worker}{mode}{rank}.json", workdir / f"{worker}{mode}{rank}.log"
+        name = f"{worker}{mode}{tag}-{rank}"
+        result, log = workdir / f"{name}.json", workdir / f"{name}.log"
         command = [
             sys.executable,
             str(Path(__file__).resolve()),
@@ -287,8 +292,25 @@ def job_epoch(servers: list[dict[str, Any]]) -> float:
     return statistics.median(max(epoch) for epoch in zip(*(s["epoch_times"] for s in servers)))
 
 
-def report(graph: dict[str, Any], results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
-    """The table, then the summary line (always last)."""
+def round_order(round_index: int) -> list[str]:
+    """The configurations of round ``round_index``, rotated so each one leads a round in turn."""
+    modes = list(MODES)
+    shift = round_index % len(modes)
+    return modes[shift:] + modes[:shift]
+
+
+def report(
+    graph: dict[str, Any],
+    results: dict[str, list[dict[str, Any]]],
+    args: argparse.Namespace,
+    rounds: list[dict[str, list[dict[str, Any]]]] | None = None,
+) -> None:
+    """The table, then the summary line (always last).
+
+    ``results`` is the first round's (losses and ``--profile`` come from it); with ``rounds`` (every round's
+    results) a configuration's epoch time is the median of its per-round epoch times.
+    """
+    rounds = rounds or [results]
     print(
         f"graph: {graph['nodes']:,} vertices, {graph['edges']:,} directed edges; "
         f"{args.model.upper()}{f' ({args.heads} heads)' if args.model == 'gat' else ''}, "
@@ -299,11 +321,15 @@ def report(graph: dict[str, Any], results: dict[str, list[dict[str, Any]]], args
     print(f"{'configuration':<26}{'s/epoch':>10}{'loss':>16}")
     epochs = {}
     for mode, servers in results.items():
-        epochs[mode] = job_epoch(servers)
+        epochs[mode] = statistics.median(job_epoch(one[mode]) for one in rounds)
         losses = servers[0]["losses"]
         print(
             f"{'staleness=' + str(MODES[mode]):<26}{epochs[mode]:>10.3f}{losses[0]:>8.3f}->{losses[-1]:.3f}"
         )
+    if len(rounds) > 1:
+        for index, one in enumerate(rounds):
+            times = "  ".join(f"{mode} {job_epoch(one[mode]):.3f}" for mode in round_order(index))
+            print(f"round {index} (s/epoch, in the order run): {times}")
     if args.profile:
         for mode, servers in results.items():
             for server in servers:
@@ -328,6 +354,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dropout", type=float, default=0.5)
     parser.add_argument("--epochs", type=int, default=3, help="measured epochs (after --warmup)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured epochs first")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the 3 configurations N times, interleaved; median per configuration")
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--executor-workers", type=int, default=1, help="local executor workers per server")
     parser.add_argument("--threads-per-server", type=int, default=0, help="default: cores // servers")
@@ -351,6 +379,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "heads",
         "classes",
         "epochs",
+        "rounds",
         "servers",
         "executor_workers",
         "interval_size",
@@ -374,8 +403,14 @@ def main(argv: list[str] | None = None) -> None:
         workdir = Path(tmp)
         (graph,) = launch(args, "prepare", workdir)
         args.partition_dir = graph["partition_dir"]
-        results = {mode: launch(args, "server", workdir, num_procs=args.servers, mode=mode) for mode in MODES}
-    report(graph, results, args)
+        rounds = []
+        for index in range(args.rounds):
+            results = {
+                mode: launch(args, "server", workdir, num_procs=args.servers, mode=mode, tag=f"r{index}")
+                for mode in round_order(index)
+            }
+            rounds.append({mode: results[mode] for mode in MODES})
+    report(graph, rounds[0], args, rounds)
 
 
 if __name__ == "__main__":

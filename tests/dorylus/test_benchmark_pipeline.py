@@ -60,6 +60,32 @@ def test_report_prints_sync_over_stale_ratios_last(capsys: pytest.CaptureFixture
     assert capsys.readouterr().out.strip().splitlines()[-1] == "async_speedup=2.00 s0_speedup=1.50"
 
 
+def test_rounds_rotate_the_order_and_report_the_median_per_configuration(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    bench = load_benchmark()
+    assert [bench.round_order(r) for r in range(4)] == [
+        ["sync", "s0", "s1"], ["s0", "s1", "sync"], ["s1", "sync", "s0"], ["sync", "s0", "s1"]
+    ]
+    args = bench.parse_args(["--rounds", "3"])
+
+    def one(sync: float, s0: float, s1: float) -> dict:
+        return {mode: [{"rank": 0, "epoch_times": [t], "losses": [2.0, 1.0]}]
+                for mode, t in (("sync", sync), ("s0", s0), ("s1", s1))}
+
+    rounds = [one(3.0, 2.0, 1.0), one(9.0, 1.0, 1.5), one(4.0, 4.0, 2.0)]  # medians: 4, 2, 1.5
+    bench.report({"nodes": 10, "edges": 20}, rounds[0], args, rounds)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == "async_speedup=2.67 s0_speedup=2.00"
+    assert lines[-2] == "round 2 (s/epoch, in the order run): s1 2.000  sync 4.000  s0 4.000"
+
+
+def test_rounds_below_one_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        load_benchmark().parse_args(["--rounds", "0"])
+    assert "--rounds must be >= 1, got 0" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # 7 fresh processes (prepare + 3 configurations x 2 servers): ~1 min quiet, 3+ min loaded
 @pytest.mark.multiprocess
 def test_benchmark_tiny_size_prints_the_summary_line(tmp_path: Path) -> None:
