@@ -16,7 +16,13 @@ from torch_geometric.data import Data
 
 from lightning_dorylus import GAT, GCN, GraphSAGE
 from lightning_dorylus.data import DorylusDataModule, partition_graph
+from lightning_dorylus.data.build import build_partitions
 from lightning_dorylus.data.cache import graph_hash, partition_to_cache
+from lightning_dorylus.data.validation import graph_tensors
+from lightning_dorylus.executors import build_executor
+from lightning_dorylus.graph import GhostExchange
+from lightning_dorylus.nn import DorylusLayer
+from lightning_dorylus.nn.base import DorylusRuntime
 from tests.dorylus.scripts.exact_run import loader
 
 N = 12
@@ -148,3 +154,36 @@ def test_bad_model_arguments_are_named(build, match: str) -> None:
     """Were: accepted (dropout 1.5 scales by -2; width 0 fails in an op) or a TypeError from list maths."""
     with pytest.raises(ValueError, match=match):
         build()
+
+
+class NoPeerExchange(GhostExchange):
+    """SC of a partition with no ghosts: its own rows only (the real exchange would still call its peers)."""
+
+    def fill_ghosts(self, h_local: torch.Tensor, partition) -> torch.Tensor:
+        assert partition.n_ghost == 0
+        return h_local
+
+
+@pytest.mark.parametrize("model_name", ["gat", "gcn", "sage"])
+def test_partition_that_owns_no_vertex_runs_forward_and_backward(model_name: str) -> None:
+    """Was (GAT): ``cannot reshape tensor of 0 elements into shape [0, -1]`` on the server of an empty
+    partition (``build_partitions`` warns about it and allows it). Checked on 2 servers by the sweep."""
+    data = small_graph()
+    with pytest.warns(UserWarning, match=r"partitions \[1\] own no vertices"):
+        parts = build_partitions(graph_tensors(data), torch.zeros(N, dtype=torch.long), 2)
+    empty = parts[1]
+    assert empty.n_local == 0 and empty.n_ghost == 0
+    model = {"gat": lambda: GAT(4, 2, 3, heads=2, out_heads=2), "gcn": lambda: GCN(4, 8, 3),
+             "sage": lambda: GraphSAGE(4, 8, 3)}[model_name]()
+    executor = build_executor("inline")
+    executor.start()
+    runtime = DorylusRuntime(executor=executor, exchange=NoPeerExchange())
+    try:
+        for index, layer in enumerate(m for m in model.modules() if isinstance(m, DorylusLayer)):
+            layer.attach(runtime, index)
+        out = model(model.graph(empty))
+        assert out.shape == (0, 3)
+        out.sum().backward()  # zero gradients, still one per parameter (the all-reduce needs them)
+        assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    finally:
+        executor.close()
