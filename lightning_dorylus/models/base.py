@@ -74,6 +74,13 @@ class NodeClassifier(LightningModule):
                 f"{weight.dtype}: make them agree, e.g. model.double() (or Trainer(precision='64-true')) "
                 "for float64 features, or data.x = data.x.float() before partitioning"
             )
+        dtype = batch.x.dtype
+        if dtype == torch.bfloat16 or (dtype == torch.float16 and batch.x.device.type == "cpu"):
+            raise TypeError(
+                f"the partition's features x are {dtype}: tensor ops cross to the executors as numpy arrays "
+                "(no bfloat16) and the graph server's sparse aggregation has no CPU float16 kernel; use "
+                "float32 or float64 features and parameters"
+            )
         return self._graphs.context(batch)
 
     def dropout_key(self, site: int) -> int:

@@ -53,6 +53,15 @@ def test_float64_features_with_a_float32_model_name_both_dtypes() -> None:
     assert model(model.graph(part)).dtype == torch.float64
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_features_are_refused_naming_x(dtype: torch.dtype) -> None:
+    """Was: ``NotImplementedError: "addmm_out_sparse_csr_impl_mkl" not implemented for 'Half'`` in GA."""
+    [part] = partition_graph(small_graph(x=torch.randn(N, 4).to(dtype)), 1)
+    model = GCN(4, 8, 3).to(dtype)
+    with pytest.raises(TypeError, match=rf"features x are {dtype}: .*use float32 or float64 features"):
+        model.training_step(part, 0)
+
+
 def test_model_built_for_other_feature_width_names_in_channels() -> None:
     """Was: a shape error from the op (``z (12, 4) @ weight (5, 8)``) not naming the model argument."""
     [part] = partition_graph(small_graph(), 1)
