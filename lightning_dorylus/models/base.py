@@ -74,6 +74,11 @@ class NodeClassifier(LightningModule):
                 f"{weight.dtype}: make them agree, e.g. model.double() (or Trainer(precision='64-true')) "
                 "for float64 features, or data.x = data.x.float() before partitioning"
             )
+        if batch.x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            raise TypeError(
+                "CPU autocast is on (Trainer(precision='bf16-mixed' or '16-mixed')): the graph server's "
+                "sparse aggregation has no bfloat16 kernel; use precision='32-true' or '64-true'"
+            )
         dtype = batch.x.dtype
         if dtype == torch.bfloat16 or (dtype == torch.float16 and batch.x.device.type == "cpu"):
             raise TypeError(

@@ -14,7 +14,7 @@ import torch_geometric.transforms as T
 from lightning.pytorch import Trainer
 from torch_geometric.data import Data
 
-from lightning_dorylus import GAT, GCN, GraphSAGE
+from lightning_dorylus import GAT, GCN, DorylusStrategy, GraphSAGE
 from lightning_dorylus.data import DorylusDataModule, partition_graph
 from lightning_dorylus.data.build import build_partitions
 from lightning_dorylus.data.cache import graph_hash, partition_to_cache
@@ -196,3 +196,26 @@ def test_partition_that_owns_no_vertex_runs_forward_and_backward(model_name: str
         assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
     finally:
         executor.close()
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-true"])
+def test_half_and_mixed_precision_are_refused_by_the_strategy(precision: str, tmp_path: Path) -> None:
+    """Was: ``NotImplementedError: "addmm_out_sparse_csr_impl_mkl" not implemented for 'BFloat16'`` in GA."""
+    [part] = partition_graph(small_graph(), 1)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=DorylusStrategy(executor="inline"),
+                      precision=precision, max_epochs=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    try:
+        with pytest.raises(ValueError, match=rf"Trainer\(precision='{precision}'\) is not supported by "
+                                             r"DorylusStrategy: .*use one of \['32-true', '64-true'\]"):
+            trainer.fit(GCN(4, 8, 3), loader(part))
+    finally:  # a 1-process group was created in this (pytest) process
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_cpu_autocast_is_refused_by_the_model() -> None:
+    """The same under ``strategy="auto"`` (no DorylusStrategy to check the precision setting)."""
+    [part] = partition_graph(small_graph(), 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match=r"CPU autocast is on"):
+        GCN(4, 8, 3).training_step(part, 0)
