@@ -60,6 +60,7 @@ from lightning_dorylus.executors import EXECUTORS, TensorOpExecutor, build_execu
 from lightning_dorylus.graph import GhostExchange, GraphCache
 from lightning_dorylus.graph.stale import StaleGhostExchange, StaleReads, check_stale_reads
 from lightning_dorylus.nn import DorylusLayer, DorylusRuntime
+from lightning_dorylus.precision import check_precision
 from lightning_dorylus.reduce import all_reduce
 from lightning_dorylus.threads import limit_server_threads
 
@@ -289,6 +290,8 @@ class DorylusStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._check_datamodule(trainer)
+        if self.root_device.type == "cpu":  # CUDA half/mixed precision: untested, left to the user
+            check_precision(str(getattr(self.precision_plugin, "precision", "32-true")))
         assert self.model is not None
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()

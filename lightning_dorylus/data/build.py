@@ -25,6 +25,7 @@ from lightning_dorylus.data.validation import (
     check_num_parts,
     check_partitioner,
     graph_tensors,
+    warn_ignored_attributes,
 )
 
 DEFAULT_INTERVAL_SIZE = 512
@@ -53,6 +54,7 @@ def partition_graph(
     check_partitioner(partitioner)
     interval_size = check_interval_size(interval_size)
     graph = graph_tensors(data)
+    warn_ignored_attributes(data)
     num_parts = check_num_parts(num_parts, graph.num_nodes)
     assignment = partition_nodes(graph.edge_index, graph.num_nodes, num_parts, partitioner, seed)
     return build_partitions(graph, assignment, num_parts, interval_size)

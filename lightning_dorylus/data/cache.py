@@ -36,7 +36,13 @@ from torch_geometric.data import Data
 
 from lightning_dorylus.data.build import DEFAULT_INTERVAL_SIZE, partition_graph
 from lightning_dorylus.data.partition import GraphPartition
-from lightning_dorylus.data.validation import MASK_NAMES, check_interval_size, check_partitioner, is_integer
+from lightning_dorylus.data.validation import (
+    MASK_NAMES,
+    check_features,
+    check_interval_size,
+    check_partitioner,
+    is_integer,
+)
 
 FORMAT_VERSION = 1
 """Bumped whenever the partition layout changes; part of the hash, so old caches are never misread."""
@@ -68,6 +74,8 @@ def default_cache_dir() -> Path:
 
 def graph_hash(data: Data) -> str:
     """Hex sha256 of the graph's structure, features, labels and masks (raw bytes + dtypes + shapes)."""
+    if isinstance(getattr(data, "x", None), Tensor):  # a sparse x fails here naming x, not in .contiguous()
+        check_features(data.x, data.x.size(0))
     digest = hashlib.sha256(f"dorylus-graph-v{FORMAT_VERSION};num_nodes={data.num_nodes};".encode())
     for name in _GRAPH_FIELDS:
         value = getattr(data, name, None)

@@ -12,6 +12,7 @@ worker counts on them, so a partition is never split or duplicated across ranks.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,7 +32,15 @@ from lightning_dorylus.data.cache import (
     read_meta,
 )
 from lightning_dorylus.data.partition import GraphPartition
-from lightning_dorylus.data.validation import check_interval_size, check_partitioner, is_integer
+from lightning_dorylus.data.validation import (
+    IGNORED_EDGE_FIELDS,
+    check_features,
+    check_interval_size,
+    check_partitioner,
+    ignored_attributes,
+    is_integer,
+    warn_ignored_attributes,
+)
 
 
 class PartitionLoader:
@@ -48,6 +57,21 @@ class PartitionLoader:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.partition!r})"
+
+
+def _checked(data: Data) -> Data:
+    """``data`` with its features checked up front (featureless or sparse ``x`` fails here, naming ``x``) and
+    without the edge attributes no Dorylus layer reads (a shallow copy, after a warning saying so)."""
+    if data.num_nodes:  # no vertex at all: graph_tensors says so when partitioning
+        check_features(data.x, int(data.num_nodes))
+    if not ignored_attributes(data):
+        return data
+    warn_ignored_attributes(data, stacklevel=4)
+    data = copy.copy(data)  # shares the tensors; the caller's Data keeps its attributes
+    for name in IGNORED_EDGE_FIELDS:
+        if getattr(data, name, None) is not None:
+            delattr(data, name)
+    return data
 
 
 class DorylusDataModule(LightningDataModule):
@@ -134,6 +158,8 @@ class DorylusDataModule(LightningDataModule):
                 )
             self.data = transform(self.data.clone())
         self.transform = transform
+        if self.data is not None:
+            self.data = _checked(self.data)
 
     def _use_partition_dir(self, path: Path) -> None:
         meta = read_meta(path)
@@ -161,7 +187,11 @@ class DorylusDataModule(LightningDataModule):
     def num_classes(self) -> int:
         """Number of classes (``max(y) + 1``)."""
         if self.data is not None:
-            return int(self.data.y.max()) + 1 if self.data.y is not None else 0
+            if self.data.y is None:
+                raise ValueError(
+                    "data.y is None: num_classes needs integer class labels (y), one per vertex"
+                )
+            return int(self.data.y.max()) + 1
         assert self.partition_dir is not None
         return int(read_meta(self.partition_dir)["num_classes"])
 

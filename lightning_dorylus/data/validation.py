@@ -20,6 +20,9 @@ PARTITIONERS = ("metis", "bfs", "contiguous", "random")
 
 MASK_NAMES = ("train_mask", "val_mask", "test_mask")
 
+IGNORED_EDGE_FIELDS = ("edge_weight", "edge_attr")
+"""PyG edge attributes the partitions do not carry (warned about, see :func:`warn_ignored_attributes`)."""
+
 
 @dataclass
 class GraphTensors:
@@ -81,6 +84,14 @@ def graph_tensors(data: Data) -> GraphTensors:
     x = _check_x(data.x, num_nodes)
     y = _check_y(data.y, num_nodes)
     masks = {name: _check_mask(getattr(data, name, None), name, num_nodes) for name in MASK_NAMES}
+    for name, mask in masks.items():
+        unlabeled = mask & (y < 0)
+        if bool(unlabeled.any()):
+            first = int(unlabeled.nonzero()[0, 0])
+            raise ValueError(
+                f"{name} selects {int(unlabeled.sum())} vertices without a label (y = -1 or y missing), the "
+                f"first at node {first}: every vertex a mask selects needs a class label >= 0"
+            )
     return GraphTensors(edge_index=coalesce(edge_index, num_nodes), num_nodes=num_nodes, x=x, y=y, **masks)
 
 
@@ -122,13 +133,52 @@ def _check_edge_index(edge_index: Tensor | None, num_nodes: int) -> Tensor:
     return edge_index
 
 
-def _check_x(x: Tensor | None, num_nodes: int) -> Tensor:
+def check_features(x: Tensor | None, num_nodes: int) -> None:
+    """Cheap checks of ``data.x`` (no pass over its values): present, dense, floating point, ``(N, F)``.
+
+    Run before hashing or partitioning, so a featureless or sparse ``x`` fails naming the argument instead of
+    deep inside the cache or a layer.
+    """
     if x is None:
-        raise ValueError(f"data.x is None; expected node features of shape (num_nodes={num_nodes}, F)")
+        raise ValueError(
+            f"data.x is None; expected node features of shape (num_nodes={num_nodes}, F). For a "
+            "featureless graph make some first, e.g. transform=T.OneHotDegree(max_degree) or "
+            "data.x = torch.ones(num_nodes, 1)"
+        )
+    if not isinstance(x, Tensor):
+        raise TypeError(f"data.x must be a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise ValueError(
+            f"x is a sparse tensor (layout {x.layout}); partitions hold dense feature rows: pass "
+            "data.x = data.x.to_dense() (the first layer's dropout still only touches the nonzeros)"
+        )
     if x.dim() != 2 or x.size(0) != num_nodes:
         raise ValueError(f"x has shape {tuple(x.shape)} but expected (num_nodes={num_nodes}, F)")
     if not x.dtype.is_floating_point:
         raise ValueError(f"x must be a floating point tensor, got dtype {x.dtype}")
+
+
+def ignored_attributes(data: Data) -> list[str]:
+    """Edge attributes of ``data`` that the Dorylus layers do not read (``edge_weight``, ``edge_attr``)."""
+    return [name for name in IGNORED_EDGE_FIELDS if getattr(data, name, None) is not None]
+
+
+def warn_ignored_attributes(data: Data, stacklevel: int = 3) -> None:
+    """Warns that ``edge_weight``/``edge_attr`` are not used: PyG's ``GCNConv`` would weight edges by
+    ``edge_weight``; the Dorylus layers aggregate unweighted edges (GCN normalises by in-degrees)."""
+    names = ignored_attributes(data)
+    if names:
+        warnings.warn(
+            f"data.{' and data.'.join(names)} {'is' if len(names) == 1 else 'are'} ignored: the Dorylus "
+            "layers (GCNConv, GATConv, SAGEConv) aggregate over unweighted edges (GCN normalises by "
+            "in-degrees); PyG's GCNConv would use edge_weight. Drop the attribute to silence this",
+            stacklevel=stacklevel,
+        )
+
+
+def _check_x(x: Tensor | None, num_nodes: int) -> Tensor:
+    check_features(x, num_nodes)
+    assert x is not None
     x = x.cpu()
     bad = ~torch.isfinite(x)
     num_bad = int(bad.sum())
@@ -147,7 +197,12 @@ def _check_y(y: Tensor | None, num_nodes: int) -> Tensor:
         raise ValueError(f"y has shape {tuple(y.shape)} but expected (num_nodes={num_nodes},) class labels")
     if y.dtype.is_floating_point or y.dtype == torch.bool:
         raise ValueError(f"y must hold integer class labels, got dtype {y.dtype}")
-    return y.to(device="cpu", dtype=torch.long).contiguous()
+    y = y.to(device="cpu", dtype=torch.long).contiguous()
+    if y.numel() and int(y.min()) < -1:
+        raise ValueError(
+            f"y contains {int(y.min())}; expected class labels >= 0, or -1 for unlabeled vertices"
+        )
+    return y
 
 
 def _check_mask(mask: Tensor | None, name: str, num_nodes: int) -> Tensor:

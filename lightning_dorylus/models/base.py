@@ -14,12 +14,27 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_dorylus.data.partition import GraphPartition
+from lightning_dorylus.data.validation import is_integer
 from lightning_dorylus.graph import GraphCache, GraphContext
 from lightning_dorylus.nn.dropout import dropout_key
+
+
+def check_widths(**widths: int) -> None:
+    """Raises naming the first width that is not an integer >= 1 (a 0-wide layer fails late, in an op)."""
+    for name, value in widths.items():
+        if not is_integer(value) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+
+
+def check_dropout(dropout: float) -> None:
+    """Raises unless ``0 <= dropout < 1`` (as ``GATConv``; ``F.dropout`` would scale by ``1 / (1 - p)``)."""
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout={dropout!r} must be in [0, 1)")
 
 
 class NodeClassifier(LightningModule):
@@ -45,6 +60,31 @@ class NodeClassifier(LightningModule):
             raise TypeError(
                 f"{type(self).__name__} expects a GraphPartition batch (use lightning_dorylus.data."
                 f"DorylusDataModule), got {type(batch).__name__}"
+            )
+        in_channels = self.hparams.get("in_channels")
+        if is_integer(in_channels) and batch.x.size(1) != in_channels:
+            raise ValueError(
+                f"{type(self).__name__}(in_channels={in_channels}) but the partition's features x have "
+                f"{batch.x.size(1)} columns: build the model with in_channels=datamodule.num_features"
+            )
+        weight = next(self.parameters(), None)
+        if weight is not None and weight.is_floating_point() and batch.x.dtype != weight.dtype:
+            raise TypeError(
+                f"the partition's features x are {batch.x.dtype} but {type(self).__name__}'s parameters are "
+                f"{weight.dtype}: make them agree, e.g. model.double() (or Trainer(precision='64-true')) "
+                "for float64 features, or data.x = data.x.float() before partitioning"
+            )
+        if batch.x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            raise TypeError(
+                "CPU autocast is on (Trainer(precision='bf16-mixed' or '16-mixed')): the graph server's "
+                "sparse aggregation has no bfloat16 kernel; use precision='32-true' or '64-true'"
+            )
+        dtype = batch.x.dtype
+        if dtype == torch.bfloat16 or (dtype == torch.float16 and batch.x.device.type == "cpu"):
+            raise TypeError(
+                f"the partition's features x are {dtype}: tensor ops cross to the executors as numpy arrays "
+                "(no bfloat16) and the graph server's sparse aggregation has no CPU float16 kernel; use "
+                "float32 or float64 features and parameters"
             )
         return self._graphs.context(batch)
 
@@ -90,7 +130,13 @@ class NodeClassifier(LightningModule):
 
     @override
     def training_step(self, batch: GraphPartition, batch_idx: int) -> Tensor:
-        logits = self(self.graph(batch))  # (n_local, num_classes)
+        graph = self.graph(batch)
+        if batch.num_train_global == 0:  # the loss would be 0 / 0 = NaN on every server
+            raise ValueError(
+                "train_mask selects no vertex in the whole graph (num_train_global == 0): give data a "
+                "train_mask with at least one True entry"
+            )
+        logits = self(graph)  # (n_local, num_classes)
         mask = batch.train_mask
         loss = F.cross_entropy(logits[mask], batch.y[mask], reduction="sum") / batch.num_train_global
         self.log("train_loss", self._global_sum(loss.detach()), prog_bar=True, batch_size=1)
@@ -107,6 +153,13 @@ class NodeClassifier(LightningModule):
         counts = torch.stack([torch.stack([hits[m].sum(), m.sum()]) for m in masks.values()])
         counts = self._global_sum(counts.to(logits.dtype))  # (len(masks), 2)
         accs = {}
+        empty = [name for name, total in zip(masks, counts[:, 1].tolist()) if total == 0]
+        if empty:  # 0 correct of 0: logged as 0, which must not pass for a measured accuracy
+            rank_zero_warn(
+                f"{empty}: the mask selects no vertex in the whole graph, so the accuracy is logged as 0.0 "
+                "(give data a non-empty mask, or skip the loop, e.g. Trainer(limit_val_batches=0))",
+                category=UserWarning,
+            )
         for name, (correct, total) in zip(masks, counts.unbind()):
             accs[name] = correct / total.clamp_min(1)
             # already global and equal on every server: MAX over identical values is that value, and tells

@@ -7,7 +7,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_dorylus.graph import GraphContext
-from lightning_dorylus.models.base import NodeClassifier
+from lightning_dorylus.models.base import NodeClassifier, check_widths
 from lightning_dorylus.nn import GATConv
 from lightning_dorylus.nn.dropout import RowSource, row_dropout
 
@@ -38,6 +38,10 @@ class GAT(NodeClassifier):
         weight_decay: float = 5e-4,
     ) -> None:
         super().__init__(lr=lr, weight_decay=weight_decay)
+        check_widths(
+            in_channels=in_channels, hidden_channels=hidden_channels, out_channels=out_channels, heads=heads,
+            out_heads=out_heads,
+        )
         self.save_hyperparameters()
         self.conv1 = GATConv(in_channels, hidden_channels, heads=heads, concat=True, dropout=dropout)
         self.conv2 = GATConv(

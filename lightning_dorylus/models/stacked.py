@@ -12,8 +12,9 @@ from typing import ClassVar
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_dorylus.data.validation import is_integer
 from lightning_dorylus.graph import GraphContext
-from lightning_dorylus.models.base import NodeClassifier
+from lightning_dorylus.models.base import NodeClassifier, check_dropout, check_widths
 from lightning_dorylus.nn import DorylusLayer
 from lightning_dorylus.nn.dropout import RowSource, row_dropout
 
@@ -45,8 +46,10 @@ class StackedConvClassifier(NodeClassifier):
         weight_decay: float = 5e-4,
     ) -> None:
         super().__init__(lr=lr, weight_decay=weight_decay)
-        if num_layers < 1:
-            raise ValueError(f"num_layers={num_layers} must be >= 1")
+        check_widths(in_channels=in_channels, hidden_channels=hidden_channels, out_channels=out_channels)
+        if not is_integer(num_layers) or num_layers < 1:
+            raise ValueError(f"num_layers={num_layers!r} must be >= 1 (an integer)")
+        check_dropout(dropout)
         self.save_hyperparameters()
         widths = [in_channels] + [hidden_channels] * (num_layers - 1) + [out_channels]
         self.convs = nn.ModuleList(

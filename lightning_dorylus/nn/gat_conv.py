@@ -135,7 +135,7 @@ class GATConv(DorylusLayer):
         else:
             attention = self.apply_edge(alpha_src_full, alpha_dst, graph, dropout_key)  # AE: (E', H)
             out = self.gather(h_full, attention, graph)  # GA: (n_local, H, C)
-        out = out.reshape(out.size(0), -1) if self.concat else out.mean(dim=1)
+        out = out.reshape(out.size(0), self.heads * self.out_channels) if self.concat else out.mean(dim=1)
         return out if self.bias is None else out + self.bias
 
     def _pipelined_edge_gather(
