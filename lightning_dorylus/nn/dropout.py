@@ -12,7 +12,8 @@ of a per-site key and the entry's global coordinates, so:
   nonzeros (a dropped zero is still zero), so the sparse and dense paths give identical outputs.
 
 Each entry is kept with probability ``1 - p`` (to within ``2**-32``) and scaled by ``1 / (1 - p)``, as
-``F.dropout``. Cost: about 1.3x ``F.dropout``'s per-entry work (int32 hashing instead of Philox draws).
+``F.dropout``. Cost: about 1.3x ``F.dropout``'s per-entry work (int32 hashing instead of Philox draws) as
+whole-tensor torch ops; on CPU the hash runs in cache-sized numpy chunks (:data:`CHUNK_ENTRIES`), 2-3x faster.
 """
 
 from __future__ import annotations
