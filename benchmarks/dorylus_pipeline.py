@@ -145,6 +145,29 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
             self._start = time.perf_counter()
             if self.profiler is not None:
                 self._cpu = self._cpu_seconds()
+                self._threads = self._thread_cpu()
+
+        def _thread_cpu(self) -> dict[str, float]:
+            """CPU seconds so far per thread kind of this server (name without its number) and its workers."""
+            import threading
+
+            tick = os.sysconf("SC_CLK_TCK")
+            names = {t.native_id: t.name for t in threading.enumerate()}
+            out: dict[str, float] = {}
+            tasks = [(f"/proc/self/task/{tid}", "") for tid in os.listdir("/proc/self/task")]
+            for pid in self.pool.worker_pids if self.pool is not None else []:
+                tasks += [(f"/proc/{pid}/task/{tid}", "worker:") for tid in os.listdir(f"/proc/{pid}/task")]
+            for path, prefix in tasks:
+                try:
+                    with open(f"{path}/stat") as f:
+                        stat = f.read()
+                except OSError:
+                    continue
+                name = names.get(int(path.rsplit("/", 1)[1])) if not prefix else None
+                name = prefix + (name or stat[stat.index("(") + 1 : stat.rindex(")")]).rstrip("0123456789_-")
+                fields = stat.rsplit(")", 1)[1].split()
+                out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+            return out
 
         def _cpu_seconds(self) -> float:
             """CPU seconds of this server and its executor's worker processes so far (Linux /proc)."""
@@ -161,8 +184,9 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
                 row = self.profiler.end_epoch(self.times[-1])
                 stages = [(s["op"], s["requests"], round(s["wall_s"], 4)) for s in row["stages"]]
                 cpu = self._cpu_seconds() - self._cpu
+                threads = {k: v - self._threads.get(k, 0.0) for k, v in self._thread_cpu().items()}
                 self.profile.append({"epoch_s": row["epoch_s"], "blocked_s": row["blocked_s"], "cpu_s": cpu,
-                                     "stages": stages})
+                                     "stages": stages, "threads": threads})
             self.losses.append(float(trainer.callback_metrics.get("train_loss", float("nan"))))
 
     inner = LocalPoolExecutor(num_workers=args.executor_workers)
@@ -333,6 +357,12 @@ def report(
     if args.profile:
         for mode, servers in results.items():
             for server in servers:
+                epochs_run = server["profile"]
+                kinds = sorted({k for e in epochs_run for k in e["threads"]})
+                mean = {k: sum(e["threads"].get(k, 0.0) for e in epochs_run) / len(epochs_run) for k in kinds}
+                print(f"threads {mode} rank {server['rank']} (CPU s per epoch, mean of {len(epochs_run)}): "
+                      f"total {sum(e['cpu_s'] for e in epochs_run) / len(epochs_run):.3f} "
+                      + " ".join(f"{k}={v:.3f}" for k, v in sorted(mean.items(), key=lambda kv: -kv[1]) if v))
                 last = server["profile"][-1]
                 print(f"profile {mode} rank {server['rank']}: epoch {last['epoch_s']:.3f} s, blocked on the "
                       f"executor {last['blocked_s']:.3f} s, CPU (server + its workers) "

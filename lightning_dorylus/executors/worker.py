@@ -24,17 +24,34 @@ from lightning_dorylus import wire
 from lightning_dorylus.ops import handlers
 
 
-def read_message(stream: BinaryIO, max_size: int | None = None) -> bytearray | None:
+class ReadBuffer:
+    """One receive buffer reused across messages, grown (by a new allocation) to the largest so far."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def view(self, size: int) -> memoryview:
+        if len(self.data) < size:
+            self.data = bytearray(size)  # a new one: views of the old one (if any survive) stay valid
+        return memoryview(self.data)[:size]
+
+
+def read_message(stream: BinaryIO, max_size: int | None = None,
+                 reuse: ReadBuffer | None = None) -> bytearray | memoryview | None:
     """Read one wire payload into a fresh ``bytearray`` (so decoded arrays are writable); None on EOF.
 
     The prefix's length is untrusted: ``wire.read_prefix`` rejects (``WireError``) a ``total_len`` over
     ``max_size`` (default ``wire.MAX_MESSAGE_SIZE``) before anything is allocated for the body.
+
+    ``reuse``: read into this buffer instead (grown to the largest message so far) and return a memoryview
+    of the payload, valid until the next call. The worker answers one request at a time, so its requests
+    (an interval is MBs) need not each cost a fresh, zero-filled, page-faulted allocation.
     """
     prefix = _read_exact(stream, bytearray(wire.PREFIX_SIZE), allow_eof=True)
     if prefix is None:
         return None
     _, total_len = wire.read_prefix(prefix, max_size)
-    buf = bytearray(total_len)
+    buf = bytearray(total_len) if reuse is None else reuse.view(total_len)
     buf[: wire.PREFIX_SIZE] = prefix
     _read_exact(stream, memoryview(buf)[wire.PREFIX_SIZE:], allow_eof=False)
     return buf
@@ -69,9 +86,10 @@ def _read_exact(stream: BinaryIO, buf: bytearray | memoryview,
 def serve(inp: BinaryIO, out: BinaryIO) -> None:
     """Answer requests until EOF on ``inp``, or a corrupt prefix (answered with an error, then return)."""
     write_message(out, wire.encode_frames({"ready": True, "pid": os.getpid()}, {})[1])
+    buffer = ReadBuffer()  # every request is read into it: its reply is written before the next read
     while True:
         try:
-            payload = read_message(inp)
+            payload = read_message(inp, reuse=buffer)
         except wire.WireError as err:  # corrupt prefix: the stream cannot be resynchronized; answer, stop
             write_message(out, wire.encode_frames(handlers.error_header(None, err), {})[1])
             return
@@ -86,7 +104,7 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
         write_message(out, frames)
 
 
-def _op_name(payload: bytearray) -> Any:
+def _op_name(payload: bytearray | memoryview) -> Any:
     try:
         return wire.decode(payload)[0].get("op")
     except Exception:

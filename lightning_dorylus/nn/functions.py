@@ -265,8 +265,7 @@ class GatherApply(torch.autograd.Function):
         for block, future in zip(ctx.blocks, futures):
             (out,) = call.executor.wait([future])
             if grad_h is not None:  # ∇GA of this interval, over the rows it touches
-                part = torch.sparse.mm(block.adj_t, out.pop(f"grad_{ctx.gather_input}"))
-                grad_h.index_add_(0, block.cols, part)
+                block.add_transposed(grad_h, out.pop(f"grad_{ctx.gather_input}"))
             outs.append(out)
         merged = merge_outputs(bwd, outs)
         result: list[Tensor | None] = [
@@ -330,7 +329,7 @@ class ApplyGather(torch.autograd.Function):
             (out,) = call.executor.wait([future])
             p_i = out["h"]
             ps.append(p_i)
-            z.index_add_(0, block.cols, torch.sparse.mm(block.adj_t, p_i))  # GA share of these columns
+            block.add_transposed(z, p_i)  # GA share of these columns
         p = torch.cat(ps) if len(ps) > 1 else ps[0]
         ctx.call, ctx.blocks, ctx.xs, ctx.ps, ctx.w = call, blocks, xs, ps, w
         ctx.source, ctx.runahead, ctx.layer = source, runahead, layer
@@ -388,7 +387,7 @@ class _GhostGather(torch.autograd.Function):
     def forward(ctx: Any, p_ghost: Tensor, block: Any, n_local: int) -> Tensor:
         ctx.block = block
         z = p_ghost.new_zeros((n_local, p_ghost.size(1)))
-        return z.index_add_(0, block.cols, torch.sparse.mm(block.adj_t, p_ghost.contiguous()))
+        return block.add_transposed(z, p_ghost.contiguous())
 
     @staticmethod
     def backward(ctx: Any, grad_z: Tensor) -> tuple[Tensor | None, None, None]:

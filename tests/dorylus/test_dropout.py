@@ -37,6 +37,23 @@ def test_tensor_hash_matches_the_integer_reference() -> None:
     assert got == [_reference_hash(key, int(r), int(c)) for r, c in zip(rows, cols)]
 
 
+@pytest.mark.parametrize("p", [0.0, 0.3, 0.5, 1.0])
+def test_chunked_cpu_masks_equal_the_whole_tensor_hash(p: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU path hashes a few rows at a time in numpy; every entry (and product) is the torch path's."""
+    monkeypatch.setattr(D, "CHUNK_ENTRIES", 40)  # 40 // 7 = 5 rows per chunk: 203 rows end in a partial one
+    key, ids = D.dropout_key(9, 2, 1), torch.arange(203) * 2**33 + 5
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        expected = D._device_mask(ids, 7, p, key, dtype)
+        assert torch.equal(D.dropout_mask(ids, 7, p, key, dtype), expected)
+        if p == 0.0:  # row_dropout returns x itself
+            continue
+        x = torch.randn(203, 7, dtype=torch.float64).to(dtype)
+        x[0, :3] = torch.tensor([-1.0, float("inf"), float("nan")], dtype=dtype)  # -0, nan: bit for bit
+        got = D.row_dropout(x, ids, p, True, key)
+        assert got.view(torch.int16 if dtype == torch.bfloat16 else dtype).numpy().tobytes() \
+            == (x * expected).view(torch.int16 if dtype == torch.bfloat16 else dtype).numpy().tobytes()
+
+
 def _partitions(parts: int, sparse: bool = False) -> list[GraphPartition]:
     data = make_graph()
     if sparse:  # bag-of-words-like: about 5 % nonzero, so feature_dropout takes the nonzeros-only path

@@ -296,3 +296,23 @@ def test_worker_answers_a_corrupt_prefix_with_an_error_and_stops() -> None:
     assert replies[2]["ok"] is False and replies[2]["error_type"] == "WireError"
     assert "exceeds the maximum message size" in replies[2]["message"]
     assert len(replies) == 3  # the request after the corrupt prefix is not read: the stream is out of sync
+
+
+def test_worker_reads_every_request_into_one_reused_buffer_without_mixing_them() -> None:
+    """Requests of growing and shrinking sizes share the worker's receive buffer; each answer is its own."""
+    rng = np.random.default_rng(0)
+    sizes = [6, 2, 9, 1]
+    zs = [rng.standard_normal((n, 3)) for n in sizes]
+    w = rng.standard_normal((3, 2))
+    requests = b"".join(wire.encode(handlers.request_header("apply_vertex.forward"), {"z": z, "weight": w})
+                        for z in zs)
+    out = io.BytesIO()
+    worker.serve(io.BytesIO(requests), out)  # type: ignore[arg-type]
+    stream = io.BytesIO(out.getvalue())
+    replies = [wire.decode(m) for m in iter(lambda: worker.read_message(stream), None)][1:]
+    assert [h["ok"] for h, _ in replies] == [True] * len(zs)
+    for z, (_, arrays) in zip(zs, replies):
+        np.testing.assert_array_equal(arrays["h"], z @ w)
+    buffer = worker.ReadBuffer()
+    first = buffer.view(10)
+    assert buffer.view(4).obj is first.obj and buffer.view(20).obj is not first.obj  # grows by a new one
