@@ -18,8 +18,9 @@ is recomputed.
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -96,12 +97,111 @@ def check_contract(module: LightningModule, attr: str, body: nn.Sequential) -> N
         raise TypeError(f"{name}.{attr} is an empty nn.Sequential; nothing to pipeline")
 
 
-def sub_sequential(body: nn.Sequential, layers: range) -> nn.Sequential:
-    """``body[layers]`` as a Sequential that keeps the layers' original names (``"3"``, ``"4"``).
+def check_tied_layers(
+    module: LightningModule, attr: str, body: nn.Sequential, stages: Sequence[range]
+) -> None:
+    """Refuse a parameter shared by layers of different stages (tied weights).
 
-    So a stage's ``state_dict`` keys are the single-process ones (``pipeline.3.weight``).
+    Each stage would hold its own copy and update it with its own gradient only (the single-process model
+    sums both uses' gradients into one tensor), and a stage's replica of its successor would share the
+    tensor with the stage itself, so the replica's optimizer step would move the stage's weights.
+
+    Raises:
+        TypeError: naming both uses, their stages, and how to keep them on one stage.
     """
-    return nn.Sequential(OrderedDict((str(i), body[i]) for i in layers))
+    stage_of = {layer: stage for stage, layers in enumerate(stages) for layer in layers}
+    first_use: dict[int, tuple[int, str]] = {}
+    for index, layer in enumerate(body):
+        for name, param in layer.named_parameters():
+            other, other_name = first_use.setdefault(id(param), (index, name))
+            if stage_of[other] != stage_of[index]:
+                raise TypeError(
+                    f"{type(module).__name__}.{attr}.{other}.{other_name} and {attr}.{index}.{name} are the "
+                    f"same parameter (tied weights) but layers {other} and {index} are on different stages "
+                    f"({stage_of[other]} and {stage_of[index]}); BambooStrategy cannot share a parameter "
+                    "between processes. Untie them, or pass BambooStrategy(layer_costs=...) so that one "
+                    "stage holds both layers"
+                )
+
+
+def check_stage_parameters(
+    module: LightningModule, attr: str, body: nn.Sequential, stages: Sequence[range]
+) -> None:
+    """Refuse a stage that holds no trainable parameter (all its layers parameter-free or frozen).
+
+    Its process (and the predecessor building the replica's optimizer) would call ``configure_optimizers``
+    over no parameters, which torch refuses with "optimizer got an empty parameter list", an error that
+    names neither the stage nor the fix.
+
+    Raises:
+        TypeError: naming the stage, its layers and how to move the boundary.
+    """
+    for stage, layers in enumerate(stages):
+        if not any(p.requires_grad for index in layers for p in body[index].parameters()):
+            raise TypeError(
+                f"stage {stage} of {type(module).__name__}.{attr} (layers {layers.start}-{layers.stop - 1}: "
+                f"{', '.join(type(body[index]).__name__ for index in layers)}) holds no trainable parameter, "
+                "so its optimizer would have nothing to optimize; every stage needs one. Pass "
+                "BambooStrategy(layer_costs=...) so that each stage gets a layer with trainable parameters, "
+                "or use fewer stages"
+            )
+
+
+def sub_sequential(body: nn.Sequential, layers: range) -> StageSequential:
+    """``body[layers]`` as a Sequential that keeps the layers' original names (``"3"``, ``"4"``) and indices.
+
+    So a stage's ``state_dict`` keys are the single-process ones (``pipeline.3.weight``), and
+    ``stage[i]`` is layer ``i`` of the whole body (see :class:`StageSequential`).
+    """
+    return StageSequential(OrderedDict((str(i), body[i]) for i in layers), len(body))
+
+
+class LayerOnAnotherStage(nn.Module):
+    """What ``stage[i]`` gives for a layer of the body that another process holds: no parameters, no forward.
+
+    So ``configure_optimizers`` code such as ``self.pipeline[-1].parameters()`` (a param group for the head)
+    picks exactly the head's parameters on every stage: none on a stage that does not hold the head.
+    """
+
+    def __init__(self, index: int, held: list[int]) -> None:
+        super().__init__()
+        self.index = index
+        self.held = held
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"layer {self.index} of the pipeline body lives on another pipeline stage; this process holds "
+            f"layers {self.held}"
+        )
+
+
+class StageSequential(nn.Sequential):
+    """The layers of one stage, indexed like the whole body: ``stage[i]`` is layer ``i`` of the body.
+
+    A plain ``nn.Sequential`` of the stage's layers would index them from 0, so user code written for the
+    whole body (``self.pipeline[-1]``: the head; ``self.pipeline[0]``: the embedding) would silently pick
+    another layer of the stage, e.g. give stage 0's last layer the head's learning rate. Layers held by
+    another stage come back as a :class:`LayerOnAnotherStage`; a slice keeps the layers of the range this
+    stage holds. ``len`` and iteration are the stage's own layers (its forward runs them in order).
+    """
+
+    def __init__(self, layers: OrderedDict[str, nn.Module], body_length: int) -> None:
+        super().__init__(layers)
+        self.body_length = body_length
+
+    def __getitem__(self, idx: int | slice) -> nn.Module:  # type: ignore[override]
+        if isinstance(idx, slice):
+            held = [i for i in range(self.body_length)[idx] if str(i) in self._modules]
+            layers = OrderedDict((str(i), self._modules[str(i)]) for i in held)
+            return StageSequential(layers, self.body_length)  # type: ignore[arg-type]
+        index = operator.index(idx)
+        if not -self.body_length <= index < self.body_length:
+            raise IndexError(f"index {index} is out of range: the body has {self.body_length} layers")
+        index %= self.body_length
+        layer = self._modules.get(str(index))
+        if layer is None:
+            return LayerOnAnotherStage(index, [int(name) for name in self._modules])
+        return layer
 
 
 class _Passthrough(nn.Module):

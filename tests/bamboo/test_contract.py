@@ -7,7 +7,14 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_bamboo.contract import check_contract, find_pipeline_body, replay_step, sub_sequential
+from lightning_bamboo.contract import (
+    check_contract,
+    check_stage_parameters,
+    check_tied_layers,
+    find_pipeline_body,
+    replay_step,
+    sub_sequential,
+)
 from tests.bamboo.pipe_mlp import PipeMLP, make_data
 
 
@@ -100,3 +107,40 @@ def test_replay_returns_the_given_loss_and_restores_the_module() -> None:
     # and the real hooks work again
     real = model.pipeline_loss(model.pipeline(model.pipeline_inputs((x, y))), (x, y))
     assert real.requires_grad and real.item() != pytest.approx(0.125)
+
+
+def test_stage_indexes_layers_like_the_whole_body() -> None:
+    """``self.pipeline[-1]`` in configure_optimizers must be the head on every stage, not the stage's last
+    layer (which would silently get the head's param group): layers of other stages have no parameters."""
+    model = PipeMLP()  # L T L T L T L
+    first, last = sub_sequential(model.pipeline, range(0, 3)), sub_sequential(model.pipeline, range(3, 7))
+    assert last[-1] is model.pipeline[6] and last[3] is model.pipeline[3] and first[0] is model.pipeline[0]
+    assert list(first[-1].parameters()) == [] and list(last[0].parameters()) == []
+    assert [list(s) for s in (first[1:], last[1:])] == [list(model.pipeline[1:3]), list(model.pipeline[3:])]
+    assert len(first) == 3 and list(first) == list(model.pipeline[:3])  # iteration/forward: its own layers
+    with pytest.raises(RuntimeError, match=r"layer 6 of the pipeline body lives on another pipeline stage; "
+                       r"this process holds layers \[0, 1, 2\]"):
+        first[-1](torch.zeros(1, 8))
+    with pytest.raises(IndexError, match=r"index 7 is out of range: the body has 7 layers"):
+        first[7]
+
+
+def test_tied_weights_across_stages_are_refused() -> None:
+    model = PipeMLP()
+    model.pipeline[4].weight = model.pipeline[0].weight
+    check_tied_layers(model, "pipeline", model.pipeline, [range(0, 5), range(5, 7)])  # one stage holds both
+    match = (r"PipeMLP.pipeline.0.weight and pipeline.4.weight are the same parameter \(tied weights\) but "
+             r"layers 0 and 4 are on different stages \(0 and 1\)")
+    with pytest.raises(TypeError, match=match):
+        check_tied_layers(model, "pipeline", model.pipeline, [range(0, 3), range(3, 7)])
+
+
+def test_stage_without_trainable_parameters_is_refused() -> None:
+    model = PipeMLP()  # L T L T L T L
+    model.pipeline[0].requires_grad_(False)
+    check_stage_parameters(model, "pipeline", model.pipeline, [range(0, 3), range(3, 7)])
+    with pytest.raises(TypeError, match=r"stage 0 of PipeMLP.pipeline \(layers 0-1: Linear, Tanh\) holds no "
+                       r"trainable parameter"):
+        check_stage_parameters(model, "pipeline", model.pipeline, [range(0, 2), range(2, 7)])
+    with pytest.raises(TypeError, match=r"stage 1 of PipeMLP.pipeline \(layers 3-3: Tanh\) holds no"):
+        check_stage_parameters(model, "pipeline", model.pipeline, [range(0, 3), range(3, 4), range(4, 7)])
