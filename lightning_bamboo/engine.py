@@ -210,7 +210,7 @@ class PipelineEngine:
                     x.requires_grad_(True)
             # the stage runs on a copy of a received leaf: an in-place first layer (ReLU(inplace=True))
             # may not write into a leaf that requires grad
-            y = self.stage(x.clone() if x.requires_grad else x)
+            y = _one_tensor(self.stage(x.clone() if x.requires_grad else x), self.stage, self.groups.stage)
             if last:
                 loss = self.loss_fn(y, microbatches[mb])
                 step.losses.append(loss.detach())
@@ -254,7 +254,9 @@ class PipelineEngine:
         x = self.inputs_fn(microbatch) if self.groups.is_last_stage else kept_for_fr.pop(mb)
         # a copy: ``x`` is this rank's own output (in flight to the successor, kept for its backward) or the
         # micro-batch, and the replica's first layer may work in place (ReLU(inplace=True))
-        self.redundant_outputs[mb] = self.replica(x.to(self.replica_device, copy=True)).detach()
+        out = self.replica(x.to(self.replica_device, copy=True))
+        successor = self.groups.layout.successor(self.groups.stage)
+        self.redundant_outputs[mb] = _one_tensor(out, self.replica, successor).detach()
 
     def _average_gradients(self) -> None:
         """Mean of the stage's gradients over the pipelines (one flat all-reduce per dtype)."""
@@ -309,6 +311,19 @@ def forward_only_schedule(num_stages: int, num_microbatches: int) -> Schedule:
             row[stage + mb] = Action(stage, ActionKind.FORWARD, mb)
         schedule[stage] = row
     return schedule
+
+
+def _one_tensor(output: Any, stage: nn.Module, index: int) -> Tensor:
+    """``output`` if it is a tensor; else the contract's error (a stage's output crosses to another process
+    as one tensor, and the last stage's is kept by its predecessor's replica), naming the stage's layers."""
+    if isinstance(output, Tensor):
+        return output
+    layers = ", ".join(f"{name}: {type(layer).__name__}" for name, layer in stage.named_children())
+    raise TypeError(
+        f"stage {index} (layers {layers}) returned a {type(output).__name__}, expected one tensor: every "
+        "element of the pipeline body takes and returns one tensor, as a stage's output is sent to the next "
+        "stage. Return one tensor (e.g. concatenate, or keep the layers that pass a tuple inside one module)"
+    )
 
 
 def _by_dtype(tensors: list[Tensor]) -> list[list[Tensor]]:

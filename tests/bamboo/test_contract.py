@@ -144,3 +144,20 @@ def test_stage_without_trainable_parameters_is_refused() -> None:
         check_stage_parameters(model, "pipeline", model.pipeline, [range(0, 2), range(2, 7)])
     with pytest.raises(TypeError, match=r"stage 1 of PipeMLP.pipeline \(layers 3-3: Tanh\) holds no"):
         check_stage_parameters(model, "pipeline", model.pipeline, [range(0, 3), range(3, 4), range(4, 7)])
+
+
+def test_stage_returning_a_tuple_is_refused() -> None:
+    """A tuple passed between two elements works in one nn.Sequential, but not across a stage boundary."""
+    from lightning_bamboo.engine import _one_tensor
+
+    class Pair(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x, x
+
+    stage = sub_sequential(nn.Sequential(nn.Linear(2, 2), Pair(), nn.Identity()), range(0, 2))
+    output = torch.zeros(1)
+    assert _one_tensor(output, stage, 0) is output
+    match = (r"stage 0 \(layers 0: Linear, 1: Pair\) returned a tuple, expected one tensor: every element of "
+             r"the pipeline body takes and returns one tensor")
+    with pytest.raises(TypeError, match=match):
+        _one_tensor(stage(torch.zeros(1, 2)), stage, 0)
