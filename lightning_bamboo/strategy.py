@@ -55,6 +55,7 @@ from lightning_bamboo.contract import (
     find_pipeline_body,
     replay_step,
     sub_sequential,
+    warn_batch_statistics,
 )
 from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.events import BambooEventsMixin
@@ -317,6 +318,7 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         self.layout = self._plan_layout(body, costs)
         check_tied_layers(module, attr, body, self.layout.stage_layers)
         check_stage_parameters(module, attr, body, self.layout.stage_layers)
+        warn_batch_statistics(module, attr, body, self._num_microbatches)
         rank_zero_info(f"BambooStrategy layout:\n{self.layout.describe(costs=costs)}")
         self.groups = BambooGroups.create(self.layout, self.global_rank, self._timeout)
         stage = self.groups.stage

@@ -14,6 +14,7 @@ from lightning_bamboo.contract import (
     find_pipeline_body,
     replay_step,
     sub_sequential,
+    warn_batch_statistics,
 )
 from tests.bamboo.pipe_mlp import PipeMLP, make_data
 
@@ -161,3 +162,13 @@ def test_stage_returning_a_tuple_is_refused() -> None:
              r"the pipeline body takes and returns one tensor")
     with pytest.raises(TypeError, match=match):
         _one_tensor(stage(torch.zeros(1, 2)), stage, 0)
+
+
+def test_batchnorm_with_microbatches_warns() -> None:
+    """BatchNorm normalizes each micro-batch by its own statistics: training differs from one process."""
+    model = PipeMLP()
+    model.pipeline.insert(1, nn.BatchNorm1d(8))
+    warn_batch_statistics(model, "pipeline", model.pipeline, 1)  # one micro-batch: the batch's statistics
+    with pytest.warns(UserWarning, match=r"PipeMLP.pipeline has BatchNorm layers \(pipeline.1\): with "
+                      r"num_microbatches \(2\) > 1 each normalizes every micro-batch"):
+        warn_batch_statistics(model, "pipeline", model.pipeline, 2)
