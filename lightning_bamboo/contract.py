@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
@@ -227,8 +228,44 @@ class StageSequential(nn.Sequential):
         return layer
 
 
-class _Passthrough(nn.Module):
-    """Stands in for the pipeline body during a replay: returns its input."""
+def check_replayed_loss(module: LightningModule, returned: Any, loss: Tensor) -> None:
+    """Refuse a replayed ``training_step`` that returned another loss than the pipeline's.
+
+    Under Bamboo the gradients come from the schedule, which back-propagates ``pipeline_loss`` only: a
+    ``training_step`` that adds a term (a regularizer), scales the loss, or calls the body on something
+    other than ``pipeline_inputs(batch)`` would train differently from a single process, silently.
+
+    Args:
+        module: the user's LightningModule.
+        returned: what its ``training_step`` returned during :func:`replay_step` (a tensor, a mapping with
+            ``"loss"``, or ``None``: Lightning skips the step).
+        loss: the loss the pipeline schedule computed.
+
+    Raises:
+        ValueError: with both values and what the contract expects.
+    """
+    value = returned.get("loss") if isinstance(returned, Mapping) else returned
+    if value is None or value is loss:
+        return
+    shown = type(value).__name__
+    if isinstance(value, Tensor) and value.numel() == 1:
+        number = float(value.detach())
+        tolerance = 4 * torch.finfo(value.dtype).eps if value.is_floating_point() else 0.0
+        if abs(number - float(loss)) <= tolerance * max(abs(float(loss)), 1.0):
+            return  # the pipeline's loss, cast or copied
+        shown = f"{number:.6g}"
+    raise ValueError(
+        f"{type(module).__name__}.training_step returned the loss {shown}, but the pipeline's loss is "
+        f"{float(loss):.6g}: under BambooStrategy the pipeline schedule back-propagates pipeline_loss only, "
+        "so training_step must return self.pipeline_loss(self.pipeline(self.pipeline_inputs(batch)), batch) "
+        "unchanged. Move any extra term (a regularizer, a scale) into pipeline_loss"
+    )
+
+
+class _Passthrough(nn.Sequential):
+    """Stands in for the pipeline body during a replay: returns its input, but holds the stage's layers, so
+    ``self.parameters()`` in the step still sees them (and :func:`check_replayed_loss` sees a term added
+    from them, e.g. a regularizer)."""
 
     def forward(self, x: Any) -> Any:
         return x
@@ -245,7 +282,7 @@ def replay_step(module: LightningModule, attr: str, loss: Tensor) -> Iterator[No
     """
     body = module._modules[attr]
     saved = {hook: module.__dict__.get(hook) for hook in REQUIRED_HOOKS}
-    module._modules[attr] = _Passthrough()
+    module._modules[attr] = _Passthrough(OrderedDict(body._modules) if body is not None else OrderedDict())
     module.__dict__["pipeline_inputs"] = lambda batch: batch
     module.__dict__["pipeline_loss"] = lambda outputs, batch: loss
     try:

@@ -50,6 +50,7 @@ from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
 from lightning_bamboo.clipping import NORM, apply_clipping, plan_clipping
 from lightning_bamboo.contract import (
     check_contract,
+    check_replayed_loss,
     check_stage_parameters,
     check_tied_layers,
     find_pipeline_body,
@@ -444,7 +445,9 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         for p, grad in zip(params, earlier):
             p.grad = grad
         with replay_step(self.lightning_module, self._body_attr, loss):
-            return self.lightning_module.training_step(*args, **kwargs)
+            output = self.lightning_module.training_step(*args, **kwargs)
+        check_replayed_loss(self.lightning_module, output, loss)
+        return output
 
     def _stage0_batch(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, tuple, dict[str, Any]]:
         """Every stage of a pipeline uses stage 0's batch (random augmentation may differ per process)."""

@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_bamboo.contract import (
     check_contract,
+    check_replayed_loss,
     check_stage_parameters,
     check_tied_layers,
     find_pipeline_body,
@@ -172,3 +173,22 @@ def test_batchnorm_with_microbatches_warns() -> None:
     with pytest.warns(UserWarning, match=r"PipeMLP.pipeline has BatchNorm layers \(pipeline.1\): with "
                       r"num_microbatches \(2\) > 1 each normalizes every micro-batch"):
         warn_batch_statistics(model, "pipeline", model.pipeline, 2)
+
+
+def test_training_step_must_return_the_pipeline_loss() -> None:
+    """An extra term added in training_step is never back-propagated under bamboo: refused, not ignored."""
+
+    class Regularized(PipeMLP):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            loss = self.pipeline_loss(self.pipeline(self.pipeline_inputs(batch)), batch)
+            return loss + 0.5 * sum(p.square().sum() for p in self.parameters())
+
+    model, loss = Regularized(), torch.tensor(0.125, dtype=torch.float64)
+    with replay_step(model, "pipeline", loss):
+        returned = model.training_step(make_data(4), 0)
+    match = (r"Regularized.training_step returned the loss [0-9.]+, but the pipeline's loss is 0.125: under "
+             r"BambooStrategy the pipeline schedule back-propagates pipeline_loss only")
+    with pytest.raises(ValueError, match=match):
+        check_replayed_loss(model, returned, loss)
+    for same in (loss, {"loss": loss}, loss.float(), None):  # the loss itself, cast, or a skipped step
+        check_replayed_loss(model, same, loss)
