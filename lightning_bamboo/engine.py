@@ -51,6 +51,7 @@ from lightning_bamboo.schedule import Action, ActionKind, Schedule, rank_program
 from lightning_bamboo.schedule.lowering import Comm, LoweredAction, lower_schedule
 from lightning_bamboo.transfers import Kind, ShapeCache, StepTransfers, microbatch_signature
 
+CONTIGUOUS = torch.contiguous_format
 InputsFn = Callable[[Any], Tensor]
 LossFn = Callable[[Tensor, Any], Tensor]
 
@@ -175,7 +176,8 @@ class PipelineEngine:
             self.device,
             keys,
             self.shapes,
-            gradient_buffer=lambda mb: torch.empty_like(step.outputs[mb]),
+            # dense: the output may be a strided view (x.transpose(1, 2)); gloo receives into dense buffers only
+            gradient_buffer=lambda mb: torch.empty_like(step.outputs[mb], memory_format=CONTIGUOUS),
             trace=self.trace,
             clock=self.clock,
         )

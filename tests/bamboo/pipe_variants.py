@@ -48,6 +48,26 @@ class HeadLr(PipeMLP):
         return torch.optim.SGD(groups, lr=self.lr, momentum=0.9, nesterov=True)
 
 
+class ColumnMajorLinear(nn.Linear):
+    """A Linear whose output has the same shape and values but column-major strides (as ``x.transpose``
+    leaves them): a stage ending with it sends a non-contiguous activation and receives its gradient."""
+
+    @override
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x).t().contiguous().t()
+
+
+class StridedOutput(PipeMLP):
+    """PipeMLP whose stage 0 of 2 (layers 0-2) ends with a :class:`ColumnMajorLinear` (same weights)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        plain = self.pipeline[2]
+        strided = ColumnMajorLinear(plain.in_features, plain.out_features).to(plain.weight.dtype)
+        strided.load_state_dict(plain.state_dict())
+        self.pipeline[2] = strided
+
+
 class Unused(nn.Module):
     """Identity with a trainable parameter that takes no part in the forward, so its ``.grad`` stays None."""
 
@@ -118,6 +138,7 @@ VARIANTS: dict[str, type[PipeMLP]] = {
     "mlp": PipeMLP,
     "per-layer-lr": PerLayerLr,
     "head-lr": HeadLr,
+    "strided": StridedOutput,
     "unused": WithUnused,
     "state": WithState,
     "inplace": InplaceFirst,
