@@ -176,7 +176,7 @@ class PipelineEngine:
             self.device,
             keys,
             self.shapes,
-            # dense: the output may be a strided view (x.transpose(1, 2)); gloo receives into dense buffers only
+            # dense: the output may be a strided view (x.transpose(1, 2)); gloo receives into dense ones
             gradient_buffer=lambda mb: torch.empty_like(step.outputs[mb], memory_format=CONTIGUOUS),
             trace=self.trace,
             clock=self.clock,
