@@ -192,11 +192,18 @@ class LayerOnAnotherStage(nn.Module):
         self.index = index
         self.held = held
 
+    def _where(self) -> str:
+        index, held = self.__dict__.get("index"), self.__dict__.get("held")
+        return f"layer {index} of the pipeline body lives on another stage; this process holds {held}"
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"layer {self.index} of the pipeline body lives on another pipeline stage; this process holds "
-            f"layers {self.held}"
-        )
+        raise RuntimeError(self._where())
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            raise AttributeError(f"{name!r}: {self._where()}") from None
 
 
 class StageSequential(nn.Sequential):

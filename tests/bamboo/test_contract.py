@@ -120,9 +120,11 @@ def test_stage_indexes_layers_like_the_whole_body() -> None:
     assert list(first[-1].parameters()) == [] and list(last[0].parameters()) == []
     assert [list(s) for s in (first[1:], last[1:])] == [list(model.pipeline[1:3]), list(model.pipeline[3:])]
     assert len(first) == 3 and list(first) == list(model.pipeline[:3])  # iteration/forward: its own layers
-    with pytest.raises(RuntimeError, match=r"layer 6 of the pipeline body lives on another pipeline stage; "
-                       r"this process holds layers \[0, 1, 2\]"):
+    with pytest.raises(RuntimeError, match=r"layer 6 of the pipeline body lives on another stage; "
+                       r"this process holds \[0, 1, 2\]"):
         first[-1](torch.zeros(1, 8))
+    with pytest.raises(AttributeError, match=r"'weight': layer 0 of the pipeline body lives on another"):
+        last[0].weight  # noqa: B018
     with pytest.raises(IndexError, match=r"index 7 is out of range: the body has 7 layers"):
         first[7]
 
