@@ -256,7 +256,10 @@ class PipelineEngine:
         x = self.inputs_fn(microbatch) if self.groups.is_last_stage else kept_for_fr.pop(mb)
         # a copy: ``x`` is this rank's own output (in flight to the successor, kept for its backward) or the
         # micro-batch, and the replica's first layer may work in place (ReLU(inplace=True))
-        out = self.replica(x.to(self.replica_device, copy=True))
+        # laid out as the successor gets it (a received activation is dense; stage 0 takes inputs_fn's as is):
+        # a strided output (x.transpose) would run other kernels here and round differently
+        layout = torch.preserve_format if self.groups.is_last_stage else CONTIGUOUS
+        out = self.replica(x.to(self.replica_device, copy=True, memory_format=layout))
         successor = self.groups.layout.successor(self.groups.stage)
         self.redundant_outputs[mb] = _one_tensor(out, self.replica, successor).detach()
 
