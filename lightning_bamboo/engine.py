@@ -260,7 +260,7 @@ class PipelineEngine:
         # a strided output (x.transpose) would run other kernels here and round differently
         layout = torch.preserve_format if self.groups.is_last_stage else CONTIGUOUS
         out = self.replica(x.to(self.replica_device, copy=True, memory_format=layout))
-        successor = self.groups.layout.successor(self.groups.stage)
+        successor = (self.groups.stage + 1) % self.groups.num_stages
         self.redundant_outputs[mb] = _one_tensor(out, self.replica, successor).detach()
 
     def _average_gradients(self) -> None:
