@@ -205,7 +205,7 @@ class PipelineEngine:
         assert transfers is not None
         if action.kind is ActionKind.FORWARD:
             if self.groups.is_first_stage:
-                x = self.inputs_fn(microbatches[mb])
+                x = _model_input(self.inputs_fn(microbatches[mb]))
             else:
                 x = transfers.take(Kind.ACTIVATION, mb)
                 if train and x.is_floating_point():
@@ -253,7 +253,7 @@ class PipelineEngine:
         # inference mode, not only no_grad: no version counters or view tracking either (about 14% less CPU
         # per FR here); the outputs are kept for a takeover only, never recorded by autograd
         assert self.replica is not None
-        x = self.inputs_fn(microbatch) if self.groups.is_last_stage else kept_for_fr.pop(mb)
+        x = _model_input(self.inputs_fn(microbatch)) if self.groups.is_last_stage else kept_for_fr.pop(mb)
         # a copy: ``x`` is this rank's own output (in flight to the successor, kept for its backward) or the
         # micro-batch, and the replica's first layer may work in place (ReLU(inplace=True))
         # laid out as the successor gets it (a received activation is dense; stage 0 takes inputs_fn's as is):
@@ -316,6 +316,16 @@ def forward_only_schedule(num_stages: int, num_microbatches: int) -> Schedule:
             row[stage + mb] = Action(stage, ActionKind.FORWARD, mb)
         schedule[stage] = row
     return schedule
+
+
+def _model_input(value: Any) -> Tensor:
+    """``pipeline_inputs``' result if it is one tensor; else the contract's error (not an AttributeError)."""
+    if isinstance(value, Tensor):
+        return value
+    raise TypeError(
+        f"pipeline_inputs(batch) returned a {type(value).__name__}, expected one tensor (the input of the "
+        "body's first layer); put several inputs into one tensor, or let the first layer take them from it"
+    )
 
 
 def _one_tensor(output: Any, stage: nn.Module, index: int) -> Tensor:

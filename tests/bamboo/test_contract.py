@@ -152,7 +152,7 @@ def test_stage_without_trainable_parameters_is_refused() -> None:
 
 def test_stage_returning_a_tuple_is_refused() -> None:
     """A tuple passed between two elements works in one nn.Sequential, but not across a stage boundary."""
-    from lightning_bamboo.engine import _one_tensor
+    from lightning_bamboo.engine import _model_input, _one_tensor
 
     class Pair(nn.Module):
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,6 +165,9 @@ def test_stage_returning_a_tuple_is_refused() -> None:
              r"the pipeline body takes and returns one tensor")
     with pytest.raises(TypeError, match=match):
         _one_tensor(stage(torch.zeros(1, 2)), stage, 0)
+    assert _model_input(output) is output
+    with pytest.raises(TypeError, match=r"pipeline_inputs\(batch\) returned a dict, expected one tensor"):
+        _model_input({"ids": output, "mask": output})
 
 
 def test_batchnorm_with_microbatches_warns() -> None:
