@@ -18,12 +18,15 @@ is recomputed.
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 REQUIRED_HOOKS = ("pipeline_inputs", "pipeline_loss")
@@ -96,16 +99,180 @@ def check_contract(module: LightningModule, attr: str, body: nn.Sequential) -> N
         raise TypeError(f"{name}.{attr} is an empty nn.Sequential; nothing to pipeline")
 
 
-def sub_sequential(body: nn.Sequential, layers: range) -> nn.Sequential:
-    """``body[layers]`` as a Sequential that keeps the layers' original names (``"3"``, ``"4"``).
+def check_tied_layers(
+    module: LightningModule, attr: str, body: nn.Sequential, stages: Sequence[range]
+) -> None:
+    """Refuse a parameter shared by layers of different stages (tied weights).
 
-    So a stage's ``state_dict`` keys are the single-process ones (``pipeline.3.weight``).
+    Each stage would hold its own copy and update it with its own gradient only (the single-process model
+    sums both uses' gradients into one tensor), and a stage's replica of its successor would share the
+    tensor with the stage itself, so the replica's optimizer step would move the stage's weights.
+
+    Raises:
+        TypeError: naming both uses, their stages, and how to keep them on one stage.
     """
-    return nn.Sequential(OrderedDict((str(i), body[i]) for i in layers))
+    stage_of = {layer: stage for stage, layers in enumerate(stages) for layer in layers}
+    first_use: dict[int, tuple[int, str]] = {}
+    for index, layer in enumerate(body):
+        for name, param in layer.named_parameters():
+            other, other_name = first_use.setdefault(id(param), (index, name))
+            if stage_of[other] != stage_of[index]:
+                raise TypeError(
+                    f"{type(module).__name__}.{attr}.{other}.{other_name} and {attr}.{index}.{name} are the "
+                    f"same parameter (tied weights) but layers {other} and {index} are on different stages "
+                    f"({stage_of[other]} and {stage_of[index]}); BambooStrategy cannot share a parameter "
+                    "between processes. Untie them, or pass BambooStrategy(layer_costs=...) so that one "
+                    "stage holds both layers"
+                )
 
 
-class _Passthrough(nn.Module):
-    """Stands in for the pipeline body during a replay: returns its input."""
+def check_stage_parameters(
+    module: LightningModule, attr: str, body: nn.Sequential, stages: Sequence[range]
+) -> None:
+    """Refuse a stage that holds no trainable parameter (all its layers parameter-free or frozen).
+
+    Its process (and the predecessor building the replica's optimizer) would call ``configure_optimizers``
+    over no parameters, which torch refuses with "optimizer got an empty parameter list", an error that
+    names neither the stage nor the fix.
+
+    Raises:
+        TypeError: naming the stage, its layers and how to move the boundary.
+    """
+    for stage, layers in enumerate(stages):
+        if not any(p.requires_grad for index in layers for p in body[index].parameters()):
+            raise TypeError(
+                f"stage {stage} of {type(module).__name__}.{attr} (layers {layers.start}-{layers.stop - 1}: "
+                f"{', '.join(type(body[index]).__name__ for index in layers)}) holds no trainable parameter, "
+                "so its optimizer would have nothing to optimize; every stage needs one. Pass "
+                "BambooStrategy(layer_costs=...) so that each stage gets a layer with trainable parameters, "
+                "or use fewer stages"
+            )
+
+
+def warn_batch_statistics(
+    module: LightningModule, attr: str, body: nn.Sequential, num_microbatches: int
+) -> None:
+    """Warn (rank 0) that BatchNorm layers normalize each micro-batch, not the batch, when ``M > 1``.
+
+    Not an error: training works and the replicas stay exact, but the losses and the running statistics
+    (updated once per micro-batch) differ from a single process's, which sees the whole batch at once.
+    """
+    if num_microbatches == 1:
+        return
+    batch_norm = nn.modules.batchnorm._BatchNorm
+    norms = [f"{attr}.{name}" for name, layer in body.named_modules() if isinstance(layer, batch_norm)]
+    if norms:
+        rank_zero_warn(
+            f"{type(module).__name__}.{attr} has BatchNorm layers ({', '.join(norms)}): "
+            f"with num_microbatches ({num_microbatches}) > 1 each normalizes every micro-batch by the "
+            "micro-batch's own statistics and updates its running statistics once per micro-batch, so "
+            "training differs from a single process on the whole batch. Use num_microbatches=1, or "
+            "a per-sample normalization (LayerNorm, GroupNorm)"
+        )
+
+
+def sub_sequential(body: nn.Sequential, layers: range) -> StageSequential:
+    """``body[layers]`` as a Sequential that keeps the layers' original names (``"3"``, ``"4"``) and indices.
+
+    So a stage's ``state_dict`` keys are the single-process ones (``pipeline.3.weight``), and
+    ``stage[i]`` is layer ``i`` of the whole body (see :class:`StageSequential`).
+    """
+    return StageSequential(OrderedDict((str(i), body[i]) for i in layers), len(body))
+
+
+class LayerOnAnotherStage(nn.Module):
+    """What ``stage[i]`` gives for a layer of the body that another process holds: no parameters, no forward.
+
+    So ``configure_optimizers`` code such as ``self.pipeline[-1].parameters()`` (a param group for the head)
+    picks exactly the head's parameters on every stage: none on a stage that does not hold the head.
+    """
+
+    def __init__(self, index: int, held: list[int]) -> None:
+        super().__init__()
+        self.index = index
+        self.held = held
+
+    def _where(self) -> str:
+        index, held = self.__dict__.get("index"), self.__dict__.get("held")
+        return f"layer {index} of the pipeline body lives on another stage; this process holds {held}"
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(self._where())
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            raise AttributeError(f"{name!r}: {self._where()}") from None
+
+
+class StageSequential(nn.Sequential):
+    """The layers of one stage, indexed like the whole body: ``stage[i]`` is layer ``i`` of the body.
+
+    A plain ``nn.Sequential`` of the stage's layers would index them from 0, so user code written for the
+    whole body (``self.pipeline[-1]``: the head; ``self.pipeline[0]``: the embedding) would silently pick
+    another layer of the stage, e.g. give stage 0's last layer the head's learning rate. Layers held by
+    another stage come back as a :class:`LayerOnAnotherStage`; a slice keeps the layers of the range this
+    stage holds. ``len`` and iteration are the stage's own layers (its forward runs them in order).
+    """
+
+    def __init__(self, layers: OrderedDict[str, nn.Module], body_length: int) -> None:
+        super().__init__(layers)
+        self.body_length = body_length
+
+    def __getitem__(self, idx: int | slice) -> nn.Module:  # type: ignore[override]
+        if isinstance(idx, slice):
+            held = [i for i in range(self.body_length)[idx] if str(i) in self._modules]
+            layers = OrderedDict((str(i), self._modules[str(i)]) for i in held)
+            return StageSequential(layers, self.body_length)  # type: ignore[arg-type]
+        index = operator.index(idx)
+        if not -self.body_length <= index < self.body_length:
+            raise IndexError(f"index {index} is out of range: the body has {self.body_length} layers")
+        index %= self.body_length
+        layer = self._modules.get(str(index))
+        if layer is None:
+            return LayerOnAnotherStage(index, [int(name) for name in self._modules])
+        return layer
+
+
+def check_replayed_loss(module: LightningModule, returned: Any, loss: Tensor) -> None:
+    """Refuse a replayed ``training_step`` that returned another loss than the pipeline's.
+
+    Under Bamboo the gradients come from the schedule, which back-propagates ``pipeline_loss`` only: a
+    ``training_step`` that adds a term (a regularizer), scales the loss, or calls the body on something
+    other than ``pipeline_inputs(batch)`` would train differently from a single process, silently.
+
+    Args:
+        module: the user's LightningModule.
+        returned: what its ``training_step`` returned during :func:`replay_step` (a tensor, a mapping with
+            ``"loss"``, or ``None``: Lightning skips the step).
+        loss: the loss the pipeline schedule computed.
+
+    Raises:
+        ValueError: with both values and what the contract expects.
+    """
+    value = returned.get("loss") if isinstance(returned, Mapping) else returned
+    if value is None or value is loss:
+        return
+    shown = type(value).__name__
+    if isinstance(value, Tensor) and value.numel() == 1:
+        number = float(value.detach())
+        tolerance = 4 * torch.finfo(value.dtype).eps if value.is_floating_point() else 0.0
+        if abs(number - float(loss)) <= tolerance * max(abs(float(loss)), 1.0):
+            return  # the pipeline's loss, cast or copied
+        shown = f"{number:.6g}"
+    raise ValueError(
+        f"{type(module).__name__}.training_step returned the loss {shown}, but the pipeline's loss is "
+        f"{float(loss):.6g}: under BambooStrategy the pipeline schedule back-propagates pipeline_loss only, "
+        "so training_step must return self.pipeline_loss(self.pipeline(self.pipeline_inputs(batch)), batch) "
+        "unchanged. Move any extra term (a regularizer, a scale) into pipeline_loss"
+    )
+
+
+class _Passthrough(nn.Sequential):
+    """Stands in for the pipeline body during a replay: returns its input, but holds the stage's layers, so
+    ``self.parameters()`` in the step still sees them (and :func:`check_replayed_loss` sees a term added
+    from them, e.g. a regularizer)."""
 
     def forward(self, x: Any) -> Any:
         return x
@@ -122,7 +289,7 @@ def replay_step(module: LightningModule, attr: str, loss: Tensor) -> Iterator[No
     """
     body = module._modules[attr]
     saved = {hook: module.__dict__.get(hook) for hook in REQUIRED_HOOKS}
-    module._modules[attr] = _Passthrough()
+    module._modules[attr] = _Passthrough(OrderedDict(body._modules) if body is not None else OrderedDict())
     module.__dict__["pipeline_inputs"] = lambda batch: batch
     module.__dict__["pipeline_loss"] = lambda outputs, batch: loss
     try:

@@ -61,7 +61,13 @@ from lightning_bamboo import fallback as fb
 from lightning_bamboo import membership as ms
 from lightning_bamboo import progress as trainer_progress
 from lightning_bamboo.clipping import ClipPlan, apply_clipping, plan_clipping
-from lightning_bamboo.contract import check_contract, find_pipeline_body
+from lightning_bamboo.contract import (
+    StageSequential,
+    check_contract,
+    check_stage_parameters,
+    check_tied_layers,
+    find_pipeline_body,
+)
 from lightning_bamboo.cutter import GenerationCutter
 from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
@@ -390,6 +396,8 @@ class ElasticBambooStrategy(BambooStrategy):
         self._body_attr = attr
         costs = self._layer_costs if self._layer_costs is not None else estimate_layer_costs(list(body))
         self._stage_layers = StageLayout.plan(costs, self._num_stages, self._num_stages).stage_layers
+        check_tied_layers(module, attr, body, self._stage_layers)
+        check_stage_parameters(module, attr, body, self._stage_layers)
         self._layers = {i: body[i] for i in range(len(body))}
         if self._env is not None and self._env.joining:
             self._setup_joiner(trainer)
@@ -476,12 +484,12 @@ class ElasticBambooStrategy(BambooStrategy):
         replica_layers = [layer for s in owners.replica_stages_of(me) for layer in self._stage_layers[s]]
         for layer in own_layers + replica_layers:
             self._layers[layer] = self._held[layer].module
-        stage = nn.Sequential(OrderedDict((str(i), self._layers[i]) for i in own_layers))
+        stage = StageSequential(OrderedDict((str(i), self._layers[i]) for i in own_layers), len(self._layers))
         setattr(stage, _STAGE_MARK, True)
         self._stage_module = stage
         self.lightning_module._modules[self._body_attr] = stage
         self.replica = (
-            nn.Sequential(OrderedDict((str(i), self._layers[i]) for i in replica_layers))
+            StageSequential(OrderedDict((str(i), self._layers[i]) for i in replica_layers), len(self._layers))
             if replica_layers
             else None
         )

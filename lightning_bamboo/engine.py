@@ -51,6 +51,7 @@ from lightning_bamboo.schedule import Action, ActionKind, Schedule, rank_program
 from lightning_bamboo.schedule.lowering import Comm, LoweredAction, lower_schedule
 from lightning_bamboo.transfers import Kind, ShapeCache, StepTransfers, microbatch_signature
 
+CONTIGUOUS = torch.contiguous_format
 InputsFn = Callable[[Any], Tensor]
 LossFn = Callable[[Tensor, Any], Tensor]
 
@@ -175,7 +176,8 @@ class PipelineEngine:
             self.device,
             keys,
             self.shapes,
-            gradient_buffer=lambda mb: torch.empty_like(step.outputs[mb]),
+            # dense: the output may be a strided view (x.transpose(1, 2)); gloo receives into dense ones
+            gradient_buffer=lambda mb: torch.empty_like(step.outputs[mb], memory_format=CONTIGUOUS),
             trace=self.trace,
             clock=self.clock,
         )
@@ -203,14 +205,14 @@ class PipelineEngine:
         assert transfers is not None
         if action.kind is ActionKind.FORWARD:
             if self.groups.is_first_stage:
-                x = self.inputs_fn(microbatches[mb])
+                x = _model_input(self.inputs_fn(microbatches[mb]))
             else:
                 x = transfers.take(Kind.ACTIVATION, mb)
                 if train and x.is_floating_point():
                     x.requires_grad_(True)
             # the stage runs on a copy of a received leaf: an in-place first layer (ReLU(inplace=True))
             # may not write into a leaf that requires grad
-            y = self.stage(x.clone() if x.requires_grad else x)
+            y = _one_tensor(self.stage(x.clone() if x.requires_grad else x), self.stage, self.groups.stage)
             if last:
                 loss = self.loss_fn(y, microbatches[mb])
                 step.losses.append(loss.detach())
@@ -251,10 +253,15 @@ class PipelineEngine:
         # inference mode, not only no_grad: no version counters or view tracking either (about 14% less CPU
         # per FR here); the outputs are kept for a takeover only, never recorded by autograd
         assert self.replica is not None
-        x = self.inputs_fn(microbatch) if self.groups.is_last_stage else kept_for_fr.pop(mb)
+        x = _model_input(self.inputs_fn(microbatch)) if self.groups.is_last_stage else kept_for_fr.pop(mb)
         # a copy: ``x`` is this rank's own output (in flight to the successor, kept for its backward) or the
         # micro-batch, and the replica's first layer may work in place (ReLU(inplace=True))
-        self.redundant_outputs[mb] = self.replica(x.to(self.replica_device, copy=True)).detach()
+        # laid out as the successor gets it (a received activation is dense; stage 0 takes inputs_fn's as is):
+        # a strided output (x.transpose) would run other kernels here and round differently
+        layout = torch.preserve_format if self.groups.is_last_stage else CONTIGUOUS
+        out = self.replica(x.to(self.replica_device, copy=True, memory_format=layout))
+        successor = (self.groups.stage + 1) % self.groups.num_stages
+        self.redundant_outputs[mb] = _one_tensor(out, self.replica, successor).detach()
 
     def _average_gradients(self) -> None:
         """Mean of the stage's gradients over the pipelines (one flat all-reduce per dtype)."""
@@ -309,6 +316,29 @@ def forward_only_schedule(num_stages: int, num_microbatches: int) -> Schedule:
             row[stage + mb] = Action(stage, ActionKind.FORWARD, mb)
         schedule[stage] = row
     return schedule
+
+
+def _model_input(value: Any) -> Tensor:
+    """``pipeline_inputs``' result if it is one tensor; else the contract's error (not an AttributeError)."""
+    if isinstance(value, Tensor):
+        return value
+    raise TypeError(
+        f"pipeline_inputs(batch) returned a {type(value).__name__}, expected one tensor (the input of the "
+        "body's first layer); put several inputs into one tensor, or let the first layer take them from it"
+    )
+
+
+def _one_tensor(output: Any, stage: nn.Module, index: int) -> Tensor:
+    """``output`` if it is a tensor; else the contract's error (a stage's output crosses to another process
+    as one tensor, and the last stage's is kept by its predecessor's replica), naming the stage's layers."""
+    if isinstance(output, Tensor):
+        return output
+    layers = ", ".join(f"{name}: {type(layer).__name__}" for name, layer in stage.named_children())
+    raise TypeError(
+        f"stage {index} (layers {layers}) returned a {type(output).__name__}, expected one tensor: every "
+        "element of the pipeline body takes and returns one tensor, as a stage's output is sent to the next "
+        "stage. Return one tensor (e.g. concatenate, or keep the layers that pass a tuple inside one module)"
+    )
 
 
 def _by_dtype(tensors: list[Tensor]) -> list[list[Tensor]]:

@@ -48,7 +48,16 @@ from typing_extensions import override
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
 from lightning_bamboo.clipping import NORM, apply_clipping, plan_clipping
-from lightning_bamboo.contract import check_contract, find_pipeline_body, replay_step, sub_sequential
+from lightning_bamboo.contract import (
+    check_contract,
+    check_replayed_loss,
+    check_stage_parameters,
+    check_tied_layers,
+    find_pipeline_body,
+    replay_step,
+    sub_sequential,
+    warn_batch_statistics,
+)
 from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.events import BambooEventsMixin
 from lightning_bamboo.groups import BambooGroups
@@ -308,6 +317,9 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         self._body_attr = attr
         costs = self._layer_costs if self._layer_costs is not None else estimate_layer_costs(list(body))
         self.layout = self._plan_layout(body, costs)
+        check_tied_layers(module, attr, body, self.layout.stage_layers)
+        check_stage_parameters(module, attr, body, self.layout.stage_layers)
+        warn_batch_statistics(module, attr, body, self._num_microbatches)
         rank_zero_info(f"BambooStrategy layout:\n{self.layout.describe(costs=costs)}")
         self.groups = BambooGroups.create(self.layout, self.global_rank, self._timeout)
         stage = self.groups.stage
@@ -433,7 +445,9 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         for p, grad in zip(params, earlier):
             p.grad = grad
         with replay_step(self.lightning_module, self._body_attr, loss):
-            return self.lightning_module.training_step(*args, **kwargs)
+            output = self.lightning_module.training_step(*args, **kwargs)
+        check_replayed_loss(self.lightning_module, output, loss)
+        return output
 
     def _stage0_batch(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, tuple, dict[str, Any]]:
         """Every stage of a pipeline uses stage 0's batch (random augmentation may differ per process)."""

@@ -51,6 +51,9 @@ CASES: dict[str, tuple[int, int, str, list[str], list[str] | None]] = {
     "accumulate": (2, 1, "sgd", ["--accumulate", "2"], ["--accumulate", "2"]),
     "per-layer-lr": (2, 1, "sgd", ["--variant", "per-layer-lr"], ["--variant", "per-layer-lr"]),
     "unused": (2, 1, "adam", ["--variant", "unused"], ["--variant", "unused"]),
+    # test_found_bugs.py, sweep of user models (bsweep)
+    "head-lr": (2, 1, "sgd", ["--variant", "head-lr"], ["--variant", "head-lr"]),
+    "strided": (2, 1, "sgd", ["--variant", "strided"], ["--variant", "strided"]),
     "inplace": (2, 1, "sgd", ["--variant", "inplace"], ["--variant", "inplace"]),
     "rank-noise": (2, 1, "sgd", ["--data", "rank-noise"], ["--data", "rank-noise"]),
     "partial-last-batch": (2, 1, "sgd", ["--extra-samples", "2"], ["--extra-samples", "2"]),

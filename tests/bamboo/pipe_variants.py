@@ -33,6 +33,41 @@ class PerLayerLr(PipeMLP):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class HeadLr(PipeMLP):
+    """A param group for the head picked as ``self.pipeline[-1]``, ten times the learning rate of the rest.
+
+    On stage 0 of 2 (layers 0-2) a stage body indexed from 0 would give ``pipeline[-1]`` = layer 2, which
+    would then train with the head's learning rate (and the head on stage 1 would too): silently wrong.
+    """
+
+    @override
+    def configure_optimizers(self):  # type: ignore[override]
+        head = list(self.pipeline[-1].parameters())
+        rest = [p for p in self.parameters() if all(p is not h for h in head)]
+        groups = [{"params": rest}, {"params": head, "lr": self.lr * 10}]
+        return torch.optim.SGD(groups, lr=self.lr, momentum=0.9, nesterov=True)
+
+
+class ColumnMajorLinear(nn.Linear):
+    """A Linear whose output has the same shape and values but column-major strides (as ``x.transpose``
+    leaves them): a stage ending with it sends a non-contiguous activation and receives its gradient."""
+
+    @override
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x).t().contiguous().t()
+
+
+class StridedOutput(PipeMLP):
+    """PipeMLP whose stage 0 of 2 (layers 0-2) ends with a :class:`ColumnMajorLinear` (same weights)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        plain = self.pipeline[2]
+        strided = ColumnMajorLinear(plain.in_features, plain.out_features).to(plain.weight.dtype)
+        strided.load_state_dict(plain.state_dict())
+        self.pipeline[2] = strided
+
+
 class Unused(nn.Module):
     """Identity with a trainable parameter that takes no part in the forward, so its ``.grad`` stays None."""
 
@@ -102,6 +137,8 @@ class InplaceFirst(PipeMLP):
 VARIANTS: dict[str, type[PipeMLP]] = {
     "mlp": PipeMLP,
     "per-layer-lr": PerLayerLr,
+    "head-lr": HeadLr,
+    "strided": StridedOutput,
     "unused": WithUnused,
     "state": WithState,
     "inplace": InplaceFirst,

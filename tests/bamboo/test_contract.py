@@ -7,7 +7,16 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_bamboo.contract import check_contract, find_pipeline_body, replay_step, sub_sequential
+from lightning_bamboo.contract import (
+    check_contract,
+    check_replayed_loss,
+    check_stage_parameters,
+    check_tied_layers,
+    find_pipeline_body,
+    replay_step,
+    sub_sequential,
+    warn_batch_statistics,
+)
 from tests.bamboo.pipe_mlp import PipeMLP, make_data
 
 
@@ -100,3 +109,91 @@ def test_replay_returns_the_given_loss_and_restores_the_module() -> None:
     # and the real hooks work again
     real = model.pipeline_loss(model.pipeline(model.pipeline_inputs((x, y))), (x, y))
     assert real.requires_grad and real.item() != pytest.approx(0.125)
+
+
+def test_stage_indexes_layers_like_the_whole_body() -> None:
+    """``self.pipeline[-1]`` in configure_optimizers must be the head on every stage, not the stage's last
+    layer (which would silently get the head's param group): layers of other stages have no parameters."""
+    model = PipeMLP()  # L T L T L T L
+    first, last = sub_sequential(model.pipeline, range(0, 3)), sub_sequential(model.pipeline, range(3, 7))
+    assert last[-1] is model.pipeline[6] and last[3] is model.pipeline[3] and first[0] is model.pipeline[0]
+    assert list(first[-1].parameters()) == [] and list(last[0].parameters()) == []
+    assert [list(s) for s in (first[1:], last[1:])] == [list(model.pipeline[1:3]), list(model.pipeline[3:])]
+    assert len(first) == 3 and list(first) == list(model.pipeline[:3])  # iteration/forward: its own layers
+    with pytest.raises(RuntimeError, match=r"layer 6 of the pipeline body lives on another stage; "
+                       r"this process holds \[0, 1, 2\]"):
+        first[-1](torch.zeros(1, 8))
+    with pytest.raises(AttributeError, match=r"'weight': layer 0 of the pipeline body lives on another"):
+        last[0].weight  # noqa: B018
+    with pytest.raises(IndexError, match=r"index 7 is out of range: the body has 7 layers"):
+        first[7]
+
+
+def test_tied_weights_across_stages_are_refused() -> None:
+    model = PipeMLP()
+    model.pipeline[4].weight = model.pipeline[0].weight
+    check_tied_layers(model, "pipeline", model.pipeline, [range(0, 5), range(5, 7)])  # one stage holds both
+    match = (r"PipeMLP.pipeline.0.weight and pipeline.4.weight are the same parameter \(tied weights\) but "
+             r"layers 0 and 4 are on different stages \(0 and 1\)")
+    with pytest.raises(TypeError, match=match):
+        check_tied_layers(model, "pipeline", model.pipeline, [range(0, 3), range(3, 7)])
+
+
+def test_stage_without_trainable_parameters_is_refused() -> None:
+    model = PipeMLP()  # L T L T L T L
+    model.pipeline[0].requires_grad_(False)
+    check_stage_parameters(model, "pipeline", model.pipeline, [range(0, 3), range(3, 7)])
+    with pytest.raises(TypeError, match=r"stage 0 of PipeMLP.pipeline \(layers 0-1: Linear, Tanh\) holds no "
+                       r"trainable parameter"):
+        check_stage_parameters(model, "pipeline", model.pipeline, [range(0, 2), range(2, 7)])
+    with pytest.raises(TypeError, match=r"stage 1 of PipeMLP.pipeline \(layers 3-3: Tanh\) holds no"):
+        check_stage_parameters(model, "pipeline", model.pipeline, [range(0, 3), range(3, 4), range(4, 7)])
+
+
+def test_stage_returning_a_tuple_is_refused() -> None:
+    """A tuple passed between two elements works in one nn.Sequential, but not across a stage boundary."""
+    from lightning_bamboo.engine import _model_input, _one_tensor
+
+    class Pair(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x, x
+
+    stage = sub_sequential(nn.Sequential(nn.Linear(2, 2), Pair(), nn.Identity()), range(0, 2))
+    output = torch.zeros(1)
+    assert _one_tensor(output, stage, 0) is output
+    match = (r"stage 0 \(layers 0: Linear, 1: Pair\) returned a tuple, expected one tensor: every element of "
+             r"the pipeline body takes and returns one tensor")
+    with pytest.raises(TypeError, match=match):
+        _one_tensor(stage(torch.zeros(1, 2)), stage, 0)
+    assert _model_input(output) is output
+    with pytest.raises(TypeError, match=r"pipeline_inputs\(batch\) returned a dict, expected one tensor"):
+        _model_input({"ids": output, "mask": output})
+
+
+def test_batchnorm_with_microbatches_warns() -> None:
+    """BatchNorm normalizes each micro-batch by its own statistics: training differs from one process."""
+    model = PipeMLP()
+    model.pipeline.insert(1, nn.BatchNorm1d(8))
+    warn_batch_statistics(model, "pipeline", model.pipeline, 1)  # one micro-batch: the batch's statistics
+    with pytest.warns(UserWarning, match=r"PipeMLP.pipeline has BatchNorm layers \(pipeline.1\): with "
+                      r"num_microbatches \(2\) > 1 each normalizes every micro-batch"):
+        warn_batch_statistics(model, "pipeline", model.pipeline, 2)
+
+
+def test_training_step_must_return_the_pipeline_loss() -> None:
+    """An extra term added in training_step is never back-propagated under bamboo: refused, not ignored."""
+
+    class Regularized(PipeMLP):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            loss = self.pipeline_loss(self.pipeline(self.pipeline_inputs(batch)), batch)
+            return loss + 0.5 * sum(p.square().sum() for p in self.parameters())
+
+    model, loss = Regularized(), torch.tensor(0.125, dtype=torch.float64)
+    with replay_step(model, "pipeline", loss):
+        returned = model.training_step(make_data(4), 0)
+    match = (r"Regularized.training_step returned the loss [0-9.]+, but the pipeline's loss is 0.125: under "
+             r"BambooStrategy the pipeline schedule back-propagates pipeline_loss only")
+    with pytest.raises(ValueError, match=match):
+        check_replayed_loss(model, returned, loss)
+    for same in (loss, {"loss": loss}, loss.float(), None):  # the loss itself, cast, or a skipped step
+        check_replayed_loss(model, same, loss)

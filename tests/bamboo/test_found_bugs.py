@@ -40,6 +40,18 @@ def test_replica_takes_the_successors_hyperparameters(matches) -> None:
     matches("per-layer-lr")
 
 
+def test_param_group_of_the_head_by_index(matches) -> None:
+    """``self.pipeline[-1]`` in configure_optimizers is the head on every stage (stage 0's own last layer
+    trained with the head's learning rate before); Nesterov momentum on the replica too."""
+    matches("head-lr")
+
+
+def test_stage_output_with_strides(matches) -> None:
+    """Stage 0's output is a column-major view (as x.transpose leaves it): its gradient's receive buffer
+    was allocated with the same strides and gloo refused it ("input tensor has to be contiguous")."""
+    matches("strided")
+
+
 def test_parameter_without_gradient_is_not_stepped_on_the_replica(matches) -> None:
     """Adam with weight decay skips a parameter whose .grad is None; so must the replica's optimizer."""
     matches("unused")

@@ -65,9 +65,9 @@ class Snapshot(Callback):
         if isinstance(strategy, BambooStrategy):
             assert strategy.engine is not None
             for mb, value in enumerate(self.forwards):
-                tensors[f"fwd/{mb}"] = value.cpu()
+                tensors[f"fwd/{mb}"] = value.contiguous().cpu()
             for mb, value in strategy.engine.redundant_outputs.items():
-                tensors[f"fr/{mb}"] = value.cpu()
+                tensors[f"fr/{mb}"] = value.contiguous().cpu()
         save_file(tensors, str(self.out / f"step{trainer.global_step}_rank{trainer.global_rank}.safetensors"))
 
 
