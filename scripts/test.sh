@@ -24,8 +24,7 @@ fi
 
 # Two pytest sessions side by side on the 2 cores: the multi-process and services tests one after another
 # (at most one launch of training processes at a time; one user of the local services at a time), and the
-# in-process tests (one core) beside them at a lower CPU priority (nice 10), filling the launches' idle time
-# instead of taking CPU from the launched processes, which wait on each other. Exit status 5 (no test selected,
+# in-process tests (one core) beside them, filling the launches' idle time. Exit status 5 (no test selected,
 # e.g. a file of one kind passed as an argument) counts as success unless both sessions selected nothing.
 # TEST_SPLIT=0 (or a -m selection of the caller's): one session.
 split=${TEST_SPLIT:-1}
@@ -41,7 +40,7 @@ if [[ "$split" == 0 ]]; then
 fi
 inproc_log="$services_dir/inprocess.log"
 set +e
-nice -n 10 "$PY" -m pytest -m "not multiprocess and not services" "$@" >"$inproc_log" 2>&1 &
+"$PY" -m pytest -m "not multiprocess and not services" "$@" >"$inproc_log" 2>&1 &
 inproc_pid=$!
 pids+=("$inproc_pid")
 "$PY" -m pytest -m "multiprocess or services" "$@"
