@@ -110,7 +110,7 @@ def _grid_keep(key: int, row_ids: Tensor, width: int, p: float) -> Iterator[tupl
     keys = _row_keys(key, row_ids).numpy().view(np.uint32)
     cols = np.arange(width, dtype=np.uint32) * np.uint32(_GOLDEN32)
     threshold = round(p * 2**32) - 2**31
-    step = max(1, CHUNK_ENTRIES // max(width, 1))
+    step = _rows_per_chunk(width)
     z = np.empty((min(step, len(keys)), width), np.uint32)
     scratch, keep = np.empty_like(z), np.zeros(z.shape, bool)
     for a in range(0, len(keys), step):
@@ -120,6 +120,11 @@ def _grid_keep(key: int, row_ids: Tensor, width: int, p: float) -> Iterator[tupl
             np.add(keys[a:b, None], cols, out=zc)
             np.greater_equal(_murmur_np_(zc, scratch[: b - a]).view(np.int32), np.int32(threshold), out=kc)
         yield a, b, kc
+
+
+def _rows_per_chunk(width: int) -> int:
+    """Rows of ``width`` entries hashed per pass (at least one)."""
+    return max(1, CHUNK_ENTRIES // max(width, 1))
 
 
 def _mask_into(out: Tensor, keep: np.ndarray) -> None:
@@ -144,8 +149,13 @@ def entry_hashes(key: int, row_ids: Tensor, rows: Tensor, cols: Tensor) -> Tenso
     return _entry_hash_(z)
 
 
+def _scale_(mask: Tensor, p: float) -> Tensor:
+    """A 0/1 mask scaled in place to 0 or ``1 / (1 - p)`` (left 0/1 for ``p = 1``, where all is dropped)."""
+    return mask.div_(1.0 - p) if p < 1.0 else mask
+
+
 def _scale_mask(keep: Tensor, p: float, dtype: torch.dtype) -> Tensor:
-    return keep.to(dtype).div_(1.0 - p) if p < 1.0 else keep.to(dtype)
+    return _scale_(keep.to(dtype), p)
 
 
 def _check_p(p: float) -> None:
@@ -176,10 +186,10 @@ def row_dropout(x: Tensor, row_ids: Tensor, p: float, training: bool, key: int) 
     if x.requires_grad or x.device.type != "cpu":  # autograd keeps the mask for the backward
         return x * dropout_mask(row_ids, width, p, key, x.dtype).view(x.shape)
     flat, out = x.reshape(x.shape[0], width), torch.empty((x.shape[0], width), dtype=x.dtype)
-    mask = torch.empty((min(CHUNK_ENTRIES // max(width, 1) or 1, x.shape[0]), width), dtype=x.dtype)
+    mask = torch.empty((min(_rows_per_chunk(width), x.shape[0]), width), dtype=x.dtype)
     for a, b, keep in _grid_keep(key, row_ids, width, p):  # x * mask, chunk by chunk: no full-size mask
         _mask_into(mask[: b - a], keep)
-        chunk = mask[: b - a].div_(1.0 - p) if p < 1.0 else mask[: b - a]  # as _scale_mask
+        chunk = _scale_(mask[: b - a], p)
         torch.mul(flat[a:b], chunk, out=out[a:b])
     return out.view(x.shape)
 
@@ -194,7 +204,7 @@ def dropout_mask(row_ids: Tensor, width: int, p: float, key: int, dtype: torch.d
         mask = torch.empty((row_ids.numel(), width), dtype=dtype)
         for a, b, keep in _grid_keep(key, row_ids, width, p):
             _mask_into(mask[a:b], keep)
-        return mask.div_(1.0 - p) if p < 1.0 else mask  # as _scale_mask, in place
+        return _scale_(mask, p)
     return _device_mask(row_ids, width, p, key, dtype)
 
 

@@ -12,7 +12,7 @@ the graph server. No autograd state crosses the executor boundary, only named ar
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_dorylus.executors import TensorOpExecutor, TensorOpRequest
-from lightning_dorylus.nn.runahead import Prefetch
+from lightning_dorylus.nn.runahead import Prefetch, RunAhead
 from lightning_dorylus.ops.handlers import OPS
 from lightning_dorylus.ops.spec import OpSpec
 
@@ -138,6 +138,41 @@ def output_grads(
             shape, dtype = output_like[name]
             tensors[key] = to_host(grad) if grad is not None else torch.zeros(shape, dtype=dtype)
     return tensors
+
+
+def submit_rows(
+    call: OpCall, rows: Callable[[int, int], Tensor], input_name: str, shared: dict[str, Tensor],
+    spans: Sequence[Span],
+) -> tuple[list[Tensor], list[Future]]:
+    """Interval ``i``'s row input made by ``rows(a, b)`` and its ``call.op`` request sent, then ``i + 1``'s
+    while ``i``'s is out; ``shared`` (weights) go as the op declares them. The rows sent, and the futures."""
+    spec = op_spec(call.op)
+    xs, futures = [], []
+    for i, span in enumerate(spans):
+        x_i = to_host(rows(span[0], span[1]))
+        xs.append(x_i)
+        inputs = {input_name: x_i, **slice_inputs(spec, shared, span)}
+        futures.append(call.executor.submit(TensorOpRequest(call.op, inputs, call.attrs, interval=i)))
+    return xs, futures
+
+
+def send_ahead(
+    call: OpCall, source: Any, input_name: str, params: dict[str, Tensor], spans: Sequence[Span], cut: list,
+    runahead: RunAhead, layer: int,
+) -> None:
+    """Send the next step's first-layer requests now (rows from ``source`` under its ``next_key``), with
+    ``params`` as they are: copied, as the optimizer updates them in place while the requests may still wait
+    to be encoded, and the next backward may need exactly this version. Kept in ``runahead`` under
+    ``layer``, with ``cut`` (what the requests were cut by) for the next forward to match."""
+    source = dataclasses.replace(source, key=source.next_key, next_key=None)
+    version = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in params.items()}
+    xs, futures = submit_rows(call, source.rows, input_name, version, spans)
+    runahead.put(layer, Prefetch(source.key, cut, xs, futures, version))
+
+
+def block_spans(blocks: Sequence[Any]) -> list[Span]:
+    """The row spans of column blocks (vertex ops: no edge span)."""
+    return [(a, b, 0, 0) for a, b in (block.rows for block in blocks)]
 
 
 @dataclass
@@ -315,13 +350,8 @@ class ApplyGather(torch.autograd.Function):
             w, xs, futures = prefetch.weights["weight"], prefetch.xs, prefetch.futures
         else:
             w = to_host(weight)
-            xs, futures = [], []
-            for i, block in enumerate(blocks):
-                a, b = block.rows
-                x_i = to_host(x[a:b] if x is not None else source.rows(a, b))
-                xs.append(x_i)
-                futures.append(call.executor.submit(
-                    TensorOpRequest(call.op, {"z": x_i, "weight": w}, call.attrs, interval=i)))
+            rows = source.rows if x is None else (lambda a, b: x[a:b])
+            xs, futures = submit_rows(call, rows, "z", {"weight": w}, block_spans(blocks))
         n_local = blocks[-1].rows[1]
         z = torch.zeros((n_local, w.size(1)), dtype=w.dtype)
         ps = []
@@ -357,27 +387,12 @@ class ApplyGather(torch.autograd.Function):
             futures.append(call.executor.submit(TensorOpRequest(bwd_name, inputs, attrs, interval=i)))
         del ctx.xs, ctx.ps
         if ctx.runahead is not None and ctx.source.next_key is not None:
-            _run_ahead(ctx, ctx.saved_tensors[0])
+            send_ahead(call, ctx.source, "z", {"weight": ctx.saved_tensors[0]}, block_spans(ctx.blocks),
+                       ctx.blocks, ctx.runahead, ctx.layer)
         outs = [call.executor.wait([future])[0] for future in futures]
         merged = merge_outputs(op_spec(bwd_name), outs)
         grad_x = merged["grad_z"].to(ctx.device) if needs_x else None
         return None, None, None, None, None, grad_x, merged["grad_weight"].to(ctx.device)
-
-
-def _run_ahead(ctx: Any, weight: Tensor) -> None:
-    """Send the next epoch's first-layer AV requests now, with the current weights (copied: the optimizer
-    updates the parameter in place while they may still be waiting to be encoded)."""
-    call: OpCall = ctx.call
-    source = dataclasses.replace(ctx.source, key=ctx.source.next_key, next_key=None)
-    w = weight.detach().to("cpu", copy=True).contiguous()
-    xs, futures = [], []
-    for i, block in enumerate(ctx.blocks):
-        a, b = block.rows
-        x_i = to_host(source.rows(a, b))
-        xs.append(x_i)
-        futures.append(call.executor.submit(TensorOpRequest(call.op, {"z": x_i, "weight": w}, call.attrs,
-                                                            interval=i)))
-    ctx.runahead.put(ctx.layer, Prefetch(source.key, ctx.blocks, xs, futures, {"weight": w}))
 
 
 class _GhostGather(torch.autograd.Function):

@@ -11,8 +11,6 @@ no GA fused to it, e.g. GAT's ``gat.project``). Slicing, per-interval submission
 
 from __future__ import annotations
 
-import dataclasses
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -22,15 +20,16 @@ from lightning_dorylus.executors import TensorOpRequest
 from lightning_dorylus.nn.dropout import RowSource
 from lightning_dorylus.nn.functions import (
     OpCall,
-    Span,
     kept_for_backward,
     merge_outputs,
     op_spec,
     output_grads,
+    send_ahead,
     slice_inputs,
+    submit_rows,
     to_host,
 )
-from lightning_dorylus.nn.runahead import Prefetch, RunAhead
+from lightning_dorylus.nn.runahead import RunAhead
 
 
 class ApplyRows(torch.autograd.Function):
@@ -57,7 +56,7 @@ class ApplyRows(torch.autograd.Function):
             shared, xs, futures = prefetch.weights, prefetch.xs, prefetch.futures
         else:
             shared = {n: to_host(v) for n, v in zip(names, values)}
-            xs, futures = _submit(call, call.op, source, input_name, shared, spans)
+            xs, futures = submit_rows(call, source.rows, input_name, shared, spans)
         outs = merge_outputs(spec, call.executor.wait(futures))
         saved = kept_for_backward(spec, (*shared.items(), *outs.items()))  # the version this forward used
         ctx.call, ctx.input_name, ctx.names, ctx.spans, ctx.xs = call, input_name, names, spans, xs
@@ -86,7 +85,8 @@ class ApplyRows(torch.autograd.Function):
             futures.append(call.executor.submit(TensorOpRequest(bwd_name, inputs, attrs, interval=i)))
         del ctx.xs
         if ctx.runahead is not None and ctx.source.next_key is not None:
-            _run_ahead(ctx, dict(zip(ctx.names, live)))
+            send_ahead(call, ctx.source, ctx.input_name, dict(zip(ctx.names, live)), ctx.spans,
+                       list(call.intervals), ctx.runahead, ctx.layer)
         merged = merge_outputs(bwd, call.executor.wait(futures))
         needs = dict(zip(ctx.names, ctx.needs_input_grad[6:]))
         result: list[Tensor | None] = [None] * 6
@@ -94,31 +94,6 @@ class ApplyRows(torch.autograd.Function):
             grad = merged.get(f"grad_{name}")
             result.append(grad.to(ctx.device) if need and grad is not None else None)
         return tuple(result)
-
-
-def _submit(
-    call: OpCall, op: str, source: RowSource, input_name: str, shared: dict[str, Tensor], spans: list[Span]
-) -> tuple[list[Tensor], list[Future]]:
-    """Interval ``i``'s rows made and its request sent, then ``i + 1``'s while ``i``'s is out."""
-    spec = op_spec(op)
-    xs, futures = [], []
-    for i, span in enumerate(spans):
-        x_i = to_host(source.rows(span[0], span[1]))
-        xs.append(x_i)
-        inputs = {input_name: x_i, **slice_inputs(spec, shared, span)}
-        futures.append(call.executor.submit(TensorOpRequest(op, inputs, call.attrs, interval=i)))
-    return xs, futures
-
-
-def _run_ahead(ctx: Any, params: dict[str, Tensor]) -> None:
-    """Send the next step's requests now, with the parameters as they are (copied: the optimizer updates
-    them in place while the requests may still be waiting to be encoded, and the next backward needs
-    exactly this version)."""
-    call: OpCall = ctx.call
-    source = dataclasses.replace(ctx.source, key=ctx.source.next_key, next_key=None)
-    version = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in params.items()}
-    xs, futures = _submit(call, call.op, source, ctx.input_name, version, ctx.spans)
-    ctx.runahead.put(ctx.layer, Prefetch(source.key, list(call.intervals), xs, futures, version))
 
 
 def apply_rows(
