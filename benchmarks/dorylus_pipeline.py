@@ -88,6 +88,12 @@ def make_delayed_executor(inner: Any, latency_s: float, max_in_flight: int = 256
 
 
 # --------------------------------------------------------------------------- workers
+def _stat_cpu_seconds(stat: str) -> float:
+    """User + system CPU seconds from the text of a ``/proc/<pid>[/task/<tid>]/stat`` file."""
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_prepare(args: argparse.Namespace) -> dict[str, Any]:
     """Generate (or read from the cache) the graph and its partitions; not timed."""
     from lightning_dorylus.data import DorylusDataModule
@@ -151,7 +157,6 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
             """CPU seconds so far per thread kind of this server (name without its number) and its workers."""
             import threading
 
-            tick = os.sysconf("SC_CLK_TCK")
             names = {t.native_id: t.name for t in threading.enumerate()}
             out: dict[str, float] = {}
             tasks = [(f"/proc/self/task/{tid}", "") for tid in os.listdir("/proc/self/task")]
@@ -165,8 +170,7 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 name = names.get(int(path.rsplit("/", 1)[1])) if not prefix else None
                 name = prefix + (name or stat[stat.index("(") + 1 : stat.rindex(")")]).rstrip("0123456789_-")
-                fields = stat.rsplit(")", 1)[1].split()
-                out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+                out[name] = out.get(name, 0.0) + _stat_cpu_seconds(stat)
             return out
 
         def _cpu_seconds(self) -> float:
@@ -174,8 +178,7 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
             total = time.process_time()
             for pid in self.pool.worker_pids if self.pool is not None else []:
                 with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                    total += _stat_cpu_seconds(f.read())
             return total
 
         def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
