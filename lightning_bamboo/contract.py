@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -149,6 +149,16 @@ def check_stage_parameters(
             )
 
 
+def check_stage_split(
+    module: LightningModule, attr: str, body: nn.Sequential, stages: Sequence[range]
+) -> None:
+    """What a split of ``body`` into ``stages`` must satisfy, whichever strategy made it: no parameter tied
+    across stages (:func:`check_tied_layers`), a trainable parameter on every stage
+    (:func:`check_stage_parameters`)."""
+    check_tied_layers(module, attr, body, stages)
+    check_stage_parameters(module, attr, body, stages)
+
+
 def warn_batch_statistics(
     module: LightningModule, attr: str, body: nn.Sequential, num_microbatches: int
 ) -> None:
@@ -171,11 +181,14 @@ def warn_batch_statistics(
         )
 
 
-def sub_sequential(body: nn.Sequential, layers: range) -> StageSequential:
+def sub_sequential(
+    body: nn.Sequential | Mapping[int, nn.Module], layers: Iterable[int]
+) -> StageSequential:
     """``body[layers]`` as a Sequential that keeps the layers' original names (``"3"``, ``"4"``) and indices.
 
     So a stage's ``state_dict`` keys are the single-process ones (``pipeline.3.weight``), and
-    ``stage[i]`` is layer ``i`` of the whole body (see :class:`StageSequential`).
+    ``stage[i]`` is layer ``i`` of the whole body (see :class:`StageSequential`). ``body``: the whole body,
+    or every one of its layers by index (the elastic strategy's layers, some of them loaded from peers).
     """
     return StageSequential(OrderedDict((str(i), body[i]) for i in layers), len(body))
 

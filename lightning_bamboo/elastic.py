@@ -38,7 +38,6 @@ import logging
 import os
 import signal
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,13 +60,7 @@ from lightning_bamboo import fallback as fb
 from lightning_bamboo import membership as ms
 from lightning_bamboo import progress as trainer_progress
 from lightning_bamboo.clipping import ClipPlan, apply_clipping, plan_clipping
-from lightning_bamboo.contract import (
-    StageSequential,
-    check_contract,
-    check_stage_parameters,
-    check_tied_layers,
-    find_pipeline_body,
-)
+from lightning_bamboo.contract import check_contract, check_stage_split, find_pipeline_body, sub_sequential
 from lightning_bamboo.cutter import GenerationCutter
 from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
@@ -396,8 +389,7 @@ class ElasticBambooStrategy(BambooStrategy):
         self._body_attr = attr
         costs = self._layer_costs if self._layer_costs is not None else estimate_layer_costs(list(body))
         self._stage_layers = StageLayout.plan(costs, self._num_stages, self._num_stages).stage_layers
-        check_tied_layers(module, attr, body, self._stage_layers)
-        check_stage_parameters(module, attr, body, self._stage_layers)
+        check_stage_split(module, attr, body, self._stage_layers)
         self._layers = {i: body[i] for i in range(len(body))}
         if self._env is not None and self._env.joining:
             self._setup_joiner(trainer)
@@ -484,12 +476,12 @@ class ElasticBambooStrategy(BambooStrategy):
         replica_layers = [layer for s in owners.replica_stages_of(me) for layer in self._stage_layers[s]]
         for layer in own_layers + replica_layers:
             self._layers[layer] = self._held[layer].module
-        stage = StageSequential(OrderedDict((str(i), self._layers[i]) for i in own_layers), len(self._layers))
+        stage = sub_sequential(self._layers, own_layers)
         setattr(stage, _STAGE_MARK, True)
         self._stage_module = stage
         self.lightning_module._modules[self._body_attr] = stage
         self.replica = (
-            StageSequential(OrderedDict((str(i), self._layers[i]) for i in replica_layers), len(self._layers))
+            sub_sequential(self._layers, replica_layers)
             if replica_layers
             else None
         )

@@ -51,8 +51,7 @@ from lightning_bamboo.clipping import NORM, apply_clipping, plan_clipping
 from lightning_bamboo.contract import (
     check_contract,
     check_replayed_loss,
-    check_stage_parameters,
-    check_tied_layers,
+    check_stage_split,
     find_pipeline_body,
     replay_step,
     sub_sequential,
@@ -317,8 +316,7 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         self._body_attr = attr
         costs = self._layer_costs if self._layer_costs is not None else estimate_layer_costs(list(body))
         self.layout = self._plan_layout(body, costs)
-        check_tied_layers(module, attr, body, self.layout.stage_layers)
-        check_stage_parameters(module, attr, body, self.layout.stage_layers)
+        check_stage_split(module, attr, body, self.layout.stage_layers)
         warn_batch_statistics(module, attr, body, self._num_microbatches)
         rank_zero_info(f"BambooStrategy layout:\n{self.layout.describe(costs=costs)}")
         self.groups = BambooGroups.create(self.layout, self.global_rank, self._timeout)
