@@ -8,17 +8,27 @@ The model and its assumptions: docs/bamboo-replay.md.
 
 from lightning_bamboo.replay.costs import Costs, load_costs
 from lightning_bamboo.replay.model import Prices, Result
+from lightning_bamboo.replay.published import Repairs
 from lightning_bamboo.replay.run import Comparison, Validation, replay, validate
-from lightning_bamboo.replay.traces import Event, Trace, TraceFormatError, parse_events, parse_trace
+from lightning_bamboo.replay.traces import (
+    Event,
+    Trace,
+    TraceFormatError,
+    TraceQuirksWarning,
+    parse_events,
+    parse_trace,
+)
 
 __all__ = [
     "Comparison",
     "Costs",
     "Event",
     "Prices",
+    "Repairs",
     "Result",
     "Trace",
     "TraceFormatError",
+    "TraceQuirksWarning",
     "Validation",
     "load_costs",
     "parse_events",
