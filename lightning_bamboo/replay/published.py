@@ -97,7 +97,8 @@ def in_replay_order(rows: Sequence[Row], count_samples: bool = False) -> tuple[l
     superseded: list[int] = []
     if count_samples:
         superseded = [row.number for row, after in pairwise(ordered) if after.t_s == row.t_s]
-        ordered = [row for row, after in pairwise([*ordered, None]) if after is None or after.t_s != row.t_s]
+        dropped = set(superseded)
+        ordered = [row for row in ordered if row.number not in dropped]
     gaps = _gaps(ordered) if count_samples else []
     return ordered, Repairs(len(jumps) + 1, tuple(jumps), tuple(duplicates), tuple(superseded), tuple(gaps))
 

@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 from lightning_bamboo.replay.published import Repairs, Row, in_replay_order
 
@@ -124,7 +124,7 @@ def _aws_events(path: Path, rows: list[Row], joined: bool = False) -> list[Event
     alive: set[str] = set()
     where = " once the segments are joined" if joined else ""
     for row in rows:
-        _, kind, node = row.key  # type: ignore[misc]
+        _, kind, node = cast(tuple[int, EventKind, str], row.key)
         if kind == "add" and node in alive:
             expected = f"an add of a node that is not alive ({node} already is{where})"
             raise _bad(path, row.number, row.line, expected)
@@ -157,7 +157,7 @@ def _gce_events(rows: list[Row]) -> list[Event]:
     alive: list[str] = []
     fresh = 0
     for row in rows:
-        _, count = row.key  # type: ignore[misc]
+        _, count = cast(tuple[datetime, int], row.key)
         while len(alive) < count:
             fresh += 1
             alive.append(f"gce-{fresh}")
@@ -187,10 +187,10 @@ def parse_events(
         checked.append(Event(t_s, kind, node))  # type: ignore[arg-type]
     start = list(initial or [])
     seen: set[str] = set(start)
-    for event in checked:
-        if event.node not in seen and event.kind == "remove":
-            start.append(event.node)
-        seen.add(event.node)
+    for applied in checked:
+        if applied.node not in seen and applied.kind == "remove":
+            start.append(applied.node)
+        seen.add(applied.node)
     k = 0
     starts_with_adds = any(e.kind == "add" and e.t_s == 0 for e in checked)
     while not starts_with_adds and len(start) < fill_to:
