@@ -35,7 +35,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,7 +160,7 @@ def _kill_pids(pids: Sequence[int], timeout: float = IP_TIMEOUT_S) -> None:
         time.sleep(0.02)
 
 
-def _used_networks() -> list[ipaddress.IPv4Network]:
+def used_networks() -> list[ipaddress.IPv4Network]:
     """Every IPv4 network the root namespace has an address in or a route to (all routing tables)."""
     used = []
     for entry in json.loads(ip("-j", "-4", "addr", "show").stdout or "[]"):
@@ -175,7 +175,7 @@ def _used_networks() -> list[ipaddress.IPv4Network]:
 
 def _free_subnet(start: int) -> ipaddress.IPv4Network:
     """The first /24 of :data:`POOL` (from the ``start``-th on, wrapping) that nothing in use overlaps."""
-    used = _used_networks()
+    used = used_networks()
     subnets = list(POOL.subnets(new_prefix=24))
     for k in range(len(subnets)):
         subnet = subnets[(start + k) % len(subnets)]
@@ -242,8 +242,11 @@ class Network:
             ip("link", "set", self.bridge, "up")
             for _ in range(self.size):
                 self.add_host()
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            try:
+                self.close()
+            except Exception as cleanup:  # the first failure is the one to report; this one rides along
+                exc.add_note(f"and removing what was made failed too: {cleanup}")
             raise
         return self
 
@@ -394,6 +397,8 @@ class Network:
         Raises:
             RuntimeError: something of ours could not be removed (named).
         """
+        if not self._bridge_made and not self.hosts:
+            return  # nothing was made (create() failed at its checks, or never ran)
         for proc in self._procs:
             self._kill_group(proc)
         for host in self.hosts:
@@ -413,13 +418,6 @@ class Network:
         """Names of this network's namespaces and links that still exist."""
         present = set(namespaces()) | set(links())
         return [name for name in self.names() if name in present]
-
-
-@contextlib.contextmanager
-def network(hosts: int = 2) -> Iterator[Network]:
-    """``with network(3) as net:`` — :class:`Network` made and removed around the block."""
-    with Network(hosts) as net:
-        yield net
 
 
 def main() -> None:

@@ -20,12 +20,12 @@ from tests.netns import (
     NetemUnavailable,
     NetnsUnavailable,
     Network,
-    _used_networks,
     check_available,
     links,
     namespaces,
     pid_alive,
     sweep_stale,
+    used_networks,
 )
 
 pytestmark = pytest.mark.netns
@@ -97,7 +97,7 @@ def test_hosts_reach_each_other_and_the_bridge_and_nothing_else(make_network: Ma
         thread.join(10)
         server.close()
     # an address of this machine's own network is not routed from a host: refused at once
-    outside = next(u for u in _used_networks() if not u.overlaps(net.subnet) and not u.is_loopback)
+    outside = next(u for u in used_networks() if not u.overlaps(net.subnet) and not u.is_loopback)
     answer_outside = connect(net, b, str(next(outside.hosts(), outside.network_address)))
     assert answer_outside.startswith("failed OSError [Errno 101] Network is unreachable"), answer_outside
     # each host's loopback is its own
@@ -162,7 +162,7 @@ def test_shape_rate_limits_and_netem_says_when_the_kernel_cannot(make_network: M
 
 def test_two_networks_at_once_take_different_subnets_that_nothing_else_uses(
 make_network: MakeNetwork) -> None:
-    before = _used_networks()
+    before = used_networks()
     first, second = make_network(1), make_network(1)
     assert first.subnet is not None and second.subnet is not None
     assert not first.subnet.overlaps(second.subnet) and first.prefix != second.prefix
@@ -200,9 +200,22 @@ def test_sweep_removes_the_leftovers_of_a_dead_process_only() -> None:
         alive.close()
 
 
-def test_missing_iproute2_fails_with_the_reason(tmp_path: Path) -> None:
+def test_no_iproute2_or_no_root_fails_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(NetnsUnavailable, match="network namespaces need iproute2: no 'ip' or 'tc' on PATH="):
         check_available({"PATH": str(tmp_path)})
+    with monkeypatch.context() as patch:
+        patch.setenv("PATH", str(tmp_path))
+        with pytest.raises(NetnsUnavailable, match="need iproute2"):
+            Network(1).create()  # fails: the tests that need namespaces do not skip
+    # an unprivileged user (nobody) is told it needs root
+    nobody = "import os; from tests.netns import check_available; os.setuid(65534); check_available()"
+    done = subprocess.run([sys.executable, "-c", nobody], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 1
+    assert "NetnsUnavailable: network namespaces need root (CAP_NET_ADMIN, CAP_SYS_ADMIN); this process " \
+        "runs as uid 65534" in done.stderr
     check_available()  # this machine: root with iproute2 (the tests above need it and must not skip)
     assert os.geteuid() == 0
 

@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -92,7 +93,9 @@ def weights(out: Path, ranks: int) -> list[dict[str, torch.Tensor]]:
 @pytest.mark.multiprocess
 @pytest.mark.netns
 @pytest.mark.timeout(600)
-def test_cora_on_two_hosts_with_torchrun_equals_one_host(make_network, tmp_path: Path) -> None:
+def test_cora_on_two_hosts_with_torchrun_equals_one_host(
+    make_network: Callable[[int], Network], tmp_path: Path
+) -> None:
     """Per-epoch losses, val accuracy and final weights equal bit for bit; each rank ran in its own host."""
     assert (PLANETOID / "Cora" / "raw").is_dir(), f"Cora raw files not found in {PLANETOID}"
     one_host = tmp_path / "one_host"
