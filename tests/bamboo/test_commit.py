@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -98,10 +99,9 @@ class Member:
 
 @dataclass
 class Job:
-    """One job's store as its members and the test see it; each member name keeps one connection (as a
-    worker does: connecting anew for every round of a test would also hit the store's connect back-off)."""
+    """One job's store as its members and the test see it; ``connect(name)``: member ``name``'s connection."""
 
-    connect: Callable[[], dist.Store]
+    connect: Callable[[str], dist.Store]
     store: dist.Store
     kind: str = "tcp"
     decided: list[str] = field(default_factory=list)
@@ -109,7 +109,7 @@ class Job:
 
     def member_store(self, name: str, lose: Lose | None = None) -> MemberStore:
         if name not in self.connections:
-            self.connections[name] = self.connect()
+            self.connections[name] = self.connect(name)
         return MemberStore(self.connections[name], lose, self.decided)
 
     def prepare(
@@ -176,22 +176,37 @@ def wait_until(what: str, predicate: Callable[[], bool]) -> None:
         time.sleep(0.001)
 
 
-@pytest.fixture(params=["hash", "tcp"])
-def job(request: pytest.FixtureRequest) -> Iterator[Job]:
-    """Generation 0 of a job, in a ``HashStore`` or in a ``TCPStore`` served here (one client per member)."""
-    if request.param == "hash":
-        shared = dist.HashStore()
-        shared.set("gen", "0")
-        yield Job(lambda: shared, shared, "hash")
-        return
+@pytest.fixture(scope="module")
+def tcp_clients() -> Iterator[Callable[[str], dist.Store]]:
+    """A ``TCPStore`` served here, and one client per member name (``membership.connect``) kept for the
+    module, as a worker keeps one for its life: on this machine every ~25th connection to a ``TCPStore``
+    waits 5 s in torch's connect back-off, so connecting anew for every test and round would be slow."""
     server = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT)
     )
     url = f"tcp://127.0.0.1:{server.port}"
-    client = ms.connect(url, "job", timeout=TIMEOUT)
+    clients: dict[str, dist.Store] = {}
+
+    def client(name: str) -> dist.Store:
+        if name not in clients:
+            clients[name] = ms.connect(url, "commit-tests", timeout=TIMEOUT)
+        return clients[name]
+
+    yield client
+    clients.clear()  # then the server goes with this frame
+
+
+@pytest.fixture(params=["hash", "tcp"])
+def job(request: pytest.FixtureRequest, tcp_clients: Callable[[str], dist.Store]) -> Job:
+    """Generation 0 of a job, in a ``HashStore`` or in a ``TCPStore`` served here (one client per member)."""
+    if request.param == "hash":
+        shared = dist.HashStore()
+        shared.set("gen", "0")
+        return Job(lambda name: shared, shared, "hash")
+    prefix = f"job-{uuid.uuid4().hex[:8]}"  # the module's clients, a job of this test's own
+    client = dist.PrefixStore(prefix, tcp_clients("test"))
     client.set("gen", "0")
-    yield Job(lambda: ms.connect(url, "job", timeout=TIMEOUT), client)
-    del client, server
+    return Job(lambda name: dist.PrefixStore(prefix, tcp_clients(name)), client)
 
 
 # ---------------------------------------------------------------------------------------------- commit
@@ -337,7 +352,7 @@ def supervisor() -> Iterator[Supervisor]:
 
 
 def supervisor_job(sup: Supervisor) -> Job:
-    return Job(lambda: ms.connect(sup.store_url, sup.job, timeout=TIMEOUT), sup.store)
+    return Job(lambda name: ms.connect(sup.store_url, sup.job, timeout=TIMEOUT), sup.store)
 
 
 def claim_in_generation_0(store: dist.Store, step: int) -> bool:
