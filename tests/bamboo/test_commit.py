@@ -10,6 +10,7 @@ that the thread ends).
 
 from __future__ import annotations
 
+import functools
 import random
 import threading
 import time
@@ -17,6 +18,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TypeVar
 
 import pytest
 import torch.distributed as dist
@@ -30,6 +32,7 @@ TIMEOUT = 20.0
 """Seconds a member (or a wait of the test) may take before the test fails instead of hanging."""
 
 STEP = 5
+T = TypeVar("T")
 
 
 class MemberLost(Exception):
@@ -58,34 +61,35 @@ class MemberStore(dist.Store):
         self._decided = decided
         self.lost = False
 
-    def _do(self, op: str, key: str, call: Callable[[], object]) -> object:
-        hit = self._lose is not None and self._lose.op == op and self._lose.key in key
-        if self.lost or (hit and self._lose.when == "before"):  # type: ignore[union-attr]
+    def _do(self, op: str, key: str, call: Callable[[], T]) -> T:
+        lose = self._lose
+        when = lose.when if lose is not None and lose.op == op and lose.key in key else None
+        if self.lost or when == "before":
             self.lost = True
             raise MemberLost(f"lost before {op} {key}")
         value = call()
-        if hit and self._lose.when == "after":  # type: ignore[union-attr]
+        if when == "after":
             self.lost = True
             raise MemberLost(f"lost after {op} {key}")
         return value
 
-    def set(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
+    def set(self, key: str, value: str) -> None:  # type: ignore[override]
         self._do("set", key, lambda: self._base.set(key, value))
 
     def get(self, key: str) -> bytes:  # type: ignore[override]
-        return self._do("get", key, lambda: self._base.get(key))  # type: ignore[return-value]
+        return self._do("get", key, lambda: self._base.get(key))
 
     def add(self, key: str, amount: int) -> int:  # type: ignore[override]
-        return self._do("add", key, lambda: self._base.add(key, amount))  # type: ignore[return-value]
+        return self._do("add", key, lambda: self._base.add(key, amount))
 
-    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:  # type: ignore[override]
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:  # type: ignore[override]
         value = self._do("compare_set", key, lambda: self._base.compare_set(key, expected, desired))
         if self._decided is not None and "/outcome/" in key:
-            self._decided.append(value.decode())  # type: ignore[union-attr]
-        return value  # type: ignore[return-value]
+            self._decided.append(value.decode())
+        return value
 
     def check(self, keys: list[str]) -> bool:  # type: ignore[override]
-        return self._do("check", ",".join(keys), lambda: self._base.check(keys))  # type: ignore[return-value]
+        return self._do("check", ",".join(keys), lambda: self._base.check(keys))
 
 
 @dataclass
@@ -169,6 +173,7 @@ def finish(job: Job, members: list[Member], release_generation: int) -> dict[str
 
 
 def wait_until(what: str, predicate: Callable[[], bool]) -> None:
+    """Poll ``predicate`` until it holds; fail the test (never hang) after ``TIMEOUT`` seconds."""
     deadline = time.monotonic() + TIMEOUT
     while not predicate():
         if time.monotonic() > deadline:
@@ -390,6 +395,10 @@ def test_loss_after_a_committed_join_applies_to_the_joined_layout(supervisor: Su
 
 
 # ---------------------------------------------------------------------------------------------- races
+def prepared(job: Job, generation: int, count: int) -> bool:
+    return job.prepared(generation) == count
+
+
 def race_last_prepare_with_abort(job: Job, generation: int, delay: float) -> list[Member]:
     """The last member prepares while the supervisor publishes the next generation and asks to abort the
     step; both are released together, and the one with a negative/positive ``delay`` sleeps that long."""
@@ -423,7 +432,7 @@ def test_one_outcome_when_the_generation_ends_during_the_last_prepare(job: Job) 
         job.decided.clear()
         lost = job.prepare("lost", generation, 4, lose=Lose("after", "add", "/prep/"))
         waiting = [job.prepare(str(i), generation, 4) for i in range(2)]
-        wait_until("three members prepared", lambda g=generation: job.prepared(g) == 3)
+        wait_until("three members prepared", functools.partial(prepared, job, generation, 3))
         racers = race_last_prepare_with_abort(job, generation, rng.uniform(-0.0005, 0.0005))
         outcomes = finish(job, [lost, *waiting, *racers], generation)
         stored = job.outcome(generation)
@@ -453,7 +462,7 @@ def test_join_claim_and_failover_agree_when_they_race(job: Job) -> None:
             return claimed
 
         waiting = job.prepare("0", generation, 2, claim_join=claim)
-        wait_until("member 0 prepared", lambda g=generation: job.prepared(g) == 1)
+        wait_until("member 0 prepared", functools.partial(prepared, job, generation, 1))
         adopted: list[int | None] = []
 
         def supervisor(g: int = generation, adopted: list[int | None] = adopted) -> str:
