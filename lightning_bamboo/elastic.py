@@ -51,7 +51,7 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -66,6 +66,7 @@ from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
 from lightning_bamboo.microbatch import split_microbatches
 from lightning_bamboo.ownership import FallbackNeeded, OwnershipMap, initial
+from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.reshard import LayerState, Resharder, gather, install
 from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b
 from lightning_bamboo.strategy import _STAGE_MARK, BambooStrategy
@@ -170,25 +171,9 @@ class ElasticEngine(PipelineEngine):
         super()._execute(action, microbatches, step, train)
 
     @override
-    def _average_gradients(self) -> None:
+    def _averaging_groups(self) -> list[tuple[list[nn.Parameter], Any]]:
         view: PipelineView = self.groups  # type: ignore[assignment]
-        count = view.num_pipelines
-        if count == 1:
-            return
-        for stage in sorted(self.stage_params):
-            params = [p for p in self.stage_params[stage] if p.requires_grad]
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            if not params:
-                continue
-            flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
-            dist.all_reduce(flat, group=view.stage_groups[stage])
-            flat /= count
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))  # type: ignore[union-attr]
-                offset += p.numel()
+        return [(self.stage_params[s], view.stage_groups[s]) for s in sorted(self.stage_params)]
 
 
 class ElasticBambooStrategy(BambooStrategy):
@@ -486,8 +471,8 @@ class ElasticBambooStrategy(BambooStrategy):
             else None
         )
         if build_optimizers:
-            install(self.optimizers[0], [(layer, self._held[layer]) for layer in own_layers])
-            self._build_replica_optimizer()
+            grouping = self._user_optimizer(stage)
+            install(self.optimizers[0], [(layer, self._held[layer]) for layer in own_layers], grouping)
         # groups: one per pipeline (loss broadcast) and one per stage (gradient all-reduce), same order
         # on every member
         pipeline_groups: dict[int, Any] = {}
@@ -503,6 +488,8 @@ class ElasticBambooStrategy(BambooStrategy):
                 )
         self.view = PipelineView(owners, me, owners.rank_of, pipeline_groups, stage_groups)
         self.groups = self.view  # type: ignore[assignment]
+        if build_optimizers:
+            self._build_replica_optimizer()
         positions = self.view.num_stages
         schedule = build_1f1b(positions, self._num_microbatches)
         if self._redundancy and positions > 1:
@@ -542,21 +529,36 @@ class ElasticBambooStrategy(BambooStrategy):
         return held
 
     def _build_replica_optimizer(self) -> None:
-        """The user's optimizer over the replica (``configure_optimizers`` with the body swapped for it)."""
+        """The user's optimizer over the replica (``configure_optimizers`` with the body swapped for it) and
+        the :class:`ReplicaSync` that keeps both equal to the successor's (when the pipeline has two or more
+        positions; a member running the whole pipeline has no successor)."""
+        if self.replica_sync is not None:
+            self.replica_sync.close()
+            self.replica_sync = None
         if self.replica is None:
             self._replica_optimizer = None
             return
+        self._replica_optimizer = self._user_optimizer(self.replica)
+        replica_layers = [int(name) for name in self.replica._modules]
+        layers = [(layer, self._held[layer]) for layer in replica_layers]
+        install(self._replica_optimizer, layers, self._replica_optimizer)
+        if self.view is not None and self.view.num_stages > 1:
+            self.replica_sync = ReplicaSync(
+                self._stage_module, self.replica, self._replica_optimizer, self.view, self.root_device
+            )
+
+    def _user_optimizer(self, body: nn.Module) -> Optimizer:
+        """The user's optimizer over ``body`` (``configure_optimizers`` with the pipeline body swapped for
+        it): its param groups, hyper-parameters and which parameter goes in which group are the user's own."""
         module = self.lightning_module
         assert module is not None
         stage = module._modules[self._body_attr]
-        module._modules[self._body_attr] = self.replica
+        module._modules[self._body_attr] = body
         try:
             optimizers, _ = _init_optimizers_and_lr_schedulers(module)
         finally:
             module._modules[self._body_attr] = stage
-        self._replica_optimizer = optimizers[0]
-        replica_layers = [int(name) for name in self.replica._modules]
-        install(self._replica_optimizer, [(layer, self._held[layer]) for layer in replica_layers])
+        return optimizers[0]
 
     # ------------------------------------------------------------------ training
     @override
@@ -623,6 +625,7 @@ class ElasticBambooStrategy(BambooStrategy):
             failed = False
             attempt = time.monotonic()
             commit = ms.StepCommit(self._store, self.owners.generation, len(self.owners.members()))
+            buffers = self._buffer_snapshot()
             try:
                 result = closure()
                 self._fault("exchange")
@@ -641,7 +644,6 @@ class ElasticBambooStrategy(BambooStrategy):
             if committed:
                 self._fault("commit")
                 output = super().optimizer_step(optimizer, lambda result=result: result, model, **kwargs)
-                self._apply_replica_step(optimizer)
                 self._fault("applied")
                 self._step += 1
                 report = self.drain_timer.committed()
@@ -656,32 +658,30 @@ class ElasticBambooStrategy(BambooStrategy):
             log.warning(
                 "Bamboo: step %d aborted by a lost peer; replaying it on the next generation", self._step
             )
+            self._undo_step(buffers)
             self._next_generation(since=attempt)
 
     def _exchange_replica_gradients(self) -> None:
-        """Send this member's stage gradients to its replica holder, receive its successor's (blocking)."""
-        view = self.view
-        if self.replica is None or self._replica_optimizer is None or view is None or view.num_stages < 2:
-            return
-        own = [p for p in self._stage_params() if p.requires_grad]
-        for p in own:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        outgoing = torch.cat([p.grad.reshape(-1) for p in own])  # type: ignore[union-attr]
-        replica_params = [p for p in self.replica.parameters() if p.requires_grad]
-        incoming = torch.empty(
-            sum(p.numel() for p in replica_params), dtype=outgoing.dtype, device=self.root_device
-        )
-        works = [
-            dist.isend(outgoing, view.predecessor_rank, tag=7),
-            dist.irecv(incoming, view.successor_rank, tag=7),
-        ]
-        for work in works:
-            work.wait()
-        offset = 0
-        for p in replica_params:
-            p.grad = incoming[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
-            offset += p.numel()
+        """Send this member's stage gradients to its replica holder and receive its successor's (blocking,
+        before the commit: after it, no communication may be needed to apply the step)."""
+        if self.replica_sync is not None:
+            self.replica_sync.exchange(self.optimizers[0])
+
+    def _buffer_snapshot(self) -> list[tuple[Tensor, Tensor]]:
+        """``(buffer, copy)`` of every buffer this member holds (stages and replica) at the step's start."""
+        modules = [m for m in (self._stage_module, self.replica) if m is not None]
+        unique = {id(b): b for m in modules for b in m.buffers()}
+        return [(b, b.detach().clone()) for b in unique.values()]
+
+    def _undo_step(self, buffers: list[tuple[Tensor, Tensor]]) -> None:
+        """Leave no trace of an aborted step: its forwards' buffer updates (BatchNorm statistics, on the
+        stages and in the replica's FR) are undone and the successor's update received for it is dropped, so
+        the re-run on the next generation starts from the state the survivors agree on."""
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        if self.replica_sync is not None:
+            self.replica_sync.discard()
 
     def _plan_clipping(self) -> None:
         """Agree on the step's gradient clipping before the commit (the norm is a collective)."""
@@ -698,15 +698,14 @@ class ElasticBambooStrategy(BambooStrategy):
         """Lightning's norm clipping, after the commit: the coefficient agreed before it (no collective)."""
         apply_clipping(self._clip_plan, [p.grad for g in optimizer.param_groups for p in g["params"]])
 
-    def _apply_replica_step(self, optimizer: Optimizer) -> None:
-        if self._replica_optimizer is None:
+    @override
+    def _update_replica(self, optimizer: Optimizer) -> None:
+        """Apply the successor's step, received before the commit, to the replica (clipped by the step's
+        plan)."""
+        if self.replica_sync is None:
             return
-        replica_groups = self._replica_optimizer.param_groups
-        apply_clipping(self._clip_plan, [p.grad for g in replica_groups for p in g["params"]])
-        for target, source in zip(self._replica_optimizer.param_groups, optimizer.param_groups):
-            target.update({k: v for k, v in source.items() if k != "params"})
-        self._replica_optimizer.step()
-        self._replica_optimizer.zero_grad(set_to_none=True)
+        self.replica_sync.flush(before_step=lambda grads: apply_clipping(self._clip_plan, grads))
+        self.replica_sync.optimizer.zero_grad(set_to_none=True)  # its gradients are views of a receive buffer
 
     # ------------------------------------------------------------------ membership changes
     def _generation_ended(self, err: BaseException) -> bool:
@@ -1041,7 +1040,7 @@ class ElasticBambooStrategy(BambooStrategy):
         apply_clipping(self._clip_plan, [p.grad for p in self._stage_params()])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        self._apply_replica_step(optimizer)
+        self._update_replica(optimizer)
         if step_schedulers:
             assert self.lightning_module is not None
             for config in self.lr_scheduler_configs:

@@ -497,9 +497,13 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
     ) -> Any:
         """The usual step, then the replica of this stage on the predecessor applies the same gradients."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._update_replica(optimizer)
+        return output
+
+    def _update_replica(self, optimizer: Optimizer) -> None:
+        """Bring the predecessor's replica of this stage up to the step just taken (posted, applied later)."""
         if self.replica_sync is not None:
             self.replica_sync.step(optimizer)
-        return output
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
