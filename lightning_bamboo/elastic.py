@@ -838,8 +838,7 @@ class ElasticBambooStrategy(BambooStrategy):
             raise ValueError(
                 f"ElasticBambooStrategy supports exactly one optimizer, got {len(self.optimizers)}"
             )
-        self.setup_precision_plugin()
-        self._install_global_norm_clipping()  # the norm agreed before the commit (_plan_clipping)
+        self.setup_precision_plugin()  # its norm clipping applies the plan agreed before the commit
 
     def _setup_joiner(self, trainer: pl.Trainer) -> None:
         """A joiner's ``setup``: its optimizer over the whole body, no process group yet.
