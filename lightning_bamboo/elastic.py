@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -68,7 +67,7 @@ from lightning_bamboo.microbatch import split_microbatches
 from lightning_bamboo.ownership import FallbackNeeded, OwnershipMap, initial
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.reshard import LayerState, Resharder, gather, install
-from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b
+from lightning_bamboo.schedule import Action, ActionKind, add_forward_redundancy, build_1f1b
 from lightning_bamboo.strategy import _STAGE_MARK, BambooStrategy
 
 if TYPE_CHECKING:
@@ -77,19 +76,6 @@ if TYPE_CHECKING:
     from lightning_bamboo.notices.base import Notice
 
 log = logging.getLogger(__name__)
-
-ENV_FAULT = "BAMBOO_FAULT"
-"""Fault injection for tests and the demo: ``member:step:phase[:STOP]``; the member SIGKILLs (or SIGSTOPs)
-itself at that phase of that step (``1+2:step:phase``: members 1 and 2 at once). Phases: ``forward``
-(inside the schedule, at micro-batch 1's forward),
-``exchange`` (schedule done, replica gradients not sent), ``prepared`` (prepared, outcome not read),
-``commit`` (outcome read, nothing applied), ``applied`` (own stage and replica stepped), ``validate`` (at a
-validation batch run after ``step`` steps)."""
-
-
-class _Failure(Exception):
-    """The generation ended under this member (a peer was lost)."""
-
 
 class PipelineView:
     """This member's place in its pipeline, shaped like :class:`BambooGroups` for the engine.
@@ -158,17 +144,10 @@ class ElasticEngine(PipelineEngine):
         self,
         *args: Any,
         stage_params: dict[int, list[nn.Parameter]],
-        fault: Callable[[str, Any], None],
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.stage_params = stage_params
-        self.fault = fault
-
-    @override
-    def _execute(self, action: Any, microbatches: Any, step: Any, train: bool) -> None:
-        self.fault("forward", action)
-        super()._execute(action, microbatches, step, train)
 
     @override
     def _averaging_groups(self) -> list[tuple[list[nn.Parameter], Any]]:
@@ -233,7 +212,6 @@ class ElasticBambooStrategy(BambooStrategy):
         self._stage_layers: tuple[range, ...] = ()
         self._replica_optimizer: Optimizer | None = None
         self._step = 0
-        self._fault_spec = _parse_fault(os.environ.get(ENV_FAULT))
         self.failovers: list[tuple[OwnershipMap, OwnershipMap]] = []
         self._join_adopted = False  # the last commit adopted a join: form it at the next step boundary
         self._fallback_path = ""  # the checkpoint folder the last fallback loaded (on_fallback's payload)
@@ -242,6 +220,13 @@ class ElasticBambooStrategy(BambooStrategy):
         self._skip: trainer_progress.SkipFirstBatches | None = None  # a joiner's training batch sampler
         self.departed = False  # this member left by an announced departure (it stops after its last step)
         self.drain_timer = departure.DrainTimer()
+
+    @property
+    def store(self) -> dist.Store:
+        """The job's store (membership, commits; the launcher holds it)."""
+        if self._store is None:
+            raise RuntimeError("the store is connected in setup_distributed")
+        return self._store
 
     # ------------------------------------------------------------------ ranks follow the generation
     @property
@@ -509,8 +494,8 @@ class ElasticBambooStrategy(BambooStrategy):
             replica=self.replica if positions > 1 and self._redundancy else None,
             replica_device=self.root_device,
             stage_params=stage_params,
-            fault=self._fault_in_engine,
         )
+        self.engine.before_action = self._before_action
 
     def _current_holdings(self) -> dict[int, LayerState]:
         """Every layer this member holds, with its optimizer state as of now."""
@@ -576,7 +561,7 @@ class ElasticBambooStrategy(BambooStrategy):
         """Forward-only on the current layout. A peer lost mid-batch: form the next generation and run the
         batch again on it (evaluation changes no state, so the re-run gives the uninterrupted result)."""
         while True:
-            self._fault("validate")
+            self._phase("validate")
             since = time.monotonic()
             try:
                 return super().validation_step(*args, **kwargs)
@@ -628,11 +613,11 @@ class ElasticBambooStrategy(BambooStrategy):
             buffers = self._buffer_snapshot()
             try:
                 result = closure()
-                self._fault("exchange")
+                self._phase("exchange")
                 self._exchange_replica_gradients()
                 self._plan_clipping()
                 outcome = commit.prepare_and_wait(self._step, self._claim_join)
-                self._fault("prepared")
+                self._phase("prepared")
             except Exception as err:
                 if not self._generation_ended(err):
                     raise
@@ -642,9 +627,9 @@ class ElasticBambooStrategy(BambooStrategy):
             if not committed and not failed:
                 failed = True  # a peer was lost while this member waited for the outcome
             if committed:
-                self._fault("commit")
+                self._phase("commit")
                 output = super().optimizer_step(optimizer, lambda result=result: result, model, **kwargs)
-                self._fault("applied")
+                self._phase("applied")
                 self._step += 1
                 report = self.drain_timer.committed()
                 if report is not None:
@@ -1047,24 +1032,17 @@ class ElasticBambooStrategy(BambooStrategy):
                     self.lightning_module.lr_scheduler_step(config.scheduler, None)
         self._step += 1
 
-    # ------------------------------------------------------------------ fault injection
-    def _fault(self, phase: str) -> None:
-        if self._rerunning:
-            return
-        for members, step, where, sig in self._fault_spec:
-            if self.member in members and step == self._step and where == phase:
-                if len(members) > 1:  # die together: wait until every listed member has reached this point
-                    assert self._store is not None
-                    key = f"fault/{step}/{where}"
-                    self._store.add(key, 1)
-                    while int(ms.get_str(self._store, key)) < len(members):
-                        time.sleep(0.002)
-                os.kill(os.getpid(), sig)
-                time.sleep(0.1)  # a SIGSTOP takes effect before this member runs on
+    # ------------------------------------------------------------------ phases of a step
+    def _phase(self, phase: str, **payload: Any) -> None:
+        """Fire ``on_step_phase`` on the trainer's callbacks at a point of the two-phase step (not during a
+        fallback's re-run of old steps). Tests and demos kill a member there
+        (:class:`lightning_bamboo.testing.PhaseFaults`)."""
+        if not self._rerunning:
+            self._emit("on_step_phase", phase=phase, step=self._step, member=self.member, **payload)
 
-    def _fault_in_engine(self, phase: str, action: Any) -> None:
-        if action.microbatch == min(1, self._num_microbatches - 1) and action.kind.value == "F":
-            self._fault(phase)
+    def _before_action(self, action: Action) -> None:
+        if action.kind is ActionKind.FORWARD:
+            self._phase("forward", microbatch=action.microbatch)
 
     @override
     def teardown(self) -> None:
@@ -1083,21 +1061,3 @@ class ElasticBambooStrategy(BambooStrategy):
         if dist.is_initialized():
             dist.destroy_process_group()
         ParallelStrategy.teardown(self)
-
-
-_PHASES = ("forward", "exchange", "prepared", "commit", "applied", "validate")
-
-
-def _parse_fault(spec: str | None) -> list[tuple[tuple[int, ...], int, str, int]]:
-    """``member:step:phase[:STOP]``, several separated by commas; ``1+2:...`` kills members 1 and 2 together
-    (each waits at the phase until all listed have reached it: use a phase each reaches on its own)."""
-    faults = []
-    for item in filter(None, (spec or "").split(",")):
-        parts = item.split(":")
-        if len(parts) not in (3, 4) or parts[2] not in _PHASES or (len(parts) == 4 and parts[3] != "STOP"):
-            raise ValueError(
-                f"{ENV_FAULT} must be member:step:phase[:STOP] with phase one of {_PHASES}, got {item!r}"
-            )
-        sig = signal.SIGSTOP if len(parts) == 4 else signal.SIGKILL
-        faults.append((tuple(int(m) for m in parts[0].split("+")), int(parts[1]), parts[2], sig))
-    return faults

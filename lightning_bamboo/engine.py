@@ -102,6 +102,9 @@ class PipelineEngine:
         self.trace: list[tuple[str, float, float]] | None = None
         """Set to a list to record ``(event, start, end)`` (times of :attr:`clock`) of every action, receive
         wait and collective of the following steps; ``None`` (the default) records nothing."""
+        self.before_action: Callable[[Action], None] | None = None
+        """Called with each compute action of a step before it runs (the elastic runtime reports the phase of
+        its step there); ``None`` (the default): nothing."""
         self.clock: Callable[[], float] = time.perf_counter
         """The clock of :attr:`trace`: wall time by default; ``time.thread_time`` records each event's CPU
         time instead (what ``benchmarks/bamboo_overhead.py --cpu-profile`` replays; it survives load)."""
@@ -199,6 +202,8 @@ class PipelineEngine:
             trace.append(("finish", start, clock()))
 
     def _execute(self, action: Action, microbatches: Sequence[Any], step: _StepState, train: bool) -> None:
+        if self.before_action is not None:
+            self.before_action(action)
         mb = action.microbatch
         last = self.groups.is_last_stage
         transfers = step.transfers

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_bamboo.checkpoint import named_optimizer_state
 from lightning_bamboo.elastic import ElasticBambooStrategy
+from lightning_bamboo.testing import PhaseFaults
 from tests.bamboo.pipe_mlp import make_data
 from tests.bamboo.pipe_variants import VARIANTS
 
@@ -111,7 +112,7 @@ def main() -> None:
         num_sanity_val_steps=2 if args.validate else 0,  # Lightning's default sanity check, when validating
         limit_val_batches=2 if args.validate else 0,
         val_check_interval=args.validate or None,
-        callbacks=[*callbacks, val_losses],
+        callbacks=[*callbacks, val_losses, PhaseFaults.from_env()],
     )
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val if args.validate else None)
     tensors = {f"own/{name}": p.detach().clone() for name, p in model.named_parameters()}
