@@ -68,6 +68,7 @@ from lightning_bamboo.ownership import FallbackNeeded, OwnershipMap, initial
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.reshard import LayerState, Resharder, gather, install
 from lightning_bamboo.schedule import Action, ActionKind, add_forward_redundancy, build_1f1b
+from lightning_bamboo.script_launcher import SupervisorLauncher
 from lightning_bamboo.strategy import _STAGE_MARK, BambooStrategy
 
 if TYPE_CHECKING:
@@ -163,6 +164,8 @@ class ElasticBambooStrategy(BambooStrategy):
     Args:
         heartbeat: seconds between heartbeats written to the store (the launcher's ``--hang-timeout``
             decides when a silent worker is lost).
+        hang_timeout: under a plain ``python train.py`` (this process supervises ``devices`` workers): seconds
+            without a heartbeat after which a worker is killed and lost (``--hang-timeout`` of the CLI).
         failure_wait: seconds a member that saw a communication error waits for the launcher to publish
             the next generation before it treats the error as a real one and raises it.
         checkpoint_every_n_steps: take an asynchronous ``torch.distributed.checkpoint`` every N steps, for the
@@ -179,6 +182,7 @@ class ElasticBambooStrategy(BambooStrategy):
         self,
         *args: Any,
         heartbeat: float = 0.25,
+        hang_timeout: float = 5.0,
         failure_wait: float = 30.0,
         checkpoint_every_n_steps: int | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
@@ -198,6 +202,7 @@ class ElasticBambooStrategy(BambooStrategy):
         self._clip_plan: ClipPlan | None = None
         self._created_during_eval: list[nn.Module] = []
         self._heartbeat_interval = heartbeat
+        self._hang_timeout = hang_timeout
         self._failure_wait = failure_wait
         self._env = ms.WorkerEnv.from_env()
         self._store: dist.Store | None = None
@@ -289,7 +294,20 @@ class ElasticBambooStrategy(BambooStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        self._launcher = None  # the workers were started by lightning_bamboo.launch
+        """A worker (started by a supervisor) launches nothing; a plain ``python train.py`` becomes the
+        supervisor of ``devices`` workers (:mod:`lightning_bamboo.script_launcher`)."""
+        if self._env is not None:
+            self._launcher = None
+            return
+        env = self.cluster_environment
+        if env is not None and env.creates_processes_externally:
+            raise RuntimeError(
+                f"ElasticBambooStrategy was started by an outside launcher ({type(env).__name__}: torchrun, "
+                "SLURM, ...), which restarts or ends the whole job when a process is lost. Start the script "
+                "plainly (python train.py, Trainer(devices=N)) or with python -m lightning_bamboo.launch "
+                "--nproc N train.py; or use BambooStrategy for the pipeline without failover"
+            )
+        self._launcher = SupervisorLauncher(self.num_processes, self._hang_timeout)
 
     @override
     def set_world_ranks(self) -> None:
