@@ -40,11 +40,16 @@ def small_graph() -> Data:
     return powerlaw_graph(300, 6, 5, 3, seed=0)
 
 
-def fake_trainer(rank: int, world_size: int) -> SimpleNamespace:
-    """The attributes of a Trainer that the DataModule reads."""
-    return SimpleNamespace(
-        global_rank=rank, world_size=world_size, strategy=SimpleNamespace(root_device=torch.device("cpu"))
-    )
+def fake_trainer(rank: int, world_size: int, others: torch.Tensor | None = None) -> SimpleNamespace:
+    """The attributes of a Trainer that the DataModule reads. Its ``all_gather`` answers as if every other
+    rank sent ``others`` (default: what this rank sends, i.e. the same graph everywhere)."""
+
+    def all_gather(local: torch.Tensor) -> torch.Tensor:
+        rows = [local if others is None or r == rank else others for r in range(world_size)]
+        return torch.stack(rows)
+
+    strategy = SimpleNamespace(root_device=torch.device("cpu"), all_gather=all_gather)
+    return SimpleNamespace(global_rank=rank, world_size=world_size, strategy=strategy)
 
 
 def assert_same_partition(a: GraphPartition, b: GraphPartition) -> None:
@@ -148,7 +153,8 @@ def test_options_are_checked_up_front(kwargs: dict, error: type, match: str) -> 
 def test_world_size_must_match_num_parts(tmp_path) -> None:
     datamodule = DorylusDataModule(small_graph(), num_parts=2, cache_dir=tmp_path)
     datamodule.trainer = fake_trainer(0, 4)
-    with pytest.raises(ValueError, match=r"num_parts \(2\) != world_size \(4\): every process"):
+    with pytest.raises(ValueError, match=r"num_parts \(2\) != world_size \(4\): .* set devices \* num_nodes = 2 "
+                                         r"or num_parts = 4"):
         datamodule.setup("fit")
     unattached = DorylusDataModule(small_graph(), cache_dir=tmp_path)
     with pytest.raises(RuntimeError, match="num_parts is None and no Trainer is attached"):
