@@ -43,7 +43,6 @@ from lightning_dorylus.data.fingerprint import GRAPH_FIELDS, graph_hash
 from lightning_dorylus.data.integrity import (
     CorruptCacheError,
     check_file,
-    check_size,
     manifest_entry,
     verify_file,
 )
@@ -188,7 +187,8 @@ def part_file(part_id: int) -> str:
 
 def cache_problem(directory: Path, digest: str | None = None) -> str | None:
     """Why ``directory`` is not a finished partitioning of the current format (and graph ``digest``), from
-    ``meta.json`` and the files' sizes only (no read); ``None`` if it is one."""
+    ``meta.json`` and the files' presence only; ``None`` if it is one. Damaged files are found by
+    :func:`damaged_files` (all of them) and :func:`load_partition` (the one it reads)."""
     meta_path = directory / "meta.json"
     if not meta_path.is_file():
         return f"{meta_path} is missing"
@@ -206,9 +206,8 @@ def cache_problem(directory: Path, digest: str | None = None) -> str | None:
             name = part_file(k)
             if name not in files:
                 return f"{meta_path} has no manifest entry for {name}"
-            problem = check_size(directory / name, files[name])
-            if problem is not None:
-                return problem
+            if not (directory / name).is_file():
+                return f"{directory / name} is missing"
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
         return f"{meta_path} is not a valid partition manifest ({type(err).__name__}: {err})"
     return None
