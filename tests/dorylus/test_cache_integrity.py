@@ -170,3 +170,57 @@ def test_a_truncated_graph_file_is_named_and_the_synthetic_cache_regenerates(tmp
     assert torch.equal(load_graph(path).x, graph.x), "the regenerated graph replaced the damaged file"
     save_graph(graph, tmp_path / "g.safetensors")
     assert load_graph(tmp_path / "g.safetensors").num_nodes == 300
+
+
+def test_graphs_that_differ_per_process_are_named_in_process(tmp_path: Path) -> None:
+    """Rank 1's view of a 2-process setup whose rank 0 built another split (its digests gathered)."""
+    import torch_geometric.transforms as T
+
+    from lightning_dorylus.data.fingerprint import check_same_graph
+
+    def split(seed: int) -> DorylusDataModule:
+        torch.manual_seed(seed)
+        graph = T.RandomNodeSplit(num_val=30, num_test=60)(small_graph())
+        return DorylusDataModule(graph, partitioner="bfs", cache_dir=tmp_path)
+
+    rank0, rank1 = split(0), split(1)
+    rank0.trainer = fake_trainer(0, 2)
+    rank0.prepare_data()
+    sent: list[torch.Tensor] = []
+    strategy = fake_trainer(0, 2).strategy
+    strategy.all_gather = lambda local: sent.append(local) or local.unsqueeze(0)  # what rank 0 sends
+    check_same_graph(strategy, rank0.graph_digest(), rank0._fingerprint)
+    rank1.trainer = fake_trainer(1, 2, others=sent[0])
+    match = (r"the input graph differs between processes \(train_mask, val_mask, test_mask differ\): "
+             r"rank\(s\) \[1\] built another graph than rank 0 .* unseeded split \(T.RandomNodeSplit")
+    with pytest.raises(ValueError, match=match):
+        rank1.setup("fit")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("split", r"the input graph differs between processes \(train_mask, val_mask, test_mask differ\): "
+                  r"rank\(s\) \[1\] built another graph than rank 0"),
+        ("num_parts", r"num_parts \(3\) != world_size \(2\): .* set devices \* num_nodes = 3 or "
+                      r"num_parts = 2"),
+        ("same", None),
+    ],
+)
+def test_two_graph_servers_name_a_graph_that_differs_and_a_wrong_num_parts(
+    case: str, match: str | None, tmp_path: Path
+) -> None:
+    from tests.dorylus.scripts.launch import run_script
+
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    run_script("graph_check_run.py", [str(out), str(cache), case], timeout=240, cwd=tmp_path, nprocs=2)
+    for rank in range(2):
+        result = json.loads((out / f"rank{rank}.json").read_text())
+        if match is None:
+            assert result == {"global_step": 1}
+        else:
+            assert re.search(match, result["error"]), result
+    if case == "num_parts":
+        assert not cache.exists() or not any(cache.iterdir()), "nothing partitioned for the wrong count"

@@ -153,8 +153,8 @@ def test_options_are_checked_up_front(kwargs: dict, error: type, match: str) -> 
 def test_world_size_must_match_num_parts(tmp_path) -> None:
     datamodule = DorylusDataModule(small_graph(), num_parts=2, cache_dir=tmp_path)
     datamodule.trainer = fake_trainer(0, 4)
-    with pytest.raises(ValueError, match=r"num_parts \(2\) != world_size \(4\): .* set devices \* num_nodes = 2 "
-                                         r"or num_parts = 4"):
+    match = r"num_parts \(2\) != world_size \(4\): .* set devices \* num_nodes = 2 or num_parts = 4"
+    with pytest.raises(ValueError, match=match):
         datamodule.setup("fit")
     unattached = DorylusDataModule(small_graph(), cache_dir=tmp_path)
     with pytest.raises(RuntimeError, match="num_parts is None and no Trainer is attached"):
