@@ -3,7 +3,7 @@
 Every Lightning process runs the user's script, so every graph server builds the graph itself. A graph that
 comes out differently per process (an unseeded ``T.RandomNodeSplit``, random features or edges) would be
 partitioned by rank 0 and looked up under another key by the others. :func:`check_same_graph` all-gathers
-the per-field digests (int64 tensors: no pickle) at ``setup`` and raises on every rank, naming the fields
+the per-field digests (an int64 tensor: no pickle) at ``setup`` and raises on every rank, naming the fields
 and ranks that differ and the likely cause.
 """
 
@@ -13,6 +13,7 @@ import hashlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch_geometric.data import Data
 
@@ -55,7 +56,8 @@ def check_same_graph(strategy: Any, digest: str, fingerprint: dict[str, str] | N
     """Raises on every rank if the graph servers hold different graphs.
 
     Args:
-        strategy: The Trainer's strategy (any ``ParallelStrategy``: its tensor ``all_gather``, no pickle).
+        strategy: The Trainer's strategy (its ``root_device``; its ``all_gather`` where no torch.distributed
+            group exists).
         digest: This process's :func:`graph_hash`.
         fingerprint: This process's :func:`graph_fingerprint` (``None`` for a partition directory: only the
             whole-graph digests are compared).
@@ -63,7 +65,7 @@ def check_same_graph(strategy: Any, digest: str, fingerprint: dict[str, str] | N
     names = ("graph", *GRAPH_FIELDS)
     rows = [digest, *((fingerprint or {}).get(name, "") for name in GRAPH_FIELDS)]
     local = torch.stack([_to_words(row) for row in rows]).to(strategy.root_device)  # (fields, 4) int64
-    gathered = strategy.all_gather(local).cpu()  # (world_size, fields, 4)
+    gathered = _all_gather(strategy, local).cpu()  # (world_size, fields, 4)
     if bool((gathered == gathered[0]).all()):
         return
     differs = [r for r in range(gathered.size(0)) if not torch.equal(gathered[r, 0], gathered[0, 0])]
@@ -84,6 +86,17 @@ def check_same_graph(strategy: Any, digest: str, fingerprint: dict[str, str] | N
         "before building the graph, or build it once and pass the saved file (save_graph) or a partition "
         "directory as data"
     )
+
+
+def _all_gather(strategy: Any, local: Tensor) -> Tensor:
+    """Every rank's ``local`` stacked, through torch.distributed's default group when there is one
+    (Lightning's ``strategy.all_gather`` goes through the deprecated ``torch.distributed.nn.functional
+    .all_gather`` and prints a warning on every rank), else through the strategy's own ``all_gather``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return strategy.all_gather(local)
+    rows = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, local)
+    return torch.stack(rows)
 
 
 def _to_words(hex_digest: str) -> Tensor:
