@@ -378,6 +378,9 @@ class ElasticBambooStrategy(BambooStrategy):
         costs = self._layer_costs if self._layer_costs is not None else estimate_layer_costs(list(body))
         self._stage_layers = StageLayout.plan(costs, self._num_stages, self._num_stages).stage_layers
         check_stage_split(module, attr, body, self._stage_layers)
+        # every layer in the precision's dtype now (64-true, bf16-true, ...): any of them may become this
+        # member's stage or replica, and layers received from peers take their template's dtype
+        self.precision_plugin.convert_module(body)
         self._layers = {i: body[i] for i in range(len(body))}
         if self._env is not None and self._env.joining:
             self._setup_joiner(trainer)
