@@ -329,6 +329,43 @@ class ElasticBambooStrategy(BambooStrategy):
         self._heartbeat = ms.Heartbeat(self._env, self._heartbeat_interval)
         self._cutter = GenerationCutter(self._env)
         self._process_group_backend = self._process_group_backend or "gloo"
+        if not self._env.joining:
+            self._open_shared_loggers()
+        # generation 0's rank before it forms (members 0..N-1 in order; a joiner's id is >= N), so Lightning's
+        # rank-zero-only parts (progress bar, logging) start on one member only
+        self._rank = self._env.member
+        self.set_world_ranks()
+
+    def _open_shared_loggers(self) -> None:
+        """Give every member of generation 0 the same logger version, opened, so whichever member is rank 0
+        after a failover logs on into the run's one folder (one version per run, every step once).
+
+        Every member reads its loggers' next free version before any creates a folder (a store barrier), then
+        opens the logger (``experiment``: CSVLogger's writer, which would delete a ``metrics.csv`` it found
+        if it were first opened after a failover) before anything is logged (a second barrier). Until
+        :meth:`set_world_ranks` runs, every process counts as rank zero, so every member opens its own.
+        """
+        assert self.lightning_module is not None
+        loggers = self.lightning_module.trainer.loggers
+        for logger in loggers:
+            _ = logger.version  # CSV/TensorBoard: the next free version; nothing is created yet
+        self._store_barrier("loggers/versions_read")
+        for logger in loggers:
+            _ = logger.experiment
+        self._store_barrier("loggers/opened")
+
+    def _store_barrier(self, key: str) -> None:
+        """Wait until every worker of generation 0 has reached ``key`` (bounded by ``timeout``)."""
+        assert self._store is not None and self._env is not None
+        self._store.add(key, 1)
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while int(self._store.add(key, 0)) < self._env.nproc:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"Bamboo member {self.member}: the other workers did not reach {key!r} within "
+                    f"timeout={self._timeout.total_seconds():.0f}s"
+                )
+            time.sleep(0.01)
 
     def _init_generation(self, owners: OwnershipMap) -> None:
         assert self._store is not None and self._cutter is not None
@@ -378,6 +415,9 @@ class ElasticBambooStrategy(BambooStrategy):
         costs = self._layer_costs if self._layer_costs is not None else estimate_layer_costs(list(body))
         self._stage_layers = StageLayout.plan(costs, self._num_stages, self._num_stages).stage_layers
         check_stage_split(module, attr, body, self._stage_layers)
+        # every layer in the precision's dtype now (64-true, bf16-true, ...): any of them may become this
+        # member's stage or replica, and layers received from peers take their template's dtype
+        self.precision_plugin.convert_module(body)
         self._layers = {i: body[i] for i in range(len(body))}
         if self._env is not None and self._env.joining:
             self._setup_joiner(trainer)

@@ -70,3 +70,10 @@ def unused_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torc
     """The uninterrupted run of ``pipe_variants.WithUnused`` (Adam with weight decay, a gradient-less
     parameter)."""
     return _elastic_reference(tmp_path_factory.mktemp("elastic-reference-unused"), "--variant", "unused")
+
+
+@pytest.fixture(scope="session")
+def double_precision_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The uninterrupted run of a float32-built ``PipeMLP`` under ``Trainer(precision="64-true")``."""
+    out = tmp_path_factory.mktemp("elastic-reference-64-true")
+    return _elastic_reference(out, "--dtype", "float32", "--precision", "64-true")

@@ -47,3 +47,16 @@ def test_parameter_without_gradient_two_pipelines(
     member 3 (stage 1 of pipeline 1) is SIGKILLed."""
     run_elastic(tmp_path, nproc=4, stages=2, fault="3:2:forward", extra_args=("--variant", "unused"))
     check_final(tmp_path, unused_reference)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("fault", ["", "1:2:forward"], ids=["no-fault", "sigkill-last-stage"])
+def test_double_precision_of_a_float32_model(
+    tmp_path: Path, double_precision_reference: dict[str, torch.Tensor], fault: str
+) -> None:
+    """``precision="64-true"`` on a model built in float32: every layer is converted at setup (a replica or a
+    layer received from a peer is float64 too), so the run equals "auto"'s with and without a failover."""
+    args = ("--dtype", "float32", "--precision", "64-true")
+    run_elastic(tmp_path, nproc=2, stages=2, fault=fault, extra_args=args)
+    check_final(tmp_path, double_precision_reference)

@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="mlp", help="model (pipe_variants.py)")
+    parser.add_argument("--dtype", default="float64", help="the model's parameter dtype as built")
+    parser.add_argument("--precision", default=None, help="Trainer(precision=...)")
     parser.add_argument("--no-redundancy", action="store_true")
     parser.add_argument("--aws-endpoints", default="", help="comma-separated IMDS URL per member ('' = none)")
     parser.add_argument("--wait-notice", default="", help="MEMBER:STEP: that member waits for its notice")
@@ -69,7 +71,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     seed_everything(0)
-    model = VARIANTS[args.variant](pairs=args.pairs, optimizer=args.optimizer)
+    model = VARIANTS[args.variant](pairs=args.pairs, optimizer=args.optimizer, dtype=args.dtype)
     x, y = make_data(args.steps * args.batch_size)
     if args.strategy == "auto":
         # the elastic run's (unsharded) DistributedSampler shuffles with seed 0 in epoch 0: read that order
@@ -103,6 +105,7 @@ def main() -> None:
         strategy=strategy,
         max_steps=args.steps,
         max_epochs=1,
+        precision=args.precision,
         gradient_clip_val=args.clip,
         gradient_clip_algorithm=args.clip_algorithm,
         logger=False,

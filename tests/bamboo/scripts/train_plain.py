@@ -1,8 +1,9 @@
 """The README's example as a user runs it: ``python train_plain.py OUT`` with ``devices=4`` and no launcher.
 
 The script's process supervises 4 workers (2 stages x 2 pipelines); each worker that finishes writes
-``OUT/done_member{m}.json`` with its global step. ``--steps-delay S`` sleeps S seconds per step, so a test
-has time to kill a worker mid-fit.
+``OUT/done_member{m}.json`` with its global step. Arguments: ``OUT STEPS [DELAY [DEVICES [csv]]]``: DELAY
+seconds of sleep per step (a test has time to kill a worker mid-fit), DEVICES workers (4), and ``csv`` logs
+every step through a ``CSVLogger`` under OUT.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.nn import functional as F
 
@@ -46,12 +48,15 @@ class Regressor(pl.LightningModule):
 
 def main() -> None:
     out, steps = Path(sys.argv[1]), int(sys.argv[2])
+    devices = int(sys.argv[4]) if len(sys.argv) > 4 else 4
+    logger = CSVLogger(out, name="logs") if len(sys.argv) > 5 and sys.argv[5] == "csv" else False
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(32 * steps, 32), torch.randn(32 * steps, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=32, drop_last=True)
     strategy = ElasticBambooStrategy(num_stages=2, num_microbatches=4, timeout=20)
-    trainer = pl.Trainer(accelerator="cpu", devices=4, max_steps=steps, strategy=strategy, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, max_steps=steps, strategy=strategy,
+                         logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Regressor(), loader)
     (out / f"done_member{strategy.member}.json").write_text(json.dumps({"global_step": trainer.global_step}))
 
