@@ -27,6 +27,7 @@ step and the next replica forward, can be one update behind; call :meth:`flush` 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,10 @@ from torch.optim import Optimizer
 
 from lightning_bamboo import p2p
 from lightning_bamboo.groups import BambooGroups
+
+_MAGIC = 7301.0
+"""First value of every replica header (a message of another kind is refused, not misread)."""
+_HEADER = 4
 
 
 class ReplicaSync:
@@ -75,6 +80,7 @@ class ReplicaSync:
         self._receive_flats: list[Tensor] | None = None
         self._receive_views: list[Tensor] = []
         self._meta_in: Tensor | None = None
+        self._sent_schema: list[list[list[Any]]] | None = None  # the keys the predecessor's replica has now
         # any forward of the replica (FR, a takeover) first applies the update still in flight
         self._hook = replica.register_forward_pre_hook(lambda module, args: self.flush())
 
@@ -133,7 +139,15 @@ class ReplicaSync:
         # with the gradients go: the stage's buffers (BatchNorm statistics), which gradient a parameter has,
         # and this stage's optimizer hyper-parameters, which are the ones the replica must step with
         buffers = list(self.stage.buffers())
-        meta = [float(p.grad is not None) for p in own_params] + encode_hyperparameters(main_optimizer)
+        flags = [float(p.grad is not None) for p in own_params]
+        values = encode_hyperparameters(main_optimizer)
+        # the keys travel only when they changed since the last message (a scheduler built at run time, as
+        # lr_find's, adds ``initial_lr`` to this optimizer and not to the replica's)
+        schema = hyperparameter_schema(main_optimizer)
+        schema_bytes = b"" if schema == self._sent_schema else json.dumps(schema).encode()
+        header_in = self._exchange_header(len(flags), len(values), len(schema_bytes))
+        self._sent_schema = schema
+        meta_length, schema_length = self._check_header(header_in)
         # the flat buffers are kept from step to step (no fresh 2 x model-size allocation per step): the
         # previous exchange is applied (flush above), so neither is in use any more
         if self._send_flats is None:
@@ -145,16 +159,62 @@ class ReplicaSync:
                     view.zero_()  # no gradient: its flag says so, the values are not used
                 else:
                     view.copy_(source)
-        own = [*self._send_flats, torch.tensor([len(meta), *meta], dtype=torch.float64, device=self.device)]
-        if self._receive_flats is None or self._meta_in is None:
+        own = [*self._send_flats, torch.tensor([*flags, *values], dtype=torch.float64, device=self.device)]
+        if schema_bytes:
+            own.append(torch.frombuffer(bytearray(schema_bytes), dtype=torch.uint8).to(self.device))
+        if self._receive_flats is None:
             replica_tensors = [*self._replica_params(), *self._replica.buffers()]
             self._receive_flats = _empty_flats(replica_tensors, self.device)
             self._receive_views = _views(self._receive_flats, replica_tensors)
-            # the successor's count: its has-gradient flags and hyper-parameters, behind the count itself
-            expected = len(self._replica_params()) + len(encode_hyperparameters(self._optimizer))
-            self._meta_in = torch.empty(expected + 1, dtype=torch.float64, device=self.device)
+        if self._meta_in is None or self._meta_in.numel() != meta_length:
+            self._meta_in = torch.empty(meta_length, dtype=torch.float64, device=self.device)
         incoming = [*self._receive_flats, self._meta_in]
-        self._pending = _PendingUpdate(self._post(own, incoming, p2p.Tag.REPLICA_GRAD), incoming, sent=own)
+        schema_in = None
+        if schema_length:
+            schema_in = torch.empty(schema_length, dtype=torch.uint8, device=self.device)
+        receives = incoming if schema_in is None else [*incoming, schema_in]
+        works = self._post(own, receives, p2p.Tag.REPLICA_GRAD)
+        self._pending = _PendingUpdate(works, incoming, sent=own, schema=schema_in)
+
+    def _exchange_header(self, num_flags: int, num_values: int, schema_length: int) -> Tensor:
+        """Tell the predecessor the sizes of this step's message and learn the successor's (blocking).
+
+        Four float64 values, so every receive is posted with the size the sender will send: a size known
+        only from the receiver's own optimizer would make gloo abort the process on a mismatch (``304 vs
+        296``) before any readable error could run. The exchange is tiny and happens once per step, when
+        the pipeline's ranks wait for stage 0's optimizer step anyway.
+        """
+        header_out = torch.tensor(
+            [_MAGIC, num_flags, num_values, schema_length], dtype=torch.float64, device=self.device
+        )
+        header_in = torch.empty(_HEADER, dtype=torch.float64, device=self.device)
+        for work in self._post([header_out], [header_in], p2p.Tag.REPLICA_GRAD):
+            work.wait()
+        return header_in
+
+    def _check_header(self, header: Tensor) -> tuple[int, int]:
+        """``(length of the float64 message, length of the schema bytes)`` the successor announced.
+
+        Raises:
+            RuntimeError: the header is not one of ours, or the successor's stage has a different number
+                of trainable parameters than the replica.
+        """
+        magic, num_flags, num_values, schema_length = header.tolist()
+        expected_flags = len(self._replica_params())
+        if magic != _MAGIC or num_values < 0 or schema_length < 0:
+            raise RuntimeError(
+                f"malformed replica header from rank {self.groups.successor_rank}: {header.tolist()} "
+                f"(expected [{_MAGIC}, parameter count, hyper-parameter count, schema length]); the "
+                "successor runs a different version of lightning_bamboo or another message was mistaken "
+                "for this one"
+            )
+        if int(num_flags) != expected_flags:
+            raise RuntimeError(
+                f"the successor (rank {self.groups.successor_rank}) sends gradients of {int(num_flags)} "
+                f"trainable parameters but the replica has {expected_flags}; every rank must build the same "
+                "model and freeze the same parameters"
+            )
+        return int(num_flags) + int(num_values), int(schema_length)
 
     def exchange(self, main_optimizer: Optimizer) -> None:
         """The blocking form of :meth:`step`, for a step that commits in two phases (elastic Bamboo).
@@ -169,6 +229,13 @@ class ReplicaSync:
         for work in self._pending.works:
             work.wait()
         self._pending.works = []
+        self._take_schema(self._pending)  # kept even if the step is discarded: the sender will not resend it
+
+    def _take_schema(self, pending: _PendingUpdate) -> None:
+        """Give the replica optimizer the successor's hyper-parameter keys, when the message carried them."""
+        if pending.schema is not None:
+            follow_schema(self._optimizer, json.loads(bytes(pending.schema.cpu().numpy().tobytes())))
+            pending.schema = None
 
     def discard(self) -> None:
         """Drop the received update without applying it (the step it belongs to was aborted)."""
@@ -199,7 +266,7 @@ class ReplicaSync:
         for work in pending.works:
             work.wait()
         replica_params = self._replica_params()
-        meta = pending.incoming[-1]
+        meta = pending.incoming[-1]  # has-gradient flags, then hyper-parameters
         with torch.no_grad():
             # the gradients are used where they were received: ``.grad`` becomes a view of the flat buffer
             # (a copy only if the replica lives on another device); buffers are copied
@@ -212,14 +279,9 @@ class ReplicaSync:
                     p.grad = view.to(p.device, copy=True)
             for buffer, view in zip(buffers, views[len(replica_params) :]):
                 buffer.copy_(view)
+        self._take_schema(pending)
         values = meta.tolist()
-        if int(values[0]) != len(values) - 1:
-            raise RuntimeError(
-                f"the successor sent {int(values[0])} optimizer values but the replica expects "
-                f"{len(values) - 1}: configure_optimizers must build the same param groups and settings for "
-                "a stage and for its replica"
-            )
-        has_grad, hyperparameters = values[1 : 1 + len(replica_params)], values[1 + len(replica_params) :]
+        has_grad, hyperparameters = values[: len(replica_params)], values[len(replica_params) :]
         for p, flag in zip(replica_params, has_grad):
             # no gradient: the successor's optimizer skipped it (no weight decay, no momentum); so does this
             if not flag:
@@ -253,6 +315,8 @@ class _PendingUpdate:
     """Flat gradient-and-buffer buckets, then the float64 values (has-gradient flags, hyper-parameters)."""
     sent: list[Tensor]
     """The send buffers, alive until the exchange is waited on."""
+    schema: Tensor | None = None
+    """The successor's hyper-parameter keys (JSON bytes) when they changed; ``None`` once taken."""
 
 
 def set_hyperparameters(target: Optimizer, hyperparameters: list[dict[str, Any]]) -> None:
@@ -294,6 +358,66 @@ def encode_hyperparameters(optimizer: Optimizer) -> list[float]:
         else:
             values.append(float(value))
     return values
+
+
+def _kind(value: Any) -> list[Any]:
+    """``[kind, size or shape(, dtype)]`` of a numeric setting, as JSON."""
+    if isinstance(value, Tensor):
+        return ["tensor", list(value.shape), str(value.dtype).removeprefix("torch.")]
+    if isinstance(value, (tuple, list)):
+        return [type(value).__name__, [type(v).__name__ for v in value]]
+    return [type(value).__name__, 1]
+
+
+def hyperparameter_schema(optimizer: Optimizer) -> list[list[list[Any]]]:
+    """Per param group, ``[key, kind, size]`` of each numeric setting (the layout of
+    :func:`encode_hyperparameters`), JSON-representable."""
+    schema: list[list[list[Any]]] = [[] for _ in optimizer.param_groups]
+    index = {id(group): i for i, group in enumerate(optimizer.param_groups)}
+    for group, key, value in _numeric_settings(optimizer):
+        schema[index[id(group)]].append([key, *_kind(value)])
+    return schema
+
+
+def _placeholder(kind: list[Any]) -> Any:
+    """A value of ``kind`` (:func:`_kind`); its number is set by :func:`decode_hyperparameters` next."""
+    types = {"bool": bool, "int": int, "float": float}
+    name, shape = kind[0], kind[1]
+    if name == "tensor":
+        return torch.zeros(shape, dtype=getattr(torch, kind[2]))
+    if name in ("tuple", "list"):
+        return (tuple if name == "tuple" else list)(types[t](0) for t in shape)
+    return types[name](0)
+
+
+def follow_schema(optimizer: Optimizer, schema: list[list[list[Any]]]) -> None:
+    """Give ``optimizer``'s param groups exactly the numeric keys of ``schema`` (:func:`hyperparameter_schema`
+    of the successor's optimizer): keys it gained are added, keys it dropped are removed.
+
+    Raises:
+        RuntimeError: when the number of param groups differs, or a schema entry is not understood.
+    """
+    if len(schema) != len(optimizer.param_groups):
+        raise RuntimeError(
+            f"the successor's optimizer has {len(schema)} param groups but the replica's has "
+            f"{len(optimizer.param_groups)}; configure_optimizers must build the same param groups for a "
+            "stage and its replica"
+        )
+    current = hyperparameter_schema(optimizer)
+    for group, wanted, have in zip(optimizer.param_groups, schema, current):
+        wanted_keys = {entry[0]: entry[1:] for entry in wanted}
+        for key, *_ in have:
+            if key not in wanted_keys:
+                del group[key]
+        for key, kind in wanted_keys.items():
+            if [key, *kind] not in have:
+                try:
+                    group[key] = _placeholder(kind)
+                except (KeyError, AttributeError, TypeError, IndexError) as err:
+                    raise RuntimeError(
+                        f"the successor sent hyper-parameter {key!r} of a kind the replica cannot hold: "
+                        f"{kind}"
+                    ) from err
 
 
 def decode_hyperparameters(optimizer: Optimizer, values: list[float]) -> None:
