@@ -33,6 +33,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -73,6 +74,19 @@ log = logging.getLogger(__name__)
 
 _STAGE_MARK = "_bamboo_stage"
 """Attribute set on a stage's Sequential, so a second strategy does not mistake it for the whole body."""
+
+
+def _refuse_whole_model_callbacks(trainer: pl.Trainer) -> None:
+    """Refuse, before any step, the callbacks that keep their own copy of the whole model."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, StochasticWeightAveraging):
+            raise ValueError(
+                "BambooStrategy does not support StochasticWeightAveraging: the callback copies the whole "
+                "model in its setup hook, before BambooStrategy splits it into stages, and later copies the "
+                "stage's parameters into that copy by position (it would fail with 'shape [32] doesn't "
+                "match [96, 32]' when averaging starts). Train without it, or average consolidated "
+                "checkpoints (lightning_bamboo.consolidate_checkpoint) after training"
+            )
 
 
 class BambooStrategy(BambooEventsMixin, ParallelStrategy):
@@ -275,6 +289,7 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         self._check_precision()
+        _refuse_whole_model_callbacks(trainer)
         if not module.automatic_optimization:
             raise TypeError(
                 f"BambooStrategy runs the backward pass itself and needs automatic optimization; "

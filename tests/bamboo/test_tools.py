@@ -1,5 +1,5 @@
 """Lightning's tools around training under Bamboo: ``Tuner.lr_find`` and the hyper-parameter message it
-changes at run time."""
+changes at run time, and ``StochasticWeightAveraging`` (refused at setup)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,15 @@ def test_lr_find_suggests_what_auto_suggests(tmp_path: Path) -> None:
         assert replicas
         for name, value in replicas.items():
             assert torch.equal(value, successor[f"own/{name}"]), name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_stochastic_weight_averaging_is_refused_at_setup(tmp_path: Path) -> None:
+    run_script("train_tools.py", ["--out", str(tmp_path), "--tool", "swa"], timeout=300, nprocs=2)
+    for rank in (0, 1):
+        message = (tmp_path / f"error_rank{rank}.txt").read_text()
+        assert "StochasticWeightAveraging" in message and "before BambooStrategy splits" in message
 
 
 def _sgd(*groups_lr: float) -> torch.optim.SGD:
