@@ -4,8 +4,11 @@ Every rank holds a replica of stage ``(s + 1) % num_stages``. After each optimiz
 the (averaged, clipped) gradients it just applied to its predecessor (one flat buffer per dtype), with its
 buffers (BatchNorm statistics), which parameters had a gradient (the others are skipped, as the
 successor's optimizer skipped them) and its optimizer's numeric hyper-parameters (as a scheduler set them
-for this step; a float64 vector, no pickling), and the predecessor applies them with the user's own
-optimizer built over the replica (same class and param groups). At setup every parameter, frozen ones
+for this step; a float64 vector, no pickling: the first message is preceded by a small header with its
+sizes, every message ends with the sizes of the next, and the hyper-parameter keys travel as JSON when
+they change, so the replica's optimizer gains and drops keys as the successor's does), and the
+predecessor applies them with the user's own optimizer built over the replica (same class and param
+groups). At setup every parameter, frozen ones
 included, and every buffer of the successor is copied to the replica. Starting from the same parameters,
 the same gradients through the same optimizer code give the same parameters and the same optimizer state
 bit for bit (on the same kind of device), so a takeover needs no transfer at all.
@@ -28,6 +31,7 @@ step and the next replica forward, can be one update behind; call :meth:`flush` 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +46,8 @@ from lightning_bamboo.groups import BambooGroups
 _MAGIC = 7301.0
 """First value of every replica header (a message of another kind is refused, not misread)."""
 _HEADER = 4
+_TAIL = 2
+"""Values at the end of every message: the sizes of the next (hyper-parameter values, schema bytes)."""
 
 
 class ReplicaSync:
@@ -80,7 +86,15 @@ class ReplicaSync:
         self._receive_flats: list[Tensor] | None = None
         self._receive_views: list[Tensor] = []
         self._meta_in: Tensor | None = None
-        self._sent_schema: list[list[list[Any]]] | None = None  # the keys the predecessor's replica has now
+        # the hyper-parameter layout of the next message sent (None: not agreed yet, the first message
+        # exchanges a header) and its keys (JSON) when the predecessor has not had them yet; the values last
+        # sent (for keys the stage optimizer has dropped since the layout was announced); the sizes of the
+        # next message received, as the successor announced them
+        self._layout: list[list[list[Any]]] | None = None
+        self._schema_due = b""
+        self._sent_values: list[float] = []
+        self._expected = (0, 0)
+        self._header_out: Tensor | None = None
         # any forward of the replica (FR, a takeover) first applies the update still in flight
         self._hook = replica.register_forward_pre_hook(lambda module, args: self.flush())
 
@@ -140,14 +154,12 @@ class ReplicaSync:
         # and this stage's optimizer hyper-parameters, which are the ones the replica must step with
         buffers = list(self.stage.buffers())
         flags = [float(p.grad is not None) for p in own_params]
-        values = encode_hyperparameters(main_optimizer)
-        # the keys travel only when they changed since the last message (a scheduler built at run time, as
-        # lr_find's, adds ``initial_lr`` to this optimizer and not to the replica's)
-        schema = hyperparameter_schema(main_optimizer)
-        schema_bytes = b"" if schema == self._sent_schema else json.dumps(schema).encode()
-        header_in = self._exchange_header(len(flags), len(values), len(schema_bytes))
-        self._sent_schema = schema
-        meta_length, schema_length = self._check_header(header_in)
+        schema, current_values = schema_and_values(main_optimizer)  # one pass over the param groups
+        header: tuple[list[Any], Tensor] | None = None
+        if self._layout is None:  # the first message: agree on its sizes (blocking, once per ReplicaSync)
+            self._layout, self._schema_due = schema, json.dumps(schema).encode()
+            size, schema_length = _layout_size(schema), len(self._schema_due)
+            header = self._post_header(len(flags), size, schema_length)
         # the flat buffers are kept from step to step (no fresh 2 x model-size allocation per step): the
         # previous exchange is applied (flush above), so neither is in use any more
         if self._send_flats is None:
@@ -159,13 +171,30 @@ class ReplicaSync:
                     view.zero_()  # no gradient: its flag says so, the values are not used
                 else:
                     view.copy_(source)
-        own = [*self._send_flats, torch.tensor([*flags, *values], dtype=torch.float64, device=self.device)]
-        if schema_bytes:
-            own.append(torch.frombuffer(bytearray(schema_bytes), dtype=torch.uint8).to(self.device))
+        if header is not None:
+            for work in header[0]:  # the gradient copy above ran while the headers travelled
+                work.wait()
+            self._expected = self._check_header(header[1])
+        # this message has the layout announced by the previous one; it announces the next one's (this
+        # step's keys), with the keys themselves when they changed
+        if schema == self._layout:  # the usual step: the keys are those announced
+            values = current_values
+        else:
+            values = encode_in_layout(main_optimizer, self._layout, self._sent_values)
+        self._sent_values = values
+        next_schema = b"" if schema == self._layout else json.dumps(schema).encode()
+        tail = [float(len(current_values)), float(len(next_schema))]
+        meta_out = torch.tensor([*flags, *values, *tail], dtype=torch.float64, device=self.device)
+        own = [*self._send_flats, meta_out]
+        if self._schema_due:
+            own.append(torch.frombuffer(bytearray(self._schema_due), dtype=torch.uint8).to(self.device))
+        self._layout, self._schema_due = schema, next_schema
         if self._receive_flats is None:
             replica_tensors = [*self._replica_params(), *self._replica.buffers()]
             self._receive_flats = _empty_flats(replica_tensors, self.device)
             self._receive_views = _views(self._receive_flats, replica_tensors)
+        num_values, schema_length = self._expected
+        meta_length = len(self._receive_views) - len(list(self._replica.buffers())) + num_values + _TAIL
         if self._meta_in is None or self._meta_in.numel() != meta_length:
             self._meta_in = torch.empty(meta_length, dtype=torch.float64, device=self.device)
         incoming = [*self._receive_flats, self._meta_in]
@@ -176,24 +205,24 @@ class ReplicaSync:
         works = self._post(own, receives, p2p.Tag.REPLICA_GRAD)
         self._pending = _PendingUpdate(works, incoming, sent=own, schema=schema_in)
 
-    def _exchange_header(self, num_flags: int, num_values: int, schema_length: int) -> Tensor:
-        """Tell the predecessor the sizes of this step's message and learn the successor's (blocking).
+    def _post_header(self, num_flags: int, num_values: int, schema_length: int) -> tuple[list[Any], Tensor]:
+        """Post the exchange of the first message's sizes with the predecessor and successor; return the
+        works (wait on them before posting the message) and the successor's header, once they are done.
 
-        Four float64 values, so every receive is posted with the size the sender will send: a size known
-        only from the receiver's own optimizer would make gloo abort the process on a mismatch (``304 vs
-        296``) before any readable error could run. The exchange is tiny and happens once per step, when
-        the pipeline's ranks wait for stage 0's optimizer step anyway.
+        Four float64 values, so the first receive is posted with the size the sender will send; every
+        later message announces the sizes of the next (:meth:`step`). A size guessed from the receiver's
+        own optimizer made gloo abort the process on a mismatch (``304 vs 296``, under ``lr_find``) before
+        any readable error could run.
         """
         header_out = torch.tensor(
             [_MAGIC, num_flags, num_values, schema_length], dtype=torch.float64, device=self.device
         )
         header_in = torch.empty(_HEADER, dtype=torch.float64, device=self.device)
-        for work in self._post([header_out], [header_in], p2p.Tag.REPLICA_GRAD):
-            work.wait()
-        return header_in
+        self._header_out = header_out  # alive until the works are waited on
+        return self._post([header_out], [header_in], p2p.Tag.REPLICA_GRAD), header_in
 
     def _check_header(self, header: Tensor) -> tuple[int, int]:
-        """``(length of the float64 message, length of the schema bytes)`` the successor announced.
+        """``(hyper-parameter values, schema bytes)`` of the successor's first message, as it announced.
 
         Raises:
             RuntimeError: the header is not one of ours, or the successor's stage has a different number
@@ -214,7 +243,7 @@ class ReplicaSync:
                 f"trainable parameters but the replica has {expected_flags}; every rank must build the same "
                 "model and freeze the same parameters"
             )
-        return int(num_flags) + int(num_values), int(schema_length)
+        return int(num_values), int(schema_length)
 
     def exchange(self, main_optimizer: Optimizer) -> None:
         """The blocking form of :meth:`step`, for a step that commits in two phases (elastic Bamboo).
@@ -232,10 +261,21 @@ class ReplicaSync:
         self._take_schema(self._pending)  # kept even if the step is discarded: the sender will not resend it
 
     def _take_schema(self, pending: _PendingUpdate) -> None:
-        """Give the replica optimizer the successor's hyper-parameter keys, when the message carried them."""
+        """Take what the message says about the hyper-parameters, whether or not its gradients are applied:
+        the keys of its layout (when they changed; the replica optimizer gains and drops keys to match) and
+        the sizes of the next message."""
+        if pending.taken:
+            return
+        pending.taken = True
         if pending.schema is not None:
             follow_schema(self._optimizer, json.loads(bytes(pending.schema.cpu().numpy().tobytes())))
-            pending.schema = None
+        num_values, schema_length = pending.incoming[-1][-_TAIL:].tolist()
+        if not (num_values >= 0 and schema_length >= 0 and num_values == int(num_values)):
+            raise RuntimeError(
+                f"malformed replica message from rank {self.groups.successor_rank}: it announces "
+                f"{num_values} hyper-parameter values and {schema_length} schema bytes for the next one"
+            )
+        self._expected = (int(num_values), int(schema_length))
 
     def discard(self) -> None:
         """Drop the received update without applying it (the step it belongs to was aborted)."""
@@ -280,7 +320,7 @@ class ReplicaSync:
             for buffer, view in zip(buffers, views[len(replica_params) :]):
                 buffer.copy_(view)
         self._take_schema(pending)
-        values = meta.tolist()
+        values = meta[:-_TAIL].tolist()
         has_grad, hyperparameters = values[: len(replica_params)], values[len(replica_params) :]
         for p, flag in zip(replica_params, has_grad):
             # no gradient: the successor's optimizer skipped it (no weight decay, no momentum); so does this
@@ -316,7 +356,9 @@ class _PendingUpdate:
     sent: list[Tensor]
     """The send buffers, alive until the exchange is waited on."""
     schema: Tensor | None = None
-    """The successor's hyper-parameter keys (JSON bytes) when they changed; ``None`` once taken."""
+    """The keys of this message's hyper-parameter layout (JSON bytes), when they changed."""
+    taken: bool = False
+    """Whether :meth:`ReplicaSync._take_schema` has read the keys and the next message's sizes."""
 
 
 def set_hyperparameters(target: Optimizer, hyperparameters: list[dict[str, Any]]) -> None:
@@ -349,15 +391,7 @@ def _numeric_settings(optimizer: Optimizer) -> list[tuple[dict[str, Any], str, A
 
 def encode_hyperparameters(optimizer: Optimizer) -> list[float]:
     """The optimizer's numeric hyper-parameters as floats (exact: a Python float is a float64)."""
-    values: list[float] = []
-    for _, _, value in _numeric_settings(optimizer):
-        if isinstance(value, Tensor):
-            values += [float(v) for v in value.detach().reshape(-1).tolist()]
-        elif isinstance(value, (tuple, list)):
-            values += [float(v) for v in value]
-        else:
-            values.append(float(value))
-    return values
+    return [v for _, _, value in _numeric_settings(optimizer) for v in _as_floats(value)]
 
 
 def _kind(value: Any) -> list[Any]:
@@ -372,11 +406,26 @@ def _kind(value: Any) -> list[Any]:
 def hyperparameter_schema(optimizer: Optimizer) -> list[list[list[Any]]]:
     """Per param group, ``[key, kind, size]`` of each numeric setting (the layout of
     :func:`encode_hyperparameters`), JSON-representable."""
-    schema: list[list[list[Any]]] = [[] for _ in optimizer.param_groups]
-    index = {id(group): i for i, group in enumerate(optimizer.param_groups)}
-    for group, key, value in _numeric_settings(optimizer):
-        schema[index[id(group)]].append([key, *_kind(value)])
-    return schema
+    return schema_and_values(optimizer)[0]
+
+
+def schema_and_values(optimizer: Optimizer) -> tuple[list[list[list[Any]]], list[float]]:
+    """:func:`hyperparameter_schema` and :func:`encode_hyperparameters` in one pass (once per step)."""
+    schema: list[list[list[Any]]] = []
+    values: list[float] = []
+    for group in optimizer.param_groups:
+        entries = []
+        for key in sorted(group):
+            if key == "params":
+                continue
+            value = group[key]
+            if isinstance(value, (bool, int, float, Tensor)) or (
+                isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float)) for v in value)
+            ):
+                entries.append([key, *_kind(value)])
+                values += _as_floats(value)
+        schema.append(entries)
+    return schema, values
 
 
 def _placeholder(kind: list[Any]) -> Any:
@@ -418,6 +467,51 @@ def follow_schema(optimizer: Optimizer, schema: list[list[list[Any]]]) -> None:
                         f"the successor sent hyper-parameter {key!r} of a kind the replica cannot hold: "
                         f"{kind}"
                     ) from err
+
+
+def _entry_size(entry: list[Any]) -> int:
+    """Values of one :func:`hyperparameter_schema` entry ``[key, kind, size or shape(, dtype)]``."""
+    if entry[1] == "tensor":
+        return math.prod(entry[2])
+    if entry[1] in ("tuple", "list"):
+        return len(entry[2])
+    return 1
+
+
+def _layout_size(schema: list[list[list[Any]]]) -> int:
+    return sum(_entry_size(entry) for group in schema for entry in group)
+
+
+def encode_in_layout(
+    optimizer: Optimizer, layout: list[list[list[Any]]], previous: list[float]
+) -> list[float]:
+    """:func:`encode_hyperparameters` in the layout announced earlier (``layout``, a
+    :func:`hyperparameter_schema`): a key that is gone (or changed its size) since sends its ``previous``
+    value (or 0), and keys gained since wait for the next message, which carries them and its layout."""
+    if hyperparameter_schema(optimizer) == layout:
+        return encode_hyperparameters(optimizer)
+    index = {id(group): i for i, group in enumerate(optimizer.param_groups)}
+    current: list[dict[str, Any]] = [{} for _ in optimizer.param_groups]
+    for group, key, value in _numeric_settings(optimizer):
+        current[index[id(group)]][key] = value
+    values: list[float] = []
+    for i, entries in enumerate(layout):
+        for entry in entries:
+            size = _entry_size(entry)
+            value = current[i].get(entry[0]) if i < len(current) else None
+            floats = _as_floats(value) if value is not None else []
+            if len(floats) != size:
+                floats = previous[len(values) : len(values) + size] or [0.0] * size
+            values += floats
+    return values
+
+
+def _as_floats(value: Any) -> list[float]:
+    if isinstance(value, Tensor):
+        return [float(v) for v in value.detach().reshape(-1).tolist()]
+    if isinstance(value, (tuple, list)):
+        return [float(v) for v in value]
+    return [float(value)]
 
 
 def decode_hyperparameters(optimizer: Optimizer, values: list[float]) -> None:

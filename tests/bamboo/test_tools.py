@@ -97,3 +97,50 @@ def test_malformed_hyperparameter_messages_raise_readable_errors() -> None:
         sync._check_header(torch.tensor([1.0, 2.0, 3.0, 0.0], dtype=torch.float64))
     with pytest.raises(RuntimeError, match=r"gradients of 5 trainable parameters but the replica has 2"):
         sync._check_header(torch.tensor([7301.0, 5.0, 3.0, 0.0], dtype=torch.float64))
+
+
+class _Loopback(ReplicaSync):
+    """A rank whose predecessor and successor are itself: every send lands in the matching receive (in
+    order), with gloo's rule that a message may not be longer than its receive buffer."""
+
+    def _post(self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor], tag: object) -> list:
+        assert len(outgoing) == len(incoming), (len(outgoing), len(incoming))
+        for sent, received in zip(outgoing, incoming):
+            assert sent.numel() == received.numel() and sent.dtype == received.dtype, "size mismatch (abort)"
+            received.copy_(sent)
+        return []
+
+
+def test_replica_follows_an_optimizer_changed_between_steps() -> None:
+    """The stage optimizer gains a scheduler (``initial_lr``) after the first step, a tensor learning rate
+    and a new key later, and loses a key: every message fits its receive, and the replica keeps stepping
+    exactly as the stage does."""
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)).double()
+    replica = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)).double()
+    replica.load_state_dict(stage.state_dict())
+    optimizer = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+    replica_optimizer = torch.optim.SGD(replica.parameters(), lr=0.5, momentum=0.9)  # lr comes from the stage
+    groups = SimpleNamespace(successor_rank=0, predecessor_rank=0)
+    sync = _Loopback(stage, replica, replica_optimizer, groups, torch.device("cpu"))
+    scheduler = None
+    for step in range(6):
+        if step == 1:
+            scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)  # adds initial_lr
+        if step == 3:
+            optimizer.param_groups[0]["custom"] = 2.0
+            optimizer.param_groups[0]["lr"] = torch.tensor(0.05, dtype=torch.float64)
+        if step == 4:
+            del optimizer.param_groups[0]["custom"]
+        stage(torch.randn(4, 3, dtype=torch.float64)).pow(2).mean().backward()
+        optimizer.step()
+        sync.step(optimizer)
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        sync.flush()
+        for ours, theirs in zip(sync.replica.parameters(), stage.parameters()):
+            assert torch.equal(ours, theirs), step
+    # one message behind the keys at most: the replica has every key the stage had at its last message
+    assert set(sync.optimizer.param_groups[0]) == set(optimizer.param_groups[0])
+    assert "initial_lr" in sync.optimizer.param_groups[0] and "custom" not in sync.optimizer.param_groups[0]
