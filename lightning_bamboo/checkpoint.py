@@ -447,6 +447,12 @@ def _write_lightning_checkpoint(path: Path, output: Path, state_dict: dict[str, 
     for i, groups in enumerate(saved_groups):
         group_names = _whole_group_names(path, i)
         names = [n for g in group_names for n in g]
+        with_state = {k[len(f"optim{i}/") :].rpartition("/")[0] for k in meta if k.startswith(f"optim{i}/")}
+        if len(set(names)) != len(names) or not with_state <= set(names):
+            raise ValueError(
+                f"{path}'s param-group files ({GROUPS_FILE.format(stage=0)}, ...) do not list every "
+                "parameter with optimizer state exactly once; the folder is incomplete"
+            )
         keys = _optimizer_keys(meta, i, names)
         flat = _load_tensors(path, [f"optim{i}/{n}/{k}" for n, ks in keys.items() for k in ks], no_dist=True)
         named = {
