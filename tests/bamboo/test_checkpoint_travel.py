@@ -54,6 +54,20 @@ def test_auto_to_bamboo_to_auto_keeps_weights_optimizer_and_step(tmp_path: Path)
         _assert_equal(replica, successor, "own/")
         _assert_equal(replica, successor, "own_opt/")
 
+    # 2b. the same file loads into 3 stages (the stage count is free): every stage and replica as saved
+    three = tmp_path / "b3"
+    run_script(
+        "train_pipe.py",
+        ["--strategy", "bamboo", "--devices", "3", "--stages", "3", *ADAM, "--out", str(three),
+         "--resume", str(first), "--steps", "4", "--max-epochs", "2"],
+        timeout=300, nprocs=3,
+    )
+    starts3 = [load_file(str(three / f"start_rank{rank}.safetensors")) for rank in range(3)]
+    _assert_equal({k: v for start in starts3 for k, v in start.items() if k.startswith("own")}, saved, "own")
+    for start in starts3:
+        replica = {"own" + k[len("replica") :]: v for k, v in start.items() if k.startswith("replica")}
+        _assert_equal(replica, {k: v for k, v in saved.items() if k in replica}, "own")
+
     # 3. the converter writes an ordinary .ckpt: weights, optimizer state, loop state of step 4
     third = tmp_path / "converted.ckpt"
     consolidate_checkpoint(second, output=third)
