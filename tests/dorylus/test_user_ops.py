@@ -46,7 +46,7 @@ def op_state() -> Iterator[None]:
         registry._OP_MODULE.clear()
         registry._OP_MODULE.update(owners)
         sys.path[:] = path
-        for name in ("gin_ops", "gin_conv", "bad_ops"):
+        for name in ("gin_ops", "gin_conv", "bad_ops", "userpkg", "userpkg.double_ops"):
             sys.modules.pop(name, None)
 
 
@@ -88,6 +88,42 @@ def test_local_pool_ships_the_user_op_module(op_state: None) -> None:
     assert registry.op_modules() == ("gin_ops",)
     with LocalPoolExecutor(num_workers=2) as pool:
         _gin_vs_pyg(pool)
+
+
+DOUBLE_OPS = """
+from lightning_dorylus.ops import OpSpec, register_ops
+
+
+def double(inputs, attrs):
+    return {"h": 2 * inputs["z"]}
+
+
+def double_backward(inputs, attrs):
+    return {"grad_z": 2 * inputs["grad_h"]}
+
+
+register_ops({
+    "userpkg.double.forward": OpSpec(double, ("z",), outputs=("h",), backward="userpkg.double.backward",
+                                     row_inputs=("z",), row_outputs=("h",)),
+    "userpkg.double.backward": OpSpec(double_backward, ("grad_h",), outputs=("grad_z",),
+                                      row_inputs=("grad_h",), row_outputs=("grad_z",)),
+})
+"""
+
+
+def test_an_op_module_inside_a_package_ships_without_the_package_init(op_state: None, tmp_path: Path) -> None:
+    """``userpkg/__init__.py`` imports torch (as a real package's may): the bundle ships a stub instead."""
+    (tmp_path / "userpkg").mkdir()
+    (tmp_path / "userpkg" / "__init__.py").write_text("import torch\n")
+    (tmp_path / "userpkg" / "double_ops.py").write_text(DOUBLE_OPS)
+    sys.path.insert(0, str(tmp_path))
+    import userpkg.double_ops  # noqa: F401
+
+    assert registry.op_modules() == ("userpkg.double_ops",)
+    z = torch.arange(6.0).reshape(3, 2)
+    with LocalPoolExecutor(num_workers=1) as pool:
+        [out] = pool.map([TensorOpRequest("userpkg.double.forward", {"z": z})], timeout=60)
+    torch.testing.assert_close(out["h"], 2 * z)
 
 
 def test_a_pool_started_before_the_op_module_names_the_op_and_the_fix(op_state: None) -> None:
