@@ -31,6 +31,8 @@ CASES = {
     "gcn-sgd": {"model": "gcn", "optimizer": "sgd", "dropout": 0.0, "executor": "local"},
     "gcn-adam-dropout": {"model": "gcn", "optimizer": "adam", "dropout": 0.5, "executor": "inline"},
     "gin-adam": {"model": "gin", "optimizer": "adam", "dropout": 0.0, "executor": "local"},
+    "gcn-adam-pipelined": {"model": "gcn", "optimizer": "adam", "dropout": 0.5, "executor": "local",
+                           "staleness": 0},
     "gcn-sgd-sum": {"model": "gcn", "optimizer": "sgd", "dropout": 0.0, "executor": "inline",
                     "loss_reduction": "sum"},
     "torch-dropout": {"model": "torch_dropout", "optimizer": "sgd", "dropout": 0.5, "executor": "inline"},
@@ -82,8 +84,10 @@ def load_run(folder: Path, servers: int) -> tuple[list[float], list[dict], list[
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize(("servers", "name"), [(2, "gcn-sgd"), (2, "gcn-adam-dropout"), (2, "gin-adam"),
-                                               (3, "gcn-sgd"), (3, "gcn-adam-dropout")])
+@pytest.mark.parametrize(("servers", "name"), [
+    (2, "gcn-sgd"), (2, "gcn-adam-dropout"), (2, "gin-adam"), (2, "gcn-adam-pipelined"), (3, "gcn-sgd"),
+    (3, "gcn-adam-dropout"),
+])
 def test_user_module_with_local_mean_loss_trains_what_auto_trains(launches, servers: int, name: str) -> None:
     folder, _ = launches(servers)
     losses, weights, predictions = load_run(folder / name, servers)

@@ -33,10 +33,18 @@ from tests.process import REPO
 EXAMPLES = REPO / "docs" / "examples"
 
 
+USER_MODULES = ("gin_ops", "gin_conv", "bad_ops", "userpkg", "userpkg.double_ops")
+
+
 @pytest.fixture
 def op_state() -> Iterator[None]:
-    """``docs/examples`` importable; the op table, the registry and the imported modules restored after."""
+    """No user op registered yet (another test may have imported the examples) and ``docs/examples``
+    importable; the op table, the registry, ``sys.path`` and the imported modules restored after."""
     ops, owners, path = dict(handlers.OPS), dict(registry._OP_MODULE), list(sys.path)
+    modules = {name: sys.modules.pop(name) for name in USER_MODULES if name in sys.modules}
+    for name in set(handlers.OPS) - registry.BUILTIN_OPS:
+        del handlers.OPS[name]
+    registry._OP_MODULE.clear()
     sys.path.insert(0, str(EXAMPLES))
     try:
         yield
@@ -46,8 +54,9 @@ def op_state() -> Iterator[None]:
         registry._OP_MODULE.clear()
         registry._OP_MODULE.update(owners)
         sys.path[:] = path
-        for name in ("gin_ops", "gin_conv", "bad_ops", "userpkg", "userpkg.double_ops"):
+        for name in USER_MODULES:
             sys.modules.pop(name, None)
+        sys.modules.update(modules)
 
 
 def _gin_vs_pyg(executor: TensorOpExecutor) -> None:

@@ -6,9 +6,9 @@ trains the same models in its own process under ``strategy="auto"`` with :func:`
 
 Usage: python user_module_run.py OUT_DIR --servers N --cases CASES_JSON
 ``CASES_JSON``: ``{name: {"model": "gcn"|"gin"|"torch_dropout", "optimizer": "sgd"|"adam", "dropout": p,
-"executor": "inline"|"local", "loss_reduction": null|"mean"|"sum"}}``; each case trains in turn into
-``OUT_DIR/<name>``: ``result.json`` (rank 0: per-epoch train_loss), ``weights_rank{r}.safetensors`` and
-``predictions_rank{r}.safetensors`` (what ``trainer.predict`` returned on rank r).
+"executor": "inline"|"local", "loss_reduction": null|"mean"|"sum", "staleness": null|0}}``; each case
+trains in turn into ``OUT_DIR/<name>``: ``result.json`` (rank 0: per-epoch train_loss),
+``weights_rank{r}.safetensors`` and ``predictions_rank{r}.safetensors`` (``trainer.predict`` on rank r).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         options = {"num_workers": 1} if case["executor"] == "local" else {}
         strategy = DorylusStrategy(executor=case["executor"], executor_options=options,
-                                   loss_reduction=case.get("loss_reduction"),
+                                   loss_reduction=case.get("loss_reduction"), staleness=case.get("staleness"),
                                    timeout=datetime.timedelta(seconds=180))
         model = build_model(case)
         trainer, losses, predictions = fit(model, partitions, strategy, devices=args.servers)
