@@ -16,6 +16,7 @@ from torch_geometric.nn import GINConv as PygGINConv
 from lightning_dorylus import deploy
 from lightning_dorylus.data import partition_graph
 from lightning_dorylus.executors import (
+    ExecutorError,
     InlineExecutor,
     LambdaExecutor,
     LocalPoolExecutor,
@@ -33,7 +34,7 @@ from tests.process import REPO
 EXAMPLES = REPO / "docs" / "examples"
 
 
-USER_MODULES = ("gin_ops", "gin_conv", "bad_ops", "userpkg", "userpkg.double_ops")
+USER_MODULES = ("gin_ops", "gin_conv", "bad_ops", "userpkg", "userpkg.double_ops", "fragile_ops")
 
 
 @pytest.fixture
@@ -133,6 +134,38 @@ def test_an_op_module_inside_a_package_ships_without_the_package_init(op_state: 
     with LocalPoolExecutor(num_workers=1) as pool:
         [out] = pool.map([TensorOpRequest("userpkg.double.forward", {"z": z})], timeout=60)
     torch.testing.assert_close(out["h"], 2 * z)
+
+
+FRAGILE_OPS = """
+import importlib.util
+
+from lightning_dorylus.ops import OpSpec, register_ops
+
+if importlib.util.find_spec("torch") is None:  # true in a worker: it has the standard library and numpy only
+    raise RuntimeError("fragile_ops needs torch after all")
+
+
+def same(inputs, attrs):
+    return {"h": inputs["z"]}
+
+
+register_ops({"fragile.same": OpSpec(same, ("z",), outputs=("h",), row_inputs=("z",), row_outputs=("h",))})
+"""
+
+
+def test_an_op_module_failing_in_the_worker_stops_the_pool_start_with_its_error(
+    op_state: None, tmp_path: Path
+) -> None:
+    (tmp_path / "fragile_ops.py").write_text(FRAGILE_OPS)
+    sys.path.insert(0, str(tmp_path))
+    import fragile_ops  # noqa: F401  (fine here: torch is installed)
+
+    pool = LocalPoolExecutor(num_workers=1, startup_timeout=60)
+    match = (r"worker 0 \(pid \d+\) failed to start: importing op modules \['fragile_ops'\] failed: "
+             r"RuntimeError: fragile_ops needs torch")
+    with pytest.raises(ExecutorError, match=match):
+        pool.start()
+    pool.close()
 
 
 def test_a_pool_started_before_the_op_module_names_the_op_and_the_fix(op_state: None) -> None:
