@@ -167,6 +167,18 @@ def test_gathered_rows_are_in_global_order_in_one_process() -> None:
         gather_vertex_rows(rows, torch.tensor([2, 0, 1]), 4)
 
 
+def test_train_share_and_a_server_without_train_vertices() -> None:
+    parts = partition_graph(make_graph(), 2, partitioner="metis", interval_size=INTERVAL_SIZE)
+    strategy = DorylusStrategy(executor="inline")
+    shares = [strategy._train_share(p) for p in parts]
+    assert sum(shares) == pytest.approx(1.0) and all(0 < s < 1 for s in shares)
+    parts[0].train_mask[:] = False
+    match = (r"graph server 0 owns no train vertex, so a mean over its train vertices is 0 / 0 .* set "
+             r"loss_reduction='sum' \(as NodeClassifier\)")
+    with pytest.raises(ValueError, match=match):
+        strategy._train_share(parts[0])
+
+
 def test_loss_reduction_comes_from_the_module_or_the_strategy() -> None:
     gcn = GCN(4, 3, 2)
     assert gcn.dorylus_loss_reduction == "sum"
