@@ -18,6 +18,7 @@ Standard library only (this module ships to executors too).
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Iterable, Mapping
 
 from . import handlers
@@ -25,12 +26,14 @@ from .spec import OpSpec
 
 #: The ops built into the handler (every executor has them).
 BUILTIN_OPS = frozenset(handlers.OPS)
-_OP_MODULE: dict[str, str] = {}  # user op name -> the module that defines its functions
+_OP_MODULE: dict[str, str] = {}  # user op name -> the module that registered it (what an executor imports)
 
 
 def register_ops(ops: Mapping[str, OpSpec]) -> None:
     """Adds ``ops`` (name -> ``OpSpec``) to this process's op table; call it at the top of an op module.
 
+    The module that calls this is what executors import to get the ops, so call it at the top level of the
+    op module (its functions may live there or in modules it imports, checked when a bundle is built).
     Registering the same op again from the same module (a re-import) replaces it.
 
     Raises:
@@ -38,6 +41,7 @@ def register_ops(ops: Mapping[str, OpSpec]) -> None:
         ValueError: a built-in op's name; a name another module registered; a forward op whose ``backward``
             is neither registered nor in ``ops``; an op defined in ``__main__`` (executors cannot import it).
     """
+    caller = sys._getframe(1).f_globals.get("__name__", "?")
     modules: dict[str, str] = {}
     for name, spec in ops.items():
         if not isinstance(name, str) or not name:
@@ -48,8 +52,8 @@ def register_ops(ops: Mapping[str, OpSpec]) -> None:
         if name in BUILTIN_OPS:
             raise ValueError(f"op {name!r} is built into the handler; give your op a name of its own "
                              f"(e.g. 'mymodel.{name}')")
-        module = getattr(spec.fn, "__module__", None) or "?"
-        if module == "__main__":
+        module = caller
+        if "__main__" in (caller, getattr(spec.fn, "__module__", None)):
             raise ValueError(f"op {name!r} is defined in __main__ (the script being run): executors import "
                              "an op's module by name, so define the op in a module of its own (e.g. my_ops.py"
                               " beside the script) and import it from the script")

@@ -34,7 +34,7 @@ from tests.process import REPO
 EXAMPLES = REPO / "docs" / "examples"
 
 
-USER_MODULES = ("gin_ops", "gin_conv", "bad_ops", "userpkg", "userpkg.double_ops", "fragile_ops")
+USER_MODULES = ("gin_ops", "gin_conv", "bad_ops", "userpkg", "userpkg.double_ops", "fragile_ops", "alias_ops")
 
 
 @pytest.fixture
@@ -134,6 +134,30 @@ def test_an_op_module_inside_a_package_ships_without_the_package_init(op_state: 
     with LocalPoolExecutor(num_workers=1) as pool:
         [out] = pool.map([TensorOpRequest("userpkg.double.forward", {"z": z})], timeout=60)
     torch.testing.assert_close(out["h"], 2 * z)
+
+
+ALIAS_OPS = """
+import dataclasses
+
+from lightning_dorylus.ops import register_ops
+from lightning_dorylus.ops.vertex import OPS
+
+forward = dataclasses.replace(OPS["apply_vertex.forward"], backward="alias.av.backward")
+register_ops({"alias.av.forward": forward, "alias.av.backward": OPS["apply_vertex.backward"]})
+"""
+
+
+def test_ops_ship_with_the_module_that_registers_them(op_state: None, tmp_path: Path) -> None:
+    """The functions are built-in (``vertex.py``); what a worker must import is the registering module."""
+    (tmp_path / "alias_ops.py").write_text(ALIAS_OPS)
+    sys.path.insert(0, str(tmp_path))
+    import alias_ops  # noqa: F401
+
+    assert registry.op_modules() == ("alias_ops",)
+    z, w = torch.randn(5, 3, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    with LocalPoolExecutor(num_workers=1) as pool:
+        [out] = pool.map([TensorOpRequest("alias.av.forward", {"z": z, "weight": w})], timeout=60)
+    torch.testing.assert_close(out["h"], z @ w)
 
 
 FRAGILE_OPS = """
