@@ -59,6 +59,7 @@ from lightning_bamboo import departure, joining
 from lightning_bamboo import fallback as fb
 from lightning_bamboo import membership as ms
 from lightning_bamboo import progress as trainer_progress
+from lightning_bamboo.callbacks import BambooNotices
 from lightning_bamboo.clipping import ClipPlan, apply_clipping, plan_clipping
 from lightning_bamboo.contract import check_contract, check_stage_split, find_pipeline_body, sub_sequential
 from lightning_bamboo.cutter import GenerationCutter
@@ -207,6 +208,11 @@ class ElasticBambooStrategy(BambooStrategy):
         checkpoint_dir: folder of those checkpoints (each job writes under ``<checkpoint_dir>/<job id>``);
             on several machines, a filesystem every worker sees.
         keep_checkpoints: complete checkpoints kept (older ones are deleted).
+        drain_on_sigterm: a SIGTERM to a worker (what spot agents, Kubernetes and ``docker stop`` send)
+            drains it one step boundary later, an announced departure: a
+            :class:`~lightning_bamboo.callbacks.BambooNotices` is added when the trainer has none (a
+            ``BambooNotices`` given without ``sigterm`` follows this too). ``False``: Lightning's own
+            SIGTERM handling, which ends the worker (the job then fails over, or stops).
     """
 
     strategy_name = "bamboo_elastic"
@@ -219,6 +225,7 @@ class ElasticBambooStrategy(BambooStrategy):
         checkpoint_every_n_steps: int | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
         keep_checkpoints: int = 2,
+        drain_on_sigterm: bool = True,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("timeout", 30.0)
@@ -235,6 +242,7 @@ class ElasticBambooStrategy(BambooStrategy):
         self._created_during_eval: list[nn.Module] = []
         self._heartbeat_interval = heartbeat
         self._failure_wait = failure_wait
+        self.drain_on_sigterm = drain_on_sigterm
         self._env = ms.WorkerEnv.from_env()
         self._store: dist.Store | None = None
         self._heartbeat: ms.Heartbeat | None = None
@@ -341,6 +349,16 @@ class ElasticBambooStrategy(BambooStrategy):
         self._heartbeat = ms.Heartbeat(self._env, self._heartbeat_interval)
         self._cutter = GenerationCutter(self._env)
         self._process_group_backend = self._process_group_backend or "gloo"
+        self._watch_sigterm()
+
+    def _watch_sigterm(self) -> None:
+        """With ``drain_on_sigterm``, make sure a :class:`BambooNotices` watches for SIGTERM (added last, so
+        callbacks given by the user keep their order; it runs before Lightning's ``setup`` hooks)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if not self.drain_on_sigterm or trainer is None:
+            return
+        if not any(isinstance(callback, BambooNotices) for callback in trainer.callbacks):
+            trainer.callbacks.append(BambooNotices())
 
     def _init_generation(self, owners: OwnershipMap) -> None:
         assert self._store is not None and self._cutter is not None

@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--clip-algorithm", choices=["norm", "value"], default="norm")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
+    parser.add_argument("--hold", default="", help="MEMBER:STEP:sigterm|release (signal_callbacks)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -93,6 +94,13 @@ def main() -> None:
 
         endpoints = args.aws_endpoints.split(",")
         callbacks = notice_callbacks(args.out, strategy.member, endpoints, args.wait_notice)
+    if isinstance(strategy, ElasticBambooStrategy):
+        from tests.bamboo.signal_callbacks import SignalTarget
+
+        hold = None
+        if args.hold and int(args.hold.split(":")[0]) == strategy.member:
+            hold = (int(args.hold.split(":")[1]), args.hold.split(":")[2])
+        callbacks.append(SignalTarget(args.out, strategy.member, hold))
     val_losses = ValLosses()
     trainer = Trainer(
         accelerator="cpu",

@@ -1,0 +1,139 @@
+"""Signals and crashes as a spot machine sends them, under ``python -m lightning_bamboo.launch``.
+
+The tests send real signals from outside to the PIDs the workers write (``pid_member{m}``) or to the
+supervisor, and check what is left: exit codes, the final state against the uninterrupted run (float64), the
+checkpoint folder, and that no process outlives the job. Workers hold at a step boundary
+(``--hold``, :mod:`tests.bamboo.signal_callbacks`) so the signal lands at a known step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_bamboo.callbacks import BambooNotices
+from lightning_bamboo.elastic import ElasticBambooStrategy
+from lightning_bamboo.notices.signals import SigtermNoticeSource
+from tests.bamboo.test_elastic import SCRIPT, STEPS, check_final
+from tests.process import REPO, launch_env, start
+
+TIMEOUT_S = 300.0
+
+
+class Job:
+    """The launcher running in the background (output to a file), and what its workers wrote."""
+
+    def __init__(self, out: Path, nproc: int, stages: int, *args: str, launch_args: tuple[str, ...] = ()):
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+        self.log_path = out.parent / f"{out.name}.log"
+        cmd = [
+            sys.executable, "-m", "lightning_bamboo.launch", "--nproc", str(nproc), *launch_args, str(SCRIPT),
+            "--out", str(out), "--stages", str(stages), "--steps", str(STEPS), *args,
+        ]
+        self._stream = self.log_path.open("w")
+        # a fresh interpreter: the supervisor installs its own SIGTERM handler, which the test signals
+        self.proc = start(cmd, REPO, launch_env(), self._stream, process_group=None, fresh=True)
+        self.deadline = time.monotonic() + TIMEOUT_S
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_for(self, name: str) -> Path:
+        path = self.out / name
+        while not path.exists():
+            assert self.proc.poll() is None, f"the job ended before {name}:\n{self.log[-4000:]}"
+            assert time.monotonic() < self.deadline, f"no {name} in {TIMEOUT_S}s:\n{self.log[-4000:]}"
+            time.sleep(0.05)
+        return path
+
+    def pid(self, member: int) -> int:
+        return int(self.wait_for(f"pid_member{member}").read_text())
+
+    def worker_pids(self) -> list[int]:
+        return [int(p.read_text()) for p in self.out.glob("pid_member*")]
+
+    def wait(self) -> int:
+        timeout = max(self.deadline - time.monotonic(), 1.0)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the job outlived {TIMEOUT_S}s:\n{self.log[-4000:]}") from None
+
+    def kill_all(self) -> None:
+        """Whatever is left (a failed test): the supervisor's session, then each worker by PID."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        for pid in self.worker_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._stream.close()
+
+
+@pytest.fixture
+def jobs() -> Iterator[list[Job]]:
+    started: list[Job] = []
+    yield started
+    for job in started:
+        job.kill_all()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_sigterm_drain_is_the_elastic_default_with_an_opt_out() -> None:
+    """The elastic strategy adds one ``BambooNotices`` when the trainer has none; its ``sigterm`` (unset)
+    follows the strategy's ``drain_on_sigterm``; ``False`` on either side turns the SIGTERM source off."""
+    for drain in (True, False):
+        strategy = ElasticBambooStrategy(num_stages=2, drain_on_sigterm=drain)
+        trainer = SimpleNamespace(callbacks=[], strategy=strategy)
+        strategy._lightning_module = SimpleNamespace(trainer=trainer)  # type: ignore[assignment]
+        strategy._watch_sigterm()
+        strategy._watch_sigterm()
+        assert [type(c) for c in trainer.callbacks] == ([BambooNotices] if drain else [])
+    for drain, given, watches in [(True, None, True), (False, None, False), (True, False, False),
+                                  (False, True, True)]:
+        notices = BambooNotices(sigterm=given)
+        notices.setup(SimpleNamespace(strategy=SimpleNamespace(drain_on_sigterm=drain)), None, "fit")
+        assert notices.watcher is not None
+        assert any(isinstance(s, SigtermNoticeSource) for s in notices.watcher.sources) == watches
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sigterm_to_a_worker_drains_it_by_default(
+    tmp_path: Path, jobs: list[Job], elastic_reference: dict[str, torch.Tensor]
+) -> None:
+    """The user added no callback: SIGTERM to member 1 (the last stage) by PID while it holds at step 3.
+    The strategy's default SIGTERM drain makes it leave at the next boundary as an announced departure (exit
+    0, no failure); member 0 promotes its replica and finishes every step equal to the uninterrupted run."""
+    job = Job(tmp_path / "run", 2, 2, "--hold", "1:3:sigterm")
+    jobs.append(job)
+    job.wait_for("reached3_member1")
+    os.kill(job.pid(1), signal.SIGTERM)
+    assert job.wait() == 0, job.log[-4000:]
+    log = job.log
+    assert "[bamboo.launch] drain: lost [] left [1] joined []" in log
+    assert "[bamboo.launch] member 1 left (exit 0)" in log
+    assert "exited with" not in log and "aborted" not in log  # nothing lost, nothing replayed
+    assert not (job.out / "final_member1.safetensors").exists()  # it left
+    check_final(job.out, elastic_reference)
+    assert not any(alive(pid) for pid in job.worker_pids())
+
