@@ -47,7 +47,7 @@ import torch.distributed as dist
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import _TunerExitException
+from lightning.pytorch.utilities.exceptions import SIGTERMException, _TunerExitException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -741,7 +741,12 @@ class ElasticBambooStrategy(BambooStrategy):
         self._abort_groups()
         deadline = time.monotonic() + self._failure_wait
         while time.monotonic() < deadline:
-            if ms.current_generation(self._store) > self.owners.generation:
+            generation = ms.current_generation(self._store)
+            if generation > self.owners.generation:
+                if ms.get_str(self._store, f"gen{generation}/kind") == "stop":
+                    # the job is stopping: nothing to re-form or replay. This member has not prepared the
+                    # step in flight, so that step cannot commit: every member stops at the same step.
+                    self._stop()
                 return True
             time.sleep(0.01)
         return False
@@ -777,8 +782,10 @@ class ElasticBambooStrategy(BambooStrategy):
             if generation > old.generation:
                 break
             time.sleep(0.01)
-        new = ms.read_map(self._store, generation)
         kind = ms.get_str(self._store, f"gen{generation}/kind")
+        if kind == "stop":
+            self._stop()
+        new = ms.read_map(self._store, generation)
         if self.member not in new.members():
             raise RuntimeError(f"Bamboo member {self.member} is a spare in generation {generation}")
         start = time.monotonic()
@@ -815,6 +822,24 @@ class ElasticBambooStrategy(BambooStrategy):
             f"({time.monotonic() - start:.2f}s to re-form)\n{old.format()}\n->\n{new.format()}",
             flush=True,
         )
+
+    def _stop(self) -> None:
+        """The supervisor stops the job (it got SIGTERM, or a worker failed) with a ``stop`` generation.
+
+        Every member is at the same committed step here: a step in flight was aborted or rolled forward as
+        in a failover (the cutter ends the old generation's collectives). The final checkpoint, when
+        ``checkpoint_every_n_steps`` is set, is therefore one consistent step (written by the first
+        pipeline; ``teardown`` waits for the write). ``fit`` then ends as Lightning ends it on SIGTERM
+        (``SIGTERMException``: teardown runs; the process exits with 143 unless the script catches it).
+        """
+        assert self.owners is not None
+        self._maybe_checkpoint(final=True)
+        print(
+            f"[bamboo] member {self.member}: the job is stopping; leaving after step {self._step} "
+            f"(generation {self.owners.generation})",
+            flush=True,
+        )
+        raise SIGTERMException(128 + signal.SIGTERM)
 
     def _join_at_boundary(self) -> None:
         """Form the next generation before the step when the last commit adopted a join (every member read
@@ -959,10 +984,11 @@ class ElasticBambooStrategy(BambooStrategy):
         self.drain_timer.reformed()
 
     # ------------------------------------------------------------------ checkpoint fallback
-    def _maybe_checkpoint(self) -> None:
-        """Before a step that is a multiple of N: the first pipeline's members write their stages' layers."""
+    def _maybe_checkpoint(self, final: bool = False) -> None:
+        """Before a step that is a multiple of N (``final``: before the step the job stops at): the first
+        pipeline's members write their stages' layers."""
         checkpointer, owners = self._checkpointer, self.owners
-        if checkpointer is None or owners is None or not checkpointer.due(self._step):
+        if checkpointer is None or owners is None or not checkpointer.due(self._step, final):
             return
         writers = sorted({m for m, _ in owners.positions(owners.pipeline_ids()[0])})
         if self.member not in writers:

@@ -21,9 +21,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lightning_bamboo import fallback as fb
 from lightning_bamboo.callbacks import BambooNotices
 from lightning_bamboo.elastic import ElasticBambooStrategy
 from lightning_bamboo.notices.signals import SigtermNoticeSource
+from tests.bamboo.pipe_mlp import PipeMLP
 from tests.bamboo.test_elastic import SCRIPT, STEPS, check_final
 from tests.process import REPO, launch_env, start
 
@@ -136,4 +138,43 @@ def test_sigterm_to_a_worker_drains_it_by_default(
     assert not (job.out / "final_member1.safetensors").exists()  # it left
     check_final(job.out, elastic_reference)
     assert not any(alive(pid) for pid in job.worker_pids())
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sigterm_to_the_supervisor_stops_the_workers_with_a_final_checkpoint(
+    tmp_path: Path, jobs: list[Job]
+) -> None:
+    """SIGTERM to the supervisor while member 0 holds at step 3 (fallback checkpoints every 2 steps): it
+    publishes a stop, member 1 (already blocked in step 4 on member 0) is cut out of that step and aborts
+    it, both leave at step 3 after writing a final checkpoint of step 3, and the supervisor exits 143 with
+    no worker left."""
+    ckpt = tmp_path / "ckpt"
+    job = Job(tmp_path / "run", 2, 2, "--hold", "0:3:release", "--checkpoint-every", "2",
+              "--checkpoint-dir", str(ckpt))
+    jobs.append(job)
+    job.wait_for("reached3_member0")
+    pids = [job.pid(0), job.pid(1)]
+    os.kill(job.proc.pid, signal.SIGTERM)
+    while "stopping the workers at the next step boundary" not in job.log:
+        assert job.proc.poll() is None and time.monotonic() < job.deadline, job.log[-4000:]
+        time.sleep(0.05)
+    (job.out / "release").write_text("")  # member 0 goes on to its next step boundary
+    assert job.wait() == 128 + signal.SIGTERM, job.log[-4000:]
+    log = job.log
+    assert "[bamboo.launch] SIGTERM received: stopping the workers at the next step boundary" in log
+    assert "[bamboo.launch] job stopped (SIGTERM received); exit code 143" in log
+    for member in (0, 1):
+        assert f"[bamboo] member {member}: the job is stopping; leaving after step 3" in log
+    assert "failover" not in log and "did not stop" not in log
+    assert not any(alive(pid) for pid in pids)
+    assert not list(job.out.glob("final_*"))  # the script did not go on as if training had finished
+
+    (root,) = ckpt.iterdir()  # <checkpoint_dir>/<job id>
+    assert fb.latest_complete(root) == 3
+    assert not list(root.glob("*.partial"))
+    template = PipeMLP(pairs=3).pipeline  # what train_elastic.py trains
+    layers = list(range(len(template)))
+    held, _ = fb.load_layers(fb.folder(root, 3), layers, lambda i: template[i], torch.device("cpu"))
+    assert sorted(held) == layers
 
