@@ -55,7 +55,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_bamboo import departure, joining
+from lightning_bamboo import crash, departure, joining
 from lightning_bamboo import fallback as fb
 from lightning_bamboo import membership as ms
 from lightning_bamboo import progress as trainer_progress
@@ -89,6 +89,10 @@ validation batch run after ``step`` steps)."""
 
 class _Failure(Exception):
     """The generation ended under this member (a peer was lost)."""
+
+
+class _Spare(RuntimeError):
+    """This member has no stage in the new generation: it leaves (not an error of the training code)."""
 
 
 class PipelineView:
@@ -732,6 +736,12 @@ class ElasticBambooStrategy(BambooStrategy):
         assert self._store is not None and self.owners is not None
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             return False
+        if not crash.is_communication_error(err) and (
+            ms.current_generation(self._store) <= self.owners.generation
+        ):
+            # an error of the training code: a failover would raise it again on the member taking the
+            # stage over. Raised, it stops the job (on_exception records it for the supervisor).
+            return False
         log.warning(
             "Bamboo member %d: %s: %s",
             self.member,
@@ -787,7 +797,7 @@ class ElasticBambooStrategy(BambooStrategy):
             self._stop()
         new = ms.read_map(self._store, generation)
         if self.member not in new.members():
-            raise RuntimeError(f"Bamboo member {self.member} is a spare in generation {generation}")
+            raise _Spare(f"Bamboo member {self.member} is a spare in generation {generation}")
         start = time.monotonic()
         self._send_progress(old, new)
         self._init_generation(new)
@@ -1111,6 +1121,20 @@ class ElasticBambooStrategy(BambooStrategy):
     def _fault_in_engine(self, phase: str, action: Any) -> None:
         if action.microbatch == min(1, self._num_microbatches - 1) and action.kind.value == "F":
             self._fault(phase)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """``fit`` ends with ``exception``: unless a lost peer caused it, record it in the job's store, so the
+        supervisor stops the job with it instead of failing over (:mod:`lightning_bamboo.crash`)."""
+        super().on_exception(exception)
+        if self._store is None or isinstance(exception, (SystemExit, KeyboardInterrupt, _Spare)):
+            return
+        if crash.is_communication_error(exception):
+            return
+        try:
+            crash.record(self._store, self.member, exception)
+        except Exception as err:  # the supervisor is gone: nobody to tell
+            log.warning("Bamboo member %d: could not record its error in the store: %s", self.member, err)
 
     @override
     def teardown(self) -> None:

@@ -8,7 +8,9 @@ The supervisor is not a training rank, so no preemption of a worker can take it 
   ``BAMBOO_*`` environment variables),
 * watches them: a worker that exits non-zero (SIGKILL included) is lost; a worker whose heartbeat stops
   for ``--hang-timeout`` seconds (SIGSTOP, a deadlock) is SIGKILLed by PID and lost; a worker that
-  announced its departure (a preemption notice, :mod:`lightning_bamboo.departure`) leaves: not a loss,
+  announced its departure (a preemption notice, :mod:`lightning_bamboo.departure`) leaves: not a loss; a
+  worker that exits with an error of the training code (:mod:`lightning_bamboo.crash`) stops the job
+  (exit 1): a failover would only raise it again,
 * and is the one place membership is decided: it writes generation ``g+1``'s ownership map
   (:func:`lightning_bamboo.ownership.failover`, or a checkpoint fallback when redundancy cannot cover the
   loss) into the store and prints the old and new maps. Workers form the new generation themselves.
@@ -43,7 +45,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from lightning_bamboo import departure, joining
+from lightning_bamboo import crash, departure, joining
 from lightning_bamboo import membership as ms
 from lightning_bamboo.ownership import FallbackNeeded, OwnershipMap, failover, initial, rejoin
 
@@ -113,6 +115,9 @@ class Supervisor:
         self.returncode: int | None = None
         self._stop_signal: int | None = None
         self._stopping = False
+        self.error: dict[str, object] | None = None
+        """The failure that stopped the job (:mod:`lightning_bamboo.crash`): member, type, message,
+        traceback."""
 
     # ------------------------------------------------------------------ processes
     def start_worker(self, joining: bool = False) -> int:
@@ -232,6 +237,27 @@ class Supervisor:
                 worker.proc.wait()
                 lost.add(member)
         return lost
+
+    def _failure_in_code(self, lost: set[int]) -> dict[str, object] | None:
+        """The error a lost member recorded before exiting non-zero (:mod:`lightning_bamboo.crash`), when no
+        member lost with it was killed by a signal (a preemption, or fenced for a silent heartbeat): an error
+        of the training code, which a failover would only raise again. ``None``: fail over."""
+        with self._lock:
+            codes = {m: self.workers[m].proc.returncode for m in lost if m in self.workers}
+        if any(code is None or code < 0 for code in codes.values()):
+            return None
+        for member in sorted(codes):
+            failure = crash.recorded(self.store, member)
+            if failure is not None:
+                self.error = failure
+                self.log(
+                    f"[bamboo.launch] member {member} failed with {failure['type']}: {failure['message']} "
+                    "(an error of the training code, not a preemption; its traceback is in the worker's "
+                    "output): stopping the job",
+                    flush=True,
+                )
+                return failure
+        return None
 
     def _current(self) -> tuple[int, OwnershipMap | None]:
         generation = ms.current_generation(self.store)
@@ -380,6 +406,9 @@ class Supervisor:
                         lost |= self._check()
                         self.lost |= lost
                         leaving |= self._departures()
+                    failure = self._failure_in_code(lost)
+                    if failure is not None:
+                        return self._stop_job(f"member {failure['member']} failed", 1, poll)
                     self.departed |= leaving
                     joined: list[int] = []
                     if not self._reform(lost, joined, leaving):

@@ -1,5 +1,6 @@
-"""What the signal tests' workers add to ``scripts/train_elastic.py``: their PID for the test to signal, and
-a hold at a step boundary (so a signal lands at a known step)."""
+"""What the signal and crash tests' workers add to ``scripts/train_elastic.py``: their PID for the test to
+signal, a hold at a step boundary (so a signal lands at a known step), and a model whose loss raises on one
+member (an error in user code, not a preemption)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch import Callback
+from torch import Tensor
 
 from lightning_bamboo.callbacks import BambooNotices
+from tests.bamboo.pipe_mlp import PipeMLP
 
 HOLD_S = 120.0
 
@@ -45,3 +48,17 @@ class SignalTarget(Callback):
             return any(n.watcher is not None and n.watcher.pending() is not None for n in notices)
         return (self.out / "release").exists()
 
+
+class UserBugMLP(PipeMLP):
+    """``PipeMLP`` whose loss (the user code Bamboo runs in the last stage) raises ``ValueError("user bug")``
+    on member ``member`` at global step ``step``."""
+
+    def __init__(self, member: int, step: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.bug_member, self.bug_step = member, step
+
+    def pipeline_loss(self, outputs: Tensor, batch: tuple[Tensor, Tensor]) -> Tensor:
+        strategy = self.trainer.strategy
+        if getattr(strategy, "member", None) == self.bug_member and self.trainer.global_step == self.bug_step:
+            raise ValueError("user bug")
+        return super().pipeline_loss(outputs, batch)

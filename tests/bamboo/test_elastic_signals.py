@@ -20,10 +20,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from lightning_bamboo import crash
 from lightning_bamboo import fallback as fb
 from lightning_bamboo.callbacks import BambooNotices
 from lightning_bamboo.elastic import ElasticBambooStrategy
+from lightning_bamboo.launch import Supervisor, _Worker
 from lightning_bamboo.notices.signals import SigtermNoticeSource
 from tests.bamboo.pipe_mlp import PipeMLP
 from tests.bamboo.test_elastic import SCRIPT, STEPS, check_final
@@ -178,3 +181,82 @@ def test_sigterm_to_the_supervisor_stops_the_workers_with_a_final_checkpoint(
     held, _ = fb.load_layers(fb.folder(root, 3), layers, lambda i: template[i], torch.device("cpu"))
     assert sorted(held) == layers
 
+
+def test_communication_errors_are_told_from_errors_of_the_code() -> None:
+    """The messages are gloo's, as torch 2.13 raised them in an experiment (a peer SIGKILLed in a recv, a
+    silent peer, a collective after the member aborted its own groups)."""
+    closed = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:11700. This is typically caused by a remote worker crashing."
+    )
+    silent = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+        "3000ms for recv operation to complete"
+    )
+    aborted = ValueError("Default process group has not been initialized, please make sure to call "
+                         "init_process_group.")
+    for err in (closed, silent, aborted, dist.DistNetworkError("x"), TimeoutError(), ConnectionResetError()):
+        assert crash.is_communication_error(err), err
+    for err in (ValueError("user bug"), RuntimeError("mat1 and mat2 must have the same dtype"), KeyError()):
+        assert not crash.is_communication_error(err), err
+    try:
+        try:
+            raise closed
+        except RuntimeError as cause:
+            raise RuntimeError("moving layer 3 failed") from cause
+    except RuntimeError as err:
+        assert crash.is_communication_error(err)  # caused by a lost peer
+
+    store = dist.HashStore()
+    assert crash.recorded(store, 1) is None
+    try:
+        raise ValueError("user bug")
+    except ValueError as err:
+        crash.record(store, 1, err)
+    failure = crash.recorded(store, 1)
+    assert failure is not None
+    assert (failure["member"], failure["type"], failure["message"]) == (1, "ValueError", "user bug")
+    assert 'raise ValueError("user bug")' in failure["traceback"]
+
+
+def test_the_supervisor_stops_on_a_recorded_error_unless_a_worker_was_killed() -> None:
+    """A worker that exited 1 with a recorded error stops the job; lost together with one killed by a
+    signal (a preemption), it is a failover as before."""
+    lines: list[str] = []
+    supervisor = Supervisor(["true"], nproc=2, log=lambda text, **_: lines.append(text))
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    killed = subprocess.Popen(["sleep", "60"])
+    killed.kill()
+    for member, proc in enumerate((failed, killed)):
+        proc.wait(timeout=60)
+        supervisor.workers[member] = _Worker(member, proc)
+    crash.record(supervisor.store, 0, ValueError("user bug"))
+    assert supervisor._failure_in_code({0, 1}) is None  # member 1 was preempted: fail over
+    assert supervisor.error is None and not lines
+    failure = supervisor._failure_in_code({0})
+    assert failure is not None and failure["message"] == "user bug" and supervisor.error == failure
+    assert lines == [
+        "[bamboo.launch] member 0 failed with ValueError: user bug (an error of the training code, not a "
+        "preemption; its traceback is in the worker's output): stopping the job"
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_an_error_in_user_code_stops_the_job_without_failover(tmp_path: Path, jobs: list[Job]) -> None:
+    """Member 1's loss raises ``ValueError("user bug")`` at step 2. Handled as a lost peer, member 0 would
+    take its stage over and the job would go on or die after a chain of failovers; instead the job stops at
+    once: the supervisor prints the error, stops member 0 by the stop protocol, and exits 1; the traceback
+    is printed once (by the failing worker) and no process is left."""
+    job = Job(tmp_path / "run", 2, 2, "--raise-at", "1:2")
+    jobs.append(job)
+    pids = [job.pid(0), job.pid(1)]
+    assert job.wait() == 1, job.log[-4000:]
+    log = job.log
+    assert log.count("Traceback (most recent call last)") == 1, log[-6000:]
+    assert log.count('raise ValueError("user bug")') == 1 and log.count("ValueError: user bug\n") == 1
+    assert "[bamboo.launch] member 1 failed with ValueError: user bug (an error of the training code" in log
+    assert "[bamboo.launch] job stopped (member 1 failed); exit code 1" in log
+    assert "[bamboo] member 0: the job is stopping; leaving after step 2" in log
+    assert "[bamboo.launch] failover" not in log and "replaying" not in log, log[-6000:]
+    assert not any(alive(pid) for pid in pids)

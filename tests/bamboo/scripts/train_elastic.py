@@ -62,12 +62,19 @@ def main() -> None:
     parser.add_argument("--clip-algorithm", choices=["norm", "value"], default="norm")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--hold", default="", help="MEMBER:STEP:sigterm|release (signal_callbacks)")
+    parser.add_argument("--raise-at", default="", help="MEMBER:STEP: its loss raises there")
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
 
     seed_everything(0)
-    model = PipeMLP(pairs=args.pairs, optimizer=args.optimizer)
+    if args.raise_at:
+        from tests.bamboo.signal_callbacks import UserBugMLP
+
+        bug_member, bug_step = map(int, args.raise_at.split(":"))
+        model: PipeMLP = UserBugMLP(bug_member, bug_step, pairs=args.pairs, optimizer=args.optimizer)
+    else:
+        model = PipeMLP(pairs=args.pairs, optimizer=args.optimizer)
     x, y = make_data(args.steps * args.batch_size)
     if args.strategy == "auto":
         # the elastic run's (unsharded) DistributedSampler shuffles with seed 0 in epoch 0: read that order
