@@ -21,6 +21,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch import Trainer, seed_everything
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_bamboo import crash
 from lightning_bamboo import fallback as fb
@@ -28,8 +30,8 @@ from lightning_bamboo.callbacks import BambooNotices
 from lightning_bamboo.elastic import ElasticBambooStrategy
 from lightning_bamboo.launch import Supervisor, _Worker
 from lightning_bamboo.notices.signals import SigtermNoticeSource
-from tests.bamboo.pipe_mlp import PipeMLP
-from tests.bamboo.test_elastic import SCRIPT, STEPS, check_final
+from tests.bamboo.pipe_mlp import PipeMLP, make_data
+from tests.bamboo.test_elastic import SCRIPT, STEPS, TOL, check_final
 from tests.process import REPO, launch_env, start
 
 TIMEOUT_S = 300.0
@@ -151,7 +153,7 @@ def test_sigterm_to_the_supervisor_stops_the_workers_with_a_final_checkpoint(
     """SIGTERM to the supervisor while member 0 holds at step 3 (fallback checkpoints every 2 steps): it
     publishes a stop, member 1 (already blocked in step 4 on member 0) is cut out of that step and aborts
     it, both leave at step 3 after writing a final checkpoint of step 3, and the supervisor exits 143 with
-    no worker left."""
+    no worker left. The checkpoint equals the uninterrupted run after 3 steps (float64)."""
     ckpt = tmp_path / "ckpt"
     job = Job(tmp_path / "run", 2, 2, "--hold", "0:3:release", "--checkpoint-every", "2",
               "--checkpoint-dir", str(ckpt))
@@ -176,10 +178,34 @@ def test_sigterm_to_the_supervisor_stops_the_workers_with_a_final_checkpoint(
     (root,) = ckpt.iterdir()  # <checkpoint_dir>/<job id>
     assert fb.latest_complete(root) == 3
     assert not list(root.glob("*.partial"))
-    template = PipeMLP(pairs=3).pipeline  # what train_elastic.py trains
+    # the final checkpoint is step 3 of the uninterrupted trajectory: parameters and Adam state
+    model, optimizer = reference_after(3, tmp_path / "reference")
+    template = PipeMLP(pairs=3).pipeline
     layers = list(range(len(template)))
     held, _ = fb.load_layers(fb.folder(root, 3), layers, lambda i: template[i], torch.device("cpu"))
     assert sorted(held) == layers
+    for layer in layers:
+        for name, p in model.pipeline[layer].named_parameters():
+            where = f"layer {layer} {name}"
+            torch.testing.assert_close(dict(held[layer].module.named_parameters())[name], p, **TOL, msg=where)
+            for key, value in optimizer.state[p].items():
+                torch.testing.assert_close(held[layer].state[name][key], value, **TOL, msg=f"{where} {key}")
+
+
+def reference_after(steps: int, root: Path) -> tuple[PipeMLP, torch.optim.Optimizer]:
+    """``train_elastic.py --strategy auto``'s model and optimizer after ``steps`` of its STEPS steps (same
+    seed, model, data and order), trained in this process."""
+    torch.set_num_threads(1)
+    seed_everything(0)
+    model = PipeMLP(pairs=3, optimizer="adam")
+    x, y = make_data(STEPS * 8)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, max_epochs=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=root)
+    trainer.fit(model, DataLoader(TensorDataset(x[order], y[order]), batch_size=8, shuffle=False))
+    assert trainer.global_step == steps
+    return model, trainer.optimizers[0]
 
 
 def test_communication_errors_are_told_from_errors_of_the_code() -> None:
