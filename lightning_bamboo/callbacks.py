@@ -271,6 +271,12 @@ class BambooNotices(Callback):
         return True
 
     @override
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start watching before Lightning's sanity check: a SIGTERM during it is a notice too (acted on at
+        the first training boundaries), not Lightning's ``SIGTERMException``, which ends the worker with 0."""
+        self.on_train_start(trainer, pl_module)
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start watching: after Lightning installed its SIGTERM handler (the SIGTERM source replaces it)."""
         assert self.watcher is not None

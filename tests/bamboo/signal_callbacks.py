@@ -20,15 +20,20 @@ HOLD_S = 120.0
 
 
 class SignalTarget(Callback):
-    """Writes ``<out>/pid_member{m}`` at setup; with ``hold=(step, until)``, at that step boundary writes
-    ``<out>/reached{step}_member{m}`` and waits until ``until`` holds: ``"sigterm"`` = this member's
-    SIGTERM notice is pending (BambooNotices saw the signal), ``"release"`` = ``<out>/release`` exists."""
+    """Writes ``<out>/pid_member{m}`` at setup; with ``hold=(step, until)``, at that step boundary (0: the end
+    of Lightning's sanity check) writes ``<out>/reached{step}_member{m}`` and waits until ``until`` holds:
+    ``"sigterm"`` = this member's SIGTERM notice is pending (BambooNotices saw the signal), ``"release"`` =
+    ``<out>/release`` exists."""
 
     def __init__(self, out: Path, member: int, hold: tuple[int, str] | None) -> None:
         self.out, self.member, self.hold = out, member, hold
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         (self.out / f"pid_member{self.member}").write_text(str(os.getpid()))
+
+    def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Step 0: hold at the end of Lightning's sanity check."""
+        self.on_train_batch_end(trainer, pl_module, None, None, 0)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

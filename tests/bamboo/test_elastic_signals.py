@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer, seed_everything
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_bamboo import crash
@@ -32,7 +33,7 @@ from lightning_bamboo.launch import Supervisor, _Worker
 from lightning_bamboo.notices.signals import SigtermNoticeSource
 from tests.bamboo.pipe_mlp import PipeMLP, make_data
 from tests.bamboo.test_elastic import SCRIPT, STEPS, TOL, check_final
-from tests.process import REPO, launch_env, start
+from tests.process import REPO, launch_env, run_process, start
 
 TIMEOUT_S = 300.0
 
@@ -143,6 +144,31 @@ def test_sigterm_to_a_worker_drains_it_by_default(
     assert not (job.out / "final_member1.safetensors").exists()  # it left
     check_final(job.out, elastic_reference)
     assert not any(alive(pid) for pid in job.worker_pids())
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sigterm_during_the_sanity_check_drains_at_the_first_boundaries(
+    tmp_path: Path, jobs: list[Job]
+) -> None:
+    """Validation every 3 steps, so Lightning's sanity check runs first: member 1 is SIGTERMed while it holds
+    at its end. The signal is a notice there too (not Lightning's SIGTERMException, which would end the
+    worker with exit 0 and leave member 0 waiting): member 1 drains after step 2, and the final state and
+    both logged val_loss values equal the uninterrupted run's."""
+    validate = ("--validate", "3")
+    run_process([sys.executable, str(SCRIPT), "--out", str(tmp_path / "reference"), "--strategy", "auto",
+                 "--steps", str(STEPS), *validate], timeout=240)
+    reference = load_file(str(tmp_path / "reference" / "final_reference.safetensors"))
+    job = Job(tmp_path / "run", 2, 2, "--hold", "1:0:sigterm", *validate)
+    jobs.append(job)
+    job.wait_for("reached0_member1")
+    os.kill(job.pid(1), signal.SIGTERM)
+    assert job.wait() == 0, job.log[-4000:]
+    log = job.log
+    assert "[bamboo.launch] drain: lost [] left [1] joined []" in log
+    assert "bamboo_drain members=1 step=2" in log
+    assert "exited with" not in log and "aborted" not in log
+    check_final(job.out, reference)
 
 
 @pytest.mark.slow
