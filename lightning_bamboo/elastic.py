@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -59,7 +60,7 @@ from lightning_bamboo import crash, departure, joining
 from lightning_bamboo import fallback as fb
 from lightning_bamboo import membership as ms
 from lightning_bamboo import progress as trainer_progress
-from lightning_bamboo.callbacks import BambooNotices
+from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
 from lightning_bamboo.clipping import ClipPlan, apply_clipping, plan_clipping
 from lightning_bamboo.contract import check_contract, check_stage_split, find_pipeline_body, sub_sequential
 from lightning_bamboo.cutter import GenerationCutter
@@ -356,13 +357,17 @@ class ElasticBambooStrategy(BambooStrategy):
         self._watch_sigterm()
 
     def _watch_sigterm(self) -> None:
-        """With ``drain_on_sigterm``, make sure a :class:`BambooNotices` watches for SIGTERM (added last, so
-        callbacks given by the user keep their order; it runs before Lightning's ``setup`` hooks)."""
+        """With ``drain_on_sigterm``, make sure a :class:`BambooNotices` watches for SIGTERM (added before
+        Lightning's ``setup`` hooks). It goes before ``BambooMetrics`` (a drain is counted in its step's
+        metrics) and the checkpoint callbacks (Lightning keeps those last); other callbacks keep their order.
+        """
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if not self.drain_on_sigterm or trainer is None:
             return
-        if not any(isinstance(callback, BambooNotices) for callback in trainer.callbacks):
-            trainer.callbacks.append(BambooNotices())
+        callbacks = trainer.callbacks
+        if not any(isinstance(callback, BambooNotices) for callback in callbacks):
+            after = [i for i, c in enumerate(callbacks) if isinstance(c, (BambooMetrics, Checkpoint))]
+            callbacks.insert(after[0] if after else len(callbacks), BambooNotices())
 
     def _init_generation(self, owners: OwnershipMap) -> None:
         assert self._store is not None and self._cutter is not None

@@ -21,13 +21,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_bamboo import crash
 from lightning_bamboo import fallback as fb
-from lightning_bamboo.callbacks import BambooNotices
+from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
 from lightning_bamboo.elastic import ElasticBambooStrategy
 from lightning_bamboo.launch import Supervisor, _Worker
 from lightning_bamboo.notices.signals import SigtermNoticeSource
@@ -111,11 +112,14 @@ def test_sigterm_drain_is_the_elastic_default_with_an_opt_out() -> None:
     follows the strategy's ``drain_on_sigterm``; ``False`` on either side turns the SIGTERM source off."""
     for drain in (True, False):
         strategy = ElasticBambooStrategy(num_stages=2, drain_on_sigterm=drain)
-        trainer = SimpleNamespace(callbacks=[], strategy=strategy)
+        user = [Callback(), BambooMetrics(), ModelCheckpoint()]
+        trainer = SimpleNamespace(callbacks=list(user), strategy=strategy)
         strategy._lightning_module = SimpleNamespace(trainer=trainer)  # type: ignore[assignment]
         strategy._watch_sigterm()
         strategy._watch_sigterm()
-        assert [type(c) for c in trainer.callbacks] == ([BambooNotices] if drain else [])
+        added = [c for c in trainer.callbacks if c not in user]
+        assert [type(c) for c in added] == ([BambooNotices] if drain else [])
+        assert trainer.callbacks == user[:1] + added + user[1:]  # a drain shows in its step's metrics
     for drain, given, watches in [(True, None, True), (False, None, False), (True, False, False),
                                   (False, True, True)]:
         notices = BambooNotices(sigterm=given)
