@@ -52,7 +52,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException, _TunerExitE
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -68,8 +68,10 @@ from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
 from lightning_bamboo.microbatch import split_microbatches
 from lightning_bamboo.ownership import FallbackNeeded, OwnershipMap, initial
+from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.reshard import LayerState, Resharder, gather, install
-from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b
+from lightning_bamboo.schedule import Action, ActionKind, add_forward_redundancy, build_1f1b
+from lightning_bamboo.script_launcher import SupervisorLauncher
 from lightning_bamboo.strategy import _STAGE_MARK, BambooStrategy
 
 if TYPE_CHECKING:
@@ -78,19 +80,6 @@ if TYPE_CHECKING:
     from lightning_bamboo.notices.base import Notice
 
 log = logging.getLogger(__name__)
-
-ENV_FAULT = "BAMBOO_FAULT"
-"""Fault injection for tests and the demo: ``member:step:phase[:STOP]``; the member SIGKILLs (or SIGSTOPs)
-itself at that phase of that step (``1+2:step:phase``: members 1 and 2 at once). Phases: ``forward``
-(inside the schedule, at micro-batch 1's forward),
-``exchange`` (schedule done, replica gradients not sent), ``prepared`` (prepared, outcome not read),
-``commit`` (outcome read, nothing applied), ``applied`` (own stage and replica stepped), ``validate`` (at a
-validation batch run after ``step`` steps)."""
-
-
-class _Failure(Exception):
-    """The generation ended under this member (a peer was lost)."""
-
 
 class _Spare(RuntimeError):
     """This member has no stage in the new generation: it leaves (not an error of the training code)."""
@@ -163,38 +152,15 @@ class ElasticEngine(PipelineEngine):
         self,
         *args: Any,
         stage_params: dict[int, list[nn.Parameter]],
-        fault: Callable[[str, Any], None],
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.stage_params = stage_params
-        self.fault = fault
 
     @override
-    def _execute(self, action: Any, microbatches: Any, step: Any, train: bool) -> None:
-        self.fault("forward", action)
-        super()._execute(action, microbatches, step, train)
-
-    @override
-    def _average_gradients(self) -> None:
+    def _averaging_groups(self) -> list[tuple[list[nn.Parameter], Any]]:
         view: PipelineView = self.groups  # type: ignore[assignment]
-        count = view.num_pipelines
-        if count == 1:
-            return
-        for stage in sorted(self.stage_params):
-            params = [p for p in self.stage_params[stage] if p.requires_grad]
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            if not params:
-                continue
-            flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
-            dist.all_reduce(flat, group=view.stage_groups[stage])
-            flat /= count
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))  # type: ignore[union-attr]
-                offset += p.numel()
+        return [(self.stage_params[s], view.stage_groups[s]) for s in sorted(self.stage_params)]
 
 
 class ElasticBambooStrategy(BambooStrategy):
@@ -205,6 +171,8 @@ class ElasticBambooStrategy(BambooStrategy):
     Args:
         heartbeat: seconds between heartbeats written to the store (the launcher's ``--hang-timeout``
             decides when a silent worker is lost).
+        hang_timeout: under a plain ``python train.py`` (this process supervises ``devices`` workers): seconds
+            without a heartbeat after which a worker is killed and lost (``--hang-timeout`` of the CLI).
         failure_wait: seconds a member that saw a communication error waits for the launcher to publish
             the next generation before it treats the error as a real one and raises it.
         checkpoint_every_n_steps: take an asynchronous ``torch.distributed.checkpoint`` every N steps, for the
@@ -226,6 +194,7 @@ class ElasticBambooStrategy(BambooStrategy):
         self,
         *args: Any,
         heartbeat: float = 0.25,
+        hang_timeout: float = 5.0,
         failure_wait: float = 30.0,
         checkpoint_every_n_steps: int | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
@@ -246,6 +215,7 @@ class ElasticBambooStrategy(BambooStrategy):
         self._clip_plan: ClipPlan | None = None
         self._created_during_eval: list[nn.Module] = []
         self._heartbeat_interval = heartbeat
+        self._hang_timeout = hang_timeout
         self._failure_wait = failure_wait
         self.drain_on_sigterm = drain_on_sigterm
         self._env = ms.WorkerEnv.from_env()
@@ -261,7 +231,6 @@ class ElasticBambooStrategy(BambooStrategy):
         self._stage_layers: tuple[range, ...] = ()
         self._replica_optimizer: Optimizer | None = None
         self._step = 0
-        self._fault_spec = _parse_fault(os.environ.get(ENV_FAULT))
         self.failovers: list[tuple[OwnershipMap, OwnershipMap]] = []
         self._join_adopted = False  # the last commit adopted a join: form it at the next step boundary
         self._fallback_path = ""  # the checkpoint folder the last fallback loaded (on_fallback's payload)
@@ -270,6 +239,13 @@ class ElasticBambooStrategy(BambooStrategy):
         self._skip: trainer_progress.SkipFirstBatches | None = None  # a joiner's training batch sampler
         self.departed = False  # this member left by an announced departure (it stops after its last step)
         self.drain_timer = departure.DrainTimer()
+
+    @property
+    def store(self) -> dist.Store:
+        """The job's store (membership, commits; the launcher holds it)."""
+        if self._store is None:
+            raise RuntimeError("the store is connected in setup_distributed")
+        return self._store
 
     # ------------------------------------------------------------------ ranks follow the generation
     @property
@@ -332,7 +308,20 @@ class ElasticBambooStrategy(BambooStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        self._launcher = None  # the workers were started by lightning_bamboo.launch
+        """A worker (started by a supervisor) launches nothing; a plain ``python train.py`` becomes the
+        supervisor of ``devices`` workers (:mod:`lightning_bamboo.script_launcher`)."""
+        if self._env is not None:
+            self._launcher = None
+            return
+        env = self.cluster_environment
+        if env is not None and env.creates_processes_externally:
+            raise RuntimeError(
+                f"ElasticBambooStrategy was started by an outside launcher ({type(env).__name__}: torchrun, "
+                "SLURM, ...), which restarts or ends the whole job when a process is lost. Start the script "
+                "plainly (python train.py, Trainer(devices=N)) or with python -m lightning_bamboo.launch "
+                "--nproc N train.py; or use BambooStrategy for the pipeline without failover"
+            )
+        self._launcher = SupervisorLauncher(self.num_processes, self._hang_timeout)
 
     @override
     def set_world_ranks(self) -> None:
@@ -354,6 +343,12 @@ class ElasticBambooStrategy(BambooStrategy):
         self._heartbeat = ms.Heartbeat(self._env, self._heartbeat_interval)
         self._cutter = GenerationCutter(self._env)
         self._process_group_backend = self._process_group_backend or "gloo"
+        if not self._env.joining:
+            self._open_shared_loggers()
+        # generation 0's rank before it forms (members 0..N-1 in order; a joiner's id is >= N), so Lightning's
+        # rank-zero-only parts (progress bar, logging) start on one member only
+        self._rank = self._env.member
+        self.set_world_ranks()
         self._watch_sigterm()
 
     def _watch_sigterm(self) -> None:
@@ -368,6 +363,37 @@ class ElasticBambooStrategy(BambooStrategy):
         if not any(isinstance(callback, BambooNotices) for callback in callbacks):
             after = [i for i, c in enumerate(callbacks) if isinstance(c, (BambooMetrics, Checkpoint))]
             callbacks.insert(after[0] if after else len(callbacks), BambooNotices())
+
+    def _open_shared_loggers(self) -> None:
+        """Give every member of generation 0 the same logger version, opened, so whichever member is rank 0
+        after a failover logs on into the run's one folder (one version per run, every step once).
+
+        Every member reads its loggers' next free version before any creates a folder (a store barrier), then
+        opens the logger (``experiment``: CSVLogger's writer, which would delete a ``metrics.csv`` it found
+        if it were first opened after a failover) before anything is logged (a second barrier). Until
+        :meth:`set_world_ranks` runs, every process counts as rank zero, so every member opens its own.
+        """
+        assert self.lightning_module is not None
+        loggers = self.lightning_module.trainer.loggers
+        for logger in loggers:
+            _ = logger.version  # CSV/TensorBoard: the next free version; nothing is created yet
+        self._store_barrier("loggers/versions_read")
+        for logger in loggers:
+            _ = logger.experiment
+        self._store_barrier("loggers/opened")
+
+    def _store_barrier(self, key: str) -> None:
+        """Wait until every worker of generation 0 has reached ``key`` (bounded by ``timeout``)."""
+        assert self._store is not None and self._env is not None
+        self._store.add(key, 1)
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while int(self._store.add(key, 0)) < self._env.nproc:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"Bamboo member {self.member}: the other workers did not reach {key!r} within "
+                    f"timeout={self._timeout.total_seconds():.0f}s"
+                )
+            time.sleep(0.01)
 
     def _init_generation(self, owners: OwnershipMap) -> None:
         assert self._store is not None and self._cutter is not None
@@ -417,6 +443,9 @@ class ElasticBambooStrategy(BambooStrategy):
         costs = self._layer_costs if self._layer_costs is not None else estimate_layer_costs(list(body))
         self._stage_layers = StageLayout.plan(costs, self._num_stages, self._num_stages).stage_layers
         check_stage_split(module, attr, body, self._stage_layers)
+        # every layer in the precision's dtype now (64-true, bf16-true, ...): any of them may become this
+        # member's stage or replica, and layers received from peers take their template's dtype
+        self.precision_plugin.convert_module(body)
         self._layers = {i: body[i] for i in range(len(body))}
         if self._env is not None and self._env.joining:
             self._setup_joiner(trainer)
@@ -513,8 +542,8 @@ class ElasticBambooStrategy(BambooStrategy):
             else None
         )
         if build_optimizers:
-            install(self.optimizers[0], [(layer, self._held[layer]) for layer in own_layers])
-            self._build_replica_optimizer()
+            grouping = self._user_optimizer(stage)
+            install(self.optimizers[0], [(layer, self._held[layer]) for layer in own_layers], grouping)
         # groups: one per pipeline (loss broadcast) and one per stage (gradient all-reduce), same order
         # on every member
         pipeline_groups: dict[int, Any] = {}
@@ -530,6 +559,8 @@ class ElasticBambooStrategy(BambooStrategy):
                 )
         self.view = PipelineView(owners, me, owners.rank_of, pipeline_groups, stage_groups)
         self.groups = self.view  # type: ignore[assignment]
+        if build_optimizers:
+            self._build_replica_optimizer()
         positions = self.view.num_stages
         schedule = build_1f1b(positions, self._num_microbatches)
         if self._redundancy and positions > 1:
@@ -549,8 +580,8 @@ class ElasticBambooStrategy(BambooStrategy):
             replica=self.replica if positions > 1 and self._redundancy else None,
             replica_device=self.root_device,
             stage_params=stage_params,
-            fault=self._fault_in_engine,
         )
+        self.engine.before_action = self._before_action
 
     def _current_holdings(self) -> dict[int, LayerState]:
         """Every layer this member holds, with its optimizer state as of now."""
@@ -569,21 +600,36 @@ class ElasticBambooStrategy(BambooStrategy):
         return held
 
     def _build_replica_optimizer(self) -> None:
-        """The user's optimizer over the replica (``configure_optimizers`` with the body swapped for it)."""
+        """The user's optimizer over the replica (``configure_optimizers`` with the body swapped for it) and
+        the :class:`ReplicaSync` that keeps both equal to the successor's (when the pipeline has two or more
+        positions; a member running the whole pipeline has no successor)."""
+        if self.replica_sync is not None:
+            self.replica_sync.close()
+            self.replica_sync = None
         if self.replica is None:
             self._replica_optimizer = None
             return
+        self._replica_optimizer = self._user_optimizer(self.replica)
+        replica_layers = [int(name) for name in self.replica._modules]
+        layers = [(layer, self._held[layer]) for layer in replica_layers]
+        install(self._replica_optimizer, layers, self._replica_optimizer)
+        if self.view is not None and self.view.num_stages > 1:
+            self.replica_sync = ReplicaSync(
+                self._stage_module, self.replica, self._replica_optimizer, self.view, self.root_device
+            )
+
+    def _user_optimizer(self, body: nn.Module) -> Optimizer:
+        """The user's optimizer over ``body`` (``configure_optimizers`` with the pipeline body swapped for
+        it): its param groups, hyper-parameters and which parameter goes in which group are the user's own."""
         module = self.lightning_module
         assert module is not None
         stage = module._modules[self._body_attr]
-        module._modules[self._body_attr] = self.replica
+        module._modules[self._body_attr] = body
         try:
             optimizers, _ = _init_optimizers_and_lr_schedulers(module)
         finally:
             module._modules[self._body_attr] = stage
-        self._replica_optimizer = optimizers[0]
-        replica_layers = [int(name) for name in self.replica._modules]
-        install(self._replica_optimizer, [(layer, self._held[layer]) for layer in replica_layers])
+        return optimizers[0]
 
     # ------------------------------------------------------------------ training
     @override
@@ -601,13 +647,14 @@ class ElasticBambooStrategy(BambooStrategy):
         """Forward-only on the current layout. A peer lost mid-batch: form the next generation and run the
         batch again on it (evaluation changes no state, so the re-run gives the uninterrupted result)."""
         while True:
-            self._fault("validate")
+            self._phase("validate")
             since = time.monotonic()
             try:
                 return super().validation_step(*args, **kwargs)
             except Exception as err:
                 if not self._generation_ended(err):
                     raise
+                self._stop_if_asked()
                 log.warning("Bamboo: validation batch interrupted by a lost peer; re-running it")
                 self._reform_during_evaluation(since)
 
@@ -650,13 +697,14 @@ class ElasticBambooStrategy(BambooStrategy):
             failed = False
             attempt = time.monotonic()
             commit = ms.StepCommit(self._store, self.owners.generation, len(self.owners.members()))
+            buffers = self._buffer_snapshot()
             try:
                 result = closure()
-                self._fault("exchange")
+                self._phase("exchange")
                 self._exchange_replica_gradients()
                 self._plan_clipping()
                 outcome = commit.prepare_and_wait(self._step, self._claim_join)
-                self._fault("prepared")
+                self._phase("prepared")
             except Exception as err:
                 if not self._generation_ended(err):
                     raise
@@ -666,10 +714,9 @@ class ElasticBambooStrategy(BambooStrategy):
             if not committed and not failed:
                 failed = True  # a peer was lost while this member waited for the outcome
             if committed:
-                self._fault("commit")
+                self._phase("commit")
                 output = super().optimizer_step(optimizer, lambda result=result: result, model, **kwargs)
-                self._apply_replica_step(optimizer)
-                self._fault("applied")
+                self._phase("applied")
                 self._step += 1
                 report = self.drain_timer.committed()
                 if report is not None:
@@ -680,35 +727,34 @@ class ElasticBambooStrategy(BambooStrategy):
                 # formed at the next step boundary (_join_at_boundary), where a joiner can be positioned
                 self._join_adopted = outcome == ms.COMMIT_JOIN
                 return output
+            self._undo_step(buffers)
+            self._stop_if_asked()
             log.warning(
                 "Bamboo: step %d aborted by a lost peer; replaying it on the next generation", self._step
             )
             self._next_generation(since=attempt)
 
     def _exchange_replica_gradients(self) -> None:
-        """Send this member's stage gradients to its replica holder, receive its successor's (blocking)."""
-        view = self.view
-        if self.replica is None or self._replica_optimizer is None or view is None or view.num_stages < 2:
-            return
-        own = [p for p in self._stage_params() if p.requires_grad]
-        for p in own:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        outgoing = torch.cat([p.grad.reshape(-1) for p in own])  # type: ignore[union-attr]
-        replica_params = [p for p in self.replica.parameters() if p.requires_grad]
-        incoming = torch.empty(
-            sum(p.numel() for p in replica_params), dtype=outgoing.dtype, device=self.root_device
-        )
-        works = [
-            dist.isend(outgoing, view.predecessor_rank, tag=7),
-            dist.irecv(incoming, view.successor_rank, tag=7),
-        ]
-        for work in works:
-            work.wait()
-        offset = 0
-        for p in replica_params:
-            p.grad = incoming[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
-            offset += p.numel()
+        """Send this member's stage gradients to its replica holder and receive its successor's (blocking,
+        before the commit: after it, no communication may be needed to apply the step)."""
+        if self.replica_sync is not None:
+            self.replica_sync.exchange(self.optimizers[0])
+
+    def _buffer_snapshot(self) -> list[tuple[Tensor, Tensor]]:
+        """``(buffer, copy)`` of every buffer this member holds (stages and replica) at the step's start."""
+        modules = [m for m in (self._stage_module, self.replica) if m is not None]
+        unique = {id(b): b for m in modules for b in m.buffers()}
+        return [(b, b.detach().clone()) for b in unique.values()]
+
+    def _undo_step(self, buffers: list[tuple[Tensor, Tensor]]) -> None:
+        """Leave no trace of an aborted step: its forwards' buffer updates (BatchNorm statistics, on the
+        stages and in the replica's FR) are undone and the successor's update received for it is dropped, so
+        the re-run on the next generation starts from the state the survivors agree on."""
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        if self.replica_sync is not None:
+            self.replica_sync.discard()
 
     def _plan_clipping(self) -> None:
         """Agree on the step's gradient clipping before the commit (the norm is a collective)."""
@@ -725,15 +771,14 @@ class ElasticBambooStrategy(BambooStrategy):
         """Lightning's norm clipping, after the commit: the coefficient agreed before it (no collective)."""
         apply_clipping(self._clip_plan, [p.grad for g in optimizer.param_groups for p in g["params"]])
 
-    def _apply_replica_step(self, optimizer: Optimizer) -> None:
-        if self._replica_optimizer is None:
+    @override
+    def _update_replica(self, optimizer: Optimizer) -> None:
+        """Apply the successor's step, received before the commit, to the replica (clipped by the step's
+        plan)."""
+        if self.replica_sync is None:
             return
-        replica_groups = self._replica_optimizer.param_groups
-        apply_clipping(self._clip_plan, [p.grad for g in replica_groups for p in g["params"]])
-        for target, source in zip(self._replica_optimizer.param_groups, optimizer.param_groups):
-            target.update({k: v for k, v in source.items() if k != "params"})
-        self._replica_optimizer.step()
-        self._replica_optimizer.zero_grad(set_to_none=True)
+        self.replica_sync.flush(before_step=lambda grads: apply_clipping(self._clip_plan, grads))
+        self.replica_sync.optimizer.zero_grad(set_to_none=True)  # its gradients are views of a receive buffer
 
     # ------------------------------------------------------------------ membership changes
     def _generation_ended(self, err: BaseException) -> bool:
@@ -756,12 +801,7 @@ class ElasticBambooStrategy(BambooStrategy):
         self._abort_groups()
         deadline = time.monotonic() + self._failure_wait
         while time.monotonic() < deadline:
-            generation = ms.current_generation(self._store)
-            if generation > self.owners.generation:
-                if ms.get_str(self._store, f"gen{generation}/kind") == "stop":
-                    # the job is stopping: nothing to re-form or replay. This member has not prepared the
-                    # step in flight, so that step cannot commit: every member stops at the same step.
-                    self._stop()
+            if ms.current_generation(self._store) > self.owners.generation:
                 return True
             time.sleep(0.01)
         return False
@@ -838,6 +878,13 @@ class ElasticBambooStrategy(BambooStrategy):
             flush=True,
         )
 
+    def _stop_if_asked(self) -> None:
+        """Stop here (:meth:`_stop`) when the generation that ended this one is a ``stop``: no replay."""
+        assert self._store is not None and self.owners is not None
+        generation = ms.current_generation(self._store)
+        if generation > self.owners.generation and ms.get_str(self._store, f"gen{generation}/kind") == "stop":
+            self._stop()
+
     def _stop(self) -> None:
         """The supervisor stops the job (it got SIGTERM, or a worker failed) with a ``stop`` generation.
 
@@ -897,8 +944,7 @@ class ElasticBambooStrategy(BambooStrategy):
             raise ValueError(
                 f"ElasticBambooStrategy supports exactly one optimizer, got {len(self.optimizers)}"
             )
-        self.setup_precision_plugin()
-        self._install_global_norm_clipping()  # the norm agreed before the commit (_plan_clipping)
+        self.setup_precision_plugin()  # its norm clipping applies the plan agreed before the commit
 
     def _setup_joiner(self, trainer: pl.Trainer) -> None:
         """A joiner's ``setup``: its optimizer over the whole body, no process group yet.
@@ -1100,7 +1146,7 @@ class ElasticBambooStrategy(BambooStrategy):
         apply_clipping(self._clip_plan, [p.grad for p in self._stage_params()])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        self._apply_replica_step(optimizer)
+        self._update_replica(optimizer)
         if step_schedulers:
             assert self.lightning_module is not None
             for config in self.lr_scheduler_configs:
@@ -1108,24 +1154,17 @@ class ElasticBambooStrategy(BambooStrategy):
                     self.lightning_module.lr_scheduler_step(config.scheduler, None)
         self._step += 1
 
-    # ------------------------------------------------------------------ fault injection
-    def _fault(self, phase: str) -> None:
-        if self._rerunning:
-            return
-        for members, step, where, sig in self._fault_spec:
-            if self.member in members and step == self._step and where == phase:
-                if len(members) > 1:  # die together: wait until every listed member has reached this point
-                    assert self._store is not None
-                    key = f"fault/{step}/{where}"
-                    self._store.add(key, 1)
-                    while int(ms.get_str(self._store, key)) < len(members):
-                        time.sleep(0.002)
-                os.kill(os.getpid(), sig)
-                time.sleep(0.1)  # a SIGSTOP takes effect before this member runs on
+    # ------------------------------------------------------------------ phases of a step
+    def _phase(self, phase: str, **payload: Any) -> None:
+        """Fire ``on_step_phase`` on the trainer's callbacks at a point of the two-phase step (not during a
+        fallback's re-run of old steps). Tests and demos kill a member there
+        (:class:`lightning_bamboo.testing.PhaseFaults`)."""
+        if not self._rerunning:
+            self._emit("on_step_phase", phase=phase, step=self._step, member=self.member, **payload)
 
-    def _fault_in_engine(self, phase: str, action: Any) -> None:
-        if action.microbatch == min(1, self._num_microbatches - 1) and action.kind.value == "F":
-            self._fault(phase)
+    def _before_action(self, action: Action) -> None:
+        if action.kind is ActionKind.FORWARD:
+            self._phase("forward", microbatch=action.microbatch)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -1158,21 +1197,3 @@ class ElasticBambooStrategy(BambooStrategy):
         if dist.is_initialized():
             dist.destroy_process_group()
         ParallelStrategy.teardown(self)
-
-
-_PHASES = ("forward", "exchange", "prepared", "commit", "applied", "validate")
-
-
-def _parse_fault(spec: str | None) -> list[tuple[tuple[int, ...], int, str, int]]:
-    """``member:step:phase[:STOP]``, several separated by commas; ``1+2:...`` kills members 1 and 2 together
-    (each waits at the phase until all listed have reached it: use a phase each reaches on its own)."""
-    faults = []
-    for item in filter(None, (spec or "").split(",")):
-        parts = item.split(":")
-        if len(parts) not in (3, 4) or parts[2] not in _PHASES or (len(parts) == 4 and parts[3] != "STOP"):
-            raise ValueError(
-                f"{ENV_FAULT} must be member:step:phase[:STOP] with phase one of {_PHASES}, got {item!r}"
-            )
-        sig = signal.SIGSTOP if len(parts) == 4 else signal.SIGKILL
-        faults.append((tuple(int(m) for m in parts[0].split("+")), int(parts[1]), parts[2], sig))
-    return faults

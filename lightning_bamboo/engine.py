@@ -102,6 +102,9 @@ class PipelineEngine:
         self.trace: list[tuple[str, float, float]] | None = None
         """Set to a list to record ``(event, start, end)`` (times of :attr:`clock`) of every action, receive
         wait and collective of the following steps; ``None`` (the default) records nothing."""
+        self.before_action: Callable[[Action], None] | None = None
+        """Called with each compute action of a step before it runs (the elastic runtime reports the phase of
+        its step there); ``None`` (the default): nothing."""
         self.clock: Callable[[], float] = time.perf_counter
         """The clock of :attr:`trace`: wall time by default; ``time.thread_time`` records each event's CPU
         time instead (what ``benchmarks/bamboo_overhead.py --cpu-profile`` replays; it survives load)."""
@@ -199,6 +202,8 @@ class PipelineEngine:
             trace.append(("finish", start, clock()))
 
     def _execute(self, action: Action, microbatches: Sequence[Any], step: _StepState, train: bool) -> None:
+        if self.before_action is not None:
+            self.before_action(action)
         mb = action.microbatch
         last = self.groups.is_last_stage
         transfers = step.transfers
@@ -264,23 +269,16 @@ class PipelineEngine:
         self.redundant_outputs[mb] = _one_tensor(out, self.replica, successor).detach()
 
     def _average_gradients(self) -> None:
-        """Mean of the stage's gradients over the pipelines (one flat all-reduce per dtype)."""
-        group = self.groups.stage_group
+        """Mean of the stage's gradients over the pipelines (see :func:`average_gradients`)."""
         num_pipelines = self.groups.layout.num_pipelines
         if num_pipelines == 1:
             return
-        params = [p for p in self.stage.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        for bucket in _by_dtype([p.grad for p in params if p.grad is not None]):
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat, group=group)
-            flat /= num_pipelines
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        for params, group in self._averaging_groups():
+            average_gradients(params, group, num_pipelines)
+
+    def _averaging_groups(self) -> list[tuple[list[nn.Parameter], Any]]:
+        """``(parameters, group)`` pairs averaged one after another, in the same order on every rank."""
+        return [(list(self.stage.parameters()), self.groups.stage_group)]
 
     def _broadcast_loss(self, losses: list[Tensor]) -> Tensor:
         if self.groups.is_last_stage:
@@ -346,3 +344,32 @@ def _by_dtype(tensors: list[Tensor]) -> list[list[Tensor]]:
     for tensor in tensors:
         buckets.setdefault(tensor.dtype, []).append(tensor)
     return list(buckets.values())
+
+
+def average_gradients(params: Sequence[nn.Parameter], group: Any, count: int) -> None:
+    """Mean of ``params``' gradients over the ``count`` ranks of ``group`` (one flat all-reduce per dtype).
+
+    Each flat buffer carries, behind the gradients, one has-gradient flag per parameter: a parameter that got
+    no gradient on any rank keeps ``.grad = None`` (the optimizer skips it, as it would in one process; a
+    zero gradient would still be decayed and stepped by AdamW), and one that got a gradient on some ranks
+    only averages with zeros for the others (their samples did not use it).
+    """
+    trainable = [p for p in params if p.requires_grad]
+    for bucket in _by_dtype(trainable):
+        flags = torch.tensor([float(p.grad is not None) for p in bucket], dtype=bucket[0].dtype)
+        parts = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket
+        ]
+        flat = torch.cat([*parts, flags.to(bucket[0].device)])
+        dist.all_reduce(flat, group=group)
+        flat /= count
+        offset = 0
+        for p, had_grad in zip(bucket, flat[-len(bucket) :].tolist(), strict=True):
+            values = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if had_grad == 0:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = values.clone()
+            else:
+                p.grad.copy_(values)

@@ -66,9 +66,17 @@ def adopted_step(store: dist.Store, generation: int) -> int | None:
 
 def close(store: dist.Store, generation: int) -> int | None:
     """Decide that a failover follows ``generation``; returns the step after which a join was adopted before
-    it (the failover then applies to the proposal), or ``None``."""
+    it (the failover then applies to the proposal), or ``None``.
+
+    A claim is an adoption only once its step commits: the claimer may be the member lost, between its claim
+    and writing ``commit+join``. So the step's outcome is settled here (``abort`` unless decided); an aborted
+    step adopted nothing, and its members replay it on the failover of the current layout.
+    """
     value = store.compare_set(f"gen{generation}/next", "", FAILOVER).decode()
-    return int(value.removeprefix("join@")) if value.startswith("join@") else None
+    if not value.startswith("join@"):
+        return None
+    step = int(value.removeprefix("join@"))
+    return step if ms.decide(store, generation, step, ms.ABORT) == ms.COMMIT_JOIN else None
 
 
 def wait_for_membership(store: dist.Store, member: int, poll: float = 0.02) -> OwnershipMap:

@@ -132,6 +132,17 @@ class Heartbeat:
         self._stop.set()
 
 
+def outcome_key(generation: int, step: int) -> str:
+    return f"g{generation}/outcome/{step}"
+
+
+def decide(store: dist.Store, generation: int, step: int, proposal: str) -> str:
+    """Write ``proposal`` as the outcome of ``step`` in ``generation`` unless one exists; return the one that
+    holds. Anyone may call it (the supervisor settles a step with ``abort`` before acting on a join claimed
+    at it, :func:`lightning_bamboo.joining.close`): the first writer wins."""
+    return store.compare_set(outcome_key(generation, step), "", proposal).decode()
+
+
 class StepCommit:
     """The commit point of a training step, decided once in the store for all members of a generation.
 
@@ -139,6 +150,12 @@ class StepCommit:
     ``g{g}/prep/{step}``; the one that brings it to the member count writes ``commit`` into the outcome
     key, and a member that sees the generation end first writes ``abort`` there. ``compare_set`` makes the
     first writer win, so every member, and every survivor after a failure, reads the same outcome.
+
+    What holds (``tests/bamboo/test_commit.py``, threads over a ``HashStore`` and a ``TCPStore``): one
+    outcome per (generation, step), whoever races to write it; ``commit`` only once every member prepared,
+    so a member lost before preparing aborts the step everywhere and one lost after preparing is rolled
+    forward; a member that was waiting leaves only with an outcome (``abort`` once the generation ends).
+    The store is the only thing it reads: no clock but the polling interval, no environment.
     """
 
     def __init__(self, store: dist.Store, generation: int, size: int) -> None:
@@ -147,11 +164,11 @@ class StepCommit:
         self.size = size
 
     def _outcome_key(self, step: int) -> str:
-        return f"g{self.generation}/outcome/{step}"
+        return outcome_key(self.generation, step)
 
     def decide(self, step: int, proposal: str) -> str:
         """Write ``proposal`` unless an outcome exists; return the outcome that holds."""
-        return self.store.compare_set(self._outcome_key(step), "", proposal).decode()
+        return decide(self.store, self.generation, step, proposal)
 
     def prepare_and_wait(self, step: int, claim_join: Callable[[int], bool] | None = None) -> str:
         """Mark this member prepared and wait for the outcome (``abort`` if the generation ends first).

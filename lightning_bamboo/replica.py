@@ -27,7 +27,7 @@ step and the next replica forward, can be one update behind; call :meth:`flush` 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,17 +156,46 @@ class ReplicaSync:
         incoming = [*self._receive_flats, self._meta_in]
         self._pending = _PendingUpdate(self._post(own, incoming, p2p.Tag.REPLICA_GRAD), incoming, sent=own)
 
-    def flush(self) -> None:
-        """Wait for the exchange in flight (if any) and apply the successor's gradients to the replica."""
+    def exchange(self, main_optimizer: Optimizer) -> None:
+        """The blocking form of :meth:`step`, for a step that commits in two phases (elastic Bamboo).
+
+        Call *before* ``main_optimizer.step()``, once the step's gradients are final but before clipping: the
+        gradients, has-gradient flags, buffers and hyper-parameters (as they will be for this step) go to the
+        predecessor, and this returns when the successor's have arrived. Nothing is applied yet:
+        :meth:`flush` applies them once the step is committed, :meth:`discard` drops them if it aborts.
+        """
+        self.step(main_optimizer)
+        assert self._pending is not None
+        for work in self._pending.works:
+            work.wait()
+        self._pending.works = []
+
+    def discard(self) -> None:
+        """Drop the received update without applying it (the step it belongs to was aborted)."""
+        self._pending = None
+
+    def close(self) -> None:
+        """Detach from the replica module (a new layout builds a new :class:`ReplicaSync`)."""
+        self._pending = None
+        self._hook.remove()
+
+    def flush(self, before_step: Callable[[list[Tensor | None]], None] | None = None) -> None:
+        """Wait for the exchange in flight (if any) and apply the successor's gradients to the replica.
+
+        ``before_step`` gets the replica's gradients, installed, right before its optimizer steps (elastic
+        Bamboo clips them there with the plan the step agreed on).
+        """
         pending, self._pending = self._pending, None
         if pending is None:
             return
         # the forward pre-hook runs this inside the engine's FR (inference mode): the optimizer's state must
         # be created and updated as normal tensors, usable outside inference mode (a takeover trains it)
         with torch.inference_mode(False):
-            self._apply(pending)
+            self._apply(pending, before_step)
 
-    def _apply(self, pending: _PendingUpdate) -> None:
+    def _apply(
+        self, pending: _PendingUpdate, before_step: Callable[[list[Tensor | None]], None] | None
+    ) -> None:
         for work in pending.works:
             work.wait()
         replica_params = self._replica_params()
@@ -196,6 +225,8 @@ class ReplicaSync:
             if not flag:
                 p.grad = None
         decode_hyperparameters(self._optimizer, hyperparameters)
+        if before_step is not None:
+            before_step([p.grad for p in replica_params])
         device_type = replica_params[0].device.type if replica_params else "cpu"
         with torch.autocast(device_type, enabled=False):  # the successor stepped outside autocast too
             self._optimizer.step()

@@ -32,49 +32,42 @@ class LayerState:
     module: nn.Module
     state: dict[str, dict[str, Any]] = field(default_factory=dict)
     """``parameter name within the layer -> optimizer state`` (empty before the first step)."""
-    group: dict[str, int] = field(default_factory=dict)
-    """``parameter name within the layer -> index of its optimizer param group``."""
 
 
 def gather(layers: dict[int, nn.Module], optimizer: Optimizer | None) -> dict[int, LayerState]:
     """The states of ``layers`` whose parameters ``optimizer`` holds (``None``: no optimizer yet)."""
-    where: dict[int, int] = {}
-    if optimizer is not None:
-        for index, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                where[id(p)] = index
     out: dict[int, LayerState] = {}
     for layer, module in layers.items():
         held = LayerState(module)
         for name, p in module.named_parameters():
-            if id(p) in where:
-                held.group[name] = where[id(p)]
             if optimizer is not None and p in optimizer.state and optimizer.state[p]:
                 held.state[name] = optimizer.state[p]
         out[layer] = held
     return out
 
 
-def install(optimizer: Optimizer, layers: list[tuple[int, LayerState]]) -> None:
-    """Make ``optimizer`` hold exactly these layers' parameters (in this order) and their state, in place.
+def install(optimizer: Optimizer, layers: list[tuple[int, LayerState]], groups: Optimizer) -> None:
+    """Make ``optimizer`` hold exactly these layers' parameters and their state, in place.
 
-    The optimizer object stays the same (Lightning, its schedulers and the user hold it); its param groups
-    keep their hyper-parameters and get new parameter lists.
+    The optimizer object stays the same (Lightning, its schedulers and the user hold it) and its param groups
+    keep their hyper-parameters. Which group each parameter joins is matched by the parameter itself:
+    ``groups`` is the user's ``configure_optimizers`` run over a body holding these layers, so a parameter
+    is in the group (or left out) exactly as the user's code puts it on any layout.
     """
+    if len(groups.param_groups) != len(optimizer.param_groups):
+        raise RuntimeError(
+            f"configure_optimizers built {len(groups.param_groups)} param groups for this member's new "
+            f"layers but {len(optimizer.param_groups)} for its stage at setup; it must build the same groups "
+            "for any set of layers (a group may be empty)"
+        )
+    where = {id(p): index for index, group in enumerate(groups.param_groups) for p in group["params"]}
     params: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
     state: dict[Tensor, dict[str, Any]] = {}
     for _, held in layers:
         for name, p in held.module.named_parameters():
-            if not p.requires_grad:
+            if id(p) not in where:
                 continue
-            index = held.group.get(name, 0)
-            if index >= len(params):
-                raise RuntimeError(
-                    f"a layer's parameter {name} was in optimizer param group {index}, but this optimizer "
-                    f"has "
-                    f"{len(params)} groups; configure_optimizers must build the same groups on every stage"
-                )
-            params[index].append(p)
+            params[where[id(p)]].append(p)
             if name in held.state:
                 state[p] = held.state[name]
     for group, group_params in zip(optimizer.param_groups, params):
@@ -93,7 +86,7 @@ def _dtype(name: str) -> torch.dtype:
 def describe(held: LayerState) -> tuple[dict[str, Any], list[Tensor]]:
     """A layer's JSON description and its tensors, in the order they are sent."""
     tensors: list[Tensor] = []
-    desc: dict[str, Any] = {"params": [], "buffers": [], "state": [], "group": held.group}
+    desc: dict[str, Any] = {"params": [], "buffers": [], "state": []}
     for name, p in held.module.named_parameters():
         desc["params"].append([name, str(p.dtype), list(p.shape)])
         tensors.append(p.detach())
@@ -209,4 +202,4 @@ def materialize(
             state.setdefault(name, {})[key] = fetch(_dtype(entry[3]), entry[4]).to(device)
         else:
             state.setdefault(name, {})[key] = json.loads(entry[3])
-    return LayerState(module, state, {k: int(v) for k, v in desc["group"].items()})
+    return LayerState(module, state)

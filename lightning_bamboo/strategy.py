@@ -62,6 +62,7 @@ from lightning_bamboo.events import BambooEventsMixin
 from lightning_bamboo.groups import BambooGroups
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
 from lightning_bamboo.microbatch import batch_size_of, check_train_batches, split_microbatches
+from lightning_bamboo.precision import with_pipeline_clipping
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b, format_grid
 
@@ -302,7 +303,6 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         self._build_engine()
         if self._redundancy and trainer.state.fn == TrainerFn.FITTING:
             self._build_replica_sync(module)
-        self._install_global_norm_clipping()
 
     def _split_body(self, module: pl.LightningModule) -> None:
         """Plan the layout, build the groups, and keep only this rank's stage (and replica) of the body."""
@@ -403,9 +403,23 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         self.replica_sync = ReplicaSync(stage, self.replica, replica_optimizer, self.groups, self.root_device)
         self.replica_sync.sync_parameters()
 
-    def _install_global_norm_clipping(self) -> None:
-        """Make Lightning's ``gradient_clip_val`` clip by the norm over ALL stages, not this stage only."""
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self.precision_plugin = Precision()
+        assert self._precision_plugin is not None
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        """Lightning's ``gradient_clip_val`` clips by the norm over ALL stages, not this stage only."""
+        self._precision_plugin = (
+            None
+            if precision_plugin is None
+            else with_pipeline_clipping(precision_plugin, self._clip_grad_by_global_norm)
+        )
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         assert self.groups is not None
@@ -497,9 +511,13 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
     ) -> Any:
         """The usual step, then the replica of this stage on the predecessor applies the same gradients."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._update_replica(optimizer)
+        return output
+
+    def _update_replica(self, optimizer: Optimizer) -> None:
+        """Bring the predecessor's replica of this stage up to the step just taken (posted, applied later)."""
         if self.replica_sync is not None:
             self.replica_sync.step(optimizer)
-        return output
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:

@@ -56,6 +56,7 @@ from typing_extensions import override
 
 from lightning_dorylus.autotune import TimedExecutor, TuneResult, autotune
 from lightning_dorylus.data.partition import GraphPartition
+from lightning_dorylus.data.validation import check_world_size
 from lightning_dorylus.executors import EXECUTORS, TensorOpExecutor, build_executor
 from lightning_dorylus.graph import GhostExchange, GraphCache
 from lightning_dorylus.graph.stale import StaleGhostExchange, StaleReads, check_stale_reads
@@ -305,12 +306,8 @@ class DorylusStrategy(ParallelStrategy):
 
     def _check_datamodule(self, trainer: Trainer) -> None:
         num_parts = getattr(trainer.datamodule, "num_parts", None)
-        if num_parts is not None and num_parts != self.world_size:
-            raise ValueError(
-                f"num_parts ({num_parts}) != world_size ({self.world_size}): DorylusStrategy runs one graph "
-                f"server per partition; set devices * num_nodes = {num_parts} "
-                f"or num_parts = {self.world_size}"
-            )
+        if num_parts is not None:
+            check_world_size(num_parts, self.world_size)
 
     def _start_runtime(self) -> None:
         """Starts the executor and lends it, with the ghost exchange, to every Dorylus layer of the model."""

@@ -7,7 +7,9 @@ cd "$(dirname "$0")/.."
 VENV=.venv
 TORCH_PIN="torch==2.13.0"
 STAMP="$VENV/.setup-stamp"
-inputs_hash=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+# constraints.txt: the exact versions the suite was run with (scripts/refresh-constraints.sh writes it).
+CONSTRAINTS=constraints.txt
+inputs_hash=$(cat pyproject.toml "$CONSTRAINTS" scripts/setup.sh | sha256sum | cut -d' ' -f1)
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$inputs_hash" ]]; then
     exit 0
@@ -19,8 +21,8 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # torch first: an unpinned dependency would otherwise pull a multi-GB CUDA build.
 # --no-compile, then one parallel compileall: pip compiles every file on one core, about a third of the setup.
-"${PIP[@]}" install --no-compile "$TORCH_PIN"
-"${PIP[@]}" install --no-compile -e ".[test]"
+"${PIP[@]}" install --no-compile -c "$CONSTRAINTS" "$TORCH_PIN"
+"${PIP[@]}" install --no-compile -c "$CONSTRAINTS" -e ".[test]"
 site_packages=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
 # Files written for a newer Python (torch's py312 test helpers) do not compile; pip skips them silently too.
 "$VENV/bin/python" -m compileall -qq -j 0 "$site_packages" || true

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import os
 import resource
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.netns import Network
 
 # Every process the tests start imports tests/site/sitecustomize.py: it skips the interpreter's final garbage
 # collections at exit (1.2-3 CPU-s per process after ``import lightning``; see that module).
@@ -70,3 +72,25 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     for nodeid, seconds in sorted(times.items(), key=lambda kv: -kv[1])[:40]:
         terminalreporter.write_line(f"{seconds:8.1f}  {nodeid}")
     terminalreporter.write_line(f"{sum(times.values()):8.1f}  total over {len(times)} tests")
+
+
+@pytest.fixture
+def make_network() -> Iterator[Callable[[int], Network]]:
+    """``make_network(3)``: 3 hosts as network namespaces on a bridge (:mod:`tests.netns`). Every network made
+    is removed at teardown, processes included, also when the test failed; where namespaces cannot be made
+    (not root, no iproute2) the test fails with that reason."""
+    made: list[Network] = []
+
+    def make(size: int = 2) -> Network:
+        made.append(Network(size))
+        return made[-1].create()
+
+    yield make
+    errors = []
+    for net in reversed(made):
+        try:
+            net.close()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise RuntimeError("; ".join(errors))

@@ -1,6 +1,7 @@
 """Replay a spot trace against Bamboo, checkpoint-restart and on-demand machines, with measured costs.
 
     python -m lightning_bamboo.replay TRACE [--costs FILE] [--stages S] [--spot P] [--on-demand P] [--plot F]
+    python -m lightning_bamboo.replay --scenario NAME_OR_PATH [TRACE]   # a PROJECTION from published figures
 """
 
 from __future__ import annotations
@@ -12,20 +13,33 @@ from pathlib import Path
 from lightning_bamboo.replay.costs import DEFAULT_COSTS, load_costs
 from lightning_bamboo.replay.model import Prices
 from lightning_bamboo.replay.plot import save_plot
+from lightning_bamboo.replay.projection import project
+from lightning_bamboo.replay.projection import report as projection_report
 from lightning_bamboo.replay.run import Comparison, replay, validate
+from lightning_bamboo.replay.scenario import ScenarioError, available, load_scenario
 from lightning_bamboo.replay.traces import TraceFormatError, parse_trace
+
+COST_OPTIONS = ("costs", "stages", "spot", "on_demand", "on_demand_nodes", "max_pipelines", "compression",
+                "plot", "validate")
+DEFAULTS = {"costs": DEFAULT_COSTS, "spot": Prices.spot, "on_demand": Prices.on_demand, "compression": 1.0}
+"""Filled in after parsing, so that an option given with its default value still counts as given."""
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lightning_bamboo.replay", description=__doc__)
-    p.add_argument("trace", type=Path, help="AWS 'time_ms,add|remove,node' or GCE 'date, time, count' trace")
-    p.add_argument("--costs", type=Path, default=DEFAULT_COSTS, help=f"live benchmark JSON ({DEFAULT_COSTS})")
+    p.add_argument("trace", type=Path, nargs="?", default=None,
+                   help="AWS 'time_ms,add|remove,node' or GCE 'date, time, count' trace (with --scenario: "
+                        "instead of the scenario's)")
+    p.add_argument("--scenario", default=None,
+                   help="print a PROJECTION from a scenario's published figures instead "
+                        f"({', '.join(available())} or a YAML path); it gives every cost and price")
+    p.add_argument("--costs", type=Path, default=None, help=f"live benchmark JSON ({DEFAULT_COSTS})")
     p.add_argument("--stages", type=int, default=None, help="pipeline stages (default: the benchmark's)")
-    p.add_argument("--spot", type=float, default=Prices.spot, help="spot $ per node-hour (default 0.91)")
-    p.add_argument("--on-demand", type=float, default=Prices.on_demand, help="on-demand $/node-hour (3.06)")
+    p.add_argument("--spot", type=float, default=None, help="spot $ per node-hour (default 0.91)")
+    p.add_argument("--on-demand", type=float, default=None, help="on-demand $/node-hour (3.06)")
     p.add_argument("--on-demand-nodes", type=int, default=None, help="default: the trace's mean nodes")
     p.add_argument("--max-pipelines", type=int, default=None, help="cap on data-parallel pipelines")
-    p.add_argument("--compression", type=float, default=1.0,
+    p.add_argument("--compression", type=float, default=None,
                    help="trace seconds per replayed second (the live benchmark's is in its JSON)")
     p.add_argument("--plot", type=Path, default=None, help="write the nodes/throughput figure here (PNG)")
     p.add_argument("--validate", action="store_true", help="also replay the benchmark's own segment")
@@ -43,7 +57,20 @@ def report(comparison: Comparison) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    cli = parser()
+    args = cli.parse_args(argv)
+    if args.scenario is not None:
+        given = [f"--{name.replace('_', '-')}" for name in COST_OPTIONS
+                 if getattr(args, name) not in (None, False)]
+        if given:
+            cli.error("--scenario gives every cost and price itself (a projection is never mixed with "
+                      f"measured costs); drop {' '.join(given)}")
+        return main_projection(args.scenario, args.trace)
+    if args.trace is None:
+        cli.error("the following arguments are required: trace (or --scenario)")
+    for name, default in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     try:
         trace = parse_trace(args.trace)
         costs = load_costs(args.costs)
@@ -71,6 +98,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"{v.live[system]:.3f}, error {v.errors[system]:.3f}")
     print(f"vs_checkpoint_restart={comparison.vs_checkpoint_restart:.2f} "
           f"vs_on_demand_value={comparison.vs_on_demand_value:.2f}")
+    return 0
+
+
+def main_projection(name: str, trace_path: Path | None) -> int:
+    """Print a scenario's projection: every parameter with its source, a row per combination of unknowns."""
+    try:
+        scenario = load_scenario(name)
+        trace = parse_trace(trace_path or scenario.trace)
+        rows = project(scenario, trace)
+    except (FileNotFoundError, TraceFormatError, ScenarioError, ValueError, KeyError) as err:
+        print(f"error: {err.args[0] if isinstance(err, KeyError) else err}", file=sys.stderr)
+        return 2
+    print("\n".join(projection_report(scenario, trace, rows)))
     return 0
 
 

@@ -40,6 +40,9 @@ class Costs:
     relaunch_warmup_s_by_layout: dict[str, float] = field(default_factory=dict)
     failover_warmup_s: float = 0.0
     rejoin_warmup_s: float = 0.0
+    fused_slowdown: float | None = None
+    """A step of a map with fused positions takes this many times the full layout's step (a projection's
+    published figure, lightning_bamboo/replay/scenarios); None: the shortest pipeline's rule (map_rate)."""
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def restart_parts(self, stop: str | None, stages: int, pipelines: int) -> tuple[float, float, float]:

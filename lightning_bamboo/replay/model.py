@@ -164,15 +164,19 @@ def map_rate(owners: OwnershipMap, costs: Costs) -> float:
 
     The measured step time of its shape when the benchmark saw it (``step_s_by_layout``/``step_s_by_shape``).
     Otherwise a step waits for its slowest pipeline, the one with the fewest positions ``L`` (its members run
-    the most stages each): the rate of ``L x P`` (weak scaling from the widest ``L``-position layout
-    measured, :func:`rate`); if no ``L``-position layout was measured, ``S x P``'s rate times ``L / S``
-    (the busiest member runs ``S / L`` times the layers). Stated in docs/bamboo-replay.md.
+    the most stages each): with ``costs.fused_slowdown`` (a projection's published figure), ``S x P``'s rate
+    over it; else the rate of ``L x P`` (weak scaling from the widest ``L``-position layout measured,
+    :func:`rate`); if no ``L``-position layout was measured, ``S x P``'s rate times ``L / S`` (the busiest
+    member runs ``S / L`` times the layers). Stated in docs/bamboo-replay.md.
     """
     key = shape_key(owners)
     if key in costs.step_s_by_shape:
         return costs.samples_per_step / costs.step_s_by_shape[key]
     lengths = [len(owners.positions(p)) for p in owners.pipeline_ids()]
     shortest, pipelines = min(lengths), len(lengths)
+    if costs.fused_slowdown is not None and shortest < owners.num_stages:
+        full = rate(costs.step_s_by_layout, owners.num_stages, pipelines, costs.samples_per_step)
+        return full / costs.fused_slowdown
     try:
         return rate(costs.step_s_by_layout, shortest, pipelines, costs.samples_per_step)
     except KeyError:

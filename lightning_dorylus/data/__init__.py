@@ -18,8 +18,8 @@ from lightning_dorylus.data.build import (
     partition_graph,
 )
 from lightning_dorylus.data.cache import (
+    CorruptCacheError,
     default_cache_dir,
-    graph_hash,
     load_graph,
     load_partition,
     partition_to_cache,
@@ -27,6 +27,7 @@ from lightning_dorylus.data.cache import (
     save_graph,
 )
 from lightning_dorylus.data.datamodule import DorylusDataModule, PartitionLoader
+from lightning_dorylus.data.fingerprint import graph_fingerprint, graph_hash
 from lightning_dorylus.data.partition import GraphPartition
 from lightning_dorylus.data.partitioner import edge_cut, partition_nodes
 from lightning_dorylus.data.planetoid import load_planetoid
@@ -35,12 +36,14 @@ from lightning_dorylus.data.validation import PARTITIONERS
 __all__ = [
     "DEFAULT_INTERVAL_SIZE",
     "PARTITIONERS",
+    "CorruptCacheError",
     "DorylusDataModule",
     "GraphPartition",
     "PartitionLoader",
     "build_partitions",
     "default_cache_dir",
     "edge_cut",
+    "graph_fingerprint",
     "graph_hash",
     "interval_ptr",
     "load_graph",

@@ -1,53 +1,62 @@
-"""On-disk partition cache (safetensors + JSON; nothing is pickled).
+"""On-disk partition cache (safetensors + JSON; nothing is pickled), with a checksum per file.
 
 Layout::
 
     <cache_dir>/
     └── <graph_hash[:16]>-<partitioner>-p<num_parts>-i<interval_size>-s<seed>/
-        ├── meta.json            # format version, options, full graph hash, sizes, edge cut, per-part stats
+        ├── meta.json            # format version, options, full graph hash, sizes, edge cut, per-part stats,
+        │                        # and the manifest: "files": {"part_<k>.safetensors": {"bytes", "sha256"}}
         ├── part_0.safetensors   # GraphPartition 0 (send_index flattened to send_index + send_ptr)
         ├── part_1.safetensors
         └── ...
 
-``graph_hash`` is a sha256 over the raw bytes, dtypes and shapes of ``edge_index``, ``x``, ``y`` and the three
-masks plus ``num_nodes``, so a changed graph gets a new directory (the old one is left in place). A
-directory is written under a temporary name and renamed into place when complete, so readers never see a
-half-written cache, and two processes racing to write it both end with the same content.
+``graph_hash`` (:mod:`fingerprint`) is a sha256 over the raw bytes, dtypes and shapes of ``edge_index``,
+``x``, ``y`` and the three masks plus ``num_nodes``, so a changed graph gets a new directory (the old one is
+left in place). A directory, manifest included, is written under a temporary name and renamed into place
+when complete, so readers never see a half-written cache, and two processes racing to write it both end
+with the same content. Every read checks the file against the manifest (:mod:`integrity`); a damaged
+directory is rebuilt by :func:`partition_to_cache`, with a warning naming the file.
 
 Single graphs (e.g. synthetic ones) are stored as one ``.safetensors`` file by :func:`save_graph`.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 from torch_geometric.data import Data
 
 from lightning_dorylus.data.build import DEFAULT_INTERVAL_SIZE, partition_graph
+from lightning_dorylus.data.fingerprint import GRAPH_FIELDS, graph_hash
+from lightning_dorylus.data.integrity import (
+    CorruptCacheError,
+    check_file,
+    manifest_entry,
+    verify_file,
+)
 from lightning_dorylus.data.partition import GraphPartition
 from lightning_dorylus.data.validation import (
-    MASK_NAMES,
-    check_features,
+    check_cache_dir,
     check_interval_size,
     check_partitioner,
     is_integer,
 )
 
-FORMAT_VERSION = 1
-"""Bumped whenever the partition layout changes; part of the hash, so old caches are never misread."""
+FORMAT_VERSION = 2
+"""Bumped whenever the partition layout changes (2: the manifest of checksums); checked in ``meta.json``."""
 
-_GRAPH_FIELDS = ("edge_index", "x", "y", *MASK_NAMES)
 _PART_TENSORS = (
     "local_nodes",
     "ghost_nodes",
@@ -72,22 +81,6 @@ def default_cache_dir() -> Path:
     return Path(base) / "lightning_dorylus" / "partitions"
 
 
-def graph_hash(data: Data) -> str:
-    """Hex sha256 of the graph's structure, features, labels and masks (raw bytes + dtypes + shapes)."""
-    if isinstance(getattr(data, "x", None), Tensor):  # a sparse x fails here naming x, not in .contiguous()
-        check_features(data.x, data.x.size(0))
-    digest = hashlib.sha256(f"dorylus-graph-v{FORMAT_VERSION};num_nodes={data.num_nodes};".encode())
-    for name in _GRAPH_FIELDS:
-        value = getattr(data, name, None)
-        if value is None:
-            digest.update(f"{name}=None;".encode())
-            continue
-        tensor = value.detach().cpu().contiguous()
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
-        digest.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # raw bytes, any dtype
-    return digest.hexdigest()
-
-
 def cache_name(digest: str, partitioner: str, num_parts: int, interval_size: int, seed: int) -> str:
     """Directory name of one partitioning inside ``cache_dir``."""
     return f"{digest[:16]}-{partitioner}-p{num_parts}-i{interval_size}-s{seed}"
@@ -102,7 +95,10 @@ def partition_to_cache(
     cache_dir: str | Path | None = None,
     digest: str | None = None,
 ) -> Path:
-    """Partitions ``data`` into ``cache_dir`` unless an identical partitioning is already there.
+    """Partitions ``data`` into ``cache_dir`` unless an identical, intact partitioning is already there.
+
+    An existing partitioning is checked file by file against its manifest (size and sha256); a damaged or
+    incomplete one is rebuilt from ``data``, with a warning naming what was wrong.
 
     Args:
         data: The global graph.
@@ -121,11 +117,18 @@ def partition_to_cache(
     if not is_integer(num_parts) or num_parts < 1:
         raise ValueError(f"num_parts ({num_parts!r}) must be an integer >= 1")
     num_parts, seed = int(num_parts), int(seed)
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    root = check_cache_dir(cache_dir if cache_dir is not None else default_cache_dir())
     digest = digest or graph_hash(data)
     target = root / cache_name(digest, partitioner, num_parts, interval_size, seed)
-    if is_complete(target, digest):
-        return target
+    problem = cache_problem(target, digest)
+    if problem is None:
+        damage = damaged_files(target)
+        if not damage:
+            return target
+        problem = "; ".join(damage)
+    if target.exists():
+        warnings.warn(f"partition cache {target} cannot be used ({problem}); rebuilding it from the graph",
+                      stacklevel=2)
 
     parts = partition_graph(data, num_parts, partitioner, interval_size, seed)
     meta = {
@@ -145,50 +148,104 @@ def partition_to_cache(
             {"n_local": p.n_local, "n_ghost": p.n_ghost, "edges": p.num_edges, "intervals": p.num_intervals}
             for p in parts
         ],
+        "files": {},  # the manifest: file name -> {"bytes", "sha256"}, checked whenever a file is read
     }
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
     try:
         for part in parts:
-            save_partition(part, tmp / f"part_{part.part_id}.safetensors")
+            path = tmp / part_file(part.part_id)
+            save_partition(part, path)
+            meta["files"][path.name] = manifest_entry(path)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        if target.exists() and not is_complete(target, digest):
-            # Writers only ever rename complete directories into place, so this one was damaged by hand.
-            warnings.warn(f"replacing the incomplete partition cache {target}", stacklevel=2)
-            shutil.rmtree(target)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not is_complete(target, digest):  # losing a race to an identical writer is fine
-                raise
+        _move_into_place(tmp, target, digest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def is_complete(directory: Path, digest: str | None = None) -> bool:
-    """Whether ``directory`` holds a finished partitioning of the current format (and graph ``digest``)."""
+def _move_into_place(tmp: Path, target: Path, digest: str) -> None:
+    """Renames the finished directory ``tmp`` to ``target``, first moving a damaged ``target`` aside."""
+    if target.exists() and cache_problem(target, digest) is None and not damaged_files(target):
+        return  # an identical writer (another node on a shared file system) finished first
+    if target.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.damaged.", dir=target.parent))
+        with contextlib.suppress(FileNotFoundError):  # another writer moved it aside first
+            os.rename(target, trash / target.name)
+        shutil.rmtree(trash, ignore_errors=True)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if cache_problem(target, digest) is not None:  # losing a race to an identical writer is fine
+            raise
+
+
+def part_file(part_id: int) -> str:
+    """File name of partition ``part_id`` inside a partitioning directory."""
+    return f"part_{part_id}.safetensors"
+
+
+def cache_problem(directory: Path, digest: str | None = None) -> str | None:
+    """Why ``directory`` is not a finished partitioning of the current format (and graph ``digest``), from
+    ``meta.json`` and the files' presence only; ``None`` if it is one. Damaged files are found by
+    :func:`damaged_files` (all of them) and :func:`load_partition` (the one it reads)."""
     meta_path = directory / "meta.json"
     if not meta_path.is_file():
-        return False
+        return f"{meta_path} is missing"
     try:
         meta = json.loads(meta_path.read_text())
-        if meta["format_version"] != FORMAT_VERSION or (digest is not None and meta["graph_hash"] != digest):
-            return False
-        return all((directory / f"part_{k}.safetensors").is_file() for k in range(meta["num_parts"]))
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return False
+        if meta["format_version"] != FORMAT_VERSION:
+            return (
+                f"{directory} was written in format version {meta['format_version']}; this "
+                f"lightning_dorylus reads version {FORMAT_VERSION} (with a checksum per file)"
+            )
+        if digest is not None and meta["graph_hash"] != digest:
+            return f"{meta_path} belongs to another graph"
+        files = meta["files"]
+        for k in range(meta["num_parts"]):
+            name = part_file(k)
+            if name not in files:
+                return f"{meta_path} has no manifest entry for {name}"
+            if not (directory / name).is_file():
+                return f"{directory / name} is missing"
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+        return f"{meta_path} is not a valid partition manifest ({type(err).__name__}: {err})"
+    return None
+
+
+def is_complete(directory: Path, digest: str | None = None) -> bool:
+    """Whether ``directory`` holds a finished partitioning of the current format (and graph ``digest``)."""
+    return cache_problem(directory, digest) is None
+
+
+def damaged_files(directory: Path) -> list[str]:
+    """What is wrong with each partition file of a complete ``directory`` against its manifest (size and
+    sha256, the files hashed in parallel threads); empty if every file matches."""
+    files = json.loads((directory / "meta.json").read_text())["files"]
+    with ThreadPoolExecutor(max_workers=min(len(files), os.cpu_count() or 1)) as pool:
+        found = pool.map(lambda item: verify_file(directory / item[0], item[1]), sorted(files.items()))
+        return [problem for problem in found if problem is not None]
 
 
 def read_meta(directory: str | Path) -> dict[str, Any]:
     """The ``meta.json`` of a partitioning directory (raises naming the directory if it is not one)."""
     directory = Path(directory)
-    if not is_complete(directory):
+    problem = cache_problem(directory)
+    if problem is not None:
         raise FileNotFoundError(
             f"{directory} is not a complete lightning_dorylus partition directory (format version "
-            f"{FORMAT_VERSION}: meta.json + part_<k>.safetensors)"
+            f"{FORMAT_VERSION}: meta.json with a manifest + part_<k>.safetensors): {problem}. "
+            f"{rebuild_hint(directory)}"
         )
     return json.loads((directory / "meta.json").read_text())
+
+
+def rebuild_hint(directory: Path) -> str:
+    """How to get an intact partitioning back in ``directory``'s place."""
+    return (
+        f"Delete {directory} and partition the graph again: DorylusDataModule(graph, ...) rebuilds a "
+        "damaged cache from the graph by itself in prepare_data (as does partition_to_cache(graph, ...))"
+    )
 
 
 def save_partition(part: GraphPartition, path: Path) -> None:
@@ -203,14 +260,19 @@ def save_partition(part: GraphPartition, path: Path) -> None:
 
 
 def load_partition(directory: str | Path, part_id: int) -> GraphPartition:
-    """Loads partition ``part_id`` from a partitioning directory (tensors on CPU)."""
+    """Loads partition ``part_id`` from a partitioning directory (tensors on CPU), after checking its size
+    and sha256 against the manifest.
+
+    Raises:
+        CorruptCacheError: the file does not match its manifest entry (names the file and how to rebuild).
+    """
+    directory = Path(directory)
     meta = read_meta(directory)
     if not 0 <= part_id < meta["num_parts"]:
         raise ValueError(f"part_id ({part_id}) must lie in [0, {meta['num_parts']}) for {directory}")
-    path = Path(directory) / f"part_{part_id}.safetensors"
-    with safe_open(str(path), "pt") as handle:
-        metadata = handle.metadata()
-    fields: dict[str, Any] = load_file(str(path))
+    path = directory / part_file(part_id)
+    check_file(path, meta["files"][path.name], rebuild_hint(directory))
+    fields, metadata = _read_safetensors(path)
     send_index, send_ptr = fields.pop("send_index"), fields.pop("send_ptr")
     fields["send_index"] = [send_index[send_ptr[q] : send_ptr[q + 1]] for q in range(send_ptr.numel() - 1)]
     fields.update({name: int(metadata[name]) for name in _PART_INTS})
@@ -220,7 +282,7 @@ def load_partition(directory: str | Path, part_id: int) -> GraphPartition:
 def save_graph(data: Data, path: str | Path) -> None:
     """Writes a graph's ``edge_index``/``x``/``y``/masks to one safetensors file (atomic replace)."""
     path = Path(path)
-    present = [name for name in _GRAPH_FIELDS if getattr(data, name, None) is not None]
+    present = [name for name in GRAPH_FIELDS if getattr(data, name, None) is not None]
     tensors = {name: getattr(data, name).contiguous() for name in present}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -234,9 +296,19 @@ def load_graph(path: str | Path) -> Data:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"graph file {path} does not exist")
-    with safe_open(str(path), "pt") as handle:
-        metadata = handle.metadata() or {}
+    tensors, metadata = _read_safetensors(path)
     if "num_nodes" not in metadata:
         raise ValueError(f"{path} is not a lightning_dorylus graph file (no num_nodes in its metadata)")
-    tensors: dict[str, Tensor] = load_file(str(path))
     return Data(num_nodes=int(metadata["num_nodes"]), **tensors)
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Tensors and metadata of a safetensors file; one that cannot be parsed raises naming it."""
+    try:
+        with safe_open(str(path), "pt") as handle:
+            metadata = handle.metadata() or {}
+        return load_file(str(path)), metadata
+    except (SafetensorError, OSError) as err:
+        raise CorruptCacheError(
+            path, f"{path} cannot be read as safetensors ({type(err).__name__}: {err}): the file is damaged"
+        ) from err

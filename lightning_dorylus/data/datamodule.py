@@ -24,19 +24,22 @@ from lightning_dorylus.data.build import DEFAULT_INTERVAL_SIZE
 from lightning_dorylus.data.cache import (
     cache_name,
     default_cache_dir,
-    graph_hash,
     is_complete,
     load_graph,
     load_partition,
     partition_to_cache,
     read_meta,
 )
+from lightning_dorylus.data.fingerprint import check_same_graph, graph_fingerprint, graph_hash
 from lightning_dorylus.data.partition import GraphPartition
 from lightning_dorylus.data.validation import (
     IGNORED_EDGE_FIELDS,
-    check_features,
+    check_cache_dir,
+    check_graph,
     check_interval_size,
+    check_num_classes,
     check_partitioner,
+    check_world_size,
     ignored_attributes,
     is_integer,
     warn_ignored_attributes,
@@ -59,11 +62,11 @@ class PartitionLoader:
         return f"{type(self).__name__}({self.partition!r})"
 
 
-def _checked(data: Data) -> Data:
-    """``data`` with its features checked up front (featureless or sparse ``x`` fails here, naming ``x``) and
-    without the edge attributes no Dorylus layer reads (a shallow copy, after a warning saying so)."""
-    if data.num_nodes:  # no vertex at all: graph_tensors says so when partitioning
-        check_features(data.x, int(data.num_nodes))
+def _checked(data: Data, num_classes: int | None) -> Data:
+    """``data`` after every input check (edges, finite features, labels below ``num_classes``, masks
+    selecting labeled vertices), without the edge attributes no Dorylus layer reads (a shallow copy, after a
+    warning saying so)."""
+    check_graph(data, num_classes)
     if not ignored_attributes(data):
         return data
     warn_ignored_attributes(data, stacklevel=4)
@@ -93,6 +96,12 @@ class DorylusDataModule(LightningDataModule):
             ``NormalizeFeatures()`` (row-normalised features, as PyG's Planetoid examples). The partitions
             (and their cache key) hold the transformed graph, so no epoch recomputes it. Not allowed with a
             partition directory, whose partitions are already built.
+        num_classes: Number of classes the model predicts; every label must be below it (checked here).
+            ``None``: ``max(y) + 1``.
+
+    The graph is checked here, in every process, before any graph server starts: edges in range, finite
+    features, labels ``>= 0`` (``-1``: unlabeled) and ``< num_classes``, masks selecting labeled vertices
+    only. Errors name the vertex and the fix.
     """
 
     def __init__(
@@ -104,6 +113,7 @@ class DorylusDataModule(LightningDataModule):
         cache_dir: str | Path | None = None,
         seed: int = 0,
         transform: Callable[[Data], Data] | None = None,
+        num_classes: int | None = None,
     ) -> None:
         super().__init__()
         if transform is not None and not callable(transform):
@@ -120,11 +130,13 @@ class DorylusDataModule(LightningDataModule):
         self.partitioner = partitioner
         self.interval_size = interval_size
         self.seed = int(seed)
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self._num_classes = check_num_classes(num_classes)
+        self.cache_dir = check_cache_dir(cache_dir if cache_dir is not None else default_cache_dir())
         self.data: Data | None = None
         self.partition_dir: Path | None = None  # fixed when `data` is a partition directory
         self.partition: GraphPartition | None = None
         self._digest: str | None = None
+        self._fingerprint: dict[str, str] | None = None  # per-field digests, compared across processes
 
         if isinstance(data, (str, Path)):
             path = Path(data)
@@ -159,13 +171,18 @@ class DorylusDataModule(LightningDataModule):
             self.data = transform(self.data.clone())
         self.transform = transform
         if self.data is not None:
-            self.data = _checked(self.data)
+            self.data = _checked(self.data, self._num_classes)
 
     def _use_partition_dir(self, path: Path) -> None:
         meta = read_meta(path)
         if self.num_parts is not None and self.num_parts != meta["num_parts"]:
             raise ValueError(
                 f"num_parts ({self.num_parts}) does not match the {meta['num_parts']} partitions in {path}"
+            )
+        if self._num_classes is not None and self._num_classes < meta["num_classes"]:
+            raise ValueError(
+                f"num_classes ({self._num_classes}) is below the {meta['num_classes']} classes (max(y) + 1) "
+                f"of the partitions in {path}: pass num_classes >= {meta['num_classes']}"
             )
         self.partition_dir = path
         self.num_parts = meta["num_parts"]
@@ -185,7 +202,9 @@ class DorylusDataModule(LightningDataModule):
 
     @property
     def num_classes(self) -> int:
-        """Number of classes (``max(y) + 1``)."""
+        """Number of classes: the ``num_classes`` argument, else ``max(y) + 1``."""
+        if self._num_classes is not None:
+            return self._num_classes
         if self.data is not None:
             if self.data.y is None:
                 raise ValueError(
@@ -207,53 +226,62 @@ class DorylusDataModule(LightningDataModule):
         """The cache directory that holds (or will hold) this graph's partitioning."""
         if self.partition_dir is not None:
             return self.partition_dir
-        assert self.data is not None
-        if self._digest is None:
-            self._digest = graph_hash(self.data)
         name = cache_name(
-            self._digest, self.partitioner, self.resolved_num_parts(), self.interval_size, self.seed
+            self.graph_digest(), self.partitioner, self.resolved_num_parts(), self.interval_size, self.seed
         )
         return self.cache_dir / name
 
+    def graph_digest(self) -> str:
+        """The input graph's :func:`graph_hash` (the cache key; computed once)."""
+        if self._digest is None:
+            if self.data is None:
+                assert self.partition_dir is not None
+                self._digest = str(read_meta(self.partition_dir)["graph_hash"])
+            else:
+                self._fingerprint = graph_fingerprint(self.data)
+                self._digest = graph_hash(self.data, self._fingerprint)
+        return self._digest
+
     @override
     def prepare_data(self) -> None:
-        """Partitions the graph into the cache unless it is there already (Lightning: local rank 0 only)."""
+        """Partitions the graph into the cache unless an intact copy is there (every file checked against
+        its checksum; a damaged one rebuilt, with a warning). Lightning: local rank 0 of each node only."""
         if self.partition_dir is not None:
             return
         assert self.data is not None
-        if self._digest is None:
-            self._digest = graph_hash(self.data)
+        num_parts = self.resolved_num_parts()
+        if self.trainer is not None and num_parts != self.trainer.world_size:
+            return  # setup raises on every process; raising here would leave the others at the barrier
         partition_to_cache(
             self.data,
-            self.resolved_num_parts(),
+            num_parts,
             self.partitioner,
             self.interval_size,
             self.seed,
             self.cache_dir,
-            digest=self._digest,
+            digest=self.graph_digest(),
         )
 
     @override
     def setup(self, stage: str) -> None:
-        """Loads partition ``trainer.global_rank`` (partition 0 without a Trainer, after partitioning)."""
+        """Loads partition ``trainer.global_rank`` (partition 0 without a Trainer, after partitioning), once
+        every process has the same graph (compared by digest across processes)."""
         num_parts = self.resolved_num_parts()
         rank, world_size = (
             (0, 1) if self.trainer is None else (self.trainer.global_rank, self.trainer.world_size)
         )
-        if num_parts != world_size:
-            raise ValueError(
-                f"num_parts ({num_parts}) != world_size ({world_size}): every process (graph server) loads "
-                "exactly one partition"
-            )
-        directory = self.resolved_partition_dir()
-        if self.trainer is None and not is_complete(directory):
+        check_world_size(num_parts, world_size)
+        if self.trainer is None:
             self.prepare_data()
+        directory = self.resolved_partition_dir()
+        if world_size > 1:
+            check_same_graph(self.trainer.strategy, self.graph_digest(), self._fingerprint)
         if not is_complete(directory):
             raise FileNotFoundError(
                 f"partition cache {directory} is missing or incomplete on rank {rank}: prepare_data() must "
                 "run first, and cache_dir must be shared by the processes of a node"
             )
-        partition = load_partition(directory, rank)
+        partition = load_partition(directory, rank)  # checks the file against the manifest's checksum
         if self.trainer is not None:  # move once, so Lightning's per-step transfer is a no-op
             partition = partition.to(self.trainer.strategy.root_device)
         self.partition = partition

@@ -14,12 +14,14 @@ Sampling is inverse-CDF (``torch.searchsorted`` on cumulative weights), fully ve
 from __future__ import annotations
 
 import itertools
+import warnings
 from pathlib import Path
 
 import torch
 from torch_geometric.data import Data
 
 from lightning_dorylus.data.cache import load_graph, save_graph
+from lightning_dorylus.data.integrity import CorruptCacheError
 
 
 def powerlaw_graph(
@@ -61,7 +63,10 @@ def powerlaw_graph(
         )
         path = Path(cache_dir) / name
         if path.is_file():
-            return load_graph(path)
+            try:
+                return load_graph(path)
+            except CorruptCacheError as err:  # regenerated below: the same arguments give the same graph
+                warnings.warn(f"{err}; generating the graph again", stacklevel=2)
 
     gen = torch.Generator().manual_seed(seed)
     y = torch.randint(0, num_classes, (num_nodes,), generator=gen)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numbers
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -67,13 +68,29 @@ def is_integer(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def graph_tensors(data: Data) -> GraphTensors:
+def graph_tensors(data: Data, num_classes: int | None = None) -> GraphTensors:
     """Validates ``data`` and returns its coalesced, normalised tensors.
 
     Args:
         data: A PyG graph with ``edge_index`` and ``x``; ``y`` and ``train_mask``/``val_mask``/``test_mask``
             are optional (missing labels become ``-1``, missing masks all ``False``).
+        num_classes: If given, every label must be ``< num_classes``.
     """
+    graph = _validated(data, num_classes)
+    graph.edge_index = coalesce(graph.edge_index, graph.num_nodes)
+    return graph
+
+
+def check_graph(data: Data, num_classes: int | None = None) -> None:
+    """Every check of :func:`graph_tensors` (edges, finite features, labels, masks), without coalescing.
+
+    ``DorylusDataModule`` runs it when it is built, in every process, so bad input fails there, naming the
+    vertex and the fix, instead of on one graph server after the others started.
+    """
+    _validated(data, num_classes)
+
+
+def _validated(data: Data, num_classes: int | None) -> GraphTensors:
     if not isinstance(data, Data):
         raise TypeError(f"data must be a torch_geometric.data.Data, got {type(data).__name__}")
     num_nodes = data.num_nodes
@@ -82,7 +99,7 @@ def graph_tensors(data: Data) -> GraphTensors:
     num_nodes = int(num_nodes)
     edge_index = _check_edge_index(data.edge_index, num_nodes)
     x = _check_x(data.x, num_nodes)
-    y = _check_y(data.y, num_nodes)
+    y = _check_y(data.y, num_nodes, num_classes)
     masks = {name: _check_mask(getattr(data, name, None), name, num_nodes) for name in MASK_NAMES}
     for name, mask in masks.items():
         unlabeled = mask & (y < 0)
@@ -90,9 +107,10 @@ def graph_tensors(data: Data) -> GraphTensors:
             first = int(unlabeled.nonzero()[0, 0])
             raise ValueError(
                 f"{name} selects {int(unlabeled.sum())} vertices without a label (y = -1 or y missing), the "
-                f"first at node {first}: every vertex a mask selects needs a class label >= 0"
+                f"first at node {first}: every vertex a mask selects needs a class label >= 0. Label them, "
+                f"or leave them out of the mask: data.{name} &= data.y >= 0"
             )
-    return GraphTensors(edge_index=coalesce(edge_index, num_nodes), num_nodes=num_nodes, x=x, y=y, **masks)
+    return GraphTensors(edge_index=edge_index, num_nodes=num_nodes, x=x, y=y, **masks)
 
 
 def coalesce(edge_index: Tensor, num_nodes: int) -> Tensor:
@@ -183,12 +201,23 @@ def _check_x(x: Tensor | None, num_nodes: int) -> Tensor:
     bad = ~torch.isfinite(x)
     num_bad = int(bad.sum())
     if num_bad:
-        first = int(bad.any(dim=1).nonzero()[0, 0])
-        raise ValueError(f"x contains {num_bad} non-finite values (NaN/inf), the first at node {first}")
+        first, column = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"x contains {num_bad} non-finite values (NaN/inf), the first at node {first} "
+            f"(x[{first}, {column}] = {float(x[first, column])}): clean the features first, e.g. "
+            "data.x = torch.nan_to_num(data.x), or drop those vertices"
+        )
     return x.contiguous()
 
 
-def _check_y(y: Tensor | None, num_nodes: int) -> Tensor:
+def check_num_classes(num_classes: int | None) -> int | None:
+    """Returns ``num_classes`` as an ``int`` (or ``None``) if it is ``None`` or an integer >= 1."""
+    if num_classes is not None and (not is_integer(num_classes) or num_classes < 1):
+        raise ValueError(f"num_classes ({num_classes!r}) must be None (= max(y) + 1) or an integer >= 1")
+    return None if num_classes is None else int(num_classes)
+
+
+def _check_y(y: Tensor | None, num_nodes: int, num_classes: int | None = None) -> Tensor:
     if y is None:
         return torch.full((num_nodes,), -1, dtype=torch.long)
     if y.dim() == 2 and y.size(1) == 1:
@@ -199,10 +228,44 @@ def _check_y(y: Tensor | None, num_nodes: int) -> Tensor:
         raise ValueError(f"y must hold integer class labels, got dtype {y.dtype}")
     y = y.to(device="cpu", dtype=torch.long).contiguous()
     if y.numel() and int(y.min()) < -1:
+        first = int((y < -1).nonzero()[0, 0])
         raise ValueError(
-            f"y contains {int(y.min())}; expected class labels >= 0, or -1 for unlabeled vertices"
+            f"y contains {int(y.min())}; expected class labels >= 0, or -1 for unlabeled vertices (the first "
+            f"bad label is y[{first}] = {int(y[first])})"
+        )
+    if num_classes is not None and y.numel() and int(y.max()) >= num_classes:
+        first = int((y >= num_classes).nonzero()[0, 0])
+        raise ValueError(
+            f"y[{first}] = {int(y[first])} but num_classes is {num_classes}: class labels must lie in "
+            f"[0, {num_classes}) (-1 marks an unlabeled vertex). Pass num_classes={int(y.max()) + 1} or "
+            "fix the labels"
         )
     return y
+
+
+def check_cache_dir(cache_dir: str | Path) -> Path:
+    """``cache_dir`` as a ``Path`` if it is a directory or can become one (nothing on its path is a file)."""
+    path = Path(cache_dir)
+    for ancestor in (path, *path.parents):
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                where = "is" if ancestor == path else f"lies under {str(ancestor)!r}, which is"
+                raise NotADirectoryError(
+                    f"cache_dir={str(path)!r} {where} an existing file, not a directory: pass a directory "
+                    "for the partition cache (created if missing), or move the file away"
+                )
+            break
+    return path
+
+
+def check_world_size(num_parts: int, world_size: int) -> None:
+    """One graph server per partition: raises with the arithmetic and both fixes when they differ."""
+    if num_parts != world_size:
+        raise ValueError(
+            f"num_parts ({num_parts}) != world_size ({world_size}): DorylusStrategy runs one graph server "
+            f"per partition, so every process loads exactly one; set devices * num_nodes = {num_parts} or "
+            f"num_parts = {world_size} (or leave num_parts=None: one partition per process)"
+        )
 
 
 def _check_mask(mask: Tensor | None, name: str, num_nodes: int) -> Tensor:

@@ -13,23 +13,41 @@ with jittered backoff and counted in ``stats["throttled"]``; a handler exception
 ``RemoteOpError`` with the function's ``errorType: errorMessage``; a runtime crash or sandbox timeout, a
 lost connection or an attempt past ``deadline_s`` is retried up to ``max_attempts``; stragglers are
 relaunched and late duplicates dropped. Credentials come from boto3's default chain and are never logged.
+
+Where an option is not given, the environment fills it in (:data:`ENV_DEFAULTS`), the same for a user
+script (``DorylusStrategy(executor="lambda")``) and for the recipes: e.g. ``DORYLUS_LAMBDA_ENDPOINT`` points
+every graph server at the local endpoint (``python -m lightning_dorylus.lambda_local``). An explicit option
+wins over the variable.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
+import os
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import urlsplit
 
 from typing_extensions import override
 
 from .. import wire
 from .base import ExecutorError, RemoteOpError, RetryableError, to_tensors
 from .resilient import POLICY_FIELDS, Attempt, FaultPolicy, ResilientExecutor
+
+log = logging.getLogger(__name__)
+
+#: The options read from the environment when they are not given (``None``), and the default without either.
+ENV_DEFAULTS: dict[str, tuple[str, str | None]] = {
+    "function_name": ("DORYLUS_LAMBDA_FUNCTION", "dorylus-tensor-ops"),
+    "endpoint_url": ("DORYLUS_LAMBDA_ENDPOINT", None),  # None: AWS
+    "s3_bucket": ("DORYLUS_S3_BUCKET", None),
+    "s3_endpoint_url": ("DORYLUS_S3_ENDPOINT", None),
+}
 
 #: FunctionError types that say the sandbox failed, not the op: worth another attempt.
 RETRYABLE_FUNCTION_ERRORS = ("Runtime.", "Sandbox.")
@@ -42,15 +60,19 @@ class LambdaExecutor(ResilientExecutor):
     """Run ops in an AWS Lambda function (``executor="lambda"``).
 
     Args:
-        function_name: the function (name or ARN) deployed by ``python -m lightning_dorylus.deploy``.
+        function_name: the function (name or ARN) deployed by ``python -m lightning_dorylus.deploy``
+            (``None``: ``$DORYLUS_LAMBDA_FUNCTION``, else ``"dorylus-tensor-ops"``).
         region: AWS region (``None``: boto3's configuration).
-        endpoint_url: Lambda API endpoint (``None``: AWS; tests: ``lightning_dorylus.lambda_local``).
+        endpoint_url: Lambda API endpoint (``None``: ``$DORYLUS_LAMBDA_ENDPOINT``, else AWS). The local
+            endpoint: ``python -m lightning_dorylus.lambda_local`` prints ``READY port=N``; pass
+            ``"http://127.0.0.1:N"``.
         max_concurrency: invocations in flight from this graph server (threads and HTTP connections).
             Lambda's default account limit is 1000 concurrent executions per region, shared by all servers.
         memory_mb: the function's memory (set at deploy time); only used for ``billed_gb_seconds``.
-        s3_bucket: bucket for pieces over the payload limit (``None``: such a piece raises instead).
+        s3_bucket: bucket for pieces over the payload limit (``None``: ``$DORYLUS_S3_BUCKET``, else none:
+            such a piece raises instead).
         s3_prefix: key prefix of the staged objects.
-        s3_endpoint_url: S3 endpoint (``None``: AWS; tests: moto's server).
+        s3_endpoint_url: S3 endpoint (``None``: ``$DORYLUS_S3_ENDPOINT``, else AWS; tests: moto's server).
         payload_limit: bytes per invoke payload, each way (Lambda: 6 MB).
         max_rows: also cut requests into pieces of at most this many rows (``None``: only the limit cuts).
         connect_timeout: seconds to open an HTTPS connection.
@@ -60,12 +82,20 @@ class LambdaExecutor(ResilientExecutor):
 
     name = "lambda"
 
-    def __init__(self, function_name: str = "dorylus-tensor-ops", region: str | None = None,
+    def __init__(self, function_name: str | None = None, region: str | None = None,
                  endpoint_url: str | None = None, max_concurrency: int = 64, memory_mb: int = 1769,
                  s3_bucket: str | None = None, s3_prefix: str = "dorylus/",
                  s3_endpoint_url: str | None = None,
                  payload_limit: int = wire.LAMBDA_SYNC_PAYLOAD_LIMIT, max_rows: int | None = None,
                  connect_timeout: float = 10.0, **policy: Any) -> None:
+        function_name, endpoint_url, s3_bucket, s3_endpoint_url = (
+            _from_env(name, value) for name, value in (
+                ("function_name", function_name), ("endpoint_url", endpoint_url), ("s3_bucket", s3_bucket),
+                ("s3_endpoint_url", s3_endpoint_url)))
+        for name, url in (("endpoint_url", endpoint_url), ("s3_endpoint_url", s3_endpoint_url)):
+            if url is not None and urlsplit(url).scheme not in ("http", "https"):
+                raise ValueError(f"{name}={url!r}: expected an http(s) URL such as 'http://127.0.0.1:9001' "
+                                 f"(from ${ENV_DEFAULTS[name][0]} when the option is not given)")
         if not isinstance(function_name, str) or not function_name:
             raise ValueError(f"function_name={function_name!r}: expected a Lambda function name or ARN")
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
@@ -113,6 +143,8 @@ class LambdaExecutor(ResilientExecutor):
                             max_pool_connections=self.max_concurrency, connect_timeout=self.connect_timeout,
                             read_timeout=read_timeout)
             self._lambda = session.client("lambda", endpoint_url=self.endpoint_url, config=config)
+            log.info("LambdaExecutor: function %r at %s", self.function_name,
+                     _where(self.endpoint_url) if self.endpoint_url else "AWS")
             if self.s3_bucket is not None:
                 s3_config = Config(retries={"mode": "standard"}, max_pool_connections=self.max_concurrency,
                                    s3={"addressing_style": "path"} if self.s3_endpoint_url else None)
@@ -249,5 +281,21 @@ class LambdaExecutor(ResilientExecutor):
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __repr__(self) -> str:  # no credentials, no endpoints' secrets: names only
-        return (f"LambdaExecutor(function_name={self.function_name!r}, region={self.region!r}, "
+        endpoint = f", endpoint_url={_where(self.endpoint_url)!r}" if self.endpoint_url else ""
+        return (f"LambdaExecutor(function_name={self.function_name!r}, region={self.region!r}{endpoint}, "
                 f"max_concurrency={self.max_concurrency}, s3_bucket={self.s3_bucket!r})")
+
+
+def _from_env(option: str, value: Any) -> Any:
+    """``value`` if given, else the option's environment variable (if set and not empty), else its default."""
+    if value is not None:
+        return value
+    variable, default = ENV_DEFAULTS[option]
+    return os.environ.get(variable) or default
+
+
+def _where(url: str) -> str:
+    """An endpoint for logs and reprs: scheme, host and port only (no user:password@, path or query)."""
+    parts = urlsplit(url)
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{parts.hostname}{port}"

@@ -54,3 +54,26 @@ def elastic_reference_clipped(tmp_path_factory: pytest.TempPathFactory) -> dict[
     from tests.bamboo.test_elastic import CLIP
 
     return _elastic_reference(tmp_path_factory.mktemp("elastic-reference-clipped"), "--clip", str(CLIP))
+
+
+@pytest.fixture(scope="session")
+def user_model_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The uninterrupted run of ``pipe_variants.UserModel`` with norm clipping (issue 17's user model)."""
+    from tests.bamboo.test_elastic import CLIP
+
+    out = tmp_path_factory.mktemp("elastic-reference-user")
+    return _elastic_reference(out, "--variant", "user", "--clip", str(CLIP))
+
+
+@pytest.fixture(scope="session")
+def unused_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The uninterrupted run of ``pipe_variants.WithUnused`` (Adam with weight decay, a gradient-less
+    parameter)."""
+    return _elastic_reference(tmp_path_factory.mktemp("elastic-reference-unused"), "--variant", "unused")
+
+
+@pytest.fixture(scope="session")
+def double_precision_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The uninterrupted run of a float32-built ``PipeMLP`` under ``Trainer(precision="64-true")``."""
+    out = tmp_path_factory.mktemp("elastic-reference-64-true")
+    return _elastic_reference(out, "--dtype", "float32", "--precision", "64-true")

@@ -134,6 +134,33 @@ class InplaceFirst(PipeMLP):
         self.pipeline = nn.Sequential(*layers[:3], nn.LeakyReLU(0.1, inplace=True), *layers[4:])
 
 
+class UserModel(WithState):
+    """What a user writes (issue 17): BatchNorm statistics, a frozen parameter and a buffer, a parameter that
+    never gets a gradient, and AdamW over two param groups — the head (``self.pipeline[-1]``) at a tenth of
+    the learning rate without weight decay, the rest with weight decay — under a per-step scheduler.
+
+    A replica that zero-fills missing gradients (AdamW decays and steps the unused parameter), steps with its
+    own rank's group settings, or never receives buffers ends away from ``strategy="auto"``.
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        layers = list(self.pipeline)
+        self.pipeline = nn.Sequential(*layers[:-1], Unused(layers[-1].in_features), layers[-1])
+
+    @override
+    def configure_optimizers(self):  # type: ignore[override]
+        head = list(self.pipeline[-1].parameters())
+        rest = [p for p in self.parameters() if p.requires_grad and all(p is not h for h in head)]
+        groups = [
+            {"params": rest, "weight_decay": 0.05},
+            {"params": head, "lr": self.lr / 10, "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 VARIANTS: dict[str, type[PipeMLP]] = {
     "mlp": PipeMLP,
     "per-layer-lr": PerLayerLr,
@@ -142,6 +169,7 @@ VARIANTS: dict[str, type[PipeMLP]] = {
     "unused": WithUnused,
     "state": WithState,
     "inplace": InplaceFirst,
+    "user": UserModel,
 }
 
 

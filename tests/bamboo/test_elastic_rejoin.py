@@ -162,6 +162,7 @@ def test_join_claim_and_failover_first_writer_wins() -> None:
     import torch.distributed as dist
 
     from lightning_bamboo import joining
+    from lightning_bamboo import membership as ms
     from lightning_bamboo.ownership import initial, rejoin
 
     store = dist.HashStore()
@@ -174,6 +175,7 @@ def test_join_claim_and_failover_first_writer_wins() -> None:
     assert joining.claim(store, 0, step=3)
     assert not joining.claim(store, 0, step=4)  # decided once
     assert joining.adopted_step(store, 0) == 3
+    assert ms.decide(store, 0, 3, ms.COMMIT_JOIN) == ms.COMMIT_JOIN  # the claimer commits step 3
     assert joining.close(store, 0) == 3  # a later loss: the failover applies to the joined layout
     # generation 1: the launcher's failover claims first, a later commit cannot adopt the proposal
     joining.propose(store, 1, rejoin(gen0, [4, 5]))

@@ -40,11 +40,16 @@ def small_graph() -> Data:
     return powerlaw_graph(300, 6, 5, 3, seed=0)
 
 
-def fake_trainer(rank: int, world_size: int) -> SimpleNamespace:
-    """The attributes of a Trainer that the DataModule reads."""
-    return SimpleNamespace(
-        global_rank=rank, world_size=world_size, strategy=SimpleNamespace(root_device=torch.device("cpu"))
-    )
+def fake_trainer(rank: int, world_size: int, others: torch.Tensor | None = None) -> SimpleNamespace:
+    """The attributes of a Trainer that the DataModule reads. Its ``all_gather`` answers as if every other
+    rank sent ``others`` (default: what this rank sends, i.e. the same graph everywhere)."""
+
+    def all_gather(local: torch.Tensor) -> torch.Tensor:
+        rows = [local if others is None or r == rank else others for r in range(world_size)]
+        return torch.stack(rows)
+
+    strategy = SimpleNamespace(root_device=torch.device("cpu"), all_gather=all_gather)
+    return SimpleNamespace(global_rank=rank, world_size=world_size, strategy=strategy)
 
 
 def assert_same_partition(a: GraphPartition, b: GraphPartition) -> None:
@@ -145,10 +150,75 @@ def test_options_are_checked_up_front(kwargs: dict, error: type, match: str) -> 
         DorylusDataModule(**args)
 
 
+def _with(**fields) -> Data:
+    data = small_graph()
+    for name, value in fields.items():
+        setattr(data, name, value)
+    return data
+
+
+def _labels(vertex: int, label: int) -> torch.Tensor:
+    y = small_graph().y.clone()
+    y[vertex] = label
+    return y
+
+
+def _nan_features() -> torch.Tensor:
+    x = small_graph().x.clone()
+    x[17, 2] = float("nan")
+    return x
+
+
+FIRST_TRAIN = int(small_graph().train_mask.nonzero()[0, 0])
+
+
+@pytest.mark.parametrize(
+    ("fields", "kwargs", "match"),
+    [
+        ({"y": _labels(5, -3)}, {}, r"y contains -3; expected class labels >= 0, or -1 for unlabeled "
+                                    r"vertices \(the first bad label is y\[5\] = -3\)"),
+        ({"y": _labels(8, 3)}, {"num_classes": 3}, r"y\[8\] = 3 but num_classes is 3: class labels must lie "
+                                                   r"in \[0, 3\) .* Pass num_classes=4 or fix the labels"),
+        ({"y": _labels(FIRST_TRAIN, -1)}, {}, rf"train_mask selects 1 vertices without a label .* first at "
+                                              rf"node {FIRST_TRAIN}: .* data.train_mask &= data.y >= 0"),
+        ({"x": _nan_features()}, {}, r"x contains 1 non-finite values \(NaN/inf\), the first at node 17 "
+                                     r"\(x\[17, 2\] = nan\): .* torch.nan_to_num"),
+        ({}, {"num_classes": 0}, r"num_classes \(0\) must be None \(= max\(y\) \+ 1\) or an integer >= 1"),
+    ],
+)
+def test_the_graph_is_checked_when_the_datamodule_is_built(fields: dict, kwargs: dict, match: str,
+                                                            tmp_path) -> None:
+    """In every process, before any graph server starts (was: inside fit, on rank 0 only)."""
+    with pytest.raises(ValueError, match=match):
+        DorylusDataModule(_with(**fields), cache_dir=tmp_path, **kwargs)
+    assert not any(tmp_path.iterdir()), "nothing hashed or partitioned"
+
+
+def test_num_classes_is_taken_and_checked_against_a_partition_directory(tmp_path) -> None:
+    datamodule = DorylusDataModule(small_graph(), cache_dir=tmp_path, num_classes=5)
+    assert datamodule.num_classes == 5  # a model may predict classes no vertex has
+    directory = partition_to_cache(small_graph(), 1, "bfs", cache_dir=tmp_path)
+    match = r"num_classes \(2\) is below the 3 classes .* pass num_classes >= 3"
+    with pytest.raises(ValueError, match=match):
+        DorylusDataModule(directory, num_classes=2)
+
+
+def test_a_cache_dir_that_is_a_file_is_named(tmp_path) -> None:
+    (tmp_path / "cache").write_text("")
+    with pytest.raises(NotADirectoryError, match=r"cache_dir='.*/cache' is an existing file, not a dir"):
+        DorylusDataModule(small_graph(), cache_dir=tmp_path / "cache")
+    match = r"cache_dir='.*/cache/sub' lies under '.*/cache', which is an existing file"
+    with pytest.raises(NotADirectoryError, match=match):
+        DorylusDataModule(small_graph(), cache_dir=tmp_path / "cache" / "sub")
+    with pytest.raises(NotADirectoryError, match=r"is an existing file"):
+        partition_to_cache(small_graph(), 1, cache_dir=tmp_path / "cache")
+
+
 def test_world_size_must_match_num_parts(tmp_path) -> None:
     datamodule = DorylusDataModule(small_graph(), num_parts=2, cache_dir=tmp_path)
     datamodule.trainer = fake_trainer(0, 4)
-    with pytest.raises(ValueError, match=r"num_parts \(2\) != world_size \(4\): every process"):
+    match = r"num_parts \(2\) != world_size \(4\): .* set devices \* num_nodes = 2 or num_parts = 4"
+    with pytest.raises(ValueError, match=match):
         datamodule.setup("fit")
     unattached = DorylusDataModule(small_graph(), cache_dir=tmp_path)
     with pytest.raises(RuntimeError, match="num_parts is None and no Trainer is attached"):

@@ -97,7 +97,8 @@ def test_featureless_graph_fails_at_construction_and_one_hot_degree_fixes_it(tmp
 
 def test_missing_labels_fail_in_num_classes(tmp_path: Path) -> None:
     """Was: ``num_classes == 0``, a 0-wide model, then ``argmax(): Expected reduction dim 1 ...``."""
-    datamodule = DorylusDataModule(small_graph(y=None), cache_dir=tmp_path)
+    unlabeled = small_graph(y=None, train_mask=None, val_mask=None, test_mask=None)  # masks need labels
+    datamodule = DorylusDataModule(unlabeled, cache_dir=tmp_path)
     with pytest.raises(ValueError, match=r"data.y is None: num_classes needs integer class labels"):
         _ = datamodule.num_classes
 

@@ -333,7 +333,7 @@ def test_damaged_cache_is_rebuilt(tmp_path) -> None:
     (directory / "part_1.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="is not a complete lightning_dorylus partition directory"):
         read_meta(directory)
-    with pytest.warns(UserWarning, match="replacing the incomplete partition cache"):
+    with pytest.warns(UserWarning, match=r"cannot be used \(.*part_1.safetensors is missing\); rebuilding"):
         assert partition_to_cache(data, 2, cache_dir=tmp_path) == directory
     assert json.loads((directory / "meta.json").read_text())["num_parts"] == 2
     assert load_partition(directory, 1).part_id == 1

@@ -29,7 +29,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_bamboo.checkpoint import named_optimizer_state
 from lightning_bamboo.elastic import ElasticBambooStrategy
-from tests.bamboo.pipe_mlp import PipeMLP, make_data
+from lightning_bamboo.testing import PhaseFaults
+from tests.bamboo.pipe_mlp import make_data
+from tests.bamboo.pipe_variants import VARIANTS
 
 
 class ValLosses(Callback):
@@ -53,6 +55,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="mlp", help="model (pipe_variants.py)")
+    parser.add_argument("--dtype", default="float64", help="the model's parameter dtype as built")
+    parser.add_argument("--precision", default=None, help="Trainer(precision=...)")
     parser.add_argument("--no-redundancy", action="store_true")
     parser.add_argument("--aws-endpoints", default="", help="comma-separated IMDS URL per member ('' = none)")
     parser.add_argument("--wait-notice", default="", help="MEMBER:STEP: that member waits for its notice")
@@ -72,9 +77,9 @@ def main() -> None:
         from tests.bamboo.signal_callbacks import UserBugMLP
 
         bug_member, bug_step = map(int, args.raise_at.split(":"))
-        model: PipeMLP = UserBugMLP(bug_member, bug_step, pairs=args.pairs, optimizer=args.optimizer)
+        model = UserBugMLP(bug_member, bug_step, pairs=args.pairs, optimizer=args.optimizer, dtype=args.dtype)
     else:
-        model = PipeMLP(pairs=args.pairs, optimizer=args.optimizer)
+        model = VARIANTS[args.variant](pairs=args.pairs, optimizer=args.optimizer, dtype=args.dtype)
     x, y = make_data(args.steps * args.batch_size)
     if args.strategy == "auto":
         # the elastic run's (unsharded) DistributedSampler shuffles with seed 0 in epoch 0: read that order
@@ -115,6 +120,7 @@ def main() -> None:
         strategy=strategy,
         max_steps=args.steps,
         max_epochs=1,
+        precision=args.precision,
         gradient_clip_val=args.clip,
         gradient_clip_algorithm=args.clip_algorithm,
         logger=False,
@@ -124,10 +130,11 @@ def main() -> None:
         num_sanity_val_steps=2 if args.validate else 0,  # Lightning's default sanity check, when validating
         limit_val_batches=2 if args.validate else 0,
         val_check_interval=args.validate or None,
-        callbacks=[*callbacks, val_losses],
+        callbacks=[*callbacks, val_losses, PhaseFaults.from_env()],
     )
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val if args.validate else None)
     tensors = {f"own/{name}": p.detach().clone() for name, p in model.named_parameters()}
+    tensors.update({f"own_buffer/{name}": b.detach().clone() for name, b in model.named_buffers()})
     for name, values in named_optimizer_state(model, trainer.optimizers[0])["state"].items():
         for key, value in values.items():
             tensors[f"own_opt/{name}/{key}"] = value.detach().clone().reshape(-1)

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from lightning_bamboo import joining
 from lightning_bamboo.checkpoint import named_optimizer_state
 from lightning_bamboo.elastic import ElasticBambooStrategy
+from lightning_bamboo.testing import PhaseFaults
 from tests.bamboo.pipe_mlp import PipeMLP, make_data
 
 
@@ -103,7 +104,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[HoldForJoin(args.hold_at)],
+        callbacks=[HoldForJoin(args.hold_at), PhaseFaults.from_env()],
     )
     trainer.fit(model, train_dataloaders=train)
     tensors = {f"own/{name}": p.detach().clone() for name, p in model.named_parameters()}

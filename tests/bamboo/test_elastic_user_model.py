@@ -1,0 +1,62 @@
+"""Elastic Bamboo on the model a user writes (issue 17): two param groups (the head at a tenth of the learning
+rate, without weight decay), a parameter that never gets a gradient, a frozen parameter, BatchNorm and another
+buffer, AdamW with a per-step scheduler and norm clipping. The final parameters, buffers and optimizer state
+of every surviving member equal (float64) the uninterrupted single-process run's — with no fault, and with a
+real SIGKILL of the last stage or of a middle stage mid-step.
+
+One micro-batch per step: BatchNorm's statistics over micro-batches differ from the batch's (a documented
+limit of any pipeline), so exactness against ``strategy="auto"`` needs M=1 for this model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.bamboo.test_elastic import CLIP, check_final, run_elastic
+
+USER_MODEL = ("--variant", "user", "--microbatches", "1", "--clip", str(CLIP))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("nproc", "stages", "fault"),
+    [(2, 2, ""), (2, 2, "1:2:forward"), (3, 3, "1:2:forward")],
+    ids=["no-fault", "sigkill-last-stage", "sigkill-middle-stage"],
+)
+def test_user_model_equals_auto(
+    tmp_path: Path, user_model_reference: dict[str, torch.Tensor], nproc: int, stages: int, fault: str
+) -> None:
+    log = run_elastic(tmp_path, nproc=nproc, stages=stages, fault=fault, extra_args=USER_MODEL)
+    if fault:
+        assert "failover: lost [1]" in log
+    covered = check_final(tmp_path, user_model_reference)
+    assert any(key.startswith("own_buffer/") and "running_var" in key for key in covered)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_parameter_without_gradient_two_pipelines(
+    tmp_path: Path, unused_reference: dict[str, torch.Tensor]
+) -> None:
+    """2 stages x 2 pipelines, Adam with weight decay: the gradient-less parameter is skipped by every
+    optimizer (its has-gradient flag travels with the averaged gradients and the replica update), also after
+    member 3 (stage 1 of pipeline 1) is SIGKILLed."""
+    run_elastic(tmp_path, nproc=4, stages=2, fault="3:2:forward", extra_args=("--variant", "unused"))
+    check_final(tmp_path, unused_reference)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("fault", ["", "1:2:forward"], ids=["no-fault", "sigkill-last-stage"])
+def test_double_precision_of_a_float32_model(
+    tmp_path: Path, double_precision_reference: dict[str, torch.Tensor], fault: str
+) -> None:
+    """``precision="64-true"`` on a model built in float32: every layer is converted at setup (a replica or a
+    layer received from a peer is float64 too), so the run equals "auto"'s with and without a failover."""
+    args = ("--dtype", "float32", "--precision", "64-true")
+    run_elastic(tmp_path, nproc=2, stages=2, fault=fault, extra_args=args)
+    check_final(tmp_path, double_precision_reference)

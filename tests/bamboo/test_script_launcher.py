@@ -1,0 +1,113 @@
+"""Elastic Bamboo under a plain ``python train.py`` (``Trainer(devices=4)``, no launcher command): the
+script's process supervises the workers, a worker SIGKILLed from outside mid-fit is survived, and the script
+exits 0 with every step done on the survivors."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_bamboo.script_launcher import SupervisorLauncher, script_command
+from tests.process import REPO, launch_env
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_plain.py"
+STEPS = 24
+
+
+class Output:
+    """The lines a process prints, collected by a thread, with a bounded wait for one matching a pattern."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                match = re.search(pattern, line)
+                if match:
+                    return match
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r} in {timeout}s:\n{''.join(self.lines)[-4000:]}")
+
+    @property
+    def text(self) -> str:
+        self._thread.join(timeout=10)
+        return "".join(self.lines)
+
+
+def run_and_kill(out: Path, devices: int, victim: int, *extra: str) -> str:
+    """Run the plain script with ``devices`` workers, SIGKILL member ``victim``'s PID from outside a few steps
+    into training, and return the output once the script has exited 0."""
+    cmd = [sys.executable, str(SCRIPT), str(out), str(STEPS), "0.15", str(devices), *extra]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    output = Output(proc)
+    worker_pids: list[int] = []
+    try:
+        for member in range(devices):
+            worker_pids.append(int(output.wait_for(rf"started member {member} \(pid (\d+)\)", 120).group(1)))
+        output.wait_for(r"^gen 0 ", 180)  # generation 0 formed: training runs
+        time.sleep(2.0)  # a few steps in
+        os.kill(worker_pids[victim], signal.SIGKILL)
+        rc = proc.wait(timeout=300)
+    finally:
+        for pid in [proc.pid, *worker_pids]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    log = output.text
+    assert rc == 0, log[-4000:]
+    assert f"this process supervises {devices} workers" in log
+    assert f"failover: lost [{victim}]" in log, log[-4000:]
+    return log
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_plain_script_survives_a_sigkilled_worker(tmp_path: Path) -> None:
+    run_and_kill(tmp_path, 4, 3)
+    done = sorted(p.name for p in tmp_path.glob("done_member*.json"))
+    assert done == ["done_member0.json", "done_member1.json", "done_member2.json"]
+    for path in tmp_path.glob("done_member*.json"):
+        assert f'"global_step": {STEPS}' in path.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_one_logger_version_through_a_failover_of_rank_zero(tmp_path: Path) -> None:
+    """Member 0 (rank 0, the one that logs) is SIGKILLed: member 1 becomes rank 0 and logs on into the same
+    CSVLogger version, and every step is logged exactly once."""
+    run_and_kill(tmp_path, 2, 0, "csv")
+    versions = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert versions == ["version_0"], versions
+    rows = list(csv.DictReader((tmp_path / "logs" / "version_0" / "metrics.csv").open()))
+    steps = [int(row["step"]) for row in rows if row.get("train_loss")]
+    assert steps == list(range(STEPS)), steps
+
+
+def test_script_command_reruns_this_script_or_module() -> None:
+    command = script_command()
+    assert command[0] == sys.executable
+    assert command[1] == "-m" or os.path.isabs(command[1])
+
+
+def test_launcher_is_not_interactive() -> None:
+    assert SupervisorLauncher(2).is_interactive_compatible is False
