@@ -314,3 +314,56 @@ def replay_step(module: LightningModule, attr: str, loss: Tensor) -> Iterator[No
                 module.__dict__.pop(hook, None)
             else:
                 module.__dict__[hook] = value
+
+
+class _Precomputed(nn.Sequential):
+    """Stands in for the pipeline body while ``predict_step`` is replayed: gives the pipeline's outputs for
+    the batch's body input, and refuses any other input (it would need a forward the pipeline did not run)."""
+
+    def __init__(self, layers: OrderedDict[str, nn.Module], inputs: Any, outputs: Any, owner: str) -> None:
+        super().__init__(layers)
+        self.__dict__["_bamboo_replay"] = (inputs, outputs, owner)
+
+    def forward(self, x: Any) -> Any:
+        inputs, outputs, owner = self.__dict__["_bamboo_replay"]
+        if _same(x, inputs):
+            return outputs
+        raise ValueError(
+            f"{owner}.predict_step called the pipeline body on something other than pipeline_inputs(batch); "
+            "under BambooStrategy predict runs the whole body once over the batch's pipeline_inputs(batch) "
+            "and predict_step gets those outputs. Call the body on pipeline_inputs(batch) only, or run "
+            "another input through trainer.strategy.full_forward(inputs)"
+        )
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are the same body input (tensors equal in dtype, shape and values; same structure)."""
+    if a is b:
+        return True
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b.to(a.device)))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return list(a) == list(b) and all(_same(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return False
+
+
+@contextmanager
+def replay_predict(module: LightningModule, attr: str, inputs: Any, outputs: Any) -> Iterator[None]:
+    """Within the block, the module's pipeline body returns ``outputs`` for ``inputs`` (the batch's
+    ``pipeline_inputs``), so the user's ``predict_step`` (or its forward) gets the pipeline's outputs.
+
+    Args:
+        module: the user's LightningModule.
+        attr: attribute name of its pipeline body.
+        inputs: ``pipeline_inputs(batch)`` of the batch being predicted.
+        outputs: the whole body's outputs for the batch (the last stage's, on every rank of the pipeline).
+    """
+    body = module._modules[attr]
+    layers = OrderedDict(body._modules) if body is not None else OrderedDict()
+    module._modules[attr] = _Precomputed(layers, inputs, outputs, type(module).__name__)
+    try:
+        yield
+    finally:
+        module._modules[attr] = body

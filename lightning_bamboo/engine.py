@@ -143,15 +143,39 @@ class PipelineEngine:
     @torch.no_grad()
     def run_forward(self, microbatches: Sequence[Any]) -> Tensor:
         """Forward-only pass of every micro-batch (validation); the mean loss on every rank."""
+        step = self._forward_pass(microbatches, _StepState(count=len(microbatches)), "run_forward")
+        return self._broadcast_loss(step.losses)
+
+    @torch.no_grad()
+    def run_outputs(
+        self, microbatches: Sequence[Any], inputs_fn: InputsFn | None = None
+    ) -> list[Tensor] | None:
+        """Forward-only pass of every micro-batch without a loss (predict, generation).
+
+        Args:
+            microbatches: the micro-batches, the same on every stage of the pipeline.
+            inputs_fn: what stage 0 feeds the body with; ``None``: the engine's ``inputs_fn``
+                (``pipeline_inputs``); ``full_forward`` passes the identity (its micro-batches are body
+                inputs).
+
+        Returns:
+            On the last stage, the body's output of every micro-batch, in order; ``None`` on other stages.
+        """
+        step = _StepState(count=len(microbatches), inputs_fn=inputs_fn, collect_outputs=True)
+        self._forward_pass(microbatches, step, "run_outputs")
+        if not self.groups.is_last_stage:
+            return None
+        return [step.collected[mb] for mb in range(len(microbatches))]
+
+    def _forward_pass(self, microbatches: Sequence[Any], step: _StepState, caller: str) -> _StepState:
         if not microbatches:
-            raise ValueError("run_forward needs at least one micro-batch")
-        step = _StepState(count=len(microbatches))
+            raise ValueError(f"{caller} needs at least one micro-batch")
         count = len(microbatches)
         schedule = self._forward_only.get(count)
         if schedule is None:
             schedule = self._forward_only[count] = forward_only_schedule(self.groups.num_stages, count)
         self._run_program(schedule, microbatches, step, train=False)
-        return self._broadcast_loss(step.losses)
+        return step
 
     def _check_count(self, microbatches: Sequence[Any]) -> None:
         if len(microbatches) != self.num_microbatches:
@@ -210,7 +234,7 @@ class PipelineEngine:
         assert transfers is not None
         if action.kind is ActionKind.FORWARD:
             if self.groups.is_first_stage:
-                x = _model_input(self.inputs_fn(microbatches[mb]))
+                x = _model_input((step.inputs_fn or self.inputs_fn)(microbatches[mb]))
             else:
                 x = transfers.take(Kind.ACTIVATION, mb)
                 if train and x.is_floating_point():
@@ -218,7 +242,9 @@ class PipelineEngine:
             # the stage runs on a copy of a received leaf: an in-place first layer (ReLU(inplace=True))
             # may not write into a leaf that requires grad
             y = _one_tensor(self.stage(x.clone() if x.requires_grad else x), self.stage, self.groups.stage)
-            if last:
+            if last and step.collect_outputs:
+                step.collected[mb] = y
+            elif last:
                 loss = self.loss_fn(y, microbatches[mb])
                 step.losses.append(loss.detach())
                 if train:
@@ -302,6 +328,11 @@ class _StepState:
     """Tensors for another rank, by ``(activation?, micro-batch)``, until the program's SEND posts them."""
     losses: list[Tensor] = field(default_factory=list)
     transfers: StepTransfers | None = None
+    inputs_fn: InputsFn | None = None
+    """Stage 0's input of a micro-batch for this pass; ``None``: the engine's ``inputs_fn``."""
+    collect_outputs: bool = False
+    """Keep the last stage's outputs in :attr:`collected` instead of computing the loss (predict)."""
+    collected: dict[int, Tensor] = field(default_factory=dict)
 
 
 def forward_only_schedule(num_stages: int, num_microbatches: int) -> Schedule:

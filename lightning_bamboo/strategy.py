@@ -53,6 +53,7 @@ from lightning_bamboo.contract import (
     check_replayed_loss,
     check_stage_split,
     find_pipeline_body,
+    replay_predict,
     replay_step,
     sub_sequential,
     warn_batch_statistics,
@@ -61,7 +62,12 @@ from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.events import BambooEventsMixin
 from lightning_bamboo.groups import BambooGroups
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
-from lightning_bamboo.microbatch import batch_size_of, check_train_batches, split_microbatches
+from lightning_bamboo.microbatch import (
+    batch_size_of,
+    check_train_batches,
+    join_microbatches,
+    split_microbatches,
+)
 from lightning_bamboo.precision import with_pipeline_clipping
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b, format_grid
@@ -547,9 +553,29 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "BambooStrategy does not implement predict; predictions only exist on the last stage"
-        )
+        """Forward-only pipeline over the batch; replays ``predict_step`` with the whole body's outputs.
+
+        The last stage's outputs are broadcast over the pipeline, so every rank returns the predictions of
+        its pipeline's batches (each pipeline predicts its own shard of the data, as every DDP rank does).
+        """
+        assert self.engine is not None and self.lightning_module is not None
+        module = self.lightning_module
+        batch, args, kwargs = self._stage0_batch(args, kwargs)
+        num = math.gcd(batch_size_of(batch), self._num_microbatches)
+        with self.precision_plugin.predict_step_context():
+            outputs = self._pipeline_outputs(split_microbatches(batch, num), None)
+            with replay_predict(module, self._body_attr, module.pipeline_inputs(batch), outputs):  # type: ignore[operator]
+                return module.predict_step(*args, **kwargs)
+
+    def _pipeline_outputs(self, microbatches: list[Any], inputs_fn: Callable[[Any], Any] | None) -> Any:
+        """Run the body over ``microbatches`` (forward only); the joined outputs, on every pipeline rank."""
+        assert self.engine is not None and self.groups is not None
+        outputs = self.engine.run_outputs(microbatches, inputs_fn)
+        joined = join_microbatches(outputs) if outputs is not None else None
+        if self.groups.num_stages == 1:
+            return joined
+        src = self.groups.last_stage_rank
+        return broadcast_batch(joined, src, self.root_device, group=self.groups.pipeline_group)
 
     # ------------------------------------------------------------------ checkpoints
     @property
