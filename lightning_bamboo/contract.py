@@ -232,12 +232,24 @@ class StageSequential(nn.Sequential):
     def __init__(self, layers: OrderedDict[str, nn.Module], body_length: int) -> None:
         super().__init__(layers)
         self.body_length = body_length
+        self.outside_call_error: str | None = None
+        """Set by a strategy that installs this stage into the user's module: a forward outside the
+        engine's own execution (:func:`pipeline_execution`) raises ``RuntimeError`` with this text, since
+        it would run one stage of the model, never the whole. ``None`` (standalone use): no check."""
+        self._engine_depth = 0
+
+    def forward(self, input: Any) -> Any:
+        if self.outside_call_error is not None and self._engine_depth == 0:
+            raise RuntimeError(self.outside_call_error)
+        return super().forward(input)
 
     def __getitem__(self, idx: int | slice) -> nn.Module:  # type: ignore[override]
         if isinstance(idx, slice):
             held = [i for i in range(self.body_length)[idx] if str(i) in self._modules]
             layers = OrderedDict((str(i), self._modules[str(i)]) for i in held)
-            return StageSequential(layers, self.body_length)  # type: ignore[arg-type]
+            part = StageSequential(layers, self.body_length)  # type: ignore[arg-type]
+            part.outside_call_error = self.outside_call_error  # a slice is never run by the engine
+            return part
         index = operator.index(idx)
         if not -self.body_length <= index < self.body_length:
             raise IndexError(f"index {index} is out of range: the body has {self.body_length} layers")
@@ -246,6 +258,35 @@ class StageSequential(nn.Sequential):
         if layer is None:
             return LayerOnAnotherStage(index, [int(name) for name in self._modules])
         return layer
+
+
+@contextmanager
+def pipeline_execution(stage: nn.Module) -> Iterator[None]:
+    """Within the block, ``stage``'s forward runs even if it is guarded (``outside_call_error``).
+
+    The engine enters it around its program, so the user's module is never patched per step, and a call
+    of the stage from a callback (outside the block) is told what to call instead.
+    """
+    if not isinstance(stage, StageSequential):
+        yield
+        return
+    stage._engine_depth += 1
+    try:
+        yield
+    finally:
+        stage._engine_depth -= 1
+
+
+def outside_call_message(module: LightningModule, attr: str, layers: range, body_length: int) -> str:
+    """The error for a call of a stage's body outside the pipeline, naming what to call instead."""
+    return (
+        f"{type(module).__name__}.{attr} holds only this process's stage of the pipeline body under "
+        f"BambooStrategy (layers {layers.start}-{layers.stop - 1} of {body_length}); calling it outside the "
+        "pipeline schedule (directly or through the module's forward) would run part of the model. To run "
+        "the whole body from a callback call trainer.strategy.full_forward(inputs) on every rank of the "
+        "pipeline (lightning_bamboo.strategy.full_forward(pl_module, inputs) works under any strategy), or "
+        "use trainer.predict"
+    )
 
 
 def check_replayed_loss(module: LightningModule, returned: Any, loss: Tensor) -> None:

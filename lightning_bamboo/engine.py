@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_bamboo.contract import pipeline_execution
 from lightning_bamboo.groups import BambooGroups
 from lightning_bamboo.schedule import Action, ActionKind, Schedule, rank_program
 from lightning_bamboo.schedule.lowering import Comm, LoweredAction, lower_schedule
@@ -209,16 +210,17 @@ class PipelineEngine:
             clock=self.clock,
         )
         trace, clock = self.trace, self.clock
-        for entry in self.lowered(schedule):
-            if isinstance(entry, Comm):
-                key = (entry.kind.is_forward, entry.microbatch)
-                transfers.post(entry, step.produced.pop(key) if entry.kind.is_send else None)
-                continue
-            start = clock()
-            self._execute(entry, microbatches, step, train)
-            if trace is not None:
-                name = f"{entry.kind.value}{entry.stage},{entry.microbatch}"
-                trace.append((name, start, clock()))
+        with pipeline_execution(self.stage):  # the stage's own forwards are allowed here, and only here
+            for entry in self.lowered(schedule):
+                if isinstance(entry, Comm):
+                    key = (entry.kind.is_forward, entry.microbatch)
+                    transfers.post(entry, step.produced.pop(key) if entry.kind.is_send else None)
+                    continue
+                start = clock()
+                self._execute(entry, microbatches, step, train)
+                if trace is not None:
+                    name = f"{entry.kind.value}{entry.stage},{entry.microbatch}"
+                    trace.append((name, start, clock()))
         start = clock()
         transfers.finish()
         step.produced.clear()  # outputs no other rank needs (a stage whose consumer is on this rank)

@@ -1,15 +1,20 @@
-"""Worker script: train ``TinyLM`` a few steps, then ``trainer.predict``.
+"""Worker script: train ``TinyLM`` a few steps, generate a sample from a callback, then ``trainer.predict``.
 
 Run once with ``--strategy auto`` (one process: the reference) and with ``--strategy bamboo`` (all ranks
 started together by the test). Every rank writes to ``--out``:
 
 * ``predict_rank{r}.safetensors``: ``ids`` (the sample index of every predicted row, in order) and
   ``logits`` (what ``trainer.predict`` returned on this rank, concatenated);
+* ``sample_rank{r}.safetensors``: the greedily generated tokens and the last step's logits, from a callback
+  at the end of training that runs the whole model with ``lightning_bamboo.strategy.full_forward``;
+* ``sample_rank{r}.json``: the error texts of calling ``pl_module.pipeline(x)`` and ``pl_module(x)`` in that
+  callback (``null`` where the call worked).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -17,12 +22,45 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_bamboo import BambooStrategy
+from lightning_bamboo.strategy import full_forward
 from tests.bamboo.tiny_lm import TinyLM, make_tokens
+
+PROMPT = [[3, 1, 4]]
+NEW_TOKENS = 4
+
+
+class Sample(Callback):
+    """At the end of training: greedy generation through the whole model, and the stage's own forward."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        pl_module.eval()
+        idx = torch.tensor(PROMPT, device=pl_module.device)
+        logits = torch.empty(0)
+        for _ in range(NEW_TOKENS):
+            logits = full_forward(pl_module, idx)[:, -1]
+            idx = torch.cat([idx, logits.argmax(dim=-1, keepdim=True)], dim=1)
+        errors: dict[str, str | None] = {}
+        calls = (("pipeline", lambda: pl_module.pipeline(idx)), ("forward", lambda: pl_module(idx)))
+        for name, call in calls:
+            try:
+                with torch.no_grad():
+                    call()
+                errors[name] = None
+            except RuntimeError as error:
+                errors[name] = str(error)
+        pl_module.train()
+        rank = trainer.global_rank
+        tensors = {"tokens": idx.cpu(), "logits": logits.cpu()}
+        save_file(tensors, str(self.out / f"sample_rank{rank}.safetensors"))
+        (self.out / f"sample_rank{rank}.json").write_text(json.dumps(errors))
 
 
 class Ids(Callback):
@@ -76,7 +114,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[ids_callback],
+        callbacks=[Sample(args.out), ids_callback],
     )
     trainer.fit(model, train_dataloaders=train)
 
