@@ -3,8 +3,9 @@
 The contract (the same class also trains under ``strategy="auto"``):
 
 * an ``nn.Sequential`` pipeline body (attribute ``pipeline`` by default, or the module's only
-  ``nn.Sequential`` child) holding every trainable parameter, each element taking and returning one tensor;
-* ``pipeline_inputs(batch) -> Tensor``: the input of the body's first layer;
+  ``nn.Sequential`` child) holding every trainable parameter, each element taking and returning one tensor
+  (or, where a stage boundary may fall, a tuple/list/dict of tensors: the hidden state and a mask);
+* ``pipeline_inputs(batch) -> Tensor``: the input of the body's first layer (also a tuple/dict);
 * ``pipeline_loss(outputs, batch) -> Tensor``: the scalar loss from the body's output;
 * ``training_step`` / ``validation_step`` that compute the loss as
   ``self.pipeline_loss(self.pipeline(self.pipeline_inputs(batch)), batch)`` and log it.
