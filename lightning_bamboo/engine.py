@@ -208,7 +208,10 @@ class PipelineEngine:
         self, schedule: Schedule, microbatches: Sequence[Any], step: _StepState, train: bool
     ) -> None:
         """Walk this rank's lowered program: compute actions, and the sends/receives placed between them."""
-        keys = [(train, microbatch_signature(microbatch)) for microbatch in microbatches]
+        # micro-batches fed through another inputs_fn (full_forward's body inputs) get shape keys of their
+        # own: the same signature may give stage 0 another input than pipeline_inputs would
+        mode: Any = train if step.inputs_fn is None else "body-inputs"
+        keys = [(mode, microbatch_signature(microbatch)) for microbatch in microbatches]
         transfers = step.transfers = StepTransfers(
             self.groups.stage,
             self.groups.rank_of_stage,
