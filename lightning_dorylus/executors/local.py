@@ -254,6 +254,7 @@ class LocalPoolExecutor(ResilientExecutor):
                     f"{attempt.call.describe()}: {type(err).__name__}: {err}"))
                 if not self._closed:
                     self._replace(index, worker)  # its pipe is mid-message: start clean
+            del attempt  # not kept (with its request's tensors) while this dispatcher waits for the next
 
     def _run(self, index: int, attempt: Attempt) -> None:
         call = attempt.call
