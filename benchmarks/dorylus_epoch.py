@@ -39,8 +39,6 @@ import argparse
 import copy
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,59 +47,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+try:  # imported by the tests, the checkout on sys.path
+    from benchmarks._harness import free_port, kill_groups, peak_memory_mib, rank_env, watch
+except ImportError:  # run as a script: its own directory is first on sys.path
+    from _harness import free_port, kill_groups, peak_memory_mib, rank_env, watch
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LR, WEIGHT_DECAY = 0.01, 5e-4  # Adam, the same on both sides (the GCN recipe's values)
-
-
-# --------------------------------------------------------------------------- memory (Linux /proc)
-def _status_kib(pid: int | str, field: str) -> int:
-    """One ``kB`` field (``VmHWM``, ``VmRSS``) of ``/proc/<pid>/status``; 0 if the process is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except (FileNotFoundError, ProcessLookupError):
-        pass
-    return 0
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (children, grandchildren, ...), found through ``/proc/*/stat``."""
-    parent_of: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        # The command name (field 2) may hold spaces and parentheses: fields resume after the last ')'.
-        parent_of[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [pid]
-    while frontier:
-        current = frontier.pop()
-        children = [child for child, parent in parent_of.items() if parent == current]
-        found.extend(children)
-        frontier.extend(children)
-    return found
-
-
-def peak_memory_mib() -> dict[str, float]:
-    """This process's high-water RSS and that of its live descendants (executor workers), in MiB.
-
-    Call it while the workers are still alive (before the executor is closed).
-    """
-    workers = _descendants(os.getpid())
-    worker_kib = [_status_kib(pid, "VmHWM") for pid in workers]
-    own = _status_kib(os.getpid(), "VmHWM")
-    return {
-        "peak_self_mib": own / 1024,
-        "peak_workers_mib": sum(worker_kib) / 1024,
-        "num_workers": len(workers),
-        "peak_total_mib": (own + sum(worker_kib)) / 1024,
-    }
 
 
 # --------------------------------------------------------------------------- graph + cache
@@ -424,12 +376,6 @@ def run_dorylus_server(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- launching workers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker_command(args: argparse.Namespace, worker: str, result: Path) -> list[str]:
     forwarded = []
     for name, value in vars(args).items():
@@ -466,12 +412,11 @@ def launch_together(args: argparse.Namespace, groups: list[tuple[str, int]], wor
     """
     procs = []
     for worker, num_procs in groups:
-        port = _free_port()
+        port = free_port()
         for rank in range(num_procs):
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             if worker == "dorylus":
-                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(num_procs),
-                           NODE_RANK="0", LOCAL_RANK=str(rank))
+                env = rank_env(env, rank, num_procs, port)
             result, log = workdir / f"{worker}{rank}.json", workdir / f"{worker}{rank}.log"
             with open(log, "w") as log_file:
                 proc = subprocess.Popen(_worker_command(args, worker, result), stdout=log_file,
@@ -479,40 +424,35 @@ def launch_together(args: argparse.Namespace, groups: list[tuple[str, int]], wor
                                         start_new_session=True)
             procs.append((worker, proc, result, log))
     pending = list(turns or [])
-    granted = False
+    granted = [False]
     turn_dir = Path(args.turn_dir) if args.turn_dir else workdir
-    deadline = time.monotonic() + args.timeout
+
+    def grant_turns() -> float:
+        """Grant the next turn once every process of the current one has acknowledged it."""
+        while pending:
+            name, index, acks = pending[0]
+            if not granted[0]:
+                (turn_dir / f"{name}.{index}.go").touch()
+                granted[0] = True
+            if not all((turn_dir / f"{name}.{index}.done{r}").exists() for r in range(acks)):
+                return 0.002
+            pending.pop(0)
+            granted[0] = False
+        return 0.2
+
     try:
-        # Poll all of them: when one graph server fails, its peer would otherwise wait in a collective.
-        while any(proc.poll() is None for _, proc, _, _ in procs):
-            for worker, proc, _, log in procs:
-                if proc.poll() not in (None, 0):
-                    raise RuntimeError(
-                        f"{worker} worker exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-                    )
-            if time.monotonic() > deadline:
-                tail = procs[0][3].read_text()[-3000:]
-                raise RuntimeError(f"{procs[0][0]} worker ran past --timeout ({args.timeout} s):\n{tail}")
-            if pending:
-                name, index, acks = pending[0]
-                if not granted:
-                    (turn_dir / f"{name}.{index}.go").touch()
-                    granted = True
-                if all((turn_dir / f"{name}.{index}.done{r}").exists() for r in range(acks)):
-                    pending.pop(0)
-                    granted = False
-                    continue
-            time.sleep(0.002 if pending else 0.2)
-        for worker, proc, _, log in procs:
-            if proc.returncode != 0:
-                raise RuntimeError(
-                    f"{worker} worker exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-                )
+        # Fails as soon as one fails: when one graph server fails, its peer would wait in a collective.
+        failure = watch([proc for _, proc, _, _ in procs], args.timeout, tick=grant_turns)
     finally:
-        for _, proc, _, _ in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        kill_groups([proc for _, proc, _, _ in procs])
+    failed = [(worker, proc, log) for worker, proc, _, log in procs if proc.returncode not in (0, -9)]
+    if failure and failed:
+        worker, proc, log = failed[0]
+        raise RuntimeError(f"{worker} worker exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+    if failure:
+        worker, _, _, log = procs[0]
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"{worker} worker ran past --timeout ({args.timeout} s):\n{tail}")
     results: dict[str, list[dict[str, Any]]] = {worker: [] for worker, _ in groups}
     for worker, _, result, _ in procs:
         results[worker].append(json.loads(result.read_text()))

@@ -12,20 +12,32 @@ which adds ``--latency-ms`` (20 ms) of round trip to every request before it rea
 AWS Lambda invocation would. The delay is this benchmark's, not the executor's. Concurrent requests are
 not capped (Lambda's 1,000 per region), the executor's workers are (``--executor-workers``).
 
-One run measures three configurations, each in fresh processes: ``DorylusStrategy(staleness=None)``
-(synchronous, layer by layer), ``staleness=0`` (per-interval GA -> AV pipeline, GAT: AE -> GA: the
-server's GA of one interval overlaps the requests of others) and ``staleness=1`` (also bounded-stale
-ghost exchange). The epoch time is the median over ``--epochs`` epochs after ``--warmup``, each epoch
-counted as its slowest server's. ``--rounds R`` runs the three configurations R times, interleaved (round
-``r`` starts with configuration ``r mod 3``), and takes each configuration's median over rounds: on a
-shared machine the load drifts within the minutes one configuration takes, and one round compares
-configurations that ran under different loads.
+Where the tensor work runs (the pipeline's premise): on AWS the executors' tensor ops run on Lambda's CPUs,
+not the graph servers'; here the executor workers are processes on the same machine. So by default the
+benchmark gives them cores of their own, the way Lambdas would: every graph server runs on
+``--server-cores`` (default: the first half of the cores this process may use; 2 cores: core 0) and its
+executor workers on ``--worker-cores`` (default: the other half; 2 cores: core 1), set with
+``os.sched_setaffinity`` for every thread (threads started later inherit it). That is the model of
+"tensor work elsewhere"; the 20 ms round trip stays. Beside it the benchmark still measures the
+shared-cores setting (no pinning: servers and workers on all cores, as before), where the workers' tensor
+work competes with the servers and the pipeline has less to overlap.
+
+One round measures five configurations, each in fresh processes: with own cores,
+``DorylusStrategy(staleness=None)`` (synchronous, layer by layer), ``staleness=0`` (per-interval GA -> AV
+pipeline, GAT: AE -> GA: the server's GA of one interval overlaps the requests of others) and
+``staleness=1`` (also bounded-stale ghost exchange); with shared cores, synchronous and ``staleness=1``.
+The epoch time is the median over ``--epochs`` epochs after ``--warmup``, each epoch counted as its slowest
+server's. ``--rounds R`` runs the configurations R times, interleaved (round ``r`` starts with
+configuration ``r mod 5``), and takes each configuration's median over rounds: on a shared machine the load
+drifts within the minutes one configuration takes, and one round compares configurations that ran under
+different loads.
 
 ``--profile`` also prints, per configuration and server (last measured epoch), the seconds the server was
 blocked in ``executor.wait``, the CPU seconds of the server and its executor workers, and every wait stage
 (op, requests, first submit to last result): where an epoch waits.
 
-The last line printed is ``async_speedup=<sync / staleness=1 epoch s> s0_speedup=<sync / staleness=0>``.
+The last line printed is ``async_speedup=<sync / staleness=1, own cores> s0_speedup=<sync / staleness=0,
+own cores> shared_cores_async_speedup=<sync / staleness=1, shared cores>``.
 """
 
 # Only the standard library at module level: the parent process only launches workers and prints.
@@ -34,8 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,9 +54,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+try:  # imported by the tests, the checkout on sys.path
+    from benchmarks._harness import free_port, kill_groups, pin, rank_env, stat_cpu_seconds, watch
+except ImportError:  # run as a script: its own directory is first on sys.path
+    from _harness import free_port, kill_groups, pin, rank_env, stat_cpu_seconds, watch
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LR, WEIGHT_DECAY = 0.01, 5e-4
 MODES = {"sync": None, "s0": 0, "s1": 1}
+#: The configurations one round runs (mode/cores): the three modes with the executor workers on cores of
+#: their own (the default: tensor work elsewhere, as on Lambdas), and sync / staleness 1 on shared cores.
+CONFIGS = ("sync/own", "s0/own", "s1/own", "sync/shared", "s1/shared")
 
 
 def make_delayed_executor(inner: Any, latency_s: float, max_in_flight: int = 256) -> Any:
@@ -88,12 +106,6 @@ def make_delayed_executor(inner: Any, latency_s: float, max_in_flight: int = 256
 
 
 # --------------------------------------------------------------------------- workers
-def _stat_cpu_seconds(stat: str) -> float:
-    """User + system CPU seconds from the text of a ``/proc/<pid>[/task/<tid>]/stat`` file."""
-    fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run_prepare(args: argparse.Namespace) -> dict[str, Any]:
     """Generate (or read from the cache) the graph and its partitions; not timed."""
     from lightning_dorylus.data import DorylusDataModule
@@ -170,7 +182,7 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 name = names.get(int(path.rsplit("/", 1)[1])) if not prefix else None
                 name = prefix + (name or stat[stat.index("(") + 1 : stat.rindex(")")]).rstrip("0123456789_-")
-                out[name] = out.get(name, 0.0) + _stat_cpu_seconds(stat)
+                out[name] = out.get(name, 0.0) + stat_cpu_seconds(stat)
             return out
 
         def _cpu_seconds(self) -> float:
@@ -178,7 +190,7 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
             total = time.process_time()
             for pid in self.pool.worker_pids if self.pool is not None else []:
                 with open(f"/proc/{pid}/stat") as f:
-                    total += _stat_cpu_seconds(f.read())
+                    total += stat_cpu_seconds(f.read())
             return total
 
         def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -193,6 +205,12 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
             self.losses.append(float(trainer.callback_metrics.get("train_loss", float("nan"))))
 
     inner = LocalPoolExecutor(num_workers=args.executor_workers)
+    if args.cores == "own":  # tensor work elsewhere: the workers get cores no graph server runs on
+        pin(os.getpid(), args.server_cores)
+        inner.start()
+        for pid in inner.worker_pids:
+            pin(pid, args.worker_cores)
+    worker_affinity = sorted({c for pid in inner.worker_pids for c in os.sched_getaffinity(pid)})
     executor = make_delayed_executor(inner, args.latency_ms / 1000.0)
     if args.profile:  # where the server blocks on tensor ops (executor.wait), per op and stage
         from lightning_dorylus.value import TimedExecutor
@@ -234,83 +252,50 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         executor.close()
     return {"rank": trainer.global_rank, "epoch_times": timer.times[args.warmup :], "losses": timer.losses,
-            "profile": timer.profile[args.warmup :]}
+            "profile": timer.profile[args.warmup :], "affinity": sorted(os.sched_getaffinity(0)),
+            "worker_affinity": worker_affinity}
 
 
 # --------------------------------------------------------------------------- launching
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(
-    args: argparse.Namespace, worker: str, workdir: Path, num_procs: int = 1, mode: str = "", tag: str = ""
+    args: argparse.Namespace, worker: str, workdir: Path, num_procs: int = 1, config: str = "sync/own",
+    tag: str = "",
 ) -> list[dict[str, Any]]:
-    """Run ``num_procs`` fresh processes of ``worker`` (torchrun-style env when > 1); their JSON results.
+    """Run ``num_procs`` fresh processes of ``worker`` (torchrun-style env) in configuration ``config``
+    (mode/cores); their JSON results.
 
     Raises:
         RuntimeError: if a worker fails or runs past ``--timeout``; its output tail is in the message.
     """
-    port = _free_port()
+    mode, cores = config.split("/")
+    port = free_port()
     forwarded = [
-        f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
+        f"--{k.replace('_', '-')}" if v is True else
+        f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}"
         for k, v in vars(args).items()
-        if k not in ("worker", "result", "mode", "rounds") and v is not False
+        if k not in ("worker", "result", "mode", "cores", "rounds") and v is not False
     ]
     procs = []
     for rank in range(num_procs):
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            WORLD_SIZE=str(num_procs),
-            NODE_RANK="0",
-            LOCAL_RANK=str(rank),
-        )
-        name = f"{worker}{mode}{tag}-{rank}"
+        env = rank_env(dict(os.environ, PYTHONUNBUFFERED="1"), rank, num_procs, port)
+        name = f"{worker}{mode}{cores}{tag}-{rank}"
         result, log = workdir / f"{name}.json", workdir / f"{name}.log"
-        command = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            f"--worker={worker}",
-            f"--result={result}",
-            f"--mode={mode or 'sync'}",
-            *forwarded,
-        ]
+        command = [sys.executable, str(Path(__file__).resolve()), f"--worker={worker}", f"--result={result}",
+                   f"--mode={mode}", f"--cores={cores}", *forwarded]
         with open(log, "w") as log_file:
-            proc = subprocess.Popen(
-                command,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=REPO_ROOT,
-                start_new_session=True,
-            )
+            proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                    cwd=REPO_ROOT, start_new_session=True)
         procs.append((proc, result, log))
-    deadline = time.monotonic() + args.timeout
-    try:
-        while any(proc.poll() is None for proc, _, _ in procs):
-            for proc, _, log in procs:  # one failed server would leave its peer waiting in a collective
-                if proc.poll() not in (None, 0):
-                    raise RuntimeError(
-                        f"{worker} worker exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-                    )
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{worker} ran past --timeout ({args.timeout} s):\n{procs[0][2].read_text()[-3000:]}"
-                )
-            time.sleep(0.2)
-        for proc, _, log in procs:
-            if proc.returncode != 0:
-                raise RuntimeError(
-                    f"{worker} worker exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-                )
+    try:  # fails at the first failure: one failed server would leave its peer waiting in a collective
+        failure = watch([proc for proc, _, _ in procs], args.timeout, tick=lambda: 0.2)
     finally:
-        for proc, _, _ in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        kill_groups([proc for proc, _, _ in procs])
+    for proc, _, log in procs:
+        if proc.returncode not in (0, -9):
+            raise RuntimeError(f"{worker} worker exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+    if failure:
+        tail = procs[0][2].read_text()[-3000:]
+        raise RuntimeError(f"{worker} ran past --timeout ({args.timeout} s):\n{tail}")
     return [json.loads(result.read_text()) for _, result, _ in procs]
 
 
@@ -321,9 +306,9 @@ def job_epoch(servers: list[dict[str, Any]]) -> float:
 
 def round_order(round_index: int) -> list[str]:
     """The configurations of round ``round_index``, rotated so each one leads a round in turn."""
-    modes = list(MODES)
-    shift = round_index % len(modes)
-    return modes[shift:] + modes[:shift]
+    configs = list(CONFIGS)
+    shift = round_index % len(configs)
+    return configs[shift:] + configs[:shift]
 
 
 def report(
@@ -345,20 +330,23 @@ def report(
         f"{args.executor_workers} executor worker(s) each, {args.latency_ms:g} ms per request, "
         f"interval size {args.interval_size}; load average {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)"
     )
-    print(f"{'configuration':<26}{'s/epoch':>10}{'loss':>16}")
+    own = results.get("sync/own", [{}])[0]
+    print(f"own cores: graph servers on {own.get('affinity')}, executor workers on "
+          f"{own.get('worker_affinity')} (as run); shared cores: all on {sorted(os.sched_getaffinity(0))}")
+    print(f"{'configuration':<36}{'s/epoch':>10}{'loss':>16}")
     epochs = {}
-    for mode, servers in results.items():
-        epochs[mode] = statistics.median(job_epoch(one[mode]) for one in rounds)
+    for config, servers in results.items():
+        mode, cores = config.split("/")
+        epochs[config] = statistics.median(job_epoch(one[config]) for one in rounds)
         losses = servers[0]["losses"]
-        print(
-            f"{'staleness=' + str(MODES[mode]):<26}{epochs[mode]:>10.3f}{losses[0]:>8.3f}->{losses[-1]:.3f}"
-        )
+        label = f"staleness={MODES[mode]}, {cores} cores"
+        print(f"{label:<36}{epochs[config]:>10.3f}{losses[0]:>8.3f}->{losses[-1]:.3f}")
     if len(rounds) > 1:
         for index, one in enumerate(rounds):
-            times = "  ".join(f"{mode} {job_epoch(one[mode]):.3f}" for mode in round_order(index))
+            times = "  ".join(f"{config} {job_epoch(one[config]):.3f}" for config in round_order(index))
             print(f"round {index} (s/epoch, in the order run): {times}")
     if args.profile:
-        for mode, servers in results.items():
+        for mode, servers in results.items():  # mode: the configuration, mode/cores
             for server in servers:
                 epochs_run = server["profile"]
                 kinds = sorted({k for e in epochs_run for k in e["threads"]})
@@ -372,7 +360,9 @@ def report(
                       f"{last['cpu_s']:.3f} s; stages (op, requests, first submit to last result s):")
                 for stage in last["stages"]:
                     print(f"    {stage}")
-    print(f"async_speedup={epochs['sync'] / epochs['s1']:.2f} s0_speedup={epochs['sync'] / epochs['s0']:.2f}")
+    print(f"async_speedup={epochs['sync/own'] / epochs['s1/own']:.2f} "
+          f"s0_speedup={epochs['sync/own'] / epochs['s0/own']:.2f} "
+          f"shared_cores_async_speedup={epochs['sync/shared'] / epochs['s1/shared']:.2f}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -402,7 +392,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also print, per configuration and server, the seconds blocked on the executor")
     parser.add_argument("--worker", choices=["prepare", "server"], help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--server-cores", type=_core_list, default=None,
+                        help="own-cores configurations: the graph servers' cores (default: the first half of "
+                             "this process's cores; 2 cores: 0)")
+    parser.add_argument("--worker-cores", type=_core_list, default=None,
+                        help="own-cores configurations: the executor workers' cores (default: the other "
+                             "half; 2 cores: 1)")
     parser.add_argument("--mode", choices=sorted(MODES), default="sync", help=argparse.SUPPRESS)
+    parser.add_argument("--cores", choices=["own", "shared"], default="own", help=argparse.SUPPRESS)
     parser.add_argument("--partition-dir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in (
@@ -421,9 +418,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.latency_ms < 0:
         parser.error(f"--latency-ms must be >= 0, got {args.latency_ms}")
-    if args.threads_per_server == 0:
-        args.threads_per_server = max(1, (os.cpu_count() or 1) // args.servers)
+    available = sorted(os.sched_getaffinity(0))
+    if len(available) < 2 and (args.server_cores is None or args.worker_cores is None):
+        parser.error(f"own cores need at least 2 cores, this process may run on {available}; "
+                     "give --server-cores and --worker-cores")
+    if args.server_cores is None:
+        args.server_cores = available[: len(available) // 2]
+    if args.worker_cores is None:
+        args.worker_cores = [c for c in available if c not in args.server_cores]
+    for name in ("server_cores", "worker_cores"):
+        outside = sorted(set(getattr(args, name)) - set(available))
+        if outside or not getattr(args, name):
+            flag = f"--{name.replace('_', '-')}"
+            parser.error(f"{flag}={getattr(args, name)}: expected cores among {available}")
+    if args.threads_per_server == 0 and args.worker == "server":  # its share of the cores it runs on
+        cores = len(args.server_cores) if args.cores == "own" else len(available)
+        args.threads_per_server = max(1, cores // args.servers)
     return args
+
+
+def _core_list(text: str) -> list[int]:
+    try:
+        cores = sorted({int(c) for c in text.split(",") if c.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated core numbers, got {text!r}") from None
+    if not cores or min(cores) < 0:
+        raise argparse.ArgumentTypeError(f"expected core numbers >= 0, got {text!r}")
+    return cores
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -439,10 +460,10 @@ def main(argv: list[str] | None = None) -> None:
         rounds = []
         for index in range(args.rounds):
             results = {
-                mode: launch(args, "server", workdir, num_procs=args.servers, mode=mode, tag=f"r{index}")
-                for mode in round_order(index)
+                config: launch(args, "server", workdir, args.servers, config=config, tag=f"r{index}")
+                for config in round_order(index)
             }
-            rounds.append({mode: results[mode] for mode in MODES})
+            rounds.append({config: results[config] for config in CONFIGS})
     report(graph, rounds[0], args, rounds)
 
 

@@ -217,6 +217,9 @@ class BambooNotices(Callback):
     Args:
         watcher: a ready ``NoticeWatcher``; else one is built from ``aws``, ``gce``, ``sigterm``, ``faults``
             (see :func:`lightning_bamboo.notices.build_watcher`).
+        sigterm: SIGTERM becomes a notice (the worker drains instead of dying). ``None`` (default): on when
+            the strategy drains on SIGTERM (``ElasticBambooStrategy(drain_on_sigterm=True)``, its default),
+            off otherwise.
         checkpoint_dir: where the checkpoint-and-stop drain writes (default
             ``<default_root_dir>/bamboo-drain``).
     """
@@ -226,7 +229,7 @@ class BambooNotices(Callback):
         watcher: NoticeWatcher | None = None,
         aws: Mapping[str, Any] | None = None,
         gce: Mapping[str, Any] | None = None,
-        sigterm: bool | Mapping[str, Any] = False,
+        sigterm: bool | Mapping[str, Any] | None = None,
         faults: Sequence[Mapping[str, Any]] = (),
         checkpoint_dir: str | Path | None = None,
     ) -> None:
@@ -245,13 +248,18 @@ class BambooNotices(Callback):
         if stage != "fit":
             return
         if self.watcher is None:
-            self.watcher = build_watcher(**self._config)
+            config = dict(self._config)
+            if config["sigterm"] is None:
+                config["sigterm"] = bool(getattr(trainer.strategy, "drain_on_sigterm", False))
+            self.watcher = build_watcher(**config)
         self._refresh_group()
 
     def _refresh_group(self) -> bool:
         """(Re)create the flag group when the default process group is new (the failover runtime re-forms
         the world per generation; every member reaches the same step boundary). True if it was re-created."""
         if not (dist.is_available() and dist.is_initialized()):
+            # the failover runtime aborted its world (a peer lost after a commit): flags wait for the next one
+            self._world = self._group = self._work = self._flags = None
             return False
         world = dist.group.WORLD
         if world is self._world:
@@ -261,6 +269,12 @@ class BambooNotices(Callback):
         self._work, self._flags = None, None  # flags of the old world's ranks mean nothing in the new one
         self.drained = []
         return True
+
+    @override
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start watching before Lightning's sanity check: a SIGTERM during it is a notice too (acted on at
+        the first training boundaries), not Lightning's ``SIGTERMException``, which ends the worker with 0."""
+        self.on_train_start(trainer, pl_module)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -284,6 +298,8 @@ class BambooNotices(Callback):
             notice = replace(notice, rank=trainer.global_rank)
         self._refresh_group()
         if not self._distributed():
+            if trainer.world_size > 1:
+                return  # between two generations of the failover runtime: the notice stays pending
             if notice is not None and not self.drained:
                 self._act(trainer, [trainer.global_rank], notice)
             return

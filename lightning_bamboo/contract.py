@@ -3,8 +3,9 @@
 The contract (the same class also trains under ``strategy="auto"``):
 
 * an ``nn.Sequential`` pipeline body (attribute ``pipeline`` by default, or the module's only
-  ``nn.Sequential`` child) holding every trainable parameter, each element taking and returning one tensor;
-* ``pipeline_inputs(batch) -> Tensor``: the input of the body's first layer;
+  ``nn.Sequential`` child) holding every trainable parameter, each element taking and returning one tensor
+  (or, where a stage boundary may fall, a tuple/list/dict of tensors: the hidden state and a mask);
+* ``pipeline_inputs(batch) -> Tensor``: the input of the body's first layer (also a tuple/dict);
 * ``pipeline_loss(outputs, batch) -> Tensor``: the scalar loss from the body's output;
 * ``training_step`` / ``validation_step`` that compute the loss as
   ``self.pipeline_loss(self.pipeline(self.pipeline_inputs(batch)), batch)`` and log it.
@@ -232,12 +233,24 @@ class StageSequential(nn.Sequential):
     def __init__(self, layers: OrderedDict[str, nn.Module], body_length: int) -> None:
         super().__init__(layers)
         self.body_length = body_length
+        self.outside_call_error: str | None = None
+        """Set by a strategy that installs this stage into the user's module: a forward outside the
+        engine's own execution (:func:`pipeline_execution`) raises ``RuntimeError`` with this text, since
+        it would run one stage of the model, never the whole. ``None`` (standalone use): no check."""
+        self._engine_depth = 0
+
+    def forward(self, input: Any) -> Any:
+        if self.outside_call_error is not None and self._engine_depth == 0:
+            raise RuntimeError(self.outside_call_error)
+        return super().forward(input)
 
     def __getitem__(self, idx: int | slice) -> nn.Module:  # type: ignore[override]
         if isinstance(idx, slice):
             held = [i for i in range(self.body_length)[idx] if str(i) in self._modules]
             layers = OrderedDict((str(i), self._modules[str(i)]) for i in held)
-            return StageSequential(layers, self.body_length)  # type: ignore[arg-type]
+            part = StageSequential(layers, self.body_length)  # type: ignore[arg-type]
+            part.outside_call_error = self.outside_call_error  # a slice is never run by the engine
+            return part
         index = operator.index(idx)
         if not -self.body_length <= index < self.body_length:
             raise IndexError(f"index {index} is out of range: the body has {self.body_length} layers")
@@ -246,6 +259,35 @@ class StageSequential(nn.Sequential):
         if layer is None:
             return LayerOnAnotherStage(index, [int(name) for name in self._modules])
         return layer
+
+
+@contextmanager
+def pipeline_execution(stage: nn.Module) -> Iterator[None]:
+    """Within the block, ``stage``'s forward runs even if it is guarded (``outside_call_error``).
+
+    The engine enters it around its program, so the user's module is never patched per step, and a call
+    of the stage from a callback (outside the block) is told what to call instead.
+    """
+    if not isinstance(stage, StageSequential):
+        yield
+        return
+    stage._engine_depth += 1
+    try:
+        yield
+    finally:
+        stage._engine_depth -= 1
+
+
+def outside_call_message(module: LightningModule, attr: str, layers: range, body_length: int) -> str:
+    """The error for a call of a stage's body outside the pipeline, naming what to call instead."""
+    return (
+        f"{type(module).__name__}.{attr} holds only this process's stage of the pipeline body under "
+        f"BambooStrategy (layers {layers.start}-{layers.stop - 1} of {body_length}); calling it outside the "
+        "pipeline schedule (directly or through the module's forward) would run part of the model. To run "
+        "the whole body from a callback call trainer.strategy.full_forward(inputs) on every rank of the "
+        "pipeline (lightning_bamboo.strategy.full_forward(pl_module, inputs) works under any strategy), or "
+        "use trainer.predict"
+    )
 
 
 def check_replayed_loss(module: LightningModule, returned: Any, loss: Tensor) -> None:
@@ -314,3 +356,56 @@ def replay_step(module: LightningModule, attr: str, loss: Tensor) -> Iterator[No
                 module.__dict__.pop(hook, None)
             else:
                 module.__dict__[hook] = value
+
+
+class _Precomputed(nn.Sequential):
+    """Stands in for the pipeline body while ``predict_step`` is replayed: gives the pipeline's outputs for
+    the batch's body input, and refuses any other input (it would need a forward the pipeline did not run)."""
+
+    def __init__(self, layers: OrderedDict[str, nn.Module], inputs: Any, outputs: Any, owner: str) -> None:
+        super().__init__(layers)
+        self.__dict__["_bamboo_replay"] = (inputs, outputs, owner)
+
+    def forward(self, x: Any) -> Any:
+        inputs, outputs, owner = self.__dict__["_bamboo_replay"]
+        if _same(x, inputs):
+            return outputs
+        raise ValueError(
+            f"{owner}.predict_step called the pipeline body on something other than pipeline_inputs(batch); "
+            "under BambooStrategy predict runs the whole body once over the batch's pipeline_inputs(batch) "
+            "and predict_step gets those outputs. Call the body on pipeline_inputs(batch) only, or run "
+            "another input through trainer.strategy.full_forward(inputs)"
+        )
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are the same body input (tensors equal in dtype, shape and values; same structure)."""
+    if a is b:
+        return True
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b.to(a.device)))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return list(a) == list(b) and all(_same(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return False
+
+
+@contextmanager
+def replay_predict(module: LightningModule, attr: str, inputs: Any, outputs: Any) -> Iterator[None]:
+    """Within the block, the module's pipeline body returns ``outputs`` for ``inputs`` (the batch's
+    ``pipeline_inputs``), so the user's ``predict_step`` (or its forward) gets the pipeline's outputs.
+
+    Args:
+        module: the user's LightningModule.
+        attr: attribute name of its pipeline body.
+        inputs: ``pipeline_inputs(batch)`` of the batch being predicted.
+        outputs: the whole body's outputs for the batch (the last stage's, on every rank of the pipeline).
+    """
+    body = module._modules[attr]
+    layers = OrderedDict(body._modules) if body is not None else OrderedDict()
+    module._modules[attr] = _Precomputed(layers, inputs, outputs, type(module).__name__)
+    try:
+        yield
+    finally:
+        module._modules[attr] = body

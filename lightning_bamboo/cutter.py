@@ -7,11 +7,12 @@ its connections, gloo's p2p works complete only inside ``wait()`` (``is_complete
 aborting the group from another thread does not wake a pending receive.
 
 :class:`GenerationCutter` is a daemon thread with its own store connection: when the launcher publishes a
-failover (or fallback) generation after the one this member runs, it ``shutdown()``s the sockets that the
-old generation's process groups opened (the socket fds that appeared while the generation formed;
-connections only, never a listening socket). Gloo sees its connections close, as if the peer had died,
-and the blocked ``wait()`` raises within milliseconds; the strategy's failure handling takes it from there.
-A ``rejoin`` generation is left to the step boundary. Linux only (``/proc/self/fd``).
+failover, fallback or ``stop`` (the job is stopping) generation after the one this member runs, it
+``shutdown()``s the sockets that the old generation's process groups opened (the socket fds that appeared
+while the generation formed; connections only, never a listening socket). Gloo sees its connections close,
+as if the peer had died, and the blocked ``wait()`` raises within milliseconds; the strategy's failure
+handling takes it from there. A ``rejoin`` generation is left to the step boundary. Linux only
+(``/proc/self/fd``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from lightning_bamboo import membership as ms
 
 log = logging.getLogger(__name__)
 
-_CUT_KINDS = ("failover", "fallback")
+_CUT_KINDS = ("failover", "fallback", "stop")
 
 
 def socket_fds() -> set[int]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,10 +44,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import _TunerExitException
+from lightning.pytorch.utilities.exceptions import SIGTERMException, _TunerExitException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -54,10 +56,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_bamboo import departure, joining
+from lightning_bamboo import crash, departure, joining
 from lightning_bamboo import fallback as fb
 from lightning_bamboo import membership as ms
 from lightning_bamboo import progress as trainer_progress
+from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
 from lightning_bamboo.clipping import ClipPlan, apply_clipping, plan_clipping
 from lightning_bamboo.contract import check_contract, check_stage_split, find_pipeline_body, sub_sequential
 from lightning_bamboo.cutter import GenerationCutter
@@ -77,6 +80,10 @@ if TYPE_CHECKING:
     from lightning_bamboo.notices.base import Notice
 
 log = logging.getLogger(__name__)
+
+class _Spare(RuntimeError):
+    """This member has no stage in the new generation: it leaves (not an error of the training code)."""
+
 
 class PipelineView:
     """This member's place in its pipeline, shaped like :class:`BambooGroups` for the engine.
@@ -174,6 +181,11 @@ class ElasticBambooStrategy(BambooStrategy):
         checkpoint_dir: folder of those checkpoints (each job writes under ``<checkpoint_dir>/<job id>``);
             on several machines, a filesystem every worker sees.
         keep_checkpoints: complete checkpoints kept (older ones are deleted).
+        drain_on_sigterm: a SIGTERM to a worker (what spot agents, Kubernetes and ``docker stop`` send)
+            drains it one step boundary later, an announced departure: a
+            :class:`~lightning_bamboo.callbacks.BambooNotices` is added when the trainer has none (a
+            ``BambooNotices`` given without ``sigterm`` follows this too). ``False``: Lightning's own
+            SIGTERM handling, which ends the worker (the job then fails over, or stops).
     """
 
     strategy_name = "bamboo_elastic"
@@ -187,6 +199,7 @@ class ElasticBambooStrategy(BambooStrategy):
         checkpoint_every_n_steps: int | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
         keep_checkpoints: int = 2,
+        drain_on_sigterm: bool = True,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("timeout", 30.0)
@@ -204,6 +217,7 @@ class ElasticBambooStrategy(BambooStrategy):
         self._heartbeat_interval = heartbeat
         self._hang_timeout = hang_timeout
         self._failure_wait = failure_wait
+        self.drain_on_sigterm = drain_on_sigterm
         self._env = ms.WorkerEnv.from_env()
         self._store: dist.Store | None = None
         self._heartbeat: ms.Heartbeat | None = None
@@ -335,6 +349,20 @@ class ElasticBambooStrategy(BambooStrategy):
         # rank-zero-only parts (progress bar, logging) start on one member only
         self._rank = self._env.member
         self.set_world_ranks()
+        self._watch_sigterm()
+
+    def _watch_sigterm(self) -> None:
+        """With ``drain_on_sigterm``, make sure a :class:`BambooNotices` watches for SIGTERM (added before
+        Lightning's ``setup`` hooks). It goes before ``BambooMetrics`` (a drain is counted in its step's
+        metrics) and the checkpoint callbacks (Lightning keeps those last); other callbacks keep their order.
+        """
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if not self.drain_on_sigterm or trainer is None:
+            return
+        callbacks = trainer.callbacks
+        if not any(isinstance(callback, BambooNotices) for callback in callbacks):
+            after = [i for i, c in enumerate(callbacks) if isinstance(c, (BambooMetrics, Checkpoint))]
+            callbacks.insert(after[0] if after else len(callbacks), BambooNotices())
 
     def _open_shared_loggers(self) -> None:
         """Give every member of generation 0 the same logger version, opened, so whichever member is rank 0
@@ -626,6 +654,7 @@ class ElasticBambooStrategy(BambooStrategy):
             except Exception as err:
                 if not self._generation_ended(err):
                     raise
+                self._stop_if_asked()
                 log.warning("Bamboo: validation batch interrupted by a lost peer; re-running it")
                 self._reform_during_evaluation(since)
 
@@ -698,10 +727,11 @@ class ElasticBambooStrategy(BambooStrategy):
                 # formed at the next step boundary (_join_at_boundary), where a joiner can be positioned
                 self._join_adopted = outcome == ms.COMMIT_JOIN
                 return output
+            self._undo_step(buffers)
+            self._stop_if_asked()
             log.warning(
                 "Bamboo: step %d aborted by a lost peer; replaying it on the next generation", self._step
             )
-            self._undo_step(buffers)
             self._next_generation(since=attempt)
 
     def _exchange_replica_gradients(self) -> None:
@@ -756,6 +786,12 @@ class ElasticBambooStrategy(BambooStrategy):
         assert self._store is not None and self.owners is not None
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             return False
+        if not crash.is_communication_error(err) and (
+            ms.current_generation(self._store) <= self.owners.generation
+        ):
+            # an error of the training code: a failover would raise it again on the member taking the
+            # stage over. Raised, it stops the job (on_exception records it for the supervisor).
+            return False
         log.warning(
             "Bamboo member %d: %s: %s",
             self.member,
@@ -801,10 +837,12 @@ class ElasticBambooStrategy(BambooStrategy):
             if generation > old.generation:
                 break
             time.sleep(0.01)
-        new = ms.read_map(self._store, generation)
         kind = ms.get_str(self._store, f"gen{generation}/kind")
+        if kind == "stop":
+            self._stop()
+        new = ms.read_map(self._store, generation)
         if self.member not in new.members():
-            raise RuntimeError(f"Bamboo member {self.member} is a spare in generation {generation}")
+            raise _Spare(f"Bamboo member {self.member} is a spare in generation {generation}")
         start = time.monotonic()
         self._send_progress(old, new)
         self._init_generation(new)
@@ -839,6 +877,31 @@ class ElasticBambooStrategy(BambooStrategy):
             f"({time.monotonic() - start:.2f}s to re-form)\n{old.format()}\n->\n{new.format()}",
             flush=True,
         )
+
+    def _stop_if_asked(self) -> None:
+        """Stop here (:meth:`_stop`) when the generation that ended this one is a ``stop``: no replay."""
+        assert self._store is not None and self.owners is not None
+        generation = ms.current_generation(self._store)
+        if generation > self.owners.generation and ms.get_str(self._store, f"gen{generation}/kind") == "stop":
+            self._stop()
+
+    def _stop(self) -> None:
+        """The supervisor stops the job (it got SIGTERM, or a worker failed) with a ``stop`` generation.
+
+        Every member is at the same committed step here: a step in flight was aborted or rolled forward as
+        in a failover (the cutter ends the old generation's collectives). The final checkpoint, when
+        ``checkpoint_every_n_steps`` is set, is therefore one consistent step (written by the first
+        pipeline; ``teardown`` waits for the write). ``fit`` then ends as Lightning ends it on SIGTERM
+        (``SIGTERMException``: teardown runs; the process exits with 143 unless the script catches it).
+        """
+        assert self.owners is not None
+        self._maybe_checkpoint(final=True)
+        print(
+            f"[bamboo] member {self.member}: the job is stopping; leaving after step {self._step} "
+            f"(generation {self.owners.generation})",
+            flush=True,
+        )
+        raise SIGTERMException(128 + signal.SIGTERM)
 
     def _join_at_boundary(self) -> None:
         """Form the next generation before the step when the last commit adopted a join (every member read
@@ -982,10 +1045,11 @@ class ElasticBambooStrategy(BambooStrategy):
         self.drain_timer.reformed()
 
     # ------------------------------------------------------------------ checkpoint fallback
-    def _maybe_checkpoint(self) -> None:
-        """Before a step that is a multiple of N: the first pipeline's members write their stages' layers."""
+    def _maybe_checkpoint(self, final: bool = False) -> None:
+        """Before a step that is a multiple of N (``final``: before the step the job stops at): the first
+        pipeline's members write their stages' layers."""
         checkpointer, owners = self._checkpointer, self.owners
-        if checkpointer is None or owners is None or not checkpointer.due(self._step):
+        if checkpointer is None or owners is None or not checkpointer.due(self._step, final):
             return
         writers = sorted({m for m, _ in owners.positions(owners.pipeline_ids()[0])})
         if self.member not in writers:
@@ -1101,6 +1165,20 @@ class ElasticBambooStrategy(BambooStrategy):
     def _before_action(self, action: Action) -> None:
         if action.kind is ActionKind.FORWARD:
             self._phase("forward", microbatch=action.microbatch)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """``fit`` ends with ``exception``: unless a lost peer caused it, record it in the job's store, so the
+        supervisor stops the job with it instead of failing over (:mod:`lightning_bamboo.crash`)."""
+        super().on_exception(exception)
+        if self._store is None or isinstance(exception, (SystemExit, KeyboardInterrupt, _Spare)):
+            return
+        if crash.is_communication_error(exception):
+            return
+        try:
+            crash.record(self._store, self.member, exception)
+        except Exception as err:  # the supervisor is gone: nobody to tell
+            log.warning("Bamboo member %d: could not record its error in the store: %s", self.member, err)
 
     @override
     def teardown(self) -> None:

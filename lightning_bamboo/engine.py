@@ -23,7 +23,10 @@ so gloo and NCCL match them. A receive is posted right after the rank's previous
 action that consumes it, which waits for it as late as possible; a send is posted right after the action
 that produces its tensor and waited on at the end of the step, so transfers overlap compute
 (:class:`lightning_bamboo.transfers.StepTransfers` issues them). An activation's shape header travels
-only with the first micro-batch of each shape; later steps reuse the cached shape.
+only with the first micro-batch of each shape; later steps reuse the cached shape. A stage may send a
+tuple/list/dict of tensors (the hidden state and a mask): it travels packed as one message
+(:class:`lightning_bamboo.transfers.BoundaryLayout`), and gradients come back for its tensors that require
+grad.
 After the last action, gradients of the stage are averaged over the data-parallel stage group and the mean
 loss of the step is broadcast from the last stage to every rank of the pipeline.
 
@@ -38,7 +41,7 @@ Standalone use (benchmarks), on every rank after ``init_process_group``::
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,10 +49,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_bamboo.contract import pipeline_execution
 from lightning_bamboo.groups import BambooGroups
 from lightning_bamboo.schedule import Action, ActionKind, Schedule, rank_program
 from lightning_bamboo.schedule.lowering import Comm, LoweredAction, lower_schedule
-from lightning_bamboo.transfers import Kind, ShapeCache, StepTransfers, microbatch_signature
+from lightning_bamboo.transfers import (
+    BoundaryLayout,
+    Kind,
+    Packed,
+    ShapeCache,
+    StepTransfers,
+    boundary_tensors,
+    microbatch_signature,
+)
 
 CONTIGUOUS = torch.contiguous_format
 InputsFn = Callable[[Any], Tensor]
@@ -60,7 +72,7 @@ class PipelineEngine:
     """Executes this rank's actions of a schedule over the micro-batches of one step.
 
     Args:
-        stage: this rank's layers (a module taking and returning one tensor).
+        stage: this rank's layers (a module taking and returning one tensor, or a tuple/list/dict of them).
         groups: this rank's place in the layout and its process groups.
         schedule: the full schedule (``rank in pipeline -> actions``); this rank runs
             ``rank_program(schedule, groups.stage)``.
@@ -95,7 +107,7 @@ class PipelineEngine:
         self.device = device
         self.replica = replica
         self.replica_device = replica_device or device
-        self.redundant_outputs: dict[int, Tensor] = {}
+        self.redundant_outputs: dict[int, Any] = {}
         """Outputs of the last step's ``FR`` actions, by micro-batch (kept for a takeover)."""
         self.shapes = ShapeCache()
         """Activation shapes learned from the headers of earlier steps (sent once per micro-batch shape)."""
@@ -143,15 +155,39 @@ class PipelineEngine:
     @torch.no_grad()
     def run_forward(self, microbatches: Sequence[Any]) -> Tensor:
         """Forward-only pass of every micro-batch (validation); the mean loss on every rank."""
+        step = self._forward_pass(microbatches, _StepState(count=len(microbatches)), "run_forward")
+        return self._broadcast_loss(step.losses)
+
+    @torch.no_grad()
+    def run_outputs(
+        self, microbatches: Sequence[Any], inputs_fn: InputsFn | None = None
+    ) -> list[Tensor] | None:
+        """Forward-only pass of every micro-batch without a loss (predict, generation).
+
+        Args:
+            microbatches: the micro-batches, the same on every stage of the pipeline.
+            inputs_fn: what stage 0 feeds the body with; ``None``: the engine's ``inputs_fn``
+                (``pipeline_inputs``); ``full_forward`` passes the identity (its micro-batches are body
+                inputs).
+
+        Returns:
+            On the last stage, the body's output of every micro-batch, in order; ``None`` on other stages.
+        """
+        step = _StepState(count=len(microbatches), inputs_fn=inputs_fn, collect_outputs=True)
+        self._forward_pass(microbatches, step, "run_outputs")
+        if not self.groups.is_last_stage:
+            return None
+        return [step.collected[mb] for mb in range(len(microbatches))]
+
+    def _forward_pass(self, microbatches: Sequence[Any], step: _StepState, caller: str) -> _StepState:
         if not microbatches:
-            raise ValueError("run_forward needs at least one micro-batch")
-        step = _StepState(count=len(microbatches))
+            raise ValueError(f"{caller} needs at least one micro-batch")
         count = len(microbatches)
         schedule = self._forward_only.get(count)
         if schedule is None:
             schedule = self._forward_only[count] = forward_only_schedule(self.groups.num_stages, count)
         self._run_program(schedule, microbatches, step, train=False)
-        return self._broadcast_loss(step.losses)
+        return step
 
     def _check_count(self, microbatches: Sequence[Any]) -> None:
         if len(microbatches) != self.num_microbatches:
@@ -172,7 +208,10 @@ class PipelineEngine:
         self, schedule: Schedule, microbatches: Sequence[Any], step: _StepState, train: bool
     ) -> None:
         """Walk this rank's lowered program: compute actions, and the sends/receives placed between them."""
-        keys = [(train, microbatch_signature(microbatch)) for microbatch in microbatches]
+        # micro-batches fed through another inputs_fn (full_forward's body inputs) get shape keys of their
+        # own: the same signature may give stage 0 another input than pipeline_inputs would
+        mode: Any = train if step.inputs_fn is None else "body-inputs"
+        keys = [(mode, microbatch_signature(microbatch)) for microbatch in microbatches]
         transfers = step.transfers = StepTransfers(
             self.groups.stage,
             self.groups.rank_of_stage,
@@ -180,21 +219,22 @@ class PipelineEngine:
             keys,
             self.shapes,
             # dense: the output may be a strided view (x.transpose(1, 2)); gloo receives into dense ones
-            gradient_buffer=lambda mb: torch.empty_like(step.outputs[mb], memory_format=CONTIGUOUS),
+            gradient_buffer=lambda mb: self._gradient_buffer(step, mb),
             trace=self.trace,
             clock=self.clock,
         )
         trace, clock = self.trace, self.clock
-        for entry in self.lowered(schedule):
-            if isinstance(entry, Comm):
-                key = (entry.kind.is_forward, entry.microbatch)
-                transfers.post(entry, step.produced.pop(key) if entry.kind.is_send else None)
-                continue
-            start = clock()
-            self._execute(entry, microbatches, step, train)
-            if trace is not None:
-                name = f"{entry.kind.value}{entry.stage},{entry.microbatch}"
-                trace.append((name, start, clock()))
+        with pipeline_execution(self.stage):  # the stage's own forwards are allowed here, and only here
+            for entry in self.lowered(schedule):
+                if isinstance(entry, Comm):
+                    key = (entry.kind.is_forward, entry.microbatch)
+                    transfers.post(entry, step.produced.pop(key) if entry.kind.is_send else None)
+                    continue
+                start = clock()
+                self._execute(entry, microbatches, step, train)
+                if trace is not None:
+                    name = f"{entry.kind.value}{entry.stage},{entry.microbatch}"
+                    trace.append((name, start, clock()))
         start = clock()
         transfers.finish()
         step.produced.clear()  # outputs no other rank needs (a stage whose consumer is on this rank)
@@ -210,15 +250,22 @@ class PipelineEngine:
         assert transfers is not None
         if action.kind is ActionKind.FORWARD:
             if self.groups.is_first_stage:
-                x = _model_input(self.inputs_fn(microbatches[mb]))
+                x = _model_input((step.inputs_fn or self.inputs_fn)(microbatches[mb]))
             else:
                 x = transfers.take(Kind.ACTIVATION, mb)
-                if train and x.is_floating_point():
-                    x.requires_grad_(True)
+                layout = transfers.layout_in(mb)
+                if train:  # a single tensor: if floating; a tuple/dict: the tensors the sender had grads for
+                    flags = layout.grads if layout is not None else (x.is_floating_point(),)
+                    for tensor, flag in zip(_tensors(x), flags, strict=True):
+                        tensor.requires_grad_(flag)
+                    if layout is not None:
+                        step.input_layouts[mb] = layout
             # the stage runs on a copy of a received leaf: an in-place first layer (ReLU(inplace=True))
             # may not write into a leaf that requires grad
-            y = _one_tensor(self.stage(x.clone() if x.requires_grad else x), self.stage, self.groups.stage)
-            if last:
+            y = _boundary_output(self.stage(_leaf_copies(x)), self.stage, self.groups.stage)
+            if last and step.collect_outputs:
+                step.collected[mb] = y
+            elif last:
                 loss = self.loss_fn(y, microbatches[mb])
                 step.losses.append(loss.detach())
                 if train:
@@ -227,8 +274,8 @@ class PipelineEngine:
                 if train:
                     step.outputs[mb] = y
                     if self.replica is not None:
-                        step.kept_for_fr[mb] = y.detach()
-                step.produced[(True, mb)] = y
+                        step.kept_for_fr[mb] = _map(y, Tensor.detach)
+                step.produced[(True, mb)] = self._packed(y, mb, step, train)
             if train:
                 step.inputs[mb] = x
         elif action.kind is ActionKind.BACKWARD:
@@ -236,15 +283,16 @@ class PipelineEngine:
             if last:
                 out.backward()
             else:
-                torch.autograd.backward(out, transfers.take(Kind.GRADIENT, mb))
+                grad = transfers.take(Kind.GRADIENT, mb)
+                sent = step.output_layouts.pop(mb, None)
+                if sent is None:
+                    torch.autograd.backward(out, grad)
+                else:  # the gradients of the tensors that require grad, packed in order
+                    with_grad = [t for t, flag in zip(_tensors(out), sent.grads, strict=True) if flag]
+                    torch.autograd.backward(with_grad, sent.unpack(grad, gradients=True))
             x = step.inputs.pop(mb)
             if not self.groups.is_first_stage:
-                if x.grad is None:
-                    raise RuntimeError(
-                        f"stage {self.groups.stage} produced no gradient for its input of "
-                        f"micro-batch {mb}: the stage's output does not depend on its input"
-                    )
-                step.produced[(False, mb)] = x.grad
+                step.produced[(False, mb)] = self._input_gradient(x, step.input_layouts.pop(mb, None), mb)
         elif action.kind is ActionKind.FORWARD_REDUNDANT:
             self._forward_redundant(mb, microbatches[mb], step.kept_for_fr)
         else:
@@ -253,8 +301,45 @@ class PipelineEngine:
                 "this engine runs the failure-free schedule"
             )
 
+    def _packed(self, y: Any, mb: int, step: _StepState, train: bool) -> Tensor | Packed:
+        """What goes to the next stage: the tensor, or a tuple/list/dict packed into one byte buffer."""
+        if isinstance(y, Tensor):
+            return y
+        layout = BoundaryLayout.of(y, grads=train)
+        if train:
+            if not any(layout.grads):
+                raise RuntimeError(
+                    f"stage {self.groups.stage}'s output for micro-batch {mb} is a {layout.kind} with no "
+                    "floating tensor that requires grad, so no gradient can flow back to this stage; pass "
+                    "the hidden state on"
+                )
+            step.output_layouts[mb] = layout
+        return Packed(layout.pack(_tensors(y)), layout)
+
+    def _gradient_buffer(self, step: _StepState, mb: int) -> Tensor:
+        """Where the gradient of this rank's output of ``mb`` is received (dense, as gloo needs)."""
+        layout = step.output_layouts.get(mb)
+        if layout is not None:
+            return torch.empty(layout.nbytes(gradients=True), dtype=torch.uint8, device=self.device)
+        # dense: the output may be a strided view (x.transpose(1, 2)); gloo receives into dense ones
+        return torch.empty_like(step.outputs[mb], memory_format=CONTIGUOUS)
+
+    def _input_gradient(self, x: Any, layout: BoundaryLayout | None, mb: int) -> Tensor:
+        """The gradient of this stage's received input, to send back (packed for a tuple/list/dict)."""
+        leaves = [x] if layout is None else [t for t, f in zip(_tensors(x), layout.grads, strict=True) if f]
+        if all(leaf.grad is None for leaf in leaves):
+            raise RuntimeError(
+                f"stage {self.groups.stage} produced no gradient for its input of "
+                f"micro-batch {mb}: the stage's output does not depend on its input"
+            )
+        if layout is None:
+            return x.grad
+        # a tensor the stage did not differentiate through (e.g. a float mask) gets a zero gradient
+        grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+        return layout.pack(grads, gradients=True)
+
     @torch.inference_mode()
-    def _forward_redundant(self, mb: int, microbatch: Any, kept_for_fr: dict[int, Tensor]) -> None:
+    def _forward_redundant(self, mb: int, microbatch: Any, kept_for_fr: dict[int, Any]) -> None:
         # inference mode, not only no_grad: no version counters or view tracking either (about 14% less CPU
         # per FR here); the outputs are kept for a takeover only, never recorded by autograd
         assert self.replica is not None
@@ -264,9 +349,9 @@ class PipelineEngine:
         # laid out as the successor gets it (a received activation is dense; stage 0 takes inputs_fn's as is):
         # a strided output (x.transpose) would run other kernels here and round differently
         layout = torch.preserve_format if self.groups.is_last_stage else CONTIGUOUS
-        out = self.replica(x.to(self.replica_device, copy=True, memory_format=layout))
+        out = self.replica(_map(x, lambda t: t.to(self.replica_device, copy=True, memory_format=layout)))
         successor = (self.groups.stage + 1) % self.groups.num_stages
-        self.redundant_outputs[mb] = _one_tensor(out, self.replica, successor).detach()
+        self.redundant_outputs[mb] = _map(_boundary_output(out, self.replica, successor), Tensor.detach)
 
     def _average_gradients(self) -> None:
         """Mean of the stage's gradients over the pipelines (see :func:`average_gradients`)."""
@@ -295,13 +380,22 @@ class _StepState:
     """Tensors alive during one step, by micro-batch."""
 
     count: int
-    inputs: dict[int, Tensor] = field(default_factory=dict)
-    outputs: dict[int, Tensor] = field(default_factory=dict)
-    kept_for_fr: dict[int, Tensor] = field(default_factory=dict)
-    produced: dict[tuple[bool, int], Tensor] = field(default_factory=dict)
+    inputs: dict[int, Any] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)
+    kept_for_fr: dict[int, Any] = field(default_factory=dict)
+    produced: dict[tuple[bool, int], Tensor | Packed] = field(default_factory=dict)
     """Tensors for another rank, by ``(activation?, micro-batch)``, until the program's SEND posts them."""
     losses: list[Tensor] = field(default_factory=list)
     transfers: StepTransfers | None = None
+    inputs_fn: InputsFn | None = None
+    """Stage 0's input of a micro-batch for this pass; ``None``: the engine's ``inputs_fn``."""
+    collect_outputs: bool = False
+    """Keep the last stage's outputs in :attr:`collected` instead of computing the loss (predict)."""
+    collected: dict[int, Any] = field(default_factory=dict)
+    output_layouts: dict[int, BoundaryLayout] = field(default_factory=dict)
+    """Layouts of this rank's tuple/dict outputs sent in training, by micro-batch (for their gradients)."""
+    input_layouts: dict[int, BoundaryLayout] = field(default_factory=dict)
+    """Layouts of the tuple/dict inputs received in training, by micro-batch."""
 
 
 def forward_only_schedule(num_stages: int, num_microbatches: int) -> Schedule:
@@ -316,27 +410,55 @@ def forward_only_schedule(num_stages: int, num_microbatches: int) -> Schedule:
     return schedule
 
 
-def _model_input(value: Any) -> Tensor:
-    """``pipeline_inputs``' result if it is one tensor; else the contract's error (not an AttributeError)."""
+def _model_input(value: Any) -> Any:
+    """``pipeline_inputs``' result if it is a tensor or a tuple/list/dict of tensors; else the contract's
+    error (not an AttributeError)."""
     if isinstance(value, Tensor):
         return value
-    raise TypeError(
-        f"pipeline_inputs(batch) returned a {type(value).__name__}, expected one tensor (the input of the "
-        "body's first layer); put several inputs into one tensor, or let the first layer take them from it"
-    )
+    try:
+        boundary_tensors(value)
+    except TypeError as error:
+        raise TypeError(
+            f"pipeline_inputs(batch) returned a value the body's first layer cannot take across stages: "
+            f"{error}"
+        ) from None
+    return value
 
 
-def _one_tensor(output: Any, stage: nn.Module, index: int) -> Tensor:
-    """``output`` if it is a tensor; else the contract's error (a stage's output crosses to another process
-    as one tensor, and the last stage's is kept by its predecessor's replica), naming the stage's layers."""
+def _boundary_output(output: Any, stage: nn.Module, index: int) -> Any:
+    """``output`` if it can cross a stage boundary (a tensor, or a tuple/list/dict of tensors); else the
+    contract's error naming the stage's layers (a stage's output is sent to the next process, and the last
+    stage's is kept by its predecessor's replica)."""
     if isinstance(output, Tensor):
         return output
-    layers = ", ".join(f"{name}: {type(layer).__name__}" for name, layer in stage.named_children())
-    raise TypeError(
-        f"stage {index} (layers {layers}) returned a {type(output).__name__}, expected one tensor: every "
-        "element of the pipeline body takes and returns one tensor, as a stage's output is sent to the next "
-        "stage. Return one tensor (e.g. concatenate, or keep the layers that pass a tuple inside one module)"
-    )
+    try:
+        boundary_tensors(output)
+    except TypeError as error:
+        layers = ", ".join(f"{name}: {type(layer).__name__}" for name, layer in stage.named_children())
+        raise TypeError(
+            f"stage {index} (layers {layers}) returned a value that cannot be sent to the next stage: "
+            f"{error}. Return one tensor, or a tuple or dict of tensors (e.g. the hidden state and a mask)"
+        ) from None
+    return output
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    """The tensors of a boundary value, in order."""
+    return [value] if isinstance(value, Tensor) else boundary_tensors(value)[2]
+
+
+def _map(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """``fn`` applied to every tensor of a boundary value, keeping its structure."""
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {key: fn(item) for key, item in value.items()}
+    return type(value)(fn(item) for item in value)
+
+
+def _leaf_copies(x: Any) -> Any:
+    """Copies of the received leaves that require grad, so an in-place first layer cannot write into them."""
+    return _map(x, lambda t: t.clone() if t.requires_grad else t)
 
 
 def _by_dtype(tensors: list[Tensor]) -> list[list[Tensor]]:

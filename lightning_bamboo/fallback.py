@@ -257,9 +257,10 @@ class PeriodicCheckpointer:
         _hf_storage()  # a torch without the safetensors writer fails at setup, not at the first checkpoint
         root.mkdir(parents=True, exist_ok=True)
 
-    def due(self, step: int) -> bool:
-        """Whether a checkpoint is taken before ``step`` (once per step, on every member)."""
-        if step % self.every != 0 or step == self._last:
+    def due(self, step: int, final: bool = False) -> bool:
+        """Whether a checkpoint is taken before ``step`` (once per step, on every member); ``final``: the
+        job is stopping before ``step``, whatever the interval."""
+        if (step % self.every != 0 and not final) or step == self._last:
             return False
         self._last = step
         return True

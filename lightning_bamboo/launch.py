@@ -8,7 +8,9 @@ The supervisor is not a training rank, so no preemption of a worker can take it 
   ``BAMBOO_*`` environment variables),
 * watches them: a worker that exits non-zero (SIGKILL included) is lost; a worker whose heartbeat stops
   for ``--hang-timeout`` seconds (SIGSTOP, a deadlock) is SIGKILLed by PID and lost; a worker that
-  announced its departure (a preemption notice, :mod:`lightning_bamboo.departure`) leaves: not a loss,
+  announced its departure (a preemption notice, :mod:`lightning_bamboo.departure`) leaves: not a loss; a
+  worker that exits with an error of the training code (:mod:`lightning_bamboo.crash`) stops the job
+  (exit 1): a failover would only raise it again,
 * and is the one place membership is decided: it writes generation ``g+1``'s ownership map
   (:func:`lightning_bamboo.ownership.failover`, or a checkpoint fallback when redundancy cannot cover the
   loss) into the store and prints the old and new maps. Workers form the new generation themselves.
@@ -20,7 +22,9 @@ next map and the members adopt it after one committed step (:mod:`lightning_bamb
 ``[bamboo.launch] join members=[..] step=S generation=G wait_s=.. join_s=..`` when the first step at the new
 size is committed. When the members of the current generation have all exited 0, remaining
 spare workers are stopped by PID and the supervisor exits 0; if no pipeline can continue it stops all
-workers by PID and exits 1.
+workers by PID and exits 1. On SIGTERM it stops the workers at a step boundary (each writes the final
+checkpoint when the strategy has one configured), SIGKILLs by PID whatever is left after
+``--stop-timeout`` seconds, and exits 143.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from lightning_bamboo import departure, joining
+from lightning_bamboo import crash, departure, joining
 from lightning_bamboo import membership as ms
 from lightning_bamboo.ownership import FallbackNeeded, OwnershipMap, failover, initial, rejoin
 
@@ -67,9 +71,12 @@ class Supervisor:
         replace: bool = False,
         log=print,
         replace_delay: float = 0.0,
+        stop_timeout: float = 30.0,
     ) -> None:
         if nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {nproc}")
+        if stop_timeout < 0:
+            raise ValueError(f"--stop-timeout must be >= 0 seconds, got {stop_timeout}")
         if hang_timeout <= 0:
             raise ValueError(f"--hang-timeout must be > 0 seconds, got {hang_timeout}")
         if replace_delay < 0:
@@ -80,6 +87,7 @@ class Supervisor:
         self.settle = settle
         self.replace = replace
         self.replace_delay = replace_delay
+        self.stop_timeout = stop_timeout
         self.log = log
         self.job = uuid.uuid4().hex[:12]
         if store_url is None:
@@ -105,6 +113,11 @@ class Supervisor:
         self.joins: list[dict[str, object]] = []
         """One entry per completed join: members, step, generation, start_s, wait_s, join_s."""
         self.returncode: int | None = None
+        self._stop_signal: int | None = None
+        self._stopping = False
+        self.error: dict[str, object] | None = None
+        """The failure that stopped the job (:mod:`lightning_bamboo.crash`): member, type, message,
+        traceback."""
 
     # ------------------------------------------------------------------ processes
     def start_worker(self, joining: bool = False) -> int:
@@ -163,12 +176,17 @@ class Supervisor:
             if worker.proc.poll() is None:
                 os.kill(worker.proc.pid, sig)
 
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Stop the job as SIGTERM to the supervisor does (see :meth:`run`). Safe from another thread."""
+        self._stop_signal = signum
+
     def stop_all(self) -> None:
         for member in self.departed:  # a leaver ends its fit right after its drain: let it exit on its own
             worker = self.workers[member]
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.proc.wait(timeout=5)
-        self._check()  # reports the leavers' exits
+        if not self._stopping:
+            self._check()  # reports the leavers' exits (after a stop, every exit is expected)
         with self._lock:
             workers = list(self.workers.values())
         for worker in workers:
@@ -219,6 +237,27 @@ class Supervisor:
                 worker.proc.wait()
                 lost.add(member)
         return lost
+
+    def _failure_in_code(self, lost: set[int]) -> dict[str, object] | None:
+        """The error a lost member recorded before exiting non-zero (:mod:`lightning_bamboo.crash`), when no
+        member lost with it was killed by a signal (a preemption, or fenced for a silent heartbeat): an error
+        of the training code, which a failover would only raise again. ``None``: fail over."""
+        with self._lock:
+            codes = {m: self.workers[m].proc.returncode for m in lost if m in self.workers}
+        if any(code is None or code < 0 for code in codes.values()):
+            return None
+        for member in sorted(codes):
+            failure = crash.recorded(self.store, member)
+            if failure is not None:
+                self.error = failure
+                self.log(
+                    f"[bamboo.launch] member {member} failed with {failure['type']}: {failure['message']} "
+                    "(an error of the training code, not a preemption; its traceback is in the worker's "
+                    "output): stopping the job",
+                    flush=True,
+                )
+                return failure
+        return None
 
     def _current(self) -> tuple[int, OwnershipMap | None]:
         generation = ms.current_generation(self.store)
@@ -295,14 +334,58 @@ class Supervisor:
         return True
 
     def run(self, replacements: int = 0, poll: float = 0.02) -> int:
-        """Start the workers and supervise until the job ends; returns the exit code (also ``returncode``)."""
+        """Start the workers and supervise until the job ends; returns the exit code (also ``returncode``).
+
+        Run on the main thread, it handles SIGTERM (what ``docker stop``, Kubernetes and schedulers send):
+        the workers stop at a step boundary (the final checkpoint is written when the strategy has
+        ``checkpoint_every_n_steps``), whatever is left after ``stop_timeout`` seconds is SIGKILLed by PID,
+        and the exit code is 143 (128 + SIGTERM). :meth:`stop` does the same from another thread.
+        """
         self.returncode = None
+        handler = None
+        if threading.current_thread() is threading.main_thread():
+            handler = signal.signal(signal.SIGTERM, lambda signum, _frame: self.stop(signum))
         try:
             self.returncode = self._run(replacements, poll)
         finally:
+            if handler is not None:
+                signal.signal(signal.SIGTERM, handler)
             if self.returncode is None:
                 self.returncode = 1
         return self.returncode
+
+    def _stop_job(self, reason: str, code: int, poll: float) -> int:
+        """Stop every worker at a step boundary: publish a ``stop`` generation (each member leaves ``fit`` at
+        its next boundary, all at the same committed step, after writing the final checkpoint when one is
+        configured), wait up to ``stop_timeout`` seconds, SIGKILL by PID whatever is left."""
+        self._stopping = True
+        generation, current = self._current()
+        members = set(current.members()) if current is not None else set()
+        if current is not None:
+            following = OwnershipMap(generation + 1, current.num_stages, current.pipelines, current.spares)
+            self._publish(following, "stop")
+        self.log(
+            f"[bamboo.launch] {reason}: stopping the workers at the next step boundary "
+            f"(at most {self.stop_timeout:g}s)",
+            flush=True,
+        )
+        with self._lock:
+            workers = list(self.workers.values())
+        for worker in workers:  # not training (a spare, a joiner not yet placed): nothing to finish
+            if worker.member not in members and worker.proc.poll() is None:
+                os.kill(worker.proc.pid, signal.SIGKILL)
+                worker.proc.wait()
+        deadline = time.monotonic() + self.stop_timeout
+        while time.monotonic() < deadline and any(w.proc.poll() is None for w in workers):
+            time.sleep(poll)
+        killed = sorted(w.member for w in workers if w.proc.poll() is None)
+        for worker in workers:
+            if worker.proc.poll() is None:
+                os.kill(worker.proc.pid, signal.SIGKILL)
+                worker.proc.wait()
+        late = f"; members {killed} did not stop in {self.stop_timeout:g}s: killed" if killed else ""
+        self.log(f"[bamboo.launch] job stopped ({reason}){late}; exit code {code}", flush=True)
+        return code
 
     def _run(self, replacements: int, poll: float) -> int:
         self.store.set("gen", "0")
@@ -311,6 +394,9 @@ class Supervisor:
         budget = replacements
         try:
             while True:
+                if self._stop_signal is not None:
+                    name = signal.Signals(self._stop_signal).name
+                    return self._stop_job(f"{name} received", 128 + self._stop_signal, poll)
                 lost = self._check()
                 leaving = self._departures()  # announced together, at one step boundary: no settling
                 if lost or leaving:
@@ -320,6 +406,9 @@ class Supervisor:
                         lost |= self._check()
                         self.lost |= lost
                         leaving |= self._departures()
+                    failure = self._failure_in_code(lost)
+                    if failure is not None:
+                        return self._stop_job(f"member {failure['member']} failed", 1, poll)
                     self.departed |= leaving
                     joined: list[int] = []
                     if not self._reform(lost, joined, leaving):
@@ -481,6 +570,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="seconds after a loss before its replacement worker starts (a new spot machine's arrival)",
     )
+    parser.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: seconds the workers get to stop at a step boundary before they are killed",
+    )
     parser.add_argument("-m", dest="module", action="store_true", help="the script is a module (python -m)")
     parser.add_argument("script", help="the training script (or module, with -m)")
     parser.add_argument("args", nargs=argparse.REMAINDER)
@@ -493,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         args.hang_timeout,
         replace=args.replace != 0,
         replace_delay=args.replace_delay,
+        stop_timeout=args.stop_timeout,
     )
     return supervisor.run(replacements=args.replace)
 

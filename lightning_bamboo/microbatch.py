@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_bamboo.layout import validate_microbatches
@@ -57,6 +58,32 @@ def _take(batch: Any, index: int, parts: int, size: int) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(_take(value, index, parts, size) for value in batch)
     return batch
+
+
+def join_microbatches(parts: list[Any]) -> Any:
+    """The inverse of :func:`split_microbatches` for outputs: tensors concatenated on dimension 0 (nested
+    tuples, lists and dicts element by element); other leaves taken from the first part.
+
+    Raises:
+        ValueError: for an empty list, or a tensor without a batch dimension (a scalar per micro-batch).
+    """
+    if not parts:
+        raise ValueError("join_microbatches needs at least one micro-batch")
+    first = parts[0]
+    if isinstance(first, Tensor):
+        if first.dim() == 0:
+            raise ValueError(
+                "cannot join per-micro-batch outputs that are scalars into the batch's output; the pipeline "
+                "body's output needs the batch on dimension 0"
+            )
+        return torch.cat(parts) if len(parts) > 1 else first
+    if isinstance(first, Mapping):
+        return type(first)({key: join_microbatches([p[key] for p in parts]) for key in first})  # type: ignore[call-arg]
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(join_microbatches([p[i] for p in parts]) for i in range(len(first))))
+    if isinstance(first, (list, tuple)):
+        return type(first)(join_microbatches([p[i] for p in parts]) for i in range(len(first)))
+    return first
 
 
 def _first_tensor(batch: Any) -> Tensor | None:

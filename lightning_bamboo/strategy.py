@@ -54,6 +54,8 @@ from lightning_bamboo.contract import (
     check_replayed_loss,
     check_stage_split,
     find_pipeline_body,
+    outside_call_message,
+    replay_predict,
     replay_step,
     sub_sequential,
     warn_batch_statistics,
@@ -62,7 +64,12 @@ from lightning_bamboo.engine import PipelineEngine
 from lightning_bamboo.events import BambooEventsMixin
 from lightning_bamboo.groups import BambooGroups
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
-from lightning_bamboo.microbatch import batch_size_of, check_train_batches, split_microbatches
+from lightning_bamboo.microbatch import (
+    batch_size_of,
+    check_train_batches,
+    join_microbatches,
+    split_microbatches,
+)
 from lightning_bamboo.precision import with_pipeline_clipping
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b, format_grid
@@ -352,6 +359,9 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         stage = self.groups.stage
         self._stage_module = sub_sequential(body, self.layout.stage_layers[stage])
         setattr(self._stage_module, _STAGE_MARK, True)
+        self._stage_module.outside_call_error = outside_call_message(
+            module, attr, self.layout.stage_layers[stage], len(body)
+        )
         module._modules[attr] = self._stage_module
         if self._redundancy:
             self.replica = sub_sequential(body, self.layout.stage_layers[self.layout.successor(stage)])
@@ -576,9 +586,54 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "BambooStrategy does not implement predict; predictions only exist on the last stage"
-        )
+        """Forward-only pipeline over the batch; replays ``predict_step`` with the whole body's outputs.
+
+        The last stage's outputs are broadcast over the pipeline, so every rank returns the predictions of
+        its pipeline's batches (each pipeline predicts its own shard of the data, as every DDP rank does).
+        """
+        assert self.engine is not None and self.lightning_module is not None
+        module = self.lightning_module
+        batch, args, kwargs = self._stage0_batch(args, kwargs)
+        num = math.gcd(batch_size_of(batch), self._num_microbatches)
+        with self.precision_plugin.predict_step_context():
+            outputs = self._pipeline_outputs(split_microbatches(batch, num), None)
+            with replay_predict(module, self._body_attr, module.pipeline_inputs(batch), outputs):  # type: ignore[operator]
+                return module.predict_step(*args, **kwargs)
+
+    def full_forward(self, inputs: Any) -> Any:
+        """The whole pipeline body's output for ``inputs`` (the body's input, as ``pipeline_inputs`` returns
+        it), on every rank of this rank's pipeline: a forward-only schedule through all stages, no graph.
+
+        For callbacks that need the whole model (printing a sample, greedy generation): calling the module's
+        body on one stage raises, as it holds that stage's layers only. Collective over the pipeline: every
+        rank of the pipeline must call it (Lightning runs callback hooks on every rank); stage 0's
+        ``inputs`` are used and sent to the others. The module's train/eval mode applies (call
+        ``pl_module.eval()`` first for dropout-free outputs, as under any strategy).
+
+        Raises:
+            RuntimeError: before the strategy is set up (no stages yet).
+        """
+        if self.engine is None or self.groups is None:
+            raise RuntimeError(
+                "BambooStrategy.full_forward needs the pipeline, which exists once fit/validate/test/predict "
+                "has set the strategy up; call it from a LightningModule or callback hook"
+            )
+        if self.groups.num_stages > 1:
+            src = self.groups.rank_of_stage(0)
+            inputs = broadcast_batch(inputs, src, self.root_device, group=self.groups.pipeline_group)
+        num = math.gcd(batch_size_of(inputs), self._num_microbatches)
+        with self.precision_plugin.forward_context():
+            return self._pipeline_outputs(split_microbatches(inputs, num), _identity)
+
+    def _pipeline_outputs(self, microbatches: list[Any], inputs_fn: Callable[[Any], Any] | None) -> Any:
+        """Run the body over ``microbatches`` (forward only); the joined outputs, on every pipeline rank."""
+        assert self.engine is not None and self.groups is not None
+        outputs = self.engine.run_outputs(microbatches, inputs_fn)
+        joined = join_microbatches(outputs) if outputs is not None else None
+        if self.groups.num_stages == 1:
+            return joined
+        src = self.groups.last_stage_rank
+        return broadcast_batch(joined, src, self.root_device, group=self.groups.pipeline_group)
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -707,3 +762,23 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
             cls,
             description="Bamboo: pipeline parallelism with redundant layers for preemptible machines",
         )
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def full_forward(pl_module: pl.LightningModule, inputs: Any, pipeline_attr: str | None = None) -> Any:
+    """The whole pipeline body's output for ``inputs`` under any strategy (for callbacks).
+
+    Under Bamboo this is :meth:`BambooStrategy.full_forward` (collective: every rank of the pipeline calls
+    it, as Lightning calls callback hooks on every rank); otherwise the module's body itself, so one callback
+    runs under ``strategy="auto"`` and ``strategy="bamboo"``. Runs without a graph either way.
+    ``pipeline_attr``: the body's attribute name, as for ``BambooStrategy`` (used off Bamboo only).
+    """
+    strategy = pl_module.trainer.strategy
+    if isinstance(strategy, BambooStrategy):
+        return strategy.full_forward(inputs)
+    _, body = find_pipeline_body(pl_module, pipeline_attr)
+    with torch.no_grad():
+        return body(inputs)

@@ -31,6 +31,8 @@ input shapes); a stage whose output shape changes without its input shape changi
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -48,6 +50,128 @@ from lightning_bamboo.schedule.lowering import Comm, CommKind
 
 ShapeKey = tuple[Any, ...]
 """What an activation's shape is cached under: ``(train, signature of the micro-batch)``."""
+
+STRUCTURED = -1
+"""Dtype code of a header announcing a structured boundary; ``header[2]`` is the length of its JSON layout,
+which follows as a second message (uint8) on the header tag."""
+_ALIGN = 16
+"""Each tensor of a packed boundary starts at a multiple of this many bytes."""
+
+
+@dataclass(frozen=True)
+class BoundaryLayout:
+    """How a tuple, list or dict of tensors crossing a stage boundary lies in one flat byte buffer.
+
+    The activation of a micro-batch travels as ONE uint8 message (so the number and the order of messages on
+    a link are those of a single-tensor boundary), described once per micro-batch signature by this layout
+    (JSON, never pickled). ``grads[i]``: the sender's tensor ``i`` is floating and requires grad, so the
+    receiver makes it a leaf that requires grad and sends its gradient back; the gradient message packs the
+    gradients of those tensors only, in order.
+    """
+
+    kind: str
+    keys: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    grads: tuple[bool, ...]
+
+    @staticmethod
+    def of(value: Any, grads: bool) -> BoundaryLayout:
+        kind, keys, tensors = boundary_tensors(value)
+        return BoundaryLayout(
+            kind,
+            keys,
+            tuple(str(t.dtype).removeprefix("torch.") for t in tensors),
+            tuple(tuple(t.shape) for t in tensors),
+            tuple(grads and t.is_floating_point() and t.requires_grad for t in tensors),
+        )
+
+    def to_bytes(self) -> bytes:
+        return json.dumps([self.kind, self.keys, self.dtypes, self.shapes, self.grads]).encode("utf-8")
+
+    @staticmethod
+    def from_bytes(data: bytes) -> BoundaryLayout:
+        kind, keys, dtypes, shapes, grads = json.loads(data.decode("utf-8"))
+        for name in dtypes:
+            if not isinstance(getattr(torch, name, None), torch.dtype):
+                raise RuntimeError(f"corrupt boundary layout: unknown dtype {name!r}")
+        return BoundaryLayout(
+            kind, tuple(keys), tuple(dtypes), tuple(tuple(s) for s in shapes), tuple(bool(g) for g in grads)
+        )
+
+    def _spans(self, which: Sequence[int]) -> list[tuple[int, int]]:
+        spans, offset = [], 0
+        for i in which:
+            itemsize = torch.empty((), dtype=getattr(torch, self.dtypes[i])).element_size()
+            size = math.prod(self.shapes[i]) * itemsize
+            spans.append((offset, size))
+            offset += -(-size // _ALIGN) * _ALIGN
+        return spans
+
+    def nbytes(self, gradients: bool = False) -> int:
+        which = self.grad_indices() if gradients else range(len(self.dtypes))
+        spans = self._spans(which)
+        return spans[-1][0] + -(-spans[-1][1] // _ALIGN) * _ALIGN if spans else 0
+
+    def grad_indices(self) -> list[int]:
+        return [i for i, flag in enumerate(self.grads) if flag]
+
+    def pack(self, tensors: Sequence[Tensor], gradients: bool = False) -> Tensor:
+        """``tensors`` (the boundary's, or the gradients of :meth:`grad_indices`) in one uint8 buffer."""
+        which = self.grad_indices() if gradients else range(len(self.dtypes))
+        device = tensors[0].device if tensors else torch.device("cpu")
+        buffer = torch.zeros(self.nbytes(gradients), dtype=torch.uint8, device=device)
+        for tensor, (offset, size) in zip(tensors, self._spans(which), strict=True):
+            buffer[offset : offset + size] = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        return buffer
+
+    def unpack(self, buffer: Tensor, gradients: bool = False) -> list[Tensor]:
+        """The tensors in ``buffer``, each in its own (aligned, dense) storage, as the sender had them."""
+        which = self.grad_indices() if gradients else list(range(len(self.dtypes)))
+        return [
+            buffer[start : start + size].clone().view(getattr(torch, self.dtypes[i])).reshape(self.shapes[i])
+            for i, (start, size) in zip(which, self._spans(which), strict=True)
+        ]
+
+    def rebuild(self, tensors: list[Tensor]) -> Any:
+        """The boundary value (tuple, list or dict) from its tensors in order."""
+        if self.kind == "dict":
+            return dict(zip(self.keys, tensors, strict=True))
+        return tuple(tensors) if self.kind == "tuple" else list(tensors)
+
+
+def boundary_tensors(value: Any) -> tuple[str, tuple[str, ...], list[Tensor]]:
+    """``(kind, dict keys, tensors)`` of a structured boundary value: a tuple, list or str-keyed dict of
+    tensors (one level).
+
+    Raises:
+        TypeError: for anything else, saying what a boundary may carry.
+    """
+    if isinstance(value, Mapping) and value and all(isinstance(k, str) for k in value):
+        keys, items = tuple(value), list(value.values())
+        kind = "dict"
+    elif isinstance(value, (tuple, list)) and value and not hasattr(value, "_fields"):
+        keys, items = (), list(value)
+        kind = "tuple" if isinstance(value, tuple) else "list"
+    else:
+        items, kind, keys = [], "", ()
+    if not kind or not all(isinstance(item, Tensor) for item in items):
+        shown = type(value).__name__
+        if kind:
+            shown += " holding " + ", ".join(sorted({type(item).__name__ for item in items}))
+        raise TypeError(
+            f"got a {shown}: a stage boundary carries one tensor, or a non-empty tuple, list or dict (str "
+            "keys) of tensors, one level deep"
+        )
+    return kind, keys, items
+
+
+@dataclass
+class Packed:
+    """A structured boundary value ready to send: its bytes and their layout."""
+
+    buffer: Tensor
+    layout: BoundaryLayout
 
 
 class Kind(IntEnum):
@@ -136,12 +260,15 @@ class ShapeCache:
     """Activation shapes learned from headers, kept across steps (one per engine).
 
     Attributes:
-        sent: ``key -> (dtype, shape)`` of the activations this rank sent a header for.
+        sent: ``key -> (dtype, shape)`` of the activations this rank sent a header for (a
+            :class:`BoundaryLayout` for a tuple/list/dict boundary).
         received: the same for the headers this rank received.
     """
 
-    sent: dict[ShapeKey, tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
-    received: dict[ShapeKey, tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
+    sent: dict[ShapeKey, tuple[torch.dtype, tuple[int, ...]] | BoundaryLayout] = field(default_factory=dict)
+    received: dict[ShapeKey, tuple[torch.dtype, tuple[int, ...]] | BoundaryLayout] = field(
+        default_factory=dict
+    )
 
 
 def header_microbatches(keys: Sequence[ShapeKey], known: Mapping[ShapeKey, Any]) -> set[int]:
@@ -196,19 +323,26 @@ class StepTransfers:
         self.gradient_buffer = gradient_buffer
         self._header_in = header_microbatches(keys, shapes.received)
         self._header_out = header_microbatches(keys, shapes.sent)
-        self._queue: deque[tuple[Comm, Tensor | None]] = deque()
+        self._queue: deque[tuple[Comm, Tensor | Packed | None]] = deque()
         self._inbox: dict[tuple[Kind, int], tuple[Tensor, Any]] = {}
         self._sends: list[Any] = []
         self.trace = trace
         self.clock = clock
         """The clock of ``trace`` events."""
 
-    def post(self, comm: Comm, tensor: Tensor | None = None) -> None:
+    def post(self, comm: Comm, tensor: Tensor | Packed | None = None) -> None:
         """Queue ``comm`` (a send with its ``tensor``, or a receive) and issue what can go without waiting."""
         if comm.kind.is_send and tensor is None:
             raise RuntimeError(f"stage {self.stage}: {comm} has no tensor to send")
-        self._queue.append((comm, None if tensor is None else tensor.detach().contiguous()))
+        if isinstance(tensor, Tensor):
+            tensor = tensor.detach().contiguous()
+        self._queue.append((comm, tensor))
         self._pump(force=False)
+
+    def layout_in(self, microbatch: int) -> BoundaryLayout | None:
+        """The layout of ``microbatch``'s received activation, if it is a structured boundary (else None)."""
+        shape = self.shapes.received.get(self.keys[microbatch])
+        return shape if isinstance(shape, BoundaryLayout) else None
 
     def take(self, kind: Kind, microbatch: int) -> Tensor:
         """The received activation or gradient of ``microbatch``: issue up to its receive and wait for it."""
@@ -226,7 +360,8 @@ class StepTransfers:
         work.wait()
         if self.trace is not None:
             self.trace.append((f"wait {kind.name[0]}{microbatch}", start, self.clock()))
-        return buffer
+        layout = self.layout_in(microbatch) if kind is Kind.ACTIVATION else None
+        return buffer if layout is None else layout.rebuild(layout.unpack(buffer))
 
     def finish(self) -> None:
         """Issue everything left and wait for this rank's sends (their tensors may be reused after)."""
@@ -242,22 +377,25 @@ class StepTransfers:
             pass
 
     # ------------------------------------------------------------------ one operation
-    def _issue(self, comm: Comm, tensor: Tensor | None, force: bool) -> bool:
+    def _issue(self, comm: Comm, tensor: Tensor | Packed | None, force: bool) -> bool:
         """Issue the queue's head ``comm`` if it can go now (or, with ``force``, after its header)."""
         peer = self.rank_of_stage(comm.peer)
         mb = comm.microbatch
         if comm.kind is CommKind.SEND_F:
             assert tensor is not None
             key = self.keys[mb]
+            described = tensor.layout if isinstance(tensor, Packed) else (tensor.dtype, tuple(tensor.shape))
             if mb in self._header_out:
-                self.shapes.sent[key] = (tensor.dtype, tuple(tensor.shape))
-                self._sends.append(dist.isend(p2p.encode_header(tensor), peer, tag=int(p2p.Tag.HEADER)))
+                self.shapes.sent[key] = described
+                for header in _headers(tensor):
+                    self._sends.append(dist.isend(header, peer, tag=int(p2p.Tag.HEADER)))
                 self._header_out.discard(mb)
             else:
-                self._check_cached_shape(mb, tensor)
-            self._sends.append(dist.isend(tensor, peer, tag=int(p2p.Tag.ACTIVATION)))
+                self._check_cached_shape(mb, described)
+            payload = tensor.buffer if isinstance(tensor, Packed) else tensor
+            self._sends.append(dist.isend(payload, peer, tag=int(p2p.Tag.ACTIVATION)))
         elif comm.kind is CommKind.SEND_B:
-            assert tensor is not None
+            assert isinstance(tensor, Tensor)
             self._sends.append(dist.isend(tensor, peer, tag=int(p2p.Tag.GRADIENT)))
         elif comm.kind is CommKind.RECV_F:
             key = self.keys[mb]
@@ -270,10 +408,13 @@ class StepTransfers:
                     return False  # do not block on the header while actions could run
                 header, work = self._inbox.pop((Kind.HEADER, mb))
                 work.wait()
-                self.shapes.received[key] = p2p.decode_header(header.cpu())
+                self.shapes.received[key] = self._read_header(header, peer)
                 self._header_in.discard(mb)
-            dtype, shape = self.shapes.received[key]
-            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+            described = self.shapes.received[key]
+            if isinstance(described, BoundaryLayout):
+                buffer = torch.empty(described.nbytes(), dtype=torch.uint8, device=self.device)
+            else:
+                buffer = torch.empty(described[1], dtype=described[0], device=self.device)
             work = dist.irecv(buffer, peer, tag=int(p2p.Tag.ACTIVATION))
             self._inbox[(Kind.ACTIVATION, mb)] = (buffer, work)
         else:
@@ -282,12 +423,42 @@ class StepTransfers:
         self._queue.popleft()
         return True
 
-    def _check_cached_shape(self, mb: int, tensor: Tensor) -> None:
+    def _read_header(
+        self, header: Tensor, peer: int
+    ) -> tuple[torch.dtype, tuple[int, ...]] | BoundaryLayout:
+        """A single tensor's ``(dtype, shape)``, or, for a structured boundary, the layout that follows."""
+        values = header.cpu()
+        if int(values[0]) != STRUCTURED:
+            return p2p.decode_header(values)
+        payload = torch.empty(int(values[2]), dtype=torch.uint8, device=self.device)
+        dist.irecv(payload, peer, tag=int(p2p.Tag.HEADER)).wait()  # sent right behind the header
+        return BoundaryLayout.from_bytes(bytes(payload.cpu().tolist()))
+
+    def _check_cached_shape(self, mb: int, described: Any) -> None:
         expected = self.shapes.sent[self.keys[mb]]
-        if (tensor.dtype, tuple(tensor.shape)) != expected:
+        if described != expected:
             raise RuntimeError(
-                f"stage {self.stage}'s output for micro-batch {mb} is {tensor.dtype} of shape "
-                f"{tuple(tensor.shape)}, but an earlier micro-batch with the same input shapes gave "
-                f"{expected[0]} of shape {expected[1]}; the engine sends an activation's shape once per "
-                "micro-batch shape, so a stage's output shape must follow from its input shapes"
+                f"stage {self.stage}'s output for micro-batch {mb} is {_shown(described)}, but an earlier "
+                f"micro-batch with the same input shapes gave {_shown(expected)}; the engine sends an "
+                "activation's shape once per micro-batch shape, so a stage's output shapes (and which of its "
+                "tensors require grad) must follow from its input shapes"
             )
+
+
+def _shown(described: Any) -> str:
+    if isinstance(described, BoundaryLayout):
+        parts = [f"{d} {list(s)}{' (grad)' if g else ''}"
+                 for d, s, g in zip(described.dtypes, described.shapes, described.grads, strict=True)]
+        return f"a {described.kind} of " + ", ".join(parts)
+    return f"{described[0]} of shape {described[1]}"
+
+
+def _headers(tensor: Tensor | Packed) -> list[Tensor]:
+    """The header message(s) announcing ``tensor``: one int64 header, plus the JSON layout of a packed one."""
+    if isinstance(tensor, Tensor):
+        return [p2p.encode_header(tensor)]
+    layout = tensor.layout.to_bytes()
+    header = torch.zeros(p2p.HEADER_LEN, dtype=torch.int64)
+    header[0], header[1], header[2] = STRUCTURED, 1, len(layout)
+    device = tensor.buffer.device
+    return [header.to(device), torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(device)]

@@ -4,12 +4,13 @@
     python -m lightning_dorylus.deploy --function-name dorylus-tensor-ops \\
         --role-arn arn:aws:iam::123456789012:role/dorylus-lambda \\
         --layer-arn arn:aws:lambda:us-east-1:336392948345:layer:AWSSDKPandas-Python312:<version> \\
-        [--region us-east-1] [--memory 1769] [--timeout 60] [--reserved-concurrency 100]
+        [--region us-east-1] [--memory 1769] [--timeout 60] [--reserved-concurrency 100] [--op-module my_ops]
 
 The zip is the handler bundle (``ops/bundle.py``: ``wire.py``, ``ops/*.py`` incl. ``lambda_entry.py``),
-about 20 KB. numpy is NOT vendored: it comes from the AWS-managed "AWS SDK for pandas" layer (numpy is
-one of its packages; its ARN per region and Python version is listed at
-https://aws-sdk-pandas.readthedocs.io/en/stable/layers.html and in SSM under
+about 20 KB, plus each ``--op-module`` (a module of the user's own ops, see
+``lightning_dorylus.ops.registry``; imported at the function's cold start). numpy is NOT vendored: it comes
+from the AWS-managed "AWS SDK for pandas" layer (numpy is one of its packages; its ARN per region and
+Python version is listed at https://aws-sdk-pandas.readthedocs.io/en/stable/layers.html and in SSM under
 ``/aws/service/aws-sdk-pandas/<version>/<region>/py3.12/x86_64/layer-arn``), which keeps function plus
 layers far under Lambda's 250 MB unzipped limit (the layer is about 150 MB unzipped). The function is
 created if missing, else its code and configuration are updated. Credentials come from boto3's chain
@@ -23,10 +24,11 @@ import json
 import sys
 import tempfile
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_dorylus.ops import bundle
+from lightning_dorylus.ops import bundle, registry
 
 #: Lambda's limits on a deployment package.
 ZIP_UPLOAD_LIMIT = 50 * 1024 * 1024  # direct upload (ZipFile=...)
@@ -52,12 +54,23 @@ def graph_server_policy(function_arn: str, bucket: str | None) -> dict[str, Any]
     return {"Version": "2012-10-17", "Statement": statements}
 
 
-def build_zip(path: str | Path) -> tuple[Path, int, int]:
-    """Write the deployment zip; returns ``(path, zipped bytes, unzipped bytes)``."""
+def build_zip(path: str | Path, op_modules: Sequence[str] = ()) -> tuple[Path, int, int]:
+    """Write the deployment zip, with the user op modules ``op_modules`` (module names, see
+    ``lightning_dorylus.ops.registry``); returns ``(path, zipped bytes, unzipped bytes)``.
+
+    Each op module is imported here first, so one that fails to import or registers no op fails the build,
+    not the Lambda's cold start.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     bundle.check_imports()
-    bundle.write_zip(path)
+    for name in op_modules:
+        before = set(registry.op_modules())
+        registry.import_op_modules([name])
+        if name not in registry.op_modules() and name not in before:
+            raise ValueError(f"--op-module {name}: importing it registered no op (call "
+                             "lightning_dorylus.ops.register_ops at the top of that module)")
+    bundle.write_zip(path, op_modules)
     with zipfile.ZipFile(path) as zf:
         unzipped = sum(info.file_size for info in zf.infolist())
     return path, path.stat().st_size, unzipped
@@ -113,11 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint-url", default=None, help="Lambda API endpoint (tests: a local one)")
     parser.add_argument("--bucket", default=None, help="S3 staging bucket, for the printed policy")
     parser.add_argument("--print-iam", action="store_true", help="print the IAM trust policy and policies")
+    parser.add_argument("--op-module", action="append", default=[], metavar="MODULE",
+                        help="a module of your own ops (lightning_dorylus.ops.register_ops), importable from "
+                             "here, e.g. my_ops; shipped in the zip and imported at cold start (repeatable)")
     args = parser.parse_args(argv)
+    if "" not in sys.path:  # `python -m` puts the working directory first; a console script may not
+        sys.path.insert(0, "")
 
     tmp = None if args.dry_run else tempfile.TemporaryDirectory(prefix="dorylus-deploy-")
     out = Path(args.dry_run) if args.dry_run else Path(tmp.name) / "dorylus-handler.zip"  # type: ignore[union-attr]
-    path, zipped, unzipped = build_zip(out)
+    path, zipped, unzipped = build_zip(out, args.op_module)
     print(f"built {path}: {zipped} bytes zipped, {unzipped} bytes unzipped "
           f"(Lambda: {ZIP_UPLOAD_LIMIT >> 20} MB upload, {UNZIPPED_LIMIT >> 20} MB unzipped incl. layers; "
           f"numpy comes from the layer)")

@@ -8,9 +8,15 @@ Roles (see ``docs/dorylus.md``):
   the Lambda handler code (``"local"``), the graph server itself (``"inline"``) or any ``TensorOpExecutor``;
 * **weight server** = replicated: every graph server keeps the full (small) weights as the LightningModule's
   parameters and ships them with each tensor-op request, as a Lambda would fetch them from a weight server.
-  After backward the strategy SUM-all-reduces the weight gradients over graph servers in one flat bucket; the
-  loss is a global mean (local sums divided by ``num_train_global``), so that sum is the full-graph gradient
-  and every replica applies the same optimizer step (the paper's WU).
+  After backward the strategy SUM-all-reduces the weight gradients over graph servers in one flat bucket, so
+  every replica applies the same optimizer step (the paper's WU). With ``loss_reduction="mean"`` (a user
+  module's ``F.cross_entropy(out[train_mask], y[train_mask])``: a mean over this partition's train vertices)
+  each server's loss is scaled by its share of the train vertices, ``n_train_local / num_train_global``,
+  before backward (so are the ghost gradients it sends); with ``"sum"`` (``NodeClassifier``: local sums
+  divided by ``num_train_global``) the losses already add up to the full-graph mean. Either way the sum is
+  the full-graph gradient.
+
+``predict_step`` outputs (one row per owned vertex) are gathered into global vertex order on every rank.
 
 No DDP wrapper: gradients are reduced explicitly in :meth:`DorylusStrategy.post_backward`.
 """
@@ -57,15 +63,20 @@ from typing_extensions import override
 from lightning_dorylus.autotune import TimedExecutor, TuneResult, autotune
 from lightning_dorylus.data.partition import GraphPartition
 from lightning_dorylus.data.validation import check_world_size
+from lightning_dorylus.dropout_check import TorchDropoutCheck
 from lightning_dorylus.executors import EXECUTORS, TensorOpExecutor, build_executor
 from lightning_dorylus.graph import GhostExchange, GraphCache
 from lightning_dorylus.graph.stale import StaleGhostExchange, StaleReads, check_stale_reads
 from lightning_dorylus.nn import DorylusLayer, DorylusRuntime
 from lightning_dorylus.precision import check_precision
+from lightning_dorylus.predict import gather_vertex_rows
 from lightning_dorylus.reduce import all_reduce
 from lightning_dorylus.threads import limit_server_threads
 
 log = logging.getLogger(__name__)
+
+LossReduction = Literal["mean", "sum"]
+LOSS_REDUCTIONS = ("mean", "sum")
 
 
 class DorylusStrategy(ParallelStrategy):
@@ -117,6 +128,13 @@ class DorylusStrategy(ParallelStrategy):
             logged). An explicit ``max_in_flight`` overrides the tuned one.
         max_in_flight: At most this many tensor-op requests in flight per graph server (``None``: no cap,
             or the tuned value with ``intervals="auto"``).
+        loss_reduction: What each server's training loss is, so that the summed gradients are the full-graph
+            gradient: ``"mean"`` a mean over this partition's train vertices (the usual
+            ``F.cross_entropy(out[mask], y[mask])``; backward runs on the loss times ``n_train_local /
+            num_train_global``, the logged loss is left alone); ``"sum"`` already a share of a
+            global mean or sum (``NodeClassifier``'s ``Σ_local CE / num_train_global``; no weighting).
+            ``None`` (default): the module's ``dorylus_loss_reduction`` attribute if it has one
+            (``NodeClassifier``: ``"sum"``), else ``"mean"``. A value that contradicts the module's raises.
     """
 
     strategy_name = "dorylus"
@@ -139,6 +157,7 @@ class DorylusStrategy(ParallelStrategy):
         stale_reads: StaleReads = "freshest",
         intervals: int | Literal["auto"] | None = None,
         max_in_flight: int | None = None,
+        loss_reduction: LossReduction | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -191,6 +210,15 @@ class DorylusStrategy(ParallelStrategy):
             raise ValueError(f"max_in_flight={max_in_flight!r}: expected None or an int >= 1")
         self._intervals = intervals
         self._max_in_flight = max_in_flight
+        if loss_reduction is not None and loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(
+                f"loss_reduction={loss_reduction!r}: expected 'mean' (a mean over the partition's train "
+                "vertices), 'sum' (already a share of a global mean, as NodeClassifier's) or None"
+            )
+        self._loss_reduction_arg: LossReduction | None = loss_reduction
+        self._loss_reduction: LossReduction = loss_reduction or "mean"
+        self._grad_weight = 1.0  # backward's loss scale: the share of the train vertices ("mean"), per step
+        self._dropout_checked = False
         self._timed: TimedExecutor | None = None
         self.tuned: TuneResult | None = None
         self._stale_group: Any | None = None
@@ -291,6 +319,8 @@ class DorylusStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._check_datamodule(trainer)
+        self._loss_reduction = self._resolve_loss_reduction()
+        self._dropout_checked = False
         if self.root_device.type == "cpu":  # CUDA half/mixed precision: untested, left to the user
             check_precision(str(getattr(self.precision_plugin, "precision", "32-true")))
         assert self.model is not None
@@ -308,6 +338,24 @@ class DorylusStrategy(ParallelStrategy):
         num_parts = getattr(trainer.datamodule, "num_parts", None)
         if num_parts is not None:
             check_world_size(num_parts, self.world_size)
+
+    @property
+    def loss_reduction(self) -> LossReduction:
+        """``"mean"`` or ``"sum"``: what this fit's training loss is (see the class docstring)."""
+        return self._loss_reduction
+
+    def _resolve_loss_reduction(self) -> LossReduction:
+        declared = getattr(self.lightning_module, "dorylus_loss_reduction", None)
+        name = type(self.lightning_module).__name__
+        if declared is not None and declared not in LOSS_REDUCTIONS:
+            raise ValueError(f"{name}.dorylus_loss_reduction={declared!r}: expected 'mean' or 'sum'")
+        chosen = self._loss_reduction_arg
+        if chosen is not None and declared is not None and chosen != declared:
+            raise ValueError(
+                f"DorylusStrategy(loss_reduction={chosen!r}) but {name}.dorylus_loss_reduction={declared!r}: "
+                f"the module says what its loss is; drop the strategy argument, or set the module's attribute"
+            )
+        return chosen or declared or "mean"
 
     def _start_runtime(self) -> None:
         """Starts the executor and lends it, with the ghost exchange, to every Dorylus layer of the model."""
@@ -367,6 +415,9 @@ class DorylusStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch = args[0] if args else kwargs.get("batch")
+        if isinstance(batch, GraphPartition) and self.world_size > 1:
+            self._grad_weight = self._train_share(batch) if self._loss_reduction == "mean" else 1.0
         if self._runtime is not None and self.lightning_module is not None:
             epoch = self.lightning_module.current_epoch
             self._runtime.epoch = epoch  # stamps this step's stale messages
@@ -374,8 +425,24 @@ class DorylusStrategy(ParallelStrategy):
                 if epoch == 0 or len(self._timed.samples) < 2:
                     self._timed.recording = True  # measure the first epoch(s) on the partition's intervals
                 else:
-                    self._autotune(args[0] if args else kwargs.get("batch"))
-        return super().training_step(*args, **kwargs)
+                    self._autotune(batch)
+        if self._dropout_checked or self.world_size == 1:
+            return super().training_step(*args, **kwargs)
+        self._dropout_checked = True  # the first step only: a model calling F.dropout does so every step
+        with TorchDropoutCheck(self.world_size):
+            return super().training_step(*args, **kwargs)
+
+    def _train_share(self, batch: GraphPartition) -> float:
+        """``n_train_local / num_train_global``: the weight of this server's local-mean loss."""
+        n_train = int(batch.train_mask.sum())
+        if n_train == 0 and batch.num_train_global > 0:
+            raise ValueError(
+                f"graph server {self.global_rank} owns no train vertex, so a mean over its train vertices is "
+                "0 / 0 (NaN, and NaN ghost gradients for every server) with loss_reduction='mean': compute "
+                "the loss as F.cross_entropy(out[mask], y[mask], reduction='sum') / batch.num_train_global "
+                "and set loss_reduction='sum' (as NodeClassifier), or partition so that every server has some"
+            )
+        return n_train / batch.num_train_global if batch.num_train_global else 1.0
 
     def _autotune(self, batch: Any) -> None:
         """Choose intervals and requests in flight from the timed requests (this graph server's own)."""
@@ -389,9 +456,11 @@ class DorylusStrategy(ParallelStrategy):
         self._timed.set_max_in_flight(self._max_in_flight or self.tuned.max_in_flight)
 
     def _set_num_intervals(self, num_intervals: int | None) -> None:
-        graphs = getattr(self.lightning_module, "_graphs", None)
-        if isinstance(graphs, GraphCache):
-            graphs.set_num_intervals(num_intervals)
+        """Re-cuts the intervals of every ``GraphCache`` the module holds (``NodeClassifier``'s, or a user
+        module's own, under any attribute name)."""
+        for value in vars(self.lightning_module).values():
+            if isinstance(value, GraphCache):
+                value.set_num_intervals(num_intervals)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -405,8 +474,15 @@ class DorylusStrategy(ParallelStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's ``predict_step`` (a tensor with one row per owned vertex, in ``batch.local_nodes``
+        order), gathered from every graph server into global vertex order: ``(num_global_nodes, ...)`` on
+        every rank, what one process computes on the whole graph. Any other output passes through as is."""
         self.drain()
-        return super().predict_step(*args, **kwargs)
+        out = super().predict_step(*args, **kwargs)
+        batch = args[0] if args else kwargs.get("batch")
+        if not isinstance(out, Tensor) or not isinstance(batch, GraphPartition):
+            return out
+        return gather_vertex_rows(out, batch.local_nodes, batch.num_global_nodes)
 
     @override
     def save_checkpoint(
@@ -433,6 +509,16 @@ class DorylusStrategy(ParallelStrategy):
                 f"{self.world_size}"
             )
         return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """A local-mean loss (``loss_reduction="mean"``) is scaled by this server's share of the train
+        vertices BEFORE backward, not its weight gradients after: the ghost-row gradients this server sends
+        to the rows' owners (∇SC) are part of the owners' weight gradients and need the sender's weight, not
+        the owner's. The logged and returned loss stays the user's."""
+        if self._grad_weight != 1.0:
+            closure_loss = closure_loss * self._grad_weight
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:

@@ -36,17 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks._harness import free_port, kill_groups, rank_env, watch
 from tests.zygote import stands_in_for
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data"  # the data the project carries (data/README.md)
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now (for ``MASTER_PORT``)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -246,37 +240,20 @@ def run_ranks(
     if nprocs < 1:
         raise ValueError(f"nprocs={nprocs}: expected at least 1 process")
     base = dict(env) if env is not None else launch_env()
-    base.update({"NODE_RANK": "0", "WORLD_SIZE": str(nprocs)})
     procs: list[subprocess.Popen[str] | ForkedProcess] = []
     failure = ""
     with tempfile.TemporaryFile("w+") as log:
         try:
             for rank in range(nprocs):  # rank 0 leads a new process group, the others join it
                 group = procs[0].pid if procs else 0
-                rank_env = {**base, "LOCAL_RANK": str(rank)}
-                procs.append(start(cmd, cwd, rank_env, log, process_group=group, fresh=fresh))
-            deadline = time.monotonic() + timeout
-            failed_at: float | None = None
-            while any(p.poll() is None for p in procs):
-                now = time.monotonic()
-                if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                    failed_at = now
-                if failed_at is not None and now - failed_at > 5:
-                    break  # a rank failed: the survivors had 5 s to print their side of it
-                if now > deadline:
-                    failure = f"timed out after {timeout}s"
-                    break
-                time.sleep(0.05)
+                procs.append(start(cmd, cwd, rank_env(base, rank, nprocs), log, process_group=group,
+                                   fresh=fresh))
+            # a failed rank: the survivors get 5 s to print their side of it
+            failure = watch(procs, timeout, failure_grace=5.0)
         finally:
-            if procs and any(p.poll() is None for p in procs):
-                os.killpg(procs[0].pid, signal.SIGKILL)
-            for p in procs:
-                p.wait()
+            kill_groups(procs)
         log.seek(0)
         out = log.read()
-    codes = [p.returncode for p in procs]
-    if not failure and any(codes):
-        failure = f"exited with {codes} (by rank)"
     if failure:
         raise AssertionError(f"{nprocs} x {' '.join(cmd)} {failure}:\n{out[-6000:]}")
     return subprocess.CompletedProcess(procs[0].args, 0, out, None)

@@ -31,7 +31,7 @@ from typing import Any
 from typing_extensions import override
 
 from .. import wire
-from ..ops import bundle
+from ..ops import bundle, registry
 from .base import ExecutorError, RemoteOpError, RetryableError, to_tensors
 from .resilient import POLICY_FIELDS, Attempt, FaultPolicy, ResilientExecutor
 from .worker import read_message, write_message
@@ -89,6 +89,9 @@ class _Worker:
             pass
         if hello.get("ready"):
             return
+        if hello.get("error"):
+            self.kill()
+            raise ExecutorError(f"worker {self.index} (pid {self.pid}) failed to start: {hello['error']}")
         if not ready:
             self.kill()
             raise ExecutorError(f"worker {self.index} (pid {self.pid}) did not report ready within "
@@ -201,7 +204,8 @@ class LocalPoolExecutor(ResilientExecutor):
             self._bundle_dir = tempfile.mkdtemp(prefix="dorylus-bundle-")
             self._finalizer = weakref.finalize(self, _cleanup, self._workers, self._bundle_dir)
             try:
-                bundle.write_bundle(os.path.join(self._bundle_dir, "code"))
+                # user op modules ship by name: those that registered ops in this process so far
+                bundle.write_bundle(os.path.join(self._bundle_dir, "code"), registry.op_modules())
                 bundle.link_numpy(os.path.join(self._bundle_dir, "site"))
                 for i in range(self.num_workers):
                     self._workers.append(self._spawn(i))
@@ -250,6 +254,7 @@ class LocalPoolExecutor(ResilientExecutor):
                     f"{attempt.call.describe()}: {type(err).__name__}: {err}"))
                 if not self._closed:
                     self._replace(index, worker)  # its pipe is mid-message: start clean
+            del attempt  # not kept (with its request's tensors) while this dispatcher waits for the next
 
     def _run(self, index: int, attempt: Attempt) -> None:
         call = attempt.call

@@ -319,6 +319,11 @@ class ResilientExecutor(TensorOpExecutor):
     def _resolve(self, call: _Call, outputs: dict[str, Tensor] | None = None,
                  error: BaseException | None = None) -> None:
         with self._state_lock:
+            # A resolved call launches no more attempts; dropping them breaks the call <-> attempt cycle, so
+            # the request's tensors are freed by reference counting as soon as their last user lets go
+            # instead of at the next full garbage collection (which came every few epochs: +90 MiB per
+            # epoch on a 200k-vertex graph server until it did).
+            call.attempts = []
             if call.future.done():
                 return
             if not call.running:
@@ -338,9 +343,38 @@ class ResilientExecutor(TensorOpExecutor):
             return None
         return statistics.median(durations)
 
+    def _check_attempts_locked(self, now: float, to_cancel: list[Attempt], to_launch: list[_Call],
+                               failed: list[_Call]) -> None:
+        """Deadlines and straggler relaunch of the active calls (holds the lock). A method of its own so
+        that the monitor, waiting between checks, keeps no call (and its request's tensors) in its locals."""
+        policy = self.policy
+        for call in list(self._active.values()):
+            live = [a for a in call.attempts if not a.finished and not a.abandoned]
+            for a in live:
+                if a.started is None:
+                    continue
+                ran = now - a.started
+                if policy.deadline_s is not None and ran > policy.deadline_s:
+                    a.abandoned = True
+                    self.stats["timeouts"] += 1
+                    to_cancel.append(a)
+                    err = RetryableError(
+                        f"attempt {a.number} got no result within deadline_s={policy.deadline_s} "
+                        f"(ran {ran:.1f} s)", "deadline")
+                    call.last_error = err
+                    if not self._retry_or_fail_locked(call, err):
+                        failed.append(call)
+                    continue
+                median = self._median(call.request.op) if policy.straggler_ratio else None
+                if (median is not None and len(live) == 1 and not a.relaunched
+                        and ran > max(policy.straggler_min_s, policy.straggler_ratio * median)
+                        and len(call.attempts) - call.throttles < policy.max_attempts):
+                    a.relaunched = True
+                    self.stats["relaunched"] += 1
+                    to_launch.append(call)
+
     def _watch(self) -> None:
         """Monitor thread: deadlines, straggler relaunch, due retries."""
-        policy = self.policy
         while True:
             to_cancel: list[Attempt] = []
             to_launch: list[_Call] = []
@@ -349,30 +383,7 @@ class ResilientExecutor(TensorOpExecutor):
                 if self._stopping:
                     return
                 now = time.monotonic()
-                for call in list(self._active.values()):
-                    live = [a for a in call.attempts if not a.finished and not a.abandoned]
-                    for a in live:
-                        if a.started is None:
-                            continue
-                        ran = now - a.started
-                        if policy.deadline_s is not None and ran > policy.deadline_s:
-                            a.abandoned = True
-                            self.stats["timeouts"] += 1
-                            to_cancel.append(a)
-                            err = RetryableError(
-                                f"attempt {a.number} got no result within deadline_s={policy.deadline_s} "
-                                f"(ran {ran:.1f} s)", "deadline")
-                            call.last_error = err
-                            if not self._retry_or_fail_locked(call, err):
-                                failed.append(call)
-                            continue
-                        median = self._median(call.request.op) if policy.straggler_ratio else None
-                        if (median is not None and len(live) == 1 and not a.relaunched
-                                and ran > max(policy.straggler_min_s, policy.straggler_ratio * median)
-                                and len(call.attempts) - call.throttles < policy.max_attempts):
-                            a.relaunched = True
-                            self.stats["relaunched"] += 1
-                            to_launch.append(call)
+                self._check_attempts_locked(now, to_cancel, to_launch, failed)
                 while self._retries and self._retries[0][0] <= now:
                     to_launch.append(heapq.heappop(self._retries)[2])
                 timeout = 0.05 if self._active else None
@@ -381,13 +392,17 @@ class ResilientExecutor(TensorOpExecutor):
                 if not (to_cancel or to_launch or failed):
                     self._wake.wait(timeout)
                     continue
-            for a in to_cancel:
-                with contextlib.suppress(Exception):  # best effort: the retry goes ahead either way
-                    self._cancel(a)
-            for call in failed:
-                self._resolve(call, error=self._final_error(call))
-            for call in to_launch:
-                self._launch_attempt(call)
+            self._act(to_cancel, failed, to_launch)
+
+    def _act(self, to_cancel: list[Attempt], failed: list[_Call], to_launch: list[_Call]) -> None:
+        """The monitor's decisions, outside the lock (in a method: its loop variables end with it)."""
+        for a in to_cancel:
+            with contextlib.suppress(Exception):  # best effort: the retry goes ahead either way
+                self._cancel(a)
+        for call in failed:
+            self._resolve(call, error=self._final_error(call))
+        for call in to_launch:
+            self._launch_attempt(call)
 
 
 def _combine(op: str, parts: list[Future], out: Future) -> None:

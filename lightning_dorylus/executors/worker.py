@@ -5,7 +5,8 @@ bundle (see ``lightning_dorylus.ops.bundle``), so it imports exactly what a Lamb
 the standard library, numpy, ``wire`` and ``ops``. Never torch, never pickle.
 
 Protocol: messages are wire payloads (``lightning_dorylus.wire``), which are self-delimiting: the
-24-byte prefix carries the total length. On start the worker sends a hello ``{"ready": true, "pid"}``;
+24-byte prefix carries the total length. On start the worker imports the bundle's user op modules and sends
+a hello ``{"ready": true, "pid"}`` (or ``{"ready": false, "error"}`` and exits if an import failed);
 then for each request it answers ``{"op", "ok": true}`` + outputs, or ``{"op", "ok": false,
 "error_type", "message"}`` if the op raised. EOF on stdin means the pool is closing: exit 0. A corrupt
 prefix (bad magic, a length over ``wire.MAX_MESSAGE_SIZE``) is answered with a ``WireError`` reply and the
@@ -21,7 +22,7 @@ from collections.abc import Iterable
 from typing import Any, BinaryIO
 
 from lightning_dorylus import wire
-from lightning_dorylus.ops import handlers
+from lightning_dorylus.ops import handlers, registry, shipped
 
 
 class ReadBuffer:
@@ -84,7 +85,17 @@ def _read_exact(stream: BinaryIO, buf: bytearray | memoryview,
 
 
 def serve(inp: BinaryIO, out: BinaryIO) -> None:
-    """Answer requests until EOF on ``inp``, or a corrupt prefix (answered with an error, then return)."""
+    """Answer requests until EOF on ``inp``, or a corrupt prefix (answered with an error, then return).
+
+    First the bundle's user op modules (``ops/shipped.py``) are imported; one that fails is reported in
+    the hello (``{"ready": false, "error"}``) and the worker exits.
+    """
+    try:
+        registry.import_op_modules(shipped.OP_MODULES)
+    except Exception as err:
+        error = f"importing op modules {list(shipped.OP_MODULES)} failed: {type(err).__name__}: {err}"
+        write_message(out, wire.encode_frames({"ready": False, "pid": os.getpid(), "error": error}, {})[1])
+        return
     write_message(out, wire.encode_frames({"ready": True, "pid": os.getpid()}, {})[1])
     buffer = ReadBuffer()  # every request is read into it: its reply is written before the next read
     while True:

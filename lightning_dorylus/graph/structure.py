@@ -219,9 +219,14 @@ class GraphContext:
         key = (x.data_ptr(), tuple(x.shape), str(x.device), x.dtype)
         if self._nonzeros is None or self._nonzeros[0] != key:
             flat = x.reshape(-1)
-            index = flat.nonzero().squeeze(1)
-            sparse = index.numel() <= max_density * max(flat.numel(), 1)
-            self._nonzeros = (key, (index, flat[index]) if sparse else None)
+            # Counted before any index is made: dense features would otherwise allocate 8 bytes per entry
+            # (512 MiB for a 500k x 128 partition) only to be found dense.
+            sparse = int(torch.count_nonzero(flat)) <= max_density * max(flat.numel(), 1)
+            if sparse:
+                index = flat.nonzero().squeeze(1)
+                self._nonzeros = (key, (index, flat[index]))
+            else:
+                self._nonzeros = (key, None)
         return self._nonzeros[1]
 
     def gcn(self, dtype: torch.dtype) -> GCNAdjacency:

@@ -9,7 +9,7 @@ and counts are reduced over graph servers before dividing.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,10 @@ class NodeClassifier(LightningModule):
         lr: Adam learning rate.
         weight_decay: Adam weight decay (L2 on all parameters, as PyG's examples).
     """
+
+    #: Read by ``DorylusStrategy``: the training loss is ``Σ_local CE / num_train_global``, a share of the
+    #: global mean, so the servers' gradients are summed unweighted (a local-mean loss would be ``"mean"``).
+    dorylus_loss_reduction: ClassVar[str] = "sum"
 
     def __init__(self, lr: float, weight_decay: float) -> None:
         super().__init__()
@@ -177,7 +181,8 @@ class NodeClassifier(LightningModule):
 
     @override
     def predict_step(self, batch: GraphPartition, batch_idx: int) -> Tensor:
-        """Class predictions ``(n_local,)`` of this server's vertices, in ``batch.local_nodes`` order."""
+        """Class predictions ``(n_local,)`` of this server's vertices, in ``batch.local_nodes`` order
+        (``DorylusStrategy`` gathers them into ``(num_global_nodes,)``, global order, on every rank)."""
         return self(self.graph(batch)).argmax(dim=-1)
 
     @override

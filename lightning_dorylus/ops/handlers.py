@@ -27,7 +27,8 @@ sage.update.bwd    agg, x, weight_l, weight_r, h, grad_h; attrs activation,  [gr
                                                                              [grad_bias]
 ================== ========================================================= ==========================
 (".fwd"/".bwd" abbreviate ".forward"/".backward".) Each op is declared once, as an ``OpSpec`` in its
-module's ``OPS`` (see ``spec.py``: inputs, outputs, how it splits over intervals, its backward op).
+module's ``OPS`` (see ``spec.py``: inputs, outputs, how it splits over intervals, its backward op). Ops of
+the user's own modules join ``OPS`` through ``registry.register_ops``.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def run_op(op: str, inputs: Mapping[str, np.ndarray], attrs: Mapping[str, Any] |
     """
     spec = OPS.get(op) if isinstance(op, str) else None
     if spec is None:
-        raise ValueError(f"unknown op {op!r}; valid ops are {sorted(OPS)}")
+        raise ValueError(unknown_op_message(op))
     missing = [k for k in spec.required if k not in inputs]
     if missing:
         raise ValueError(f"op {op!r} is missing input(s) {missing}; it needs {list(spec.required)}"
@@ -77,6 +78,14 @@ def run_op(op: str, inputs: Mapping[str, np.ndarray], attrs: Mapping[str, Any] |
         if np.dtype(inputs[k].dtype).kind not in "iu":
             raise ValueError(f"op {op!r} input {k!r} must be an integer array, got {inputs[k].dtype}")
     return spec.fn(dict(inputs), dict(attrs or {}))
+
+
+def unknown_op_message(op: Any) -> str:
+    """Why ``op`` is not here and what to do: ops from the user's own module ship by module name."""
+    return (f"unknown op {op!r}: this handler has {sorted(OPS)}. An op from your own module must be "
+            "registered with lightning_dorylus.ops.register_ops in that module, and the executor must import "
+            "the module: the local pool ships every op module imported before it starts; a Lambda function "
+            "needs a redeploy with `python -m lightning_dorylus.deploy --op-module <module>`")
 
 
 def handle(payload: bytes | bytearray | memoryview) -> bytes:

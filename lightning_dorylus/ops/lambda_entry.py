@@ -20,9 +20,12 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from . import handlers
+from . import handlers, registry, shipped
 
 URL_TIMEOUT_S = 60.0
+
+# at cold start: the user op modules deployed with this zip (``deploy --op-module``) register their ops
+registry.import_op_modules(shipped.OP_MODULES)
 
 
 def lambda_handler(event: Any, context: Any) -> dict[str, Any]:

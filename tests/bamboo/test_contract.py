@@ -150,24 +150,30 @@ def test_stage_without_trainable_parameters_is_refused() -> None:
         check_stage_parameters(model, "pipeline", model.pipeline, [range(0, 3), range(3, 4), range(4, 7)])
 
 
-def test_stage_returning_a_tuple_is_refused() -> None:
-    """A tuple passed between two elements works in one nn.Sequential, but not across a stage boundary."""
-    from lightning_bamboo.engine import _model_input, _one_tensor
+def test_stage_boundary_values() -> None:
+    """A tensor or a tuple/list/dict of tensors crosses a stage boundary; anything else is refused by name."""
+    from lightning_bamboo.engine import _boundary_output, _model_input
 
     class Pair(nn.Module):
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return x, x
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, str]:
+            return x, "mask"
 
     stage = sub_sequential(nn.Sequential(nn.Linear(2, 2), Pair(), nn.Identity()), range(0, 2))
     output = torch.zeros(1)
-    assert _one_tensor(output, stage, 0) is output
-    match = (r"stage 0 \(layers 0: Linear, 1: Pair\) returned a tuple, expected one tensor: every element of "
-             r"the pipeline body takes and returns one tensor")
+    assert _boundary_output(output, stage, 0) is output
+    pair = (output, torch.ones(1, dtype=torch.bool))
+    assert _boundary_output(pair, stage, 0) is pair
+    match = (r"stage 0 \(layers 0: Linear, 1: Pair\) returned a value that cannot be sent to the next stage: "
+             r"got a tuple holding Tensor, str: a stage boundary carries one tensor, or a non-empty tuple, "
+             r"list or dict \(str keys\) of tensors, one level deep")
     with pytest.raises(TypeError, match=match):
-        _one_tensor(stage(torch.zeros(1, 2)), stage, 0)
+        _boundary_output(stage(torch.zeros(1, 2)), stage, 0)
     assert _model_input(output) is output
-    with pytest.raises(TypeError, match=r"pipeline_inputs\(batch\) returned a dict, expected one tensor"):
-        _model_input({"ids": output, "mask": output})
+    inputs = {"ids": output, "mask": output}
+    assert _model_input(inputs) is inputs
+    with pytest.raises(TypeError, match=r"pipeline_inputs\(batch\) returned a value the body's first layer "
+                       r"cannot take across stages: got a dict holding Tensor, dict"):
+        _model_input({"ids": output, "more": {"mask": output}})
 
 
 def test_batchnorm_with_microbatches_warns() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
 import time
@@ -16,7 +17,7 @@ from tests.process import REPO as REPO_ROOT
 from tests.process import run_process
 
 SCRIPT = REPO_ROOT / "benchmarks" / "dorylus_pipeline.py"
-SUMMARY = re.compile(r"^async_speedup=\d+\.\d\d s0_speedup=\d+\.\d\d$")
+SUMMARY = re.compile(r"^async_speedup=\d+\.\d\d s0_speedup=\d+\.\d\d shared_cores_async_speedup=\d+\.\d\d$")
 
 
 def load_benchmark():
@@ -52,32 +53,37 @@ def test_report_prints_sync_over_stale_ratios_last(capsys: pytest.CaptureFixture
         ]
 
     results = {
-        "sync": servers([3.0, 1.0, 3.0], [1.0, 3.0, 1.0]),  # slowest per epoch: 3, 3, 3
-        "s0": servers([2.0], [1.0]),
-        "s1": servers([1.5], [1.0]),
+        "sync/own": servers([3.0, 1.0, 3.0], [1.0, 3.0, 1.0]),  # slowest per epoch: 3, 3, 3
+        "s0/own": servers([2.0], [1.0]),
+        "s1/own": servers([1.5], [1.0]),
+        "sync/shared": servers([2.0], [1.0]),
+        "s1/shared": servers([2.5], [1.0]),
     }
     bench.report({"nodes": 10, "edges": 20}, results, args)
-    assert capsys.readouterr().out.strip().splitlines()[-1] == "async_speedup=2.00 s0_speedup=1.50"
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "async_speedup=2.00 s0_speedup=1.50 shared_cores_async_speedup=0.80")
 
 
 def test_rounds_rotate_the_order_and_report_the_median_per_configuration(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     bench = load_benchmark()
-    assert [bench.round_order(r) for r in range(4)] == [
-        ["sync", "s0", "s1"], ["s0", "s1", "sync"], ["s1", "sync", "s0"], ["sync", "s0", "s1"]
-    ]
+    configs = ["sync/own", "s0/own", "s1/own", "sync/shared", "s1/shared"]
+    rotations = [configs[r:] + configs[:r] for r in range(5)]
+    assert [bench.round_order(r) for r in range(6)] == [*rotations, configs]
     args = bench.parse_args(["--rounds", "3"])
 
-    def one(sync: float, s0: float, s1: float) -> dict:
-        return {mode: [{"rank": 0, "epoch_times": [t], "losses": [2.0, 1.0]}]
-                for mode, t in (("sync", sync), ("s0", s0), ("s1", s1))}
+    def one(*times: float) -> dict:
+        return {config: [{"rank": 0, "epoch_times": [t], "losses": [2.0, 1.0]}]
+                for config, t in zip(configs, times)}
 
-    rounds = [one(3.0, 2.0, 1.0), one(9.0, 1.0, 1.5), one(4.0, 4.0, 2.0)]  # medians: 4, 2, 1.5
+    # medians: sync/own 4, s0/own 2, s1/own 1.5, sync/shared 3, s1/shared 2
+    rounds = [one(3.0, 2.0, 1.0, 3.0, 1.0), one(9.0, 1.0, 1.5, 2.0, 2.0), one(4.0, 4.0, 2.0, 6.0, 3.0)]
     bench.report({"nodes": 10, "edges": 20}, rounds[0], args, rounds)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-1] == "async_speedup=2.67 s0_speedup=2.00"
-    assert lines[-2] == "round 2 (s/epoch, in the order run): s1 2.000  sync 4.000  s0 4.000"
+    assert lines[-1] == "async_speedup=2.67 s0_speedup=2.00 shared_cores_async_speedup=1.50"
+    assert lines[-2] == ("round 2 (s/epoch, in the order run): s1/own 2.000  sync/shared 6.000  "
+                         "s1/shared 3.000  sync/own 4.000  s0/own 4.000")
 
 
 def test_rounds_below_one_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -86,10 +92,11 @@ def test_rounds_below_one_are_refused(capsys: pytest.CaptureFixture[str]) -> Non
     assert "--rounds must be >= 1, got 0" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # 7 fresh processes (prepare + 3 configurations x 2 servers): ~1 min quiet, 3+ min loaded
+@pytest.mark.slow  # 11 fresh processes (prepare + 5 configurations x 2 servers): ~2 min quiet, 5+ loaded
 @pytest.mark.multiprocess
 def test_benchmark_tiny_size_prints_the_summary_line(tmp_path: Path) -> None:
-    """The whole benchmark (prepare, then 3 configurations x 2 graph servers) on a 600-vertex graph."""
+    """The whole benchmark (prepare, then 5 configurations x 2 graph servers) on a 600-vertex graph; the
+    own-cores servers and executor workers ran on the cores they were given."""
     command = [
         sys.executable,
         str(SCRIPT),
@@ -118,4 +125,10 @@ def test_benchmark_tiny_size_prints_the_summary_line(tmp_path: Path) -> None:
     ]
     lines = run_process(command, timeout=600, cwd=REPO_ROOT).stdout.strip().splitlines()
     assert SUMMARY.match(lines[-1]), lines[-1]
-    assert [line.split()[0] for line in lines[-4:-1]] == ["staleness=None", "staleness=0", "staleness=1"]
+    assert [line.split("  ")[0] for line in lines[-6:-1]] == [
+        "staleness=None, own cores", "staleness=0, own cores", "staleness=1, own cores",
+        "staleness=None, shared cores", "staleness=1, shared cores"]
+    cores = sorted(os.sched_getaffinity(0))
+    servers, workers = cores[: len(cores) // 2], cores[len(cores) // 2 :]
+    pinned = f"own cores: graph servers on {servers}, executor workers on {workers} (as run)"
+    assert pinned in lines[-8], lines

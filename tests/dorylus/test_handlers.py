@@ -165,7 +165,8 @@ def test_handle_round_trip_through_wire() -> None:
 
 def test_unknown_op_is_named_with_valid_ops() -> None:
     request = wire.encode(handlers.request_header("apply_vertex.sideways"), {})
-    match = r"unknown op 'apply_vertex.sideways'; valid ops are \[.*'apply_edge.forward'"
+    match = (r"unknown op 'apply_vertex.sideways': this handler has \[.*'apply_edge.forward'.*\]\. An op "
+             r"from your own module must be registered with lightning_dorylus.ops.register_ops")
     with pytest.raises(ValueError, match=match):
         handlers.handle(request)
 

@@ -66,12 +66,20 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--clip-algorithm", choices=["norm", "value"], default="norm")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
+    parser.add_argument("--hold", default="", help="MEMBER:STEP:sigterm|release (signal_callbacks)")
+    parser.add_argument("--raise-at", default="", help="MEMBER:STEP: its loss raises there")
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
 
     seed_everything(0)
-    model = VARIANTS[args.variant](pairs=args.pairs, optimizer=args.optimizer, dtype=args.dtype)
+    if args.raise_at:
+        from tests.bamboo.signal_callbacks import UserBugMLP
+
+        bug_member, bug_step = map(int, args.raise_at.split(":"))
+        model = UserBugMLP(bug_member, bug_step, pairs=args.pairs, optimizer=args.optimizer, dtype=args.dtype)
+    else:
+        model = VARIANTS[args.variant](pairs=args.pairs, optimizer=args.optimizer, dtype=args.dtype)
     x, y = make_data(args.steps * args.batch_size)
     if args.strategy == "auto":
         # the elastic run's (unsharded) DistributedSampler shuffles with seed 0 in epoch 0: read that order
@@ -98,6 +106,13 @@ def main() -> None:
 
         endpoints = args.aws_endpoints.split(",")
         callbacks = notice_callbacks(args.out, strategy.member, endpoints, args.wait_notice)
+    if isinstance(strategy, ElasticBambooStrategy):
+        from tests.bamboo.signal_callbacks import SignalTarget
+
+        hold = None
+        if args.hold and int(args.hold.split(":")[0]) == strategy.member:
+            hold = (int(args.hold.split(":")[1]), args.hold.split(":")[2])
+        callbacks.append(SignalTarget(args.out, strategy.member, hold))
     val_losses = ValLosses()
     trainer = Trainer(
         accelerator="cpu",
