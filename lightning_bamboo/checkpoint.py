@@ -9,6 +9,9 @@ On-disk layout of one checkpoint (a directory, written by every rank)::
                              files' own headers are the index (shapes, dtypes)
         meta.pt              trainer state (epoch, loops, callbacks, schedulers, optimizer hyper-parameters),
                              written by rank 0, loaded with weights_only=True
+        param-groups-stage00000.json ...
+                             per stage: the parameter names of each param group (JSON), for writing the
+                             whole model's positional optimizer state (consolidate_checkpoint(output=...))
 
 Nothing is unpickled on load: DCP's default ``FileSystemWriter`` would write a pickled ``.metadata`` index
 (read back with ``pickle.load``); safetensors headers are JSON. Checkpoints of the older format (a
@@ -18,12 +21,16 @@ Tensor keys are flat and name-based, so shards of different stages never collide
 loads into a single-process model: ``model/pipeline.3.weight`` and ``optim0/pipeline.3.weight/exp_avg``.
 Data-parallel pipelines write the same keys; ``torch.distributed.checkpoint`` keeps one copy.
 
+An ordinary Lightning ``.ckpt`` file (one process) loads into the stages too
+(:func:`load_lightning_checkpoint`), and :func:`consolidate_checkpoint` writes one from a folder.
+
 Writes go to ``<path>.partial`` and are renamed into place only once every rank has finished, so a failure
 mid-save never leaves a half-written checkpoint under the final name.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
@@ -137,9 +144,17 @@ def _reader(path: Path) -> dcp.StorageReader:
 
 
 def save_sharded(
-    checkpoint: dict[str, Any], filepath: str | Path, is_global_zero: bool, barrier: Callable[[], None]
+    checkpoint: dict[str, Any],
+    filepath: str | Path,
+    is_global_zero: bool,
+    barrier: Callable[[], None],
+    stage: int | None = None,
 ) -> None:
-    """Write this rank's shard of ``checkpoint`` (collective: every rank calls it)."""
+    """Write this rank's shard of ``checkpoint`` (collective: every rank calls it).
+
+    ``stage``: given by one rank per stage (pipeline 0's), which then also writes its param groups'
+    parameter names (JSON), so :func:`consolidate_checkpoint` can write the whole model's optimizer state.
+    """
     path = Path(filepath)
     partial = path.with_name(path.name + ".partial")
     if is_global_zero:
@@ -149,6 +164,8 @@ def save_sharded(
     barrier()
     with single_process_dcp():
         dcp.save(_tensor_tree(checkpoint), storage_writer=_writer(partial), no_dist=not dist.is_initialized())
+    if stage is not None:
+        write_group_names(partial, stage, checkpoint.get("optimizer_states", []))
     if is_global_zero:
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         meta["optimizer_param_groups"] = [
@@ -279,12 +296,171 @@ def load_replica(
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
 
-def consolidate_checkpoint(filepath: str | Path) -> dict[str, Tensor]:
+def consolidate_checkpoint(filepath: str | Path, output: str | Path | None = None) -> dict[str, Tensor]:
     """The full model ``state_dict`` (all stages merged) of a sharded checkpoint, in one process.
 
-    The result loads into the single-process LightningModule with ``module.load_state_dict(...)``.
+    The result loads into the single-process LightningModule with ``module.load_state_dict(...)``. With
+    ``output``, also write an ordinary Lightning ``.ckpt`` file there: the merged weights, each optimizer's
+    state in ``Optimizer.state_dict()`` form for the whole model, and the trainer state (epoch, global
+    step, loops, schedulers, callbacks), so ``Trainer(strategy="auto").fit(ckpt_path=output)`` resumes
+    and ``MyModel.load_from_checkpoint(output)`` loads. Lightning opens a ``ckpt_path`` itself (a folder
+    fails there with ``IsADirectoryError`` before any strategy code runs), hence this converter.
     """
     path = Path(filepath)
     keys = [k for k in _metadata(path) if k.startswith(_MODEL)]
     loaded = _load_tensors(path, keys, no_dist=True)
-    return {k[len(_MODEL) :]: v for k, v in loaded.items()}
+    state_dict = {k[len(_MODEL) :]: v for k, v in loaded.items()}
+    if output is not None:
+        _write_lightning_checkpoint(path, Path(output), state_dict)
+    return state_dict
+
+
+# ---------------------------------------------------------------------------- ordinary Lightning checkpoints
+# A ``.ckpt`` file of ``strategy="auto"`` (one process) holds the whole model and each optimizer's
+# ``state_dict()`` with positional parameter indices. Bamboo reads it by giving every index its parameter's
+# name (the param groups of the user's ``configure_optimizers`` over the whole model, recorded before the
+# split), and :func:`consolidate_checkpoint` writes one from a Bamboo checkpoint by the inverse mapping.
+
+GROUPS_FILE = "param-groups-stage{stage:05d}.json"
+"""Per stage (written by pipeline 0's rank): the parameter names of each param group, in group order."""
+
+
+def named_from_positional(state: dict[str, Any], group_names: list[list[str]]) -> dict[str, Any]:
+    """An optimizer ``state_dict()`` of the whole model in the name-keyed form of
+    :func:`named_optimizer_state`, given each param group's parameter names (whole model, group order).
+
+    Raises:
+        ValueError: when the saved groups do not have the sizes of ``group_names``.
+    """
+    saved_groups = state["param_groups"]
+    sizes = [len(g["params"]) for g in saved_groups]
+    if sizes != [len(names) for names in group_names]:
+        raise ValueError(
+            f"the checkpoint's optimizer has param groups of {sizes} parameters but configure_optimizers "
+            f"builds groups of {[len(n) for n in group_names]} for this model; it was saved from another "
+            "model or another configure_optimizers"
+        )
+    index_to_name = {i: n for g, names in zip(saved_groups, group_names) for i, n in zip(g["params"], names)}
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "param_names": names}
+        for g, names in zip(saved_groups, group_names)
+    ]
+    named = {index_to_name[i]: values for i, values in state["state"].items()}
+    return {"state": named, "param_groups": groups}
+
+
+def positional_from_named(named: dict[str, Any], group_names: list[list[str]]) -> dict[str, Any]:
+    """Inverse of :func:`named_from_positional`: an optimizer ``state_dict()`` for the whole model."""
+    index = {n: i for i, n in enumerate(n for names in group_names for n in names)}
+    groups = []
+    for settings, names in zip(named["param_groups"], group_names):
+        group = {k: v for k, v in settings.items() if k != "param_names"}
+        group["params"] = [index[n] for n in names]
+        groups.append(group)
+    state = {index[name]: values for name, values in named["state"].items()}
+    return {"state": state, "param_groups": groups}
+
+
+def load_lightning_checkpoint(
+    filepath: str | Path,
+    module: LightningModule,
+    optimizers: list[Optimizer],
+    group_names: list[list[str]] | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read an ordinary Lightning ``.ckpt`` file (``weights_only=True``) and keep this rank's stage of it.
+
+    Returns:
+        ``(checkpoint, whole)``: the checkpoint as :func:`load_sharded` returns it (this stage's
+        ``state_dict``, name-keyed ``optimizer_states``, the trainer state as saved), and the whole model's
+        ``state_dict`` plus name-keyed optimizer states (for the replica).
+    """
+    path = Path(filepath)
+    checkpoint: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    if "state_dict" not in checkpoint:
+        raise ValueError(f"{path} is not a Lightning checkpoint (no 'state_dict' entry)")
+    full_state = checkpoint["state_dict"]
+    local = module.state_dict()
+    checkpoint["state_dict"] = {k: v for k, v in full_state.items() if k in local}
+    saved_optimizers = checkpoint.get("optimizer_states", [])
+    named_states = []
+    if optimizers and saved_optimizers:
+        if group_names is None:
+            raise RuntimeError("the whole model's param groups were not recorded before the split")
+        named_states = [named_from_positional(saved_optimizers[0], group_names)]
+    own = []
+    for optimizer, named in zip(optimizers, named_states):
+        names = {n for g in optimizer.param_groups for n in _group_names(module, g)}
+        groups = [
+            {**saved, "param_names": _group_names(module, g)}
+            for saved, g in zip(named["param_groups"], optimizer.param_groups)
+        ]
+        own.append({"state": {n: v for n, v in named["state"].items() if n in names}, "param_groups": groups})
+    checkpoint["optimizer_states"] = own
+    return checkpoint, {"state_dict": full_state, "optimizer_states": named_states}
+
+
+def load_replica_from_memory(
+    whole: dict[str, Any], replica: nn.Module, body_attr: str, optimizer: Optimizer | None
+) -> None:
+    """:func:`load_replica` from the whole model of an ordinary checkpoint
+    (:func:`load_lightning_checkpoint`)."""
+    prefix = f"{body_attr}."
+    replica.load_state_dict({k: whole["state_dict"][prefix + k] for k in replica.state_dict()})
+    if optimizer is None or not whole["optimizer_states"]:
+        return
+    named = whole["optimizer_states"][0]["state"]
+    names = {id(p): prefix + n for n, p in replica.named_parameters()}
+    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    state = {i: dict(named[n]) for i, n in enumerate(ordered) if n in named}
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def write_group_names(directory: Path, stage: int, optimizer_states: list[dict[str, Any]]) -> None:
+    """This stage's parameter names per param group (JSON), for :func:`consolidate_checkpoint`."""
+    groups = [[g["param_names"] for g in named["param_groups"]] for named in optimizer_states]
+    entry = {"stage": stage, "optimizers": groups}
+    (directory / GROUPS_FILE.format(stage=stage)).write_text(json.dumps(entry))
+
+
+def _whole_group_names(path: Path, optimizer: int) -> list[list[str]]:
+    """Each param group's names over all stages (stage 0's, then stage 1's, ...: the module's order)."""
+    files = sorted(path.glob(GROUPS_FILE.replace("{stage:05d}", "*")))
+    if not files:
+        raise FileNotFoundError(
+            f"{path} has no {GROUPS_FILE.format(stage=0)}: it was written before checkpoints recorded their "
+            "param groups; resume it with BambooStrategy and save it again to convert its optimizer state"
+        )
+    stages = sorted((json.loads(f.read_text()) for f in files), key=lambda entry: entry["stage"])
+    groups = [list(names) for names in stages[0]["optimizers"][optimizer]]
+    for entry in stages[1:]:
+        for merged, names in zip(groups, entry["optimizers"][optimizer]):
+            merged += names
+    return groups
+
+
+def _write_lightning_checkpoint(path: Path, output: Path, state_dict: dict[str, Tensor]) -> None:
+    """The ordinary ``.ckpt`` of :func:`consolidate_checkpoint`: weights, optimizers, trainer state."""
+    checkpoint: dict[str, Any] = torch.load(path / META_FILE, weights_only=True)
+    saved_groups = checkpoint.pop("optimizer_param_groups", [])
+    meta = _metadata(path)
+    optimizer_states = []
+    for i, groups in enumerate(saved_groups):
+        group_names = _whole_group_names(path, i)
+        names = [n for g in group_names for n in g]
+        with_state = {k[len(f"optim{i}/") :].rpartition("/")[0] for k in meta if k.startswith(f"optim{i}/")}
+        if len(set(names)) != len(names) or not with_state <= set(names):
+            raise ValueError(
+                f"{path}'s param-group files ({GROUPS_FILE.format(stage=0)}, ...) do not list every "
+                "parameter with optimizer state exactly once; the folder is incomplete"
+            )
+        keys = _optimizer_keys(meta, i, names)
+        flat = _load_tensors(path, [f"optim{i}/{n}/{k}" for n, ks in keys.items() for k in ks], no_dist=True)
+        named = {
+            "state": {n: {k: flat[f"optim{i}/{n}/{k}"] for k in ks} for n, ks in keys.items() if ks},
+            "param_groups": groups,
+        }
+        optimizer_states.append(positional_from_named(named, group_names))
+    checkpoint["state_dict"] = state_dict
+    checkpoint["optimizer_states"] = optimizer_states
+    output.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, output)

@@ -4,8 +4,11 @@ Every rank holds a replica of stage ``(s + 1) % num_stages``. After each optimiz
 the (averaged, clipped) gradients it just applied to its predecessor (one flat buffer per dtype), with its
 buffers (BatchNorm statistics), which parameters had a gradient (the others are skipped, as the
 successor's optimizer skipped them) and its optimizer's numeric hyper-parameters (as a scheduler set them
-for this step; a float64 vector, no pickling), and the predecessor applies them with the user's own
-optimizer built over the replica (same class and param groups). At setup every parameter, frozen ones
+for this step; a float64 vector, no pickling: the first message is preceded by a small header with its
+sizes, every message ends with the sizes of the next, and the hyper-parameter keys travel as JSON when
+they change, so the replica's optimizer gains and drops keys as the successor's does), and the
+predecessor applies them with the user's own optimizer built over the replica (same class and param
+groups). At setup every parameter, frozen ones
 included, and every buffer of the successor is copied to the replica. Starting from the same parameters,
 the same gradients through the same optimizer code give the same parameters and the same optimizer state
 bit for bit (on the same kind of device), so a takeover needs no transfer at all.
@@ -27,6 +30,8 @@ step and the next replica forward, can be one update behind; call :meth:`flush` 
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +42,12 @@ from torch.optim import Optimizer
 
 from lightning_bamboo import p2p
 from lightning_bamboo.groups import BambooGroups
+
+_MAGIC = 7301.0
+"""First value of every replica header (a message of another kind is refused, not misread)."""
+_HEADER = 4
+_TAIL = 2
+"""Values at the end of every message: the sizes of the next (hyper-parameter values, schema bytes)."""
 
 
 class ReplicaSync:
@@ -75,6 +86,15 @@ class ReplicaSync:
         self._receive_flats: list[Tensor] | None = None
         self._receive_views: list[Tensor] = []
         self._meta_in: Tensor | None = None
+        # the hyper-parameter layout of the next message sent (None: not agreed yet, the first message
+        # exchanges a header) and its keys (JSON) when the predecessor has not had them yet; the values last
+        # sent (for keys the stage optimizer has dropped since the layout was announced); the sizes of the
+        # next message received, as the successor announced them
+        self._layout: list[list[list[Any]]] | None = None
+        self._schema_due = b""
+        self._sent_values: list[float] = []
+        self._expected = (0, 0)
+        self._header_out: Tensor | None = None
         # any forward of the replica (FR, a takeover) first applies the update still in flight
         self._hook = replica.register_forward_pre_hook(lambda module, args: self.flush())
 
@@ -133,7 +153,13 @@ class ReplicaSync:
         # with the gradients go: the stage's buffers (BatchNorm statistics), which gradient a parameter has,
         # and this stage's optimizer hyper-parameters, which are the ones the replica must step with
         buffers = list(self.stage.buffers())
-        meta = [float(p.grad is not None) for p in own_params] + encode_hyperparameters(main_optimizer)
+        flags = [float(p.grad is not None) for p in own_params]
+        schema, current_values = schema_and_values(main_optimizer)  # one pass over the param groups
+        header: tuple[list[Any], Tensor] | None = None
+        if self._layout is None:  # the first message: agree on its sizes (blocking, once per ReplicaSync)
+            self._layout, self._schema_due = schema, json.dumps(schema).encode()
+            size, schema_length = _layout_size(schema), len(self._schema_due)
+            header = self._post_header(len(flags), size, schema_length)
         # the flat buffers are kept from step to step (no fresh 2 x model-size allocation per step): the
         # previous exchange is applied (flush above), so neither is in use any more
         if self._send_flats is None:
@@ -145,16 +171,79 @@ class ReplicaSync:
                     view.zero_()  # no gradient: its flag says so, the values are not used
                 else:
                     view.copy_(source)
-        own = [*self._send_flats, torch.tensor([len(meta), *meta], dtype=torch.float64, device=self.device)]
-        if self._receive_flats is None or self._meta_in is None:
+        if header is not None:
+            for work in header[0]:  # the gradient copy above ran while the headers travelled
+                work.wait()
+            self._expected = self._check_header(header[1])
+        # this message has the layout announced by the previous one; it announces the next one's (this
+        # step's keys), with the keys themselves when they changed
+        if schema == self._layout:  # the usual step: the keys are those announced
+            values = current_values
+        else:
+            values = encode_in_layout(main_optimizer, self._layout, self._sent_values)
+        self._sent_values = values
+        next_schema = b"" if schema == self._layout else json.dumps(schema).encode()
+        tail = [float(len(current_values)), float(len(next_schema))]
+        meta_out = torch.tensor([*flags, *values, *tail], dtype=torch.float64, device=self.device)
+        own = [*self._send_flats, meta_out]
+        if self._schema_due:
+            own.append(torch.frombuffer(bytearray(self._schema_due), dtype=torch.uint8).to(self.device))
+        self._layout, self._schema_due = schema, next_schema
+        if self._receive_flats is None:
             replica_tensors = [*self._replica_params(), *self._replica.buffers()]
             self._receive_flats = _empty_flats(replica_tensors, self.device)
             self._receive_views = _views(self._receive_flats, replica_tensors)
-            # the successor's count: its has-gradient flags and hyper-parameters, behind the count itself
-            expected = len(self._replica_params()) + len(encode_hyperparameters(self._optimizer))
-            self._meta_in = torch.empty(expected + 1, dtype=torch.float64, device=self.device)
+        num_values, schema_length = self._expected
+        meta_length = len(self._receive_views) - len(list(self._replica.buffers())) + num_values + _TAIL
+        if self._meta_in is None or self._meta_in.numel() != meta_length:
+            self._meta_in = torch.empty(meta_length, dtype=torch.float64, device=self.device)
         incoming = [*self._receive_flats, self._meta_in]
-        self._pending = _PendingUpdate(self._post(own, incoming, p2p.Tag.REPLICA_GRAD), incoming, sent=own)
+        schema_in = None
+        if schema_length:
+            schema_in = torch.empty(schema_length, dtype=torch.uint8, device=self.device)
+        receives = incoming if schema_in is None else [*incoming, schema_in]
+        works = self._post(own, receives, p2p.Tag.REPLICA_GRAD)
+        self._pending = _PendingUpdate(works, incoming, sent=own, schema=schema_in)
+
+    def _post_header(self, num_flags: int, num_values: int, schema_length: int) -> tuple[list[Any], Tensor]:
+        """Post the exchange of the first message's sizes with the predecessor and successor; return the
+        works (wait on them before posting the message) and the successor's header, once they are done.
+
+        Four float64 values, so the first receive is posted with the size the sender will send; every
+        later message announces the sizes of the next (:meth:`step`). A size guessed from the receiver's
+        own optimizer made gloo abort the process on a mismatch (``304 vs 296``, under ``lr_find``) before
+        any readable error could run.
+        """
+        header_out = torch.tensor(
+            [_MAGIC, num_flags, num_values, schema_length], dtype=torch.float64, device=self.device
+        )
+        header_in = torch.empty(_HEADER, dtype=torch.float64, device=self.device)
+        self._header_out = header_out  # alive until the works are waited on
+        return self._post([header_out], [header_in], p2p.Tag.REPLICA_GRAD), header_in
+
+    def _check_header(self, header: Tensor) -> tuple[int, int]:
+        """``(hyper-parameter values, schema bytes)`` of the successor's first message, as it announced.
+
+        Raises:
+            RuntimeError: the header is not one of ours, or the successor's stage has a different number
+                of trainable parameters than the replica.
+        """
+        magic, num_flags, num_values, schema_length = header.tolist()
+        expected_flags = len(self._replica_params())
+        if magic != _MAGIC or num_values < 0 or schema_length < 0:
+            raise RuntimeError(
+                f"malformed replica header from rank {self.groups.successor_rank}: {header.tolist()} "
+                f"(expected [{_MAGIC}, parameter count, hyper-parameter count, schema length]); the "
+                "successor runs a different version of lightning_bamboo or another message was mistaken "
+                "for this one"
+            )
+        if int(num_flags) != expected_flags:
+            raise RuntimeError(
+                f"the successor (rank {self.groups.successor_rank}) sends gradients of {int(num_flags)} "
+                f"trainable parameters but the replica has {expected_flags}; every rank must build the same "
+                "model and freeze the same parameters"
+            )
+        return int(num_values), int(schema_length)
 
     def exchange(self, main_optimizer: Optimizer) -> None:
         """The blocking form of :meth:`step`, for a step that commits in two phases (elastic Bamboo).
@@ -169,6 +258,24 @@ class ReplicaSync:
         for work in self._pending.works:
             work.wait()
         self._pending.works = []
+        self._take_schema(self._pending)  # kept even if the step is discarded: the sender will not resend it
+
+    def _take_schema(self, pending: _PendingUpdate) -> None:
+        """Take what the message says about the hyper-parameters, whether or not its gradients are applied:
+        the keys of its layout (when they changed; the replica optimizer gains and drops keys to match) and
+        the sizes of the next message."""
+        if pending.taken:
+            return
+        pending.taken = True
+        if pending.schema is not None:
+            follow_schema(self._optimizer, json.loads(bytes(pending.schema.cpu().numpy().tobytes())))
+        num_values, schema_length = pending.incoming[-1][-_TAIL:].tolist()
+        if not (num_values >= 0 and schema_length >= 0 and num_values == int(num_values)):
+            raise RuntimeError(
+                f"malformed replica message from rank {self.groups.successor_rank}: it announces "
+                f"{num_values} hyper-parameter values and {schema_length} schema bytes for the next one"
+            )
+        self._expected = (int(num_values), int(schema_length))
 
     def discard(self) -> None:
         """Drop the received update without applying it (the step it belongs to was aborted)."""
@@ -199,7 +306,7 @@ class ReplicaSync:
         for work in pending.works:
             work.wait()
         replica_params = self._replica_params()
-        meta = pending.incoming[-1]
+        meta = pending.incoming[-1]  # has-gradient flags, then hyper-parameters
         with torch.no_grad():
             # the gradients are used where they were received: ``.grad`` becomes a view of the flat buffer
             # (a copy only if the replica lives on another device); buffers are copied
@@ -212,14 +319,9 @@ class ReplicaSync:
                     p.grad = view.to(p.device, copy=True)
             for buffer, view in zip(buffers, views[len(replica_params) :]):
                 buffer.copy_(view)
-        values = meta.tolist()
-        if int(values[0]) != len(values) - 1:
-            raise RuntimeError(
-                f"the successor sent {int(values[0])} optimizer values but the replica expects "
-                f"{len(values) - 1}: configure_optimizers must build the same param groups and settings for "
-                "a stage and for its replica"
-            )
-        has_grad, hyperparameters = values[1 : 1 + len(replica_params)], values[1 + len(replica_params) :]
+        self._take_schema(pending)
+        values = meta[:-_TAIL].tolist()
+        has_grad, hyperparameters = values[: len(replica_params)], values[len(replica_params) :]
         for p, flag in zip(replica_params, has_grad):
             # no gradient: the successor's optimizer skipped it (no weight decay, no momentum); so does this
             if not flag:
@@ -253,6 +355,10 @@ class _PendingUpdate:
     """Flat gradient-and-buffer buckets, then the float64 values (has-gradient flags, hyper-parameters)."""
     sent: list[Tensor]
     """The send buffers, alive until the exchange is waited on."""
+    schema: Tensor | None = None
+    """The keys of this message's hyper-parameter layout (JSON bytes), when they changed."""
+    taken: bool = False
+    """Whether :meth:`ReplicaSync._take_schema` has read the keys and the next message's sizes."""
 
 
 def set_hyperparameters(target: Optimizer, hyperparameters: list[dict[str, Any]]) -> None:
@@ -285,15 +391,127 @@ def _numeric_settings(optimizer: Optimizer) -> list[tuple[dict[str, Any], str, A
 
 def encode_hyperparameters(optimizer: Optimizer) -> list[float]:
     """The optimizer's numeric hyper-parameters as floats (exact: a Python float is a float64)."""
+    return [v for _, _, value in _numeric_settings(optimizer) for v in _as_floats(value)]
+
+
+def _kind(value: Any) -> list[Any]:
+    """``[kind, size or shape(, dtype)]`` of a numeric setting, as JSON."""
+    if isinstance(value, Tensor):
+        return ["tensor", list(value.shape), str(value.dtype).removeprefix("torch.")]
+    if isinstance(value, (tuple, list)):
+        return [type(value).__name__, [type(v).__name__ for v in value]]
+    return [type(value).__name__, 1]
+
+
+def hyperparameter_schema(optimizer: Optimizer) -> list[list[list[Any]]]:
+    """Per param group, ``[key, kind, size]`` of each numeric setting (the layout of
+    :func:`encode_hyperparameters`), JSON-representable."""
+    return schema_and_values(optimizer)[0]
+
+
+def schema_and_values(optimizer: Optimizer) -> tuple[list[list[list[Any]]], list[float]]:
+    """:func:`hyperparameter_schema` and :func:`encode_hyperparameters` in one pass (once per step)."""
+    schema: list[list[list[Any]]] = []
     values: list[float] = []
-    for _, _, value in _numeric_settings(optimizer):
-        if isinstance(value, Tensor):
-            values += [float(v) for v in value.detach().reshape(-1).tolist()]
-        elif isinstance(value, (tuple, list)):
-            values += [float(v) for v in value]
-        else:
-            values.append(float(value))
+    for group in optimizer.param_groups:
+        entries = []
+        for key in sorted(group):
+            if key == "params":
+                continue
+            value = group[key]
+            if isinstance(value, (bool, int, float, Tensor)) or (
+                isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float)) for v in value)
+            ):
+                entries.append([key, *_kind(value)])
+                values += _as_floats(value)
+        schema.append(entries)
+    return schema, values
+
+
+def _placeholder(kind: list[Any]) -> Any:
+    """A value of ``kind`` (:func:`_kind`); its number is set by :func:`decode_hyperparameters` next."""
+    types = {"bool": bool, "int": int, "float": float}
+    name, shape = kind[0], kind[1]
+    if name == "tensor":
+        return torch.zeros(shape, dtype=getattr(torch, kind[2]))
+    if name in ("tuple", "list"):
+        return (tuple if name == "tuple" else list)(types[t](0) for t in shape)
+    return types[name](0)
+
+
+def follow_schema(optimizer: Optimizer, schema: list[list[list[Any]]]) -> None:
+    """Give ``optimizer``'s param groups exactly the numeric keys of ``schema`` (:func:`hyperparameter_schema`
+    of the successor's optimizer): keys it gained are added, keys it dropped are removed.
+
+    Raises:
+        RuntimeError: when the number of param groups differs, or a schema entry is not understood.
+    """
+    if len(schema) != len(optimizer.param_groups):
+        raise RuntimeError(
+            f"the successor's optimizer has {len(schema)} param groups but the replica's has "
+            f"{len(optimizer.param_groups)}; configure_optimizers must build the same param groups for a "
+            "stage and its replica"
+        )
+    current = hyperparameter_schema(optimizer)
+    for group, wanted, have in zip(optimizer.param_groups, schema, current):
+        wanted_keys = {entry[0]: entry[1:] for entry in wanted}
+        for key, *_ in have:
+            if key not in wanted_keys:
+                del group[key]
+        for key, kind in wanted_keys.items():
+            if [key, *kind] not in have:
+                try:
+                    group[key] = _placeholder(kind)
+                except (KeyError, AttributeError, TypeError, IndexError) as err:
+                    raise RuntimeError(
+                        f"the successor sent hyper-parameter {key!r} of a kind the replica cannot hold: "
+                        f"{kind}"
+                    ) from err
+
+
+def _entry_size(entry: list[Any]) -> int:
+    """Values of one :func:`hyperparameter_schema` entry ``[key, kind, size or shape(, dtype)]``."""
+    if entry[1] == "tensor":
+        return math.prod(entry[2])
+    if entry[1] in ("tuple", "list"):
+        return len(entry[2])
+    return 1
+
+
+def _layout_size(schema: list[list[list[Any]]]) -> int:
+    return sum(_entry_size(entry) for group in schema for entry in group)
+
+
+def encode_in_layout(
+    optimizer: Optimizer, layout: list[list[list[Any]]], previous: list[float]
+) -> list[float]:
+    """:func:`encode_hyperparameters` in the layout announced earlier (``layout``, a
+    :func:`hyperparameter_schema`): a key that is gone (or changed its size) since sends its ``previous``
+    value (or 0), and keys gained since wait for the next message, which carries them and its layout."""
+    if hyperparameter_schema(optimizer) == layout:
+        return encode_hyperparameters(optimizer)
+    index = {id(group): i for i, group in enumerate(optimizer.param_groups)}
+    current: list[dict[str, Any]] = [{} for _ in optimizer.param_groups]
+    for group, key, value in _numeric_settings(optimizer):
+        current[index[id(group)]][key] = value
+    values: list[float] = []
+    for i, entries in enumerate(layout):
+        for entry in entries:
+            size = _entry_size(entry)
+            value = current[i].get(entry[0]) if i < len(current) else None
+            floats = _as_floats(value) if value is not None else []
+            if len(floats) != size:
+                floats = previous[len(values) : len(values) + size] or [0.0] * size
+            values += floats
     return values
+
+
+def _as_floats(value: Any) -> list[float]:
+    if isinstance(value, Tensor):
+        return [float(v) for v in value.detach().reshape(-1).tolist()]
+    if isinstance(value, (tuple, list)):
+        return [float(v) for v in value]
+    return [float(value)]
 
 
 def decode_hyperparameters(optimizer: Optimizer, values: list[float]) -> None:

@@ -33,6 +33,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -80,6 +81,29 @@ log = logging.getLogger(__name__)
 
 _STAGE_MARK = "_bamboo_stage"
 """Attribute set on a stage's Sequential, so a second strategy does not mistake it for the whole body."""
+
+
+def _refuse_whole_model_callbacks(trainer: pl.Trainer) -> None:
+    """Refuse, before any step, the callbacks that keep their own copy of the whole model."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, StochasticWeightAveraging):
+            raise ValueError(
+                "BambooStrategy does not support StochasticWeightAveraging: the callback copies the whole "
+                "model in its setup hook, before BambooStrategy splits it into stages, and later copies the "
+                "stage's parameters into that copy by position (it would fail with 'shape [32] doesn't "
+                "match [96, 32]' when averaging starts). Train without it, or average consolidated "
+                "checkpoints (lightning_bamboo.consolidate_checkpoint) after training"
+            )
+
+
+def _param_group_names(module: pl.LightningModule) -> list[list[str]]:
+    """The parameter names of each param group ``configure_optimizers`` builds over the whole model (read
+    before the split): an ordinary checkpoint's optimizer state is positional over exactly these groups."""
+    optimizers, _ = _init_optimizers_and_lr_schedulers(module)
+    if not optimizers:
+        return []
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in optimizers[0].param_groups]
 
 
 class BambooStrategy(BambooEventsMixin, ParallelStrategy):
@@ -164,6 +188,8 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         self._body_attr: str = pipeline_attr or "pipeline"
         self._stashed_grads: list[Tensor | None] | None = None
         self._loaded_path: Path | None = None
+        self._loaded_whole: dict[str, Any] | None = None  # an ordinary .ckpt's whole model, for the replica
+        self._whole_group_names: list[list[str]] | None = None
         self._stage_module: nn.Module | None = None
 
     # ------------------------------------------------------------------ properties
@@ -282,12 +308,15 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         self._check_precision()
+        _refuse_whole_model_callbacks(trainer)
         if not module.automatic_optimization:
             raise TypeError(
                 f"BambooStrategy runs the backward pass itself and needs automatic optimization; "
                 f"{type(module).__name__}.automatic_optimization is False"
             )
         if self._stage_module is None or module._modules.get(self._body_attr) is not self._stage_module:
+            if trainer.state.fn == TrainerFn.FITTING:
+                self._whole_group_names = _param_group_names(module)
             self._split_body(module)
         # else: a later fit/validate/test with the same Trainer; the module already holds its stage
 
@@ -632,13 +661,31 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         """Write a sharded checkpoint directory atomically (temporary directory, then rename)."""
         if storage_options is not None:
             raise TypeError("BambooStrategy.save_checkpoint does not take storage_options")
-        ckpt.save_sharded(checkpoint, filepath, is_global_zero=self.is_global_zero, barrier=self.barrier)
+        stage = self.stage_index if self.pipeline_index == 0 else None
+        ckpt.save_sharded(checkpoint, filepath, self.is_global_zero, self.barrier, stage=stage)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read this stage's shard (and its optimizer state) and the trainer state; nothing is unpickled."""
+        """Read this stage's shard (and its optimizer state) and the trainer state; nothing is unpickled.
+
+        ``checkpoint_path`` is a Bamboo checkpoint (a folder, any stage and pipeline count) or an ordinary
+        Lightning ``.ckpt`` file (``torch.load(weights_only=True)``), whose whole model and optimizer state
+        are split into this rank's stage and replica by parameter name.
+        """
         assert self.lightning_module is not None
-        self._loaded_path = Path(checkpoint_path)
+        path = Path(checkpoint_path)
+        self._loaded_path = self._loaded_whole = None
+        if path.is_file():
+            checkpoint, self._loaded_whole = ckpt.load_lightning_checkpoint(
+                path, self.lightning_module, self.optimizers, self._whole_group_names
+            )
+            return checkpoint
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"checkpoint_path {str(path)!r} does not exist (expected a BambooStrategy checkpoint folder "
+                "or an ordinary Lightning .ckpt file)"
+            )
+        self._loaded_path = path
         return ckpt.load_sharded(checkpoint_path, self.lightning_module, self.optimizers)
 
     @override
@@ -647,6 +694,8 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
         if self.replica is not None and self._loaded_path is not None:
             ckpt.load_replica(self._loaded_path, self.replica, self._body_attr, None)
+        if self.replica is not None and self._loaded_whole is not None:
+            ckpt.load_replica_from_memory(self._loaded_whole, self.replica, self._body_attr, None)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -657,6 +706,10 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         if self.replica is not None and self.replica_sync is not None and self._loaded_path is not None:
             self.replica_sync.flush()  # a still-pending update must not land on top of the loaded state
             ckpt.load_replica(self._loaded_path, self.replica, self._body_attr, self.replica_sync.optimizer)
+        if self.replica is not None and self.replica_sync is not None and self._loaded_whole is not None:
+            self.replica_sync.flush()
+            optimizer = self.replica_sync.optimizer
+            ckpt.load_replica_from_memory(self._loaded_whole, self.replica, self._body_attr, optimizer)
 
     @override
     def teardown(self) -> None:
