@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -314,7 +315,9 @@ class ElasticBambooStrategy(BambooStrategy):
             self._launcher = None
             return
         env = self.cluster_environment
-        if env is not None and env.creates_processes_externally:
+        # torchrun, SLURM, LSF, ... (Lightning's own environment reads LOCAL_RANK, which its launcher and
+        # earlier fits in the same interpreter leave behind: not a sign of an outside launcher)
+        if env is not None and not isinstance(env, LightningEnvironment) and env.creates_processes_externally:
             raise RuntimeError(
                 f"ElasticBambooStrategy was started by an outside launcher ({type(env).__name__}: torchrun, "
                 "SLURM, ...), which restarts or ends the whole job when a process is lost. Start the script "

@@ -111,3 +111,19 @@ def test_script_command_reruns_this_script_or_module() -> None:
 
 def test_launcher_is_not_interactive() -> None:
     assert SupervisorLauncher(2).is_interactive_compatible is False
+
+
+def test_outside_launcher_is_refused_and_lightnings_own_environment_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
+
+    from lightning_bamboo.elastic import ElasticBambooStrategy
+
+    monkeypatch.setenv("LOCAL_RANK", "0")  # left behind by Lightning's own launcher or an earlier fit
+    strategy = ElasticBambooStrategy(num_stages=2, cluster_environment=LightningEnvironment())
+    strategy._configure_launcher()
+    assert isinstance(strategy.launcher, SupervisorLauncher)
+    torchrun = ElasticBambooStrategy(num_stages=2, cluster_environment=TorchElasticEnvironment())
+    with pytest.raises(RuntimeError, match="started by an outside launcher \\(TorchElasticEnvironment"):
+        torchrun._configure_launcher()
