@@ -10,7 +10,6 @@ from torch import Tensor, nn
 
 from lightning_dorylus.graph import GraphContext
 from lightning_dorylus.nn import DorylusLayer
-from lightning_dorylus.nn.functions import OpCall, tensor_op
 
 
 class GINConv(DorylusLayer):
@@ -33,5 +32,5 @@ class GINConv(DorylusLayer):
         x_full = self.scatter(x, graph)  # SC: own rows, then ghost rows from their owners
         src, dst = graph.partition.edge_index  # local ids; dst are owned vertices
         z = (1 + self.eps) * x + torch.zeros_like(x).index_add_(0, dst, x_full[src])  # GA (sum)
-        call = OpCall("gin.mlp.forward", self.runtime.executor, graph.intervals)
-        return tensor_op(call, z=z, w1=self.w1, b1=self.b1, w2=self.w2, b2=self.b2)[0]  # AV per interval
+        (h,) = self.run_op("gin.mlp.forward", graph, z=z, w1=self.w1, b1=self.b1, w2=self.w2, b2=self.b2)
+        return h  # AV: the numpy op per interval on the executor, differentiable

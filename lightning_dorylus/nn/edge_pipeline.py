@@ -19,10 +19,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_dorylus.executors import TensorOpRequest
 from lightning_dorylus.graph import SelfLoopEdges
 from lightning_dorylus.nn.dropout import dropout_mask
-from lightning_dorylus.nn.functions import OpCall, interval_spans, op_spec, slice_inputs, to_host
+from lightning_dorylus.nn.functions import (
+    OpCall,
+    Span,
+    collect,
+    interval_backward,
+    interval_spans,
+    op_spec,
+    submit_each,
+    to_host,
+)
 
 
 @dataclass(frozen=True)
@@ -53,18 +61,22 @@ class ApplyEdgeGather(torch.autograd.Function):
         src, dst = to_host(edges.src), to_host(edges.dst)
         edge_ids = to_host(dropout.edge_ids) if dropout is not None else None
         spans = interval_spans(spec, per_dst, call.intervals)
-        a_src_es, futures = [], []
-        for i, span in enumerate(spans):  # the server gathers each interval's source scores; AE goes out
-            a_src_e = a_src.index_select(0, src[span[2] : span[3]])
-            a_src_es.append(a_src_e)
-            inputs = {"alpha_src_e": a_src_e, **slice_inputs(spec, per_dst, span)}
-            futures.append(call.executor.submit(TensorOpRequest(call.op, inputs, call.attrs, interval=i)))
+        a_src_es: list[Tensor] = []
+
+        def gather_scores(i: int, span: Span) -> dict[str, Tensor]:
+            """The server gathers the interval's source scores; its AE request goes out."""
+            a_src_es.append(a_src.index_select(0, src[span[2] : span[3]]))
+            return {"alpha_src_e": a_src_es[-1]}
+
+        sent, futures = submit_each(call.executor, call.op, call.attrs, per_dst, spans, gather_scores)
         out = h.new_zeros((per_dst["alpha_dst"].size(0), *h.shape[1:]))
-        attentions, masks = [], []
-        for span, future in zip(spans, futures):  # dropout + GA of each interval as it comes back
+        attentions: list[Tensor] = []
+        masks: list[Tensor | None] = []
+
+        def drop_and_gather(i: int, span: Span, result: dict[str, Tensor]) -> None:
+            """Dropout + GA of an interval as it comes back (in interval order)."""
             _, _, e0, e1 = span
-            (result,) = call.executor.wait([future])
-            attention = result["attention"]  # (E_i, H)
+            attention = result.pop("attention")  # (E_i, H)
             mask = (dropout_mask(edge_ids[e0:e1], attention.size(1), dropout.p, dropout.key, attention.dtype)
                     if dropout is not None and edge_ids is not None else None)
             weights = attention * mask if mask is not None else attention
@@ -72,6 +84,8 @@ class ApplyEdgeGather(torch.autograd.Function):
             out.index_add_(0, dst[e0:e1], messages)
             attentions.append(attention)
             masks.append(mask)
+
+        collect(call.executor, call.op, sent, futures, drop_and_gather)
         ctx.call, ctx.spans, ctx.masks, ctx.device = call, spans, masks, h_full.device
         ctx.a_src_es, ctx.attentions, ctx.n_full = a_src_es, attentions, h.size(0)
         ctx.save_for_backward(h, per_dst["alpha_dst"], per_dst["dst_ptr"], src, dst)
@@ -80,17 +94,16 @@ class ApplyEdgeGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         call: OpCall = ctx.call
-        bwd_name = op_spec(call.op).backward
-        assert bwd_name is not None
-        bwd = op_spec(bwd_name)
         h, a_dst, dst_ptr, src, dst = ctx.saved_tensors
         needs_h, needs_src, needs_dst = ctx.needs_input_grad[3:6]
         needs_alpha = needs_src or needs_dst
         grad_out = to_host(grad_out)
         grad_h = torch.zeros_like(h) if needs_h else None
-        per_dst = {"alpha_dst": a_dst, "dst_ptr": dst_ptr}
-        futures = []
-        for i, span in enumerate(ctx.spans):  # ∇GA on the server, then this interval's ∇AE goes out
+        grad_src = torch.zeros((ctx.n_full, a_dst.size(1)), dtype=a_dst.dtype) if needs_src else None
+        grad_dst = torch.zeros_like(a_dst) if needs_dst else None
+
+        def grad_gather(i: int, span: Span) -> dict[str, Tensor] | None:
+            """∇GA on the server; then this interval's ∇AE request (if the scores need a gradient)."""
             _, _, e0, e1 = span
             src_i, mask = src[e0:e1], ctx.masks[i]
             grad_msg = grad_out.index_select(0, dst[e0:e1])  # (E_i, H, C)
@@ -98,23 +111,26 @@ class ApplyEdgeGather(torch.autograd.Function):
                 weights = ctx.attentions[i] * mask if mask is not None else ctx.attentions[i]
                 grad_h.index_add_(0, src_i, grad_msg * weights.unsqueeze(-1))
             if not needs_alpha:
-                continue
+                return None
             grad_attention = (grad_msg * h.index_select(0, src_i)).sum(-1)  # (E_i, H)
             if mask is not None:
                 grad_attention *= mask
-            inputs = {"alpha_src_e": ctx.a_src_es[i], "attention": ctx.attentions[i],
-                      "grad_attention": grad_attention, **slice_inputs(bwd, per_dst, span)}
-            futures.append(call.executor.submit(TensorOpRequest(bwd_name, inputs, call.attrs, interval=i)))
-        del ctx.a_src_es, ctx.attentions, ctx.masks
-        grad_src = torch.zeros((ctx.n_full, a_dst.size(1)), dtype=a_dst.dtype) if needs_src else None
-        grad_dst = torch.zeros_like(a_dst) if needs_dst else None
-        for span, future in zip(ctx.spans, futures):  # ∇AE results added in interval order
-            a, b, e0, e1 = span
-            (result,) = call.executor.wait([future])
-            if grad_src is not None:  # ∇ of the server's gather of source scores
-                grad_src.index_add_(0, src[e0:e1], result["grad_alpha_src_e"])
-            if grad_dst is not None:
-                grad_dst[a:b] = result["grad_alpha_dst"]
+            return {"alpha_src_e": ctx.a_src_es[i], "attention": ctx.attentions[i],
+                    "grad_attention": grad_attention}
+
+        def release() -> None:
+            del ctx.a_src_es, ctx.attentions, ctx.masks
+
+        def add_score_grads(i: int, span: Span, result: dict[str, Tensor]) -> None:
+            a, b, e0, e1 = span  # ∇AE results added in interval order; nothing is left to merge
+            g_src, g_dst = result.pop("grad_alpha_src_e", None), result.pop("grad_alpha_dst", None)
+            if grad_src is not None and g_src is not None:  # ∇ of the server's gather of source scores
+                grad_src.index_add_(0, src[e0:e1], g_src)
+            if grad_dst is not None and g_dst is not None:
+                grad_dst[a:b] = g_dst
+
+        per_dst = {"alpha_dst": a_dst, "dst_ptr": dst_ptr}
+        interval_backward(call, per_dst, call.attrs, ctx.spans, grad_gather, release, add_score_grads)
         return (None, None, None, *(g.to(ctx.device) if g is not None else None
                                     for g in (grad_h, grad_src, grad_dst)))
 

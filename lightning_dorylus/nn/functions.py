@@ -66,22 +66,67 @@ def slice_inputs(spec: OpSpec, tensors: dict[str, Tensor], span: Span) -> dict[s
     return out
 
 
+PerInterval = Callable[[int, Span], "dict[str, Tensor] | None"]
+OnResult = Callable[[int, Span, "dict[str, Tensor]"], None]
+
+
+def submit_each(
+    executor: TensorOpExecutor,
+    op: str,
+    attrs: dict[str, Any],
+    shared: dict[str, Tensor],
+    spans: Sequence[Span],
+    per_interval: PerInterval | None = None,
+) -> tuple[list[tuple[int, Span]], list[Future[dict[str, Tensor]]]]:
+    """The one per-interval submit loop of every interval op, forward and backward: interval ``i``'s request
+    is ``shared`` cut to its span (as ``op`` declares) plus ``per_interval(i, span)``, server work made just
+    before the request goes out (its GA, its rows, its ∇GA; ``None``: no request for this interval), so the
+    server's work on ``i + 1`` overlaps ``i``'s request. All are submitted before any is waited for.
+    Returns the ``(interval, span)`` of each request sent, and their futures."""
+    spec = op_spec(op)
+    sent: list[tuple[int, Span]] = []
+    futures: list[Future[dict[str, Tensor]]] = []
+    for i, span in enumerate(spans):
+        extra = per_interval(i, span) if per_interval is not None else {}
+        if extra is None:
+            continue
+        inputs = {**extra, **slice_inputs(spec, shared, span)}
+        futures.append(executor.submit(TensorOpRequest(op, inputs, attrs, interval=i)))
+        sent.append((i, span))
+    return sent, futures
+
+
+def collect(
+    executor: TensorOpExecutor,
+    op: str,
+    sent: Sequence[tuple[int, Span]],
+    futures: Sequence[Future[dict[str, Tensor]]],
+    on_result: OnResult | None = None,
+) -> dict[str, Tensor]:
+    """The results of :func:`submit_each`'s requests, merged as ``op`` declares. With ``on_result``, taken
+    one by one in interval order (deterministic sums) and handed to it first, so the server's share of each
+    (e.g. its GA, added into a buffer; it pops what it consumes) overlaps the later requests."""
+    if not futures:
+        return {}
+    if on_result is None:
+        return merge_outputs(op_spec(op), executor.wait(list(futures)))
+    outs = []
+    for (i, span), future in zip(sent, futures):
+        (out,) = executor.wait([future])
+        on_result(i, span, out)
+        outs.append(out)
+    return merge_outputs(op_spec(op), outs)
+
+
 def submit_intervals(
     executor: TensorOpExecutor,
     op: str,
     tensors: dict[str, Tensor],
     attrs: dict[str, Any],
     spans: Sequence[Span],
-    first_interval: int = 0,
 ) -> list[Future[dict[str, Tensor]]]:
     """One request per span, all submitted before any is waited for (so they run concurrently)."""
-    spec = op_spec(op)
-    return [
-        executor.submit(
-            TensorOpRequest(op, slice_inputs(spec, tensors, span), attrs, interval=first_interval + i)
-        )
-        for i, span in enumerate(spans)
-    ]
+    return submit_each(executor, op, attrs, tensors, spans)[1]
 
 
 def merge_outputs(spec: OpSpec, outs: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
@@ -107,9 +152,8 @@ def run_intervals(
     intervals: Sequence[tuple[int, int]],
 ) -> dict[str, Tensor]:
     """Run ``op`` on every interval (CPU tensors in and out) and merge the results."""
-    spec = op_spec(op)
-    futures = submit_intervals(executor, op, tensors, attrs, interval_spans(spec, tensors, intervals))
-    return merge_outputs(spec, executor.wait(futures))
+    sent, futures = submit_each(executor, op, attrs, tensors, interval_spans(op_spec(op), tensors, intervals))
+    return collect(executor, op, sent, futures)
 
 
 def kept_for_backward(spec: OpSpec, tensors: Iterable[tuple[str, Tensor]]) -> dict[str, Tensor]:
@@ -146,14 +190,13 @@ def submit_rows(
 ) -> tuple[list[Tensor], list[Future]]:
     """Interval ``i``'s row input made by ``rows(a, b)`` and its ``call.op`` request sent, then ``i + 1``'s
     while ``i``'s is out; ``shared`` (weights) go as the op declares them. The rows sent, and the futures."""
-    spec = op_spec(call.op)
-    xs, futures = [], []
-    for i, span in enumerate(spans):
-        x_i = to_host(rows(span[0], span[1]))
-        xs.append(x_i)
-        inputs = {input_name: x_i, **slice_inputs(spec, shared, span)}
-        futures.append(call.executor.submit(TensorOpRequest(call.op, inputs, call.attrs, interval=i)))
-    return xs, futures
+    xs: list[Tensor] = []
+
+    def make_rows(i: int, span: Span) -> dict[str, Tensor]:
+        xs.append(to_host(rows(span[0], span[1])))
+        return {input_name: xs[-1]}
+
+    return xs, submit_each(call.executor, call.op, call.attrs, shared, spans, make_rows)[1]
 
 
 def send_ahead(
@@ -185,6 +228,43 @@ class OpCall:
     attrs: dict[str, Any] = field(default_factory=dict)
 
 
+def interval_backward(
+    call: OpCall,
+    shared: dict[str, Tensor],
+    attrs: dict[str, Any],
+    spans: Sequence[Span],
+    per_interval: PerInterval | None = None,
+    while_out: Callable[[], None] | None = None,
+    on_result: OnResult | None = None,
+) -> dict[str, Tensor]:
+    """The backward of every interval op: ``call.op``'s declared backward op, one request per span.
+
+    Interval ``i``'s request carries ``shared`` cut to its span plus ``per_interval(i, span)``, server work
+    made just before the request goes out (∇GA of its rows, its saved rows; ``None``: no request for this
+    interval), so the server's work on ``i + 1`` overlaps ``i``'s request. ``while_out`` runs once every
+    request is out (the run-ahead). Results are taken in interval order, so sums are deterministic:
+    ``on_result(i, span, out)`` consumes its part (e.g. adds ∇GA into ``∇H``, popping it); the rest is merged
+    as the backward op declares (concatenated or summed)."""
+    bwd_name = op_spec(call.op).backward
+    assert bwd_name is not None, f"op {call.op!r} declares no backward"
+    sent, futures = submit_each(call.executor, bwd_name, attrs, shared, spans, per_interval)
+    if while_out is not None:
+        while_out()
+    return collect(call.executor, bwd_name, sent, futures, on_result)
+
+
+def input_grads(
+    names: Sequence[str], needs: Sequence[bool], merged: dict[str, Tensor], device: torch.device
+) -> list[Tensor | None]:
+    """Autograd's gradients of the named inputs: ``grad_<name>`` of the merged backward outputs on
+    ``device`` where an input needs one, else ``None``."""
+    result: list[Tensor | None] = []
+    for name, need in zip(names, needs):
+        grad = merged.get(f"grad_{name}")
+        result.append(grad.to(device) if need and grad is not None else None)
+    return result
+
+
 class TensorOp(torch.autograd.Function):
     """``op`` forward per interval on the executor; its declared backward op per interval in backward."""
 
@@ -208,23 +288,18 @@ class TensorOp(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         call: OpCall = ctx.call
-        bwd_name = op_spec(call.op).backward
-        assert bwd_name is not None
-        bwd = op_spec(bwd_name)
+        bwd = op_spec(op_spec(call.op).backward)  # type: ignore[arg-type]
         saved = dict(zip(ctx.saved_names, ctx.saved_tensors))
         tensors = output_grads(bwd, ctx.output_names, grads, ctx.output_like)
         tensors.update({n: t for n, t in saved.items() if n in bwd.required or n in bwd.optional})
         attrs = {**call.attrs, **ctx.has}
-        needs = dict(zip(ctx.names, ctx.needs_input_grad[2:]))
+        needs = ctx.needs_input_grad[2:]
         for name in bwd.grad_flags:
-            attrs[f"needs_grad_{name}"] = bool(needs.get(name, False))
-        outs = run_intervals(call.executor, bwd_name, tensors, attrs, call.intervals)
+            attrs[f"needs_grad_{name}"] = bool(dict(zip(ctx.names, needs)).get(name, False))
+        spans = interval_spans(bwd, tensors, call.intervals)
+        merged = interval_backward(call, tensors, attrs, spans)
         del tensors, saved  # the inputs are no longer needed once the results are back
-        result: list[Tensor | None] = [None, None]
-        for name, need in needs.items():
-            grad = outs.get(f"grad_{name}")
-            result.append(grad.to(ctx.device) if need and grad is not None else None)
-        return tuple(result)
+        return (None, None, *input_grads(ctx.names, needs, merged, ctx.device))
 
 
 def tensor_op(call: OpCall, **tensors: Tensor | None) -> tuple[Tensor, ...]:
@@ -258,14 +333,15 @@ class GatherApply(torch.autograd.Function):
         assert spec.backward is not None
         present = {n: to_host(v) for n, v in zip(names, values) if v is not None}
         h_cpu = to_host(h_full)
-        futures, zs = [], []
-        for i, block in enumerate(blocks):
-            a, b = block.rows
-            z_i = torch.sparse.mm(block.adj, h_cpu)  # GA of this interval
-            zs.append(z_i)
-            inputs = {gather_input: z_i, **slice_inputs(spec, present, (a, b, 0, 0))}
-            futures.append(call.executor.submit(TensorOpRequest(call.op, inputs, call.attrs, interval=i)))
-        outs = merge_outputs(spec, call.executor.wait(futures))
+        zs: list[Tensor] = []
+
+        def gather_rows(i: int, span: Span) -> dict[str, Tensor]:
+            zs.append(torch.sparse.mm(blocks[i].adj, h_cpu))  # GA of this interval
+            return {gather_input: zs[-1]}
+
+        sent, futures = submit_each(call.executor, call.op, call.attrs, present, block_spans(blocks),
+                                    gather_rows)
+        outs = collect(call.executor, call.op, sent, futures)
         z = torch.cat(zs) if len(zs) > 1 else zs[0]
         saved = kept_for_backward(spec, [*present.items(), (gather_input, z), *outs.items()])
         ctx.call, ctx.blocks, ctx.gather_input, ctx.names = call, blocks, gather_input, names
@@ -279,41 +355,29 @@ class GatherApply(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         call: OpCall = ctx.call
-        bwd_name = op_spec(call.op).backward
-        bwd = op_spec(bwd_name)
+        bwd = op_spec(op_spec(call.op).backward)  # type: ignore[arg-type]
         tensors = dict(zip(ctx.saved_names, ctx.saved_tensors))
         for out_name, grad in zip(ctx.output_names, grads):
             key = f"grad_{out_name}"
             if key in bwd.required or key in bwd.optional:
                 tensors[key] = to_host(grad)
         attrs = {**call.attrs, **ctx.has}
-        needs = dict(zip(ctx.names, ctx.needs_input_grad[5:]))
+        needs = ctx.needs_input_grad[5:]
         needs_h = bool(ctx.needs_input_grad[3])
         for name in bwd.grad_flags:
             attrs[f"needs_grad_{name}"] = (
-                needs_h if name == ctx.gather_input else bool(needs.get(name, False))
+                needs_h if name == ctx.gather_input else bool(dict(zip(ctx.names, needs)).get(name, False))
             )
-        spans = [(*block.rows, 0, 0) for block in ctx.blocks]
-        futures = submit_intervals(call.executor, bwd_name, tensors, attrs, spans)
         grad_h = torch.zeros((ctx.n_full, ctx.width), dtype=ctx.dtype) if needs_h else None
-        outs = []
-        for block, future in zip(ctx.blocks, futures):
-            (out,) = call.executor.wait([future])
+
+        def add_gather_grad(i: int, span: Span, out: dict[str, Tensor]) -> None:
             if grad_h is not None:  # ∇GA of this interval, over the rows it touches
-                block.add_transposed(grad_h, out.pop(f"grad_{ctx.gather_input}"))
-            outs.append(out)
-        merged = merge_outputs(bwd, outs)
-        result: list[Tensor | None] = [
-            None,
-            None,
-            None,
-            grad_h.to(ctx.device) if grad_h is not None else None,
-            None,
-        ]
-        for name, need in needs.items():
-            grad = merged.get(f"grad_{name}")
-            result.append(grad.to(ctx.device) if need and grad is not None else None)
-        return tuple(result)
+                ctx.blocks[i].add_transposed(grad_h, out.pop(f"grad_{ctx.gather_input}"))
+
+        spans = block_spans(ctx.blocks)
+        merged = interval_backward(call, tensors, attrs, spans, on_result=add_gather_grad)
+        grad_h_out = grad_h.to(ctx.device) if grad_h is not None else None
+        return (None, None, None, grad_h_out, None, *input_grads(ctx.names, needs, merged, ctx.device))
 
 
 def gather_apply(
@@ -354,13 +418,14 @@ class ApplyGather(torch.autograd.Function):
             xs, futures = submit_rows(call, rows, "z", {"weight": w}, block_spans(blocks))
         n_local = blocks[-1].rows[1]
         z = torch.zeros((n_local, w.size(1)), dtype=w.dtype)
-        ps = []
-        for block, future in zip(blocks, futures):
-            (out,) = call.executor.wait([future])
-            p_i = out["h"]
-            ps.append(p_i)
-            block.add_transposed(z, p_i)  # GA share of these columns
-        p = torch.cat(ps) if len(ps) > 1 else ps[0]
+        ps: list[Tensor] = []
+
+        def gather_columns(i: int, span: Span, out: dict[str, Tensor]) -> None:
+            ps.append(out["h"])
+            blocks[i].add_transposed(z, ps[-1])  # GA share of these columns
+
+        spans = block_spans(blocks)
+        p = collect(call.executor, call.op, list(enumerate(spans)), futures, gather_columns)["h"]
         ctx.call, ctx.blocks, ctx.xs, ctx.ps, ctx.w = call, blocks, xs, ps, w
         ctx.source, ctx.runahead, ctx.layer = source, runahead, layer
         ctx.save_for_backward(weight)
@@ -370,27 +435,29 @@ class ApplyGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_p: Tensor | None, grad_z: Tensor | None) -> tuple[Tensor | None, ...]:
         call: OpCall = ctx.call
-        bwd_name = op_spec(call.op).backward
         needs_x = bool(ctx.needs_input_grad[5])
         attrs = {**call.attrs, "has_bias": False, "needs_grad_z": needs_x}
         width = ctx.w.size(1)
         grad_z = to_host(grad_z) if grad_z is not None else None
         grad_p = to_host(grad_p) if grad_p is not None else None
-        futures = []
-        for i, block in enumerate(ctx.blocks):
-            a, b = block.rows
+
+        def grad_rows(i: int, span: Span) -> dict[str, Tensor]:
+            a, b = span[0], span[1]
+            block = ctx.blocks[i]
             g_i = (torch.sparse.mm(block.adj, grad_z) if grad_z is not None  # ∇GA of this interval's rows
                    else torch.zeros((b - a, width), dtype=ctx.w.dtype))
             if grad_p is not None:
                 g_i += grad_p[a:b]
-            inputs = {"z": ctx.xs[i], "weight": ctx.w, "h": ctx.ps[i], "grad_h": g_i}
-            futures.append(call.executor.submit(TensorOpRequest(bwd_name, inputs, attrs, interval=i)))
-        del ctx.xs, ctx.ps
-        if ctx.runahead is not None and ctx.source.next_key is not None:
-            send_ahead(call, ctx.source, "z", {"weight": ctx.saved_tensors[0]}, block_spans(ctx.blocks),
-                       ctx.blocks, ctx.runahead, ctx.layer)
-        outs = [call.executor.wait([future])[0] for future in futures]
-        merged = merge_outputs(op_spec(bwd_name), outs)
+            return {"z": ctx.xs[i], "h": ctx.ps[i], "grad_h": g_i}
+
+        def run_ahead() -> None:
+            del ctx.xs, ctx.ps
+            if ctx.runahead is not None and ctx.source.next_key is not None:
+                send_ahead(call, ctx.source, "z", {"weight": ctx.saved_tensors[0]}, block_spans(ctx.blocks),
+                           ctx.blocks, ctx.runahead, ctx.layer)
+
+        spans = block_spans(ctx.blocks)
+        merged = interval_backward(call, {"weight": ctx.w}, attrs, spans, grad_rows, run_ahead)
         grad_x = merged["grad_z"].to(ctx.device) if needs_x else None
         return None, None, None, None, None, grad_x, merged["grad_weight"].to(ctx.device)
 

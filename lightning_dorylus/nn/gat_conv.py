@@ -7,12 +7,9 @@ import math
 import torch
 from torch import Tensor, nn
 
-from lightning_dorylus.graph import GraphContext, attention_gather
+from lightning_dorylus.graph import GraphContext
 from lightning_dorylus.nn.base import DorylusLayer
-from lightning_dorylus.nn.dropout import RowSource, edge_ids, row_dropout
-from lightning_dorylus.nn.edge_pipeline import EdgeDropout, apply_edge_gather
-from lightning_dorylus.nn.functions import OpCall, tensor_op
-from lightning_dorylus.nn.row_apply import apply_rows
+from lightning_dorylus.nn.dropout import RowSource
 
 
 class GATConv(DorylusLayer):
@@ -34,6 +31,8 @@ class GATConv(DorylusLayer):
         dropout: Dropout probability on the attention coefficients (training only).
         bias: Whether to add a learnable bias after aggregation.
     """
+
+    applies_first = True  # AV gat.project on the input rows: a first layer's made per interval
 
     def __init__(
         self,
@@ -69,53 +68,6 @@ class GATConv(DorylusLayer):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def apply_vertex(self, x: Tensor | RowSource, graph: GraphContext) -> tuple[Tensor, Tensor, Tensor]:
-        """AV (PyG ``lin`` + attention scores): ``h (n, H*C)``, ``alpha_src (n, H)``, ``alpha_dst (n, H)``.
-
-        A :class:`RowSource` input (a first layer in the pipeline engine) is made per interval, each
-        interval's rows just before its request goes out (``nn.row_apply``); with ``staleness >= 1`` in
-        training, the next step's requests go out during this step's backward (``nn.runahead``)."""
-        call = OpCall("gat.project.forward", self.runtime.executor, graph.intervals)
-        weights = {"weight": self.weight, "att_src": self.att_src, "att_dst": self.att_dst}
-        if isinstance(x, RowSource) and graph.intervals:
-            runahead = self.runtime.runahead if self.runtime.runs_ahead and self.training else None
-            outs = apply_rows(call, x, "x", runahead, self.layer_index, **weights)
-            return outs  # type: ignore[return-value]
-        if isinstance(x, RowSource):  # an empty partition: nothing to cut
-            x = x.full()
-        return tensor_op(call, x=x, **weights)  # type: ignore[return-value]
-
-    @property
-    def takes_row_source(self) -> bool:
-        """In the pipeline engine: a first layer's input is made per interval, as its AV requests go out."""
-        return self.runtime.pipelined
-
-    def apply_edge(
-        self, alpha_src_full: Tensor, alpha_dst: Tensor, graph: GraphContext, dropout_key: int | None = None
-    ) -> Tensor:
-        """AE (PyG ``message``'s attention): ``(E', H)`` softmax over each dst's in-edges, then dropout.
-
-        The dropout mask of an edge hashes ``dropout_key`` and the edge's global ``(src, dst)``, so it is the
-        same whichever server owns ``dst``; ``None`` draws a key from torch's global generator.
-        """
-        edges = graph.self_loops
-        alpha_src_e = alpha_src_full.index_select(0, edges.src)  # (E', H): the server gathers source scores
-        attrs = {"negative_slope": self.negative_slope}
-        call = OpCall("apply_edge.forward", self.runtime.executor, graph.intervals, attrs)
-        (attention,) = tensor_op(
-            call, alpha_src_e=alpha_src_e, alpha_dst=alpha_dst, dst_ptr=edges.dst_ptr
-        )
-        if not self.training or self.dropout == 0.0:
-            return attention
-        if dropout_key is None:
-            dropout_key = int(torch.randint(-(2**63), 2**63 - 1, ()))
-        return row_dropout(attention, edge_ids(graph), self.dropout, True, dropout_key)
-
-    def gather(self, h_full: Tensor, attention: Tensor, graph: GraphContext) -> Tensor:
-        """GA (PyG ``aggregate``): ``out_i = Σ_j attention_ij h_j`` per head -> ``(n_local, H, C)``."""
-        h_full = h_full.view(-1, self.heads, self.out_channels)
-        return attention_gather(h_full, attention, graph.self_loops, graph.partition.n_local)
-
     def forward(self, x: Tensor | RowSource, graph: GraphContext, dropout_key: int | None = None) -> Tensor:
         """``(n_local, F_in) -> (n_local, H*C)`` (concat) or ``(n_local, C)`` (mean).
 
@@ -126,33 +78,18 @@ class GATConv(DorylusLayer):
             dropout_key: Key of the attention dropout (see :func:`lightning_dorylus.nn.dropout.dropout_key`);
                 ``None`` draws one from torch's global generator, like ``F.dropout``.
         """
-        h, alpha_src, alpha_dst = self.apply_vertex(x, graph)  # AV: (n, H*C), (n, H), (n, H)
+        h, alpha_src, alpha_dst = self.run_op(  # AV (PyG lin + attention scores): (n, H*C), (n, H), (n, H)
+            "gat.project.forward", graph, x=x, weight=self.weight, att_src=self.att_src, att_dst=self.att_dst
+        )
         boundary = torch.cat([h, alpha_src], dim=1)  # one SC message per row: (n, H*C + H)
         full = self.scatter(boundary, graph)  # SC: (n_local + n_ghost, H*C + H)
         h_full, alpha_src_full = full.split([self.heads * self.out_channels, self.heads], dim=1)
-        if self.runtime.pipelined and graph.intervals:  # AE, dropout and GA pipelined per interval
-            out = self._pipelined_edge_gather(h_full, alpha_src_full, alpha_dst, graph, dropout_key)
-        else:
-            attention = self.apply_edge(alpha_src_full, alpha_dst, graph, dropout_key)  # AE: (E', H)
-            out = self.gather(h_full, attention, graph)  # GA: (n_local, H, C)
+        out = self.edge_gather(  # AE (attention), dropout, GA (weighted sum): (n_local, H, C)
+            "apply_edge.forward", h_full.view(-1, self.heads, self.out_channels), alpha_src_full, alpha_dst,
+            graph, {"negative_slope": self.negative_slope}, self.dropout, dropout_key,
+        )
         out = out.reshape(out.size(0), self.heads * self.out_channels) if self.concat else out.mean(dim=1)
         return out if self.bias is None else out + self.bias
-
-    def _pipelined_edge_gather(
-        self, h_full: Tensor, alpha_src_full: Tensor, alpha_dst: Tensor, graph: GraphContext,
-        dropout_key: int | None,
-    ) -> Tensor:
-        """The pipeline engine's AE -> dropout -> GA: interval ``i``'s AE request in flight while the server
-        drops out and gathers the intervals that came back before it (``nn.edge_pipeline``)."""
-        attrs = {"negative_slope": self.negative_slope}
-        call = OpCall("apply_edge.forward", self.runtime.executor, graph.intervals, attrs)
-        dropout = None
-        if self.training and self.dropout > 0.0:
-            if dropout_key is None:
-                dropout_key = int(torch.randint(-(2**63), 2**63 - 1, ()))
-            dropout = EdgeDropout(self.dropout, dropout_key, edge_ids(graph))
-        h_full = h_full.view(-1, self.heads, self.out_channels)
-        return apply_edge_gather(call, graph.self_loops, h_full, alpha_src_full, alpha_dst, dropout)
 
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, heads={self.heads}, concat={self.concat}"

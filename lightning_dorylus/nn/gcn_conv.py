@@ -8,10 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_dorylus.graph import GraphContext, gcn_gather
+from lightning_dorylus.graph import GraphContext
 from lightning_dorylus.nn.base import DorylusLayer
 from lightning_dorylus.nn.dropout import RowSource
-from lightning_dorylus.nn.functions import OpCall, apply_gather, gather_apply, ghost_gather, tensor_op
 from lightning_dorylus.ops.vertex import ACTIVATIONS
 
 #: The server-side (torch) form of each activation the executors' numpy code implements.
@@ -71,31 +70,16 @@ class GCNConv(DorylusLayer):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def gather(self, h_full: Tensor, graph: GraphContext) -> Tensor:
-        """GA (PyG ``message`` + ``aggregate``): ``z_i = Σ_j Â_ij h_j`` over local and ghost ``j``."""
-        return gcn_gather(h_full, graph.gcn(h_full.dtype))
-
-    def apply_vertex(self, z: Tensor, graph: GraphContext) -> Tensor:
-        """AV (PyG ``update``): ``act(z W + b)`` for each interval of rows, on the executor."""
-        attrs = {"activation": self.activation}
-        call = OpCall("apply_vertex.forward", self.runtime.executor, graph.intervals, attrs)
-        return tensor_op(call, z=z, weight=self.weight, bias=self.bias)[0]
-
-    def project(self, x: Tensor, graph: GraphContext) -> Tensor:
-        """AV of the weight-first order (PyG ``lin``): ``x W`` for each interval of rows, on the executor."""
-        call = OpCall("apply_vertex.forward", self.runtime.executor, graph.intervals, {"activation": "none"})
-        return tensor_op(call, z=x, weight=self.weight)[0]
+    @property
+    def applies_first(self) -> bool:  # type: ignore[override]
+        """Weight-first: the first stage is AV on the input rows (a first layer's made per interval)."""
+        return self.order == "weight_first"
 
     def update(self, z: Tensor) -> Tensor:
         """The weight-first order's last step, on the server: ``act(z + b)`` (elementwise, cheap)."""
         if self.bias is not None:
             z = z + self.bias
         return TORCH_ACTIVATIONS[self.activation](z)
-
-    @property
-    def takes_row_source(self) -> bool:
-        """Weight-first in the pipeline engine: a first layer's input is made per interval, just in time."""
-        return self.order == "weight_first" and self.runtime.pipelined
 
     def forward(self, x: Tensor | RowSource, graph: GraphContext) -> Tensor:
         """``(n_local, F_in) -> (n_local, F_out)``.
@@ -105,39 +89,12 @@ class GCNConv(DorylusLayer):
                 or a :class:`RowSource` making them per interval (see :attr:`takes_row_source`).
             graph: The partition and its derived structures.
         """
-        if self.order == "weight_first" and self.runtime.pipelined and graph.intervals:
-            return self.update(self._pipelined_weight_first(x, graph))
-        if isinstance(x, RowSource):
-            x = x.full()
-        if self.order == "weight_first":
-            p = self.project(x, graph)  # AV: (n_local, F_out)
-            p_full = self.scatter(p, graph)  # SC: (n_local + n_ghost, F_out)
-            return self.update(self.gather(p_full, graph))  # GA, then bias + activation: (n_local, F_out)
+        if self.order == "weight_first":  # AV (x W) -> SC -> GA, then bias + activation on the server
+            return self.update(self.apply_gather(x, self.weight, graph))
         h_full = self.scatter(x, graph)  # SC of the previous layer's output: (n_local + n_ghost, F_in)
-        if self.runtime.pipelined and graph.intervals:  # GA and AV pipelined per interval
-            attrs = {"activation": self.activation}
-            call = OpCall("apply_vertex.forward", self.runtime.executor, graph.intervals, attrs)
-            blocks = graph.blocks("gcn", h_full.dtype)
-            return gather_apply(call, blocks, "z", h_full, weight=self.weight, bias=self.bias)[0]
-        z = self.gather(h_full, graph)  # GA: (n_local, F_in)
-        return self.apply_vertex(z, graph)  # AV: (n_local, F_out)
-
-    def _pipelined_weight_first(self, x: Tensor | RowSource, graph: GraphContext) -> Tensor:
-        """The pipeline engine's AV -> SC -> GA: per interval, AV requests out while the server adds each
-        returned interval's GA share (``nn.functions.ApplyGather``); then SC and the ghost columns' share."""
-        call = OpCall("apply_vertex.forward", self.runtime.executor, graph.intervals, {"activation": "none"})
-        blocks = graph.column_blocks(self.weight.dtype)
-        if isinstance(x, RowSource):
-            runahead = self.runtime.runahead if self.runtime.runs_ahead and self.training else None
-            p, z = apply_gather(call, blocks[:-1], self.weight, source=x, runahead=runahead,
-                                layer=self.layer_index)
-        else:
-            p, z = apply_gather(call, blocks[:-1], self.weight, x=x)
-        n_local = graph.partition.n_local
-        if graph.partition.num_parts == 1:
-            return z
-        p_full = self.scatter(p, graph)  # SC: (n_local + n_ghost, F_out)
-        return z + ghost_gather(p_full[n_local:], blocks[-1], n_local)
+        attrs = {"activation": self.activation}  # GA (Â H), then AV act(Z W + b) per interval
+        return self.gather_apply("gcn", h_full, "apply_vertex.forward", "z", graph, attrs,
+                                 weight=self.weight, bias=self.bias)[0]
 
     def extra_repr(self) -> str:
         return (

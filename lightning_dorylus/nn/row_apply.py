@@ -16,16 +16,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_dorylus.executors import TensorOpRequest
 from lightning_dorylus.nn.dropout import RowSource
 from lightning_dorylus.nn.functions import (
     OpCall,
+    Span,
+    input_grads,
+    interval_backward,
     kept_for_backward,
     merge_outputs,
     op_spec,
     output_grads,
     send_ahead,
-    slice_inputs,
     submit_rows,
     to_host,
 )
@@ -69,9 +70,7 @@ class ApplyRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         call: OpCall = ctx.call
-        bwd_name = op_spec(call.op).backward
-        assert bwd_name is not None
-        bwd = op_spec(bwd_name)
+        bwd = op_spec(op_spec(call.op).backward)  # type: ignore[arg-type]
         n_saved = len(ctx.saved_names)
         tensors = dict(zip(ctx.saved_names, ctx.saved_tensors[:n_saved]))
         live = ctx.saved_tensors[n_saved:]
@@ -79,21 +78,18 @@ class ApplyRows(torch.autograd.Function):
         attrs = dict(call.attrs)
         if ctx.input_name in bwd.grad_flags:
             attrs[f"needs_grad_{ctx.input_name}"] = False  # rows from a RowSource need no gradient
-        futures = []
-        for i, span in enumerate(ctx.spans):
-            inputs = {ctx.input_name: ctx.xs[i], **slice_inputs(bwd, tensors, span)}
-            futures.append(call.executor.submit(TensorOpRequest(bwd_name, inputs, attrs, interval=i)))
-        del ctx.xs
-        if ctx.runahead is not None and ctx.source.next_key is not None:
-            send_ahead(call, ctx.source, ctx.input_name, dict(zip(ctx.names, live)), ctx.spans,
-                       list(call.intervals), ctx.runahead, ctx.layer)
-        merged = merge_outputs(bwd, call.executor.wait(futures))
-        needs = dict(zip(ctx.names, ctx.needs_input_grad[6:]))
-        result: list[Tensor | None] = [None] * 6
-        for name, need in needs.items():
-            grad = merged.get(f"grad_{name}")
-            result.append(grad.to(ctx.device) if need and grad is not None else None)
-        return tuple(result)
+
+        def rows(i: int, span: Span) -> dict[str, Tensor]:
+            return {ctx.input_name: ctx.xs[i]}
+
+        def run_ahead() -> None:
+            del ctx.xs
+            if ctx.runahead is not None and ctx.source.next_key is not None:
+                send_ahead(call, ctx.source, ctx.input_name, dict(zip(ctx.names, live)), ctx.spans,
+                           list(call.intervals), ctx.runahead, ctx.layer)
+
+        merged = interval_backward(call, tensors, attrs, ctx.spans, rows, run_ahead)
+        return (None,) * 6 + tuple(input_grads(ctx.names, ctx.needs_input_grad[6:], merged, ctx.device))
 
 
 def apply_rows(

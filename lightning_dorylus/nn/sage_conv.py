@@ -7,9 +7,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from lightning_dorylus.graph import GraphContext, mean_gather
+from lightning_dorylus.graph import GraphContext
 from lightning_dorylus.nn.base import DorylusLayer
-from lightning_dorylus.nn.functions import OpCall, gather_apply, tensor_op
 from lightning_dorylus.ops.vertex import ACTIVATIONS
 
 
@@ -48,29 +47,12 @@ class SAGEConv(DorylusLayer):
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
 
-    def aggregate(self, x_full: Tensor, graph: GraphContext) -> Tensor:
-        """GA (PyG ``message`` + ``aggregate``): mean of the in-neighbours' rows, ``(n_local, F_in)``."""
-        return mean_gather(x_full, graph.mean(x_full.dtype))
-
-    def update(self, agg: Tensor, x: Tensor, graph: GraphContext) -> Tensor:
-        """AV (PyG ``update``): ``act(agg W_l + x W_r + b)`` per interval on the executor."""
-        call = OpCall(
-            "sage.update.forward", self.runtime.executor, graph.intervals, {"activation": self.activation}
-        )
-        return tensor_op(call, agg=agg, x=x, weight_l=self.weight_l, weight_r=self.weight_r, bias=self.bias)[
-            0
-        ]
-
     def forward(self, x: Tensor, graph: GraphContext) -> Tensor:
-        """``(n_local, F_in) -> (n_local, F_out)``: SC, GA (mean), AV (update)."""
+        """``(n_local, F_in) -> (n_local, F_out)``: SC, GA (mean), AV (``sage.update``)."""
         x_full = self.scatter(x, graph)  # SC: (n_local + n_ghost, F_in)
-        if self.runtime.pipelined and graph.intervals:  # GA and AV pipelined per interval
-            attrs = {"activation": self.activation}
-            call = OpCall("sage.update.forward", self.runtime.executor, graph.intervals, attrs)
-            blocks = graph.blocks("mean", x_full.dtype)
-            weights = {"weight_l": self.weight_l, "weight_r": self.weight_r, "bias": self.bias}
-            return gather_apply(call, blocks, "agg", x_full, x=x, **weights)[0]
-        return self.update(self.aggregate(x_full, graph), x, graph)
+        attrs = {"activation": self.activation}
+        return self.gather_apply("mean", x_full, "sage.update.forward", "agg", graph, attrs, x=x,
+                                 weight_l=self.weight_l, weight_r=self.weight_r, bias=self.bias)[0]
 
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, aggr='mean', activation={self.activation!r}"
