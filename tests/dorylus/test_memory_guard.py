@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import time
 import weakref
 from pathlib import Path
@@ -69,7 +70,8 @@ def test_graph_server_peak_memory_stays_within_budget(tmp_path: Path) -> None:
     (partition_dir,) = [line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("PARTITIONS ")]
     out = run_script("memory_run.py", ["train", partition_dir, str(FEATURES), str(EPOCHS)], timeout=600,
                      cwd=REPO, nprocs=2)
-    servers = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("MEMORY ")]
+    # both servers print to one pipe, so their lines may run together: find each record, not each line
+    servers = [json.loads(record) for record in re.findall(r"MEMORY (\{[^{}]*\})", out)]
     assert sorted(s["rank"] for s in servers) == [0, 1], out[-3000:]
     for s in servers:
         budget = memory_budget(s["n_local"], s["features"], s["edges"])
