@@ -467,6 +467,7 @@ class ElasticBambooStrategy(BambooStrategy):
         self._held = held
         self._form(owners, build_optimizers=False)
         self._setup_model_and_optimizer(trainer, module)
+        self._check_groups_fit_any_layout()
         self._build_replica_optimizer()
         every, directory, keep = self._checkpoint_options
         if every is not None and directory is not None:
@@ -619,6 +620,22 @@ class ElasticBambooStrategy(BambooStrategy):
         if self.view is not None and self.view.num_stages > 1:
             self.replica_sync = ReplicaSync(
                 self._stage_module, self.replica, self._replica_optimizer, self.view, self.root_device
+            )
+
+    def _check_groups_fit_any_layout(self) -> None:
+        """A failover gives a member several stages, whose parameters join the param groups the user's
+        ``configure_optimizers`` gives them, in the member's optimizer (the object Lightning and the
+        schedulers hold): so that code must build as many groups for the whole body as for one stage (a group
+        may be empty). Checked at start, not at the first failover."""
+        whole = self._user_optimizer(sub_sequential(self._layers, sorted(self._layers)))
+        stage = self.optimizers[0]
+        if len(whole.param_groups) != len(stage.param_groups):
+            raise ValueError(
+                f"configure_optimizers builds {len(stage.param_groups)} param groups for this member's stage "
+                f"but {len(whole.param_groups)} for the whole pipeline body; ElasticBambooStrategy needs the "
+                "same number for any set of layers (a failover gives a member several stages): build the "
+                "groups from fixed parts (e.g. the head and the rest), leaving a group empty where the "
+                "stage has none of its layers"
             )
 
     def _user_optimizer(self, body: nn.Module) -> Optimizer:

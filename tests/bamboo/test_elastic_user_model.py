@@ -10,12 +10,15 @@ limit of any pipeline), so exactness against ``strategy="auto"`` needs M=1 for t
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.bamboo.test_elastic import CLIP, check_final, run_elastic
+from tests.bamboo.test_elastic import CLIP, SCRIPT, check_final, run_elastic
+from tests.process import REPO, launch_env
 
 USER_MODEL = ("--variant", "user", "--microbatches", "1", "--clip", str(CLIP))
 
@@ -60,3 +63,18 @@ def test_double_precision_of_a_float32_model(
     args = ("--dtype", "float32", "--precision", "64-true")
     run_elastic(tmp_path, nproc=2, stages=2, fault=fault, extra_args=args)
     check_final(tmp_path, double_precision_reference)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_groups_that_depend_on_the_layers_are_refused_at_start(tmp_path: Path) -> None:
+    """One param group per layer (``PerLayerLr``): a failover that fuses stages would need more groups in the
+    member's optimizer than it has, so the job stops at start with the reason, not at the first failover."""
+    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "2", str(SCRIPT), "--out",
+           str(tmp_path), "--stages", "2", "--steps", "2", "--variant", "per-layer-lr"]
+    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "configure_optimizers builds 2 param groups for this member's stage but 4 for the whole" in (
+        proc.stdout + proc.stderr
+    )
+    assert "failover: lost" not in proc.stdout + proc.stderr
