@@ -380,23 +380,12 @@ class ElasticBambooStrategy(BambooStrategy):
         loggers = self.lightning_module.trainer.loggers
         for logger in loggers:
             _ = logger.version  # CSV/TensorBoard: the next free version; nothing is created yet
-        self._store_barrier("loggers/versions_read")
+        assert self._store is not None and self._env is not None
+        timeout = self._timeout.total_seconds()
+        ms.store_barrier(self._store, "loggers/versions_read", self._env.nproc, timeout)
         for logger in loggers:
             _ = logger.experiment
-        self._store_barrier("loggers/opened")
-
-    def _store_barrier(self, key: str) -> None:
-        """Wait until every worker of generation 0 has reached ``key`` (bounded by ``timeout``)."""
-        assert self._store is not None and self._env is not None
-        self._store.add(key, 1)
-        deadline = time.monotonic() + self._timeout.total_seconds()
-        while int(self._store.add(key, 0)) < self._env.nproc:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"Bamboo member {self.member}: the other workers did not reach {key!r} within "
-                    f"timeout={self._timeout.total_seconds():.0f}s"
-                )
-            time.sleep(0.01)
+        ms.store_barrier(self._store, "loggers/opened", self._env.nproc, timeout)
 
     def _init_generation(self, owners: OwnershipMap) -> None:
         assert self._store is not None and self._cutter is not None

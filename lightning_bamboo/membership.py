@@ -132,6 +132,25 @@ class Heartbeat:
         self._stop.set()
 
 
+def store_barrier(
+    store: dist.Store, key: str, count: int, timeout: float | None = None, poll: float = 0.01
+) -> None:
+    """Count this process in at ``key`` and wait until ``count`` processes have (``timeout`` seconds at most;
+    ``None``: no bound).
+
+    Raises:
+        TimeoutError: naming the key, how many arrived and the timeout.
+    """
+    store.add(key, 1)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while (arrived := int(store.add(key, 0))) < count:
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(
+                f"Bamboo: {arrived} of {count} workers reached {key!r} within timeout={timeout:.0f}s"
+            )
+        time.sleep(poll)
+
+
 def outcome_key(generation: int, step: int) -> str:
     return f"g{generation}/outcome/{step}"
 

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import Callback
 
+from lightning_bamboo.membership import store_barrier
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -80,9 +82,6 @@ class PhaseFaults(Callback):
             if member in fault.members and step == fault.step and phase == fault.phase:
                 if len(fault.members) > 1:  # die together: wait until every listed member is here
                     store = trainer.strategy.store  # type: ignore[attr-defined]
-                    key = f"fault/{step}/{phase}"
-                    store.add(key, 1)
-                    while int(store.get(key)) < len(fault.members):
-                        time.sleep(0.002)
+                    store_barrier(store, f"fault/{step}/{phase}", len(fault.members), poll=0.002)
                 os.kill(os.getpid(), fault.signal)
                 time.sleep(0.1)  # a SIGSTOP takes effect before this member runs on

@@ -478,3 +478,16 @@ def test_join_claim_and_failover_agree_when_they_race(job: Job) -> None:
         assert set(job.decided) == {stored}
         assert (adopted == [STEP]) == (stored == ms.COMMIT_JOIN), f"round {generation}: {adopted} {stored}"
         assert stored in (ms.COMMIT, ms.COMMIT_JOIN, ms.ABORT)
+
+
+def test_store_barrier_meets_and_names_what_is_missing() -> None:
+    store = dist.HashStore()
+    threads = [threading.Thread(target=ms.store_barrier, args=(store, "meet", 3, 20.0)) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    ms.store_barrier(store, "meet", 3, 20.0)
+    for thread in threads:
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+    with pytest.raises(TimeoutError, match=r"Bamboo: 1 of 2 workers reached 'alone' within timeout=0s"):
+        ms.store_barrier(store, "alone", 2, timeout=0.05)
