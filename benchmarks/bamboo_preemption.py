@@ -10,7 +10,7 @@ by ``--compression``, preempts them:
 * **Mapping of the fleet onto 4 workers**: the segment starts with the p3 fleet at ``F0`` nodes; the
   benchmark's worker count is ``fleet - (F0 - 4)``, so each trace removal kills one worker (SIGKILL by PID;
   which one is drawn with ``--seed`` among the live ones) and each add starts one (never above 4).
-* **Bamboo**: ``lightning_bamboo.launch.Supervisor`` over ``ElasticBambooStrategy`` workers; kills fail over
+* **Bamboo**: ``lightning_bamboo.launch.Supervisor`` over ``BambooStrategy`` workers; kills fail over
   inside the same ``fit``; an add starts a replacement that joins the running job (``Supervisor.add_worker``,
   when the runtime has it; otherwise the add is not applied and the JSON says ``rejoins: 0``).
 * **Checkpoint-restart** (the strongest baseline: torchrun-style restarts + Young/Daly checkpoints): the plain

@@ -4,7 +4,7 @@ Both systems train the recipe ``experiment=bamboo_gpt_elastic`` (same model, sam
 until the benchmark kills them; every completed step is appended to ``<run-dir>/steps-<name>.txt`` as
 ``global_step wall_time layout`` (one line, flushed), which is all the benchmark measures from.
 
-* ``--system bamboo``: ``ElasticBambooStrategy`` under the benchmark's ``lightning_bamboo.launch.Supervisor``
+* ``--system bamboo``: ``BambooStrategy`` under the benchmark's ``lightning_bamboo.launch.Supervisor``
   (failover inside the same ``fit``). The layout is the current ownership map's shape.
 * ``--system checkpoint_restart``: the plain ``BambooStrategy`` without redundancy, ranks given by the
   benchmark through ``LOCAL_RANK``/``WORLD_SIZE`` (as torchrun would). It resumes from the last complete
@@ -35,7 +35,6 @@ sys.path.insert(0, str(REPO))
 import hydra  # noqa: E402
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
 
-from lightning_bamboo.elastic import ElasticBambooStrategy  # noqa: E402
 from lightning_bamboo.replay.model import shape_key  # noqa: E402
 from lightning_bamboo.strategy import BambooStrategy  # noqa: E402
 from recipes.compose import compose_recipe  # noqa: E402
@@ -54,7 +53,7 @@ def process_start_time() -> float:
 
 def layout_of(strategy: Any) -> str:
     """The layout a step ran on, keyed as the replay keys it (``2x2``; ``2+1`` for a fused pipeline)."""
-    if isinstance(strategy, ElasticBambooStrategy):
+    if isinstance(strategy, BambooStrategy):
         assert strategy.owners is not None
         return shape_key(strategy.owners)
     return f"{strategy.num_stages}x{strategy.num_pipelines}"
@@ -171,7 +170,7 @@ def main() -> None:
     if args.system == "bamboo":
         name = f"member{os.environ['BAMBOO_MEMBER']}"
         batch = args.batch  # every member loads the global batch and takes its pipeline's share
-        strategy: Any = ElasticBambooStrategy(
+        strategy: Any = BambooStrategy(
             num_stages=args.stages, num_microbatches=args.microbatches, timeout=float(cfg.strategy.timeout)
         )
         devices = 1

@@ -19,11 +19,12 @@ if TYPE_CHECKING:
     from lightning_bamboo.groups import BambooGroups
     from lightning_bamboo.microbatch import split_microbatches
     from lightning_bamboo.replica import ReplicaSync
-    from lightning_bamboo.strategy import BambooStrategy
+    from lightning_bamboo.strategy import BambooStrategy, ElasticBambooStrategy
 
 _EXPORTS = {
     "BambooGroups": "lightning_bamboo.groups",
     "BambooStrategy": "lightning_bamboo.strategy",
+    "ElasticBambooStrategy": "lightning_bamboo.strategy",
     "PipelineEngine": "lightning_bamboo.engine",
     "ReplicaSync": "lightning_bamboo.replica",
     "consolidate_checkpoint": "lightning_bamboo.checkpoint",
@@ -32,6 +33,7 @@ _EXPORTS = {
 __all__ = [
     "BambooGroups",
     "BambooStrategy",
+    "ElasticBambooStrategy",
     "PipelineEngine",
     "ReplicaSync",
     "consolidate_checkpoint",

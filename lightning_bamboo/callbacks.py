@@ -218,7 +218,7 @@ class BambooNotices(Callback):
         watcher: a ready ``NoticeWatcher``; else one is built from ``aws``, ``gce``, ``sigterm``, ``faults``
             (see :func:`lightning_bamboo.notices.build_watcher`).
         sigterm: SIGTERM becomes a notice (the worker drains instead of dying). ``None`` (default): on when
-            the strategy drains on SIGTERM (``ElasticBambooStrategy(drain_on_sigterm=True)``, its default),
+            the strategy drains on SIGTERM (``BambooStrategy(drain_on_sigterm=True)``, its default),
             off otherwise.
         checkpoint_dir: where the checkpoint-and-stop drain writes (default
             ``<default_root_dir>/bamboo-drain``).

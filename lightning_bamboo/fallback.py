@@ -3,7 +3,7 @@ re-run from them.
 
 When redundancy cannot cover a loss (two adjacent stages lost at once, fewer processes than stages), the
 survivors load the last complete checkpoint into whatever layout they can run and re-run the steps since it,
-inside the same ``fit`` (:meth:`lightning_bamboo.elastic.ElasticBambooStrategy`). This module holds what that
+inside the same ``fit`` (:class:`lightning_bamboo.strategy.BambooStrategy`). This module holds what that
 needs and nothing about process groups:
 
 * :class:`PeriodicCheckpointer`: every ``N`` steps each member of the first pipeline writes the layers of its

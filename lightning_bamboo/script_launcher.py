@@ -1,5 +1,5 @@
 """Elastic Bamboo from a plain script: ``python train.py`` whose Trainer has
-``strategy=ElasticBambooStrategy(...), devices=N`` survives a lost worker.
+``strategy="bamboo", devices=N`` survives a lost worker.
 
 Lightning's own script launcher makes the script's process rank 0 and starts the other ranks; a preemption of
 rank 0 would then end the job. Here the script's process becomes the job's *supervisor* instead

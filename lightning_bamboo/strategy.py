@@ -1,11 +1,25 @@
-"""``BambooStrategy``: pipeline-parallel training with Bamboo's redundant layers, as a Lightning strategy.
+"""``BambooStrategy``: pipeline-parallel training that survives preemption, as a Lightning strategy.
 
-Launch it like DDP (one process per device); the user's LightningModule follows the contract in
-:mod:`lightning_bamboo.contract`::
+One runtime, three ways to start it (the layout is always an
+:class:`~lightning_bamboo.ownership.OwnershipMap`; the first one is its generation 0)::
 
     import lightning_bamboo  # registers "bamboo"
-    Trainer(strategy="bamboo", accelerator="cpu", devices=4).fit(model, data)
-    Trainer(strategy=BambooStrategy(num_stages=2, num_microbatches=8), devices=4).fit(model, data)
+    # python train.py: this process supervises 4 workers; any of them may be lost
+    Trainer(strategy="bamboo", devices=4).fit(model, data)
+    # python -m lightning_bamboo.launch --nproc 4 train.py (devices=1 in the script): the same, as a CLI
+    # torchrun / SLURM / a single process: the same pipeline, but a lost worker ends the job
+
+How a step runs (the *two-phase step*): the pipeline schedule runs (forwards, backwards, gradient all-reduce
+over pipelines); every member sends its stages' gradients to the member holding their replica and receives its
+successor's; it then *prepares* in the store; when every member has prepared, the step is *committed*
+(:class:`lightning_bamboo.membership.StepCommit`) and every member applies the optimizer to its own stages and
+to its replica. A failure before the commit aborts the step everywhere (nobody has changed a parameter); after
+it, every survivor applies the step. Survivors therefore always agree on one state, before or after the step;
+what happens next (failover, rejoin, fallback, drain) is :mod:`lightning_bamboo.elastic`.
+
+Data: every member loads the GLOBAL batch (the sampler is not sharded; ``batch_size`` is the global batch) and
+takes the share of its pipeline under the current layout, so the samples of a step do not depend on how many
+pipelines exist.
 """
 
 from __future__ import annotations
@@ -13,6 +27,8 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import os
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -21,25 +37,18 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    _destroy_dist_connection,
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.callbacks import Checkpoint, StochasticWeightAveraging
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
@@ -47,8 +56,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_bamboo import checkpoint as ckpt
+from lightning_bamboo import fallback as fb
+from lightning_bamboo import membership as ms
 from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
-from lightning_bamboo.clipping import NORM, apply_clipping, plan_clipping
+from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
+from lightning_bamboo.clipping import ClipPlan, apply_clipping, plan_clipping
 from lightning_bamboo.contract import (
     check_contract,
     check_replayed_loss,
@@ -60,9 +72,10 @@ from lightning_bamboo.contract import (
     sub_sequential,
     warn_batch_statistics,
 )
-from lightning_bamboo.engine import PipelineEngine
+from lightning_bamboo.cutter import GenerationCutter
+from lightning_bamboo.departure import DrainTimer
+from lightning_bamboo.elastic import ElasticRuntime
 from lightning_bamboo.events import BambooEventsMixin
-from lightning_bamboo.groups import BambooGroups
 from lightning_bamboo.layout import StageLayout, estimate_layer_costs
 from lightning_bamboo.microbatch import (
     batch_size_of,
@@ -70,14 +83,37 @@ from lightning_bamboo.microbatch import (
     join_microbatches,
     split_microbatches,
 )
+from lightning_bamboo.ownership import OwnershipMap, initial
 from lightning_bamboo.precision import with_pipeline_clipping
 from lightning_bamboo.replica import ReplicaSync
-from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b, format_grid
+from lightning_bamboo.reshard import LayerState, Resharder, gather, install
+from lightning_bamboo.schedule import Action, ActionKind, add_forward_redundancy, build_1f1b, format_grid
+from lightning_bamboo.script_launcher import SupervisorLauncher
+from lightning_bamboo.view import PipelineView, StageAveragingEngine
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
+
+_STORES: dict[str, dist.Store] = {}
+_ENTRIES: dict[int, int] = {}
+
+
+def _process_store(key: str, connect: Callable[[], dist.Store]) -> dist.Store:
+    """One connection per store and process: rank 0 serves the TCPStore once (a second server on the same
+    port would fail), and every Trainer of the process uses it under its own prefix (:func:`_next_entry`)."""
+    if key not in _STORES:
+        _STORES[key] = connect()
+    return _STORES[key]
+
+
+def _next_entry(store: dist.Store) -> int:
+    """The number of this entry point (fit, validate, ...) on ``store`` in this process: every process of a
+    job runs the same sequence of Trainer calls, so they agree on it without talking."""
+    _ENTRIES[id(store)] = _ENTRIES.get(id(store), 0) + 1
+    return _ENTRIES[id(store)]
+
 
 _STAGE_MARK = "_bamboo_stage"
 """Attribute set on a stage's Sequential, so a second strategy does not mistake it for the whole body."""
@@ -106,20 +142,24 @@ def _param_group_names(module: pl.LightningModule) -> list[list[str]]:
     return [[names[id(p)] for p in group["params"]] for group in optimizers[0].param_groups]
 
 
-class BambooStrategy(BambooEventsMixin, ParallelStrategy):
-    """Pipeline parallelism with Bamboo's redundancy: stage ``s`` also holds stage ``s+1``'s layers.
+class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
+    """Pipeline parallelism with Bamboo's redundancy that keeps training when workers are lost or join.
 
-    The ``world_size`` processes form ``num_stages`` stages x ``world_size / num_stages`` data-parallel
-    pipelines (global rank = pipeline * num_stages + stage). Every step runs a 1F1B schedule over
-    ``num_microbatches`` micro-batches, averages gradients over the pipelines, and keeps each stage's replica
-    (layers and optimizer state) on its predecessor exactly current.
+    The workers form ``num_stages`` stages x ``workers / num_stages`` data-parallel pipelines (generation 0:
+    member ``m`` is stage ``m % num_stages`` of pipeline ``m // num_stages``). Every step runs a 1F1B schedule
+    over ``num_microbatches`` micro-batches, averages gradients over the pipelines, and keeps each stage's
+    replica (layers, optimizer state, buffers) on its predecessor exactly current; when a worker is lost its
+    predecessor takes its stages over inside the same ``fit`` (started plainly or by
+    ``python -m lightning_bamboo.launch``; under torchrun or SLURM a lost worker ends the job).
 
     Args:
-        num_stages: pipeline length, >= 1; must divide the world size and be <= the number of layers of the
-            pipeline body. 1 means plain data parallelism (and requires ``redundancy=False``).
-        num_microbatches: micro-batches per training step, >= 1; must divide the per-pipeline batch size.
+        num_stages: pipeline length, >= 1; must divide the number of workers and be <= the number of layers
+            of the pipeline body. 1 means plain data parallelism (and requires ``redundancy=False``).
+        num_microbatches: micro-batches per training step and pipeline, >= 1; must divide each pipeline's
+            share of the batch.
         redundancy: ``True`` (default): every stage holds a replica of its successor and runs the eager
-            redundant forwards (``FR``) of the Bamboo schedule; ``False``: the plain 1F1B pipeline.
+            redundant forwards (``FR``) of the Bamboo schedule; ``False``: the plain 1F1B pipeline (no
+            replica: a lost worker needs the checkpoint fallback).
         replica_device: ``"same"`` (default): the replica lives on the stage's device; ``"cpu"``: in host
             memory, as Bamboo's lazy mode, saving accelerator memory.
         pipeline_attr: attribute name of the module's ``nn.Sequential`` body; ``None`` (default): ``pipeline``
@@ -127,9 +167,25 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         layer_costs: relative cost of each layer of the body, used to split layers into stages; ``None``
             (default): estimated by ``estimate_layer_costs`` from the layers.
         timeout: timeout of the process group's collectives and point-to-point operations, in seconds or as a
-            ``timedelta`` (default: PyTorch's default of 30 minutes). Use seconds when a hung peer must be
-            noticed fast.
-        process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` (default): chosen from the device.
+            ``timedelta`` (default 30 s: a hung peer is noticed fast; the supervisor's heartbeat usually
+            notices it sooner).
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` (default): NCCL on CUDA, else gloo.
+        heartbeat: seconds between heartbeats written to the store (the supervisor's ``hang_timeout`` decides
+            when a silent worker is lost).
+        hang_timeout: under a plain ``python train.py`` (this process supervises ``devices`` workers): seconds
+            without a heartbeat after which a worker is killed and lost (``--hang-timeout`` of the CLI).
+        failure_wait: seconds a member that saw a communication error waits for the supervisor to publish
+            the next generation before it treats the error as a real one and raises it.
+        checkpoint_every_n_steps: take an asynchronous ``torch.distributed.checkpoint`` every N steps, for the
+            checkpoint fallback (a loss redundancy cannot cover); ``None`` (default): no checkpoints, and
+            such a loss ends the job. Needs ``checkpoint_dir``.
+        checkpoint_dir: folder of those checkpoints (each job writes under ``<checkpoint_dir>/<job id>``);
+            on several machines, a filesystem every worker sees.
+        keep_checkpoints: complete checkpoints kept (older ones are deleted).
+        drain_on_sigterm: a SIGTERM to a worker (what spot agents, Kubernetes and ``docker stop`` send)
+            drains it one step boundary later, an announced departure: a
+            :class:`~lightning_bamboo.callbacks.BambooNotices` is added when the trainer has none. ``False``:
+            Lightning's own SIGTERM handling, which ends the worker (the job then fails over, or stops).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for every
             Lightning ``ParallelStrategy`` (normally set by the Trainer).
     """
@@ -144,8 +200,15 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         replica_device: Literal["same", "cpu"] = "same",
         pipeline_attr: str | None = None,
         layer_costs: Sequence[float] | None = None,
-        timeout: float | timedelta | None = default_pg_timeout,
+        timeout: float | timedelta | None = 30.0,
         process_group_backend: str | None = None,
+        heartbeat: float = 0.25,
+        hang_timeout: float = 5.0,
+        failure_wait: float = 30.0,
+        checkpoint_every_n_steps: int | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        keep_checkpoints: int = 2,
+        drain_on_sigterm: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -170,6 +233,7 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
                 f"redundancy=True needs num_stages >= 2 (a stage replicates its successor), got num_stages "
                 f"({num_stages}); pass redundancy=False"
             )
+        fb.check_options(checkpoint_every_n_steps, checkpoint_dir, keep_checkpoints)
         self._num_stages = num_stages
         self._num_microbatches = num_microbatches
         self._redundancy = redundancy
@@ -179,18 +243,64 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
-        # runtime state, built in setup()
-        self.layout: StageLayout | None = None
-        self.groups: BambooGroups | None = None
-        self.engine: PipelineEngine | None = None
+        self._checkpoint_options = (checkpoint_every_n_steps, checkpoint_dir, keep_checkpoints)
+        self._heartbeat_interval = heartbeat
+        self._hang_timeout = hang_timeout
+        self._failure_wait = failure_wait
+        self.drain_on_sigterm = drain_on_sigterm
+        # who this process is: a worker of a Bamboo job (its supervisor's environment), or a rank of a job
+        # an outside launcher started (fixed membership, ``_env`` None)
+        self._env = ms.WorkerEnv.from_env()
+        self._member = self._env.member if self._env is not None else 0
+        self._nproc = self._env.nproc if self._env is not None else 1
+        self._elastic = self._env is not None  # a supervisor publishes generations (set per fit in setup)
+        self._store: dist.Store | None = None
+        self._entries = 0  # fit/validate/test/predict calls in this process (each its own store prefix)
+        self._heartbeat: ms.Heartbeat | None = None
+        self._cutter: GenerationCutter | None = None
+        # the layout and this member's part of it
+        self.owners: OwnershipMap | None = None
+        self.view: PipelineView | None = None
+        self.groups: PipelineView | None = None
+        self.engine: StageAveragingEngine | None = None
         self.replica: nn.Module | None = None
         self.replica_sync: ReplicaSync | None = None
+        self._rank = 0
+        self._world = 1
         self._body_attr: str = pipeline_attr or "pipeline"
+        self._stage_module: nn.Module | None = None
+        self._body_length = 0
+        self._layers: dict[int, nn.Module] = {}
+        self._held: dict[int, LayerState] = {}
+        self._stage_layers: tuple[range, ...] = ()
+        self._replica_optimizer: Optimizer | None = None
+        # the step in progress
+        self._step = 0
         self._stashed_grads: list[Tensor | None] | None = None
+        self._clip_plan: ClipPlan | None = None
+        self._window: list[tuple[int, Any]] = []  # (batch_idx, batch) since the last step: accumulation
+        self._window_done = 0  # of those, how many have their gradients accumulated
+        self._window_buffers: list[tuple[Tensor, Tensor]] = []  # buffers as they were when the window began
+        # checkpoints: Lightning's (sharded folders) and the fallback's (periodic DCP)
+        self._checkpointer: fb.PeriodicCheckpointer | None = None
+        # steps since the last complete checkpoint: at most 2N-1 before the step in progress (one write in
+        # flight), plus the step in progress
+        self._ring = fb.BatchRing(2 * checkpoint_every_n_steps + 1 if checkpoint_every_n_steps else 0)
         self._loaded_path: Path | None = None
         self._loaded_whole: dict[str, Any] | None = None  # an ordinary .ckpt's whole model, for the replica
         self._whole_group_names: list[list[str]] | None = None
-        self._stage_module: nn.Module | None = None
+        # membership changes (lightning_bamboo.elastic)
+        self._in_step = 0
+        self._rerunning = False
+        self._created_during_eval: list[nn.Module] = []
+        self.failovers: list[tuple[OwnershipMap, OwnershipMap]] = []
+        self._join_adopted = False  # the last commit adopted a join: form it at the next step boundary
+        self._fallback_path = ""  # the checkpoint folder the last fallback loaded (on_fallback's payload)
+        self._lost_since: float | None = None  # a peer lost after a commit: when (formed at the boundary)
+        self._joining_setup = False  # a joiner before its first step: no collective with the running job
+        self._skip: Any = None  # a joiner's training batch sampler (progress.SkipFirstBatches)
+        self.departed = False  # this member left by an announced departure (it stops after its last step)
+        self.drain_timer = DrainTimer()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -206,23 +316,79 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         return self._redundancy
 
     @property
-    def num_pipelines(self) -> int:
-        """Data-parallel pipelines: ``world_size / num_stages``."""
-        return max(self.world_size // self._num_stages, 1)
+    def elastic(self) -> bool:
+        """Whether a lost worker is survived (a Bamboo supervisor runs the job)."""
+        return self._elastic
 
     @property
-    def pipeline_index(self) -> int:
-        return self.global_rank // self._num_stages
+    def store(self) -> dist.Store:
+        """The job's store (membership, commits; the supervisor holds it)."""
+        if self._store is None:
+            raise RuntimeError("the store is connected in setup_distributed")
+        return self._store
 
     @property
-    def stage_index(self) -> int:
-        return self.global_rank % self._num_stages
+    @override
+    def global_rank(self) -> int:
+        return self._rank
+
+    @property
+    @override
+    def world_size(self) -> int:
+        # a joiner's setup and the start of its first batch run while the others are inside that step: it
+        # joins no per-batch collective there (Lightning broadcasts a SIGTERM flag when world_size > 1)
+        return 1 if self._joining_setup else self._world
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        if self._env is not None or self.cluster_environment is None:
+            return 0
+        return self.cluster_environment.local_rank()
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        if self._env is not None or self.cluster_environment is None:
+            return 0
+        return self.cluster_environment.node_rank()
 
     @property
     @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
+        return self.parallel_devices[min(self.local_rank, len(self.parallel_devices) - 1)]
+
+    @property
+    def replica_device(self) -> torch.device:
+        return torch.device("cpu") if self._replica_device_option == "cpu" else self.root_device
+
+    @property
+    def member(self) -> int:
+        """This worker's id in the job (stable across generations; a joiner's is >= the initial count)."""
+        return self._member
+
+    @property
+    def pipeline_length(self) -> int:
+        """Positions of this member's pipeline now (shorter than ``num_stages`` after a failover)."""
+        return self.view.num_stages if self.view is not None else self._num_stages
+
+    @property
+    def num_pipelines(self) -> int:
+        return len(self.owners.pipelines) if self.owners is not None else 1
+
+    @property
+    def pipeline_index(self) -> int:
+        if self.owners is None:
+            return 0
+        return self.owners.pipeline_ids().index(self.owners.pipeline_of(self.member))
+
+    @property
+    def stage_index(self) -> int:
+        """The first original stage this member holds."""
+        if self.owners is None:
+            return self._member % self._num_stages
+        return self.owners.stages_of(self.member)[0]
 
     @property
     def num_nodes(self) -> int:
@@ -238,75 +404,234 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        """Tells Lightning to insert a distributed sampler (one shard per pipeline)."""
         return True
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """All stages of a pipeline read the same batch; each pipeline reads its own shard."""
-        return {"num_replicas": self.num_pipelines, "rank": self.pipeline_index}
+        """Training and evaluation: every member loads the global batch (``training_step`` takes its
+        pipeline's share; a failover changes the shares, not the samples of a step). Prediction (no failover
+        to plan for): each pipeline predicts its own shard, as DDP ranks do."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.predicting and self.owners is not None:
+            return {"num_replicas": self.num_pipelines, "rank": self.pipeline_index}
+        return {"num_replicas": 1, "rank": 0}
 
     @property
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
-    @property
-    def replica_device(self) -> torch.device:
-        return torch.device("cpu") if self._replica_device_option == "cpu" else self.root_device
-
-    # ------------------------------------------------------------------ environment
+    # ------------------------------------------------------------------ launching
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        self._launcher = _SubprocessScriptLauncher(
-            self.cluster_environment, self.num_processes, self.num_nodes
-        )
+        """A plain ``python train.py`` with ``devices=N`` becomes the supervisor of N workers
+        (:mod:`lightning_bamboo.script_launcher`); a worker of a Bamboo job launches nothing; under an outside
+        launcher (torchrun, SLURM, ...), on several nodes or in one process the ranks are fixed."""
+        self._launcher = None
+        if self._env is not None:
+            return
+        env = self.cluster_environment
+        external = env is not None and env.creates_processes_externally
+        if external or self.num_processes * self.num_nodes <= 1:
+            return
+        if self.num_nodes > 1:
+            assert env is not None
+            self._launcher = _SubprocessScriptLauncher(env, self.num_processes, self.num_nodes)
+            return
+        self._launcher = SupervisorLauncher(self.num_processes, self._hang_timeout)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self.setup_distributed()
 
+    @override
     def set_world_ranks(self) -> None:
-        """Set ranks (called by the Trainer when it is built), and check the stage arithmetic right away."""
-        if self.cluster_environment is not None:
+        """Lightning's rank-zero-only parts follow this member's rank (it changes with the generation)."""
+        if self._env is None and self.cluster_environment is not None and self.owners is None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-        self._check_world_size()
+            self._rank = self._member = self.cluster_environment.global_rank()
+            self._world = self._nproc = self.cluster_environment.world_size()
+            if self._nproc > 1:  # devices=1 may be one worker of the launch CLI: checked at fit
+                self._check_world_size()
+        rank_zero_only.rank = utils_rank_zero_only.rank = self._rank  # type: ignore[attr-defined]
 
     def _check_world_size(self) -> None:
-        if self.world_size % self._num_stages != 0:
+        if self._nproc % self._num_stages != 0:
+            hint = (
+                " (one process: set Trainer(devices=N), or start workers with python -m "
+                "lightning_bamboo.launch --nproc N)" if self._nproc == 1 else ""
+            )
             raise ValueError(
-                f"num_stages ({self._num_stages}) does not divide world_size ({self.world_size}): "
-                f"{self.world_size} % {self._num_stages} = {self.world_size % self._num_stages}; "
-                f"world_size must be num_stages x num_pipelines"
+                f"num_stages ({self._num_stages}) does not divide world_size ({self._nproc}): "
+                f"{self._nproc} % {self._num_stages} = {self._nproc % self._num_stages}; "
+                f"world_size must be num_stages x num_pipelines{hint}"
             )
 
     def setup_distributed(self) -> None:
-        """Validate the stage arithmetic and start the process group (with ``timeout``)."""
+        """Connect to the job's store (the supervisor's, or one served by rank 0 under an outside launcher),
+        start the heartbeat; the process group comes with the generation."""
         reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = (
-            self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._entries += 1  # entry points of this strategy object (a later one reuses the layout)
+        self._process_group_backend = self._process_group_backend or (
+            "nccl" if self.root_device.type == "cuda" else "gloo"
         )
-        assert self.cluster_environment is not None
+        if self._env is None:
+            self.set_world_ranks()
+            self._check_world_size()
+            if self._entries == 1 and self._nproc > 1:
+                rank_zero_info(
+                    "Bamboo: the ranks were started by an outside launcher (or Lightning's, on several "
+                    "nodes): a lost worker ends the job. Surviving it needs Bamboo's launcher: start the "
+                    "script plainly (python train.py, Trainer(devices=N)) or with python -m "
+                    "lightning_bamboo.launch"
+                )
+        base = self._connect()
+        entry = _next_entry(base)
+        # the first Trainer entry point of a supervised worker is the elastic one; any later one (a test after
+        # the fit, a second Trainer) runs on the layout it finds, under its own prefix of the store
+        self._elastic = self._env is not None and entry == 1
+        self._store = base if entry == 1 else dist.PrefixStore(f"entry{entry}", base)
+        if self._elastic:
+            assert self._env is not None
+            self._heartbeat = ms.Heartbeat(self._env, self._heartbeat_interval)
+            self._cutter = GenerationCutter(self._env)
+            if not self._env.joining:
+                self._open_shared_loggers()
+            # generation 0's rank before it forms (members 0..N-1 in order; a joiner's id is >= N), so
+            # Lightning's rank-zero-only parts (progress bar, logging) start on one member only
+            self._rank = self._member
+            self.set_world_ranks()
+            self._watch_sigterm()
+
+    def _connect(self) -> dist.Store:
+        """The job's store: the supervisor's; else one TCPStore served by rank 0 (``MASTER_ADDR``/``PORT``,
+        through torch's ``tcp://`` rendezvous, which joins torchrun's agent store when it runs one); a single
+        process keeps it in memory. One connection per process, whatever the number of Trainers in it."""
+        if self._env is not None:
+            url, job = self._env.store_url, self._env.job
+            return _process_store(f"{url}/{job}", lambda: ms.connect(url, job))
+        if self._nproc == 1:
+            return _process_store("local", dist.HashStore)
+        env = self.cluster_environment
+        assert env is not None
+        url = f"tcp://{env.main_address}:{env.main_port}?rank={self._rank}&world_size={self._nproc}"
+
+        def rendezvous() -> dist.Store:
+            store, _, _ = next(dist.rendezvous(url, timeout=self._timeout))
+            return dist.PrefixStore("bamboo", store)
+
+        return _process_store(url, rendezvous)
+
+    def _watch_sigterm(self) -> None:
+        """With ``drain_on_sigterm``, make sure a :class:`BambooNotices` watches for SIGTERM (added before
+        Lightning's ``setup`` hooks). It goes before ``BambooMetrics`` (a drain is counted in its step's
+        metrics) and the checkpoint callbacks (Lightning keeps those last); other callbacks keep their order.
+        """
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if not self.drain_on_sigterm or trainer is None:
+            return
+        callbacks = trainer.callbacks
+        if not any(isinstance(callback, BambooNotices) for callback in callbacks):
+            after = [i for i, c in enumerate(callbacks) if isinstance(c, (BambooMetrics, Checkpoint))]
+            callbacks.insert(after[0] if after else len(callbacks), BambooNotices())
+
+    def _open_shared_loggers(self) -> None:
+        """Give every member of generation 0 the same logger version, opened, so whichever member is rank 0
+        after a failover logs on into the run's one folder (one version per run, every step once).
+
+        Every member reads its loggers' next free version before any creates a folder (a store barrier), then
+        opens the logger (``experiment``: CSVLogger's writer, which would delete a ``metrics.csv`` it found
+        if it were first opened after a failover) before anything is logged (a second barrier). Until
+        :meth:`set_world_ranks` runs, every process counts as rank zero, so every member opens its own.
+        """
+        assert self.lightning_module is not None and self._store is not None
+        loggers = self.lightning_module.trainer.loggers
+        for logger in loggers:
+            _ = logger.version  # CSV/TensorBoard: the next free version; nothing is created yet
+        timeout = self._timeout.total_seconds()
+        ms.store_barrier(self._store, "loggers/versions_read", self._nproc, timeout)
+        for logger in loggers:
+            _ = logger.experiment
+        ms.store_barrier(self._store, "loggers/opened", self._nproc, timeout)
+
+    def _init_generation(self, owners: OwnershipMap) -> None:
+        """Destroy the last generation's process group and create ``owners``' (ranks follow it)."""
+        assert self._store is not None
+        if self._cutter is not None:
+            self._cutter.disarm()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self._cutter is not None:
+            self._cutter.before_init()
+        self.owners = owners
+        self._rank, self._world = owners.rank_of(self.member), len(owners.members())
         kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
+        if self.root_device.type == "cuda":
             kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        # Lightning registers this only for NCCL; a gloo group left to interpreter shutdown can abort the
-        # process ("terminate called without an active exception") after training has finished
-        atexit.register(_destroy_dist_connection)
+        dist.init_process_group(
+            self._process_group_backend,
+            store=dist.PrefixStore(f"gen{owners.generation}", self._store),
+            rank=self._rank,
+            world_size=self._world,
+            **kwargs,
+        )
+        self.set_world_ranks()
+
+    def _formed(self, generation: int) -> None:
+        """Tell the supervisor this member formed ``generation`` (and arm the cutter on its sockets)."""
+        if self._cutter is not None:
+            self._cutter.arm(generation)
+        assert self._store is not None
+        self._store.add(f"gen{generation}/formed", 1)
 
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None
-        assert self.lightning_module is not None
+        assert self.accelerator is not None and self.lightning_module is not None and self._store is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._check_setup(trainer, module)
+        fresh = self._stage_module is None or module._modules.get(self._body_attr) is not self._stage_module
+        if fresh:
+            if fitting:
+                self._whole_group_names = _param_group_names(module)
+            self._prepare_body(module)
+        if self._env is not None and self._env.joining and self._elastic:
+            self._setup_joiner(trainer)
+            return
+        owners = self._generation_zero() if self.owners is None else self.owners
+        self._init_generation(owners)
+        if fresh:  # generation 0: pipeline 0's members hold their stages as built; the others receive them
+            first = owners.pipeline_ids()[0]
+            self._held = {}
+            if owners.pipeline_of(self.member) == first:
+                self._held = {
+                    layer: LayerState(self._layers[layer])
+                    for s in owners.stages_of(self.member)
+                    for layer in self._stage_layers[s]
+                }
+            self._form(owners, build_optimizers=False)
+        else:  # a later fit/validate/test/predict with the same Trainer: the layers stay where they are
+            self._form(owners, build_optimizers=False, held=self._current_holdings())
+        if fitting:
+            self._setup_model_and_optimizer(trainer, module)
+            if self._elastic:
+                self._check_groups_fit_any_layout()
+            self._build_replica_optimizer()
+            self._start_checkpointer()
+        else:
+            self.model = self.precision_plugin.convert_module(module)
+            self.model_to_device()
+            self.setup_precision_plugin()
+        self._formed(owners.generation)
+        if self._entries == 1:
+            rank_zero_only(print)(f"[bamboo] generation {owners.generation}:\n{owners.format()}", flush=True)
+
+    def _check_setup(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """Refuse what the pipeline cannot run, before anything is split."""
         self._check_precision()
         _refuse_whole_model_callbacks(trainer)
         if not module.automatic_optimization:
@@ -314,58 +639,18 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
                 f"BambooStrategy runs the backward pass itself and needs automatic optimization; "
                 f"{type(module).__name__}.automatic_optimization is False"
             )
-        if self._stage_module is None or module._modules.get(self._body_attr) is not self._stage_module:
-            if trainer.state.fn == TrainerFn.FITTING:
-                self._whole_group_names = _param_group_names(module)
-            self._split_body(module)
-        # else: a later fit/validate/test with the same Trainer; the module already holds its stage
-
-        self.model = self.precision_plugin.convert_module(module)
-        self.model_to_device()
-        if self.replica is not None:
-            self.replica = self.precision_plugin.convert_module(self.replica).to(self.replica_device)
-        self._sync_stage_across_pipelines()
-
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-            if len(self.optimizers) != 1:
-                raise ValueError(
-                    f"BambooStrategy supports exactly one optimizer, configure_optimizers returned "
-                    f"{len(self.optimizers)}"
-                )
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
-        self._build_engine()
-        if self._redundancy and trainer.state.fn == TrainerFn.FITTING:
-            self._build_replica_sync(module)
-
-    def _split_body(self, module: pl.LightningModule) -> None:
-        """Plan the layout, build the groups, and keep only this rank's stage (and replica) of the body."""
-        attr, body = find_pipeline_body(module, self._pipeline_attr)
-        check_contract(module, attr, body)
-        if getattr(body, _STAGE_MARK, False):
-            raise RuntimeError(
-                f"{type(module).__name__}.{attr} holds only the layers of one stage, left by an earlier "
-                "BambooStrategy run; build a fresh module (e.g. load consolidate_checkpoint(path) into it)"
+        if trainer.gradient_clip_val and is_overridden("configure_gradient_clipping", module):
+            raise ValueError(
+                "BambooStrategy clips gradients itself (gradient_clip_val / gradient_clip_algorithm: "
+                "each replica must clip exactly as the stage it mirrors); "
+                f"{type(module).__name__}.configure_gradient_clipping is overridden, remove the override"
             )
-        self._body_attr = attr
-        costs = self._layer_costs if self._layer_costs is not None else estimate_layer_costs(list(body))
-        self.layout = self._plan_layout(body, costs)
-        check_stage_split(module, attr, body, self.layout.stage_layers)
-        warn_batch_statistics(module, attr, body, self._num_microbatches)
-        rank_zero_info(f"BambooStrategy layout:\n{self.layout.describe(costs=costs)}")
-        self.groups = BambooGroups.create(self.layout, self.global_rank, self._timeout)
-        stage = self.groups.stage
-        self._stage_module = sub_sequential(body, self.layout.stage_layers[stage])
-        setattr(self._stage_module, _STAGE_MARK, True)
-        self._stage_module.outside_call_error = outside_call_message(
-            module, attr, self.layout.stage_layers[stage], len(body)
-        )
-        module._modules[attr] = self._stage_module
-        if self._redundancy:
-            self.replica = sub_sequential(body, self.layout.stage_layers[self.layout.successor(stage)])
-        # the layers of other stages are released with ``body``
+        if trainer.accumulate_grad_batches != 1 and self._checkpoint_options[0] is not None:
+            raise ValueError(
+                "BambooStrategy's checkpoint fallback re-runs whole steps of one batch each: "
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} with checkpoint_every_n_steps="
+                f"{self._checkpoint_options[0]} is not supported; use one of them"
+            )
 
     def _check_precision(self) -> None:
         plugin = self.precision_plugin
@@ -375,72 +660,243 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
                 "scaled on every stage); use '32-true', '64-true' or 'bf16-mixed'"
             )
 
-    def _plan_layout(self, body: nn.Sequential, costs: Sequence[float]) -> StageLayout:
+    def _prepare_body(self, module: pl.LightningModule) -> None:
+        """Find the body, check the contract, plan which layers make each stage; every layer is converted to
+        the precision's dtype now (any of them may become this member's stage or replica, and layers received
+        from peers take their template's dtype)."""
+        attr, body = find_pipeline_body(module, self._pipeline_attr)
+        check_contract(module, attr, body)
+        if getattr(body, _STAGE_MARK, False):
+            raise RuntimeError(
+                f"{type(module).__name__}.{attr} holds only the layers of one stage, left by an earlier "
+                "BambooStrategy run; build a fresh module (e.g. load consolidate_checkpoint(path) into it)"
+            )
+        self._body_attr = attr
+        self._stage_layers = self._plan_stages(body)
+        check_stage_split(module, attr, body, self._stage_layers)
+        warn_batch_statistics(module, attr, body, self._num_microbatches)
+        self.precision_plugin.convert_module(body)
+        self._layers = {i: body[i] for i in range(len(body))}
+        self._body_length = len(body)
+
+    def _plan_stages(self, body: nn.Sequential) -> tuple[range, ...]:
+        """Which layers make each stage: contiguous runs of about equal cost (``layer_costs``, estimated)."""
         if len(body) < self._num_stages:
             raise ValueError(
                 f"num_stages ({self._num_stages}) is more than the {len(body)} layers of the pipeline body; "
                 f"each stage needs at least one layer"
             )
+        costs = self._layer_costs if self._layer_costs is not None else estimate_layer_costs(list(body))
         if len(costs) != len(body):
             raise ValueError(
                 f"layer_costs has {len(costs)} entries but the pipeline body has {len(body)} layers"
             )
-        return StageLayout.plan(costs, self.world_size, self._num_stages)
+        layout = StageLayout.plan(costs, self._num_stages, self._num_stages)
+        rank_zero_info(f"BambooStrategy layout:\n{layout.describe(costs=costs)}")
+        return layout.stage_layers
 
-    def _sync_stage_across_pipelines(self) -> None:
-        """Start every pipeline from pipeline 0's copy of the stage (as DDP syncs module states)."""
-        assert self.groups is not None and self.lightning_module is not None
-        if self.groups.layout.num_pipelines == 1:
-            return
-        src = self.groups.layout.rank_of(0, self.groups.stage)
-        stage = self.lightning_module._modules[self._body_attr]
-        assert stage is not None
-        for tensor in [*stage.parameters(), *stage.buffers()]:
-            dist.broadcast(tensor.data, src, group=self.groups.stage_group)
+    def _generation_zero(self) -> OwnershipMap:
+        assert self._store is not None
+        owners = initial(self._num_stages, range(self._nproc))
+        text = owners.to_json()
+        stored = self._store.compare_set("gen0/map", "", text).decode()
+        if stored != text:
+            raise ValueError(
+                f"this worker was started with num_stages={self._num_stages}, but the job's "
+                f"generation 0 is {OwnershipMap.from_json(stored).format()}"
+            )
+        self._store.compare_set("config/num_stages", "", str(self._num_stages))
+        if self.member not in owners.members():
+            raise RuntimeError(
+                f"member {self.member} has no stage in generation 0 (spare workers are not "
+                "supported at start: use a multiple of num_stages)"
+            )
+        return owners
 
-    def _build_engine(self) -> None:
-        assert self.groups is not None and self.lightning_module is not None
+    def _replica_stages(self, owners: OwnershipMap, member: int) -> list[int]:
+        """The stages ``member`` holds a replica of (none without ``redundancy``: a loss then needs the
+        checkpoint fallback)."""
+        return owners.replica_stages_of(member) if self._redundancy else []
+
+    def _needs(self, owners: OwnershipMap) -> dict[int, list[int]]:
+        return {
+            m: [
+                layer
+                for s in owners.stages_of(m) + self._replica_stages(owners, m)
+                for layer in self._stage_layers[s]
+            ]
+            for m in owners.members()
+        }
+
+    def _template(self, layer: int) -> nn.Module:
+        return self._layers[layer]
+
+    def _form(
+        self,
+        owners: OwnershipMap,
+        build_optimizers: bool = True,
+        holdings: dict[int, LayerState] | None = None,
+        held: dict[int, LayerState] | None = None,
+    ) -> None:
+        """Move layers to where ``owners`` needs them (or take ``held``, loaded from a checkpoint) and rebuild
+        stage, replica, groups and engine.
+
+        ``holdings``: the layers this member can give (default: all it holds now; a joiner gives none).
+        """
+        assert self._store is not None and self.lightning_module is not None
+        me = self.member
+        if held is None:
+            resharder = Resharder(
+                self._store, owners.generation, me, owners.rank_of, self._template, self.root_device
+            )
+            current = self._current_holdings() if holdings is None else holdings
+            held = resharder.run(current, self._needs(owners))
+        self._held = held
+        own_layers = [layer for s in owners.stages_of(me) for layer in self._stage_layers[s]]
+        replica_layers = [layer for s in self._replica_stages(owners, me) for layer in self._stage_layers[s]]
+        for layer in own_layers + replica_layers:
+            self._layers[layer] = self._held[layer].module
+        for layer in replica_layers:
+            self._layers[layer].to(self.replica_device)
+        for layer in own_layers:
+            self._layers[layer].to(self.root_device)
+        stage = sub_sequential(self._layers, own_layers)
+        setattr(stage, _STAGE_MARK, True)
+        layers = range(own_layers[0], own_layers[-1] + 1)
+        stage.outside_call_error = outside_call_message(  # type: ignore[attr-defined]
+            self.lightning_module, self._body_attr, layers, self._body_length
+        )
+        self._stage_module = stage
+        self.lightning_module._modules[self._body_attr] = stage
+        self.replica = sub_sequential(self._layers, replica_layers) if replica_layers else None
+        if build_optimizers:
+            grouping = self._user_optimizer(stage)
+            install(self.optimizers[0], [(layer, self._held[layer]) for layer in own_layers], grouping)
+        # groups: one per pipeline (loss broadcast) and one per stage (gradient all-reduce), same order
+        # on every member
+        pipeline_groups: dict[int, Any] = {}
+        stage_groups: dict[int, Any] = {}
+        kwargs = {"timeout": self._timeout}
+        for pipeline in owners.pipeline_ids():
+            ranks = [owners.rank_of(m) for m, _ in owners.positions(pipeline)]
+            pipeline_groups[pipeline] = dist.new_group(ranks, **kwargs)
+        if len(owners.pipelines) > 1:
+            for s in range(owners.num_stages):
+                stage_groups[s] = dist.new_group(
+                    sorted(owners.rank_of(m) for m in owners.stage_holders(s)), **kwargs
+                )
+        self.view = PipelineView(owners, me, owners.rank_of, pipeline_groups, stage_groups)
+        self.groups = self.view
+        if build_optimizers:
+            self._build_replica_optimizer()
+        positions = self.view.num_stages
+        schedule = build_1f1b(positions, self._num_microbatches)
+        if self._redundancy and positions > 1:
+            schedule = add_forward_redundancy(schedule, positions, self._num_microbatches)
+        if owners.generation == 0 and self._entries == 1:
+            rank_zero_info(f"BambooStrategy schedule (rank x step):\n{format_grid(schedule)}")
         module = self.lightning_module
-        schedule = build_1f1b(self._num_stages, self._num_microbatches)
-        if self._redundancy:
-            schedule = add_forward_redundancy(schedule, self._num_stages, self._num_microbatches)
-        rank_zero_info(f"BambooStrategy schedule (rank x step):\n{format_grid(schedule)}")
-        stage = module._modules[self._body_attr]
-        assert stage is not None
-        self.engine = PipelineEngine(
+        stage_params = {
+            s: [p for layer in self._stage_layers[s] for p in self._layers[layer].parameters()]
+            for s in owners.stages_of(me)
+        }
+        self.engine = StageAveragingEngine(
             stage,
-            self.groups,
-            schedule,
+            self.view,
+            schedule,  # type: ignore[arg-type]
             inputs_fn=module.pipeline_inputs,  # type: ignore[arg-type]
             loss_fn=module.pipeline_loss,  # type: ignore[arg-type]
             device=self.root_device,
-            replica=self.replica,
+            replica=self.replica if positions > 1 and self._redundancy else None,
             replica_device=self.replica_device,
+            stage_params=stage_params,
         )
+        self.engine.before_action = self._before_action
 
-    def _build_replica_sync(self, module: pl.LightningModule) -> None:
-        """Build the replica's optimizer from the user's ``configure_optimizers`` and sync its parameters.
+    def _current_holdings(self) -> dict[int, LayerState]:
+        """Every layer this member holds, with its optimizer state as of now."""
+        held = dict(self._held)
+        if self.optimizers and self._stage_module is not None:
+            own = {int(n): m for n, m in self._stage_module._modules.items()}
+            held.update(gather(own, self.optimizers[0]))
+        if self.replica is not None and self._replica_optimizer is not None:
+            held.update(
+                gather({int(n): m for n, m in self.replica._modules.items()}, self._replica_optimizer)
+            )
+        return held
 
-        ``configure_optimizers`` is called once more with the pipeline body swapped for the replica, so the
-        replica's parameters get exactly the param groups and hyper-parameters the successor's own call gave
-        the same layers. The schedulers of that call are dropped: the replica copies its hyper-parameters
-        from this rank's optimizer at every step.
-        """
-        assert self.replica is not None and self.groups is not None
+    def _build_replica_optimizer(self) -> None:
+        """The user's optimizer over the replica (``configure_optimizers`` with the body swapped for it) and
+        the :class:`ReplicaSync` that keeps both equal to the successor's (when the pipeline has two or more
+        positions; a member running the whole pipeline has no successor)."""
+        if self.replica_sync is not None:
+            self.replica_sync.close()
+            self.replica_sync = None
+        if self.replica is None:
+            self._replica_optimizer = None
+            return
+        self._replica_optimizer = self._user_optimizer(self.replica)
+        replica_layers = [int(name) for name in self.replica._modules]
+        layers = [(layer, self._held[layer]) for layer in replica_layers]
+        install(self._replica_optimizer, layers, self._replica_optimizer)
+        if self.view is not None and self.view.num_stages > 1:
+            assert self._stage_module is not None
+            self.replica_sync = ReplicaSync(
+                self._stage_module, self.replica, self._replica_optimizer, self.view, self.root_device
+            )
+
+    def _check_groups_fit_any_layout(self) -> None:
+        """A failover gives a member several stages, whose parameters join the param groups the user's
+        ``configure_optimizers`` gives them, in the member's optimizer (the object Lightning and the
+        schedulers hold): so that code must build as many groups for the whole body as for one stage (a group
+        may be empty). Checked at start, not at the first failover."""
+        whole = self._user_optimizer(sub_sequential(self._layers, sorted(self._layers)))
+        stage = self.optimizers[0]
+        if len(whole.param_groups) != len(stage.param_groups):
+            raise ValueError(
+                f"configure_optimizers builds {len(stage.param_groups)} param groups for this member's stage "
+                f"but {len(whole.param_groups)} for the whole pipeline body; BambooStrategy needs the "
+                "same number for any set of layers (a failover gives a member several stages): build the "
+                "groups from fixed parts (e.g. the head and the rest), leaving a group empty where the "
+                "stage has none of its layers"
+            )
+
+    def _user_optimizer(self, body: nn.Module) -> Optimizer:
+        """The user's optimizer over ``body`` (``configure_optimizers`` with the pipeline body swapped for
+        it): its param groups, hyper-parameters and which parameter goes in which group are the user's own."""
+        module = self.lightning_module
+        assert module is not None
         stage = module._modules[self._body_attr]
-        module._modules[self._body_attr] = self.replica
+        module._modules[self._body_attr] = body
         try:
             optimizers, _ = _init_optimizers_and_lr_schedulers(module)
         finally:
             module._modules[self._body_attr] = stage
         if len(optimizers) != 1:
+            raise ValueError(f"BambooStrategy supports exactly one optimizer, got {len(optimizers)}")
+        return optimizers[0]
+
+    def _setup_model_and_optimizer(self, trainer: pl.Trainer, module: nn.Module) -> None:
+        """Lightning's model, device, optimizer and precision set-up, shared by members and joiners."""
+        self.model = self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        self.setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
             raise ValueError(
-                f"configure_optimizers returned {len(optimizers)} optimizers for the replica, expected 1"
+                f"BambooStrategy supports exactly one optimizer, configure_optimizers returned "
+                f"{len(self.optimizers)}"
             )
-        replica_optimizer = optimizers[0]  # the user's own optimizer, built over the replica's parameters
-        assert stage is not None
-        self.replica_sync = ReplicaSync(stage, self.replica, replica_optimizer, self.groups, self.root_device)
-        self.replica_sync.sync_parameters()
+        self.setup_precision_plugin()  # its norm clipping applies the plan agreed before the commit
+        _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _start_checkpointer(self) -> None:
+        every, directory, keep = self._checkpoint_options
+        if every is None or directory is None:
+            return
+        fb.check_schedulers(self.lr_scheduler_configs)
+        fb.settings(self.optimizers[0], self.lr_scheduler_configs)  # JSON-ready, or a clear error now
+        job = self._env.job if self._env is not None else "local"
+        self._checkpointer = fb.PeriodicCheckpointer(Path(directory) / job, every, keep, self.member)
 
     @property
     @override
@@ -460,62 +916,95 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
             else with_pipeline_clipping(precision_plugin, self._clip_grad_by_global_norm)
         )
 
-    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        assert self.groups is not None
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
-        group = None  # one stage: nothing to reduce
-        if self._num_stages > 1:  # BambooGroups leaves pipeline_group None when the pipeline is the world
-            group = dist.group.WORLD if self.groups.pipeline_group is None else self.groups.pipeline_group
-        apply_clipping(plan_clipping(grads, clip_val, NORM, group, self.root_device), grads)
-
     # ------------------------------------------------------------------ training
     @override
     def on_train_start(self) -> None:
-        """Refuse a last batch that the micro-batches cannot split evenly now, not at the epoch's end."""
+        """A joiner joins now; a last batch the micro-batches cannot split evenly is refused now, not at the
+        epoch's end."""
         assert self.lightning_module is not None
-        check_train_batches(self.lightning_module.trainer.train_dataloader, self._num_microbatches)
+        trainer = self.lightning_module.trainer
+        if self._env is not None and self._env.joining and self.owners is None:
+            self._join(trainer)
+        check_train_batches(trainer.train_dataloader, self._num_microbatches * self.num_pipelines)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Remember the batches of the step in progress (more than one with ``accumulate_grad_batches``): a
+        failover mid-step runs them again on the next generation."""
+        if not self._window:
+            self._window_buffers = self._buffer_snapshot()
+        self._window.append((batch_idx, batch))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the whole schedule for the batch, then replay the user's ``training_step`` to log the loss."""
-        assert self.engine is not None and self.lightning_module is not None
-        batch, args, kwargs = self._stage0_batch(args, kwargs)
-        return self._run_schedule_and_replay(split_microbatches(batch, self._num_microbatches), args, kwargs)
+        """This pipeline's share of the global batch through the schedule, then the user's ``training_step``
+        replayed with the pipeline's loss (for logging). A peer lost mid-schedule: the next generation, and
+        the batch again."""
+        assert self.lightning_module is not None
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        while True:
+            since = time.monotonic()
+            try:
+                batch, args, kwargs = self._agreed_batch(args, kwargs)
+                if self._window:
+                    self._window[-1] = (batch_idx, batch)
+                if self._checkpointer is not None:
+                    self._ring.put(self._step, batch_idx, batch)
+                return self._run_schedule_and_replay(self._share(batch), args, kwargs)
+            except Exception as err:
+                if not self._generation_ended(err):
+                    raise
+                self._recover(since)
+
+    def _agreed_batch(
+        self, args: tuple, kwargs: dict[str, Any], per_pipeline: bool = False
+    ) -> tuple[Any, tuple, dict[str, Any]]:
+        """Every member uses rank 0's batch (``per_pipeline``: its pipeline's first stage's): random
+        augmentation or masking in a dataset can draw differently on each process, and stage 0's inputs must
+        meet the same labels on the last stage (sent as raw buffers,
+        :func:`~lightning_bamboo.broadcast.broadcast_batch`)."""
+        batch = args[0] if args else kwargs["batch"]
+        if per_pipeline and self.view is not None and self.view.num_stages > 1:
+            src = self.view.rank_of_stage(0)
+            batch = broadcast_batch(batch, src, self.root_device, group=self.view.pipeline_group)
+        elif not per_pipeline and self._world > 1 and dist.is_initialized():
+            batch = broadcast_batch(batch, 0, self.root_device)
+        if args:
+            return batch, (batch, *args[1:]), kwargs
+        return batch, args, {**kwargs, "batch": batch}
+
+    def _share(self, batch: Any) -> list[Any]:
+        """This pipeline's micro-batches of the global ``batch``."""
+        share = split_microbatches(batch, self.num_pipelines)[self.pipeline_index]
+        return split_microbatches(share, self._num_microbatches)
 
     def _run_schedule_and_replay(self, microbatches: list[Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         """Run the schedule on ``microbatches`` (gradients held aside), then replay the training_step."""
         assert self.engine is not None and self.lightning_module is not None
+        loss = self._run_schedule(microbatches)
+        with replay_step(self.lightning_module, self._body_attr, loss):
+            output = self.lightning_module.training_step(*args, **kwargs)
+        check_replayed_loss(self.lightning_module, output, loss)
+        return output
+
+    def _run_schedule(self, microbatches: list[Any]) -> Tensor:
+        """The schedule's forwards and backwards; its gradients are held in ``_stashed_grads`` (Lightning
+        zeroes gradients after ``training_step`` and before ``backward``), earlier ones are left in place."""
+        assert self.engine is not None
         params = self._stage_params()
         earlier = [p.grad for p in params]  # accumulated by earlier batches (accumulate_grad_batches > 1)
         for p in params:
             p.grad = None
         with self.precision_plugin.train_step_context():
             loss = self.engine.run_step(microbatches)
-        # Lightning zeroes gradients AFTER training_step and before backward: hold this step's aside
         self._stashed_grads = [p.grad for p in params]
         for p, grad in zip(params, earlier):
             p.grad = grad
-        with replay_step(self.lightning_module, self._body_attr, loss):
-            output = self.lightning_module.training_step(*args, **kwargs)
-        check_replayed_loss(self.lightning_module, output, loss)
-        return output
-
-    def _stage0_batch(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, tuple, dict[str, Any]]:
-        """Every stage of a pipeline uses stage 0's batch (random augmentation may differ per process)."""
-        assert self.groups is not None
-        batch = args[0] if args else kwargs["batch"]
-        if self.groups.num_stages > 1:
-            src = self.groups.rank_of_stage(0)
-            batch = broadcast_batch(batch, src, self.root_device, group=self.groups.pipeline_group)
-        if args:
-            return batch, (batch, *args[1:]), kwargs
-        return batch, args, {**kwargs, "batch": batch}
+        return loss
 
     def _stage_params(self) -> list[nn.Parameter]:
-        assert self.lightning_module is not None
-        stage = self.lightning_module._modules[self._body_attr]
-        assert stage is not None
-        return list(stage.parameters())
+        assert self._stage_module is not None
+        return list(self._stage_module.parameters())
 
     @override
     def backward(
@@ -527,7 +1016,16 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         if self._stashed_grads is None:
             raise RuntimeError("BambooStrategy.backward called without a preceding pipelined training_step")
-        # Lightning divides the loss by accumulate_grad_batches before backward; the schedule's did not see it
+        self._add_stashed_grads()
+        self._window_done += 1
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _add_stashed_grads(self) -> None:
+        """Add the schedule's gradients to the stage's, divided by ``accumulate_grad_batches`` as Lightning
+        divides the loss before its backward."""
+        assert self.lightning_module is not None and self._stashed_grads is not None
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
         for p, grad in zip(self._stage_params(), self._stashed_grads):
             if grad is None:
@@ -536,9 +1034,15 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
                 grad = grad / accumulate
             p.grad = grad if p.grad is None else p.grad + grad
         self._stashed_grads = None
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
+
+    def _replay_window(self) -> None:
+        """After a re-form inside a step of several batches: the gradients of the batches already done,
+        computed again on the new layout (the step's batch in flight is run by the caller)."""
+        for p in self._stage_params():
+            p.grad = None
+        for _, batch in self._window[: self._window_done]:
+            self._run_schedule(self._share(batch))
+            self._add_stashed_grads()
 
     @override
     def optimizer_step(
@@ -548,41 +1052,152 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         model: pl.LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        """The usual step, then the replica of this stage on the predecessor applies the same gradients."""
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._update_replica(optimizer)
-        return output
+        """The two-phase step; a lost peer leads to the next generation and a replay or a roll-forward."""
+        assert self._store is not None and self.owners is not None
+        self._in_step = self._step
+        self._join_at_boundary()
+        self._maybe_checkpoint()
+        while True:
+            failed = False
+            attempt = time.monotonic()
+            try:
+                result = closure()
+                self._phase("exchange")
+                self._exchange_replica_gradients()
+                self._plan_clipping()
+                outcome = self._prepare_and_wait()
+                self._phase("prepared")
+            except Exception as err:
+                if not self._generation_ended(err):
+                    raise
+                failed = True
+                outcome = self._decide_abort()
+            committed = outcome in (ms.COMMIT, ms.COMMIT_JOIN)
+            if not committed and not failed:
+                failed = True  # a peer was lost while this member waited for the outcome
+            if committed:
+                self._phase("commit")
+                output = super().optimizer_step(optimizer, lambda result=result: result, model, **kwargs)
+                self._update_replica(optimizer)
+                self._phase("applied")
+                self._committed(outcome, attempt if failed else None)
+                return output
+            # the batch in flight runs again in ``closure``; the window's earlier ones in ``_recover``
+            self._window_done = max(self._window_done - 1, 0)
+            self._recover(attempt)
+
+    def _prepare_and_wait(self) -> str:
+        """The two-phase commit's vote (a job with fixed membership has no one to wait for)."""
+        if not self._elastic:
+            return ms.COMMIT
+        assert self._store is not None and self.owners is not None
+        commit = ms.StepCommit(self._store, self.owners.generation, len(self.owners.members()))
+        return commit.prepare_and_wait(self._step, self._claim_join)
+
+    def _decide_abort(self) -> str:
+        assert self._store is not None and self.owners is not None
+        commit = ms.StepCommit(self._store, self.owners.generation, len(self.owners.members()))
+        return commit.decide(self._step, ms.ABORT)
+
+    def _committed(self, outcome: str, lost_since: float | None) -> None:
+        self._step += 1
+        self._window, self._window_done, self._window_buffers = [], 0, []
+        report = self.drain_timer.committed()
+        if report is not None:
+            rank_zero_only(print)(report, flush=True)
+        if lost_since is not None:
+            self._lost_since = lost_since  # seconds_lost of the failover formed at the next boundary
+        # a lost peer after the commit (rolled forward) or an adopted join: the next generation is formed at
+        # the next step boundary (_join_at_boundary), where a joiner can be positioned
+        self._join_adopted = outcome == ms.COMMIT_JOIN
+
+    def _exchange_replica_gradients(self) -> None:
+        """Send this member's stage gradients to its replica holder and receive its successor's (blocking,
+        before the commit: after it, no communication may be needed to apply the step)."""
+        if self.replica_sync is not None:
+            self.replica_sync.exchange(self.optimizers[0])
+
+    def _buffer_snapshot(self) -> list[tuple[Tensor, Tensor]]:
+        """``(buffer, copy)`` of every buffer this member holds (stages and replica) at the step's start."""
+        modules = [m for m in (self._stage_module, self.replica) if m is not None]
+        unique = {id(b): b for m in modules for b in m.buffers()}
+        return [(b, b.detach().clone()) for b in unique.values()]
+
+    def _undo_step(self) -> None:
+        """Leave no trace of an aborted step: its forwards' buffer updates (BatchNorm statistics, on the
+        stages and in the replica's FR) are undone and the successor's update received for it is dropped, so
+        the re-run on the next generation starts from the state the survivors agree on."""
+        with torch.no_grad():
+            for buffer, saved in self._window_buffers:
+                buffer.copy_(saved)
+        if self.replica_sync is not None:
+            self.replica_sync.discard()
+
+    def _plan_clipping(self) -> None:
+        """Agree on the step's gradient clipping before the commit (the norm is a collective)."""
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        view = self.view
+        group = view.pipeline_group if view is not None and view.num_stages > 1 else None
+        grads = [p.grad for p in self._stage_params()]
+        clip_val, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+        self._clip_plan = plan_clipping(grads, clip_val, algorithm, group, self.root_device)
+
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """Lightning's norm clipping, after the commit: the coefficient agreed before it (no collective)."""
+        apply_clipping(self._clip_plan, [p.grad for g in optimizer.param_groups for p in g["params"]])
 
     def _update_replica(self, optimizer: Optimizer) -> None:
-        """Bring the predecessor's replica of this stage up to the step just taken (posted, applied later)."""
-        if self.replica_sync is not None:
-            self.replica_sync.step(optimizer)
+        """Apply the successor's step, received before the commit, to the replica (clipped by the step's
+        plan)."""
+        if self.replica_sync is None:
+            return
+        self.replica_sync.flush(before_step=lambda grads: apply_clipping(self._clip_plan, grads))
+        self.replica_sync.optimizer.zero_grad(set_to_none=True)  # its gradients are views of a receive buffer
 
-    # ------------------------------------------------------------------ evaluation
+    # ------------------------------------------------------------------ evaluation and prediction
     def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
-        assert self.engine is not None and self.lightning_module is not None
-        batch, args, kwargs = self._stage0_batch(args, kwargs)
-        num = math.gcd(batch_size_of(batch), self._num_microbatches)
-        microbatches = split_microbatches(batch, num)
+        """Forward-only pipeline over the batch's micro-batches; replays ``hook`` with the loss. A peer lost
+        mid-batch: the next generation, and the batch again (evaluation changes no state)."""
+        assert self.lightning_module is not None
         context = (
             self.precision_plugin.val_step_context()
             if hook == "validation_step"
             else self.precision_plugin.test_step_context()
         )
-        with context:
-            loss = self.engine.run_forward(microbatches)
+        while True:
+            self._phase("validate")
+            since = time.monotonic()
+            try:
+                assert self.engine is not None
+                batch, args, kwargs = self._agreed_batch(args, kwargs)
+                num = math.gcd(batch_size_of(batch), self._num_microbatches)
+                with context:
+                    loss = self.engine.run_forward(split_microbatches(batch, num))
+                break
+            except Exception as err:
+                if not self._generation_ended(err):
+                    raise
+                self._stop_if_asked()
+                log.warning("Bamboo: %s batch interrupted by a lost peer; re-running it", hook.split("_")[0])
+                self._reform_during_evaluation(since)
         with replay_step(self.lightning_module, self._body_attr, loss):
             return getattr(self.lightning_module, hook)(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward-only pipeline over the batch's micro-batches; replays ``validation_step`` with the loss."""
         return self._eval_step("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward-only pipeline over the batch's micro-batches; replays ``test_step`` with the loss."""
         return self._eval_step("test_step", *args, **kwargs)
+
+    @override
+    def on_validation_end(self) -> None:
+        for created in self._created_during_eval:
+            created.training = True
+        self._created_during_eval = []
+        super().on_validation_end()
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -593,7 +1208,7 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         """
         assert self.engine is not None and self.lightning_module is not None
         module = self.lightning_module
-        batch, args, kwargs = self._stage0_batch(args, kwargs)
+        batch, args, kwargs = self._agreed_batch(args, kwargs, per_pipeline=True)
         num = math.gcd(batch_size_of(batch), self._num_microbatches)
         with self.precision_plugin.predict_step_context():
             outputs = self._pipeline_outputs(split_microbatches(batch, num), None)
@@ -613,29 +1228,41 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         Raises:
             RuntimeError: before the strategy is set up (no stages yet).
         """
-        if self.engine is None or self.groups is None:
+        if self.engine is None or self.view is None:
             raise RuntimeError(
                 "BambooStrategy.full_forward needs the pipeline, which exists once fit/validate/test/predict "
                 "has set the strategy up; call it from a LightningModule or callback hook"
             )
-        if self.groups.num_stages > 1:
-            src = self.groups.rank_of_stage(0)
-            inputs = broadcast_batch(inputs, src, self.root_device, group=self.groups.pipeline_group)
+        if self.view.num_stages > 1:
+            src = self.view.rank_of_stage(0)
+            inputs = broadcast_batch(inputs, src, self.root_device, group=self.view.pipeline_group)
         num = math.gcd(batch_size_of(inputs), self._num_microbatches)
         with self.precision_plugin.forward_context():
             return self._pipeline_outputs(split_microbatches(inputs, num), _identity)
 
     def _pipeline_outputs(self, microbatches: list[Any], inputs_fn: Callable[[Any], Any] | None) -> Any:
         """Run the body over ``microbatches`` (forward only); the joined outputs, on every pipeline rank."""
-        assert self.engine is not None and self.groups is not None
+        assert self.engine is not None and self.view is not None
         outputs = self.engine.run_outputs(microbatches, inputs_fn)
         joined = join_microbatches(outputs) if outputs is not None else None
-        if self.groups.num_stages == 1:
+        if self.view.num_stages == 1:
             return joined
-        src = self.groups.last_stage_rank
-        return broadcast_batch(joined, src, self.root_device, group=self.groups.pipeline_group)
+        src = self.view.last_stage_rank
+        return broadcast_batch(joined, src, self.root_device, group=self.view.pipeline_group)
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ phases of a step
+    def _phase(self, phase: str, **payload: Any) -> None:
+        """Fire ``on_step_phase`` on the trainer's callbacks at a point of the two-phase step (not during a
+        fallback's re-run of old steps). Tests and demos kill a member there
+        (:class:`lightning_bamboo.testing.PhaseFaults`)."""
+        if not self._rerunning:
+            self._emit("on_step_phase", phase=phase, step=self._step, member=self.member, **payload)
+
+    def _before_action(self, action: Action) -> None:
+        if action.kind is ActionKind.FORWARD:
+            self._phase("forward", microbatch=action.microbatch)
+
+    # ------------------------------------------------------------------ Lightning checkpoints
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -644,7 +1271,7 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This stage's tensors only, under their original names (``pipeline.3.weight``)."""
+        """This member's stages' tensors only, under their original names (``pipeline.3.weight``)."""
         assert self.lightning_module is not None
         return self.lightning_module.state_dict()
 
@@ -661,16 +1288,18 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         """Write a sharded checkpoint directory atomically (temporary directory, then rename)."""
         if storage_options is not None:
             raise TypeError("BambooStrategy.save_checkpoint does not take storage_options")
+        # pipeline 0's members write their param groups' names; one file per member, named by its first
+        # stage (a member holding several stages after a failover lists all their parameters in it)
         stage = self.stage_index if self.pipeline_index == 0 else None
         ckpt.save_sharded(checkpoint, filepath, self.is_global_zero, self.barrier, stage=stage)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read this stage's shard (and its optimizer state) and the trainer state; nothing is unpickled.
+        """Read this member's stages (and their optimizer state) and the trainer state; nothing is unpickled.
 
         ``checkpoint_path`` is a Bamboo checkpoint (a folder, any stage and pipeline count) or an ordinary
         Lightning ``.ckpt`` file (``torch.load(weights_only=True)``), whose whole model and optimizer state
-        are split into this rank's stage and replica by parameter name.
+        are split into this member's stages and replica by parameter name.
         """
         assert self.lightning_module is not None
         path = Path(checkpoint_path)
@@ -703,23 +1332,11 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             ckpt.load_named_optimizer_state(self.lightning_module, optimizer, state)
         # the replica of the successor stage is in the same checkpoint: load it rather than transfer it
-        if self.replica is not None and self.replica_sync is not None and self._loaded_path is not None:
-            self.replica_sync.flush()  # a still-pending update must not land on top of the loaded state
-            ckpt.load_replica(self._loaded_path, self.replica, self._body_attr, self.replica_sync.optimizer)
-        if self.replica is not None and self.replica_sync is not None and self._loaded_whole is not None:
-            self.replica_sync.flush()
-            optimizer = self.replica_sync.optimizer
+        optimizer = self._replica_optimizer
+        if self.replica is not None and optimizer is not None and self._loaded_path is not None:
+            ckpt.load_replica(self._loaded_path, self.replica, self._body_attr, optimizer)
+        if self.replica is not None and optimizer is not None and self._loaded_whole is not None:
             ckpt.load_replica_from_memory(self._loaded_whole, self.replica, self._body_attr, optimizer)
-
-    @override
-    def teardown(self) -> None:
-        """Apply the last step's in-flight replica update, so the replica is current when training ends."""
-        if self.replica_sync is not None:
-            try:
-                self.replica_sync.flush()
-            except RuntimeError as err:  # a dead peer: do not mask the error that ended training
-                log.warning("Bamboo: the last replica update could not complete: %s", err)
-        super().teardown()
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -729,8 +1346,8 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
+        if self._joining_setup or not dist.is_initialized():
+            return  # a joiner's setup runs while the others train: nobody to meet
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
         else:
@@ -739,20 +1356,50 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         """Broadcast a JSON-representable value (paths, numbers) as bytes; nothing is pickled."""
-        if not _distributed_is_initialized():
+        if self._joining_setup or not dist.is_initialized():
             return obj
         return broadcast_json(obj, src, self.root_device)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        if self._joining_setup or not isinstance(tensor, Tensor) or not dist.is_initialized():
+            return tensor
+        op = reduce_op
+        if isinstance(op, str):
+            op = ReduceOp.SUM if op.lower() in ("sum", "mean", "avg") else getattr(ReduceOp, op.upper())
+        result = tensor.clone()
+        dist.all_reduce(result, op=op, group=group)
+        if isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg"):
+            result = result / dist.get_world_size(group)
+        return result
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ the end
+    @override
+    def teardown(self) -> None:
+        """Tell the supervisor this member is done (its heartbeat stops now), leave the process group."""
+        if self._checkpointer is not None:  # a write in flight finishes before the process exits
+            self._checkpointer.wait(strict=False)
+            fb.finalize(self._checkpointer.root)
+            fb.prune(self._checkpointer.root, self._checkpointer.keep)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        if self._cutter is not None:
+            self._cutter.disarm()
+            self._cutter.stop()
+            self._cutter = None
+        if self._store is not None and self._elastic:
+            self._store.set(f"done/{self.member}", "1")
+        # the process group stays (trainer.save_checkpoint after fit is collective) until the next entry
+        # point forms its own, or the interpreter exits (a gloo group left to shutdown can abort the process)
+        atexit.register(_destroy_process_group)
+        self._elastic = False
+        ParallelStrategy.teardown(self)
 
     @classmethod
     @override
@@ -762,6 +1409,15 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
             cls,
             description="Bamboo: pipeline parallelism with redundant layers for preemptible machines",
         )
+
+
+ElasticBambooStrategy = BambooStrategy
+"""The name the elastic runtime had before it became :class:`BambooStrategy` (kept for existing scripts)."""
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _identity(value: Any) -> Any:

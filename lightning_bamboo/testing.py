@@ -3,7 +3,7 @@
 The runtime only *reports* the phases of its two-phase step (the ``on_step_phase`` event); this callback acts
 on them. Nothing here runs unless a script adds the callback::
 
-    Trainer(strategy=ElasticBambooStrategy(...), callbacks=[PhaseFaults.from_env()])
+    Trainer(strategy=BambooStrategy(...), callbacks=[PhaseFaults.from_env()])
     BAMBOO_FAULT=1:2:forward python -m lightning_bamboo.launch --nproc 2 train.py
 """
 

@@ -77,3 +77,13 @@ def double_precision_reference(tmp_path_factory: pytest.TempPathFactory) -> dict
     """The uninterrupted run of a float32-built ``PipeMLP`` under ``Trainer(precision="64-true")``."""
     out = tmp_path_factory.mktemp("elastic-reference-64-true")
     return _elastic_reference(out, "--dtype", "float32", "--precision", "64-true")
+
+
+@pytest.fixture(scope="session")
+def accumulate_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The uninterrupted run of issue 17's user model with ``accumulate_grad_batches=2`` (two batches per
+    step) and norm clipping."""
+    from tests.bamboo.test_elastic import CLIP
+
+    out = tmp_path_factory.mktemp("elastic-reference-accumulate")
+    return _elastic_reference(out, "--variant", "user", "--clip", str(CLIP), "--accumulate", "2")

@@ -35,14 +35,14 @@ def test_more_stages_than_layers() -> None:
     strategy = BambooStrategy(num_stages=4)
     body = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"num_stages \(4\) is more than the 3 layers of the pipeline body"):
-        strategy._plan_layout(body, [1.0, 1.0, 1.0])
+        strategy._plan_stages(body)
 
 
 def test_layer_costs_must_cover_every_layer() -> None:
     strategy = BambooStrategy(num_stages=2, layer_costs=[1.0])
     body = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"layer_costs has 1 entries but the pipeline body has 3 layers"):
-        strategy._plan_layout(body, [1.0])
+        strategy._plan_stages(body)
 
 
 def test_microbatches_must_divide_the_batch() -> None:
@@ -81,4 +81,4 @@ def test_module_left_with_one_stage_is_refused() -> None:
     model.pipeline = sub_sequential(model.pipeline, range(3))
     setattr(model.pipeline, _STAGE_MARK, True)
     with pytest.raises(RuntimeError, match=r"PipeMLP.pipeline holds only the layers of one stage"):
-        BambooStrategy()._split_body(model)
+        BambooStrategy()._prepare_body(model)

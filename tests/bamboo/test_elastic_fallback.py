@@ -22,8 +22,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from lightning_bamboo import fallback as fb
-from lightning_bamboo.elastic import ElasticBambooStrategy
 from lightning_bamboo.reshard import gather
+from lightning_bamboo.strategy import BambooStrategy
 from tests.bamboo.test_elastic import SCRIPT, STEPS, check_final
 from tests.process import launch_env, run_process
 
@@ -155,15 +155,15 @@ def test_loading_a_checkpoint_never_unpickles(tmp_path: Path, monkeypatch: pytes
 
 def test_checkpoint_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="checkpoint_every_n_steps and checkpoint_dir go together"):
-        ElasticBambooStrategy(num_stages=2, checkpoint_every_n_steps=2)
+        BambooStrategy(num_stages=2, checkpoint_every_n_steps=2)
     with pytest.raises(ValueError, match="checkpoint_every_n_steps must be an integer >= 1, got 0"):
-        ElasticBambooStrategy(num_stages=2, checkpoint_every_n_steps=0, checkpoint_dir="x")
+        BambooStrategy(num_stages=2, checkpoint_every_n_steps=0, checkpoint_dir="x")
     with pytest.raises(ValueError, match="keep_checkpoints must be an integer >= 1, got 0"):
-        ElasticBambooStrategy(
+        BambooStrategy(
             num_stages=2, checkpoint_every_n_steps=2, checkpoint_dir="x", keep_checkpoints=0
         )
     with pytest.raises(TypeError, match="checkpoint_dir must be a path"):
-        ElasticBambooStrategy(num_stages=2, checkpoint_every_n_steps=2, checkpoint_dir=3)
+        BambooStrategy(num_stages=2, checkpoint_every_n_steps=2, checkpoint_dir=3)
 
 
 def test_only_step_schedulers_are_re_stepped_and_the_ring_says_what_it_lacks() -> None:

@@ -29,9 +29,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_bamboo import crash
 from lightning_bamboo import fallback as fb
 from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
-from lightning_bamboo.elastic import ElasticBambooStrategy
 from lightning_bamboo.launch import Supervisor, _Worker
 from lightning_bamboo.notices.signals import SigtermNoticeSource
+from lightning_bamboo.strategy import BambooStrategy
 from tests.bamboo.pipe_mlp import PipeMLP, make_data
 from tests.bamboo.test_elastic import SCRIPT, STEPS, TOL, check_final
 from tests.process import REPO, launch_env, run_process, start
@@ -111,7 +111,7 @@ def test_sigterm_drain_is_the_elastic_default_with_an_opt_out() -> None:
     """The elastic strategy adds one ``BambooNotices`` when the trainer has none; its ``sigterm`` (unset)
     follows the strategy's ``drain_on_sigterm``; ``False`` on either side turns the SIGTERM source off."""
     for drain in (True, False):
-        strategy = ElasticBambooStrategy(num_stages=2, drain_on_sigterm=drain)
+        strategy = BambooStrategy(num_stages=2, drain_on_sigterm=drain)
         user = [Callback(), BambooMetrics(), ModelCheckpoint()]
         trainer = SimpleNamespace(callbacks=list(user), strategy=strategy)
         strategy._lightning_module = SimpleNamespace(trainer=trainer)  # type: ignore[assignment]

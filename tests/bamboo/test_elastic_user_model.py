@@ -78,3 +78,24 @@ def test_groups_that_depend_on_the_layers_are_refused_at_start(tmp_path: Path) -
         proc.stdout + proc.stderr
     )
     assert "failover: lost" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("nproc", "stages", "fault"),
+    [(2, 2, ""), (2, 2, "1:2:exchange"), (3, 3, "1:2:forward")],
+    ids=["no-fault", "sigkill-last-stage-after-both-batches", "sigkill-middle-stage-in-first-batch"],
+)
+def test_gradient_accumulation_equals_auto(
+    tmp_path: Path, accumulate_reference: dict[str, torch.Tensor], nproc: int, stages: int, fault: str
+) -> None:
+    """``accumulate_grad_batches=2``: a step is two batches. A member lost after both ran (at the replica
+    exchange) aborts the step: the survivors undo its buffer updates, form the next generation, run the
+    first batch again on it and then the second (Lightning's closure); a member lost in the first batch's
+    forward aborts it the same way. Either way the run equals auto's."""
+    args = (*USER_MODEL, "--accumulate", "2")
+    log = run_elastic(tmp_path, nproc=nproc, stages=stages, fault=fault, extra_args=args)
+    if fault:
+        assert "failover: lost [1]" in log
+    check_final(tmp_path, accumulate_reference)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_bamboo.script_launcher import SupervisorLauncher, script_command
 from tests.process import REPO, launch_env
@@ -113,17 +114,28 @@ def test_launcher_is_not_interactive() -> None:
     assert SupervisorLauncher(2).is_interactive_compatible is False
 
 
-def test_outside_launcher_is_refused_and_lightnings_own_environment_is_not(
+def test_outside_launcher_gets_fixed_ranks_and_a_plain_script_a_supervisor(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """torchrun, SLURM or ranks started with LOCAL_RANK set: Bamboo launches nothing and trains on the ranks
+    it was given (no failover: it says so at start); a plain script with devices=N supervises N workers."""
     from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
 
-    from lightning_bamboo.elastic import ElasticBambooStrategy
+    from lightning_bamboo.strategy import BambooStrategy
 
-    monkeypatch.setenv("LOCAL_RANK", "0")  # left behind by Lightning's own launcher or an earlier fit
-    strategy = ElasticBambooStrategy(num_stages=2, cluster_environment=LightningEnvironment())
-    strategy._configure_launcher()
-    assert isinstance(strategy.launcher, SupervisorLauncher)
-    torchrun = ElasticBambooStrategy(num_stages=2, cluster_environment=TorchElasticEnvironment())
-    with pytest.raises(RuntimeError, match="started by an outside launcher \\(TorchElasticEnvironment"):
-        torchrun._configure_launcher()
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    plain = BambooStrategy(num_stages=2, cluster_environment=LightningEnvironment())
+    plain.parallel_devices = [torch.device("cpu")] * 4
+    plain._configure_launcher()
+    assert isinstance(plain.launcher, SupervisorLauncher)
+    for env in (TorchElasticEnvironment(), LightningEnvironment()):
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        outside = BambooStrategy(num_stages=2, cluster_environment=env)
+        outside.parallel_devices = [torch.device("cpu")] * 4
+        outside._configure_launcher()
+        assert outside.launcher is None
+    single = BambooStrategy(num_stages=1, redundancy=False, cluster_environment=LightningEnvironment())
+    monkeypatch.delenv("LOCAL_RANK")
+    single.parallel_devices = [torch.device("cpu")]
+    single._configure_launcher()
+    assert single.launcher is None  # one process: nothing to supervise

@@ -68,12 +68,12 @@ def test_spot_recipe_wires_notices_and_metrics(tmp_path: Path) -> None:
 
 def test_elastic_spot_recipe_drains_through_the_elastic_strategy(tmp_path: Path) -> None:
     from lightning_bamboo.callbacks import BambooEventLog, BambooMetrics, BambooNotices
-    from lightning_bamboo.elastic import ElasticBambooStrategy
+    from lightning_bamboo.strategy import BambooStrategy
 
     demo = ["notices@trainer.callbacks.notices=fault_demo"]
     cfg = compose_recipe("bamboo_gpt_elastic_spot", tmp_path, demo)
     _, _, trainer = instantiate_components(cfg)
-    assert isinstance(trainer.strategy, ElasticBambooStrategy)  # its _drain_all is the announced departure
+    assert isinstance(trainer.strategy, BambooStrategy)  # its _drain_all is the announced departure
     ours = [c for c in trainer.callbacks if isinstance(c, (BambooNotices, BambooMetrics, BambooEventLog))]
     assert [type(c) for c in ours] == [BambooNotices, BambooMetrics, BambooEventLog]
     assert ours[0]._config["faults"] == [{"rank": 1, "at_step": 10, "action": "drain"}]

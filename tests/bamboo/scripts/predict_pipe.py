@@ -90,17 +90,15 @@ def main() -> None:
     seed_everything(0)
     model = TinyLM()
     ids, targets, _ = make_tokens(args.steps * args.batch_size * args.pipelines)
-    if args.strategy == "auto":  # step k: the union of the pipelines' batches k (see train_pipe.py)
-        permutation = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0)).tolist()
-        shards = [permutation[p :: args.pipelines] for p in range(args.pipelines)]
-        order = [i for k in range(args.steps) for shard in shards
-                 for i in shard[k * args.batch_size : (k + 1) * args.batch_size]]
-        ids, targets = ids[order], targets[order]
+    batch_size = args.batch_size * args.pipelines  # the global batch (Bamboo splits it over the pipelines)
+    if args.strategy == "auto":  # Bamboo's members read Lightning's one-replica sampler: this permutation
+        permutation = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
+        ids, targets = ids[permutation], targets[permutation]
         strategy: BambooStrategy | str = "auto"
-        batch_size, devices = args.batch_size * args.pipelines, 1
+        devices = 1
     else:
         strategy = BambooStrategy(num_stages=args.stages, num_microbatches=args.microbatches, timeout=180)
-        batch_size, devices = args.batch_size, args.stages * args.pipelines
+        devices = args.stages * args.pipelines
     train = DataLoader(TensorDataset(ids, targets), batch_size=batch_size, shuffle=False)
     ids_callback = Ids()
     trainer = Trainer(

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_bamboo.checkpoint import named_optimizer_state
-from lightning_bamboo.elastic import ElasticBambooStrategy
+from lightning_bamboo.strategy import BambooStrategy
 from lightning_bamboo.testing import PhaseFaults
 from tests.bamboo.pipe_mlp import make_data
 from tests.bamboo.pipe_variants import VARIANTS
@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--hold", default="", help="MEMBER:STEP:sigterm|release (signal_callbacks)")
     parser.add_argument("--raise-at", default="", help="MEMBER:STEP: its loss raises there")
+    parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -80,7 +81,7 @@ def main() -> None:
         model = UserBugMLP(bug_member, bug_step, pairs=args.pairs, optimizer=args.optimizer, dtype=args.dtype)
     else:
         model = VARIANTS[args.variant](pairs=args.pairs, optimizer=args.optimizer, dtype=args.dtype)
-    x, y = make_data(args.steps * args.batch_size)
+    x, y = make_data(args.steps * args.accumulate * args.batch_size)
     if args.strategy == "auto":
         # the elastic run's (unsharded) DistributedSampler shuffles with seed 0 in epoch 0: read that order
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
@@ -89,7 +90,7 @@ def main() -> None:
     vx, vy = make_data(2 * args.batch_size, seed=99)
     val = DataLoader(TensorDataset(vx, vy), batch_size=args.batch_size, shuffle=False)
     if args.strategy == "elastic":
-        strategy: ElasticBambooStrategy | str = ElasticBambooStrategy(
+        strategy: BambooStrategy | str = BambooStrategy(
             num_stages=args.stages,
             num_microbatches=args.microbatches,
             redundancy=not args.no_redundancy,
@@ -101,12 +102,12 @@ def main() -> None:
         strategy = "auto"
 
     callbacks = []
-    if args.aws_endpoints and isinstance(strategy, ElasticBambooStrategy):
+    if args.aws_endpoints and isinstance(strategy, BambooStrategy):
         from tests.bamboo.drain_callbacks import notice_callbacks
 
         endpoints = args.aws_endpoints.split(",")
         callbacks = notice_callbacks(args.out, strategy.member, endpoints, args.wait_notice)
-    if isinstance(strategy, ElasticBambooStrategy):
+    if isinstance(strategy, BambooStrategy):
         from tests.bamboo.signal_callbacks import SignalTarget
 
         hold = None
@@ -123,6 +124,7 @@ def main() -> None:
         precision=args.precision,
         gradient_clip_val=args.clip,
         gradient_clip_algorithm=args.clip_algorithm,
+        accumulate_grad_batches=args.accumulate,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -141,9 +143,9 @@ def main() -> None:
     tensors["global_step"] = torch.tensor([trainer.global_step], dtype=torch.int64)
     if args.validate:
         tensors["val_losses"] = torch.tensor(val_losses.losses, dtype=torch.float64)
-    if isinstance(strategy, ElasticBambooStrategy) and strategy.departed:
+    if isinstance(strategy, BambooStrategy) and strategy.departed:
         return
-    if isinstance(strategy, ElasticBambooStrategy):
+    if isinstance(strategy, BambooStrategy):
         name = f"member{strategy.member}"
         (args.out / f"failovers_{name}.json").write_text(
             json.dumps([[old.to_json(), new.to_json()] for old, new in strategy.failovers])

@@ -161,19 +161,13 @@ def train(args: argparse.Namespace) -> None:
     num_samples = batches * args.batch_size * args.pipelines + args.extra_samples
     x, y = make_data(num_samples, dtype=getattr(torch, args.dtype))
     dataset = TensorDataset(x, y)
-    batch_size = args.batch_size if args.strategy == "bamboo" else args.batch_size * args.pipelines
+    # the global batch (Bamboo splits it over the pipelines)
+    batch_size = args.batch_size * args.pipelines
     if args.strategy == "auto":
-        # Under bamboo Lightning's DistributedSampler shuffles (seed 0, epoch 0) and pipeline p reads
-        # permutation[p::pipelines]; the reference reads, at step k, the union of the pipelines' batches k.
-        permutation = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
-        shards = [permutation[p :: args.pipelines] for p in range(args.pipelines)]
-        order = [
-            index
-            for k in range(batches + (1 if args.extra_samples else 0))
-            for shard in shards
-            for index in shard[k * args.batch_size : (k + 1) * args.batch_size]
-        ]
-        dataset = TensorDataset(x[order], y[order])
+        # Under bamboo Lightning's DistributedSampler (one replica: every member loads the global batch)
+        # shuffles with seed 0, epoch 0; the reference reads the same permutation.
+        permutation = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
+        dataset = TensorDataset(x[permutation], y[permutation])
     if args.data == "rank-noise":
         dataset = RankNoise(*dataset.tensors)
     train = DataLoader(dataset, batch_size=batch_size, shuffle=False)

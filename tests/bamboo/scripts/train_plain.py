@@ -21,7 +21,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from lightning_bamboo.elastic import ElasticBambooStrategy
+from lightning_bamboo.strategy import BambooStrategy
 
 
 class Regressor(pl.LightningModule):
@@ -53,7 +53,7 @@ def main() -> None:
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(32 * steps, 32), torch.randn(32 * steps, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=32, drop_last=True)
-    strategy = ElasticBambooStrategy(num_stages=2, num_microbatches=4, timeout=20)
+    strategy = BambooStrategy(num_stages=2, num_microbatches=4, timeout=20)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, max_steps=steps, strategy=strategy,
                          logger=logger, log_every_n_steps=1, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)

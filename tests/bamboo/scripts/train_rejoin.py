@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_bamboo import joining
 from lightning_bamboo.checkpoint import named_optimizer_state
-from lightning_bamboo.elastic import ElasticBambooStrategy
+from lightning_bamboo.strategy import BambooStrategy
 from lightning_bamboo.testing import PhaseFaults
 from tests.bamboo.pipe_mlp import PipeMLP, make_data
 
@@ -57,7 +57,7 @@ class HoldForJoin(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
         strategy = trainer.strategy
-        if trainer.global_step != self.step or not isinstance(strategy, ElasticBambooStrategy):
+        if trainer.global_step != self.step or not isinstance(strategy, BambooStrategy):
             return
         assert strategy._store is not None and strategy.owners is not None
         deadline = time.monotonic() + 300
@@ -88,9 +88,9 @@ def main() -> None:
     data = TensorDataset(x, y, torch.arange(count))
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
     train = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
-    strategy: ElasticBambooStrategy | str = "auto"
+    strategy: BambooStrategy | str = "auto"
     if args.strategy == "elastic":
-        strategy = ElasticBambooStrategy(
+        strategy = BambooStrategy(
             num_stages=args.stages, num_microbatches=args.microbatches, timeout=20
         )
     trainer = Trainer(
@@ -112,7 +112,7 @@ def main() -> None:
         for key, value in values.items():
             tensors[f"own_opt/{name}/{key}"] = value.detach().clone().reshape(-1)
     tensors["global_step"] = torch.tensor([trainer.global_step], dtype=torch.int64)
-    name = f"member{strategy.member}" if isinstance(strategy, ElasticBambooStrategy) else "reference"
+    name = f"member{strategy.member}" if isinstance(strategy, BambooStrategy) else "reference"
     (args.out / f"ids_{name}.json").write_text(json.dumps(model.seen))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(args.out / f"final_{name}.safetensors"))
 
