@@ -11,6 +11,7 @@ from lightning_bamboo.schedule import (
     Comm,
     CommKind,
     Schedule,
+    ScheduleError,
     add_forward_redundancy,
     build_1f1b,
     format_program,
@@ -97,6 +98,12 @@ def test_lowered_programs_cannot_deadlock(schedule: Schedule, shared_stream: boo
     simulate(lower_schedule(schedule), shared_stream)
 
 
+def test_lowering_names_a_missing_producer() -> None:
+    schedule = {0: [None, None], 1: [Action(1, ActionKind.FORWARD, 0), Action(1, ActionKind.BACKWARD, 0)]}
+    with pytest.raises(ScheduleError, match="1F0 needs 0F0, which no rank runs"):
+        lower_schedule(schedule)
+
+
 def test_the_model_detects_a_receive_posted_out_of_order() -> None:
     """Sanity check of the model: rank 1 posting its second activation receive before its first deadlocks."""
     programs = lower_schedule(build_1f1b(2, 2))
@@ -119,7 +126,7 @@ def simulate(programs: dict[int, list], shared_stream: bool) -> None:
                 if isinstance(entry, Comm):
                     stream = (rank, rank if shared_stream else entry.peer)
                     streams.setdefault(stream, []).append((rank, entry))
-                elif entry.kind in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_REDUNDANT):
+                elif entry.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
                     forward = entry.kind is ActionKind.FORWARD
                     needs = [
                         e
