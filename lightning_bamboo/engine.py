@@ -13,12 +13,11 @@ dropped) as fast as its inputs arrive; ranks do not move in lock-step:
   result in :attr:`PipelineEngine.redundant_outputs` for a takeover (Bamboo's eager forward redundancy).
   The copy keeps an in-place first layer of the successor from writing into the activation that is being
   sent and that this rank's backward still needs.
-* ``BR`` only appears in schedules rewritten after a failure; this engine refuses it with a clear error.
 
 Communication: the schedule is lowered once (:func:`lightning_bamboo.schedule.lower_schedule`) to this
 rank's program of compute actions and explicit ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B`` operations,
-derived from which action produces and which consumes each tensor (so ``F``, ``B``, ``FR`` and ``BR`` share
-one transfer pass). Both ends of a link list its operations in the same canonical order (the slot order),
+derived from which action produces and which consumes each tensor (so ``F``, ``B`` and ``FR`` share one
+transfer pass). Both ends of a link list its operations in the same canonical order (the slot order),
 so gloo and NCCL match them. A receive is posted right after the rank's previous operation, long before the
 action that consumes it, which waits for it as late as possible; a send is posted right after the action
 that produces its tensor and waited on at the end of the step, so transfers overlap compute
@@ -293,13 +292,8 @@ class PipelineEngine:
             x = step.inputs.pop(mb)
             if not self.groups.is_first_stage:
                 step.produced[(False, mb)] = self._input_gradient(x, step.input_layouts.pop(mb, None), mb)
-        elif action.kind is ActionKind.FORWARD_REDUNDANT:
+        else:  # ActionKind.FORWARD_REDUNDANT
             self._forward_redundant(mb, microbatches[mb], step.kept_for_fr)
-        else:
-            raise NotImplementedError(
-                f"action {action} (backward redundancy) only runs after a failover remap; "
-                "this engine runs the failure-free schedule"
-            )
 
     def _packed(self, y: Any, mb: int, step: _StepState, train: bool) -> Tensor | Packed:
         """What goes to the next stage: the tensor, or a tuple/list/dict packed into one byte buffer."""

@@ -1,4 +1,4 @@
-"""Bamboo pipeline schedules as data: 1F1B, eager forward redundancy, validation, grids, failover.
+"""Bamboo pipeline schedules as data: 1F1B, eager forward redundancy, validation, grids, lowering.
 
 A schedule is ``dict[rank, list[Action | None]]`` (one entry per unit time slot, ``None`` = bubble), tested
 with no processes at all; the runtime only executes ``rank_program(schedule, rank)``. See
@@ -8,12 +8,6 @@ with no processes at all; the runtime only executes ``rank_program(schedule, ran
 from .actions import Action, ActionKind, Schedule, ScheduleError
 from .cost import UNIT_COSTS, makespan, predicted_overhead, program_makespan
 from .dependencies import dependencies, place_by_priority, place_programs
-from .failover import (
-    failover_dependencies,
-    remap_after_failure,
-    rewrite_after_failure,
-    validate_failover_schedule,
-)
 from .grid import bubble_fraction, format_grid, parse_grid, rank_program
 from .lowering import Comm, CommKind, LoweredAction, format_program, lower_schedule
 from .one_f_one_b import build_1f1b, one_f_one_b_program
@@ -33,7 +27,6 @@ __all__ = [
     "bubble_fraction",
     "build_1f1b",
     "dependencies",
-    "failover_dependencies",
     "format_grid",
     "format_program",
     "forward_redundancy_windows",
@@ -47,8 +40,5 @@ __all__ = [
     "predicted_overhead",
     "program_makespan",
     "rank_program",
-    "remap_after_failure",
-    "rewrite_after_failure",
-    "validate_failover_schedule",
     "validate_schedule",
 ]

@@ -1,8 +1,8 @@
 """The vocabulary of a schedule: action kinds, actions, and the ``Schedule`` type.
 
 A schedule is plain data (``rank -> [Action | None]`` per time slot), following
-``torch.distributed.pipelining``: rewrites such as adding redundancy or failing over are passes over that
-data, and the runtime only interprets it. ``Action`` prints as ``2F0`` and parses back.
+``torch.distributed.pipelining``: rewrites such as adding redundancy are passes over that data, and the
+runtime only interprets it. ``Action`` prints as ``2F0`` and parses back.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ __all__ = ["Action", "ActionKind", "Schedule", "ScheduleError"]
 class ActionKind(str, Enum):
     """What a rank computes in one time slot.
 
-    ``FR``/``BR`` run the *replica* of the successor stage that Bamboo keeps on every rank (ring: the last
-    rank replicates stage 0), so that a preempted stage's predecessor can take over without a restart.
+    ``FR`` runs the *replica* of the successor stage that Bamboo keeps on every rank (ring: the last rank
+    replicates stage 0), so that a preempted stage's predecessor can take over without a restart.
     """
 
     FORWARD = "F"
@@ -27,8 +27,6 @@ class ActionKind(str, Enum):
     """Backward of the rank's own stage (input gradient and weight gradient)."""
     FORWARD_REDUNDANT = "FR"
     """Eager forward of the successor stage's replica on this rank's own output (activations are kept)."""
-    BACKWARD_REDUNDANT = "BR"
-    """Backward through the replica; lazy, so it only appears after a failover rewrite."""
 
 
 # Longest value first so that "FR" is not read as "F" followed by "R...".
@@ -40,7 +38,7 @@ _ACTION_RE = re.compile(r"^(\d+)(" + "|".join(kind.value for kind in _KINDS_BY_L
 class Action:
     """One unit of work: run ``stage``'s layers in direction ``kind`` on micro-batch ``microbatch``.
 
-    For ``FR``/``BR`` ``stage`` is the replicated stage (the successor of the rank's own stage), so the
+    For ``FR`` ``stage`` is the replicated stage (the successor of the rank's own stage), so the
     string says whose layers run: ``3FR0`` on rank 2 is the replica of stage 3 on micro-batch 0.
     """
 
@@ -64,7 +62,7 @@ class Action:
         """Inverse of ``str(action)``: ``"3FR0"`` -> ``Action(3, FORWARD_REDUNDANT, 0)``.
 
         Raises:
-            ValueError: if ``text`` is not ``<stage><kind><microbatch>`` with kind one of F, B, FR, BR.
+            ValueError: if ``text`` is not ``<stage><kind><microbatch>`` with kind one of F, B, FR.
         """
         match = _ACTION_RE.match(text.strip())
         if match is None:

@@ -22,7 +22,6 @@ UNIT_COSTS: Mapping[ActionKind, float] = {
     ActionKind.FORWARD: 1.0,
     ActionKind.BACKWARD: 2.0,
     ActionKind.FORWARD_REDUNDANT: 1.0,
-    ActionKind.BACKWARD_REDUNDANT: 2.0,
 }
 """Forward 1, backward 2, redundant forward 1 (the model of ``docs/bamboo-benchmark.md``)."""
 

@@ -37,14 +37,9 @@ def dependencies(action: Action, num_stages: int, redundant: bool) -> list[Actio
         if redundant and stage < last:
             deps.append(Action((stage + 1) % num_stages, ActionKind.FORWARD_REDUNDANT, mb))
         return deps
-    if action.kind is ActionKind.FORWARD_REDUNDANT:
-        # The replica of stage t reads stage t-1's output; the replica of stage 0 reads the micro-batch.
-        return [Action(stage - 1, ActionKind.FORWARD, mb)] if stage > 0 else []
-    # BACKWARD_REDUNDANT: the replica's own forward, and the gradient from the replicated stage's successor.
-    deps = [Action(stage, ActionKind.FORWARD_REDUNDANT, mb)]
-    if stage < last:
-        deps.append(Action(stage + 1, ActionKind.BACKWARD, mb))
-    return deps
+    # FORWARD_REDUNDANT: the replica of stage t reads stage t-1's output; the replica of stage 0 reads the
+    # micro-batch.
+    return [Action(stage - 1, ActionKind.FORWARD, mb)] if stage > 0 else []
 
 
 def _needs_with_producers(

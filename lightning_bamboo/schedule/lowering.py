@@ -3,15 +3,11 @@
 A schedule says which rank computes what and when; it leaves the tensors that cross ranks implicit. This
 pass makes them explicit, as ``torch.distributed.pipelining`` does (``_add_send_recv``: ``SEND_F``,
 ``RECV_F``, ``SEND_B``, ``RECV_B``), so that the runtime only walks a list. Transfers are derived from who
-*produces* a tensor and who *consumes* it, whatever the action kind, so ``F``, ``B``, ``FR`` and ``BR``
-share this one pass:
+*produces* a tensor and who *consumes* it, so ``F``, ``B`` and ``FR`` share this one pass:
 
-* a stage's output of micro-batch ``i`` is produced by its ``F`` (or, in a failover schedule where the stage
-  is served by its replica, by its ``FR``) and consumed by the next stage's ``F``;
-* a stage's input gradient is produced by its ``B`` (or ``BR``) and consumed by the previous stage's ``B``
-  (or ``BR``);
-* when producer and consumer sit on the same rank (``FR(s+1, i)`` reading rank ``s``'s own output, or a
-  failover rank running two stages) nothing is sent.
+* a stage's output of micro-batch ``i`` is produced by its ``F`` and consumed by the next stage's ``F``;
+* a stage's input gradient is produced by its ``B`` and consumed by the previous stage's ``B``;
+* ``FR(s+1, i)`` reads rank ``s``'s own output (or, on the last rank, the micro-batch): nothing is sent.
 
 Placement, per rank:
 
@@ -41,7 +37,6 @@ from .actions import Action, ActionKind, Schedule, ScheduleError
 __all__ = ["Comm", "CommKind", "LoweredAction", "format_program", "lower_schedule", "transfers_of"]
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
-FR, BR = ActionKind.FORWARD_REDUNDANT, ActionKind.BACKWARD_REDUNDANT
 
 
 class CommKind(str, Enum):
@@ -121,7 +116,7 @@ def transfers_of(schedule: Schedule) -> list[_Transfer]:
         sender, slot = where[producer]
         if sender == receiver:
             continue
-        kind = 0 if consumer.kind in (F, FR) else 1
+        kind = 0 if consumer.kind is F else 1
         key = (slot, min(sender, receiver), max(sender, receiver), kind, sender)
         transfers.append(_Transfer(producer, consumer, sender, receiver, key))
     return sorted(transfers, key=lambda t: t.key)
@@ -131,22 +126,21 @@ def _producer(consumer: Action, last: int, where: dict[Action, tuple[int, int]])
     """The action whose output ``consumer`` reads from ANOTHER stage (``None``: it reads none)."""
     stage, mb = consumer.stage, consumer.microbatch
     if consumer.kind is F and stage > 0:
-        candidates = [Action(stage - 1, F, mb), Action(stage - 1, FR, mb)]
-    elif consumer.kind in (B, BR) and stage < last:
-        candidates = [Action(stage + 1, B, mb), Action(stage + 1, BR, mb)]
+        producer = Action(stage - 1, F, mb)
+    elif consumer.kind is B and stage < last:
+        producer = Action(stage + 1, B, mb)
     else:  # FR reads its own rank's output or the micro-batch; the last stage's B reads the loss
         return None
-    for candidate in candidates:
-        if candidate in where:
-            return candidate
-    raise ScheduleError(f"{consumer} needs {candidates[0]} or {candidates[1]}, which no rank runs")
+    if producer not in where:
+        raise ScheduleError(f"{consumer} needs {producer}, which no rank runs")
+    return producer
 
 
 def lower_schedule(schedule: Schedule) -> dict[int, list[LoweredAction]]:
     """Each rank's program with its ``SEND``/``RECV`` operations placed (see the module docstring).
 
     Args:
-        schedule: any valid schedule (plain, redundant, or rewritten after a failure); one pipeline.
+        schedule: any valid schedule (plain or redundant); one pipeline.
 
     Returns:
         rank -> compute actions in slot order, with ``Comm`` entries in between.
@@ -156,7 +150,7 @@ def lower_schedule(schedule: Schedule) -> dict[int, list[LoweredAction]]:
     recvs_after: dict[Action | None, list[Comm]] = {}
     ops_of_rank: dict[int, list[tuple[Comm, Action | None]]] = {rank: [] for rank in schedule}
     for t in transfers:
-        forward = t.consumer.kind in (F, FR)
+        forward = t.consumer.kind is F
         send = Comm(
             t.producer.stage,
             CommKind.SEND_F if forward else CommKind.SEND_B,
@@ -205,7 +199,7 @@ def _check_receives_precede_consumers(programs: dict[int, list[LoweredAction]]) 
         done: set[tuple[int, int, bool]] = set()
         for entry in program:
             if isinstance(entry, Action):
-                if entry.kind in (F, B, BR):
+                if entry.kind in (F, B):
                     done.add((entry.stage, entry.microbatch, entry.kind is F))
             elif not entry.kind.is_send and (entry.stage, entry.microbatch, entry.kind.is_forward) in done:
                 raise ScheduleError(f"rank {rank}: {entry} is posted after the action that needs it")

@@ -110,7 +110,7 @@ def add_forward_redundancy(schedule: Schedule, num_stages: int, num_microbatches
         )
     plain_kinds = (ActionKind.FORWARD, ActionKind.BACKWARD)
     if any(a is not None and a.kind not in plain_kinds for slots in schedule.values() for a in slots):
-        raise ValueError("add_forward_redundancy expects a plain F/B schedule; this one already has FR/BR")
+        raise ValueError("add_forward_redundancy expects a plain F/B schedule; this one already has FR")
     validate_schedule(schedule, num_stages, num_microbatches)
 
     windows = forward_redundancy_windows(schedule, num_stages, num_microbatches)

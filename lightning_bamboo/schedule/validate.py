@@ -16,8 +16,6 @@ def _fail(schedule: Schedule, message: str, cell: tuple[int, int] | None = None)
 
 def _misplaced(action: Action, rank: int, num_stages: int) -> str | None:
     """Why ``action`` cannot run on ``rank`` in the normal layout, or None if it can."""
-    if action.kind is ActionKind.BACKWARD_REDUNDANT:
-        return f"{action}: BR only appears in a failover schedule"
     if action.kind is ActionKind.FORWARD_REDUNDANT:
         if num_stages < 2:
             return f"{action}: a single-stage pipeline has no replica to run"
@@ -37,10 +35,9 @@ def validate_schedule(schedule: Schedule, num_stages: int, num_microbatches: int
 
     Checks: ranks are exactly ``0..num_stages-1`` with equal-length rows; every ``F(s, i)`` and ``B(s, i)``
     appears exactly once, on rank ``s``; forward redundancy is absent or complete (every rank ``s`` runs
-    ``FR(s+1 mod num_stages, i)`` once per micro-batch, nothing else redundant); no ``BR`` (that appears
-    only after a failover rewrite); each action runs in a later slot than every action it depends on
-    (see ``dependencies``); and the last rank's ``FR(0, i)`` runs no later than ``B(0, i)``. The error
-    message prints the grid with the offending cell marked ``[..]!``.
+    ``FR(s+1 mod num_stages, i)`` once per micro-batch, nothing else redundant); each action runs in a later
+    slot than every action it depends on (see ``dependencies``); and the last rank's ``FR(0, i)`` runs no
+    later than ``B(0, i)``. The error message prints the grid with the offending cell marked ``[..]!``.
 
     Raises:
         ValueError: if ``num_stages`` or ``num_microbatches`` is below 1.

@@ -14,7 +14,6 @@ from lightning_bamboo.schedule import (
     bubble_fraction,
     build_1f1b,
     dependencies,
-    failover_dependencies,
     format_grid,
     forward_redundancy_windows,
     parse_grid,
@@ -22,21 +21,13 @@ from lightning_bamboo.schedule import (
     place_in_bubbles,
     place_programs,
     rank_program,
-    remap_after_failure,
-    rewrite_after_failure,
-    validate_failover_schedule,
     validate_schedule,
 )
 
 GOLDEN = Path(__file__).parent / "golden"
 GOLDEN_SHAPES = [(2, 2), (2, 4), (3, 6), (4, 4), (4, 8)]
 SHAPES = [(p, m) for p in range(1, 6) for m in range(1, 9)]
-F, B, FR, BR = (
-    ActionKind.FORWARD,
-    ActionKind.BACKWARD,
-    ActionKind.FORWARD_REDUNDANT,
-    ActionKind.BACKWARD_REDUNDANT,
-)
+F, B, FR = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.FORWARD_REDUNDANT
 
 
 def slots_of(schedule):
@@ -52,7 +43,7 @@ def slots_of(schedule):
         ("2F0", Action(2, F, 0)),
         ("1B3", Action(1, B, 3)),
         ("3FR0", Action(3, FR, 0)),
-        ("0BR12", Action(0, BR, 12)),
+        ("0FR12", Action(0, FR, 12)),
     ],
 )
 def test_action_str_and_parse_round_trip(text, action):
@@ -61,12 +52,18 @@ def test_action_str_and_parse_round_trip(text, action):
     assert Action.parse(f"  {text} ") == action
 
 
-@pytest.mark.parametrize("text", ["", "F0", "2X0", "2F", "-1F0", "2FR", "2 F 0", "2f0", "."])
+@pytest.mark.parametrize("text", ["", "F0", "2X0", "2F", "-1F0", "2FR", "2 F 0", "2f0", ".", "0BR1"])
 def test_action_parse_rejects_bad_text(text):
     with pytest.raises(
         ValueError, match=rf"cannot parse action {text!r}: expected <stage><kind><microbatch>"
     ):
         Action.parse(text)
+
+
+def test_action_parse_names_the_kinds_it_knows():
+    # "BR" (a lazy replica backward) is no action kind: a failover re-plans instead of rewriting the schedule
+    with pytest.raises(ValueError, match=r"cannot parse action '0BR1': .* with kind in \(F, B, FR\), e\.g\."):
+        Action.parse("0BR1")
 
 
 def test_action_rejects_negative_indices():
@@ -211,7 +208,7 @@ def test_forward_redundancy_rejects_bad_input():
     with pytest.raises(ValueError, match=r"forward redundancy needs num_stages >= 2 .*got 1"):
         add_forward_redundancy(build_1f1b(1, 2), 1, 2)
     redundant = add_forward_redundancy(build_1f1b(2, 2), 2, 2)
-    with pytest.raises(ValueError, match="expects a plain F/B schedule; this one already has FR/BR"):
+    with pytest.raises(ValueError, match="expects a plain F/B schedule; this one already has FR"):
         add_forward_redundancy(redundant, 2, 2)
     with pytest.raises(ValueError, match="num_microbatches must be an integer >= 1, got -1"):
         add_forward_redundancy(build_1f1b(2, 2), 2, -1)
@@ -268,7 +265,6 @@ def test_validate_requires_last_rank_fr_no_later_than_stage0_backward():
         (lambda s: s[0].__setitem__(2, Action(0, F, 0)), r"0F0 appears twice \(first at rank 0, step 0\)"),
         (lambda s: s[0].__setitem__(3, None), "0B0 is missing from rank 0"),
         (lambda s: s[0].__setitem__(2, Action(1, F, 0)), "1F0 cannot run on rank 0"),
-        (lambda s: s[0].__setitem__(2, Action(1, BR, 0)), "1BR0: BR only appears in a failover schedule"),
         (
             lambda s: s[0].__setitem__(2, Action(0, F, 7)),
             r"microbatch 7 is out of range for num_microbatches \(2\)",
@@ -324,7 +320,7 @@ def test_rank_program_and_bubble_fraction():
         rank_program(schedule, 5)
 
 
-# --- placement and failover -----------------------------------------------------------------------------
+# --- placement ------------------------------------------------------------------------------------------
 
 
 def test_place_programs_detects_deadlock_and_missing_producers():
@@ -337,100 +333,6 @@ def test_place_programs_detects_deadlock_and_missing_producers():
         place_programs(programs, deps)
     with pytest.raises(ScheduleError, match="1F0 depends on 0F0, which no rank runs"):
         place_programs({0: [], 1: [Action(1, F, 0)]}, deps)
-
-
-@pytest.mark.parametrize(
-    ("num_stages", "failed", "expected"),
-    [
-        (4, 2, {0: [0], 1: [1, 2], 3: [3]}),
-        (4, 0, {1: [1], 2: [2], 3: [3, 0]}),
-        (4, 3, {0: [0], 1: [1], 2: [2, 3]}),
-        (2, 1, {0: [0, 1]}),
-    ],
-)
-def test_remap_after_failure(num_stages, failed, expected):
-    assert remap_after_failure(num_stages, failed) == expected
-    owned = sorted(s for stages in expected.values() for s in stages)
-    assert owned == list(range(num_stages))
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        ((1, 0), r"failover needs num_stages >= 2 \(a single stage has no replica\), got 1"),
-        ((4, 4), "failed_stage must be in 0..3, got 4"),
-        ((4, -1), "failed_stage must be in 0..3, got -1"),
-    ],
-)
-def test_remap_after_failure_rejects_bad_values(args, message):
-    with pytest.raises(ValueError, match=message):
-        remap_after_failure(*args)
-
-
-# --- failover rewrite -----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("p", "m"), [(2, 1), (2, 2), (2, 4), (3, 3), (4, 4), (4, 8), (5, 6)])
-def test_rewrite_after_failure_is_complete_and_executable(p, m):
-    redundant = add_forward_redundancy(build_1f1b(p, m), p, m)
-    for failed in range(p):
-        owners = remap_after_failure(p, failed)
-        survivors = rewrite_after_failure(redundant, p, m, failed)
-        validate_failover_schedule(survivors, p, m, failed)
-        assert sorted(survivors) == sorted(owners)
-        predecessor = (failed - 1) % p
-        for rank in survivors:
-            program = rank_program(survivors, rank)
-            stages = {a.stage for a in program if a.kind in (F, B, BR)}
-            assert stages == set(owners[rank])
-            assert all(a.stage != failed or rank == predecessor for a in program)
-        assert sorted(a.microbatch for a in rank_program(survivors, predecessor) if a.kind is BR) == list(
-            range(m)
-        )
-        # A runtime runs each rank's program in order with blocking receives: that order must not stall.
-        in_order = place_programs(
-            {rank: rank_program(survivors, rank) for rank in survivors},
-            lambda a, failed=failed: failover_dependencies(a, p, failed),
-        )
-        validate_failover_schedule(in_order, p, m, failed)
-
-
-def test_rewrite_after_failure_two_stages_by_hand():
-    redundant = add_forward_redundancy(build_1f1b(2, 2), 2, 2)
-    survivors = rewrite_after_failure(redundant, 2, 2, failed_stage=1)
-    assert format_grid(survivors) == (
-        "step     0     1    2     3     4    5     6    7\n"
-        "rank0  0F0  1FR0  0F1  1FR1  1BR0  0B0  1BR1  0B1\n"
-    )
-
-
-def test_rewrite_after_failure_rejects_bad_input():
-    plain = build_1f1b(3, 2)
-    with pytest.raises(ValueError, match="needs a schedule with forward redundancy"):
-        rewrite_after_failure(plain, 3, 2, 1)
-    redundant = add_forward_redundancy(plain, 3, 2)
-    with pytest.raises(ValueError, match=r"failed_stage must be in 0\.\.2, got 3"):
-        rewrite_after_failure(redundant, 3, 2, 3)
-
-
-def test_validate_failover_schedule_rejects_misplaced_and_late_actions():
-    survivors = rewrite_after_failure(add_forward_redundancy(build_1f1b(2, 2), 2, 2), 2, 2, 1)
-    moved = {0: [survivors[0][1], survivors[0][0], *survivors[0][2:]]}  # 1FR0 before 0F0
-    with pytest.raises(
-        ScheduleError, match=r"1FR0 at rank 0, step 0 runs before its input 0F0 is ready"
-    ) as info:
-        validate_failover_schedule(moved, 2, 2, 1)
-    assert "[1FR0]!" in str(info.value)
-    with pytest.raises(
-        ScheduleError, match=r"failover schedule ranks must be the survivors \[0\], got \[0, 1\]"
-    ):
-        validate_failover_schedule({**survivors, 1: [None] * 8}, 2, 2, 1)
-    wrong = {0: [Action(1, B, 0), *survivors[0][1:]]}
-    with pytest.raises(ScheduleError, match=r"1B0 does not belong at rank 0 \(expected owner: None"):
-        validate_failover_schedule(wrong, 2, 2, 1)
-    missing = {0: [None if a == Action(1, BR, 1) else a for a in survivors[0]]}
-    with pytest.raises(ScheduleError, match="1BR1 is missing from rank 0"):
-        validate_failover_schedule(missing, 2, 2, 1)
 
 
 def test_place_by_priority_detects_cycles():
