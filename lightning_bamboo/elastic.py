@@ -1005,7 +1005,7 @@ class ElasticBambooStrategy(BambooStrategy):
             loader = trainer_progress.skip_first_batches(dataloader, 0)  # type: ignore[arg-type]
             self._skip = loader.batch_sampler  # type: ignore[assignment]
             return loader
-        return dataloader
+        return super().process_dataloader(dataloader)
 
     @override
     def barrier(self, name: str | None = None) -> None:

@@ -71,6 +71,7 @@ from lightning_bamboo.microbatch import (
     split_microbatches,
 )
 from lightning_bamboo.precision import with_pipeline_clipping
+from lightning_bamboo.progress import resumable
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b, format_grid
 
@@ -467,6 +468,12 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         if self._num_stages > 1:  # BambooGroups leaves pipeline_group None when the pipeline is the world
             group = dist.group.WORLD if self.groups.pipeline_group is None else self.groups.pipeline_group
         apply_clipping(plan_clipping(grads, clip_val, NORM, group, self.root_device), grads)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training loader's position in the epoch becomes checkpoint state (:mod:`.progress`)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return resumable(dataloader) if trainer is not None and trainer.training else dataloader
 
     # ------------------------------------------------------------------ training
     @override
