@@ -327,3 +327,15 @@ def resumable(dataloader: object) -> object:
     if not _positionable(dataloader):
         return dataloader
     return skip_first_batches(dataloader, 0)  # type: ignore[arg-type]
+
+
+def drop_loader_position(checkpoint: dict[str, Any]) -> None:
+    """Remove the training loader's position from a checkpoint's loop state (in place).
+
+    For a checkpoint converted for one process (``consolidate_checkpoint(output=...)``): there the user's
+    plain ``DataLoader`` has no state to load, and Lightning refuses a position it has no loader for ("The
+    CombinedLoader has 0 stateful loaders, but found 1 states"); without it Lightning resumes as it does
+    for plain loaders.
+    """
+    fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    fit_state.pop("combined_loader", None)
