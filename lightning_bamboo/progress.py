@@ -248,15 +248,19 @@ class ResumableDataLoader(DataLoader):
             "batch_size": batch_size,
             "num_replicas": replicas,
             "dataset_size": len(self.dataset),  # type: ignore[arg-type]
+            "epoch_length": len(self),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Start the next epoch at the saved position (nothing to skip when it was an epoch's end).
 
         Raises:
-            ValueError: the dataset's length changed, or the saved position does not start a batch under
-                this loader's ``num_replicas x batch_size`` (with the arithmetic).
+            ValueError: mid-epoch, the dataset's length changed, or the saved position does not start a batch
+                under this loader's ``num_replicas x batch_size`` (with the arithmetic).
         """
+        saved = int(state["batches"])
+        if saved == 0 or saved >= int(state["epoch_length"]):  # an epoch's start or end: nothing to skip
+            return
         size = len(self.dataset)  # type: ignore[arg-type]
         if state["dataset_size"] != size:
             raise ValueError(
@@ -264,9 +268,6 @@ class ResumableDataLoader(DataLoader):
                 f"samples, the training DataLoader now has {size}; resume with the same dataset"
             )
         replicas, batch_size = self._sharding()
-        saved = int(state["batches"])
-        if saved >= len(self):  # an epoch's end: the next epoch starts at its first batch
-            return
         sample = saved * int(state["batch_size"]) * int(state["num_replicas"])
         per_batch = batch_size * replicas
         if sample % per_batch:

@@ -2,8 +2,8 @@
 agree.
 
 The ledgers are :class:`lightning_bamboo.ledger.BambooLedger` files. Two steps agree when they trained on the
-same samples in the same order (the pipelines' indices joined in pipeline order: the global batch, however
-many pipelines shared it) and every stage's parameter digest is equal. ``--samples-only`` ignores the
+same samples (the global batch as a multiset: the order within a step follows how many pipelines shared it and
+how the sampler dealt them out) and every stage's parameter digest is equal. ``--samples-only`` ignores the
 digests (runs that are not meant to be bit-exact, e.g. another precision). Exit status: 0 the same, 1 they
 differ, 2 a file is missing or malformed (the message names the file and line).
 
@@ -35,7 +35,7 @@ class Entry:
 
     @property
     def global_batch(self) -> list[int]:
-        """The pipelines' samples joined in pipeline order."""
+        """The pipelines' samples joined in pipeline order (the elastic job's global batch in order)."""
         return [i for p in sorted(self.samples, key=int) for i in self.samples[p]]
 
 
@@ -99,6 +99,18 @@ def _short(indices: list[int], limit: int = 12) -> str:
     return f"[{shown}{', ...' if len(indices) > limit else ''}] ({len(indices)})"
 
 
+def _minus(a: list[int], b: list[int]) -> list[int]:
+    """``a`` less ``b`` as multisets, sorted (a sample trained twice in one step counts twice)."""
+    rest = sorted(b)
+    out = []
+    for i in sorted(a):
+        if i in rest:
+            rest.remove(i)
+        else:
+            out.append(i)
+    return out
+
+
 def difference(a: Entry | None, b: Entry | None, names: tuple[str, str], samples_only: bool) -> str | None:
     """What differs between two ledgers' entries of one step (``None`` where one ledger lacks it), or
     ``None`` when they agree."""
@@ -106,15 +118,14 @@ def difference(a: Entry | None, b: Entry | None, names: tuple[str, str], samples
         missing, present = (names[0], names[1]) if a is None else (names[1], names[0])
         return f"the step is in {present} only ({missing} has no line for it)"
     out = []
-    if a.global_batch != b.global_batch:
-        only_a = sorted(set(a.global_batch) - set(b.global_batch))
-        only_b = sorted(set(b.global_batch) - set(a.global_batch))
-        detail = [f"{names[0]} trained on {_short(a.global_batch)}, {names[1]} on {_short(b.global_batch)}"]
-        if only_a or only_b:
-            detail.append(f"only in {names[0]}: {_short(only_a)}; only in {names[1]}: {_short(only_b)}")
-        else:
-            detail.append("the same samples in another order")
-        out.append("samples differ: " + "; ".join(detail))
+    if sorted(a.global_batch) != sorted(b.global_batch):
+        only_a = _minus(a.global_batch, b.global_batch)
+        only_b = _minus(b.global_batch, a.global_batch)
+        out.append(
+            f"samples differ: {names[0]} trained on {_short(a.global_batch)}, {names[1]} on "
+            f"{_short(b.global_batch)}; only in {names[0]}: {_short(only_a)}; "
+            f"only in {names[1]}: {_short(only_b)}"
+        )
     if not samples_only:
         for stage in sorted(set(a.digests) | set(b.digests), key=int):
             da, db = a.digests.get(stage), b.digests.get(stage)

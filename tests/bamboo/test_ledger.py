@@ -28,9 +28,10 @@ def _lines(path: Path) -> list[dict]:
 def test_mid_epoch_resume_consumes_every_sample_once_and_is_exact(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """One launch of 2 ranks (2 stages), four Trainers: the uninterrupted 3 epochs; a run stopped at step 9
+    """One launch of 2 ranks, six Trainers: the uninterrupted 3 epochs (2 stages); a run stopped at step 9
     with a checkpoint at step 7 (epoch 1, batch 2); a resume from that checkpoint appending to the same
-    ledger (its lines 7 and 8 re-trained); and a run perturbed before step 5."""
+    ledger (its lines 7 and 8 re-trained); a run perturbed before step 5; and the stop/resume again from
+    2 pipelines of 1 stage to 1 pipeline of 2 stages (the position carried over in samples)."""
     ckpt = tmp_path / "ckpt"
     cases = {
         "reference": ["--ledger", str(tmp_path / "reference.jsonl")],
@@ -38,6 +39,12 @@ def test_mid_epoch_resume_consumes_every_sample_once_and_is_exact(
                   "--checkpoint-dir", str(ckpt)],
         "resume": ["--ledger", str(tmp_path / "resumed.jsonl"), "--resume", str(ckpt / "step=7.ckpt")],
         "perturbed": ["--ledger", str(tmp_path / "perturbed.jsonl"), "--perturb-at", "5"],
+        # 2 pipelines x 2 samples (each its DistributedSampler shard), resumed as 1 pipeline x 4 samples
+        "pipelines": ["--ledger", str(tmp_path / "pipelines.jsonl"), "--stages", "1", "--batch-size", "2",
+                      "--max-steps", "9", "--checkpoint-every", "7",
+                      "--checkpoint-dir", str(tmp_path / "ckpt2")],
+        "one-pipeline": ["--ledger", str(tmp_path / "pipelines.jsonl"),
+                         "--resume", str(tmp_path / "ckpt2" / "step=7.ckpt")],
     }
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     run_script("train_ledger.py", ["--cases", str(tmp_path / "cases.json")], timeout=240, nprocs=2)
@@ -58,6 +65,14 @@ def test_mid_epoch_resume_consumes_every_sample_once_and_is_exact(
     out = capsys.readouterr().out
     assert "the ledgers differ first at step 5:" in out and "stage 1 parameters differ" in out
     assert "samples differ" not in out
+
+    pipelines = _lines(tmp_path / "pipelines.jsonl")
+    assert [sorted(line["samples"]) for line in pipelines] == [["0", "1"]] * 7 + [["0"]] * 8
+    assert all(len(samples) == 2 for line in pipelines[:7] for samples in line["samples"].values())
+    assert not any("mismatch" in line for line in pipelines)  # both pipelines held the same bytes
+    # the same global batches as the one-pipeline reference, across the change of pipelines
+    reference_and_pipelines = [str(tmp_path / "reference.jsonl"), str(tmp_path / "pipelines.jsonl")]
+    assert verify([*reference_and_pipelines, "--samples-only"]) == 0
 
 
 def _elastic(out: Path, fault: str) -> Path:
@@ -107,15 +122,18 @@ def test_verify_names_the_first_differing_step(tmp_path: Path, capsys: pytest.Ca
     assert verify([str(a), str(b)]) == 1
     out = capsys.readouterr().out
     assert "differ first at step 1:" in out and "only in " in out and "[8] (1)" in out and "[12] (1)" in out
-    # the same global batch split otherwise between pipelines is the same step
+    # the same global batch, split otherwise between pipelines and in another order, is the same step
     regrouped = _step(0, [1, 2, 3, 4])
-    regrouped["samples"] = {"0": [1, 2, 3, 4]}
+    regrouped["samples"] = {"0": [3, 1, 4, 2]}
     c = _write(tmp_path / "c.jsonl", [regrouped])
     d = _write(tmp_path / "d.jsonl", [_step(0, [1, 2, 3, 4], digest="cc")])
     assert verify([str(c), str(d)]) == 1
     assert "stage 0 parameters differ: " in capsys.readouterr().out
     assert verify([str(c), str(d), "--samples-only"]) == 0
     assert "the ledgers are the same: 1 steps (steps 0..0), samples" in capsys.readouterr().out
+    twice = _write(tmp_path / "twice.jsonl", [_step(0, [1, 2, 3, 3])])
+    assert verify([str(c), str(twice)]) == 1
+    assert "only in " in (out := capsys.readouterr().out) and "[4] (1)" in out and "[3] (1)" in out
     e = _write(tmp_path / "e.jsonl", [_step(0, [1, 2, 3, 4])])
     assert verify([str(e), str(a)]) == 1
     assert "differ first at step 1:\n  the step is in " in capsys.readouterr().out

@@ -35,7 +35,9 @@ def test_resumed_loader_continues_where_the_checkpoint_stopped() -> None:
     first = _loader(24, 4, epoch=1)
     seen = _take(first, 3)
     state = first.state_dict()
-    assert state == {"epoch": 1, "batches": 3, "batch_size": 4, "num_replicas": 1, "dataset_size": 24}
+    assert state == {
+        "epoch": 1, "batches": 3, "batch_size": 4, "num_replicas": 1, "dataset_size": 24, "epoch_length": 6
+    }
     resumed = _loader(24, 4, epoch=1)
     resumed.load_state_dict(state)
     rest = [b[0].tolist() for b in resumed]
@@ -49,9 +51,9 @@ def test_resumed_loader_continues_where_the_checkpoint_stopped() -> None:
 def test_state_at_an_epoch_end_or_of_another_epoch_skips_nothing() -> None:
     whole = _loader(12, 4)
     assert len(_take(whole, 10)) == 3
-    resumed = _loader(12, 4, epoch=1)
-    resumed.load_state_dict(whole.state_dict())  # batches == len: resume at the next epoch's start
-    assert len(list(resumed)) == 3
+    resumed = _loader(16, 4, epoch=1)  # another dataset for the next epoch is fine
+    resumed.load_state_dict(whole.state_dict())  # the epoch was done: resume at the next epoch's start
+    assert len(list(resumed)) == 4
     part = _loader(12, 4)
     _take(part, 1)
     moved_on = _loader(12, 4, epoch=1)  # e.g. limit_train_batches ended epoch 0 early

@@ -1,9 +1,10 @@
 """Worker script of the ledger tests: ``PipeMLP`` under ``strategy="bamboo"`` with a ``BambooLedger``.
 
 ``--cases FILE`` (JSON ``{name: [argument, ...]}``) runs each case in turn in this one launch (the test starts
-both ranks at once, ``tests.process.run_ranks``). A case trains ``--epochs`` epochs of a shuffled dataset
-(Lightning's ``DistributedSampler``, seed 0), or stops at ``--max-steps``; ``--checkpoint-every N`` keeps a
-checkpoint every N steps in ``--checkpoint-dir`` (``step=<k>.ckpt``); ``--resume`` resumes from one;
+both ranks at once, ``tests.process.run_ranks``). ``--stages 1`` makes the 2 ranks 2 data-parallel pipelines
+(each reads its shard of the ``DistributedSampler``). A case trains ``--epochs`` epochs of a shuffled
+dataset (Lightning's ``DistributedSampler``, seed 0), or stops at ``--max-steps``; ``--checkpoint-every N``
+keeps a checkpoint every N steps in ``--checkpoint-dir`` (``step=<k>.ckpt``); ``--resume`` resumes from one;
 ``--perturb-at K`` adds 1e-3 to stage 1's first weight before step K (a run that must differ from step K).
 """
 
@@ -46,7 +47,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--samples", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=4, help="per pipeline")
+    parser.add_argument("--stages", type=int, default=2, help="2: one pipeline of 2 stages; 1: 2 pipelines")
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--resume", type=Path, default=None)
@@ -74,7 +76,9 @@ def train(args: argparse.Namespace) -> None:
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=BambooStrategy(num_stages=2, num_microbatches=2, timeout=180),
+        strategy=BambooStrategy(
+            num_stages=args.stages, num_microbatches=2, redundancy=args.stages > 1, timeout=180
+        ),
         max_epochs=args.epochs,
         max_steps=args.max_steps,
         logger=False,
