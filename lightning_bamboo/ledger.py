@@ -42,6 +42,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 from torch import nn
 
+from lightning_bamboo.broadcast import all_gather_json
 from lightning_bamboo.contract import StageSequential
 from lightning_bamboo.microbatch import split_microbatches
 from lightning_bamboo.progress import ResumableDataLoader
@@ -102,7 +103,8 @@ class BambooLedger(Callback):
             if trainer.global_rank == 0:
                 self._write_from_store(trainer, store, owners, step)
             return
-        reports = _all_gather_json(report, strategy.root_device)
+        one_process = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+        reports = [report] if one_process else all_gather_json(report, strategy.root_device)
         if trainer.global_rank == 0:
             self._trim(step)
             self._append(_line(step, trainer.current_epoch, reports))
@@ -221,7 +223,7 @@ def _stage_layers(strategy: Any) -> list[range]:
 
 
 def _held_stage_digests(module: StageSequential, stages: list[range]) -> dict[str, str]:
-    held = {int(name): layer for name, layer in module._modules.items() if layer is not None}
+    held = {int(name): layer for name, layer in module.named_children()}
     return {
         str(s): stage_digest([(i, held[i]) for i in layers])
         for s, layers in enumerate(stages)
@@ -240,27 +242,7 @@ def stage_digest(layers: list[tuple[int, nn.Module]]) -> str:
     return digest.hexdigest()
 
 
-# ---------------------------------------------------------------------- bringing reports to rank 0
-def _all_gather_json(report: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
-    """Every rank's ``report`` on every rank, as JSON bytes in ``uint8`` tensors (nothing pickled)."""
-    payload = json.dumps(report).encode()
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [report]
-    world = dist.get_world_size()
-    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    lengths = [torch.empty_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length)
-    size = int(max(int(n.item()) for n in lengths))
-    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-    buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-    buffers = [torch.empty_like(buffer) for _ in range(world)]
-    dist.all_gather(buffers, buffer)
-    return [
-        json.loads(bytes(b[: int(n.item())].cpu().numpy().tobytes()).decode())
-        for b, n in zip(buffers, lengths)
-    ]
-
-
+# ---------------------------------------------------------------------- the elastic job's store
 def _store_of(strategy: Any) -> Any:
     if not isinstance(getattr(type(strategy), "store", None), property):
         return None
