@@ -1,4 +1,5 @@
-"""Broadcasts that never pickle: small plain values as JSON bytes, and batches as JSON header + raw bytes.
+"""Broadcasts (and an all-gather) that never pickle: small plain values as JSON bytes, and batches as JSON
+header + raw bytes.
 
 Lightning broadcasts checkpoint directories and log paths through ``Strategy.broadcast``. DDP does that with
 ``broadcast_object_list``, which pickles; here only JSON-representable values are accepted, so nothing that
@@ -60,6 +61,23 @@ def broadcast_json(obj: Any, src: int, device: torch.device, group: Any = None) 
         buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     dist.broadcast(buffer, src, group=group)
     return _decode(json.loads(bytes(buffer.cpu().tolist()).decode("utf-8")))
+
+
+def all_gather_json(obj: Any, device: torch.device, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` (a JSON value) on every rank of ``group``, in rank order (collective): each as
+    JSON bytes in a ``uint8`` tensor padded to the longest."""
+    world = dist.get_world_size(group)
+    payload = json.dumps(_encode(obj)).encode("utf-8")
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    sizes = [int(n.item()) for n in lengths]
+    buffer = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    buffers = [torch.empty_like(buffer) for _ in range(world)]
+    dist.all_gather(buffers, buffer, group=group)
+    texts = [b[:n].cpu().numpy().tobytes().decode("utf-8") for b, n in zip(buffers, sizes)]
+    return [_decode(json.loads(text)) for text in texts]
 
 
 # ---------------------------------------------------------------------------------------------- batches

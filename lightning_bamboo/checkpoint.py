@@ -46,6 +46,8 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.optim import Optimizer
 
+from lightning_bamboo.progress import drop_loader_position
+
 META_FILE = "meta.pt"
 _MODEL = "model/"
 _SAFETENSORS = ".safetensors"
@@ -441,6 +443,7 @@ def _whole_group_names(path: Path, optimizer: int) -> list[list[str]]:
 def _write_lightning_checkpoint(path: Path, output: Path, state_dict: dict[str, Tensor]) -> None:
     """The ordinary ``.ckpt`` of :func:`consolidate_checkpoint`: weights, optimizers, trainer state."""
     checkpoint: dict[str, Any] = torch.load(path / META_FILE, weights_only=True)
+    drop_loader_position(checkpoint)  # the one-process run's plain DataLoader has no position to load
     saved_groups = checkpoint.pop("optimizer_param_groups", [])
     meta = _metadata(path)
     optimizer_states = []

@@ -282,17 +282,6 @@ class ElasticRuntime:
             flush=True,
         )
 
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """A joiner's training ``DataLoader`` starts at the batch the job is at (see :mod:`.progress`)."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self._joining_setup and self._skip is None and trainer is not None and trainer.training:
-            # how many batches to skip is known when the joiner forms (on_train_start, before the first fetch)
-            loader = trainer_progress.skip_first_batches(dataloader, 0)  # type: ignore[arg-type]
-            self._skip = loader.batch_sampler  # type: ignore[assignment]
-            return loader
-        return dataloader
-
     def _drain_all(
         self,
         ranks: list[int],

@@ -27,6 +27,8 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import warnings
+from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -142,11 +144,17 @@ def restore_optimizer(trainer: pl.Trainer, optimizer: Optimizer, progress: dict[
 
 
 class SkipFirstBatches:
-    """A batch sampler that drops the first ``skip`` batches of its next iteration only (then passes through).
+    """A batch sampler that drops the first ``skip`` batches of its next iteration only (then passes through),
+    and records which indices it hands out.
 
     ``len`` stays the epoch's: Lightning counts the skipped batches as fetched when it resumes mid-epoch.
     ``set_epoch`` reaches the wrapped batch sampler and its sampler (a ``DistributedSampler`` shuffles by
-    epoch).
+    epoch). ``skip_epoch`` (set by a checkpoint's :meth:`ResumableDataLoader.load_state_dict`): the skip
+    applies only if the next iteration is that epoch of the sampler (a checkpoint taken at an epoch's end
+    resumes at the next epoch's first batch); ``None``: the next iteration, whichever (a joiner).
+
+    ``issued`` holds ``(position in the epoch, indices)`` of every batch handed out and not yet delivered by
+    the ``DataLoader`` (worker processes run ahead of the training loop; the loader pops them in order).
     """
 
     def __init__(self, batch_sampler: Any, skip: int) -> None:
@@ -155,6 +163,17 @@ class SkipFirstBatches:
         self.batch_sampler = batch_sampler
         self.sampler = getattr(batch_sampler, "sampler", None)
         self.skip = skip
+        self.skip_epoch: int | None = None
+        self.epoch: int | None = None  # the sampler's epoch of the current iteration, where it has one
+        self.issued: deque[tuple[int, list[int]]] = deque()
+
+    @property
+    def batch_size(self) -> int | None:
+        return getattr(self.batch_sampler, "batch_size", None)
+
+    @property
+    def drop_last(self) -> bool:
+        return bool(getattr(self.batch_sampler, "drop_last", False))
 
     def set_epoch(self, epoch: int) -> None:
         for target in {id(o): o for o in (self.batch_sampler, self.sampler) if o is not None}.values():
@@ -163,23 +182,115 @@ class SkipFirstBatches:
                 set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
+        self.epoch = getattr(self.sampler, "epoch", None)
         skip, self.skip = self.skip, 0
+        if skip and self.skip_epoch is not None and self.epoch is not None and self.epoch != self.skip_epoch:
+            warnings.warn(
+                f"Bamboo: the checkpoint's data position is batch {skip} of epoch {self.skip_epoch}, but the "
+                f"loader starts epoch {self.epoch}; starting that epoch at its first batch",
+                stacklevel=2,
+            )
+            skip = 0
+        self.skip_epoch = None
+        self.issued.clear()
         for index, batch in enumerate(self.batch_sampler):
             if index >= skip:
+                self.issued.append((index, [int(i) for i in batch]))
                 yield batch
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
 
-def skip_first_batches(dataloader: DataLoader, skip: int) -> DataLoader:
-    """The same ``DataLoader`` whose next epoch starts at batch ``skip`` (indices skipped, no sample loaded).
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` whose position in the epoch is checkpoint state (Lightning's stateful-loader hooks).
+
+    Lightning saves ``state_dict()`` of every training loader that has one in the fit loop's checkpoint state
+    (``FitLoop.on_save_checkpoint``) and gives it back to ``load_state_dict`` when it resumes, before the
+    epoch's first batch is fetched. The position is the number of batches of the epoch this loader has
+    delivered: Lightning fetches a sized loader's batches one at a time, so at any checkpoint (after a batch,
+    after validation, at the epoch's end) that is the number of batches trained on. The skipped batches'
+    indices are dropped before any sample is loaded.
+
+    The position is kept in samples of the sampler's order as well (``batches x batch_size x
+    num_replicas``), so a run resumed with another number of data-parallel pipelines (another
+    ``DistributedSampler.num_replicas``) or per-pipeline batch size starts at the same sample, when that
+    sample starts a batch there. ``last_indices``: the dataset indices of the batch delivered last (read by
+    :class:`lightning_bamboo.ledger.BambooLedger`).
+    """
+
+    batch_sampler: SkipFirstBatches
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.batch_sampler, SkipFirstBatches):
+            raise TypeError("ResumableDataLoader needs a SkipFirstBatches batch sampler: use resumable()")
+        self.position = 0  # batches of the current epoch delivered (skipped ones included)
+        self.last_indices: list[int] = []
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        issued = self.batch_sampler.issued
+        for batch in super().__iter__():
+            position, self.last_indices = issued.popleft()
+            self.position = position + 1
+            yield batch
+
+    def _sharding(self) -> tuple[int, int]:
+        """``(num_replicas, batch_size)`` of this loader (a ``DistributedSampler``'s, else one replica)."""
+        replicas = int(getattr(self.batch_sampler.sampler, "num_replicas", 1))
+        return replicas, int(self.batch_sampler.batch_size or 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        replicas, batch_size = self._sharding()
+        return {
+            "epoch": self.batch_sampler.epoch,
+            "batches": self.position,
+            "batch_size": batch_size,
+            "num_replicas": replicas,
+            "dataset_size": len(self.dataset),  # type: ignore[arg-type]
+            "epoch_length": len(self),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Start the next epoch at the saved position (nothing to skip when it was an epoch's end).
+
+        Raises:
+            ValueError: mid-epoch, the dataset's length changed, or the saved position does not start a batch
+                under this loader's ``num_replicas x batch_size`` (with the arithmetic).
+        """
+        saved = int(state["batches"])
+        if saved == 0 or saved >= int(state["epoch_length"]):  # an epoch's start or end: nothing to skip
+            return
+        size = len(self.dataset)  # type: ignore[arg-type]
+        if state["dataset_size"] != size:
+            raise ValueError(
+                f"Bamboo: the checkpoint's training data position is in a dataset of {state['dataset_size']} "
+                f"samples, the training DataLoader now has {size}; resume with the same dataset"
+            )
+        replicas, batch_size = self._sharding()
+        sample = saved * int(state["batch_size"]) * int(state["num_replicas"])
+        per_batch = batch_size * replicas
+        if sample % per_batch:
+            raise ValueError(
+                f"Bamboo: the checkpoint stopped after {saved} batches of {state['batch_size']} samples x "
+                f"{state['num_replicas']} pipelines = sample {sample} of the epoch, which does not start a "
+                f"batch of {batch_size} x {replicas} pipelines ({sample} % {per_batch} = "
+                f"{sample % per_batch}); resume with a global batch that divides it, or from an epoch's end"
+            )
+        self.batch_sampler.skip = sample // per_batch
+        self.batch_sampler.skip_epoch = self.batch_sampler.epoch = state["epoch"]
+        self.position = self.batch_sampler.skip
+
+
+def skip_first_batches(dataloader: DataLoader, skip: int) -> ResumableDataLoader:
+    """The same ``DataLoader`` whose next epoch starts at batch ``skip`` (indices skipped, no sample loaded),
+    as a :class:`ResumableDataLoader`.
 
     Raises:
         TypeError: ``dataloader`` is not a plain ``torch.utils.data.DataLoader`` with a batch sampler (a
             subclass may take other constructor arguments, an iterable dataset has no indices to skip).
     """
-    if type(dataloader) is not DataLoader or dataloader.batch_sampler is None:
+    if not _positionable(dataloader):
         raise TypeError(
             "Bamboo: a worker joining mid-epoch must skip the batches the job already trained on; that needs "
             "a plain torch.utils.data.DataLoader over a map-style dataset with a batch size, got "
@@ -197,6 +308,35 @@ def skip_first_batches(dataloader: DataLoader, skip: int) -> DataLoader:
     kwargs = {name: getattr(dataloader, name) for name in accepted if hasattr(dataloader, name)}
     if not kwargs.get("num_workers"):
         kwargs.pop("prefetch_factor", None)  # only allowed with worker processes
-    return DataLoader(
+    return ResumableDataLoader(
         dataloader.dataset, batch_sampler=SkipFirstBatches(dataloader.batch_sampler, skip), **kwargs
     )
+
+
+def _positionable(dataloader: object) -> bool:
+    return (
+        type(dataloader) is DataLoader
+        and dataloader.batch_sampler is not None
+        and hasattr(dataloader.dataset, "__len__")
+    )
+
+
+def resumable(dataloader: object) -> object:
+    """A training loader that resumes mid-epoch exactly (:class:`ResumableDataLoader`); one it cannot position
+    (a ``DataLoader`` subclass, an iterable dataset, a loader already resumable) is returned unchanged, and
+    Lightning warns when such a loader is resumed mid-epoch."""
+    if not _positionable(dataloader):
+        return dataloader
+    return skip_first_batches(dataloader, 0)  # type: ignore[arg-type]
+
+
+def drop_loader_position(checkpoint: dict[str, Any]) -> None:
+    """Remove the training loader's position from a checkpoint's loop state (in place).
+
+    For a checkpoint converted for one process (``consolidate_checkpoint(output=...)``): there the user's
+    plain ``DataLoader`` has no state to load, and Lightning refuses a position it has no loader for ("The
+    CombinedLoader has 0 stateful loaders, but found 1 states"); without it Lightning resumes as it does
+    for plain loaders.
+    """
+    fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    fit_state.pop("combined_loader", None)

@@ -85,6 +85,7 @@ from lightning_bamboo.microbatch import (
 )
 from lightning_bamboo.ownership import OwnershipMap, initial
 from lightning_bamboo.precision import with_pipeline_clipping
+from lightning_bamboo.progress import resumable, skip_first_batches
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.reshard import LayerState, Resharder, gather, install
 from lightning_bamboo.schedule import Action, ActionKind, add_forward_redundancy, build_1f1b, format_grid
@@ -314,6 +315,11 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
     @property
     def redundancy(self) -> bool:
         return self._redundancy
+
+    @property
+    def stage_layers(self) -> tuple[range, ...]:
+        """Stage -> its layers of the pipeline body (planned at setup; empty before)."""
+        return self._stage_layers
 
     @property
     def elastic(self) -> bool:
@@ -915,6 +921,20 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
             if precision_plugin is None
             else with_pipeline_clipping(precision_plugin, self._clip_grad_by_global_norm)
         )
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training loader's position in the epoch becomes checkpoint state, and a joiner's loader starts
+        at the batch the job is at (:mod:`.progress`)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training:
+            return dataloader
+        if self._joining_setup and self._skip is None:
+            # how many batches to skip is known when the joiner forms (on_train_start, before the first fetch)
+            loader = skip_first_batches(dataloader, 0)  # type: ignore[arg-type]
+            self._skip = loader.batch_sampler
+            return loader
+        return resumable(dataloader)
 
     # ------------------------------------------------------------------ training
     @override

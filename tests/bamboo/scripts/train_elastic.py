@@ -6,6 +6,7 @@ owns at the end, and ``<out>/failovers_member{m}.json`` (the ownership maps it w
 ``--strategy auto`` is the uninterrupted single-process reference on the same global batches; it writes
 ``<out>/final_reference.safetensors`` in the same format.
 
+``--ledger PATH`` adds a :class:`~lightning_bamboo.ledger.BambooLedger` writing there.
 ``--aws-endpoints U0,U1,..`` gives member ``m`` its own (fake) IMDSv2 ``U<m>`` polled by ``BambooNotices``
 (an announced departure drains it); members record their Bamboo hook calls and metrics in
 ``<out>/events_member{m}.json`` (see ``tests/bamboo/drain_callbacks.py``). A member that left writes no
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--hold", default="", help="MEMBER:STEP:sigterm|release (signal_callbacks)")
     parser.add_argument("--raise-at", default="", help="MEMBER:STEP: its loss raises there")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
+    parser.add_argument("--ledger", type=Path, default=None, help="a BambooLedger file")
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -114,6 +116,10 @@ def main() -> None:
         if args.hold and int(args.hold.split(":")[0]) == strategy.member:
             hold = (int(args.hold.split(":")[1]), args.hold.split(":")[2])
         callbacks.append(SignalTarget(args.out, strategy.member, hold))
+    if args.ledger is not None:
+        from lightning_bamboo.ledger import BambooLedger
+
+        callbacks.append(BambooLedger(args.ledger))
     val_losses = ValLosses()
     trainer = Trainer(
         accelerator="cpu",

@@ -1,0 +1,288 @@
+"""``BambooLedger``: a JSON-lines record of what every committed step trained on and what it produced.
+
+Why: a fault-tolerant run claims that failovers and resumes change nothing, that every sample is trained on
+exactly once and the global batch stays the same. The ledger makes that checkable after the fact: two runs'
+ledgers are compared step by step with ``python -m lightning_bamboo.verify A B``.
+
+One line per committed optimizer step, written by global rank 0 (the rank 0 of the current generation in an
+elastic job)::
+
+    {"step": 3, "epoch": 0, "samples": {"0": [17, 4, ...], "1": [...]}, "generation": 1,
+     "owners": {...} | null, "digests": {"0": "<sha256 hex>", "1": "..."}}
+
+* ``step``: the step's index from 0 (``trainer.global_step - 1`` after it; the ``step`` of Bamboo's events).
+* ``samples``: pipeline index -> the dataset indices that pipeline trained on in this step, in batch order
+  (with ``accumulate_grad_batches`` > 1, those of every batch of the step).
+* ``generation``/``owners``: the elastic job's generation and ownership map the step committed under
+  (``OwnershipMap.to_json``); ``null`` without one.
+* ``digests``: stage -> sha256 over the raw bytes of that stage's parameters (layer by layer, each
+  parameter's name, dtype and shape, then its bytes). Every pipeline holds the same stage; a stage whose
+  holders disagree is also listed under ``"mismatch"`` with every digest seen.
+
+Nothing is pickled on the way to rank 0: the static strategy's ranks all-gather JSON bytes as ``uint8``
+tensors; an elastic job's members put JSON in the job's store (each also reports the digests of the
+replica it holds, so a member lost after a commit still has its stage reported, and a new writer writes a
+step whose writer was lost from what the store still holds). Each line is one ``write`` on a file opened for
+appending; a run resumed from a checkpoint drops the lines at or after the step it resumes at (written
+after that checkpoint) and appends from there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback
+from torch import nn
+
+from lightning_bamboo.broadcast import all_gather_json
+from lightning_bamboo.contract import StageSequential
+from lightning_bamboo.microbatch import split_microbatches
+from lightning_bamboo.progress import ResumableDataLoader
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+_KEY = "ledger/{step}/{member}"
+
+
+class BambooLedger(Callback):
+    """Append one JSON line per committed step to ``path`` (see the module docstring for the format).
+
+    Args:
+        path: the ledger file (created with its folder; a resumed run appends to it).
+        wait: seconds rank 0 of an elastic job waits for every member's report of a step before it writes
+            the line with what it has (a member lost after the commit reports nothing; its stage comes from
+            the replica holder's report).
+    """
+
+    def __init__(self, path: str | Path, wait: float = 60.0) -> None:
+        self.path = Path(path)
+        self.wait = wait
+        self._samples: dict[int, list[int]] = {}  # pipeline -> indices of the step being accumulated
+        self._step_before = -1  # trainer.global_step when the current batch started
+        self._trimmed = False  # this process has dropped stale lines (it writes from now on)
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._step_before = trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        pipeline, indices = _pipeline_samples(trainer)
+        self._samples.setdefault(pipeline, []).extend(indices)
+        if trainer.global_step == self._step_before:
+            return  # no optimizer step yet (accumulate_grad_batches): its samples are the batches' together
+        step = trainer.global_step - 1
+        strategy = trainer.strategy
+        owners = getattr(strategy, "owners", None)
+        store = _store_of(strategy)
+        elastic = store is not None and owners is not None and bool(getattr(strategy, "elastic", False))
+        report = {
+            "pipeline": pipeline,
+            "samples": self._samples.pop(pipeline),
+            **_digests(trainer, pl_module),
+        }
+        self._samples.clear()
+        if owners is not None:
+            report["owners"] = json.loads(owners.to_json())  # the generation the step committed under
+        if elastic:
+            store.set(_KEY.format(step=step, member=strategy.member), json.dumps(report))  # type: ignore[attr-defined]
+            if trainer.global_rank == 0:
+                self._write_from_store(trainer, store, owners, step)
+            return
+        one_process = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+        reports = [report] if one_process else all_gather_json(report, strategy.root_device)
+        if trainer.global_rank == 0:
+            self._trim(step)
+            self._append(_line(step, trainer.current_epoch, reports))
+
+    # ------------------------------------------------------------------ writing
+    def _write_from_store(self, trainer: pl.Trainer, store: Any, owners: Any, step: int) -> None:
+        """Rank 0 of an elastic job: this step's line (and a step before it whose writer was lost)."""
+        first = self._trim(step)
+        for missing in range(first, step):  # reports the lost writer left in the store
+            keys = [_KEY.format(step=missing, member=m) for m in _members_ever(owners)]
+            found = [k for k in keys if store.check([k])]
+            if found:
+                log.warning("BambooLedger: writing step %d, whose writer was lost, from the store", missing)
+                reports = [json.loads(store.get(k)) for k in found]
+                self._append(_line(missing, trainer.current_epoch, reports))
+                for key in found:
+                    store.delete_key(key)
+        members = owners.members()
+        keys = [_KEY.format(step=step, member=m) for m in members]
+        deadline = time.monotonic() + self.wait
+        generation = owners.generation
+        while not store.check(keys) and time.monotonic() < deadline:
+            if _current_generation(store) > generation:  # a member was lost: its report may never come
+                deadline = min(deadline, time.monotonic() + 2.0)
+            time.sleep(0.005)
+        found = [k for k in keys if store.check([k])]
+        if len(found) < len(keys):
+            log.warning("BambooLedger: step %d: %d of %d members reported", step, len(found), len(keys))
+        reports = [json.loads(store.get(k)) for k in found]
+        self._append(_line(step, trainer.current_epoch, reports))
+        for key in found:
+            store.delete_key(key)
+
+    def _trim(self, step: int) -> int:
+        """Before this process's first line: drop lines at or after ``step`` (a resumed run re-trains them);
+        returns the step after the last line kept (``step`` from then on)."""
+        if self._trimmed:
+            return step
+        self._trimmed = True
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.path.exists():
+            return step
+        kept, dropped, last = [], 0, -1
+        for text in self.path.read_text().splitlines():
+            try:
+                entry_step = json.loads(text)["step"]
+            except (ValueError, KeyError, TypeError):  # a writer killed inside its write
+                log.warning("BambooLedger: dropping an unreadable line of %s: %r", self.path, text[:80])
+                dropped += 1
+                continue
+            if entry_step < step:
+                kept.append(text)
+                last = max(last, entry_step)
+            else:
+                dropped += 1
+        if dropped:
+            log.warning("BambooLedger: dropped %d lines at or after step %d (a resumed run)", dropped, step)
+            partial = self.path.with_name(self.path.name + ".partial")
+            partial.write_text("".join(f"{t}\n" for t in kept))
+            os.replace(partial, self.path)
+        return last + 1 if last >= 0 else step
+
+    def _append(self, line: dict[str, Any]) -> None:
+        data = (json.dumps(line, sort_keys=True) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)  # one write on an O_APPEND file: the line lands whole
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ---------------------------------------------------------------------- what each rank reports
+def _pipeline_samples(trainer: pl.Trainer) -> tuple[int, list[int]]:
+    """``(pipeline index, indices it trained on in this batch)`` of this rank."""
+    loader = trainer.train_dataloader
+    if not isinstance(loader, ResumableDataLoader):
+        raise TypeError(
+            "BambooLedger records the sample indices of each step, which needs one plain "
+            "torch.utils.data.DataLoader over a map-style dataset under the Bamboo strategy (it makes the "
+            f"loader a ResumableDataLoader); the training loader is a {type(loader).__name__}"
+        )
+    strategy = trainer.strategy
+    pipelines = int(getattr(strategy, "num_pipelines", 1))
+    pipeline = int(getattr(strategy, "pipeline_index", 0))
+    indices = loader.last_indices
+    if pipelines > 1 and strategy.distributed_sampler_kwargs.get("num_replicas", 1) == 1:
+        # every member loads the global batch and trains on its pipeline's share (elastic Bamboo)
+        indices = split_microbatches(torch.tensor(indices), pipelines)[pipeline].tolist()
+    return pipeline, list(indices)
+
+
+def _digests(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, dict[str, str]]:
+    """``{"own": stage -> digest, "replica": stage -> digest}`` of the stages this rank holds whole (the
+    replica has taken the step when the step's batch ends)."""
+    stages = _stage_layers(trainer.strategy)
+    own = next((m for m in pl_module.children() if isinstance(m, StageSequential)), None)
+    replica = getattr(trainer.strategy, "replica", None)
+    return {
+        "own": _held_stage_digests(own, stages) if own is not None else {},
+        "replica": _held_stage_digests(replica, stages) if isinstance(replica, StageSequential) else {},
+    }
+
+
+def _stage_layers(strategy: Any) -> list[range]:
+    """Stage -> its layers of the pipeline body."""
+    stages = getattr(strategy, "stage_layers", None)
+    if stages is None:
+        raise TypeError(
+            f"BambooLedger runs under the Bamboo strategies (it digests each pipeline stage); the trainer's "
+            f"strategy is {type(strategy).__name__}"
+        )
+    return list(stages)
+
+
+def _held_stage_digests(module: StageSequential, stages: list[range]) -> dict[str, str]:
+    held = {int(name): layer for name, layer in module.named_children()}
+    return {
+        str(s): stage_digest([(i, held[i]) for i in layers])
+        for s, layers in enumerate(stages)
+        if all(i in held for i in layers)
+    }
+
+
+def stage_digest(layers: list[tuple[int, nn.Module]]) -> str:
+    """sha256 over ``(layer index, parameter name, dtype, shape)`` and the raw bytes of every parameter."""
+    digest = hashlib.sha256()
+    for index, layer in layers:
+        for name, param in layer.named_parameters():
+            tensor = param.detach().to("cpu").contiguous().reshape(-1)
+            digest.update(f"{index}.{name}:{tensor.dtype}:{tuple(param.shape)}\n".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------- the elastic job's store
+def _store_of(strategy: Any) -> Any:
+    if not isinstance(getattr(type(strategy), "store", None), property):
+        return None
+    try:
+        return strategy.store
+    except RuntimeError:  # not connected (no job)
+        return None
+
+
+def _current_generation(store: Any) -> int:
+    return int(store.get("gen").decode()) if store.check(["gen"]) else -1
+
+
+def _members_ever(owners: Any) -> list[int]:
+    """Members that may have reported an earlier step: this generation's and every lower-numbered one."""
+    return list(range(max(owners.members()) + 1))
+
+
+def _line(step: int, epoch: int, reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge the ranks' reports of one step into its ledger line (an elastic member's report carries the
+    ownership map of the generation the step committed under)."""
+    samples: dict[str, list[int]] = {}
+    seen: dict[str, set[str]] = {}
+    digests: dict[str, str] = {}
+    ordered = sorted(reports, key=lambda r: r["pipeline"])
+    owners = next((r["owners"] for r in ordered if r.get("owners")), None)  # every member's is the same
+    for report in ordered:
+        samples.setdefault(str(report["pipeline"]), report["samples"])
+    for kind in ("own", "replica"):  # a stage whose holders were all lost: its replica holder's digest
+        for report in ordered:
+            for stage, value in report[kind].items():
+                seen.setdefault(stage, set()).add(value)
+                digests.setdefault(stage, value)
+    line: dict[str, Any] = {
+        "step": step,
+        "epoch": epoch,
+        "samples": dict(sorted(samples.items(), key=lambda kv: int(kv[0]))),
+        "generation": owners["generation"] if owners is not None else None,
+        "owners": owners,
+        "digests": dict(sorted(digests.items(), key=lambda kv: int(kv[0]))),
+    }
+    mismatch = {s: sorted(v) for s, v in seen.items() if len(v) > 1}
+    if mismatch:
+        line["mismatch"] = mismatch
+    return line

@@ -1,0 +1,162 @@
+"""Exactly-once data: ``BambooLedger`` records every committed step, ``python -m lightning_bamboo.verify``
+compares two runs. Multi-process runs (float64): a mid-epoch resume consumes every sample once and is
+bit-exact against the uninterrupted run; a parameter perturbed at step K is named at step K; an elastic
+run with a SIGKILLed member equals the uninterrupted one in samples and parameter digests."""
+
+from __future__ import annotations
+
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from lightning_bamboo.verify import main as verify
+from tests.bamboo.launch import run_script
+from tests.process import run_process
+
+EPOCHS, SAMPLES, BATCH = 3, 20, 4  # 5 steps an epoch
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_mid_epoch_resume_consumes_every_sample_once_and_is_exact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One launch of 2 ranks, six Trainers: the uninterrupted 3 epochs (2 stages); a run stopped at step 9
+    with a checkpoint at step 7 (epoch 1, batch 2); a resume from that checkpoint appending to the same
+    ledger (its lines 7 and 8 re-trained); a run perturbed before step 5; and the stop/resume again from
+    2 pipelines of 1 stage to 1 pipeline of 2 stages (the position carried over in samples)."""
+    ckpt = tmp_path / "ckpt"
+    cases = {
+        "reference": ["--ledger", str(tmp_path / "reference.jsonl")],
+        "first": ["--ledger", str(tmp_path / "resumed.jsonl"), "--max-steps", "9", "--checkpoint-every", "7",
+                  "--checkpoint-dir", str(ckpt)],
+        "resume": ["--ledger", str(tmp_path / "resumed.jsonl"), "--resume", str(ckpt / "step=7.ckpt")],
+        "perturbed": ["--ledger", str(tmp_path / "perturbed.jsonl"), "--perturb-at", "5"],
+        # 2 pipelines x 2 samples (each its DistributedSampler shard), resumed as 1 pipeline x 4 samples
+        "pipelines": ["--ledger", str(tmp_path / "pipelines.jsonl"), "--stages", "1", "--batch-size", "2",
+                      "--max-steps", "9", "--checkpoint-every", "7",
+                      "--checkpoint-dir", str(tmp_path / "ckpt2")],
+        "one-pipeline": ["--ledger", str(tmp_path / "pipelines.jsonl"),
+                         "--resume", str(tmp_path / "ckpt2" / "step=7.ckpt")],
+    }
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    run_script("train_ledger.py", ["--cases", str(tmp_path / "cases.json")], timeout=240, nprocs=2)
+
+    resumed = _lines(tmp_path / "resumed.jsonl")
+    assert [line["step"] for line in resumed] == list(range(EPOCHS * SAMPLES // BATCH))
+    for epoch in range(EPOCHS):  # every sample exactly once in every epoch, across the resume
+        seen = [i for line in resumed if line["epoch"] == epoch for i in line["samples"]["0"]]
+        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: {seen}"
+    reference = _lines(tmp_path / "reference.jsonl")
+    assert [line["samples"] for line in reference[5:]] != [line["samples"] for line in reference[:-5]]
+
+    assert verify([str(tmp_path / "reference.jsonl"), str(tmp_path / "resumed.jsonl")]) == 0
+    assert "the ledgers are the same: 15 steps (steps 0..14), samples and parameter digests" in (
+        capsys.readouterr().out
+    )
+    assert verify([str(tmp_path / "reference.jsonl"), str(tmp_path / "perturbed.jsonl")]) == 1
+    out = capsys.readouterr().out
+    assert "the ledgers differ first at step 5:" in out and "stage 1 parameters differ" in out
+    assert "samples differ" not in out
+
+    pipelines = _lines(tmp_path / "pipelines.jsonl")
+    assert [sorted(line["samples"]) for line in pipelines] == [["0", "1"]] * 7 + [["0"]] * 8
+    assert all(len(samples) == 2 for line in pipelines[:7] for samples in line["samples"].values())
+    assert not any("mismatch" in line for line in pipelines)  # both pipelines held the same bytes
+    # the same global batches as the one-pipeline reference, across the change of pipelines
+    reference_and_pipelines = [str(tmp_path / "reference.jsonl"), str(tmp_path / "pipelines.jsonl")]
+    assert verify([*reference_and_pipelines, "--samples-only"]) == 0
+
+
+def _elastic(out: Path, fault: str) -> Path:
+    from tests.bamboo.test_elastic import run_elastic
+
+    ledger = out / "ledger.jsonl"
+    run_elastic(out, nproc=2, stages=2, fault=fault, extra_args=("--ledger", str(ledger)))
+    return ledger
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_elastic_failovers_keep_samples_and_parameters(tmp_path: Path) -> None:
+    """Three elastic jobs at once (2 members, 2 stages, 6 steps): uninterrupted; member 1 SIGKILLed in the
+    forward of step 2 (the step is aborted and replayed on member 0 alone); member 0, the ledger's writer,
+    SIGKILLed after the commit of step 3 (member 1 rolls the step forward, becomes rank 0 and writes step 3
+    from the reports left in the store). All three ledgers are the same, samples and digests."""
+    runs = {"plain": "", "lost-stage1": "1:2:forward", "lost-writer": "0:3:commit"}
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = {name: pool.submit(_elastic, tmp_path / name, fault) for name, fault in runs.items()}
+        ledgers = {name: future.result() for name, future in futures.items()}
+    generations = {name: [line["generation"] for line in _lines(path)] for name, path in ledgers.items()}
+    assert generations == {
+        "plain": [0] * 6, "lost-stage1": [0, 0, 1, 1, 1, 1], "lost-writer": [0, 0, 0, 0, 1, 1]
+    }
+    assert _lines(ledgers["lost-stage1"])[2]["owners"]["pipelines"] == {"0": {"0": 0, "1": 0}}
+    for name in ("lost-stage1", "lost-writer"):
+        cmd = [sys.executable, "-m", "lightning_bamboo.verify", str(ledgers["plain"]), str(ledgers[name])]
+        assert "the ledgers are the same: 6 steps" in run_process(cmd, timeout=60).stdout
+
+
+# ---------------------------------------------------------------------- verify alone (no processes)
+def _write(path: Path, steps: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    return path
+
+
+def _step(step: int, samples: list[int], digest: str = "aa") -> dict:
+    return {"step": step, "epoch": 0, "samples": {"0": samples[:2], "1": samples[2:]},
+            "generation": None, "owners": None, "digests": {"0": digest, "1": "bb"}}
+
+
+def test_verify_names_the_first_differing_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    first = _step(0, [1, 2, 3, 4])
+    a = _write(tmp_path / "a.jsonl", [first, _step(1, [5, 6, 7, 8]), _step(2, [9, 10, 11, 0])])
+    b = _write(tmp_path / "b.jsonl", [first, _step(1, [5, 6, 7, 12]), _step(2, [9, 10, 11, 8])])
+    assert verify([str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert "differ first at step 1:" in out and "only in " in out and "[8] (1)" in out and "[12] (1)" in out
+    # the same global batch, split otherwise between pipelines and in another order, is the same step
+    regrouped = _step(0, [1, 2, 3, 4])
+    regrouped["samples"] = {"0": [3, 1, 4, 2]}
+    c = _write(tmp_path / "c.jsonl", [regrouped])
+    d = _write(tmp_path / "d.jsonl", [_step(0, [1, 2, 3, 4], digest="cc")])
+    assert verify([str(c), str(d)]) == 1
+    assert "stage 0 parameters differ: " in capsys.readouterr().out
+    assert verify([str(c), str(d), "--samples-only"]) == 0
+    assert "the ledgers are the same: 1 steps (steps 0..0), samples" in capsys.readouterr().out
+    twice = _write(tmp_path / "twice.jsonl", [_step(0, [1, 2, 3, 3])])
+    assert verify([str(c), str(twice)]) == 1
+    assert "only in " in (out := capsys.readouterr().out) and "[4] (1)" in out and "[3] (1)" in out
+    e = _write(tmp_path / "e.jsonl", [_step(0, [1, 2, 3, 4])])
+    assert verify([str(e), str(a)]) == 1
+    assert "differ first at step 1:\n  the step is in " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{"step": 0, "samples": {"0": [1]}, "digests": {}}\n{"step": 1, "samples"', ":2: not JSON"),
+        ('[1, 2]\n', ":1: expected a JSON object, got list"),
+        ('{"step": "0", "samples": {}, "digests": {}}\n', ":1: field 'step' must be a int, got '0'"),
+        ('{"step": 0, "samples": {"0": ["x"]}, "digests": {}}\n', ":1: samples must map a pipeline index"),
+        ('{"step": 0, "samples": {}, "digests": {}}\n\n{"step": 0, "samples": {}, "digests": {}}\n',
+         ":3: step 0 appears again (first at line 1)"),
+    ],
+)
+def test_verify_names_file_and_line_of_a_malformed_ledger(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, expected: str
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(text)
+    good = _write(tmp_path / "good.jsonl", [_step(0, [1, 2, 3, 4])])
+    assert verify([str(good), str(bad)]) == 2
+    assert f"verify: {bad}{expected}" in capsys.readouterr().err
+    assert verify([str(good), str(tmp_path / "missing.jsonl")]) == 2
+    assert f"verify: {tmp_path / 'missing.jsonl'}: no such ledger file" in capsys.readouterr().err
