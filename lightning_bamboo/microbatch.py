@@ -99,8 +99,10 @@ def _first_tensor(batch: Any) -> Tensor | None:
     return None
 
 
-def check_train_batches(dataloaders: Any, num_microbatches: int) -> None:
-    """Refuse, before training starts, batch sizes that ``num_microbatches`` would fail to split mid-epoch.
+def check_train_batches(dataloaders: Any, num_microbatches: int, num_pipelines: int = 1) -> None:
+    """Refuse, before training starts, batch sizes that the pipelines' micro-batches would fail to split
+    mid-epoch (every member loads the global batch; each of ``num_pipelines`` takes its share and splits it
+    into ``num_microbatches``).
 
     A ``DataLoader`` with ``drop_last=False`` ends its epoch with ``len(sampler) % batch_size`` samples; that
     last batch splits exactly (equal micro-batches keep the mean of means equal to the batch mean) only if
@@ -110,10 +112,16 @@ def check_train_batches(dataloaders: Any, num_microbatches: int) -> None:
     Args:
         dataloaders: ``trainer.train_dataloader``: a ``DataLoader`` or a list/tuple/dict of them.
         num_microbatches: the strategy's ``num_microbatches``.
+        num_pipelines: the pipelines the batch is shared between.
 
     Raises:
-        ValueError: naming ``batch_size``, ``drop_last`` and ``num_microbatches`` and the arithmetic.
+        ValueError: naming ``batch_size``, ``drop_last``, ``num_microbatches`` (and the pipelines) and the
+            arithmetic.
     """
+    splits = f"num_microbatches ({num_microbatches})"
+    if num_pipelines > 1:
+        splits = f"num_pipelines x num_microbatches ({num_pipelines} x {num_microbatches})"
+    num_microbatches *= num_pipelines
     for loader in _dataloaders(dataloaders):
         batch_sampler = getattr(loader, "batch_sampler", None)
         batch_size = getattr(batch_sampler, "batch_size", None)
@@ -122,17 +130,16 @@ def check_train_batches(dataloaders: Any, num_microbatches: int) -> None:
             continue
         if batch_size % num_microbatches:
             raise ValueError(
-                f"the train dataloader's batch_size ({batch_size}, per pipeline) is not divisible by "
-                f"num_microbatches ({num_microbatches}): {batch_size} % {num_microbatches} = "
-                f"{batch_size % num_microbatches}"
+                f"the train dataloader's batch_size ({batch_size}, the global batch) is not divisible by "
+                f"{splits}: {batch_size} % {num_microbatches} = {batch_size % num_microbatches}"
             )
         remainder = len(sampler) % batch_size
         if not getattr(batch_sampler, "drop_last", False) and remainder % num_microbatches:
             raise ValueError(
                 f"the train dataloader's batch_size ({batch_size}) with drop_last=False leaves a last batch "
-                f"of {remainder} samples ({len(sampler)} samples per pipeline), which num_microbatches "
-                f"({num_microbatches}) does not divide; pass drop_last=True to the DataLoader, or choose "
-                "batch_size, num_microbatches or the dataset size so that it does"
+                f"of {remainder} samples ({len(sampler)} samples), which {splits} does not divide; pass "
+                "drop_last=True to the DataLoader, or choose batch_size, num_microbatches or the dataset "
+                "size so that it does"
             )
 
 

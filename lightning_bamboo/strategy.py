@@ -945,7 +945,7 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
         trainer = self.lightning_module.trainer
         if self._env is not None and self._env.joining and self.owners is None:
             self._join(trainer)
-        check_train_batches(trainer.train_dataloader, self._num_microbatches * self.num_pipelines)
+        check_train_batches(trainer.train_dataloader, self._num_microbatches, self.num_pipelines)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

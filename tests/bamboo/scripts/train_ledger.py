@@ -61,7 +61,9 @@ def train(args: argparse.Namespace) -> None:
     seed_everything(0)
     model = PipeMLP(optimizer="adam")
     x, y = make_data(args.samples)
-    train_loader = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True)
+    pipelines = 2 // args.stages  # the 2 ranks
+    # the global batch: every member loads it, each pipeline trains on its share
+    train_loader = DataLoader(TensorDataset(x, y), batch_size=args.batch_size * pipelines, shuffle=True)
     callbacks: list[Callback] = []
     if args.perturb_at >= 0:
         callbacks.append(Perturb(args.perturb_at))
