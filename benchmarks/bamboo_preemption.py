@@ -10,8 +10,9 @@ by ``--compression``, preempts them:
 * **Mapping of the fleet onto 4 workers**: the segment starts with the p3 fleet at ``F0`` nodes; the
   benchmark's worker count is ``fleet - (F0 - 4)``, so each trace removal kills one worker (SIGKILL by PID;
   which one is drawn with ``--seed`` among the live ones) and each add starts one (never above 4).
-* **Bamboo**: ``lightning_bamboo.launch.Supervisor`` over ``BambooStrategy`` workers; kills fail over
-  inside the same ``fit``; an add starts a replacement that joins the running job (``Supervisor.add_worker``,
+* **Bamboo**: ``lightning_bamboo.elastic.supervisor.Supervisor`` over ``BambooStrategy`` workers; kills fail
+  over inside the same ``fit``; an add starts a replacement that joins the running job
+  (``Supervisor.add_worker``,
   when the runtime has it; otherwise the add is not applied and the JSON says ``rejoins: 0``).
 * **Checkpoint-restart** (the strongest baseline: torchrun-style restarts + Young/Daly checkpoints): the plain
   ``BambooStrategy`` without redundancy, ``floor(n/2)`` pipelines on the ``n`` live workers. It checkpoints
@@ -28,7 +29,7 @@ them. Last line, exactly::
     vs_checkpoint_restart=<bamboo samples/s / checkpoint-restart samples/s> failover_s=<median s from kill to
     next completed step> step_s=<mean failure-free step s, 2x2>
 
-(one line). The JSON (``--out``) is what ``lightning_bamboo.replay`` reads (schema: docs/bamboo-replay.md).
+(one line). The JSON (``--out``) is what ``lightning_bamboo.simulate`` reads (schema: docs/bamboo-replay.md).
 """
 
 from __future__ import annotations
@@ -62,9 +63,9 @@ from benchmarks.preemption_timeline import (  # noqa: E402
     restart_records,
     warmup_excess,
 )
-from lightning_bamboo import membership as ms  # noqa: E402
-from lightning_bamboo.launch import Supervisor  # noqa: E402
-from lightning_bamboo.replay.traces import parse_trace  # noqa: E402
+from lightning_bamboo.elastic import store as ms  # noqa: E402
+from lightning_bamboo.elastic.supervisor import Supervisor  # noqa: E402
+from lightning_bamboo.simulate.traces import parse_trace  # noqa: E402
 
 TRACE = "data/spot-traces/aws-p3-trace.csv"
 WORKER = Path(__file__).with_name("preemption_worker.py")

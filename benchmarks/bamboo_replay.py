@@ -5,7 +5,7 @@
 
 Reads the step, failover, rejoin, checkpoint and restart costs that ``benchmarks/bamboo_preemption.py``
 measured (nothing is typed in), replays the trace against Bamboo, checkpoint-restart (Young/Daly interval)
-and on-demand machines (``lightning_bamboo.replay``), and checks the model first: the replay of the live
+and on-demand machines (``lightning_bamboo.simulate``), and checks the model first: the replay of the live
 benchmark's own segment must predict its measured samples/s (``sim_error`` = max relative error).
 
 The trace is replayed at the benchmark's time compression (``compression`` in its JSON: trace seconds per
@@ -24,10 +24,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lightning_bamboo.replay import Prices, load_costs, parse_trace, replay, validate  # noqa: E402
-from lightning_bamboo.replay.__main__ import report  # noqa: E402
-from lightning_bamboo.replay.costs import PRODUCER  # noqa: E402
-from lightning_bamboo.replay.plot import save_plot  # noqa: E402
+from lightning_bamboo.simulate import Prices, load_costs, parse_trace, replay, validate  # noqa: E402
+from lightning_bamboo.simulate.__main__ import report  # noqa: E402
+from lightning_bamboo.simulate.costs import PRODUCER  # noqa: E402
+from lightning_bamboo.simulate.plot import save_plot  # noqa: E402
 
 
 def main() -> int:

@@ -4,7 +4,8 @@ Both systems train the recipe ``experiment=bamboo_gpt_elastic`` (same model, sam
 until the benchmark kills them; every completed step is appended to ``<run-dir>/steps-<name>.txt`` as
 ``global_step wall_time layout`` (one line, flushed), which is all the benchmark measures from.
 
-* ``--system bamboo``: ``BambooStrategy`` under the benchmark's ``lightning_bamboo.launch.Supervisor``
+* ``--system bamboo``: ``BambooStrategy`` under the benchmark's
+  ``lightning_bamboo.elastic.supervisor.Supervisor``
   (failover inside the same ``fit``). The layout is the current ownership map's shape.
 * ``--system checkpoint_restart``: the plain ``BambooStrategy`` without redundancy, ranks given by the
   benchmark through ``LOCAL_RANK``/``WORLD_SIZE`` (as torchrun would). It resumes from the last complete
@@ -35,7 +36,7 @@ sys.path.insert(0, str(REPO))
 import hydra  # noqa: E402
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
 
-from lightning_bamboo.replay.model import shape_key  # noqa: E402
+from lightning_bamboo.simulate.model import shape_key  # noqa: E402
 from lightning_bamboo.strategy import BambooStrategy  # noqa: E402
 from recipes.compose import compose_recipe  # noqa: E402
 

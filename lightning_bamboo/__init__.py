@@ -2,7 +2,8 @@
 
 ``import lightning_bamboo`` registers ``Trainer(strategy="bamboo")`` with Lightning.
 
-The package's own command-line tools (``python -m lightning_bamboo.launch``, ``... lightning_bamboo.replay``)
+The package's own command-line tools (``python -m lightning_bamboo.launch``, ``...
+lightning_bamboo.simulate``)
 need no Lightning: when Python imports this package only to locate one of them, Lightning is not imported (the
 supervisor starts its workers about 5 CPU-seconds sooner); the names below are then imported on first use.
 """
@@ -14,21 +15,21 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_bamboo.checkpoint import consolidate_checkpoint
-    from lightning_bamboo.engine import PipelineEngine
-    from lightning_bamboo.groups import BambooGroups
-    from lightning_bamboo.microbatch import split_microbatches
+    from lightning_bamboo.checkpoint.sharded import consolidate_checkpoint
+    from lightning_bamboo.pipeline.engine import PipelineEngine
+    from lightning_bamboo.pipeline.groups import BambooGroups
+    from lightning_bamboo.pipeline.microbatch import split_microbatches
     from lightning_bamboo.replica import ReplicaSync
     from lightning_bamboo.strategy import BambooStrategy, ElasticBambooStrategy
 
 _EXPORTS = {
-    "BambooGroups": "lightning_bamboo.groups",
+    "BambooGroups": "lightning_bamboo.pipeline.groups",
     "BambooStrategy": "lightning_bamboo.strategy",
     "ElasticBambooStrategy": "lightning_bamboo.strategy",
-    "PipelineEngine": "lightning_bamboo.engine",
+    "PipelineEngine": "lightning_bamboo.pipeline.engine",
     "ReplicaSync": "lightning_bamboo.replica",
-    "consolidate_checkpoint": "lightning_bamboo.checkpoint",
-    "split_microbatches": "lightning_bamboo.microbatch",
+    "consolidate_checkpoint": "lightning_bamboo.checkpoint.sharded",
+    "split_microbatches": "lightning_bamboo.pipeline.microbatch",
 }
 __all__ = [
     "BambooGroups",

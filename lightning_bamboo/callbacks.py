@@ -39,7 +39,8 @@ class BambooCallback(Callback):
     Each event fires once, on every rank that takes part in it. ``info`` may hold ``seconds_lost`` (wall
     seconds in which no counted step ran because of the event), ``pipeline_length`` (positions of this
     rank's pipeline after it), ``step`` (the global step training goes on from), ``cause`` and ``members``.
-    ``old_map``/``new_map`` are the failover runtime's :class:`~lightning_bamboo.ownership.OwnershipMap`
+    ``old_map``/``new_map`` are the failover runtime's
+    :class:`~lightning_bamboo.elastic.ownership.OwnershipMap`
     (``{pipeline: {stage: member}}`` and the generation) before and after the event.
     """
 
@@ -211,7 +212,7 @@ class BambooNotices(Callback):
     gloo group, issued without waiting (``async_op``) and read at the following boundary, so a step never
     waits on it. When ranks are warned, every rank fires ``on_preemption_notice`` with the warned rank's
     notice, then calls the strategy's ``_drain_all(ranks)`` once: the elastic runtime's announced departure
-    (:mod:`lightning_bamboo.departure`), or, without a failover runtime,
+    (:mod:`lightning_bamboo.elastic.drain`), or, without a failover runtime,
     :func:`lightning_bamboo.events.drain_with_checkpoint` (checkpoint, then stop).
 
     Args:

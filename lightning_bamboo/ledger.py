@@ -44,7 +44,7 @@ from torch import nn
 
 from lightning_bamboo.broadcast import all_gather_json
 from lightning_bamboo.contract import StageSequential
-from lightning_bamboo.microbatch import split_microbatches
+from lightning_bamboo.pipeline.microbatch import split_microbatches
 from lightning_bamboo.progress import ResumableDataLoader
 
 if TYPE_CHECKING:

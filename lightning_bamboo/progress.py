@@ -2,7 +2,8 @@
 
 Why this module: a joining worker runs its own ``trainer.fit`` from the start, yet must run step ``k`` exactly
 as the others do: same global step and epoch, same batch, same learning rate and scheduler counters. Its
-layers and optimizer state come from peers (:mod:`lightning_bamboo.reshard`); everything else the fit loop
+layers and optimizer state come from peers (:mod:`lightning_bamboo.elastic.reshard`); everything else the fit
+loop
 holds comes from here:
 
 * **The loop state.** Lightning knows how to resume mid-epoch from a checkpoint saved in

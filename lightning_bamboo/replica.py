@@ -40,8 +40,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_bamboo import p2p
-from lightning_bamboo.groups import BambooGroups
+from lightning_bamboo.pipeline import p2p
+from lightning_bamboo.pipeline.groups import BambooGroups
 
 _MAGIC = 7301.0
 """First value of every replica header (a message of another kind is refused, not misread)."""

@@ -1,7 +1,7 @@
 """``BambooStrategy``: pipeline-parallel training that survives preemption, as a Lightning strategy.
 
 One runtime, three ways to start it (the layout is always an
-:class:`~lightning_bamboo.ownership.OwnershipMap`; the first one is its generation 0)::
+:class:`~lightning_bamboo.elastic.ownership.OwnershipMap`; the first one is its generation 0)::
 
     import lightning_bamboo  # registers "bamboo"
     # python train.py: this process supervises 4 workers; any of them may be lost
@@ -12,10 +12,11 @@ One runtime, three ways to start it (the layout is always an
 How a step runs (the *two-phase step*): the pipeline schedule runs (forwards, backwards, gradient all-reduce
 over pipelines); every member sends its stages' gradients to the member holding their replica and receives its
 successor's; it then *prepares* in the store; when every member has prepared, the step is *committed*
-(:class:`lightning_bamboo.membership.StepCommit`) and every member applies the optimizer to its own stages and
+(:class:`lightning_bamboo.elastic.commit.StepCommit`) and every member applies the optimizer to its own stages
+and
 to its replica. A failure before the commit aborts the step everywhere (nobody has changed a parameter); after
 it, every survivor applies the step. Survivors therefore always agree on one state, before or after the step;
-what happens next (failover, rejoin, fallback, drain) is :mod:`lightning_bamboo.elastic`.
+what happens next (failover, rejoin, fallback, drain) is :mod:`lightning_bamboo.elastic.runtime`.
 
 Data: every member loads the GLOBAL batch (the sampler is not sharded; ``batch_size`` is the global batch) and
 takes the share of its pipeline under the current layout, so the samples of a step do not depend on how many
@@ -55,11 +56,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_bamboo import checkpoint as ckpt
-from lightning_bamboo import fallback as fb
-from lightning_bamboo import membership as ms
 from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
 from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
+from lightning_bamboo.checkpoint import periodic as fb
+from lightning_bamboo.checkpoint import sharded as ckpt
 from lightning_bamboo.clipping import ClipPlan, apply_clipping, plan_clipping
 from lightning_bamboo.contract import (
     check_contract,
@@ -72,25 +72,27 @@ from lightning_bamboo.contract import (
     sub_sequential,
     warn_batch_statistics,
 )
-from lightning_bamboo.cutter import GenerationCutter
-from lightning_bamboo.departure import DrainTimer
-from lightning_bamboo.elastic import ElasticRuntime
+from lightning_bamboo.elastic import commit as commit_protocol
+from lightning_bamboo.elastic import store as ms
+from lightning_bamboo.elastic.cutter import GenerationCutter
+from lightning_bamboo.elastic.drain import DrainTimer
+from lightning_bamboo.elastic.ownership import OwnershipMap, initial
+from lightning_bamboo.elastic.reshard import LayerState, Resharder, gather, install
+from lightning_bamboo.elastic.runtime import ElasticRuntime
+from lightning_bamboo.elastic.script_launcher import SupervisorLauncher
 from lightning_bamboo.events import BambooEventsMixin
-from lightning_bamboo.layout import StageLayout, estimate_layer_costs
-from lightning_bamboo.microbatch import (
+from lightning_bamboo.pipeline.layout import StageLayout, estimate_layer_costs
+from lightning_bamboo.pipeline.microbatch import (
     batch_size_of,
     check_train_batches,
     join_microbatches,
     split_microbatches,
 )
-from lightning_bamboo.ownership import OwnershipMap, initial
+from lightning_bamboo.pipeline.view import PipelineView, StageAveragingEngine
 from lightning_bamboo.precision import with_pipeline_clipping
 from lightning_bamboo.progress import resumable, skip_first_batches
 from lightning_bamboo.replica import ReplicaSync
-from lightning_bamboo.reshard import LayerState, Resharder, gather, install
 from lightning_bamboo.schedule import Action, ActionKind, add_forward_redundancy, build_1f1b, format_grid
-from lightning_bamboo.script_launcher import SupervisorLauncher
-from lightning_bamboo.view import PipelineView, StageAveragingEngine
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -290,7 +292,7 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
         self._loaded_path: Path | None = None
         self._loaded_whole: dict[str, Any] | None = None  # an ordinary .ckpt's whole model, for the replica
         self._whole_group_names: list[list[str]] | None = None
-        # membership changes (lightning_bamboo.elastic)
+        # membership changes (lightning_bamboo.elastic.runtime)
         self._in_step = 0
         self._rerunning = False
         self._created_during_eval: list[nn.Module] = []
@@ -431,7 +433,8 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         """A plain ``python train.py`` with ``devices=N`` becomes the supervisor of N workers
-        (:mod:`lightning_bamboo.script_launcher`); a worker of a Bamboo job launches nothing; under an outside
+        (:mod:`lightning_bamboo.elastic.script_launcher`); a worker of a Bamboo job launches nothing; under
+        an outside
         launcher (torchrun, SLURM, ...), on several nodes or in one process the ranks are fixed."""
         self._launcher = None
         if self._env is not None:
@@ -1092,7 +1095,7 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
                     raise
                 failed = True
                 outcome = self._decide_abort()
-            committed = outcome in (ms.COMMIT, ms.COMMIT_JOIN)
+            committed = outcome in (commit_protocol.COMMIT, commit_protocol.COMMIT_JOIN)
             if not committed and not failed:
                 failed = True  # a peer was lost while this member waited for the outcome
             if committed:
@@ -1109,15 +1112,15 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
     def _prepare_and_wait(self) -> str:
         """The two-phase commit's vote (a job with fixed membership has no one to wait for)."""
         if not self._elastic:
-            return ms.COMMIT
+            return commit_protocol.COMMIT
         assert self._store is not None and self.owners is not None
-        commit = ms.StepCommit(self._store, self.owners.generation, len(self.owners.members()))
+        commit = commit_protocol.StepCommit(self._store, self.owners.generation, len(self.owners.members()))
         return commit.prepare_and_wait(self._step, self._claim_join)
 
     def _decide_abort(self) -> str:
         assert self._store is not None and self.owners is not None
-        commit = ms.StepCommit(self._store, self.owners.generation, len(self.owners.members()))
-        return commit.decide(self._step, ms.ABORT)
+        commit = commit_protocol.StepCommit(self._store, self.owners.generation, len(self.owners.members()))
+        return commit.decide(self._step, commit_protocol.ABORT)
 
     def _committed(self, outcome: str, lost_since: float | None) -> None:
         self._step += 1
@@ -1129,7 +1132,7 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
             self._lost_since = lost_since  # seconds_lost of the failover formed at the next boundary
         # a lost peer after the commit (rolled forward) or an adopted join: the next generation is formed at
         # the next step boundary (_join_at_boundary), where a joiner can be positioned
-        self._join_adopted = outcome == ms.COMMIT_JOIN
+        self._join_adopted = outcome == commit_protocol.COMMIT_JOIN
 
     def _exchange_replica_gradients(self) -> None:
         """Send this member's stage gradients to its replica holder and receive its successor's (blocking,

@@ -1,6 +1,6 @@
 """Replay a spot trace from a recipe: ``python -m recipes.replay [trace=aws_g4dn] [prices.spot=0.8]``.
 
-The config (``recipes/conf/replay.yaml``) becomes the arguments of ``python -m lightning_bamboo.replay``.
+The config (``recipes/conf/replay.yaml``) becomes the arguments of ``python -m lightning_bamboo.simulate``.
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from lightning_bamboo.replay.__main__ import main as replay
+from lightning_bamboo.simulate.__main__ import main as replay
 from recipes.paths import register_resolvers
 
 register_resolvers()
 
 
 def replay_args(cfg: DictConfig) -> list[str]:
-    """The command-line arguments of ``lightning_bamboo.replay`` that ``cfg`` describes."""
+    """The command-line arguments of ``lightning_bamboo.simulate`` that ``cfg`` describes."""
     args = [str(cfg.trace.path), "--costs", str(cfg.costs), "--spot", str(cfg.prices.spot),
             "--on-demand", str(cfg.prices.on_demand), "--compression", str(cfg.compression)]
     for key, flag in (("stages", "--stages"), ("on_demand_nodes", "--on-demand-nodes"),

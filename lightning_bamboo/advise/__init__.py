@@ -3,7 +3,7 @@
     python -m lightning_bamboo.advise [--costs FILE] [--trace TRACE] [--plot FILE]
 
 Reads the costs measured for a job (``benchmarks/bamboo_preemption.py [recipe overrides]`` writes them),
-replays the trace for every candidate configuration the measurements cover (``lightning_bamboo.replay``: the
+replays the trace for every candidate configuration the measurements cover (``lightning_bamboo.simulate``: the
 model validated against that same run) and recommends the one with the most samples per dollar.
 docs/bamboo-replay.md, "Preflight advisor".
 """

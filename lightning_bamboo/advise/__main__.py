@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 from lightning_bamboo.advise.advisor import INTERVAL_FACTORS, advise
-from lightning_bamboo.replay.costs import DEFAULT_COSTS, PRODUCER, load_costs
-from lightning_bamboo.replay.model import Prices
-from lightning_bamboo.replay.plot import save_plot
-from lightning_bamboo.replay.projection import PER, dollars, hours
-from lightning_bamboo.replay.traces import TraceFormatError, parse_trace
+from lightning_bamboo.simulate.costs import DEFAULT_COSTS, PRODUCER, load_costs
+from lightning_bamboo.simulate.model import Prices
+from lightning_bamboo.simulate.plot import save_plot
+from lightning_bamboo.simulate.projection import PER, dollars, hours
+from lightning_bamboo.simulate.traces import TraceFormatError, parse_trace
 
 DEFAULT_TRACE = Path("data/spot-traces/aws-p3-trace.csv")
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_bamboo.replay.costs import Costs
-from lightning_bamboo.replay.model import (
+from lightning_bamboo.simulate.costs import Costs
+from lightning_bamboo.simulate.model import (
     Prices,
     Result,
     simulate_checkpoint_restart,
     young_daly_interval,
 )
-from lightning_bamboo.replay.run import Validation, replay, validate
-from lightning_bamboo.replay.traces import Trace
+from lightning_bamboo.simulate.run import Validation, replay, validate
+from lightning_bamboo.simulate.traces import Trace
 
 INTERVAL_FACTORS = (0.5, 1.0, 2.0)
 """Checkpoint-restart candidates: the Young/Daly interval times these (1.0: Young/Daly itself)."""

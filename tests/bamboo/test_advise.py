@@ -12,8 +12,8 @@ import pytest
 
 from lightning_bamboo.advise import advise
 from lightning_bamboo.advise.__main__ import main
-from lightning_bamboo.replay import Prices, load_costs, parse_trace
-from lightning_bamboo.replay.model import young_daly_interval
+from lightning_bamboo.simulate import Prices, load_costs, parse_trace
+from lightning_bamboo.simulate.model import young_daly_interval
 
 FIXTURE = Path(__file__).parent / "data" / "bamboo_preemption_fixture.json"
 

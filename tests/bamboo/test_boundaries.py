@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lightning_bamboo.transfers import BoundaryLayout, boundary_tensors
+from lightning_bamboo.pipeline.transfers import BoundaryLayout, boundary_tensors
 from tests.bamboo.launch import run_script, snapshot
 
 STEPS = 3

@@ -74,7 +74,7 @@ def test_fire_calls_each_hook_once_with_its_payload() -> None:
 
 def test_event_log_writes_one_json_line_per_event(tmp_path: Path) -> None:
     from lightning_bamboo.callbacks import BambooEventLog
-    from lightning_bamboo.ownership import initial
+    from lightning_bamboo.elastic.ownership import initial
 
     log = BambooEventLog(tmp_path / "events")
     trainer = SimpleNamespace(callbacks=[log], lightning_module="module", strategy=SimpleNamespace(member=3),
@@ -151,7 +151,7 @@ def test_aws_notice_mid_training_drains_at_a_step_boundary(tmp_path: Path) -> No
     """
     from safetensors.torch import load_file
 
-    from lightning_bamboo.checkpoint import consolidate_checkpoint
+    from lightning_bamboo.checkpoint.sharded import consolidate_checkpoint
     from tests.bamboo.fake_metadata import FakeMetadata
     from tests.bamboo.launch import run_script
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo import consolidate_checkpoint
+from lightning_bamboo.checkpoint import sharded as ckpt
 from tests.bamboo.launch import run_script, snapshot
 from tests.bamboo.pipe_mlp import PipeMLP
 

@@ -1,9 +1,10 @@
-"""The two-phase commit of a training step (``membership.StepCommit``), one thread per member over one store.
+"""The two-phase commit of a training step (``elastic.commit.StepCommit``), one thread per member over one
+store.
 
 No process group and no training: each member is a thread with its own connection to the job's store (an
-in-process ``HashStore``, or the launcher's ``TCPStore`` through ``membership.connect``), and a member is
+in-process ``HashStore``, or the launcher's ``TCPStore`` through ``elastic.store.connect``), and a member is
 lost between two store operations by a store that raises for it from then on (what everyone else sees of a
-SIGKILL). The supervisor's side is the real ``launch.Supervisor._reform`` where it matters. Every wait is
+SIGKILL). The supervisor's side is the real ``supervisor.Supervisor._reform`` where it matters. Every wait is
 bounded: a member still waiting after ``TIMEOUT`` seconds fails the test (the generation is then bumped so
 that the thread ends).
 """
@@ -23,10 +24,11 @@ from typing import TypeVar
 import pytest
 import torch.distributed as dist
 
-from lightning_bamboo import joining
-from lightning_bamboo import membership as ms
-from lightning_bamboo.launch import Supervisor
-from lightning_bamboo.ownership import initial, rejoin
+from lightning_bamboo.elastic import join as joining
+from lightning_bamboo.elastic import store as ms
+from lightning_bamboo.elastic.commit import ABORT, COMMIT, COMMIT_JOIN, StepCommit
+from lightning_bamboo.elastic.ownership import initial, rejoin
+from lightning_bamboo.elastic.supervisor import Supervisor
 
 TIMEOUT = 20.0
 """Seconds a member (or a wait of the test) may take before the test fails instead of hanging."""
@@ -128,7 +130,7 @@ class Job:
         """A member preparing ``step`` in its own thread (``claim_join(store, step)``: as the strategy's)."""
         store = self.member_store(name, lose)
         claim = None if claim_join is None else (lambda s: claim_join(store, s))
-        return start(name, lambda: ms.StepCommit(store, generation, size).prepare_and_wait(step, claim))
+        return start(name, lambda: StepCommit(store, generation, size).prepare_and_wait(step, claim))
 
     def bump(self, generation: int) -> None:
         """What the supervisor's publication of the next generation looks like to the members."""
@@ -183,7 +185,7 @@ def wait_until(what: str, predicate: Callable[[], bool]) -> None:
 
 @pytest.fixture(scope="module")
 def tcp_clients() -> Iterator[Callable[[str], dist.Store]]:
-    """A ``TCPStore`` served here, and one client per member name (``membership.connect``) kept for the
+    """A ``TCPStore`` served here, and one client per member name (``elastic.store.connect``) kept for the
     module, as a worker keeps one for its life: on this machine every ~25th connection to a ``TCPStore``
     waits 5 s in torch's connect back-off, so connecting anew for every test and round would be slow."""
     server = dist.TCPStore(
@@ -218,9 +220,9 @@ def job(request: pytest.FixtureRequest, tcp_clients: Callable[[str], dist.Store]
 @pytest.mark.parametrize("size", [1, 2, 4])
 def test_every_member_prepared_all_read_commit(job: Job, size: int) -> None:
     members = [job.prepare(str(i), 0, size) for i in range(size)]
-    assert finish(job, members, 0) == {str(i): ms.COMMIT for i in range(size)}
-    assert job.outcome(0) == ms.COMMIT and job.prepared(0) == size
-    assert job.decided == [ms.COMMIT]  # decided once, by the last to prepare
+    assert finish(job, members, 0) == {str(i): COMMIT for i in range(size)}
+    assert job.outcome(0) == COMMIT and job.prepared(0) == size
+    assert job.decided == [COMMIT]  # decided once, by the last to prepare
 
 
 def test_steps_and_generations_have_their_own_outcome(job: Job) -> None:
@@ -228,8 +230,8 @@ def test_steps_and_generations_have_their_own_outcome(job: Job) -> None:
     for generation, step in [(0, 5), (0, 6), (1, 5)]:
         job.store.set("gen", str(generation))
         members = [job.prepare(str(i), generation, 2, step=step) for i in range(2)]
-        assert finish(job, members, generation) == {"0": ms.COMMIT, "1": ms.COMMIT}
-    assert job.decided == [ms.COMMIT] * 3
+        assert finish(job, members, generation) == {"0": COMMIT, "1": COMMIT}
+    assert job.decided == [COMMIT] * 3
 
 
 # ---------------------------------------------------------------------------------------------- abort
@@ -239,11 +241,11 @@ def test_generation_ends_before_all_prepared_all_abort(job: Job) -> None:
     early = [job.prepare(str(i), 0, 4) for i in range(3)]
     wait_until("three members prepared", lambda: job.prepared(0) == 3)
     job.bump(0)
-    assert finish(job, early, 0) == {"0": ms.ABORT, "1": ms.ABORT, "2": ms.ABORT}
+    assert finish(job, early, 0) == {"0": ABORT, "1": ABORT, "2": ABORT}
     late = job.prepare("3", 0, 4)
-    assert finish(job, [late], 0) == {"3": ms.ABORT}
-    assert job.prepared(0) == 4 and job.outcome(0) == ms.ABORT
-    assert set(job.decided) == {ms.ABORT}  # nobody committed, not even the one completing the count
+    assert finish(job, [late], 0) == {"3": ABORT}
+    assert job.prepared(0) == 4 and job.outcome(0) == ABORT
+    assert set(job.decided) == {ABORT}  # nobody committed, not even the one completing the count
 
 
 def test_member_that_failed_decides_abort_nobody_commits(job: Job) -> None:
@@ -252,9 +254,9 @@ def test_member_that_failed_decides_abort_nobody_commits(job: Job) -> None:
     waiting = [job.prepare(str(i), 0, 3) for i in range(2)]
     wait_until("two members prepared", lambda: job.prepared(0) == 2)
     job.bump(0)
-    assert ms.StepCommit(job.member_store("2"), 0, 3).decide(STEP, ms.ABORT) == ms.ABORT
-    assert finish(job, waiting, 0) == {"0": ms.ABORT, "1": ms.ABORT}
-    assert set(job.decided) == {ms.ABORT}
+    assert StepCommit(job.member_store("2"), 0, 3).decide(STEP, ABORT) == ABORT
+    assert finish(job, waiting, 0) == {"0": ABORT, "1": ABORT}
+    assert set(job.decided) == {ABORT}
 
 
 def test_replay_on_next_generation_commits(job: Job) -> None:
@@ -262,10 +264,10 @@ def test_replay_on_next_generation_commits(job: Job) -> None:
     waiting = job.prepare("0", 0, 2)
     wait_until("member 0 prepared", lambda: job.prepared(0) == 1)
     job.bump(0)
-    assert finish(job, [waiting], 0) == {"0": ms.ABORT}
+    assert finish(job, [waiting], 0) == {"0": ABORT}
     replay = [job.prepare(str(i), 1, 2) for i in range(2)]
-    assert finish(job, replay, 1) == {"0": ms.COMMIT, "1": ms.COMMIT}
-    assert job.outcome(0) == ms.ABORT and job.outcome(1) == ms.COMMIT
+    assert finish(job, replay, 1) == {"0": COMMIT, "1": COMMIT}
+    assert job.outcome(0) == ABORT and job.outcome(1) == COMMIT
 
 
 # ---------------------------------------------------------------------------------------------- a member lost
@@ -275,8 +277,8 @@ def test_lost_before_prepare_survivors_abort(job: Job) -> None:
     wait_until("the survivors prepared", lambda: job.prepared(0) == 2)
     lost.thread.join(TIMEOUT)
     job.bump(0)  # the supervisor saw the loss
-    assert finish(job, [lost, *survivors], 0) == {"lost": None, "0": ms.ABORT, "1": ms.ABORT}
-    assert job.outcome(0) == ms.ABORT
+    assert finish(job, [lost, *survivors], 0) == {"lost": None, "0": ABORT, "1": ABORT}
+    assert job.outcome(0) == ABORT
 
 
 def test_lost_after_prepare_survivors_roll_forward(job: Job) -> None:
@@ -285,10 +287,10 @@ def test_lost_after_prepare_survivors_roll_forward(job: Job) -> None:
     lost = job.prepare("lost", 0, 3, lose=Lose("after", "add", "/prep/"))
     assert finish(job, [lost], 0) == {"lost": None}
     survivors = [job.prepare(str(i), 0, 3) for i in range(2)]
-    assert finish(job, survivors, 0) == {"0": ms.COMMIT, "1": ms.COMMIT}
+    assert finish(job, survivors, 0) == {"0": COMMIT, "1": COMMIT}
     job.bump(0)
     # a survivor whose step raised afterwards asks to abort: the commit holds, it rolls forward
-    assert ms.StepCommit(job.member_store("0"), 0, 3).decide(STEP, ms.ABORT) == ms.COMMIT
+    assert StepCommit(job.member_store("0"), 0, 3).decide(STEP, ABORT) == COMMIT
 
 
 def test_last_to_prepare_lost_before_deciding_survivors_abort(job: Job) -> None:
@@ -300,7 +302,7 @@ def test_last_to_prepare_lost_before_deciding_survivors_abort(job: Job) -> None:
     lost.thread.join(TIMEOUT)
     assert job.prepared(0) == 3
     job.bump(0)
-    assert finish(job, [lost, *survivors], 0) == {"lost": None, "0": ms.ABORT, "1": ms.ABORT}
+    assert finish(job, [lost, *survivors], 0) == {"lost": None, "0": ABORT, "1": ABORT}
 
 
 def test_lost_after_reading_the_outcome_survivors_commit(job: Job) -> None:
@@ -311,7 +313,7 @@ def test_lost_after_reading_the_outcome_survivors_commit(job: Job) -> None:
     lost = job.prepare("lost", 0, 3, lose=Lose("after", "compare_set", "/outcome/"))
     lost.thread.join(TIMEOUT)
     job.bump(0)
-    assert finish(job, [lost, *survivors], 0) == {"lost": None, "0": ms.COMMIT, "1": ms.COMMIT}
+    assert finish(job, [lost, *survivors], 0) == {"lost": None, "0": COMMIT, "1": COMMIT}
 
 
 # ---------------------------------------------------------------------------------------------- join claims
@@ -328,7 +330,7 @@ def test_join_claimed_by_the_committing_member(job: Job) -> None:
         return joining.claim(store, 0, step)
 
     members = [job.prepare(str(i), 0, 2, claim_join=claim) for i in range(2)]
-    assert finish(job, members, 0) == {"0": ms.COMMIT_JOIN, "1": ms.COMMIT_JOIN}
+    assert finish(job, members, 0) == {"0": COMMIT_JOIN, "1": COMMIT_JOIN}
     assert claims == [STEP]  # only the member completing the count claims
     assert joining.adopted_step(job.store, 0) == STEP
 
@@ -337,7 +339,7 @@ def test_join_after_a_failover_was_decided_is_a_plain_commit(job: Job) -> None:
     propose_join(job, 0)
     assert joining.close(job.store, 0) is None  # the supervisor decided a failover first
     members = [job.prepare(str(i), 0, 2, claim_join=claim_in_generation_0) for i in range(2)]
-    assert finish(job, members, 0) == {"0": ms.COMMIT, "1": ms.COMMIT}
+    assert finish(job, members, 0) == {"0": COMMIT, "1": COMMIT}
     assert joining.adopted_step(job.store, 0) is None
 
 
@@ -376,7 +378,7 @@ def test_claimer_lost_before_deciding_the_supervisor_drops_the_join(supervisor: 
     lost.thread.join(TIMEOUT)
     assert joining.adopted_step(job.store, 0) == STEP
     assert supervisor._reform({1}, [])
-    assert finish(job, [lost, survivor], 0) == {"1": None, "0": ms.ABORT}
+    assert finish(job, [lost, survivor], 0) == {"1": None, "0": ABORT}
     assert [e["kind"] for e in supervisor.events] == ["failover"]  # not "rejoin" after an aborted step
     new = ms.read_map(job.store, ms.current_generation(job.store))
     assert new.generation == 1 and new.members() == [0]
@@ -387,7 +389,7 @@ def test_loss_after_a_committed_join_applies_to_the_joined_layout(supervisor: Su
     (adopted after the step) and the failover from it."""
     job = supervisor_job(supervisor)
     members = [job.prepare(str(i), 0, 2, claim_join=claim_in_generation_0) for i in range(2)]
-    assert finish(job, members, 0) == {"0": ms.COMMIT_JOIN, "1": ms.COMMIT_JOIN}
+    assert finish(job, members, 0) == {"0": COMMIT_JOIN, "1": COMMIT_JOIN}
     assert supervisor._reform({1}, [])
     assert [e["kind"] for e in supervisor.events] == ["rejoin", "failover"]
     new = ms.read_map(job.store, ms.current_generation(job.store))
@@ -408,14 +410,14 @@ def race_last_prepare_with_abort(job: Job, generation: int, delay: float) -> lis
         store = job.member_store("last")
         go.wait()
         time.sleep(max(delay, 0.0))
-        return ms.StepCommit(store, generation, 4).prepare_and_wait(STEP)
+        return StepCommit(store, generation, 4).prepare_and_wait(STEP)
 
     def supervisor() -> str:
         store = job.member_store("supervisor")
         go.wait()
         time.sleep(max(-delay, 0.0))
         job.bump(generation)
-        return ms.StepCommit(store, generation, 4).decide(STEP, ms.ABORT)
+        return StepCommit(store, generation, 4).decide(STEP, ABORT)
 
     return [start("last", last), start("abort", supervisor)]
 
@@ -438,7 +440,7 @@ def test_one_outcome_when_the_generation_ends_during_the_last_prepare(job: Job) 
         stored = job.outcome(generation)
         assert outcomes == {"lost": None, "0": stored, "1": stored, "last": stored, "abort": stored}
         assert set(job.decided) == {stored}, f"round {generation}: decisions {job.decided}"
-        assert stored == ms.ABORT or job.prepared(generation) == 4
+        assert stored == ABORT or job.prepared(generation) == 4
         seen.append(stored)
     assert len(seen) == rounds
 
@@ -476,8 +478,8 @@ def test_join_claim_and_failover_agree_when_they_race(job: Job) -> None:
         stored = job.outcome(generation)
         assert outcomes == {"0": stored, "1": stored, "supervisor": "published"}
         assert set(job.decided) == {stored}
-        assert (adopted == [STEP]) == (stored == ms.COMMIT_JOIN), f"round {generation}: {adopted} {stored}"
-        assert stored in (ms.COMMIT, ms.COMMIT_JOIN, ms.ABORT)
+        assert (adopted == [STEP]) == (stored == COMMIT_JOIN), f"round {generation}: {adopted} {stored}"
+        assert stored in (COMMIT, COMMIT_JOIN, ABORT)
 
 
 def test_store_barrier_meets_and_names_what_is_missing() -> None:

@@ -9,7 +9,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_bamboo import BambooStrategy
-from lightning_bamboo.microbatch import split_microbatches
+from lightning_bamboo.pipeline.microbatch import split_microbatches
 
 
 @pytest.mark.parametrize(

@@ -152,7 +152,7 @@ def test_stage_without_trainable_parameters_is_refused() -> None:
 
 def test_stage_boundary_values() -> None:
     """A tensor or a tuple/list/dict of tensors crosses a stage boundary; anything else is refused by name."""
-    from lightning_bamboo.engine import _boundary_output, _model_input
+    from lightning_bamboo.pipeline.engine import _boundary_output, _model_input
 
     class Pair(nn.Module):
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, str]:

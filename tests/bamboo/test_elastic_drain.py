@@ -21,10 +21,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lightning_bamboo import departure
-from lightning_bamboo import membership as ms
-from lightning_bamboo.launch import Supervisor
-from lightning_bamboo.ownership import OwnershipMap, initial
+from lightning_bamboo.elastic import drain as departure
+from lightning_bamboo.elastic import store as ms
+from lightning_bamboo.elastic.ownership import OwnershipMap, initial
+from lightning_bamboo.elastic.supervisor import Supervisor
 from tests.bamboo.fake_metadata import FakeMetadata
 from tests.process import launch_env, run_process
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from lightning_bamboo import fallback as fb
-from lightning_bamboo.reshard import gather
+from lightning_bamboo.checkpoint import periodic as fb
+from lightning_bamboo.elastic.reshard import gather
 from lightning_bamboo.strategy import BambooStrategy
 from tests.bamboo.test_elastic import SCRIPT, STEPS, check_final
 from tests.process import launch_env, run_process

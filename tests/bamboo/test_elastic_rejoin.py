@@ -161,9 +161,9 @@ def test_join_claim_and_failover_first_writer_wins() -> None:
 
     import torch.distributed as dist
 
-    from lightning_bamboo import joining
-    from lightning_bamboo import membership as ms
-    from lightning_bamboo.ownership import initial, rejoin
+    from lightning_bamboo.elastic import join as joining
+    from lightning_bamboo.elastic.commit import COMMIT_JOIN, decide
+    from lightning_bamboo.elastic.ownership import initial, rejoin
 
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=5))
@@ -175,7 +175,7 @@ def test_join_claim_and_failover_first_writer_wins() -> None:
     assert joining.claim(store, 0, step=3)
     assert not joining.claim(store, 0, step=4)  # decided once
     assert joining.adopted_step(store, 0) == 3
-    assert ms.decide(store, 0, 3, ms.COMMIT_JOIN) == ms.COMMIT_JOIN  # the claimer commits step 3
+    assert decide(store, 0, 3, COMMIT_JOIN) == COMMIT_JOIN  # the claimer commits step 3
     assert joining.close(store, 0) == 3  # a later loss: the failover applies to the joined layout
     # generation 1: the launcher's failover claims first, a later commit cannot adopt the proposal
     joining.propose(store, 1, rejoin(gen0, [4, 5]))
@@ -185,7 +185,7 @@ def test_join_claim_and_failover_first_writer_wins() -> None:
 
 
 def test_replace_delay_must_not_be_negative() -> None:
-    from lightning_bamboo.launch import Supervisor
+    from lightning_bamboo.elastic.supervisor import Supervisor
 
     with pytest.raises(ValueError, match=re.escape("--replace-delay must be >= 0 seconds, got -1")):
         Supervisor(["true"], 1, replace=True, replace_delay=-1)

@@ -26,10 +26,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_bamboo import crash
-from lightning_bamboo import fallback as fb
 from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
-from lightning_bamboo.launch import Supervisor, _Worker
+from lightning_bamboo.checkpoint import periodic as fb
+from lightning_bamboo.elastic import crash
+from lightning_bamboo.elastic.supervisor import Supervisor, _Worker
 from lightning_bamboo.notices.signals import SigtermNoticeSource
 from lightning_bamboo.strategy import BambooStrategy
 from tests.bamboo.pipe_mlp import PipeMLP, make_data

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from lightning_bamboo.layout import (
+from lightning_bamboo.pipeline.layout import (
     StageLayout,
     estimate_layer_costs,
     partition_by_cost,

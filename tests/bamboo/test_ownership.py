@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_bamboo.launch import fallback_map
-from lightning_bamboo.ownership import FallbackNeeded, OwnershipMap, failover, initial, rejoin
+from lightning_bamboo.elastic.ownership import FallbackNeeded, OwnershipMap, failover, initial, rejoin
+from lightning_bamboo.elastic.supervisor import fallback_map
 
 
 def grid(owners: OwnershipMap) -> str:

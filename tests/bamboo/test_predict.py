@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_bamboo.contract import pipeline_execution, replay_predict, sub_sequential
-from lightning_bamboo.microbatch import join_microbatches, split_microbatches
+from lightning_bamboo.pipeline.microbatch import join_microbatches, split_microbatches
 from tests.bamboo.launch import run_script
 from tests.bamboo.tiny_lm import TinyLM, make_tokens
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_bamboo.replay import (
+from lightning_bamboo.simulate import (
     Prices,
     TraceFormatError,
     load_costs,
@@ -19,8 +19,8 @@ from lightning_bamboo.replay import (
     replay,
     validate,
 )
-from lightning_bamboo.replay.__main__ import main
-from lightning_bamboo.replay.model import simulate_bamboo, simulate_checkpoint_restart, young_daly_interval
+from lightning_bamboo.simulate.__main__ import main
+from lightning_bamboo.simulate.model import simulate_bamboo, simulate_checkpoint_restart, young_daly_interval
 from tests.process import REPO
 
 FIXTURE = Path(__file__).parent / "data" / "bamboo_preemption_fixture.json"

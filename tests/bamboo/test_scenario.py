@@ -1,4 +1,5 @@
-"""Projection scenarios (lightning_bamboo.replay.scenario/projection): the shipped ones load with a source for
+"""Projection scenarios (lightning_bamboo.simulate.scenario/projection): the shipped ones load with a source
+for
 every parameter, an unknown is swept (one table row per value), the scenario's figures reach the replay's
 model, and a bad scenario file is refused with its file and key."""
 
@@ -11,11 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_bamboo.replay import parse_trace
-from lightning_bamboo.replay.__main__ import main
-from lightning_bamboo.replay.model import simulate_bamboo
-from lightning_bamboo.replay.projection import hours, project, report
-from lightning_bamboo.replay.scenario import (
+from lightning_bamboo.simulate import parse_trace
+from lightning_bamboo.simulate.__main__ import main
+from lightning_bamboo.simulate.model import simulate_bamboo
+from lightning_bamboo.simulate.projection import hours, project, report
+from lightning_bamboo.simulate.scenario import (
     PARAMETERS,
     SCENARIOS,
     SOURCE_KINDS,

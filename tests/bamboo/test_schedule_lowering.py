@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_bamboo.engine import forward_only_schedule
+from lightning_bamboo.pipeline.engine import forward_only_schedule
+from lightning_bamboo.pipeline.transfers import Kind, rank_transfers
 from lightning_bamboo.schedule import (
     Action,
     ActionKind,
@@ -18,7 +19,6 @@ from lightning_bamboo.schedule import (
     lower_schedule,
     rank_program,
 )
-from lightning_bamboo.transfers import Kind, rank_transfers
 
 PLAIN_AND_REDUNDANT = (
     [pytest.param(build_1f1b(s, m), id=f"1f1b-{s}x{m}") for s in (2, 3, 4) for m in (1, 2, 4, 7)]

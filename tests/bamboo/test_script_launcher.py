@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_bamboo.script_launcher import SupervisorLauncher, script_command
+from lightning_bamboo.elastic.script_launcher import SupervisorLauncher, script_command
 from tests.process import REPO, launch_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_plain.py"

@@ -1,4 +1,5 @@
-"""Published traces as they are (lightning_bamboo.replay.published): each quirk on a synthetic trace, the one
+"""Published traces as they are (lightning_bamboo.simulate.published): each quirk on a synthetic trace, the
+one
 warning that says what was done, and the lines that are still refused."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_bamboo.replay import TraceFormatError, TraceQuirksWarning, parse_trace
+from lightning_bamboo.simulate import TraceFormatError, TraceQuirksWarning, parse_trace
 from tests.process import REPO
 
 TRACES = REPO / "data" / "spot-traces"

@@ -11,15 +11,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from lightning_bamboo.engine import forward_only_schedule
-from lightning_bamboo.schedule import ActionKind, Schedule, add_forward_redundancy, build_1f1b, rank_program
-from lightning_bamboo.transfers import (
+from lightning_bamboo.pipeline.engine import forward_only_schedule
+from lightning_bamboo.pipeline.transfers import (
     Kind,
     Transfer,
     header_microbatches,
     microbatch_signature,
     rank_transfers,
 )
+from lightning_bamboo.schedule import ActionKind, Schedule, add_forward_redundancy, build_1f1b, rank_program
 from tests.bamboo.launch import run_script
 from tests.bamboo.scripts import engine_shapes
 

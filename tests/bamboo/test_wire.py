@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_bamboo.broadcast import _decode, _encode
-from lightning_bamboo.p2p import HEADER_LEN, decode_header, encode_header
+from lightning_bamboo.pipeline.p2p import HEADER_LEN, decode_header, encode_header
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from lightning_bamboo.launch import Supervisor
+from lightning_bamboo.elastic.supervisor import Supervisor
 
 
 def main() -> int:

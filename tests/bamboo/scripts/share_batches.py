@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from lightning_bamboo.fallback import BatchRing, share_batches
+from lightning_bamboo.checkpoint.periodic import BatchRing, share_batches
 from tests.process import free_port
 
 

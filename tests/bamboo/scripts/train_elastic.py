@@ -28,7 +28,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_bamboo.checkpoint import named_optimizer_state
+from lightning_bamboo.checkpoint.sharded import named_optimizer_state
 from lightning_bamboo.strategy import BambooStrategy
 from lightning_bamboo.testing import PhaseFaults
 from tests.bamboo.pipe_mlp import make_data

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_bamboo
 from lightning_bamboo import BambooStrategy
-from lightning_bamboo.checkpoint import named_optimizer_state
+from lightning_bamboo.checkpoint.sharded import named_optimizer_state
 from tests.bamboo.pipe_mlp import make_data
 from tests.bamboo.pipe_variants import VARIANTS, RankNoise, WithState
 

@@ -30,8 +30,8 @@ from safetensors.torch import save_file
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_bamboo import joining
-from lightning_bamboo.checkpoint import named_optimizer_state
+from lightning_bamboo.checkpoint.sharded import named_optimizer_state
+from lightning_bamboo.elastic import join as joining
 from lightning_bamboo.strategy import BambooStrategy
 from lightning_bamboo.testing import PhaseFaults
 from tests.bamboo.pipe_mlp import PipeMLP, make_data

@@ -1,0 +1,75 @@
+"""Elastic Bamboo from a plain script: ``python train.py`` whose Trainer has
+``strategy="bamboo", devices=N`` survives a lost worker.
+
+Lightning's own script launcher makes the script's process rank 0 and starts the other ranks; a preemption of
+rank 0 would then end the job. Here the script's process becomes the job's *supervisor* instead
+(:class:`lightning_bamboo.elastic.supervisor.Supervisor`: it serves the store, starts ``N`` workers that run
+the same command, watches them and decides every membership change) and is not a training rank, so any worker
+may be lost. When the job ends the script's process exits with the job's exit code: the code after
+``trainer.fit`` runs in the workers, which hold the trained stages, not in the supervisor, which holds no
+weights.
+
+``python -m lightning_bamboo.launch --nproc N train.py`` stays the CLI (with ``--replace``, ``--store`` and
+``--hang-timeout``); a script it starts is a worker and launches nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from typing_extensions import override
+
+from lightning_bamboo.elastic.supervisor import Supervisor
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+def script_command() -> list[str]:
+    """The command line that started this process, to start each worker with (as Lightning's launcher does:
+    ``python -m module args`` or ``python /abs/path/script.py args``)."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    if spec is not None and spec.name not in ("__main__", None):
+        return [sys.executable, "-m", spec.name, *sys.argv[1:]]
+    return [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]]
+
+
+class SupervisorLauncher(_Launcher):
+    """Runs the job's supervisor in this process and exits with the job's code (see the module docstring).
+
+    Args:
+        nproc: workers to start (``Trainer(devices=N)``).
+        hang_timeout: seconds without a heartbeat after which a worker is killed and counted as lost.
+    """
+
+    def __init__(self, nproc: int, hang_timeout: float = 5.0) -> None:
+        self.nproc = nproc
+        self.hang_timeout = hang_timeout
+        self.supervisor: Supervisor | None = None
+
+    @property
+    @override
+    def is_interactive_compatible(self) -> bool:
+        return False  # the workers re-run the script
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        supervisor = Supervisor(script_command(), self.nproc, hang_timeout=self.hang_timeout)
+        self.supervisor = supervisor
+        print(
+            f"[bamboo.launch] this process supervises {self.nproc} workers (it trains nothing itself; the "
+            "code after trainer.fit runs in the workers)",
+            flush=True,
+        )
+        raise SystemExit(supervisor.run())
+
+    @override
+    def kill(self, signum: int) -> None:
+        """Pass ``signum`` on to every live worker, by PID."""
+        if self.supervisor is not None:
+            for member in self.supervisor.live_members():
+                self.supervisor.kill(member, signum)

@@ -1,0 +1,97 @@
+"""One member's place in the ownership map, shaped for the pipeline engine.
+
+The engine runs *positions* (one member's run of consecutive stages, fused after a failover) as stages; a
+:class:`PipelineView` answers its questions (who is before me, who is last, which group) from the
+:class:`~lightning_bamboo.elastic.ownership.OwnershipMap`, and :class:`StageAveragingEngine` averages
+gradients over
+the pipelines per ORIGINAL stage, so any layout gives the same averaged gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from typing_extensions import override
+
+from lightning_bamboo.elastic.ownership import OwnershipMap
+from lightning_bamboo.pipeline.engine import PipelineEngine
+
+
+class PipelineView:
+    """This member's place in its pipeline, shaped like :class:`BambooGroups` for the engine.
+
+    A *position* is one member's run of consecutive stages (fused); the engine runs positions as stages.
+    """
+
+    def __init__(
+        self,
+        owners: OwnershipMap,
+        member: int,
+        rank_of: Callable[[int], int],
+        pipeline_groups: dict[int, Any],
+        stage_groups: dict[int, Any],
+    ) -> None:
+        self.map = owners
+        self.member = member
+        self.pipeline = owners.pipeline_of(member)
+        self.positions = owners.positions(self.pipeline)
+        self.stage = next(i for i, (m, _) in enumerate(self.positions) if m == member)
+        self._rank_of = rank_of
+        self.pipeline_group = pipeline_groups.get(self.pipeline)
+        self.stage_groups = stage_groups
+        self.layout = self  # the engine reads layout.num_pipelines
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.positions)
+
+    @property
+    def num_pipelines(self) -> int:
+        return len(self.map.pipelines)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == len(self.positions) - 1
+
+    def rank_of_stage(self, position: int) -> int:
+        return self._rank_of(self.positions[position][0])
+
+    @property
+    def last_stage_rank(self) -> int:
+        return self.rank_of_stage(len(self.positions) - 1)
+
+    @property
+    def predecessor_rank(self) -> int:
+        return self.rank_of_stage((self.stage - 1) % len(self.positions))
+
+    @property
+    def successor_rank(self) -> int:
+        return self.rank_of_stage((self.stage + 1) % len(self.positions))
+
+
+class StageAveragingEngine(PipelineEngine):
+    """The pipeline engine over a :class:`PipelineView`: gradients are averaged per original stage.
+
+    ``stage_params[s]`` are this member's parameters of stage ``s``; each is all-reduced over the members
+    holding ``s`` in every pipeline, stages in increasing order on every member (no cycle between groups).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        stage_params: dict[int, list[nn.Parameter]],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.stage_params = stage_params
+
+    @override
+    def _averaging_groups(self) -> list[tuple[list[nn.Parameter], Any]]:
+        view: PipelineView = self.groups  # type: ignore[assignment]
+        return [(self.stage_params[s], view.stage_groups[s]) for s in sorted(self.stage_params)]
