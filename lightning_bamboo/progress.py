@@ -36,12 +36,14 @@ from typing import TYPE_CHECKING, Any
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from lightning_bamboo import _private
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-_BATCH = "epoch_loop.batch_progress"
-_OPTIM = "epoch_loop.automatic_optimization.optim_progress"
-_EPOCH_STATE = "epoch_loop.state_dict"
+_BATCH = _private.FIT_LOOP_BATCH_PROGRESS
+_OPTIM = _private.FIT_LOOP_OPTIM_PROGRESS
+_EPOCH_STATE = _private.FIT_LOOP_EPOCH_STATE
 
 
 def snapshot(trainer: pl.Trainer, optimizer: Optimizer, step: int) -> dict[str, Any]:

@@ -38,14 +38,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.callbacks import Checkpoint, StochasticWeightAveraging
-from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -56,6 +52,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_bamboo import _private
 from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
 from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
 from lightning_bamboo.checkpoint import periodic as fb
@@ -138,7 +135,7 @@ def _refuse_whole_model_callbacks(trainer: pl.Trainer) -> None:
 def _param_group_names(module: pl.LightningModule) -> list[list[str]]:
     """The parameter names of each param group ``configure_optimizers`` builds over the whole model (read
     before the split): an ordinary checkpoint's optimizer state is positional over exactly these groups."""
-    optimizers, _ = _init_optimizers_and_lr_schedulers(module)
+    optimizers, _ = _private.init_optimizers(module)
     if not optimizers:
         return []
     names = {id(p): n for n, p in module.named_parameters()}
@@ -445,7 +442,7 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
             return
         if self.num_nodes > 1:
             assert env is not None
-            self._launcher = _SubprocessScriptLauncher(env, self.num_processes, self.num_nodes)
+            self._launcher = _private.SubprocessScriptLauncher(env, self.num_processes, self.num_nodes)
             return
         self._launcher = SupervisorLauncher(self.num_processes, self._hang_timeout)
 
@@ -878,7 +875,7 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
         stage = module._modules[self._body_attr]
         module._modules[self._body_attr] = body
         try:
-            optimizers, _ = _init_optimizers_and_lr_schedulers(module)
+            optimizers, _ = _private.init_optimizers(module)
         finally:
             module._modules[self._body_attr] = stage
         if len(optimizers) != 1:
@@ -896,7 +893,7 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
                 f"{len(self.optimizers)}"
             )
         self.setup_precision_plugin()  # its norm clipping applies the plan agreed before the commit
-        _optimizers_to_device(self.optimizers, self.root_device)
+        _private.optimizers_to_device(self.optimizers, self.root_device)
 
     def _start_checkpointer(self) -> None:
         every, directory, keep = self._checkpoint_options
@@ -1426,7 +1423,7 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: _private.StrategyRegistry) -> None:
         strategy_registry.register(
             cls.strategy_name,
             cls,

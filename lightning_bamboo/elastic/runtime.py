@@ -33,10 +33,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.exceptions import SIGTERMException, _TunerExitException
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
+from lightning_bamboo import _private
 from lightning_bamboo import progress as trainer_progress
 from lightning_bamboo.checkpoint import periodic as fb
 from lightning_bamboo.clipping import apply_clipping
@@ -125,7 +126,7 @@ class ElasticRuntime:
         if self._cutter is not None:
             self._cutter.disarm()
         try:
-            dist.distributed_c10d._abort_process_group()
+            _private.abort_process_group()
         except Exception as err:  # the groups are being thrown away either way
             log.warning(
                 "Bamboo: aborting the process group failed (%s); peers may wait for their timeout", err
@@ -322,7 +323,7 @@ class ElasticRuntime:
             # leave ``fit`` now, the way Lightning's own tuner callbacks end it early: teardown hooks run,
             # nothing else. Whatever ran after this boundary (ModelCheckpoint's collective decisions and save,
             # on_train_end) would run against a world the survivors have already left.
-            raise _TunerExitException
+            raise _private.LeaveFit
         self._next_generation(since=start)
         self.drain_timer.reformed()
 

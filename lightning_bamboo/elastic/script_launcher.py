@@ -20,9 +20,9 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from typing_extensions import override
 
+from lightning_bamboo import _private
 from lightning_bamboo.elastic.supervisor import Supervisor
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def script_command() -> list[str]:
     return [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]]
 
 
-class SupervisorLauncher(_Launcher):
+class SupervisorLauncher(_private.Launcher):
     """Runs the job's supervisor in this process and exits with the job's code (see the module docstring).
 
     Args:

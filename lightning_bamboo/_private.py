@@ -1,0 +1,42 @@
+"""Every private name of Lightning and torch the Bamboo runtime relies on, in one place.
+
+Lightning has no public way for a strategy to do these few things (build the user's optimizers over another
+set of layers, leave ``fit`` early with teardown run, start Lightning's own script launcher on several nodes,
+be a launcher) and torch none to abort a process group's pending work. ``tests/bamboo/test_private_api.py``
+imports and exercises each, so a Lightning or torch version that changes one fails there, loudly, instead of
+deep inside a failover.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from lightning.fabric.strategies import _StrategyRegistry as StrategyRegistry
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers as init_optimizers
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.launcher import _Launcher as Launcher
+from lightning.pytorch.utilities.exceptions import _TunerExitException as LeaveFit
+
+FIT_LOOP_BATCH_PROGRESS = "epoch_loop.batch_progress"
+FIT_LOOP_OPTIM_PROGRESS = "epoch_loop.automatic_optimization.optim_progress"
+FIT_LOOP_EPOCH_STATE = "epoch_loop.state_dict"
+"""Keys of ``trainer.fit_loop.state_dict()`` a joiner's progress rewinds (:mod:`.progress`)."""
+
+
+def abort_process_group() -> None:
+    """Abort the default process group's pending work, so peers blocked on this member fail now."""
+    dist.distributed_c10d._abort_process_group()
+
+
+__all__ = [
+    "FIT_LOOP_BATCH_PROGRESS",
+    "FIT_LOOP_EPOCH_STATE",
+    "FIT_LOOP_OPTIM_PROGRESS",
+    "Launcher",
+    "LeaveFit",
+    "StrategyRegistry",
+    "SubprocessScriptLauncher",
+    "abort_process_group",
+    "init_optimizers",
+    "optimizers_to_device",
+]

@@ -1,0 +1,77 @@
+"""The private Lightning and torch names the runtime relies on (``lightning_bamboo._private``) still exist and
+behave as it expects: a version that changes one fails here, not inside a failover."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch import nn
+
+from lightning_bamboo import _private
+
+
+class _TwoGroups(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(2, 2), nn.Linear(2, 1)
+
+    def configure_optimizers(self):  # type: ignore[override]
+        groups = [{"params": self.body.parameters()}, {"params": self.head.parameters(), "lr": 0.01}]
+        return torch.optim.SGD(groups, lr=0.1)
+
+
+def test_init_optimizers_builds_the_users_optimizers_over_the_module() -> None:
+    module = _TwoGroups()
+    module.trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    optimizers, schedulers = _private.init_optimizers(module)
+    assert len(optimizers) == 1 and isinstance(optimizers[0], torch.optim.Optimizer)
+    assert {id(p) for g in optimizers[0].param_groups for p in g["params"]} == {
+        id(p) for p in module.parameters()
+    }
+    assert [g["lr"] for g in optimizers[0].param_groups] == [0.1, 0.01]
+    assert isinstance(schedulers, list)
+
+
+def test_optimizers_to_device_and_launcher_signatures() -> None:
+    optimizer = torch.optim.Adam(nn.Linear(2, 2).parameters())
+    _private.optimizers_to_device([optimizer], torch.device("cpu"))
+    launcher_params = inspect.signature(_private.SubprocessScriptLauncher.__init__).parameters
+    assert list(launcher_params)[1:4] == ["cluster_environment", "num_processes", "num_nodes"]
+    assert {"launch", "kill", "is_interactive_compatible"} <= set(dir(_private.Launcher))
+    assert callable(getattr(_private.StrategyRegistry, "register", None))
+
+
+def test_leaving_fit_early_runs_teardown_and_ends_fit_quietly(tmp_path) -> None:
+    """Raising LeaveFit from a hook ends ``fit`` without an error (the departed member's exit)."""
+    torn_down = []
+
+    class Leaves(BoringModel):
+        def training_step(self, batch, batch_idx):  # type: ignore[override]
+            if batch_idx == 1:
+                raise _private.LeaveFit
+            return super().training_step(batch, batch_idx)
+
+        def teardown(self, stage: str) -> None:
+            torn_down.append(stage)
+
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=5, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    trainer.fit(Leaves())
+    assert trainer.global_step == 1 and torn_down == ["fit"]
+
+
+def test_fit_loop_state_keys_the_joiners_progress_rewinds(tmp_path) -> None:
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=2, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    trainer.fit(BoringModel())
+    state = trainer.fit_loop.state_dict()
+    keys = (_private.FIT_LOOP_BATCH_PROGRESS, _private.FIT_LOOP_OPTIM_PROGRESS, _private.FIT_LOOP_EPOCH_STATE)
+    for key in keys:
+        assert key in state, f"fit_loop.state_dict() has no {key!r}: {sorted(state)}"
+
+
+def test_abort_process_group_exists() -> None:
+    assert callable(getattr(torch.distributed.distributed_c10d, "_abort_process_group", None))
