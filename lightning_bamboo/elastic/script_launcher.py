@@ -31,11 +31,24 @@ if TYPE_CHECKING:
 
 def script_command() -> list[str]:
     """The command line that started this process, to start each worker with (as Lightning's launcher does:
-    ``python -m module args`` or ``python /abs/path/script.py args``)."""
+    ``python -m module args`` or ``python /abs/path/script.py args``; a Hydra app's workers write into this
+    process's run directory, as Lightning's launcher arranges, instead of each making its own)."""
     spec = getattr(sys.modules["__main__"], "__spec__", None)
     if spec is not None and spec.name not in ("__main__", None):
-        return [sys.executable, "-m", spec.name, *sys.argv[1:]]
-    return [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]]
+        command = [sys.executable, "-m", spec.name, *sys.argv[1:]]
+    else:
+        command = [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]]
+    return command + _hydra_overrides()
+
+
+def _hydra_overrides() -> list[str]:
+    if "hydra" not in sys.modules:
+        return []
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    return [f'hydra.run.dir="{HydraConfig.get().run.dir}"', "hydra.output_subdir=null"]
 
 
 class SupervisorLauncher(_private.Launcher):
