@@ -573,6 +573,7 @@ class ElasticBambooStrategy(BambooStrategy):
             replica=self.replica if positions > 1 and self._redundancy else None,
             replica_device=self.root_device,
             stage_params=stage_params,
+            stage_layers=self._stage_layers,  # a fused position draws each original stage's own keys
         )
         self.engine.before_action = self._before_action
 
@@ -742,6 +743,11 @@ class ElasticBambooStrategy(BambooStrategy):
                 "Bamboo: step %d aborted by a lost peer; replaying it on the next generation", self._step
             )
             self._next_generation(since=attempt)
+
+    @override
+    def _forward_key_step(self) -> int:
+        """The committed step count: a replayed or re-run step draws the random numbers it drew first."""
+        return self._step
 
     def _exchange_replica_gradients(self) -> None:
         """Send this member's stage gradients to its replica holder and receive its successor's (blocking,
@@ -1144,7 +1150,7 @@ class ElasticBambooStrategy(BambooStrategy):
         for p in self._stage_params():
             p.grad = None
         with self.precision_plugin.train_step_context():
-            self.engine.run_step(split_microbatches(share, self._num_microbatches))
+            self.engine.run_step(split_microbatches(share, self._num_microbatches), step=self._step)
         self._exchange_replica_gradients()
         self._plan_clipping()
         commit = ms.StepCommit(self._store, self.owners.generation, len(self.owners.members()))

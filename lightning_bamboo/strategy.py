@@ -490,7 +490,7 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
         for p in params:
             p.grad = None
         with self.precision_plugin.train_step_context():
-            loss = self.engine.run_step(microbatches)
+            loss = self.engine.run_step(microbatches, step=self._forward_key_step())
         # Lightning zeroes gradients AFTER training_step and before backward: hold this step's aside
         self._stashed_grads = [p.grad for p in params]
         for p, grad in zip(params, earlier):
@@ -499,6 +499,12 @@ class BambooStrategy(BambooEventsMixin, ParallelStrategy):
             output = self.lightning_module.training_step(*args, **kwargs)
         check_replayed_loss(self.lightning_module, output, loss)
         return output
+
+    def _forward_key_step(self) -> int:
+        """The step keying the forwards' random numbers (:mod:`lightning_bamboo.keyed_rng`): the batch's
+        index over the whole fit (Lightning's loop state: a resumed run continues it)."""
+        assert self.lightning_module is not None
+        return self.lightning_module.trainer.fit_loop.total_batch_idx
 
     def _stage0_batch(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, tuple, dict[str, Any]]:
         """Every stage of a pipeline uses stage 0's batch (random augmentation may differ per process)."""

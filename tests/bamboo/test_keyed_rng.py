@@ -1,0 +1,176 @@
+"""Dropout that survives failover (lightning_bamboo.keyed_rng): keys, keyed forwards, the engine.
+
+In one process: the key is stable and depends on each of its parts; a replica's keyed forward draws its
+stage's masks; a fused position (several original stages, as after a failover) draws each original stage's
+own masks; the global generators come back as they were; a single-stage engine keys its steps. The
+multi-process checks (FR equals F with dropout under ``strategy="bamboo"``; a SIGKILLed elastic run equals
+the uninterrupted one) start processes and are marked so.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.fabric.utilities.seed import seed_everything
+from torch import Tensor, nn
+
+from lightning_bamboo.contract import sub_sequential
+from lightning_bamboo.engine import PipelineEngine
+from lightning_bamboo.groups import BambooGroups
+from lightning_bamboo.keyed_rng import DEFAULT_SEED, SEED_ENV, KeyedForward, forward_key, run_seed
+from lightning_bamboo.layout import StageLayout
+from lightning_bamboo.microbatch import split_microbatches
+from lightning_bamboo.schedule import build_1f1b
+from tests.bamboo.launch import snapshot
+from tests.bamboo.pipe_mlp import make_data
+from tests.bamboo.pipe_runs import STEPS
+from tests.bamboo.pipe_variants import WithDropout
+
+CPU = torch.device("cpu")
+STAGES = (range(0, 3), range(3, 6), range(6, 10))
+"""The 3-stage split of ``WithDropout``'s body: L T D | L T D | L T D L."""
+
+
+def dropout_body() -> nn.Sequential:
+    torch.manual_seed(0)
+    return WithDropout(pairs=3).pipeline
+
+
+def keyed_output(module: nn.Module, x: Tensor, step: int = 3, pipeline: int = 0, mb: int = 1,
+                 seed: int = 7, default_stage: int = 0) -> Tensor:
+    with KeyedForward(module, STAGES, default_stage, CPU, seed).keyed(step, pipeline, mb) as forward:
+        return forward(x)
+
+
+def test_key_is_stable_and_depends_on_every_part() -> None:
+    # a fixed value: every process, Python and PyTorch version must derive the same key
+    assert forward_key(0, 0, 0, 0, 0) == forward_key(0, 0, 0, 0, 0) == 0x5388BCC9D6BEE81A
+    parts = [(0,) * 5] + [tuple(int(i == j) for j in range(5)) for i in range(5)]  # each part changed alone
+    assert len({forward_key(*p) for p in parts}) == 6
+    assert 0 <= forward_key(2**32 - 1, 10**6, 7, 255, 63) < 2**64  # torch.manual_seed takes any 64-bit key
+
+
+def test_run_seed_is_seed_everythings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SEED_ENV, raising=False)
+    assert run_seed() == DEFAULT_SEED
+    monkeypatch.setenv(SEED_ENV, "0")  # restored after the test, whatever seed_everything sets
+    seed_everything(1234)
+    assert run_seed() == 1234
+    monkeypatch.setenv(SEED_ENV, "abc")
+    with pytest.raises(ValueError, match=r"PL_GLOBAL_SEED must be an integer seed .* got 'abc'"):
+        run_seed()
+
+
+def test_replica_draws_the_masks_of_its_stage() -> None:
+    """Stage 1 and an independent copy of its layers (a replica on another rank) give the same output for the
+    same (seed, step, pipeline, micro-batch); any other key draws other masks."""
+    body = dropout_body()
+    stage = sub_sequential(body, STAGES[1])
+    replica = sub_sequential(copy.deepcopy(body), STAGES[1])
+    x = torch.randn(4, 8, dtype=torch.float64)
+    torch.manual_seed(1)  # the global generators' state must not matter
+    expected = keyed_output(stage, x)
+    torch.manual_seed(2)
+    got = keyed_output(replica, x.clone())
+    assert torch.equal(got, expected)
+    assert 0 < int((expected == 0).sum()) < expected.numel()  # Dropout(0.5) dropped some, not all
+    for other in ({"step": 4}, {"pipeline": 1}, {"mb": 2}, {"seed": 8}):
+        masks = keyed_output(stage, x, **other) == 0
+        assert not torch.equal(masks, expected == 0), other
+
+
+def test_fused_position_draws_each_original_stages_masks() -> None:
+    """Stages 0 and 1 run fused by one member (after stage 1's member was lost) draw exactly what stage 0 and
+    stage 1 draw on their own members: the fused forward reseeds at stage 1's first layer."""
+    body = dropout_body()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    fused = sub_sequential(body, range(0, 6))
+    assert KeyedForward(fused, STAGES, 0, CPU, 7).stages == [0, 1]
+    hidden = keyed_output(sub_sequential(body, STAGES[0]), x)
+    expected = keyed_output(sub_sequential(body, STAGES[1]), hidden)
+    assert torch.equal(keyed_output(fused, x), expected)
+    # one key for the whole fused position would draw other masks for stage 1's layers
+    single = KeyedForward(fused, None, 0, CPU, 7)
+    assert single.stages == [0]
+    with single.keyed(3, 0, 1) as forward:
+        assert not torch.equal(forward(x), expected)
+
+
+def test_the_global_generator_is_restored() -> None:
+    """What the pipeline's forwards draw does not shift the random stream of the user's code around them."""
+    stage = sub_sequential(dropout_body(), STAGES[0])
+    x = torch.randn(4, 8, dtype=torch.float64)
+    torch.manual_seed(11)
+    expected = torch.rand(5)
+    torch.manual_seed(11)
+    keyed_output(stage, x)
+    assert torch.equal(torch.rand(5), expected)
+
+
+def one_stage_engine(keyed_rng: bool) -> PipelineEngine:
+    """The whole dropout body as one stage: an engine that runs without a process group."""
+    body = dropout_body()
+    layout = StageLayout.plan([1.0] * len(body), 1, 1)
+    groups = BambooGroups(layout, rank=0, stage=0, pipeline=0, pipeline_group=None, stage_group=None)
+    return PipelineEngine(
+        sub_sequential(body, range(len(body))),
+        groups,
+        build_1f1b(1, 2),
+        inputs_fn=lambda mb: mb[0],
+        loss_fn=lambda out, mb: F.mse_loss(out, mb[1]),
+        device=CPU,
+        keyed_rng=keyed_rng,
+        seed=5,
+    )
+
+
+def test_engine_keys_each_step_and_leaves_the_global_stream_alone() -> None:
+    engine = one_stage_engine(keyed_rng=True)
+    microbatches = split_microbatches(make_data(8), 2)
+    torch.manual_seed(3)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(3)
+    first = engine.run_step(microbatches)  # step 0
+    grads = [p.grad.clone() for p in engine.stage.parameters()]
+    assert engine.rng_step == 0
+    assert torch.equal(torch.rand(3), expected_draw)
+    torch.manual_seed(99)
+    engine.stage.zero_grad(set_to_none=True)
+    assert torch.equal(engine.run_step(microbatches, step=0), first)  # the same step again: the same masks
+    assert all(torch.equal(p.grad, g) for p, g in zip(engine.stage.parameters(), grads, strict=True))
+    assert not torch.equal(engine.run_step(microbatches), first)  # step 1: other masks
+    assert engine.rng_step == 1
+
+
+def test_engine_without_keys_draws_from_the_global_generator() -> None:
+    engine = one_stage_engine(keyed_rng=False)
+    assert engine.keyed_stage is None
+    microbatches = split_microbatches(make_data(8), 2)
+    torch.manual_seed(3)
+    first = engine.run_step(microbatches)
+    torch.manual_seed(3)
+    assert torch.equal(engine.run_step(microbatches, step=5), first)  # the step plays no part
+    torch.manual_seed(4)
+    assert not torch.equal(engine.run_step(microbatches), first)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_fr_equals_f_with_dropout(pipe_bamboo_2: dict[str, Path]) -> None:
+    """2 stages, Dropout(0.5) on both: every FR equals its successor's F bit for bit, every step; and
+    dropout is on (the losses differ from the same model without it)."""
+    run = pipe_bamboo_2["dropout"]
+    for step in range(1, STEPS + 1):
+        ranks = [snapshot(run, step, rank) for rank in range(2)]
+        for rank, got in enumerate(ranks):
+            twin = ranks[(rank + 1) % 2]
+            fr = {k: v for k, v in got.items() if k.startswith("fr/")}
+            assert len(fr) == 2
+            for key, value in fr.items():
+                assert torch.equal(value, twin["fwd/" + key[3:]]), f"step {step} rank {rank} {key}"
+        plain = snapshot(pipe_bamboo_2["2stages-redundant-sgd"], step, 0)  # the same model, no dropout
+        assert not torch.equal(ranks[0]["loss"], plain["loss"]), f"step {step}: dropout drew nothing"
