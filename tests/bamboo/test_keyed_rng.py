@@ -3,19 +3,22 @@
 In one process: the key is stable and depends on each of its parts; a replica's keyed forward draws its
 stage's masks; a fused position (several original stages, as after a failover) draws each original stage's
 own masks; the global generators come back as they were; a single-stage engine keys its steps. The
-multi-process checks (FR equals F with dropout under ``strategy="bamboo"``; a SIGKILLed elastic run equals
-the uninterrupted one) start processes and are marked so.
+multi-process checks (FR equals F with dropout under ``strategy="bamboo"``; elastic runs with a SIGKILLed
+stage, or two and a checkpoint fallback, equal the uninterrupted one bit for bit) start processes and are
+marked so.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.seed import seed_everything
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from lightning_bamboo.contract import sub_sequential
@@ -174,3 +177,72 @@ def test_fr_equals_f_with_dropout(pipe_bamboo_2: dict[str, Path]) -> None:
                 assert torch.equal(value, twin["fwd/" + key[3:]]), f"step {step} rank {rank} {key}"
         plain = snapshot(pipe_bamboo_2["2stages-redundant-sgd"], step, 0)  # the same model, no dropout
         assert not torch.equal(ranks[0]["loss"], plain["loss"]), f"step {step}: dropout drew nothing"
+
+
+def elastic_finals(out: Path) -> dict[str, Tensor]:
+    """The finished members' stages (parameters and optimizer state) of a ``train_elastic.py`` run, merged."""
+    from tests.bamboo.test_elastic import STEPS as ELASTIC_STEPS
+
+    merged: dict[str, Tensor] = {}
+    paths = sorted(out.glob("final_member*.safetensors"))
+    assert paths, f"no member finished: {sorted(p.name for p in out.iterdir())}"
+    for path in paths:
+        state = load_file(str(path))
+        assert int(state.pop("global_step")) == ELASTIC_STEPS
+        merged.update(state)
+    return merged
+
+
+def assert_bitwise_equal(got: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
+    assert set(got) == set(expected)
+    differ = [key for key in expected if not torch.equal(got[key], expected[key])]
+    assert not differ, f"differ from the uninterrupted run: {differ}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_dropout(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tensor]:
+    """The uninterrupted elastic run of ``WithDropout`` on 3 members (3 stages), seed 0."""
+    from tests.bamboo.test_elastic import run_elastic
+
+    out = tmp_path_factory.mktemp("elastic-dropout")
+    run_elastic(out, nproc=3, stages=3, extra_args=("--variant", "dropout"))
+    return elastic_finals(out)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_failover_with_dropout_equals_the_uninterrupted_run(
+    tmp_path: Path, uninterrupted_dropout: dict[str, Tensor], elastic_reference: dict[str, Tensor]
+) -> None:
+    """Member 1 (stage 1 of 3) is SIGKILLed in step 2's forward; member 0 replays the step with stages 0-1
+    fused (reseeding at stage 1's layers) and trains on: every parameter and optimizer state ends bit for
+    bit where the uninterrupted run ends. (With one key for the fused position, it does not.)"""
+    from tests.bamboo.test_elastic import run_elastic
+
+    log = run_elastic(tmp_path, nproc=3, stages=3, fault="1:2:forward", extra_args=("--variant", "dropout"))
+    assert "failover: lost [1]" in log
+    assert "pipe0  m0      m0      m2" in log
+    assert_bitwise_equal(elastic_finals(tmp_path), uninterrupted_dropout)
+    # dropout was on: the same model without it (strategy="auto") ends elsewhere
+    first = "own/pipeline.0.weight"
+    assert (uninterrupted_dropout[first] - elastic_reference[first]).abs().max() > 1e-3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_checkpoint_fallback_with_dropout_equals_the_uninterrupted_run(
+    tmp_path: Path, uninterrupted_dropout: dict[str, Tensor]
+) -> None:
+    """Members 1 and 2 die together in step 5: member 0 alone loads the last checkpoint, re-runs the steps
+    since it (keyed by their own step numbers) with all three stages fused, replays step 5: bit for bit the
+    uninterrupted run."""
+    from tests.bamboo.test_elastic import run_elastic
+
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    args = ("--variant", "dropout", "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt))
+    log = run_elastic(out, nproc=3, stages=3, fault="1+2:5:exchange", extra_args=args)
+    assert "pipe0  m0      m0      m0" in log
+    found = re.search(r"fallback: loaded checkpoint step=(\d+) .* re-ran steps (\d+)\.\.(\d+)", log)
+    assert found, log[-3000:]
+    assert int(found.group(1)) in (2, 4)
+    assert_bitwise_equal(elastic_finals(out), uninterrupted_dropout)
