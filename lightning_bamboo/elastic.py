@@ -573,7 +573,6 @@ class ElasticBambooStrategy(BambooStrategy):
             replica=self.replica if positions > 1 and self._redundancy else None,
             replica_device=self.root_device,
             stage_params=stage_params,
-            stage_layers=self._stage_layers,  # a fused position draws each original stage's own keys
         )
         self.engine.before_action = self._before_action
 

@@ -30,10 +30,11 @@ grad.
 After the last action, gradients of the stage are averaged over the data-parallel stage group and the mean
 loss of the step is broadcast from the last stage to every rank of the pipeline.
 
-Random numbers (dropout): each ``F`` and ``FR`` of a training step draws from generators keyed by (seed,
-step, pipeline, micro-batch, original stage) and restored afterwards (:mod:`lightning_bamboo.keyed_rng`), so
-an ``FR`` equals its successor's ``F`` bit for bit with dropout on, and a step re-run after a failover, on a
-member that now runs several original stages fused, draws what the uninterrupted run drew.
+Random numbers (dropout): in each ``F`` and ``FR`` of a training step, every layer draws from generators
+keyed by (seed, step, pipeline, micro-batch, the layer's index in the body), restored afterwards
+(:mod:`lightning_bamboo.keyed_rng`), so an ``FR`` equals its successor's ``F`` bit for bit with dropout on,
+and a step re-run after a failover, on a member that now runs several original stages fused, draws what
+the uninterrupted run drew.
 
 Standalone use (benchmarks), on every rank after ``init_process_group``::
 
@@ -91,14 +92,11 @@ class PipelineEngine:
         replica: the replica of the successor stage, needed when the schedule contains ``FR`` actions.
         replica_device: device the replica lives on (``device`` or CPU); its inputs are moved there and its
             outputs are kept there.
-        keyed_rng: ``True`` (default): every forward of a training step draws its random numbers from
-            generators keyed by (seed, step, pipeline, micro-batch, original stage), restored afterwards
-            (:mod:`lightning_bamboo.keyed_rng`); ``False``: from the process's global generators, as they
-            stand (``FR`` then draws other dropout masks than its successor's ``F``).
-        stage_layers: the body's layers of each original stage, which give the layers of a
-            ``StageSequential`` stage or replica their keys; ``None``: ``groups.layout.stage_layers`` when
-            the layout has them, else the whole stage is keyed by ``groups.stage`` and the replica by its
-            successor's index.
+        keyed_rng: ``True`` (default): in every forward of a training step each layer draws its random
+            numbers from generators keyed by (seed, step, pipeline, micro-batch, its index in the body),
+            restored afterwards (:mod:`lightning_bamboo.keyed_rng`; a stage that is not a ``StageSequential``
+            is keyed as a whole by its stage index); ``False``: from the process's global generators, as
+            they stand (``FR`` then draws other dropout masks than its successor's ``F``).
         seed: the seed of the keys; ``None``: ``seed_everything``'s (``PL_GLOBAL_SEED``), else 0.
     """
 
@@ -114,7 +112,6 @@ class PipelineEngine:
         replica: nn.Module | None = None,
         replica_device: torch.device | None = None,
         keyed_rng: bool = True,
-        stage_layers: Sequence[range] | None = None,
         seed: int | None = None,
     ) -> None:
         self.stage = stage
@@ -156,12 +153,10 @@ class PipelineEngine:
         self.keyed_replica: KeyedForward | None = None
         if keyed_rng:
             seed = run_seed() if seed is None else seed
-            if stage_layers is None:
-                stage_layers = getattr(groups.layout, "stage_layers", None)
-            self.keyed_stage = KeyedForward(stage, stage_layers, groups.stage, device, seed)
+            self.keyed_stage = KeyedForward(stage, groups.stage, device, seed)
             if replica is not None:
                 successor = (groups.stage + 1) % groups.num_stages
-                self.keyed_replica = KeyedForward(replica, stage_layers, successor, self.replica_device, seed)
+                self.keyed_replica = KeyedForward(replica, successor, self.replica_device, seed)
 
     def run_step(self, microbatches: Sequence[Any], step: int | None = None) -> Tensor:
         """Forward and backward of every micro-batch; leaves averaged gradients in the stage's ``.grad``.

@@ -1,4 +1,4 @@
-"""Random numbers of the pipeline's training forwards, keyed by (seed, step, pipeline, micro-batch, stage).
+"""Random numbers of the pipeline's training forwards, keyed by (seed, step, pipeline, micro-batch, layer).
 
 Under Bamboo the same layers run forward in several places: stage ``s``'s own forward (``F``), its
 predecessor's redundant forward of the replica (``FR``), and, after a failover, the re-run of the aborted step
@@ -7,10 +7,11 @@ global generator would give each of them other masks: ``FR`` would not equal ``F
 would not equal the uninterrupted one.
 
 So the engine runs each training forward inside :meth:`KeyedForward.keyed`: the global generators (CPU, and
-the device's) are forked, seeded with :func:`forward_key` of the original stage before that stage's layers
-run (a fused position reseeds at every original stage it holds), and restored afterwards. The same layers on
-the same micro-batch of the same step draw the same numbers wherever and however often they run, and code
-outside the pipeline sees a random stream that does not depend on the schedule.
+the device's) are forked, seeded with :func:`forward_key` of each layer of the body just before that layer
+runs, and restored afterwards. A layer draws the same numbers for the same micro-batch of the same step
+wherever it runs: on its stage, in its replica, on a member that runs several original stages fused, in any
+layout of the body into stages. Code outside the pipeline sees a random stream that does not depend on the
+schedule.
 
 The seed is ``seed_everything``'s (Lightning exports it as ``PL_GLOBAL_SEED``), else :data:`DEFAULT_SEED`.
 """
@@ -20,8 +21,8 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -54,42 +55,40 @@ def run_seed() -> int:
         ) from None
 
 
-def forward_key(seed: int, step: int, pipeline: int, microbatch: int, stage: int) -> int:
-    """The 64-bit seed of one original stage's forward of one micro-batch: a stable hash (BLAKE2b), the same
-    in every process, Python and PyTorch version, so a replica and a re-run draw what the stage drew.
+def forward_key(seed: int, step: int, pipeline: int, microbatch: int, layer: int) -> int:
+    """The 64-bit seed of one layer's forward of one micro-batch: a stable hash (BLAKE2b), the same in every
+    process, Python and PyTorch version, so a replica and a re-run draw what the stage drew.
 
     ``pipeline`` is the data-parallel pipeline (its id in the elastic ownership map), so pipelines that train
-    on other samples at the same micro-batch index draw other masks.
+    on other samples at the same micro-batch index draw other masks. ``layer`` is the layer's index in the
+    whole body (a module the engine cannot see the layers of is keyed by its stage index instead).
     """
-    parts = (seed, step, pipeline, microbatch, stage)
+    parts = (seed, step, pipeline, microbatch, layer)
     digest = hashlib.blake2b(struct.pack("<5q", *parts), digest_size=8, person=b"bamboo-rng").digest()
     return int.from_bytes(digest, "little")
 
 
 class KeyedForward:
-    """A stage's (or replica's) forward split into runs of consecutive layers of one original stage each.
+    """Runs a stage's (or replica's) forward with each layer's random numbers keyed by its index in the body.
 
     Args:
-        module: the layers this rank runs as one position (its stage, or its replica of the successor).
-        stage_layers: the body's layers of each original stage (``StageLayout.stage_layers``); a
-            :class:`StageSequential`'s children are named by their index in the body, which maps each to its
-            original stage. ``None``, or a module that is not a ``StageSequential`` (standalone use): the
-            whole module is one run of ``default_stage``.
-        default_stage: the original stage of the whole module when it cannot be split.
+        module: the layers this rank runs as one position (its stage, or its replica of the successor). A
+            :class:`StageSequential`'s children are named by their index in the body: each gets its own key.
+            Any other module (standalone use with a plain ``nn.Sequential``) is one unit keyed by
+            ``default_unit``.
+        default_unit: the key's ``layer`` for a module that is not a ``StageSequential`` (its stage index).
         device: where the module runs: its generator is forked and seeded besides the CPU's.
         seed: the run's seed (:func:`run_seed`).
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        stage_layers: Sequence[range] | None,
-        default_stage: int,
-        device: torch.device,
-        seed: int,
-    ) -> None:
-        self.runs = _runs(module, stage_layers, default_stage)
-        """``(original stage, forward)`` in the order the module runs them."""
+    def __init__(self, module: nn.Module, default_unit: int, device: torch.device, seed: int) -> None:
+        self.module = module
+        if isinstance(module, StageSequential):
+            self.units = [int(name) for name in module._modules]
+            """The keys' ``layer`` of the module's children, in the order they run."""
+            self._later = list(module.children())[1:]
+        else:
+            self.units, self._later = [default_unit], []
         self.device = device
         self.seed = seed
         self._device_module = None if device.type == "cpu" else torch.get_device_module(device.type)
@@ -98,33 +97,29 @@ class KeyedForward:
             index = self._device_module.current_device()
         self._device_index = index
 
-    @property
-    def stages(self) -> list[int]:
-        """The original stages the module runs, in order."""
-        return [stage for stage, _ in self.runs]
-
     @contextmanager
     def keyed(self, step: int, pipeline: int, microbatch: int) -> Iterator[Forward]:
-        """Fork the generators and seed them for the first original stage; yields the module's forward,
-        which reseeds before every further original stage's layers.
+        """Fork the generators and seed them for the first layer; yields the module's forward, in which every
+        further layer reseeds just before it runs.
 
-        What runs in the block before the forward (stage 0's ``pipeline_inputs``) draws from the first
-        stage's key, and what runs after it (the last stage's ``pipeline_loss``) continues the last stage's
-        stream: on whichever rank, as ``F`` or ``FR``, in the same order.
+        What runs in the block before the forward (stage 0's ``pipeline_inputs``) continues into the first
+        layer's stream, and what runs after it (the last stage's ``pipeline_loss``) continues the last
+        layer's: on whichever rank, as ``F`` or ``FR``, in the same order. The module is called as a whole,
+        so its own hooks run; the reseeding is a forward pre-hook on each later layer, held for the block.
         """
-        keys = [forward_key(self.seed, step, pipeline, microbatch, stage) for stage in self.stages]
+        keys = [forward_key(self.seed, step, pipeline, microbatch, unit) for unit in self.units]
         devices = [] if self._device_module is None else [self._device_index]
-        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type), ExitStack() as hooks:
             self._seed(keys[0])
+            for layer, key in zip(self._later, keys[1:], strict=True):
+                hooks.callback(layer.register_forward_pre_hook(self._reseed(key)).remove)
+            yield self.module
 
-            def forward(value: Any) -> Any:
-                for i, (key, (_, run)) in enumerate(zip(keys, self.runs, strict=True)):
-                    if i:
-                        self._seed(key)
-                    value = run(value)
-                return value
+    def _reseed(self, key: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._seed(key)
 
-            yield forward
+        return hook
 
     def _seed(self, key: int) -> None:
         """Seed the CPU generator and this device's (not every device's, as ``torch.manual_seed`` would:
@@ -133,35 +128,3 @@ class KeyedForward:
         if self._device_module is not None:
             with self._device_module.device(self._device_index):
                 self._device_module.manual_seed(key)
-
-
-def _runs(
-    module: nn.Module, stage_layers: Sequence[range] | None, default_stage: int
-) -> list[tuple[int, Forward]]:
-    """``module`` as ``(original stage, forward)`` runs: one run (the module itself) unless it holds layers
-    of several original stages (a fused position after a failover)."""
-    if stage_layers is None or not isinstance(module, StageSequential):
-        return [(default_stage, module)]
-    stage_of = {layer: stage for stage, layers in enumerate(stage_layers) for layer in layers}
-    children = [(stage_of[int(name)], layer) for name, layer in module.named_children()]
-    if len({stage for stage, _ in children}) <= 1:
-        return [(children[0][0] if children else default_stage, module)]
-    runs: list[tuple[int, list[nn.Module]]] = []
-    for stage, layer in children:
-        if runs and runs[-1][0] == stage:
-            runs[-1][1].append(layer)
-        else:
-            runs.append((stage, [layer]))
-    return [(stage, _Layers(layers)) for stage, layers in runs]
-
-
-class _Layers:
-    """Layers applied in order, as ``nn.Sequential.forward`` applies them (without registering them)."""
-
-    def __init__(self, layers: list[nn.Module]) -> None:
-        self.layers = layers
-
-    def __call__(self, value: Any) -> Any:
-        for layer in self.layers:
-            value = layer(value)
-        return value

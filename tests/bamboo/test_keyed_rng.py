@@ -1,8 +1,9 @@
 """Dropout that survives failover (lightning_bamboo.keyed_rng): keys, keyed forwards, the engine.
 
 In one process: the key is stable and depends on each of its parts; a replica's keyed forward draws its
-stage's masks; a fused position (several original stages, as after a failover) draws each original stage's
-own masks; the global generators come back as they were; a single-stage engine keys its steps. The
+stage's masks; a fused position (several original stages, as after a failover) and any other split of the
+body into stages draw the same masks; the global generators come back as they were; the stage's own hooks
+still run; a single-stage engine keys its steps. The
 multi-process checks (FR equals F with dropout under ``strategy="bamboo"``; elastic runs with a SIGKILLed
 stage, or two and a checkpoint fallback, equal the uninterrupted one bit for bit) start processes and are
 marked so.
@@ -44,8 +45,8 @@ def dropout_body() -> nn.Sequential:
 
 
 def keyed_output(module: nn.Module, x: Tensor, step: int = 3, pipeline: int = 0, mb: int = 1,
-                 seed: int = 7, default_stage: int = 0) -> Tensor:
-    with KeyedForward(module, STAGES, default_stage, CPU, seed).keyed(step, pipeline, mb) as forward:
+                 seed: int = 7) -> Tensor:
+    with KeyedForward(module, 0, CPU, seed).keyed(step, pipeline, mb) as forward:
         return forward(x)
 
 
@@ -86,21 +87,29 @@ def test_replica_draws_the_masks_of_its_stage() -> None:
         assert not torch.equal(masks, expected == 0), other
 
 
-def test_fused_position_draws_each_original_stages_masks() -> None:
+def test_fused_position_and_any_split_draw_the_same_masks() -> None:
     """Stages 0 and 1 run fused by one member (after stage 1's member was lost) draw exactly what stage 0 and
-    stage 1 draw on their own members: the fused forward reseeds at stage 1's first layer."""
+    stage 1 draw on their own members, and so does a 2-stage split of the same body: each layer reseeds with
+    its own key just before it runs."""
     body = dropout_body()
     x = torch.randn(4, 8, dtype=torch.float64)
-    fused = sub_sequential(body, range(0, 6))
-    assert KeyedForward(fused, STAGES, 0, CPU, 7).stages == [0, 1]
     hidden = keyed_output(sub_sequential(body, STAGES[0]), x)
     expected = keyed_output(sub_sequential(body, STAGES[1]), hidden)
-    assert torch.equal(keyed_output(fused, x), expected)
-    # one key for the whole fused position would draw other masks for stage 1's layers
-    single = KeyedForward(fused, None, 0, CPU, 7)
-    assert single.stages == [0]
-    with single.keyed(3, 0, 1) as forward:
-        assert not torch.equal(forward(x), expected)
+    assert torch.equal(keyed_output(sub_sequential(body, range(0, 6)), x), expected)
+    three = keyed_output(sub_sequential(body, STAGES[2]), expected)
+    two = keyed_output(sub_sequential(body, range(4, 10)), keyed_output(sub_sequential(body, range(0, 4)), x))
+    assert torch.equal(two, three)
+    # one key for the whole fused position (a module whose layers the engine cannot see) draws other masks
+    assert not torch.equal(keyed_output(nn.Sequential(*body[:6]), x), expected)
+
+
+def test_the_stages_hooks_run_and_the_reseeding_hooks_go() -> None:
+    stage = sub_sequential(dropout_body(), range(0, 6))
+    seen: list[Tensor] = []
+    stage.register_forward_hook(lambda module, args, out: seen.append(out))
+    out = keyed_output(stage, torch.randn(4, 8, dtype=torch.float64))
+    assert len(seen) == 1 and seen[0] is out
+    assert all(not layer._forward_pre_hooks for layer in stage)
 
 
 def test_the_global_generator_is_restored() -> None:
@@ -215,8 +224,9 @@ def test_failover_with_dropout_equals_the_uninterrupted_run(
     tmp_path: Path, uninterrupted_dropout: dict[str, Tensor], elastic_reference: dict[str, Tensor]
 ) -> None:
     """Member 1 (stage 1 of 3) is SIGKILLed in step 2's forward; member 0 replays the step with stages 0-1
-    fused (reseeding at stage 1's layers) and trains on: every parameter and optimizer state ends bit for
-    bit where the uninterrupted run ends. (With one key for the fused position, it does not.)"""
+    fused (each layer still keyed by its index in the body) and trains on: every parameter and optimizer
+    state ends bit for bit where the uninterrupted run ends. (With one key for the fused position, it does
+    not.)"""
     from tests.bamboo.test_elastic import run_elastic
 
     log = run_elastic(tmp_path, nproc=3, stages=3, fault="1:2:forward", extra_args=("--variant", "dropout"))
@@ -246,3 +256,16 @@ def test_checkpoint_fallback_with_dropout_equals_the_uninterrupted_run(
     assert found, log[-3000:]
     assert int(found.group(1)) in (2, 4)
     assert_bitwise_equal(elastic_finals(out), uninterrupted_dropout)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_another_layout_draws_the_same_masks(
+    tmp_path: Path, uninterrupted_dropout: dict[str, Tensor]
+) -> None:
+    """The same run on 2 members as 2 stages (L T D L | T D L T D L) ends bit for bit where the 3-stage run
+    ends: the masks depend on the layers, not on how the body is cut into stages."""
+    from tests.bamboo.test_elastic import run_elastic
+
+    run_elastic(tmp_path, nproc=2, stages=2, extra_args=("--variant", "dropout"))
+    assert_bitwise_equal(elastic_finals(tmp_path), uninterrupted_dropout)
