@@ -22,7 +22,7 @@ import hashlib
 import os
 import struct
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -68,14 +68,19 @@ def forward_key(seed: int, step: int, pipeline: int, microbatch: int, layer: int
     return int.from_bytes(digest, "little")
 
 
+INPUTS = -1
+"""The key's ``layer`` of what runs before the first layer of a ``StageSequential`` (stage 0's
+``pipeline_inputs``, in ``F`` and in the last rank's ``FR``)."""
+
+
 class KeyedForward:
     """Runs a stage's (or replica's) forward with each layer's random numbers keyed by its index in the body.
 
     Args:
         module: the layers this rank runs as one position (its stage, or its replica of the successor). A
-            :class:`StageSequential`'s children are named by their index in the body: each gets its own key.
-            Any other module (standalone use with a plain ``nn.Sequential``) is one unit keyed by
-            ``default_unit``.
+            :class:`StageSequential` (children named by their index in the body) reseeds before each layer
+            (its ``before_layer``). Any other module (standalone use with a plain ``nn.Sequential``) is one
+            unit keyed by ``default_unit``.
         default_unit: the key's ``layer`` for a module that is not a ``StageSequential`` (its stage index).
         device: where the module runs: its generator is forked and seeded besides the CPU's.
         seed: the run's seed (:func:`run_seed`).
@@ -83,12 +88,7 @@ class KeyedForward:
 
     def __init__(self, module: nn.Module, default_unit: int, device: torch.device, seed: int) -> None:
         self.module = module
-        if isinstance(module, StageSequential):
-            self.units = [int(name) for name in module._modules]
-            """The keys' ``layer`` of the module's children, in the order they run."""
-            self._later = list(module.children())[1:]
-        else:
-            self.units, self._later = [default_unit], []
+        self.default_unit = default_unit
         self.device = device
         self.seed = seed
         self._device_module = None if device.type == "cpu" else torch.get_device_module(device.type)
@@ -99,27 +99,30 @@ class KeyedForward:
 
     @contextmanager
     def keyed(self, step: int, pipeline: int, microbatch: int) -> Iterator[Forward]:
-        """Fork the generators and seed them for the first layer; yields the module's forward, in which every
-        further layer reseeds just before it runs.
+        """Fork the generators and seed them; yields the module, whose every layer reseeds with its own key
+        just before it runs (for the block only).
 
-        What runs in the block before the forward (stage 0's ``pipeline_inputs``) continues into the first
-        layer's stream, and what runs after it (the last stage's ``pipeline_loss``) continues the last
-        layer's: on whichever rank, as ``F`` or ``FR``, in the same order. The module is called as a whole,
-        so its own hooks run; the reseeding is a forward pre-hook on each later layer, held for the block.
+        What runs in the block before the forward (stage 0's ``pipeline_inputs``) draws from the
+        :data:`INPUTS` key, and what runs after it (the last stage's ``pipeline_loss``) continues the last
+        layer's stream: on whichever rank, as ``F`` or ``FR``, in the same order. The module is called as a
+        whole, so its own hooks run (the replica's pending update, a user's forward hook).
         """
-        keys = [forward_key(self.seed, step, pipeline, microbatch, unit) for unit in self.units]
         devices = [] if self._device_module is None else [self._device_index]
-        with torch.random.fork_rng(devices=devices, device_type=self.device.type), ExitStack() as hooks:
-            self._seed(keys[0])
-            for layer, key in zip(self._later, keys[1:], strict=True):
-                hooks.callback(layer.register_forward_pre_hook(self._reseed(key)).remove)
-            yield self.module
+        stage = self.module if isinstance(self.module, StageSequential) else None
 
-    def _reseed(self, key: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            self._seed(key)
+        def reseed(layer: int) -> None:
+            self._seed(forward_key(self.seed, step, pipeline, microbatch, layer))
 
-        return hook
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            reseed(INPUTS if stage is not None else self.default_unit)
+            if stage is None:
+                yield self.module
+                return
+            stage.before_layer = reseed
+            try:
+                yield stage
+            finally:
+                stage.before_layer = None
 
     def _seed(self, key: int) -> None:
         """Seed the CPU generator and this device's (not every device's, as ``torch.manual_seed`` would:

@@ -103,13 +103,13 @@ def test_fused_position_and_any_split_draw_the_same_masks() -> None:
     assert not torch.equal(keyed_output(nn.Sequential(*body[:6]), x), expected)
 
 
-def test_the_stages_hooks_run_and_the_reseeding_hooks_go() -> None:
+def test_the_stages_hooks_run_and_nothing_stays_behind() -> None:
     stage = sub_sequential(dropout_body(), range(0, 6))
     seen: list[Tensor] = []
     stage.register_forward_hook(lambda module, args, out: seen.append(out))
     out = keyed_output(stage, torch.randn(4, 8, dtype=torch.float64))
     assert len(seen) == 1 and seen[0] is out
-    assert all(not layer._forward_pre_hooks for layer in stage)
+    assert stage.before_layer is None
 
 
 def test_the_global_generator_is_restored() -> None:
