@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from lightning.fabric.utilities.seed import seed_everything
 from safetensors.torch import load_file
 from torch import Tensor, nn
@@ -121,6 +122,35 @@ def test_the_global_generator_is_restored() -> None:
     torch.manual_seed(11)
     keyed_output(stage, x)
     assert torch.equal(torch.rand(5), expected)
+
+
+class Checkpointed(nn.Module):
+    """``inner`` under activation checkpointing: its forward runs again in the backward, outside the block."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def test_activation_checkpointing_recomputes_the_keyed_masks() -> None:
+    """The backward of a checkpointed Tanh + Dropout runs after the keyed block has put the generators back;
+    torch.utils.checkpoint restores the state it saved in the forward (the keyed one), so the gradients are
+    those of the same layers without checkpointing."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), nn.Sequential(nn.Tanh(), nn.Dropout(0.5)), nn.Linear(8, 1)]
+    plain = sub_sequential(nn.Sequential(*layers).double(), range(3))
+    checkpointed = copy.deepcopy(plain)
+    checkpointed._modules["1"] = Checkpointed(checkpointed._modules["1"])
+    x = torch.randn(4, 8, dtype=torch.float64)
+    for stage in (plain, checkpointed):
+        keyed_output(stage, x).sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+    with torch.no_grad():  # dropout is on: another step's masks give another output
+        assert not torch.equal(keyed_output(plain, x, step=4), keyed_output(plain, x))
 
 
 def one_stage_engine(keyed_rng: bool) -> PipelineEngine:
