@@ -174,11 +174,11 @@ class PipelineEngine:
         self._check_count(microbatches)
         self.rng_step = self.rng_step + 1 if step is None else step
         self.redundant_outputs = {}
-        step = _StepState(count=len(microbatches))
-        self._run_program(self.schedule, microbatches, step, train=True)
+        state = _StepState(count=len(microbatches))
+        self._run_program(self.schedule, microbatches, state, train=True)
         start = self.clock()
         self._average_gradients()
-        loss = self._broadcast_loss(step.losses)
+        loss = self._broadcast_loss(state.losses)
         if self.trace is not None:
             self.trace.append(("allreduce+loss", start, self.clock()))
         return loss

@@ -42,17 +42,21 @@ def run_seed() -> int:
     """The run's seed: ``PL_GLOBAL_SEED`` (set by ``seed_everything``), else :data:`DEFAULT_SEED`.
 
     Raises:
-        ValueError: ``PL_GLOBAL_SEED`` is set but is not an integer.
+        ValueError: ``PL_GLOBAL_SEED`` is set but is not an integer that fits in 64 bits (signed).
     """
     value = os.environ.get(SEED_ENV)
     if value is None or value == "":
         return DEFAULT_SEED
     try:
-        return int(value)
+        seed = int(value)
     except ValueError:
+        seed = None
+    if seed is None or not -(2**63) <= seed < 2**63:
         raise ValueError(
-            f"{SEED_ENV} must be an integer seed (as lightning.seed_everything sets it), got {value!r}"
-        ) from None
+            f"{SEED_ENV} must be an integer seed in [-2**63, 2**63) (as lightning.seed_everything sets it), "
+            f"got {value!r}"
+        )
+    return seed
 
 
 def forward_key(seed: int, step: int, pipeline: int, microbatch: int, layer: int) -> int:

@@ -65,9 +65,10 @@ def test_run_seed_is_seed_everythings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SEED_ENV, "0")  # restored after the test, whatever seed_everything sets
     seed_everything(1234)
     assert run_seed() == 1234
-    monkeypatch.setenv(SEED_ENV, "abc")
-    with pytest.raises(ValueError, match=r"PL_GLOBAL_SEED must be an integer seed .* got 'abc'"):
-        run_seed()
+    for bad in ("abc", str(2**64)):
+        monkeypatch.setenv(SEED_ENV, bad)
+        with pytest.raises(ValueError, match=rf"PL_GLOBAL_SEED must be an integer seed .* got '{bad}'"):
+            run_seed()
 
 
 def test_replica_draws_the_masks_of_its_stage() -> None:
