@@ -72,6 +72,8 @@ def forward_key(seed: int, step: int, pipeline: int, microbatch: int, layer: int
     return int.from_bytes(digest, "little")
 
 
+_PER_DEVICE = ("current_device", "device", "manual_seed", "get_rng_state", "set_rng_state")
+"""What a device module needs here: fork and seed one device's generator (``torch.cuda``, ``torch.xpu``)."""
 INPUTS = -1
 """The key's ``layer`` of what runs before the first layer of a ``StageSequential`` (stage 0's
 ``pipeline_inputs``, in ``F`` and in the last rank's ``FR``)."""
@@ -95,10 +97,16 @@ class KeyedForward:
         self.default_unit = default_unit
         self.device = device
         self.seed = seed
-        self._device_module = None if device.type == "cpu" else torch.get_device_module(device.type)
+        backend = None if device.type == "cpu" else torch.get_device_module(device.type)
+        if backend is not None and not all(hasattr(backend, name) for name in _PER_DEVICE):
+            raise ValueError(
+                f"keyed random numbers need a device with per-device generators (cpu, cuda, xpu), got "
+                f"{device.type!r}; turn them off (keyed_rng=False) to train on it"
+            )
+        self._device_module = backend
         index = device.index
-        if self._device_module is not None and index is None:
-            index = self._device_module.current_device()
+        if backend is not None and index is None:
+            index = backend.current_device()
         self._device_index = index
 
     @contextmanager

@@ -300,3 +300,9 @@ def test_another_layout_draws_the_same_masks(
 
     run_elastic(tmp_path, nproc=2, stages=2, extra_args=("--variant", "dropout"))
     assert_bitwise_equal(elastic_finals(tmp_path), uninterrupted_dropout)
+
+
+def test_a_device_without_per_device_generators_is_refused() -> None:
+    expected = r"per-device generators \(cpu, cuda, xpu\), got 'mps'; turn them off \(keyed_rng=False\)"
+    with pytest.raises(ValueError, match=expected):
+        KeyedForward(nn.Linear(2, 2), 0, torch.device("mps"), 0)
