@@ -98,6 +98,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="after timing, record N more steps of (c) and (d) in each rank's CPU time and replay the "
         "schedules with those costs (a free core per rank): an estimate of rc_overhead that survives load",
     )
+    parser.add_argument(
+        "--no-keyed-rng", action="store_true",
+        help="(c) and (d) draw random numbers from the global generators instead of forking them per forward "
+        "keyed by (seed, step, micro-batch, stage), the engine's default: what the keying costs",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for the workers")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -313,7 +318,7 @@ def bamboo_step(
         sync = TimedReplicaSync(stage, replica, replica_optimizer, groups, device, seconds=replica_seconds)
         sync.sync_parameters()
     engine = PipelineEngine(
-        stage, groups, schedule, device=device, replica=replica,
+        stage, groups, schedule, device=device, replica=replica, keyed_rng=not args.no_keyed_rng,
         inputs_fn=lambda microbatch: microbatch[0],
         loss_fn=lambda logits, microbatch: lm_loss(logits, microbatch[1]),
     )
@@ -555,7 +560,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"GPT n_layer={args.n_layer} n_embd={args.n_embd} T={args.block_size}, batch {args.batch_size} in "
           f"{args.microbatches} micro-batches, {args.stages} stages; median of {args.steps} steps after "
           f"{args.warmup} warm-up; {len(os.sched_getaffinity(0))} CPUs, load average at start {load:.2f}"
-          + f"; {args.adamw} AdamW")
+          + f"; {args.adamw} AdamW" + ("; no keyed RNG" if args.no_keyed_rng else ""))
     print(f"{'mode':<42}{'s/step':>10}{'first loss':>12}{'last loss':>11}")
     for mode in MODES:
         losses = results[mode]["losses"]

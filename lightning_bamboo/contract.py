@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -238,11 +238,20 @@ class StageSequential(nn.Sequential):
         engine's own execution (:func:`pipeline_execution`) raises ``RuntimeError`` with this text, since
         it would run one stage of the model, never the whole. ``None`` (standalone use): no check."""
         self._engine_depth = 0
+        self.before_layer: Callable[[int], None] | None = None
+        """Set by the engine for the length of one training forward (:mod:`lightning_bamboo.keyed_rng`):
+        called with each layer's index in the body just before that layer runs. ``None``: nothing."""
 
     def forward(self, input: Any) -> Any:
         if self.outside_call_error is not None and self._engine_depth == 0:
             raise RuntimeError(self.outside_call_error)
-        return super().forward(input)
+        before = self.before_layer
+        if before is None:
+            return super().forward(input)
+        for name, layer in self._modules.items():
+            before(int(name))
+            input = layer(input)
+        return input
 
     def __getitem__(self, idx: int | slice) -> nn.Module:  # type: ignore[override]
         if isinstance(idx, slice):

@@ -186,6 +186,10 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
             drains it one step boundary later, an announced departure: a
             :class:`~lightning_bamboo.callbacks.BambooNotices` is added when the trainer has none. ``False``:
             Lightning's own SIGTERM handling, which ends the worker (the job then fails over, or stops).
+        keyed_rng: ``True`` (default): every training forward (F, FR, a replayed or re-run step) draws its
+            random numbers (dropout) from generators keyed by (seed, step, pipeline, micro-batch, layer),
+            restored afterwards (:mod:`lightning_bamboo.keyed_rng`); ``False``: from each process's global
+            generators (FR then differs from F under dropout, and a replay from the first run).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for every
             Lightning ``ParallelStrategy`` (normally set by the Trainer).
     """
@@ -209,6 +213,7 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
         checkpoint_dir: str | os.PathLike | None = None,
         keep_checkpoints: int = 2,
         drain_on_sigterm: bool = True,
+        keyed_rng: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -234,6 +239,9 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
                 f"({num_stages}); pass redundancy=False"
             )
         fb.check_options(checkpoint_every_n_steps, checkpoint_dir, keep_checkpoints)
+        if not isinstance(keyed_rng, bool):
+            raise TypeError(f"keyed_rng must be True or False, got {keyed_rng!r}")
+        self._keyed_rng = keyed_rng
         self._num_stages = num_stages
         self._num_microbatches = num_microbatches
         self._redundancy = redundancy
@@ -816,6 +824,7 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
             replica=self.replica if positions > 1 and self._redundancy else None,
             replica_device=self.replica_device,
             stage_params=stage_params,
+            keyed_rng=self._keyed_rng,
         )
         self.engine.before_action = self._before_action
 
@@ -944,7 +953,9 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
         if self._env is not None and self._env.joining and self.owners is None:
-            self._join(trainer)
+            self._join(trainer)  # the job's step count comes with the joiner's progress
+        elif not self._rerunning:
+            self._step = trainer.global_step  # a resumed fit goes on counting (checkpoints, random keys)
         check_train_batches(trainer.train_dataloader, self._num_microbatches, self.num_pipelines)
 
     @override
@@ -1007,7 +1018,7 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
         check_replayed_loss(self.lightning_module, output, loss)
         return output
 
-    def _run_schedule(self, microbatches: list[Any]) -> Tensor:
+    def _run_schedule(self, microbatches: list[Any], position: int | None = None) -> Tensor:
         """The schedule's forwards and backwards; its gradients are held in ``_stashed_grads`` (Lightning
         zeroes gradients after ``training_step`` and before ``backward``), earlier ones are left in place."""
         assert self.engine is not None
@@ -1016,11 +1027,19 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
         for p in params:
             p.grad = None
         with self.precision_plugin.train_step_context():
-            loss = self.engine.run_step(microbatches)
+            loss = self.engine.run_step(microbatches, step=self._forward_key_step(position))
         self._stashed_grads = [p.grad for p in params]
         for p, grad in zip(params, earlier):
             p.grad = grad
         return loss
+
+    def _forward_key_step(self, position: int | None = None) -> int:
+        """The index keying a batch's forwards' random numbers (:mod:`lightning_bamboo.keyed_rng`): the
+        committed step count, times the batches of a step, plus the batch's ``position`` in the step (default:
+        the batch in flight). A replayed or re-run batch draws the random numbers it drew first."""
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches if self.lightning_module else 1
+        position = max(len(self._window) - 1, 0) if position is None else position
+        return self._step * accumulate + position
 
     def _stage_params(self) -> list[nn.Parameter]:
         assert self._stage_module is not None
@@ -1060,8 +1079,8 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
         computed again on the new layout (the step's batch in flight is run by the caller)."""
         for p in self._stage_params():
             p.grad = None
-        for _, batch in self._window[: self._window_done]:
-            self._run_schedule(self._share(batch))
+        for position, (_, batch) in enumerate(self._window[: self._window_done]):
+            self._run_schedule(self._share(batch), position)
             self._add_stashed_grads()
 
     @override

@@ -419,7 +419,7 @@ class ElasticRuntime:
         for p in self._stage_params():
             p.grad = None
         with self.precision_plugin.train_step_context():
-            self.engine.run_step(self._share(batch))
+            self.engine.run_step(self._share(batch), step=self._step)
         self._exchange_replica_gradients()
         self._plan_clipping()
         commit = commit_protocol.StepCommit(self._store, self.owners.generation, len(self.owners.members()))

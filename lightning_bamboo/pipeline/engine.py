@@ -30,6 +30,12 @@ grad.
 After the last action, gradients of the stage are averaged over the data-parallel stage group and the mean
 loss of the step is broadcast from the last stage to every rank of the pipeline.
 
+Random numbers (dropout): in each ``F`` and ``FR`` of a training step, every layer draws from generators
+keyed by (seed, step, pipeline, micro-batch, the layer's index in the body), restored afterwards
+(:mod:`lightning_bamboo.keyed_rng`), so an ``FR`` equals its successor's ``F`` bit for bit with dropout on,
+and a step re-run after a failover, on a member that now runs several original stages fused, draws what
+the uninterrupted run drew.
+
 Standalone use (benchmarks), on every rank after ``init_process_group``::
 
     groups = BambooGroups.create(layout, rank)
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +57,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_bamboo.contract import pipeline_execution
+from lightning_bamboo.keyed_rng import Forward, KeyedForward, run_seed
 from lightning_bamboo.pipeline.groups import BambooGroups
 from lightning_bamboo.pipeline.transfers import (
     BoundaryLayout,
@@ -84,6 +92,12 @@ class PipelineEngine:
         replica: the replica of the successor stage, needed when the schedule contains ``FR`` actions.
         replica_device: device the replica lives on (``device`` or CPU); its inputs are moved there and its
             outputs are kept there.
+        keyed_rng: ``True`` (default): in every forward of a training step each layer draws its random
+            numbers from generators keyed by (seed, step, pipeline, micro-batch, its index in the body),
+            restored afterwards (:mod:`lightning_bamboo.keyed_rng`; a stage that is not a ``StageSequential``
+            is keyed as a whole by its stage index); ``False``: from the process's global generators, as
+            they stand (``FR`` then draws other dropout masks than its successor's ``F``).
+        seed: the seed of the keys; ``None``: ``seed_everything``'s (``PL_GLOBAL_SEED``), else 0.
     """
 
     def __init__(
@@ -97,6 +111,8 @@ class PipelineEngine:
         device: torch.device,
         replica: nn.Module | None = None,
         replica_device: torch.device | None = None,
+        keyed_rng: bool = True,
+        seed: int | None = None,
     ) -> None:
         self.stage = stage
         self.groups = groups
@@ -130,24 +146,39 @@ class PipelineEngine:
         self._forward_only: dict[int, Schedule] = {}
         num_mb = {action.microbatch for program in schedule.values() for action in program if action}
         self.num_microbatches = len(num_mb)
+        self.rng_step = -1
+        """The step whose keys the last (or current) ``run_step`` drew from."""
+        self.keyed_stage: KeyedForward | None = None
+        """The stage's forward under keyed random numbers (``None``: ``keyed_rng=False``)."""
+        self.keyed_replica: KeyedForward | None = None
+        if keyed_rng:
+            seed = run_seed() if seed is None else seed
+            self.keyed_stage = KeyedForward(stage, groups.stage, device, seed)
+            if replica is not None:
+                successor = (groups.stage + 1) % groups.num_stages
+                self.keyed_replica = KeyedForward(replica, successor, self.replica_device, seed)
 
-    def run_step(self, microbatches: Sequence[Any]) -> Tensor:
+    def run_step(self, microbatches: Sequence[Any], step: int | None = None) -> Tensor:
         """Forward and backward of every micro-batch; leaves averaged gradients in the stage's ``.grad``.
 
         Args:
             microbatches: the step's micro-batches (the same on every stage of a pipeline); their count must
                 match the schedule's.
+            step: the training step, part of the key of the forwards' random numbers: the same on every
+                rank, and the same when a step is run again (the strategy passes its step count); ``None``:
+                one more than the last ``run_step``'s (0 for the first).
 
         Returns:
             The pipeline's mean loss over the micro-batches, as a float64 scalar on ``device``, on every rank.
         """
         self._check_count(microbatches)
+        self.rng_step = self.rng_step + 1 if step is None else step
         self.redundant_outputs = {}
-        step = _StepState(count=len(microbatches))
-        self._run_program(self.schedule, microbatches, step, train=True)
+        state = _StepState(count=len(microbatches))
+        self._run_program(self.schedule, microbatches, state, train=True)
         start = self.clock()
         self._average_gradients()
-        loss = self._broadcast_loss(step.losses)
+        loss = self._broadcast_loss(state.losses)
         if self.trace is not None:
             self.trace.append(("allreduce+loss", start, self.clock()))
         return loss
@@ -249,24 +280,26 @@ class PipelineEngine:
         transfers = step.transfers
         assert transfers is not None
         if action.kind is ActionKind.FORWARD:
-            if self.groups.is_first_stage:
-                x = _model_input((step.inputs_fn or self.inputs_fn)(microbatches[mb]))
-            else:
-                x = transfers.take(Kind.ACTIVATION, mb)
-                layout = transfers.layout_in(mb)
-                if train:  # a single tensor: if floating; a tuple/dict: the tensors the sender had grads for
-                    flags = layout.grads if layout is not None else (x.is_floating_point(),)
-                    for tensor, flag in zip(_tensors(x), flags, strict=True):
-                        tensor.requires_grad_(flag)
-                    if layout is not None:
-                        step.input_layouts[mb] = layout
-            # the stage runs on a copy of a received leaf: an in-place first layer (ReLU(inplace=True))
-            # may not write into a leaf that requires grad
-            y = _boundary_output(self.stage(_leaf_copies(x)), self.stage, self.groups.stage)
+            with self._random(self.stage, self.keyed_stage, mb, train) as forward:
+                if self.groups.is_first_stage:
+                    x = _model_input((step.inputs_fn or self.inputs_fn)(microbatches[mb]))
+                else:
+                    x = transfers.take(Kind.ACTIVATION, mb)
+                    layout = transfers.layout_in(mb)
+                    if train:  # one tensor: if floating; a tuple/dict: the tensors the sender had grads for
+                        flags = layout.grads if layout is not None else (x.is_floating_point(),)
+                        for tensor, flag in zip(_tensors(x), flags, strict=True):
+                            tensor.requires_grad_(flag)
+                        if layout is not None:
+                            step.input_layouts[mb] = layout
+                # the stage runs on a copy of a received leaf: an in-place first layer (ReLU(inplace=True))
+                # may not write into a leaf that requires grad
+                y = _boundary_output(forward(_leaf_copies(x)), self.stage, self.groups.stage)
+                loss = None if not last or step.collect_outputs else self.loss_fn(y, microbatches[mb])
             if last and step.collect_outputs:
                 step.collected[mb] = y
             elif last:
-                loss = self.loss_fn(y, microbatches[mb])
+                assert loss is not None
                 step.losses.append(loss.detach())
                 if train:
                     step.outputs[mb] = loss / step.count
@@ -338,15 +371,26 @@ class PipelineEngine:
         # inference mode, not only no_grad: no version counters or view tracking either (about 14% less CPU
         # per FR here); the outputs are kept for a takeover only, never recorded by autograd
         assert self.replica is not None
-        x = _model_input(self.inputs_fn(microbatch)) if self.groups.is_last_stage else kept_for_fr.pop(mb)
-        # a copy: ``x`` is this rank's own output (in flight to the successor, kept for its backward) or the
-        # micro-batch, and the replica's first layer may work in place (ReLU(inplace=True))
-        # laid out as the successor gets it (a received activation is dense; stage 0 takes inputs_fn's as is):
-        # a strided output (x.transpose) would run other kernels here and round differently
-        layout = torch.preserve_format if self.groups.is_last_stage else CONTIGUOUS
-        out = self.replica(_map(x, lambda t: t.to(self.replica_device, copy=True, memory_format=layout)))
+        # keyed as the successor's F: stage 0's pipeline_inputs and the layers draw what they draw there
+        with self._random(self.replica, self.keyed_replica, mb, True) as forward:
+            x = _model_input(self.inputs_fn(microbatch)) if self.groups.is_last_stage else kept_for_fr.pop(mb)
+            # a copy: ``x`` is this rank's own output (in flight to the successor, kept for its backward) or
+            # the micro-batch, and the replica's first layer may work in place (ReLU(inplace=True))
+            # laid out as the successor gets it (a received activation is dense; stage 0 takes inputs_fn's as
+            # is): a strided output (x.transpose) would run other kernels here and round differently
+            layout = torch.preserve_format if self.groups.is_last_stage else CONTIGUOUS
+            out = forward(_map(x, lambda t: t.to(self.replica_device, copy=True, memory_format=layout)))
         successor = (self.groups.stage + 1) % self.groups.num_stages
         self.redundant_outputs[mb] = _map(_boundary_output(out, self.replica, successor), Tensor.detach)
+
+    def _random(
+        self, module: nn.Module, keyed: KeyedForward | None, mb: int, train: bool
+    ) -> AbstractContextManager[Forward]:
+        """The forward of ``module`` for micro-batch ``mb``: keyed in training (see ``keyed_rng``); in
+        evaluation, or with ``keyed_rng=False``, the module itself on the global generators."""
+        if keyed is None or not train:
+            return nullcontext(module)
+        return keyed.keyed(self.rng_step, getattr(self.groups, "pipeline", 0), mb)
 
     def _average_gradients(self) -> None:
         """Mean of the stage's gradients over the pipelines (see :func:`average_gradients`)."""

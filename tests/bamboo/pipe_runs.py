@@ -58,6 +58,8 @@ CASES: dict[str, tuple[int, int, str, list[str], list[str] | None]] = {
     "rank-noise": (2, 1, "sgd", ["--data", "rank-noise"], ["--data", "rank-noise"]),
     "partial-last-batch": (2, 1, "sgd", ["--extra-samples", "2"], ["--extra-samples", "2"]),
     "per-rank-state": (2, 1, "sgd", ["--variant", "state", "--per-rank-state"], None),
+    # test_keyed_rng.py: no reference (strategy="auto" draws its dropout masks from one global stream)
+    "dropout": (2, 1, "sgd", ["--variant", "dropout"], None),
 }
 
 

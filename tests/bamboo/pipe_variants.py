@@ -161,6 +161,24 @@ class UserModel(WithState):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class WithDropout(PipeMLP):
+    """PipeMLP with ``Dropout(0.5)`` after every Tanh: L T D L T D L T D L (3 pairs).
+
+    2 stages split it L T D L | T D L T D L, 3 stages L T D | L T D | L T D L: every stage and every replica
+    draws masks, and stage 0 of 3 ends with a Dropout (its output has exact zeros where it dropped).
+    Dropout draws no numbers at construction, so the parameters start as ``PipeMLP``'s.
+    """
+
+    def __init__(self, p: float = 0.5, **kwargs) -> None:
+        super().__init__(**kwargs)
+        layers: list[nn.Module] = []
+        for layer in self.pipeline:
+            layers.append(layer)
+            if isinstance(layer, nn.Tanh):
+                layers.append(nn.Dropout(p))
+        self.pipeline = nn.Sequential(*layers)
+
+
 VARIANTS: dict[str, type[PipeMLP]] = {
     "mlp": PipeMLP,
     "per-layer-lr": PerLayerLr,
@@ -170,6 +188,7 @@ VARIANTS: dict[str, type[PipeMLP]] = {
     "state": WithState,
     "inplace": InplaceFirst,
     "user": UserModel,
+    "dropout": WithDropout,
 }
 
 

@@ -1,0 +1,308 @@
+"""Dropout that survives failover (lightning_bamboo.keyed_rng): keys, keyed forwards, the engine.
+
+In one process: the key is stable and depends on each of its parts; a replica's keyed forward draws its
+stage's masks; a fused position (several original stages, as after a failover) and any other split of the
+body into stages draw the same masks; the global generators come back as they were; the stage's own hooks
+still run; a single-stage engine keys its steps. The
+multi-process checks (FR equals F with dropout under ``strategy="bamboo"``; elastic runs with a SIGKILLed
+stage, or two and a checkpoint fallback, equal the uninterrupted one bit for bit) start processes and are
+marked so.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from lightning.fabric.utilities.seed import seed_everything
+from lightning_bamboo.engine import PipelineEngine
+from lightning_bamboo.groups import BambooGroups
+from lightning_bamboo.layout import StageLayout
+from lightning_bamboo.microbatch import split_microbatches
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from lightning_bamboo.contract import sub_sequential
+from lightning_bamboo.keyed_rng import DEFAULT_SEED, SEED_ENV, KeyedForward, forward_key, run_seed
+from lightning_bamboo.schedule import build_1f1b
+from tests.bamboo.launch import snapshot
+from tests.bamboo.pipe_mlp import make_data
+from tests.bamboo.pipe_runs import STEPS
+from tests.bamboo.pipe_variants import WithDropout
+
+CPU = torch.device("cpu")
+STAGES = (range(0, 3), range(3, 6), range(6, 10))
+"""The 3-stage split of ``WithDropout``'s body: L T D | L T D | L T D L."""
+
+
+def dropout_body() -> nn.Sequential:
+    torch.manual_seed(0)
+    return WithDropout(pairs=3).pipeline
+
+
+def keyed_output(module: nn.Module, x: Tensor, step: int = 3, pipeline: int = 0, mb: int = 1,
+                 seed: int = 7) -> Tensor:
+    with KeyedForward(module, 0, CPU, seed).keyed(step, pipeline, mb) as forward:
+        return forward(x)
+
+
+def test_key_is_stable_and_depends_on_every_part() -> None:
+    # a fixed value: every process, Python and PyTorch version must derive the same key
+    assert forward_key(0, 0, 0, 0, 0) == forward_key(0, 0, 0, 0, 0) == 0x5388BCC9D6BEE81A
+    parts = [(0,) * 5] + [tuple(int(i == j) for j in range(5)) for i in range(5)]  # each part changed alone
+    assert len({forward_key(*p) for p in parts}) == 6
+    assert 0 <= forward_key(2**32 - 1, 10**6, 7, 255, 63) < 2**64  # torch.manual_seed takes any 64-bit key
+
+
+def test_run_seed_is_seed_everythings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SEED_ENV, raising=False)
+    assert run_seed() == DEFAULT_SEED
+    monkeypatch.setenv(SEED_ENV, "0")  # restored after the test, whatever seed_everything sets
+    seed_everything(1234)
+    assert run_seed() == 1234
+    for bad in ("abc", str(2**64)):
+        monkeypatch.setenv(SEED_ENV, bad)
+        with pytest.raises(ValueError, match=rf"PL_GLOBAL_SEED must be an integer seed .* got '{bad}'"):
+            run_seed()
+
+
+def test_replica_draws_the_masks_of_its_stage() -> None:
+    """Stage 1 and an independent copy of its layers (a replica on another rank) give the same output for the
+    same (seed, step, pipeline, micro-batch); any other key draws other masks."""
+    body = dropout_body()
+    stage = sub_sequential(body, STAGES[1])
+    replica = sub_sequential(copy.deepcopy(body), STAGES[1])
+    x = torch.randn(4, 8, dtype=torch.float64)
+    torch.manual_seed(1)  # the global generators' state must not matter
+    expected = keyed_output(stage, x)
+    torch.manual_seed(2)
+    got = keyed_output(replica, x.clone())
+    assert torch.equal(got, expected)
+    assert 0 < int((expected == 0).sum()) < expected.numel()  # Dropout(0.5) dropped some, not all
+    for other in ({"step": 4}, {"pipeline": 1}, {"mb": 2}, {"seed": 8}):
+        masks = keyed_output(stage, x, **other) == 0
+        assert not torch.equal(masks, expected == 0), other
+
+
+def test_fused_position_and_any_split_draw_the_same_masks() -> None:
+    """Stages 0 and 1 run fused by one member (after stage 1's member was lost) draw exactly what stage 0 and
+    stage 1 draw on their own members, and so does a 2-stage split of the same body: each layer reseeds with
+    its own key just before it runs."""
+    body = dropout_body()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    hidden = keyed_output(sub_sequential(body, STAGES[0]), x)
+    expected = keyed_output(sub_sequential(body, STAGES[1]), hidden)
+    assert torch.equal(keyed_output(sub_sequential(body, range(0, 6)), x), expected)
+    three = keyed_output(sub_sequential(body, STAGES[2]), expected)
+    two = keyed_output(sub_sequential(body, range(4, 10)), keyed_output(sub_sequential(body, range(0, 4)), x))
+    assert torch.equal(two, three)
+    # one key for the whole fused position (a module whose layers the engine cannot see) draws other masks
+    assert not torch.equal(keyed_output(nn.Sequential(*body[:6]), x), expected)
+
+
+def test_the_stages_hooks_run_and_nothing_stays_behind() -> None:
+    stage = sub_sequential(dropout_body(), range(0, 6))
+    seen: list[Tensor] = []
+    stage.register_forward_hook(lambda module, args, out: seen.append(out))
+    out = keyed_output(stage, torch.randn(4, 8, dtype=torch.float64))
+    assert len(seen) == 1 and seen[0] is out
+    assert stage.before_layer is None
+
+
+def test_the_global_generator_is_restored() -> None:
+    """What the pipeline's forwards draw does not shift the random stream of the user's code around them."""
+    stage = sub_sequential(dropout_body(), STAGES[0])
+    x = torch.randn(4, 8, dtype=torch.float64)
+    torch.manual_seed(11)
+    expected = torch.rand(5)
+    torch.manual_seed(11)
+    keyed_output(stage, x)
+    assert torch.equal(torch.rand(5), expected)
+
+
+class Checkpointed(nn.Module):
+    """``inner`` under activation checkpointing: its forward runs again in the backward, outside the block."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def test_activation_checkpointing_recomputes_the_keyed_masks() -> None:
+    """The backward of a checkpointed Tanh + Dropout runs after the keyed block has put the generators back;
+    torch.utils.checkpoint restores the state it saved in the forward (the keyed one), so the gradients are
+    those of the same layers without checkpointing."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), nn.Sequential(nn.Tanh(), nn.Dropout(0.5)), nn.Linear(8, 1)]
+    plain = sub_sequential(nn.Sequential(*layers).double(), range(3))
+    checkpointed = copy.deepcopy(plain)
+    checkpointed._modules["1"] = Checkpointed(checkpointed._modules["1"])
+    x = torch.randn(4, 8, dtype=torch.float64)
+    for stage in (plain, checkpointed):
+        keyed_output(stage, x).sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+    with torch.no_grad():  # dropout is on: another step's masks give another output
+        assert not torch.equal(keyed_output(plain, x, step=4), keyed_output(plain, x))
+
+
+def one_stage_engine(keyed_rng: bool) -> PipelineEngine:
+    """The whole dropout body as one stage: an engine that runs without a process group."""
+    body = dropout_body()
+    layout = StageLayout.plan([1.0] * len(body), 1, 1)
+    groups = BambooGroups(layout, rank=0, stage=0, pipeline=0, pipeline_group=None, stage_group=None)
+    return PipelineEngine(
+        sub_sequential(body, range(len(body))),
+        groups,
+        build_1f1b(1, 2),
+        inputs_fn=lambda mb: mb[0],
+        loss_fn=lambda out, mb: F.mse_loss(out, mb[1]),
+        device=CPU,
+        keyed_rng=keyed_rng,
+        seed=5,
+    )
+
+
+def test_engine_keys_each_step_and_leaves_the_global_stream_alone() -> None:
+    engine = one_stage_engine(keyed_rng=True)
+    microbatches = split_microbatches(make_data(8), 2)
+    torch.manual_seed(3)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(3)
+    first = engine.run_step(microbatches)  # step 0
+    grads = [p.grad.clone() for p in engine.stage.parameters()]
+    assert engine.rng_step == 0
+    assert torch.equal(torch.rand(3), expected_draw)
+    torch.manual_seed(99)
+    engine.stage.zero_grad(set_to_none=True)
+    assert torch.equal(engine.run_step(microbatches, step=0), first)  # the same step again: the same masks
+    assert all(torch.equal(p.grad, g) for p, g in zip(engine.stage.parameters(), grads, strict=True))
+    assert not torch.equal(engine.run_step(microbatches), first)  # step 1: other masks
+    assert engine.rng_step == 1
+
+
+def test_engine_without_keys_draws_from_the_global_generator() -> None:
+    engine = one_stage_engine(keyed_rng=False)
+    assert engine.keyed_stage is None
+    microbatches = split_microbatches(make_data(8), 2)
+    torch.manual_seed(3)
+    first = engine.run_step(microbatches)
+    torch.manual_seed(3)
+    assert torch.equal(engine.run_step(microbatches, step=5), first)  # the step plays no part
+    torch.manual_seed(4)
+    assert not torch.equal(engine.run_step(microbatches), first)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_fr_equals_f_with_dropout(pipe_bamboo_2: dict[str, Path]) -> None:
+    """2 stages, Dropout(0.5) on both: every FR equals its successor's F bit for bit, every step; and
+    dropout is on (the losses differ from the same model without it)."""
+    run = pipe_bamboo_2["dropout"]
+    for step in range(1, STEPS + 1):
+        ranks = [snapshot(run, step, rank) for rank in range(2)]
+        for rank, got in enumerate(ranks):
+            twin = ranks[(rank + 1) % 2]
+            fr = {k: v for k, v in got.items() if k.startswith("fr/")}
+            assert len(fr) == 2
+            for key, value in fr.items():
+                assert torch.equal(value, twin["fwd/" + key[3:]]), f"step {step} rank {rank} {key}"
+        plain = snapshot(pipe_bamboo_2["2stages-redundant-sgd"], step, 0)  # the same model, no dropout
+        assert not torch.equal(ranks[0]["loss"], plain["loss"]), f"step {step}: dropout drew nothing"
+
+
+def elastic_finals(out: Path) -> dict[str, Tensor]:
+    """The finished members' stages (parameters and optimizer state) of a ``train_elastic.py`` run, merged."""
+    from tests.bamboo.test_elastic import STEPS as ELASTIC_STEPS
+
+    merged: dict[str, Tensor] = {}
+    paths = sorted(out.glob("final_member*.safetensors"))
+    assert paths, f"no member finished: {sorted(p.name for p in out.iterdir())}"
+    for path in paths:
+        state = load_file(str(path))
+        assert int(state.pop("global_step")) == ELASTIC_STEPS
+        merged.update(state)
+    return merged
+
+
+def assert_bitwise_equal(got: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
+    assert set(got) == set(expected)
+    differ = [key for key in expected if not torch.equal(got[key], expected[key])]
+    assert not differ, f"differ from the uninterrupted run: {differ}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_dropout(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tensor]:
+    """The uninterrupted elastic run of ``WithDropout`` on 3 members (3 stages), seed 0."""
+    from tests.bamboo.test_elastic import run_elastic
+
+    out = tmp_path_factory.mktemp("elastic-dropout")
+    run_elastic(out, nproc=3, stages=3, extra_args=("--variant", "dropout"))
+    return elastic_finals(out)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_failover_with_dropout_equals_the_uninterrupted_run(
+    tmp_path: Path, uninterrupted_dropout: dict[str, Tensor], elastic_reference: dict[str, Tensor]
+) -> None:
+    """Member 1 (stage 1 of 3) is SIGKILLed in step 2's forward; member 0 replays the step with stages 0-1
+    fused (each layer still keyed by its index in the body) and trains on: every parameter and optimizer
+    state ends bit for bit where the uninterrupted run ends. (With one key for the fused position, it does
+    not.)"""
+    from tests.bamboo.test_elastic import run_elastic
+
+    log = run_elastic(tmp_path, nproc=3, stages=3, fault="1:2:forward", extra_args=("--variant", "dropout"))
+    assert "failover: lost [1]" in log
+    assert "pipe0  m0      m0      m2" in log
+    assert_bitwise_equal(elastic_finals(tmp_path), uninterrupted_dropout)
+    # dropout was on: the same model without it (strategy="auto") ends elsewhere
+    first = "own/pipeline.0.weight"
+    assert (uninterrupted_dropout[first] - elastic_reference[first]).abs().max() > 1e-3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_checkpoint_fallback_with_dropout_equals_the_uninterrupted_run(
+    tmp_path: Path, uninterrupted_dropout: dict[str, Tensor]
+) -> None:
+    """Members 1 and 2 die together in step 5: member 0 alone loads the last checkpoint, re-runs the steps
+    since it (keyed by their own step numbers) with all three stages fused, replays step 5: bit for bit the
+    uninterrupted run."""
+    from tests.bamboo.test_elastic import run_elastic
+
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    args = ("--variant", "dropout", "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt))
+    log = run_elastic(out, nproc=3, stages=3, fault="1+2:5:exchange", extra_args=args)
+    assert "pipe0  m0      m0      m0" in log
+    found = re.search(r"fallback: loaded checkpoint step=(\d+) .* re-ran steps (\d+)\.\.(\d+)", log)
+    assert found, log[-3000:]
+    assert int(found.group(1)) in (2, 4)
+    assert_bitwise_equal(elastic_finals(out), uninterrupted_dropout)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_another_layout_draws_the_same_masks(
+    tmp_path: Path, uninterrupted_dropout: dict[str, Tensor]
+) -> None:
+    """The same run on 2 members as 2 stages (L T D L | T D L T D L) ends bit for bit where the 3-stage run
+    ends: the masks depend on the layers, not on how the body is cut into stages."""
+    from tests.bamboo.test_elastic import run_elastic
+
+    run_elastic(tmp_path, nproc=2, stages=2, extra_args=("--variant", "dropout"))
+    assert_bitwise_equal(elastic_finals(tmp_path), uninterrupted_dropout)
+
+
+def test_a_device_without_per_device_generators_is_refused() -> None:
+    expected = r"per-device generators \(cpu, cuda, xpu\), got 'mps'; turn them off \(keyed_rng=False\)"
+    with pytest.raises(ValueError, match=expected):
+        KeyedForward(nn.Linear(2, 2), 0, torch.device("mps"), 0)
