@@ -20,15 +20,15 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from lightning.fabric.utilities.seed import seed_everything
-from lightning_bamboo.engine import PipelineEngine
-from lightning_bamboo.groups import BambooGroups
-from lightning_bamboo.layout import StageLayout
-from lightning_bamboo.microbatch import split_microbatches
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from lightning_bamboo.contract import sub_sequential
 from lightning_bamboo.keyed_rng import DEFAULT_SEED, SEED_ENV, KeyedForward, forward_key, run_seed
+from lightning_bamboo.pipeline.engine import PipelineEngine
+from lightning_bamboo.pipeline.groups import BambooGroups
+from lightning_bamboo.pipeline.layout import StageLayout
+from lightning_bamboo.pipeline.microbatch import split_microbatches
 from lightning_bamboo.schedule import build_1f1b
 from tests.bamboo.launch import snapshot
 from tests.bamboo.pipe_mlp import make_data
