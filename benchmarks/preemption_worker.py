@@ -52,12 +52,10 @@ def process_start_time() -> float:
     return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
 
 
-def layout_of(strategy: Any) -> str:
+def layout_of(strategy: BambooStrategy) -> str:
     """The layout a step ran on, keyed as the replay keys it (``2x2``; ``2+1`` for a fused pipeline)."""
-    if isinstance(strategy, BambooStrategy):
-        assert strategy.owners is not None
-        return shape_key(strategy.owners)
-    return f"{strategy.num_stages}x{strategy.num_pipelines}"
+    assert strategy.owners is not None
+    return shape_key(strategy.owners)
 
 
 class StepClock(Callback):
@@ -180,10 +178,7 @@ def main() -> None:
     else:
         world = int(os.environ["WORLD_SIZE"])
         name = f"launch{os.environ['BENCH_LAUNCH']}-rank{os.environ['LOCAL_RANK']}"
-        pipelines = world // args.stages
-        if args.batch % pipelines:
-            raise ValueError(f"--batch {args.batch} is not divisible by the {pipelines} pipelines")
-        batch = args.batch // pipelines  # per pipeline: the global batch is the same
+        batch = args.batch  # the same runtime: every rank loads the global batch, each pipeline its share
         strategy = BambooStrategy(
             num_stages=args.stages, num_microbatches=args.microbatches, redundancy=False,
             timeout=float(cfg.strategy.timeout),
