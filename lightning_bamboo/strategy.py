@@ -774,6 +774,7 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
             self._layers[layer].to(self.replica_device)
         for layer in own_layers:
             self._layers[layer].to(self.root_device)
+        self._release_templates(set(own_layers) | set(replica_layers))
         stage = sub_sequential(self._layers, own_layers)
         setattr(stage, _STAGE_MARK, True)
         layers = range(own_layers[0], own_layers[-1] + 1)
@@ -827,6 +828,14 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
             keyed_rng=self._keyed_rng,
         )
         self.engine.before_action = self._before_action
+
+    def _release_templates(self, held: set[int]) -> None:
+        """Layers this member does not hold stay only as templates on the meta device (a layer received
+        later is materialized from its template), so a member's memory is its stages and replica, not the
+        whole model."""
+        for layer, module in self._layers.items():
+            if layer not in held and any(t.device.type != "meta" for t in _tensors_of(module)):
+                module.to("meta")
 
     def _current_holdings(self) -> dict[int, LayerState]:
         """Every layer this member holds, with its optimizer state as of now."""
@@ -1452,6 +1461,10 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
 
 ElasticBambooStrategy = BambooStrategy
 """The name the elastic runtime had before it became :class:`BambooStrategy` (kept for existing scripts)."""
+
+
+def _tensors_of(module: nn.Module) -> list[Tensor]:
+    return [*module.parameters(), *module.buffers()]
 
 
 def _destroy_process_group() -> None:
