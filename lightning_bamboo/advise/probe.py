@@ -1,0 +1,309 @@
+"""A Callback that measures a job's own first steps under ``strategy="bamboo"`` and writes its costs file.
+
+    Trainer(strategy="bamboo", callbacks=[AdvisorProbe("bamboo_costs.json", steps=20)], max_steps=...)
+    python -m lightning_bamboo.advise --costs bamboo_costs.json --trace data/spot-traces/aws-p3-trace.csv
+
+After ``warmup_steps`` steps it measures ``steps`` steps (the step time, and per stage, from the engine's
+per-action times, compute, replica forward and bubble), then saves one checkpoint of the state (timed),
+gathers every rank's figures (one float64 row per rank, ``torch.distributed.all_gather``) and rank 0 writes
+the costs file. The steps after that are the *validation window*: the advisor's projection of this very
+configuration must predict their throughput (``sim_error``). docs/bamboo-advise.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_bamboo.advise import costs_file
+from lightning_bamboo.advise.timing import (
+    StepParts,
+    module_bytes,
+    optimizer_state_bytes,
+    process_start_time,
+    step_parts,
+)
+from lightning_bamboo.replay.costs import DEFAULT_COSTS, PRODUCER, load_costs
+
+log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def default_reference() -> Path:
+    """The live preemption benchmark's committed costs of this checkout, else ``DEFAULT_COSTS`` under the
+    working directory."""
+    packaged = REPO / DEFAULT_COSTS
+    return packaged if packaged.is_file() else DEFAULT_COSTS
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in ``batch``: the first dimension of its first tensor (a tensor, or a tuple/list/dict)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        try:
+            return batch_size(item)
+        except ValueError:
+            continue
+    raise ValueError(f"cannot tell the number of samples of a batch of type {type(batch).__name__}; "
+                     "pass AdvisorProbe(samples_per_step=...)")
+
+
+class AdvisorProbe(Callback):
+    """Measures this job's costs for the preflight advisor (``python -m lightning_bamboo.advise``).
+
+    Args:
+        path: the costs file (rank 0 writes it; a file of the same job measured at another layout or with
+            redundancy off is merged, so runs at several configurations fill one file).
+        steps: steps measured, after ``warmup_steps`` unmeasured ones.
+        warmup_steps: steps left out (the first steps build caches and allocate).
+        checkpoint_every: in the validation window, save a checkpoint every this many steps (timed, then
+            removed) so the window holds what checkpoint-restart pays; ``None``: none.
+        reference: costs file of the live preemption benchmark (``benchmarks/bamboo_preemption.py``), for
+            the costs the first steps cannot show (failover, rejoin, killing a job); default: this
+            checkout's ``benchmarks/results/bamboo_preemption.json``.
+        samples_per_step: samples of one global step; default: the batch's first dimension times the
+            data-parallel shards of the sampler.
+        model: how the costs file names the job (default: the LightningModule's class and parameter count).
+        checkpoint_dir: where the timed checkpoints go (default: ``<default_root_dir>/advisor-probe``).
+    """
+
+    def __init__(
+        self,
+        path: str | Path = "bamboo_costs.json",
+        steps: int = 10,
+        warmup_steps: int = 3,
+        checkpoint_every: int | None = None,
+        reference: str | Path | None = None,
+        samples_per_step: float | None = None,
+        model: str | None = None,
+        checkpoint_dir: str | Path | None = None,
+    ) -> None:
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"AdvisorProbe(steps=...) must be an integer >= 1, got {steps!r}")
+        if not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"AdvisorProbe(warmup_steps=...) must be an integer >= 1, got {warmup_steps!r}")
+        if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+            raise ValueError(f"AdvisorProbe(checkpoint_every=...) must be None or an integer >= 1, got "
+                             f"{checkpoint_every!r}")
+        self.path = Path(path)
+        self.steps = steps
+        self.warmup_steps = warmup_steps
+        self.checkpoint_every = checkpoint_every
+        self.reference_path = Path(reference) if reference is not None else default_reference()
+        self.samples_per_step = samples_per_step
+        self.model = model
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self._created = process_start_time()
+        self._train_start = 0.0
+        self._done = 0  # completed optimizer steps in this fit
+        self._last_step = -1
+        self._last_end = 0.0
+        self._first_step_s = 0.0
+        self._intervals: list[float] = []
+        self._parts = StepParts()
+        self._traced = 0
+        self._batch_samples = 0
+        self._live: dict[str, Any] | None = None  # the validation window, once open
+        self._live_intervals: list[float] = []
+        self.written: dict[str, Any] | None = None
+        """The costs file's content, as rank 0 wrote it (``None`` on the other ranks)."""
+
+    # ------------------------------------------------------------------ set-up
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        if not hasattr(strategy, "num_stages") or not hasattr(strategy, "redundancy"):
+            raise ValueError(f"AdvisorProbe measures a Bamboo pipeline: Trainer(strategy='bamboo'), got "
+                             f"{type(strategy).__name__}")
+        if not self.reference_path.is_file():
+            raise FileNotFoundError(
+                f"AdvisorProbe(reference=...): {str(self.reference_path)!r} does not exist; it prices what a "
+                f"run's first steps cannot show (failover, rejoin, killing a job); measure it with: "
+                f"{PRODUCER}")
+        self._reference = load_costs(self.reference_path)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._train_start = time.time()
+        self._last_end = time.perf_counter()
+
+    def _measuring(self, done: int) -> bool:
+        """Whether step number ``done`` (1-based, of this fit) is measured."""
+        return self.warmup_steps < done <= self.warmup_steps + self.steps
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if self._measuring(self._done + 1) and engine is not None and hasattr(engine, "trace"):
+            engine.trace = []
+        if not self._batch_samples:
+            self._batch_samples = batch_size(batch)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self._last_step:  # accumulating gradients: not a step boundary
+            return
+        now = time.perf_counter()
+        self._last_step = trainer.global_step
+        self._done += 1
+        if self._done == 1:
+            self._first_step_s = time.time() - self._train_start
+        if self._measuring(self._done):
+            self._intervals.append(now - self._last_end)
+            engine = getattr(trainer.strategy, "engine", None)
+            trace = getattr(engine, "trace", None)
+            if trace:
+                self._parts.add(step_parts(trace))
+                self._traced += 1
+            if engine is not None and hasattr(engine, "trace"):
+                engine.trace = None
+        self._last_end = now
+        if self._done == self.warmup_steps + self.steps:
+            self._finish_measurement(trainer, pl_module)
+            self._live = {"start": time.perf_counter(), "end": None, "steps": 0, "checkpoints": []}
+            self._last_end = self._live["start"]
+        elif self._live is not None and self._live["end"] is None:
+            self._live["steps"] += 1
+            self._live_intervals.append(now - self._live.get("last", self._live["start"]))
+            if self.checkpoint_every and self._live["steps"] % self.checkpoint_every == 0:
+                self._live["checkpoints"].append(self._timed_checkpoint(trainer)[0])
+            self._live["last"] = time.perf_counter()
+
+    # ------------------------------------------------------------------ the measurement
+    def _timed_checkpoint(self, trainer: pl.Trainer) -> tuple[float, int]:
+        """Save one checkpoint of the whole state (every rank), time it, measure its bytes, remove it."""
+        base = self.checkpoint_dir or Path(trainer.default_root_dir) / "advisor-probe"
+        path = base / f"probe-step{trainer.global_step}.ckpt"
+        start = time.perf_counter()
+        trainer.save_checkpoint(path, weights_only=False)
+        trainer.strategy.barrier("advisor-probe-checkpoint")
+        seconds = time.perf_counter() - start
+        size = 0
+        if trainer.is_global_zero:
+            files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+            size = sum(p.stat().st_size for p in files)
+            trainer.strategy.remove_checkpoint(path)
+            if base.is_dir() and not any(base.iterdir()):
+                base.rmdir()
+        trainer.strategy.barrier("advisor-probe-removed")
+        return seconds, size
+
+    def _finish_measurement(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy: Any = trainer.strategy
+        checkpoint_s, checkpoint_bytes = self._timed_checkpoint(trainer)
+        params, param_bytes, optim_bytes = optimizer_state_bytes(trainer.optimizers)
+        n = len(self._intervals)
+        per_step = 1.0 / self._traced if self._traced else 0.0
+        mine = costs_file.RankReport(
+            stage=strategy.stage_index, pipeline=strategy.pipeline_index,
+            step_s=sum(self._intervals) / n,
+            compute_s=self._parts.compute_s * per_step, fr_s=self._parts.fr_s * per_step,
+            wait_s=self._parts.wait_s * per_step, allreduce_s=self._parts.allreduce_s * per_step,
+            parameters=params, parameter_bytes=param_bytes, optimizer_bytes=optim_bytes,
+            replica_bytes=module_bytes(getattr(strategy, "replica", None)),
+            startup_s=self._train_start - self._created if self._created is not None else 0.0,
+            first_step_s=self._first_step_s, checkpoint_s=checkpoint_s,
+        )
+        ranks = gather_rows(mine.row(), strategy.root_device)
+        if not trainer.is_global_zero:
+            return
+        reports = [costs_file.RankReport.from_row(r) for r in ranks]
+        num_stages = int(strategy.num_stages)
+        replicas = strategy.distributed_sampler_kwargs.get("num_replicas", 1) \
+            if hasattr(strategy, "distributed_sampler_kwargs") else 1
+        run = costs_file.Run(
+            model=self.model or f"{type(pl_module).__name__} (rank 0 holds "
+                                f"{sum(p.numel() for p in pl_module.parameters())} parameters)",
+            num_stages=num_stages, pipelines=max(trainer.world_size // num_stages, 1),
+            num_microbatches=int(strategy.num_microbatches), redundancy=bool(strategy.redundancy),
+            samples_per_step=float(self.samples_per_step or self._batch_samples * replicas),
+            warmup_steps=self.warmup_steps, steps=self.steps, checkpoint_bytes=checkpoint_bytes,
+        )
+        data = costs_file.build(run, reports, self._reference, str(self.reference_path))
+        data["probe"][run.layout]["step_s_each_rank0"] = self._intervals
+        if self.path.is_file():
+            data = costs_file.merge(json.loads(self.path.read_text()), data)
+        self._run = run
+        self._step_s = data["costs"]["step_s"]
+        self.written = data
+        costs_file.write(self.path, data)
+        log.info("AdvisorProbe: wrote %s (%s, step %.4f s)", self.path, run.layout, self._step_s)
+
+    # ------------------------------------------------------------------ the validation window
+    def _close_window(self) -> None:
+        """A Bamboo event (failover, rejoin, fallback, drain) ends the validation window: the probe does not
+        measure what such events cost, so its projection is checked on the steps before."""
+        if self._live is not None and self._live["end"] is None:
+            self._live["end"] = self._live.get("last", self._live["start"])
+
+    def on_failover(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any,
+                        **info: Any) -> None:
+        self._close_window()
+
+    def on_rejoin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any,
+                      **info: Any) -> None:
+        self._close_window()
+
+    def on_fallback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any,
+                        **info: Any) -> None:
+        self._close_window()
+
+    def on_drain(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any,
+                     **info: Any) -> None:
+        self._close_window()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Rank 0 adds the validation window (the steps after the measured ones) to the costs file."""
+        if self._live is None or self.written is None or not trainer.is_global_zero:
+            return
+        self._close_window()
+        live = self._live
+        if live["end"] is None:
+            live["end"] = live.get("last", live["start"])
+        steps = live["steps"]
+        wall = live["end"] - live["start"]
+        if steps < 1 or wall <= 0:
+            return
+        run = self._run
+        system = "bamboo" if run.redundancy else "checkpoint_restart"
+        entry: dict[str, Any] = {
+            "layout": run.layout, "wall_s": wall, "steps": steps, "samples": steps * run.samples_per_step,
+            "samples_per_s": steps * run.samples_per_step / wall, "events": [],
+            "initial_nodes": [f"rank{i}" for i in range(run.num_stages * run.pipelines)],
+            "checkpoints": len(live["checkpoints"]), "checkpoint_s_each": live["checkpoints"],
+            "step_s_each_rank0": self._live_intervals,
+        }
+        if self.checkpoint_every:
+            entry["checkpoint_every_steps"] = self.checkpoint_every
+            # training seconds between checkpoints, as the replay counts them: this many measured steps
+            entry["checkpoint_interval_s"] = self.checkpoint_every * self._step_s
+        data = json.loads(self.path.read_text()) if self.path.is_file() else self.written
+        data.setdefault("live", {})[system] = entry
+        self.written = data
+        costs_file.write(self.path, data)
+
+
+def gather_rows(row: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's ``row`` (same length on every rank), in rank order; ``[row]`` without a process group."""
+    mine = torch.tensor(row, dtype=torch.float64, device=device)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [row]
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return [r.cpu().tolist() for r in rows]
