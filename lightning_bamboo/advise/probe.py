@@ -1,6 +1,6 @@
 """A Callback that measures a job's own first steps under ``strategy="bamboo"`` and writes its costs file.
 
-    Trainer(strategy="bamboo", callbacks=[AdvisorProbe("bamboo_costs.json", steps=20)], max_steps=...)
+    Trainer(strategy="bamboo", callbacks=[AdvisorProbe("bamboo_costs.json", checkpoint_every=10)], ...)
     python -m lightning_bamboo.advise --costs bamboo_costs.json --trace data/spot-traces/aws-p3-trace.csv
 
 After ``warmup_steps`` steps it measures ``steps`` steps (the step time, and per stage, from the engine's
@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_bamboo.advise import costs_file
@@ -81,8 +82,8 @@ class AdvisorProbe(Callback):
     def __init__(
         self,
         path: str | Path = "bamboo_costs.json",
-        steps: int = 10,
-        warmup_steps: int = 3,
+        steps: int = 20,
+        warmup_steps: int = 5,
         checkpoint_every: int | None = None,
         reference: str | Path | None = None,
         samples_per_step: float | None = None,
@@ -270,7 +271,11 @@ class AdvisorProbe(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Rank 0 adds the validation window (the steps after the measured ones) to the costs file."""
-        if self._live is None or self.written is None or not trainer.is_global_zero:
+        if self._live is None:
+            rank_zero_warn(f"AdvisorProbe: training ended after {self._done} steps, before the measurement "
+                           f"({self.warmup_steps} + {self.steps} steps): {self.path} not written")
+            return
+        if self.written is None or not trainer.is_global_zero:
             return
         self._close_window()
         live = self._live

@@ -9,6 +9,7 @@ import math
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import hydra
 import pytest
@@ -166,11 +167,18 @@ def test_validation_replays_the_probes_window_with_its_checkpoints(tmp_path: Pat
     assert check.sim_error == pytest.approx(abs(134.4 - 130.0) / 130.0)
 
 
-def test_probe_arguments_are_checked() -> None:
+def test_probe_arguments_and_its_strategy_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=re.escape("AdvisorProbe(steps=...) must be an integer >= 1, got 0")):
         AdvisorProbe(steps=0)
     with pytest.raises(ValueError, match=re.escape("AdvisorProbe(checkpoint_every=...) must be None or an")):
         AdvisorProbe(checkpoint_every=0)
+    with pytest.raises(ValueError, match=re.escape("AdvisorProbe measures a Bamboo pipeline: "
+                                                   "Trainer(strategy='bamboo'), got SimpleNamespace")):
+        AdvisorProbe(reference=FIXTURE).setup(SimpleNamespace(strategy=SimpleNamespace()), None, "fit")
+    bamboo = SimpleNamespace(num_stages=2, redundancy=True)
+    missing = r"AdvisorProbe\(reference=...\): '.*none.json' does not exist"
+    with pytest.raises(FileNotFoundError, match=missing):
+        AdvisorProbe(reference=tmp_path / "none.json").setup(SimpleNamespace(strategy=bamboo), None, "fit")
 
 
 GPT_TINY = REPO / "recipes" / "conf" / "model" / "gpt_tiny.yaml"
