@@ -140,7 +140,7 @@ def build(run: Run, ranks: Sequence[RankReport], reference: Costs, reference_pat
     sources["step_s"] = sources[f"{own}[{run.layout}]"]
     costs["step_s_by_shape"] = {}
     costs["checkpoint_s"] = checkpoint_s
-    sources["checkpoint_s"] = "measured: trainer.save_checkpoint of this run's state (slowest rank)"
+    sources["checkpoint_s"] = "measured: trainer.save_checkpoint of the run's state (mean save, slowest rank)"
     costs["relaunch_s_by_layout"] = {run.layout: relaunch_s}
     sources[f"relaunch_s_by_layout[{run.layout}]"] = (
         f"measured: process creation -> training start {startup_s:.3g} s (slowest rank) + restore priced as "

@@ -68,8 +68,12 @@ class AdvisorProbe(Callback):
             redundancy off is merged, so runs at several configurations fill one file).
         steps: steps measured, after ``warmup_steps`` unmeasured ones.
         warmup_steps: steps left out (the first steps build caches and allocate).
-        checkpoint_every: in the validation window, save a checkpoint every this many steps (timed, then
-            removed) so the window holds what checkpoint-restart pays; ``None``: none.
+        checkpoint_every: save a checkpoint every this many measured steps (``checkpoint_s`` is their mean
+            save) and every this many validation steps (the window then holds what checkpointing costs);
+            each is timed, then removed. ``None``: one save, after the measured steps.
+        block_steps: measured and validation steps alternate in blocks of this many until ``steps`` are
+            measured (default ``steps``: the measured steps first, then the window). Small blocks make the
+            validation robust to a machine whose load changes (both sets see the same load).
         reference: costs file of the live preemption benchmark (``benchmarks/bamboo_preemption.py``), for
             the costs the first steps cannot show (failover, rejoin, killing a job); default: this
             checkout's ``benchmarks/results/bamboo_preemption.json``.
@@ -85,6 +89,7 @@ class AdvisorProbe(Callback):
         steps: int = 20,
         warmup_steps: int = 5,
         checkpoint_every: int | None = None,
+        block_steps: int | None = None,
         reference: str | Path | None = None,
         samples_per_step: float | None = None,
         model: str | None = None,
@@ -94,6 +99,9 @@ class AdvisorProbe(Callback):
             raise ValueError(f"AdvisorProbe(steps=...) must be an integer >= 1, got {steps!r}")
         if not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"AdvisorProbe(warmup_steps=...) must be an integer >= 1, got {warmup_steps!r}")
+        if block_steps is not None and (not isinstance(block_steps, int) or block_steps < 1):
+            raise ValueError(f"AdvisorProbe(block_steps=...) must be None or an integer >= 1, got "
+                             f"{block_steps!r}")
         if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
             raise ValueError(f"AdvisorProbe(checkpoint_every=...) must be None or an integer >= 1, got "
                              f"{checkpoint_every!r}")
@@ -101,6 +109,7 @@ class AdvisorProbe(Callback):
         self.steps = steps
         self.warmup_steps = warmup_steps
         self.checkpoint_every = checkpoint_every
+        self.block_steps = block_steps or steps
         self.reference_path = Path(reference) if reference is not None else default_reference()
         self.samples_per_step = samples_per_step
         self.model = model
@@ -109,17 +118,20 @@ class AdvisorProbe(Callback):
         self._train_start = 0.0
         self._done = 0  # completed optimizer steps in this fit
         self._last_step = -1
-        self._last_end = 0.0
+        self._last_end = 0.0  # when the probe's own work at the previous step boundary ended
         self._first_step_s = 0.0
         self._intervals: list[float] = []
         self._parts = StepParts()
         self._traced = 0
+        self._saves: list[tuple[float, int]] = []  # (seconds, bytes) of the measured checkpoint saves
         self._batch_samples = 0
-        self._live: dict[str, Any] | None = None  # the validation window, once open
-        self._live_intervals: list[float] = []
+        self._world: Any = None
+        self._active = False  # measuring or validating; off for good after a Bamboo event or in a joiner
+        self._finished = False
+        self._window = {"steps": 0, "wall_s": 0.0, "checkpoints": [], "step_s_each_rank0": []}
+        self._window_open = True
         self.written: dict[str, Any] | None = None
         """The costs file's content, as rank 0 wrote it (``None`` on the other ranks)."""
-
     # ------------------------------------------------------------------ set-up
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -138,19 +150,33 @@ class AdvisorProbe(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Measure a fit from its start only: a resumed fit or a member that joined a running job (its
+        steps would not line up with the others' for the probe's collective checkpoints) stays inert."""
         self._train_start = time.time()
         self._last_end = time.perf_counter()
+        self._world = _world()
+        self._active = trainer.global_step == 0
+        if not self._active:
+            rank_zero_warn(f"AdvisorProbe: the fit starts at step {trainer.global_step}, not 0: not measured")
 
-    def _measuring(self, done: int) -> bool:
-        """Whether step number ``done`` (1-based, of this fit) is measured."""
-        return self.warmup_steps < done <= self.warmup_steps + self.steps
+    def _role(self, done: int) -> str:
+        """``warmup``, ``measure`` or ``validate`` for step number ``done`` (1-based) of this fit: after the
+        warm-up, blocks of ``block_steps`` steps alternate between measuring and validating until ``steps``
+        steps are measured; every step after that validates."""
+        k = done - self.warmup_steps - 1
+        if k < 0:
+            return "warmup"
+        block, within = divmod(k, self.block_steps)
+        if block % 2 == 0 and (block // 2) * self.block_steps + within < self.steps:
+            return "measure"
+        return "validate"
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         engine = getattr(trainer.strategy, "engine", None)
-        if self._measuring(self._done + 1) and engine is not None and hasattr(engine, "trace"):
-            engine.trace = []
+        if self._active and self._role(self._done + 1) == "measure" and hasattr(engine, "trace"):
+            engine.trace = []  # type: ignore[union-attr]
         if not self._batch_samples:
             self._batch_samples = batch_size(batch)
 
@@ -164,26 +190,41 @@ class AdvisorProbe(Callback):
         self._done += 1
         if self._done == 1:
             self._first_step_s = time.time() - self._train_start
-        if self._measuring(self._done):
+        if trainer.global_step != self._done or _world() is not self._world:
+            self._stop("the job re-formed or resumed")  # its steps no longer line up: no more collectives
+        if not self._active:
+            return
+        role = self._role(self._done)
+        if role == "measure":
             self._intervals.append(now - self._last_end)
             engine = getattr(trainer.strategy, "engine", None)
             trace = getattr(engine, "trace", None)
             if trace:
                 self._parts.add(step_parts(trace))
                 self._traced += 1
-            if engine is not None and hasattr(engine, "trace"):
-                engine.trace = None
-        self._last_end = now
-        if self._done == self.warmup_steps + self.steps:
-            self._finish_measurement(trainer, pl_module)
-            self._live = {"start": time.perf_counter(), "end": None, "steps": 0, "checkpoints": []}
-            self._last_end = self._live["start"]
-        elif self._live is not None and self._live["end"] is None:
-            self._live["steps"] += 1
-            self._live_intervals.append(now - self._live.get("last", self._live["start"]))
-            if self.checkpoint_every and self._live["steps"] % self.checkpoint_every == 0:
-                self._live["checkpoints"].append(self._timed_checkpoint(trainer)[0])
-            self._live["last"] = time.perf_counter()
+            if hasattr(engine, "trace"):
+                engine.trace = None  # type: ignore[union-attr]
+            if self.checkpoint_every and len(self._intervals) % self.checkpoint_every == 0:
+                self._saves.append(self._timed_checkpoint(trainer))  # as the validation window takes them
+            if len(self._intervals) == self.steps:
+                self._finish_measurement(trainer, pl_module)
+        elif role == "validate" and self._window_open:
+            window = self._window
+            window["steps"] += 1
+            window["wall_s"] += now - self._last_end
+            window["step_s_each_rank0"].append(now - self._last_end)
+            if self.checkpoint_every and window["steps"] % self.checkpoint_every == 0:
+                seconds = self._timed_checkpoint(trainer)[0]
+                window["wall_s"] += seconds
+                window["checkpoints"].append(seconds)
+        self._last_end = time.perf_counter()
+
+    def _stop(self, why: str) -> None:
+        """End measuring and validating for good (the steps before stay valid)."""
+        if self._active and not self._finished:
+            rank_zero_warn(f"AdvisorProbe: {why} before the measurement ended: nothing written")
+        self._active = False
+        self._window_open = False
 
     # ------------------------------------------------------------------ the measurement
     def _timed_checkpoint(self, trainer: pl.Trainer) -> tuple[float, int]:
@@ -205,8 +246,12 @@ class AdvisorProbe(Callback):
         return seconds, size
 
     def _finish_measurement(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finished = True
         strategy: Any = trainer.strategy
-        checkpoint_s, checkpoint_bytes = self._timed_checkpoint(trainer)
+        if not self._saves:
+            self._saves.append(self._timed_checkpoint(trainer))
+        checkpoint_s = sum(seconds for seconds, _ in self._saves) / len(self._saves)
+        checkpoint_bytes = self._saves[0][1]
         params, param_bytes, optim_bytes = optimizer_state_bytes(trainer.optimizers)
         n = len(self._intervals)
         per_step = 1.0 / self._traced if self._traced else 0.0
@@ -246,53 +291,46 @@ class AdvisorProbe(Callback):
         log.info("AdvisorProbe: wrote %s (%s, step %.4f s)", self.path, run.layout, self._step_s)
 
     # ------------------------------------------------------------------ the validation window
-    def _close_window(self) -> None:
-        """A Bamboo event (failover, rejoin, fallback, drain) ends the validation window: the probe does not
-        measure what such events cost, so its projection is checked on the steps before."""
-        if self._live is not None and self._live["end"] is None:
-            self._live["end"] = self._live.get("last", self._live["start"])
-
     def on_failover(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any,
-                        **info: Any) -> None:
-        self._close_window()
+                    **info: Any) -> None:
+        """A Bamboo event ends the probe: it does not measure what failovers, rejoins, fallbacks and drains
+        cost (the reference does), and the layout changes; the validation window is the steps before."""
+        self._stop("a failover")
 
     def on_rejoin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any,
-                      **info: Any) -> None:
-        self._close_window()
+                  **info: Any) -> None:
+        self._stop("a rejoin")
 
     def on_fallback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any,
-                        **info: Any) -> None:
-        self._close_window()
+                    **info: Any) -> None:
+        self._stop("a fallback")
 
     def on_drain(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any,
-                     **info: Any) -> None:
-        self._close_window()
+                 **info: Any) -> None:
+        self._stop("a drain")
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Rank 0 adds the validation window (the steps after the measured ones) to the costs file."""
-        if self._live is None:
-            rank_zero_warn(f"AdvisorProbe: training ended after {self._done} steps, before the measurement "
-                           f"({self.warmup_steps} + {self.steps} steps): {self.path} not written")
+        """Rank 0 adds the validation window (the steps not measured, after the warm-up) to the costs file."""
+        if not self._finished:
+            if self._active:
+                rank_zero_warn(f"AdvisorProbe: training ended after {self._done} steps, before the "
+                               f"measurement ({self.warmup_steps} warm-up + {self.steps} measured steps, "
+                               f"alternating with validation blocks of {self.block_steps}): {self.path} not "
+                               "written")
             return
-        if self.written is None or not trainer.is_global_zero:
-            return
-        self._close_window()
-        live = self._live
-        if live["end"] is None:
-            live["end"] = live.get("last", live["start"])
-        steps = live["steps"]
-        wall = live["end"] - live["start"]
-        if steps < 1 or wall <= 0:
+        window = self._window
+        if self.written is None or not trainer.is_global_zero or window["steps"] < 1:
             return
         run = self._run
         system = "bamboo" if run.redundancy else "checkpoint_restart"
+        samples = window["steps"] * run.samples_per_step
         entry: dict[str, Any] = {
-            "layout": run.layout, "wall_s": wall, "steps": steps, "samples": steps * run.samples_per_step,
-            "samples_per_s": steps * run.samples_per_step / wall, "events": [],
+            "layout": run.layout, "wall_s": window["wall_s"], "steps": window["steps"], "samples": samples,
+            "samples_per_s": samples / window["wall_s"], "events": [],
             "initial_nodes": [f"rank{i}" for i in range(run.num_stages * run.pipelines)],
-            "checkpoints": len(live["checkpoints"]), "checkpoint_s_each": live["checkpoints"],
-            "step_s_each_rank0": self._live_intervals,
+            "checkpoints": len(window["checkpoints"]), "checkpoint_s_each": window["checkpoints"],
+            "step_s_each_rank0": window["step_s_each_rank0"], "block_steps": self.block_steps,
         }
         if self.checkpoint_every:
             entry["checkpoint_every_steps"] = self.checkpoint_every
@@ -302,6 +340,11 @@ class AdvisorProbe(Callback):
         data.setdefault("live", {})[system] = entry
         self.written = data
         costs_file.write(self.path, data)
+
+
+def _world() -> Any:
+    """The current default process group (the elastic runtime makes a new one per generation)."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def gather_rows(row: list[float], device: torch.device) -> list[list[float]]:
