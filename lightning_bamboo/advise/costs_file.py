@@ -65,6 +65,17 @@ class Run:
     warmup_steps: int
     steps: int
     checkpoint_bytes: int
+    block_steps: int = 0
+    """Measured steps alternated with validation ones in blocks of this many (0 or ``steps``: not)."""
+
+    @property
+    def measured_steps(self) -> str:
+        first = self.warmup_steps + 1
+        if 0 < self.block_steps < self.steps:
+            blocks, within = divmod(self.steps - 1, self.block_steps)
+            last = first + 2 * blocks * self.block_steps + within
+            return f"{self.steps} of steps {first}-{last} (alternate blocks of {self.block_steps})"
+        return f"steps {first}-{self.warmup_steps + self.steps}"
 
     @property
     def layout(self) -> str:
@@ -122,7 +133,7 @@ def build(run: Run, ranks: Sequence[RankReport], reference: Costs, reference_pat
     startup_s = max(r.startup_s for r in ranks)
     warmup_s = max(r.first_step_s for r in ranks) - step_s  # the first step's excess over a steady one
     relaunch_s = startup_s + checkpoint_s + max(warmup_s, 0.0)
-    measured = f"measured: steps {run.warmup_steps + 1}-{run.warmup_steps + run.steps} of this run"
+    measured = f"measured: {run.measured_steps} of this run"
     ref = f"reference: {reference_path}"
     sources: dict[str, str] = {}
     costs: dict[str, Any] = {"step_s_by_layout": {}, "checkpoint_restart_step_s_by_layout": {}}
@@ -177,6 +188,7 @@ def build(run: Run, ranks: Sequence[RankReport], reference: Costs, reference_pat
         "stages": {run.layout: stages},
         "probe": {run.layout: {"redundancy": run.redundancy, "num_microbatches": run.num_microbatches,
                                "warmup_steps": run.warmup_steps, "steps": run.steps,
+                               "block_steps": run.block_steps or run.steps,
                                "startup_s": startup_s, "first_step_s": step_s + warmup_s,
                                "checkpoint_bytes": run.checkpoint_bytes}},
         "reference": reference_path,

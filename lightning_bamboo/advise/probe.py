@@ -72,8 +72,9 @@ class AdvisorProbe(Callback):
             save) and every this many validation steps (the window then holds what checkpointing costs);
             each is timed, then removed. ``None``: one save, after the measured steps.
         block_steps: measured and validation steps alternate in blocks of this many until ``steps`` are
-            measured (default ``steps``: the measured steps first, then the window). Small blocks make the
-            validation robust to a machine whose load changes (both sets see the same load).
+            measured, and the validation window is the alternate blocks (default ``steps``: the measured
+            steps first, then every later step is the window). Small blocks make the validation robust to a
+            machine whose load changes (both sets see the same load).
         reference: costs file of the live preemption benchmark (``benchmarks/bamboo_preemption.py``), for
             the costs the first steps cannot show (failover, rejoin, killing a job); default: this
             checkout's ``benchmarks/results/bamboo_preemption.json``.
@@ -110,6 +111,7 @@ class AdvisorProbe(Callback):
         self.warmup_steps = warmup_steps
         self.checkpoint_every = checkpoint_every
         self.block_steps = block_steps or steps
+        self._interleaved = self.block_steps < steps
         self.reference_path = Path(reference) if reference is not None else default_reference()
         self.samples_per_step = samples_per_step
         self.model = model
@@ -208,7 +210,7 @@ class AdvisorProbe(Callback):
                 self._saves.append(self._timed_checkpoint(trainer))  # as the validation window takes them
             if len(self._intervals) == self.steps:
                 self._finish_measurement(trainer, pl_module)
-        elif role == "validate" and self._window_open:
+        elif role == "validate" and self._window_open and not (self._finished and self._interleaved):
             window = self._window
             window["steps"] += 1
             window["wall_s"] += now - self._last_end
@@ -279,6 +281,7 @@ class AdvisorProbe(Callback):
             num_microbatches=int(strategy.num_microbatches), redundancy=bool(strategy.redundancy),
             samples_per_step=float(self.samples_per_step or self._batch_samples * replicas),
             warmup_steps=self.warmup_steps, steps=self.steps, checkpoint_bytes=checkpoint_bytes,
+            block_steps=self.block_steps,
         )
         data = costs_file.build(run, reports, self._reference, str(self.reference_path))
         data["probe"][run.layout]["step_s_each_rank0"] = self._intervals
@@ -311,7 +314,8 @@ class AdvisorProbe(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Rank 0 adds the validation window (the steps not measured, after the warm-up) to the costs file."""
+        """Rank 0 adds the validation window (the steps after the warm-up that were not measured; with
+        alternating blocks, those up to the end of the measurement) to the costs file."""
         if not self._finished:
             if self._active:
                 rank_zero_warn(f"AdvisorProbe: training ended after {self._done} steps, before the "
