@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print("WARNING: NOT VALIDATED: the costs hold no live run to check the replay against (the probe's "
               "validation window: train more steps after the measured ones)")
     else:
-        where = "the probe's validation window (steps after the measured ones)" \
+        where = "the probe's validation window (the steps of the run it did not measure)" \
             if costs.raw.get("producer") == PROBE else "the live benchmark run"
         print(f"validation against {where}:")
         for system in advice.validation.live:
