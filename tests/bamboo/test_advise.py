@@ -22,7 +22,7 @@ from lightning_bamboo.advise.costs_file import RankReport, Run
 from lightning_bamboo.advise.timing import optimizer_state_bytes, step_parts
 from lightning_bamboo.replay import Prices, load_costs, parse_trace, validate
 from lightning_bamboo.replay.model import young_daly_interval
-from tests.process import DATA, REPO, run_ranks
+from tests.process import DATA, REPO, launch_env, run_process, run_ranks
 
 FIXTURE = Path(__file__).parent / "data" / "bamboo_preemption_fixture.json"
 
@@ -261,3 +261,27 @@ def test_probe_on_the_gpt_recipe_writes_sane_costs_and_the_advisor_validates_aga
     assert float(match[3]) == pytest.approx(check.sim_error, abs=5e-4)
     assert check.live == {"bamboo": pytest.approx(live["samples_per_s"])}
     assert f"  bamboo: projected {check.predicted['bamboo']:.3f} samples/s, measured " in "\n".join(lines)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("fault_step", [20, 5])
+def test_a_failover_ends_the_probe_and_training_goes_on(tmp_path: Path, fault_step: int) -> None:
+    """The elastic GPT recipe on 2 members; member 1 is SIGKILLed at step ``fault_step``: after the measured
+    steps (3 + 6) the validation window ends at the failover, during them nothing is written; either way the
+    probe's collectives do not hang the survivor, which trains on alone to the last step."""
+    costs_path = tmp_path / "costs.json"
+    out = run_process([sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "2", "-m", "recipes.train",
+                       "experiment=bamboo_gpt_elastic", "trainer.max_steps=30", "trainer.logger=false",
+                       f"hydra.run.dir={tmp_path / 'run'}",
+                       "+trainer.callbacks.advisor._target_=lightning_bamboo.advise.AdvisorProbe",
+                       f"+trainer.callbacks.advisor.path={costs_path}", "+trainer.callbacks.advisor.steps=6",
+                       "+trainer.callbacks.advisor.warmup_steps=3"],
+                      timeout=240, env=launch_env({"BAMBOO_FAULT": f"1:{fault_step}:forward"})).stdout
+    assert f"failover at step {fault_step}" in out and "`Trainer.fit` stopped: `max_steps=30` reached" in out
+    if fault_step > 9:
+        live = json.loads(costs_path.read_text())["live"]["bamboo"]
+        assert live["steps"] == fault_step - 9  # steps 10..fault_step, none after the failover
+    else:
+        assert not costs_path.exists()
+        assert "AdvisorProbe: a failover before the measurement ended: nothing written" in out
