@@ -4,10 +4,11 @@
     python -m lightning_bamboo.advise --costs bamboo_costs.json --trace data/spot-traces/aws-p3-trace.csv
 
 After ``warmup_steps`` steps it measures ``steps`` steps (the step time, and per stage, from the engine's
-per-action times, compute, replica forward and bubble), then saves one checkpoint of the state (timed),
-gathers every rank's figures (one float64 row per rank, ``torch.distributed.all_gather``) and rank 0 writes
-the costs file. The steps after that are the *validation window*: the advisor's projection of this very
-configuration must predict their throughput (``sim_error``). docs/bamboo-advise.md.
+per-action times, compute, replica forward and bubble) and timed checkpoint saves of the state, then gathers
+every rank's figures (one float64 row per rank, ``torch.distributed.all_gather``) and rank 0 writes the
+costs file. The steps it does not measure are the *validation window* (after the measured ones, or
+alternating with them in ``block_steps``): the advisor's projection of this very configuration must predict
+their throughput (``sim_error``). docs/bamboo-advise.md.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class AdvisorProbe(Callback):
             checkout's ``benchmarks/results/bamboo_preemption.json``.
         samples_per_step: samples of one global step; default: the batch's first dimension times the
             data-parallel shards of the sampler.
-        model: how the costs file names the job (default: the LightningModule's class and parameter count).
+        model: how the costs file names the job (default: the LightningModule's class and the parameters its
+            stages train); runs merge into one file only for the same name and global batch.
         checkpoint_dir: where the timed checkpoints go (default: ``<default_root_dir>/advisor-probe``).
     """
 
@@ -274,9 +276,9 @@ class AdvisorProbe(Callback):
         num_stages = int(strategy.num_stages)
         replicas = strategy.distributed_sampler_kwargs.get("num_replicas", 1) \
             if hasattr(strategy, "distributed_sampler_kwargs") else 1
+        trained = sum(int(r.parameters) for r in reports if int(r.pipeline) == 0)  # every stage, once
         run = costs_file.Run(
-            model=self.model or f"{type(pl_module).__name__} (rank 0 holds "
-                                f"{sum(p.numel() for p in pl_module.parameters())} parameters)",
+            model=self.model or f"{type(pl_module).__name__} ({trained} parameters)",
             num_stages=num_stages, pipelines=max(trainer.world_size // num_stages, 1),
             num_microbatches=int(strategy.num_microbatches), redundancy=bool(strategy.redundancy),
             samples_per_step=float(self.samples_per_step or self._batch_samples * replicas),

@@ -234,6 +234,7 @@ def test_probe_on_the_gpt_recipe_writes_sane_costs_and_the_advisor_validates_aga
     model = hydra.utils.instantiate(OmegaConf.load(GPT_TINY))
     params = list(model.parameters())
     assert sum(s["parameters"] for s in stages) == sum(p.numel() for p in params)
+    assert data["model"] == f"GPT ({sum(p.numel() for p in params)} parameters)"  # the merge key's name
     assert sum(s["parameter_bytes"] for s in stages) == sum(p.numel() * p.element_size() for p in params)
     for s in stages:
         assert s["state_bytes"] == s["parameter_bytes"] + s["optimizer_bytes"]
