@@ -104,11 +104,10 @@ def validate(costs: Costs) -> Validation:
     entry or the file lists them).
     """
     raw = costs.raw
-    live = raw.get("live")
-    systems = [s for s in ("bamboo", "checkpoint_restart") if isinstance(live, dict) and s in live]
+    live = raw.get("live") if isinstance(raw.get("live"), dict) else {}
+    systems = [s for s in ("bamboo", "checkpoint_restart") if s in live]
     if not systems:
         raise ValueError("costs file has no live.bamboo or live.checkpoint_restart results to validate")
-    assert isinstance(live, dict)
     events = raw.get("events")
     if not isinstance(events, list):
         raise ValueError(
