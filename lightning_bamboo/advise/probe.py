@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,18 @@ def batch_size(batch: Any) -> int:
             continue
     raise ValueError(f"cannot tell the number of samples of a batch of type {type(batch).__name__}; "
                      "pass AdvisorProbe(samples_per_step=...)")
+
+
+@dataclass
+class Window:
+    """The validation window as rank 0 saw it: each step's time, each checkpoint's save."""
+
+    step_s: list[float] = field(default_factory=list)
+    checkpoint_s: list[float] = field(default_factory=list)
+
+    @property
+    def wall_s(self) -> float:
+        return sum(self.step_s) + sum(self.checkpoint_s)
 
 
 class AdvisorProbe(Callback):
@@ -132,7 +145,7 @@ class AdvisorProbe(Callback):
         self._world: Any = None
         self._active = False  # measuring or validating; off for good after a Bamboo event or in a joiner
         self._finished = False
-        self._window = {"steps": 0, "wall_s": 0.0, "checkpoints": [], "step_s_each_rank0": []}
+        self._window = Window()
         self._window_open = True
         self.written: dict[str, Any] | None = None
         """The costs file's content, as rank 0 wrote it (``None`` on the other ranks)."""
@@ -214,13 +227,9 @@ class AdvisorProbe(Callback):
                 self._finish_measurement(trainer, pl_module)
         elif role == "validate" and self._window_open and not (self._finished and self._interleaved):
             window = self._window
-            window["steps"] += 1
-            window["wall_s"] += now - self._last_end
-            window["step_s_each_rank0"].append(now - self._last_end)
-            if self.checkpoint_every and window["steps"] % self.checkpoint_every == 0:
-                seconds = self._timed_checkpoint(trainer)[0]
-                window["wall_s"] += seconds
-                window["checkpoints"].append(seconds)
+            window.step_s.append(now - self._last_end)
+            if self.checkpoint_every and len(window.step_s) % self.checkpoint_every == 0:
+                window.checkpoint_s.append(self._timed_checkpoint(trainer)[0])
         self._last_end = time.perf_counter()
 
     def _stop(self, why: str) -> None:
@@ -326,17 +335,18 @@ class AdvisorProbe(Callback):
                                "written")
             return
         window = self._window
-        if self.written is None or not trainer.is_global_zero or window["steps"] < 1:
+        if self.written is None or not trainer.is_global_zero or not window.step_s:
             return
         run = self._run
         system = "bamboo" if run.redundancy else "checkpoint_restart"
-        samples = window["steps"] * run.samples_per_step
+        steps, wall = len(window.step_s), window.wall_s
+        samples = steps * run.samples_per_step
         entry: dict[str, Any] = {
-            "layout": run.layout, "wall_s": window["wall_s"], "steps": window["steps"], "samples": samples,
-            "samples_per_s": samples / window["wall_s"], "events": [],
+            "layout": run.layout, "wall_s": wall, "steps": steps, "samples": samples,
+            "samples_per_s": samples / wall, "events": [],
             "initial_nodes": [f"rank{i}" for i in range(run.num_stages * run.pipelines)],
-            "checkpoints": len(window["checkpoints"]), "checkpoint_s_each": window["checkpoints"],
-            "step_s_each_rank0": window["step_s_each_rank0"], "block_steps": self.block_steps,
+            "checkpoints": len(window.checkpoint_s), "checkpoint_s_each": window.checkpoint_s,
+            "step_s_each_rank0": window.step_s, "block_steps": self.block_steps,
         }
         if self.checkpoint_every:
             entry["checkpoint_every_steps"] = self.checkpoint_every

@@ -104,7 +104,7 @@ def validate(costs: Costs) -> Validation:
     entry or the file lists them).
     """
     raw = costs.raw
-    live = raw.get("live") if isinstance(raw.get("live"), dict) else {}
+    live: dict[str, Any] = raw["live"] if isinstance(raw.get("live"), dict) else {}
     systems = [s for s in ("bamboo", "checkpoint_restart") if s in live]
     if not systems:
         raise ValueError("costs file has no live.bamboo or live.checkpoint_restart results to validate")
