@@ -110,11 +110,11 @@ def per_stage(ranks: Sequence[RankReport]) -> list[dict[str, float]]:
 
 
 def plain_step_estimate(step_s: float, stages: list[dict[str, float]]) -> float:
-    """The step without redundancy, estimated from a redundant run's per-action times: every rank runs its
-    own stage and the replica forward one after the other, so a step cannot be shorter than the busiest
-    rank's own work; without the replica forward each rank's step shortens by its ``FR`` time, and the
-    pipeline waits for the slowest of them: ``step - min over stages of fr_s`` (FR that hid in a bubble
-    shortens nothing on the stage whose bubble it filled, the bound stays on the safe side)."""
+    """The step without redundancy, estimated from a redundant run's per-action times: without the replica
+    forward every rank's step shortens by at most its ``FR`` time and the pipeline waits for the slowest rank,
+    so ``step - min over stages of fr_s``, but never below the busiest stage's own compute and all-reduce.
+    FR that hid in a bubble shortens nothing: then the estimate is too short (optimistic for
+    checkpoint-restart); a probe run with ``redundancy=False`` measures it instead."""
     saved = min(s["fr_s"] for s in stages)
     return max(step_s - saved, max(s["compute_s"] + s["allreduce_s"] for s in stages), 1e-9)
 
