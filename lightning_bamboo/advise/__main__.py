@@ -62,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{trace.duration_s / 3600:.2f} h, {trace.removal_groups()} preemption events, mean "
           f"{trace.mean_nodes():.1f} nodes; replayed at compression {compression:g}")
     print("\n".join(measured_lines(costs.raw)))
+    estimated = sorted(name for name, source in costs.raw.get("sources", {}).items()
+                       if name.startswith("checkpoint_restart_step_s") and source.startswith("estimated"))
+    if estimated:
+        print(f"WARNING: {', '.join(estimated)} ESTIMATED from the FR time only (the replica's optimizer "
+              "step and sync are not in it: the step without redundancy is priced too slow, against "
+              "checkpoint-restart and on-demand); measure it: the probe with redundancy=False")
     print(f"PROJECTED (the replay of the trace with these costs; checkpoint-restart at "
           f"{', '.join(f'{f:g}' for f in INTERVAL_FACTORS)} x Young/Daly); per {PER:,} samples:")
     print(f"{'configuration':<54}{'FR':>4}{'samples/s':>11}{'$/hour':>9}{'hours':>9}{'dollars':>10}"

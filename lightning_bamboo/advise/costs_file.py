@@ -113,8 +113,9 @@ def plain_step_estimate(step_s: float, stages: list[dict[str, float]]) -> float:
     """The step without redundancy, estimated from a redundant run's per-action times: without the replica
     forward every rank's step shortens by at most its ``FR`` time and the pipeline waits for the slowest rank,
     so ``step - min over stages of fr_s``, but never below the busiest stage's own compute and all-reduce.
-    FR that hid in a bubble shortens nothing: then the estimate is too short (optimistic for
-    checkpoint-restart); a probe run with ``redundancy=False`` measures it instead."""
+    Redundancy costs more than its FR time (the replica's optimizer step and sync, not in the engine's
+    trace), so this is too slow, against checkpoint-restart (docs/bamboo-advise.md has the figures); a
+    probe run with ``redundancy=False`` measures the step instead."""
     saved = min(s["fr_s"] for s in stages)
     return max(step_s - saved, max(s["compute_s"] + s["allreduce_s"] for s in stages), 1e-9)
 

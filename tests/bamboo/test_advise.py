@@ -256,6 +256,8 @@ def test_probe_on_the_gpt_recipe_writes_sane_costs_and_the_advisor_validates_aga
                          lines[-1])
     assert match is not None, "\n".join(lines)
     assert next(line for line in lines if "<- recommended" in line).startswith(f"{match[1]} ")
+    warning = "WARNING: checkpoint_restart_step_s_by_layout[2x1] ESTIMATED from the FR time only"
+    assert any(line.startswith(warning) for line in lines)
     # the line's sim_error is the replay of this run's window against what the window measured; its size is
     # a wall-clock comparison on a shared machine, not asserted here (figures: docs/bamboo-advise.md)
     check = validate(costs)
