@@ -1,13 +1,15 @@
-"""Preflight advisor (first cut): which configuration to train a measured job in on a spot trace.
+"""Preflight advisor: which configuration to train *this* job in on spot nodes, from its own first steps.
 
-    python -m lightning_bamboo.advise [--costs FILE] [--trace TRACE] [--plot FILE]
+    Trainer(strategy="bamboo", callbacks=[AdvisorProbe("bamboo_costs.json")]).fit(model, data)
+    python -m lightning_bamboo.advise --costs bamboo_costs.json [--trace TRACE] [--plot FILE]
 
-Reads the costs measured for a job (``benchmarks/bamboo_preemption.py [recipe overrides]`` writes them),
-replays the trace for every candidate configuration the measurements cover (``lightning_bamboo.simulate``: the
-model validated against that same run) and recommends the one with the most samples per dollar.
-docs/bamboo-replay.md, "Preflight advisor".
+``AdvisorProbe`` measures the job's steps (per stage: compute, redundant forward, bubble; state bytes; a
+checkpoint; start-up) and writes a costs file in the replay's format; the advisor replays the trace for every
+candidate configuration (``lightning_bamboo.simulate``) and recommends the most samples per dollar, validated
+against the same run's later steps. docs/bamboo-advise.md.
 """
 
 from lightning_bamboo.advise.advisor import Advice, Candidate, advise
+from lightning_bamboo.advise.probe import AdvisorProbe
 
-__all__ = ["Advice", "Candidate", "advise"]
+__all__ = ["Advice", "AdvisorProbe", "Candidate", "advise"]

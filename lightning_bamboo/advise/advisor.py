@@ -34,7 +34,12 @@ class Advice:
     candidates: list[Candidate]
     recommended: Candidate
     on_demand: Candidate
-    validation: Validation
+    validation: Validation | None
+    """The replay of the measured run's own window against what it did; ``None`` when the costs have none."""
+
+    @property
+    def sim_error(self) -> float:
+        return self.validation.sim_error if self.validation is not None else math.nan
 
     @property
     def value_vs_on_demand(self) -> float:
@@ -66,7 +71,8 @@ def advise(
     on-demand machines; recommend the most samples per dollar (on-demand included).
 
     Raises:
-        ValueError: when the costs measured no stage count for both systems, or cannot be validated.
+        ValueError: when the costs measured no stage count for both systems, or their live results are
+            malformed.
     """
     stages_measured = measured_stages(costs)
     if not stages_measured:
@@ -102,4 +108,5 @@ def advise(
         on_demand[stages] = Candidate(name, stages, comparison.on_demand)
         candidates.append(on_demand[stages])
     best = max(candidates, key=lambda c: c.result.value)
-    return Advice(candidates, best, on_demand[best.stages], validate(costs))
+    validation = validate(costs) if costs.raw.get("live") else None
+    return Advice(candidates, best, on_demand[best.stages], validation)

@@ -97,14 +97,17 @@ def validate(costs: Costs) -> Validation:
     Each system replays the events its live run applied (``live.<system>.events`` when the file lists them:
     a Bamboo run without rejoin applies no adds), so the prediction and the run saw the same preemptions.
 
-    Bamboo runs over ``live.bamboo.wall_s`` with at most ``max_pipelines`` pipelines; checkpoint-restart over
-    ``live.checkpoint_restart.wall_s`` with the interval the live run used. Nodes that the events remove
-    without adding them first were there from the start (as were ``initial_nodes`` if the file lists them).
+    Each system in ``live`` (``bamboo``, ``checkpoint_restart``: the benchmark has both, the advisor's probe
+    the one it ran) replays its ``wall_s`` at its ``layout`` (default: ``num_stages x max_pipelines``), with
+    checkpoints every ``checkpoint_interval_s`` of training when the run took them. Nodes that the events
+    remove without adding them first were there from the start (as were ``initial_nodes`` if the system's
+    entry or the file lists them).
     """
     raw = costs.raw
-    live = raw.get("live")
-    if not isinstance(live, dict) or "bamboo" not in live or "checkpoint_restart" not in live:
-        raise ValueError("costs file has no live.bamboo and live.checkpoint_restart results to validate")
+    live: dict[str, Any] = raw["live"] if isinstance(raw.get("live"), dict) else {}
+    systems = [s for s in ("bamboo", "checkpoint_restart") if s in live]
+    if not systems:
+        raise ValueError("costs file has no live.bamboo or live.checkpoint_restart results to validate")
     events = raw.get("events")
     if not isinstance(events, list):
         raise ValueError(
@@ -113,16 +116,20 @@ def validate(costs: Costs) -> Validation:
     initial = list(raw.get("initial_nodes") or [])
     predicted: dict[str, float] = {}
     measured: dict[str, float] = {}
-    for system in ("bamboo", "checkpoint_restart"):
+    for system in systems:
         run = live[system]
+        stages, pipelines = costs.num_stages, costs.max_pipelines
+        if "layout" in run:
+            stages, pipelines = (int(x) for x in str(run["layout"]).split("x"))
         applied = run.get("events", events)  # what this system's run applied (e.g. adds without rejoin)
-        trace = parse_events(applied, run["wall_s"], initial, costs.num_stages * costs.max_pipelines)
+        start = list(run.get("initial_nodes", initial))  # the nodes this run started with
+        trace = parse_events(applied, run["wall_s"], start, stages * pipelines)
+        interval = run.get("checkpoint_interval_s") or None
         if system == "bamboo":
-            result = simulate_bamboo(trace, costs, costs.num_stages, 1.0, cap=costs.max_pipelines)
+            result = simulate_bamboo(trace, costs, stages, 1.0, cap=pipelines, checkpoint_interval_s=interval)
         else:
             result = simulate_checkpoint_restart(
-                trace, costs, costs.num_stages, 1.0, cap=costs.max_pipelines,
-                checkpoint_interval_s=run.get("checkpoint_interval_s") or None,
+                trace, costs, stages, 1.0, cap=pipelines, checkpoint_interval_s=interval,
             )
         predicted[system] = result.samples_per_s
         measured[system] = float(run["samples_per_s"])

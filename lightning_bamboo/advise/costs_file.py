@@ -1,0 +1,233 @@
+"""The costs file the probe writes: the replay's own format (:mod:`lightning_bamboo.simulate.costs`,
+schema 2), filled from one run's measurements, with the source of every cost.
+
+What the first steps of a run cannot show (a failover, a rejoin, killing a job) is taken from a reference
+costs file measured live by ``benchmarks/bamboo_preemption.py`` and named as such in ``sources``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_bamboo.simulate.costs import SCHEMA, Costs
+
+PRODUCER = "lightning_bamboo.advise.AdvisorProbe"
+FROM_REFERENCE = ("failover_s", "rejoin_s", "rejoin_delay_s", "failover_warmup_s", "rejoin_warmup_s")
+"""Costs of events a probe's steps do not contain: the runtime's failover and rejoin on the reference job."""
+
+
+@dataclass
+class RankReport:
+    """One rank's measurements; gathered as one float64 row per rank (field order), nothing pickled."""
+
+    stage: float
+    pipeline: float
+    step_s: float
+    compute_s: float
+    fr_s: float
+    wait_s: float
+    allreduce_s: float
+    parameters: float
+    parameter_bytes: float
+    optimizer_bytes: float
+    replica_bytes: float
+    startup_s: float
+    first_step_s: float
+    checkpoint_s: float
+
+    @classmethod
+    def width(cls) -> int:
+        return len(cls.__dataclass_fields__)
+
+    def row(self) -> list[float]:
+        return [float(v) for v in asdict(self).values()]
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> RankReport:
+        return cls(*[float(v) for v in row])
+
+
+@dataclass(frozen=True)
+class Run:
+    """What the probe knows about the run it measured."""
+
+    model: str
+    num_stages: int
+    pipelines: int
+    num_microbatches: int
+    redundancy: bool
+    samples_per_step: float
+    warmup_steps: int
+    steps: int
+    checkpoint_bytes: int
+    block_steps: int = 0
+    """Measured steps alternated with validation ones in blocks of this many (0 or ``steps``: not)."""
+
+    @property
+    def measured_steps(self) -> str:
+        first = self.warmup_steps + 1
+        if 0 < self.block_steps < self.steps:
+            blocks, within = divmod(self.steps - 1, self.block_steps)
+            last = first + 2 * blocks * self.block_steps + within
+            return f"{self.steps} of steps {first}-{last} (alternate blocks of {self.block_steps})"
+        return f"steps {first}-{self.warmup_steps + self.steps}"
+
+    @property
+    def layout(self) -> str:
+        return f"{self.num_stages}x{self.pipelines}"
+
+
+def per_stage(ranks: Sequence[RankReport]) -> list[dict[str, float]]:
+    """Per stage: the mean over its pipelines of each time, the bubble share, and its state's bytes."""
+    out = []
+    for stage in sorted({int(r.stage) for r in ranks}):
+        mine = [r for r in ranks if int(r.stage) == stage]
+
+        def mean(field: str, rows: list[RankReport] = mine) -> float:
+            return statistics.fmean(getattr(r, field) for r in rows)
+
+        step = mean("step_s")
+        out.append({
+            "stage": stage,
+            "step_s": step,
+            "compute_s": mean("compute_s"),
+            "fr_s": mean("fr_s"),
+            "wait_s": mean("wait_s"),
+            "allreduce_s": mean("allreduce_s"),
+            "bubble_share": mean("wait_s") / step if step > 0 else 0.0,
+            "parameters": int(mine[0].parameters),
+            "parameter_bytes": int(mine[0].parameter_bytes),
+            "optimizer_bytes": int(mine[0].optimizer_bytes),
+            "state_bytes": int(mine[0].parameter_bytes + mine[0].optimizer_bytes),
+            "replica_bytes": int(mine[0].replica_bytes),
+        })
+    return out
+
+
+def plain_step_estimate(step_s: float, stages: list[dict[str, float]]) -> float:
+    """The step without redundancy, estimated from a redundant run's per-action times: without the replica
+    forward every rank's step shortens by at most its ``FR`` time and the pipeline waits for the slowest rank,
+    so ``step - min over stages of fr_s``, but never below the busiest stage's own compute and all-reduce.
+    Redundancy costs more than its FR time (the replica's optimizer step and sync, not in the engine's
+    trace), so this is too slow, against checkpoint-restart (docs/bamboo-advise.md has the figures); a
+    probe run with ``redundancy=False`` measures the step instead."""
+    saved = min(s["fr_s"] for s in stages)
+    return max(step_s - saved, max(s["compute_s"] + s["allreduce_s"] for s in stages), 1e-9)
+
+
+def _reference_value(reference: Costs, key: str) -> Any:
+    return reference.raw["costs"].get(key)
+
+
+def build(run: Run, ranks: Sequence[RankReport], reference: Costs, reference_path: str) -> dict[str, Any]:
+    """The costs file of one run: its measured layout's step (under ``step_s_by_layout`` when it ran with
+    redundancy, else ``checkpoint_restart_step_s_by_layout``), the other one estimated when the run had
+    ``FR`` times, checkpoint and relaunch costs measured, the rest from ``reference``."""
+    stages = per_stage(ranks)
+    step_s = statistics.fmean(r.step_s for r in ranks)
+    checkpoint_s = max(r.checkpoint_s for r in ranks)
+    startup_s = max(r.startup_s for r in ranks)
+    warmup_s = max(r.first_step_s for r in ranks) - step_s  # the first step's excess over a steady one
+    relaunch_s = startup_s + checkpoint_s + max(warmup_s, 0.0)
+    measured = f"measured: {run.measured_steps} of this run"
+    ref = f"reference: {reference_path}"
+    sources: dict[str, str] = {}
+    costs: dict[str, Any] = {"step_s_by_layout": {}, "checkpoint_restart_step_s_by_layout": {}}
+    own, other = ("step_s_by_layout", "checkpoint_restart_step_s_by_layout") if run.redundancy else \
+        ("checkpoint_restart_step_s_by_layout", "step_s_by_layout")
+    costs[own][run.layout] = step_s
+    redundancy = "on" if run.redundancy else "off"
+    sources[f"{own}[{run.layout}]"] = f"{measured} (mean step, redundancy {redundancy})"
+    if run.redundancy:
+        costs[other][run.layout] = plain_step_estimate(step_s, stages)
+        sources[f"{other}[{run.layout}]"] = (
+            "estimated: the measured redundant step less the smallest per-stage FR time (engine trace); "
+            "run the probe with redundancy=False to measure it")
+    costs["step_s"] = step_s
+    sources["step_s"] = sources[f"{own}[{run.layout}]"]
+    costs["step_s_by_shape"] = {}
+    costs["checkpoint_s"] = checkpoint_s
+    sources["checkpoint_s"] = "measured: trainer.save_checkpoint of the run's state (mean save, slowest rank)"
+    costs["relaunch_s_by_layout"] = {run.layout: relaunch_s}
+    sources[f"relaunch_s_by_layout[{run.layout}]"] = (
+        f"measured: process creation -> training start {startup_s:.3g} s (slowest rank) + restore priced as "
+        f"the measured checkpoint save {checkpoint_s:.3g} s + first step's excess {max(warmup_s, 0.0):.3g} s")
+    costs["relaunch_warmup_s_by_layout"] = {run.layout: 0.0}
+    sources[f"relaunch_warmup_s_by_layout[{run.layout}]"] = "measured: in relaunch_s (first step's excess)"
+    stops = dict(reference.restart_stop_s)
+    if "drain" in stops:  # a drain saves a checkpoint: this run's, plus the reference's stop around it
+        stops["drain"] = max(stops["drain"] - reference.checkpoint_s, 0.0) + checkpoint_s
+        sources["restart_stop_s[drain]"] = f"measured checkpoint_s + the rest of the drain from {ref}"
+    if "kill" in stops:
+        sources["restart_stop_s[kill]"] = ref
+    costs["restart_stop_s"] = stops
+    costs["restart_s"] = stops.get("kill", 0.0) + relaunch_s
+    sources["restart_s"] = "restart_stop_s[kill] + relaunch_s"
+    for key in FROM_REFERENCE:
+        costs[key] = _reference_value(reference, key)
+        sources[key] = ref
+    costs["fallback_s"] = None
+    sources["fallback_s"] = "none: a fallback is priced as restart_s"
+    return {
+        "schema": SCHEMA,
+        "producer": PRODUCER,
+        "model": run.model,
+        "fingerprint": fingerprint(run),
+        "compression": 1.0,
+        "num_stages": run.num_stages,
+        "max_pipelines": run.pipelines,
+        "samples_per_step": run.samples_per_step,
+        "events": [],
+        "initial_nodes": [f"rank{i}" for i in range(run.num_stages * run.pipelines)],
+        "costs": costs,
+        "sources": sources,
+        "stages": {run.layout: stages},
+        "probe": {run.layout: {"redundancy": run.redundancy, "num_microbatches": run.num_microbatches,
+                               "warmup_steps": run.warmup_steps, "steps": run.steps,
+                               "block_steps": run.block_steps or run.steps,
+                               "startup_s": startup_s, "first_step_s": step_s + warmup_s,
+                               "checkpoint_bytes": run.checkpoint_bytes}},
+        "reference": reference_path,
+    }
+
+
+def fingerprint(run: Run) -> dict[str, Any]:
+    """What must agree for two runs' measurements to describe one job (stage counts and widths may differ)."""
+    return {"model": run.model, "samples_per_step": run.samples_per_step}
+
+
+def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` with the layouts ``old`` measured (for the same job) kept where ``new`` did not measure them:
+    a probe run with redundancy on and one with it off (or at other stage counts) fill one file. An
+    estimated step never replaces a measured one."""
+    if old.get("producer") != PRODUCER or old.get("fingerprint") != new["fingerprint"]:
+        return new
+    out = json.loads(json.dumps(new))
+    for key in ("step_s_by_layout", "checkpoint_restart_step_s_by_layout", "relaunch_s_by_layout",
+                "relaunch_warmup_s_by_layout"):
+        for layout, value in old["costs"].get(key, {}).items():
+            name = f"{key}[{layout}]"
+            old_source = old["sources"].get(name, "")
+            new_source = out["sources"].get(name)
+            better = new_source is not None and new_source.startswith("estimated") and \
+                old_source.startswith("measured")
+            if new_source is None or better:
+                out["costs"][key][layout] = value
+                out["sources"][name] = old_source
+    for key in ("stages", "probe"):
+        out[key] = {**old.get(key, {}), **new[key]}
+    out["live"] = {**old.get("live", {}), **new.get("live", {})}
+    return out
+
+
+def write(path: Path, data: dict[str, Any]) -> None:
+    """Write atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,373 @@
+"""A Callback that measures a job's own first steps under ``strategy="bamboo"`` and writes its costs file.
+
+    Trainer(strategy="bamboo", callbacks=[AdvisorProbe("bamboo_costs.json", checkpoint_every=10)], ...)
+    python -m lightning_bamboo.advise --costs bamboo_costs.json --trace data/spot-traces/aws-p3-trace.csv
+
+After ``warmup_steps`` steps it measures ``steps`` steps (the step time, and per stage, from the engine's
+per-action times, compute, replica forward and bubble) and timed checkpoint saves of the state, then gathers
+every rank's figures (one float64 row per rank, ``torch.distributed.all_gather``) and rank 0 writes the
+costs file. The steps it does not measure are the *validation window* (after the measured ones, or
+alternating with them in ``block_steps``): the advisor's projection of this very configuration must predict
+their throughput (``sim_error``). docs/bamboo-advise.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_bamboo.advise import costs_file
+from lightning_bamboo.advise.timing import (
+    StepParts,
+    module_bytes,
+    optimizer_state_bytes,
+    process_start_time,
+    step_parts,
+)
+from lightning_bamboo.simulate.costs import DEFAULT_COSTS, PRODUCER, load_costs
+
+log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def default_reference() -> Path:
+    """The live preemption benchmark's committed costs of this checkout, else ``DEFAULT_COSTS`` under the
+    working directory."""
+    packaged = REPO / DEFAULT_COSTS
+    return packaged if packaged.is_file() else DEFAULT_COSTS
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in ``batch``: the first dimension of its first tensor (a tensor, or a tuple/list/dict)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        try:
+            return batch_size(item)
+        except ValueError:
+            continue
+    raise ValueError(f"cannot tell the number of samples of a batch of type {type(batch).__name__}; "
+                     "pass AdvisorProbe(samples_per_step=...)")
+
+
+@dataclass
+class Window:
+    """The validation window as rank 0 saw it: each step's time, each checkpoint's save."""
+
+    step_s: list[float] = field(default_factory=list)
+    checkpoint_s: list[float] = field(default_factory=list)
+
+    @property
+    def wall_s(self) -> float:
+        return sum(self.step_s) + sum(self.checkpoint_s)
+
+
+class AdvisorProbe(Callback):
+    """Measures this job's costs for the preflight advisor (``python -m lightning_bamboo.advise``).
+
+    Args:
+        path: the costs file (rank 0 writes it; a file of the same job measured at another layout or with
+            redundancy off is merged, so runs at several configurations fill one file).
+        steps: steps measured, after ``warmup_steps`` unmeasured ones.
+        warmup_steps: steps left out (the first steps build caches and allocate).
+        checkpoint_every: save a checkpoint every this many measured steps (``checkpoint_s`` is their mean
+            save) and every this many validation steps (the window then holds what checkpointing costs);
+            each is timed, then removed. ``None``: one save, after the measured steps.
+        block_steps: measured and validation steps alternate in blocks of this many until ``steps`` are
+            measured, and the validation window is the alternate blocks (default ``steps``: the measured
+            steps first, then every later step is the window). Small blocks make the validation robust to a
+            machine whose load changes (both sets see the same load).
+        reference: costs file of the live preemption benchmark (``benchmarks/bamboo_preemption.py``), for
+            the costs the first steps cannot show (failover, rejoin, killing a job); default: this
+            checkout's ``benchmarks/results/bamboo_preemption.json``.
+        samples_per_step: samples of one global step; default: the batch's first dimension times the
+            data-parallel shards of the sampler.
+        model: how the costs file names the job (default: the LightningModule's class and the parameters its
+            stages train); runs merge into one file only for the same name and global batch.
+        checkpoint_dir: where the timed checkpoints go (default: ``<default_root_dir>/advisor-probe``).
+    """
+
+    def __init__(
+        self,
+        path: str | Path = "bamboo_costs.json",
+        steps: int = 20,
+        warmup_steps: int = 5,
+        checkpoint_every: int | None = None,
+        block_steps: int | None = None,
+        reference: str | Path | None = None,
+        samples_per_step: float | None = None,
+        model: str | None = None,
+        checkpoint_dir: str | Path | None = None,
+    ) -> None:
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"AdvisorProbe(steps=...) must be an integer >= 1, got {steps!r}")
+        if not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"AdvisorProbe(warmup_steps=...) must be an integer >= 1, got {warmup_steps!r}")
+        if block_steps is not None and (not isinstance(block_steps, int) or block_steps < 1):
+            raise ValueError(f"AdvisorProbe(block_steps=...) must be None or an integer >= 1, got "
+                             f"{block_steps!r}")
+        if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+            raise ValueError(f"AdvisorProbe(checkpoint_every=...) must be None or an integer >= 1, got "
+                             f"{checkpoint_every!r}")
+        self.path = Path(path)
+        self.steps = steps
+        self.warmup_steps = warmup_steps
+        self.checkpoint_every = checkpoint_every
+        self.block_steps = block_steps or steps
+        self._interleaved = self.block_steps < steps
+        self.reference_path = Path(reference) if reference is not None else default_reference()
+        self.samples_per_step = samples_per_step
+        self.model = model
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self._created = process_start_time()
+        self._train_start = 0.0
+        self._done = 0  # completed optimizer steps in this fit
+        self._last_step = -1
+        self._last_end = 0.0  # when the probe's own work at the previous step boundary ended
+        self._first_step_s = 0.0
+        self._intervals: list[float] = []
+        self._parts = StepParts()
+        self._traced = 0
+        self._saves: list[tuple[float, int]] = []  # (seconds, bytes) of the measured checkpoint saves
+        self._batch_samples = 0
+        self._world: Any = None
+        self._active = False  # measuring or validating; off for good after a Bamboo event or in a joiner
+        self._finished = False
+        self._window = Window()
+        self._window_open = True
+        self.written: dict[str, Any] | None = None
+        """The costs file's content, as rank 0 wrote it (``None`` on the other ranks)."""
+    # ------------------------------------------------------------------ set-up
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        if not hasattr(strategy, "num_stages") or not hasattr(strategy, "redundancy"):
+            raise ValueError(f"AdvisorProbe measures a Bamboo pipeline: Trainer(strategy='bamboo'), got "
+                             f"{type(strategy).__name__}")
+        if not self.reference_path.is_file():
+            raise FileNotFoundError(
+                f"AdvisorProbe(reference=...): {str(self.reference_path)!r} does not exist; it prices what a "
+                f"run's first steps cannot show (failover, rejoin, killing a job); measure it with: "
+                f"{PRODUCER}")
+        self._reference = load_costs(self.reference_path)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Measure a fit from its start only: a resumed fit or a member that joined a running job (its
+        steps would not line up with the others' for the probe's collective checkpoints) stays inert."""
+        self._train_start = time.time()
+        self._last_end = time.perf_counter()
+        self._world = _world()
+        self._active = trainer.global_step == 0
+        if not self._active:
+            rank_zero_warn(f"AdvisorProbe: the fit starts at step {trainer.global_step}, not 0: not measured")
+
+    def _role(self, done: int) -> str:
+        """``warmup``, ``measure`` or ``validate`` for step number ``done`` (1-based) of this fit: after the
+        warm-up, blocks of ``block_steps`` steps alternate between measuring and validating until ``steps``
+        steps are measured; every step after that validates."""
+        k = done - self.warmup_steps - 1
+        if k < 0:
+            return "warmup"
+        block, within = divmod(k, self.block_steps)
+        if block % 2 == 0 and (block // 2) * self.block_steps + within < self.steps:
+            return "measure"
+        return "validate"
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if self._active and self._role(self._done + 1) == "measure" and hasattr(engine, "trace"):
+            engine.trace = []  # type: ignore[union-attr]
+        if not self._batch_samples:
+            self._batch_samples = batch_size(batch)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self._last_step:  # accumulating gradients: not a step boundary
+            return
+        now = time.perf_counter()
+        self._last_step = trainer.global_step
+        self._done += 1
+        if self._done == 1:
+            self._first_step_s = time.time() - self._train_start
+        if trainer.global_step != self._done or _world() is not self._world:
+            self._stop("the job re-formed or resumed")  # its steps no longer line up: no more collectives
+        if not self._active:
+            return
+        role = self._role(self._done)
+        if role == "measure":
+            self._intervals.append(now - self._last_end)
+            engine = getattr(trainer.strategy, "engine", None)
+            trace = getattr(engine, "trace", None)
+            if trace:
+                self._parts.add(step_parts(trace))
+                self._traced += 1
+            if hasattr(engine, "trace"):
+                engine.trace = None  # type: ignore[union-attr]
+            if self.checkpoint_every and len(self._intervals) % self.checkpoint_every == 0:
+                self._saves.append(self._timed_checkpoint(trainer))  # as the validation window takes them
+            if len(self._intervals) == self.steps:
+                self._finish_measurement(trainer, pl_module)
+        elif role == "validate" and self._window_open and not (self._finished and self._interleaved):
+            window = self._window
+            window.step_s.append(now - self._last_end)
+            if self.checkpoint_every and len(window.step_s) % self.checkpoint_every == 0:
+                window.checkpoint_s.append(self._timed_checkpoint(trainer)[0])
+        self._last_end = time.perf_counter()
+
+    def _stop(self, why: str) -> None:
+        """End measuring and validating for good (the steps before stay valid)."""
+        if self._active and not self._finished:
+            rank_zero_warn(f"AdvisorProbe: {why} before the measurement ended: nothing written")
+        self._active = False
+        self._window_open = False
+
+    # ------------------------------------------------------------------ the measurement
+    def _timed_checkpoint(self, trainer: pl.Trainer) -> tuple[float, int]:
+        """Save one checkpoint of the whole state (every rank), time it, measure its bytes, remove it."""
+        base = self.checkpoint_dir or Path(trainer.default_root_dir) / "advisor-probe"
+        path = base / f"probe-step{trainer.global_step}.ckpt"
+        start = time.perf_counter()
+        trainer.save_checkpoint(path, weights_only=False)
+        trainer.strategy.barrier("advisor-probe-checkpoint")
+        seconds = time.perf_counter() - start
+        size = 0
+        if trainer.is_global_zero:
+            files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+            size = sum(p.stat().st_size for p in files)
+            trainer.strategy.remove_checkpoint(path)
+            if base.is_dir() and not any(base.iterdir()):
+                base.rmdir()
+        trainer.strategy.barrier("advisor-probe-removed")
+        return seconds, size
+
+    def _finish_measurement(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finished = True
+        strategy: Any = trainer.strategy
+        if not self._saves:
+            self._saves.append(self._timed_checkpoint(trainer))
+        checkpoint_s = sum(seconds for seconds, _ in self._saves) / len(self._saves)
+        checkpoint_bytes = self._saves[0][1]
+        params, param_bytes, optim_bytes = optimizer_state_bytes(trainer.optimizers)
+        n = len(self._intervals)
+        per_step = 1.0 / self._traced if self._traced else 0.0
+        mine = costs_file.RankReport(
+            stage=strategy.stage_index, pipeline=strategy.pipeline_index,
+            step_s=sum(self._intervals) / n,
+            compute_s=self._parts.compute_s * per_step, fr_s=self._parts.fr_s * per_step,
+            wait_s=self._parts.wait_s * per_step, allreduce_s=self._parts.allreduce_s * per_step,
+            parameters=params, parameter_bytes=param_bytes, optimizer_bytes=optim_bytes,
+            replica_bytes=module_bytes(getattr(strategy, "replica", None)),
+            startup_s=self._train_start - self._created if self._created is not None else 0.0,
+            first_step_s=self._first_step_s, checkpoint_s=checkpoint_s,
+        )
+        ranks = gather_rows(mine.row(), strategy.root_device)
+        if not trainer.is_global_zero:
+            return
+        reports = [costs_file.RankReport.from_row(r) for r in ranks]
+        num_stages = int(strategy.num_stages)
+        replicas = strategy.distributed_sampler_kwargs.get("num_replicas", 1) \
+            if hasattr(strategy, "distributed_sampler_kwargs") else 1
+        trained = sum(int(r.parameters) for r in reports if int(r.pipeline) == 0)  # every stage, once
+        run = costs_file.Run(
+            model=self.model or f"{type(pl_module).__name__} ({trained} parameters)",
+            num_stages=num_stages, pipelines=max(trainer.world_size // num_stages, 1),
+            num_microbatches=int(strategy.num_microbatches), redundancy=bool(strategy.redundancy),
+            samples_per_step=float(self.samples_per_step or self._batch_samples * replicas),
+            warmup_steps=self.warmup_steps, steps=self.steps, checkpoint_bytes=checkpoint_bytes,
+            block_steps=self.block_steps,
+        )
+        data = costs_file.build(run, reports, self._reference, str(self.reference_path))
+        data["probe"][run.layout]["step_s_each_rank0"] = self._intervals
+        if self.path.is_file():
+            data = costs_file.merge(json.loads(self.path.read_text()), data)
+        self._run = run
+        self._step_s = data["costs"]["step_s"]
+        self.written = data
+        costs_file.write(self.path, data)
+        log.info("AdvisorProbe: wrote %s (%s, step %.4f s)", self.path, run.layout, self._step_s)
+
+    # ------------------------------------------------------------------ the validation window
+    def on_failover(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any,
+                    **info: Any) -> None:
+        """A Bamboo event ends the probe: it does not measure what failovers, rejoins, fallbacks and drains
+        cost (the reference does), and the layout changes; the validation window is the steps before."""
+        self._stop("a failover")
+
+    def on_rejoin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any,
+                  **info: Any) -> None:
+        self._stop("a rejoin")
+
+    def on_fallback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any,
+                    **info: Any) -> None:
+        self._stop("a fallback")
+
+    def on_drain(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any,
+                 **info: Any) -> None:
+        self._stop("a drain")
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Rank 0 adds the validation window (the steps after the warm-up that were not measured; with
+        alternating blocks, those up to the end of the measurement) to the costs file."""
+        if not self._finished:
+            if self._active:
+                rank_zero_warn(f"AdvisorProbe: training ended after {self._done} steps, before the "
+                               f"measurement ({self.warmup_steps} warm-up + {self.steps} measured steps, "
+                               f"alternating with validation blocks of {self.block_steps}): {self.path} not "
+                               "written")
+            return
+        window = self._window
+        if self.written is None or not trainer.is_global_zero or not window.step_s:
+            return
+        run = self._run
+        system = "bamboo" if run.redundancy else "checkpoint_restart"
+        steps, wall = len(window.step_s), window.wall_s
+        samples = steps * run.samples_per_step
+        entry: dict[str, Any] = {
+            "layout": run.layout, "wall_s": wall, "steps": steps, "samples": samples,
+            "samples_per_s": samples / wall, "events": [],
+            "initial_nodes": [f"rank{i}" for i in range(run.num_stages * run.pipelines)],
+            "checkpoints": len(window.checkpoint_s), "checkpoint_s_each": window.checkpoint_s,
+            "step_s_each_rank0": window.step_s, "block_steps": self.block_steps,
+        }
+        if self.checkpoint_every:
+            entry["checkpoint_every_steps"] = self.checkpoint_every
+            # training seconds between checkpoints, as the replay counts them: this many measured steps
+            entry["checkpoint_interval_s"] = self.checkpoint_every * self._step_s
+        data = json.loads(self.path.read_text()) if self.path.is_file() else self.written
+        data.setdefault("live", {})[system] = entry
+        self.written = data
+        costs_file.write(self.path, data)
+
+
+def _world() -> Any:
+    """The current default process group (the elastic runtime makes a new one per generation)."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def gather_rows(row: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's ``row`` (same length on every rank), in rank order; ``[row]`` without a process group."""
+    mine = torch.tensor(row, dtype=torch.float64, device=device)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [row]
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return [r.cpu().tolist() for r in rows]
