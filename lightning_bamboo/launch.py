@@ -53,15 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = [sys.executable, *(["-m"] if args.module else []), args.script, *args.args]
-    supervisor = Supervisor(
-        command,
-        args.nproc,
-        args.store,
-        args.hang_timeout,
-        replace=args.replace != 0,
-        replace_delay=args.replace_delay,
-        stop_timeout=args.stop_timeout,
-    )
+    try:
+        supervisor = Supervisor(
+            command,
+            args.nproc,
+            args.store,
+            args.hang_timeout,
+            replace=args.replace != 0,
+            replace_delay=args.replace_delay,
+            stop_timeout=args.stop_timeout,
+        )
+    except ConnectionError as err:  # the store named by --store cannot be reached
+        print(f"python -m lightning_bamboo.launch: {err}", file=sys.stderr)
+        return 2
     return supervisor.run(replacements=args.replace)
 
 

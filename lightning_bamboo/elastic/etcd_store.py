@@ -32,6 +32,15 @@ class EtcdStore(dist.Store):
         import etcd3gw
 
         self._client = etcd3gw.client(host=host, port=port, timeout=30)
+        try:
+            self._client.status()  # a store that cannot be reached fails here, by its address
+        except Exception as err:
+            raise ConnectionError(
+                f"cannot reach the job's etcd store at etcd://{host}:{port} (tried etcd's v3 HTTP gateway, "
+                f"POST http://{host}:{port}/v3/maintenance/status: {type(err).__name__}: "
+                f"{str(err) or 'no answer'}); start etcd there (scripts/services.sh starts one on "
+                "127.0.0.1), or give another --store"
+            ) from err
         self._prefix = prefix
         self._timeout = timedelta(seconds=timeout)
         self._poll = 0.002

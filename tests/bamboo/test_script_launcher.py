@@ -139,3 +139,14 @@ def test_outside_launcher_gets_fixed_ranks_and_a_plain_script_a_supervisor(
     single.parallel_devices = [torch.device("cpu")]
     single._configure_launcher()
     assert single.launcher is None  # one process: nothing to supervise
+
+
+def test_unreachable_store_is_named_with_what_was_tried(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--store etcd://127.0.0.1:1`` (nothing listens there): exit 2 and one line naming the address and the
+    request tried, not a bare ConnectionFailedError traceback."""
+    from lightning_bamboo.launch import main
+
+    assert main(["--nproc", "1", "--store", "etcd://127.0.0.1:1", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach the job's etcd store at etcd://127.0.0.1:1" in err
+    assert "POST http://127.0.0.1:1/v3/maintenance/status" in err
