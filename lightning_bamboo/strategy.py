@@ -494,15 +494,15 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
         if self._env is None:
             self.set_world_ranks()
             self._check_world_size()
-            if self._entries == 1 and self._nproc > 1:
-                rank_zero_info(
-                    "Bamboo: the ranks were started by an outside launcher (or Lightning's, on several "
-                    "nodes): a lost worker ends the job. Surviving it needs Bamboo's launcher: start the "
-                    "script plainly (python train.py, Trainer(devices=N)) or with python -m "
-                    "lightning_bamboo.launch"
-                )
         base = self._connect()
         entry = _next_entry(base)
+        if self._env is None and entry == 1 and self._nproc > 1:  # once per job, at its first entry point
+            rank_zero_info(
+                "Bamboo: the ranks were started by an outside launcher (or Lightning's, on several "
+                "nodes): a lost worker ends the job. Surviving it needs Bamboo's launcher: start the "
+                "script plainly (python train.py, Trainer(devices=N)) or with python -m "
+                "lightning_bamboo.launch"
+            )
         # the first Trainer entry point of a supervised worker is the elastic one; any later one (a test after
         # the fit, a second Trainer) runs on the layout it finds, under its own prefix of the store
         self._elastic = self._env is not None and entry == 1

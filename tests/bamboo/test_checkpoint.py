@@ -35,7 +35,12 @@ def test_two_stage_checkpoint_merges_and_resumes(tmp_path: Path) -> None:
     # one launch, two Trainers: train 3 steps and save; then a fresh model + strategy resumes from the files
     cases = tmp_path / "cases.json"
     cases.write_text(json.dumps({"save": run, "resume": resumed}))
-    run_script("train_pipe.py", ["--cases", str(cases)], timeout=300, nprocs=2)
+    proc = run_script("train_pipe.py", ["--cases", str(cases)], timeout=300, nprocs=2)
+    # ranks started by an outside launcher (run_ranks: LOCAL_RANK set, as torchrun does): the same runtime on
+    # fixed ranks, which says once at start that surviving a lost worker needs Bamboo's launcher
+    assert proc.stdout.count("a lost worker ends the job. Surviving it needs Bamboo's launcher") == 1, (
+        proc.stdout[-3000:]
+    )
     assert (path / ckpt.META_FILE).exists()
     assert not path.with_name(path.name + ".partial").exists()
     # ModelCheckpoint (paths broadcast without pickle): the 2 lowest train losses of 3 steps are kept, + last
