@@ -33,6 +33,10 @@ from torch import Tensor, nn
 REQUIRED_HOOKS = ("pipeline_inputs", "pipeline_loss")
 
 
+_STAGE_MARK = "_bamboo_stage"
+"""Attribute set on a stage's Sequential, so a second strategy does not mistake it for the whole body."""
+
+
 def find_pipeline_body(module: LightningModule, attr: str | None) -> tuple[str, nn.Sequential]:
     """Locate the module's ``nn.Sequential`` pipeline body.
 

@@ -57,24 +57,23 @@ from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
 from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
 from lightning_bamboo.checkpoint import periodic as fb
 from lightning_bamboo.checkpoint import sharded as ckpt
-from lightning_bamboo.clipping import ClipPlan, apply_clipping, plan_clipping
+from lightning_bamboo.clipping import ClipPlan
 from lightning_bamboo.contract import (
+    _STAGE_MARK,
     check_contract,
-    check_replayed_loss,
     check_stage_split,
     find_pipeline_body,
-    outside_call_message,
     replay_predict,
     replay_step,
-    sub_sequential,
     warn_batch_statistics,
 )
 from lightning_bamboo.elastic import commit as commit_protocol
 from lightning_bamboo.elastic import store as ms
 from lightning_bamboo.elastic.cutter import GenerationCutter
 from lightning_bamboo.elastic.drain import DrainTimer
-from lightning_bamboo.elastic.ownership import OwnershipMap, initial
-from lightning_bamboo.elastic.reshard import LayerState, Resharder, gather, install
+from lightning_bamboo.elastic.formation import GenerationFormation
+from lightning_bamboo.elastic.ownership import OwnershipMap
+from lightning_bamboo.elastic.reshard import LayerState
 from lightning_bamboo.elastic.runtime import ElasticRuntime
 from lightning_bamboo.elastic.script_launcher import SupervisorLauncher
 from lightning_bamboo.events import BambooEventsMixin
@@ -89,7 +88,8 @@ from lightning_bamboo.pipeline.view import PipelineView, StageAveragingEngine
 from lightning_bamboo.precision import with_pipeline_clipping
 from lightning_bamboo.progress import resumable, skip_first_batches
 from lightning_bamboo.replica import ReplicaSync
-from lightning_bamboo.schedule import Action, ActionKind, add_forward_redundancy, build_1f1b, format_grid
+from lightning_bamboo.schedule import Action, ActionKind
+from lightning_bamboo.step import PipelinedStep
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -115,10 +115,6 @@ def _next_entry(store: dist.Store) -> int:
     return _ENTRIES[id(store)]
 
 
-_STAGE_MARK = "_bamboo_stage"
-"""Attribute set on a stage's Sequential, so a second strategy does not mistake it for the whole body."""
-
-
 def _refuse_whole_model_callbacks(trainer: pl.Trainer) -> None:
     """Refuse, before any step, the callbacks that keep their own copy of the whole model."""
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
@@ -142,7 +138,7 @@ def _param_group_names(module: pl.LightningModule) -> list[list[str]]:
     return [[names[id(p)] for p in group["params"]] for group in optimizers[0].param_groups]
 
 
-class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
+class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooEventsMixin, ParallelStrategy):
     """Pipeline parallelism with Bamboo's redundancy that keeps training when workers are lost or join.
 
     The workers form ``num_stages`` stages x ``workers / num_stages`` data-parallel pipelines (generation 0:
@@ -570,36 +566,6 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
             _ = logger.experiment
         ms.store_barrier(self._store, "loggers/opened", self._nproc, timeout)
 
-    def _init_generation(self, owners: OwnershipMap) -> None:
-        """Destroy the last generation's process group and create ``owners``' (ranks follow it)."""
-        assert self._store is not None
-        if self._cutter is not None:
-            self._cutter.disarm()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if self._cutter is not None:
-            self._cutter.before_init()
-        self.owners = owners
-        self._rank, self._world = owners.rank_of(self.member), len(owners.members())
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type == "cuda":
-            kwargs["device_id"] = self.root_device
-        dist.init_process_group(
-            self._process_group_backend,
-            store=dist.PrefixStore(f"gen{owners.generation}", self._store),
-            rank=self._rank,
-            world_size=self._world,
-            **kwargs,
-        )
-        self.set_world_ranks()
-
-    def _formed(self, generation: int) -> None:
-        """Tell the supervisor this member formed ``generation`` (and arm the cutter on its sockets)."""
-        if self._cutter is not None:
-            self._cutter.arm(generation)
-        assert self._store is not None
-        self._store.add(f"gen{generation}/formed", 1)
-
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -709,197 +675,6 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
         rank_zero_info(f"BambooStrategy layout:\n{layout.describe(costs=costs)}")
         return layout.stage_layers
 
-    def _generation_zero(self) -> OwnershipMap:
-        assert self._store is not None
-        owners = initial(self._num_stages, range(self._nproc))
-        text = owners.to_json()
-        stored = self._store.compare_set("gen0/map", "", text).decode()
-        if stored != text:
-            raise ValueError(
-                f"this worker was started with num_stages={self._num_stages}, but the job's "
-                f"generation 0 is {OwnershipMap.from_json(stored).format()}"
-            )
-        self._store.compare_set("config/num_stages", "", str(self._num_stages))
-        if self.member not in owners.members():
-            raise RuntimeError(
-                f"member {self.member} has no stage in generation 0 (spare workers are not "
-                "supported at start: use a multiple of num_stages)"
-            )
-        return owners
-
-    def _replica_stages(self, owners: OwnershipMap, member: int) -> list[int]:
-        """The stages ``member`` holds a replica of (none without ``redundancy``: a loss then needs the
-        checkpoint fallback)."""
-        return owners.replica_stages_of(member) if self._redundancy else []
-
-    def _needs(self, owners: OwnershipMap) -> dict[int, list[int]]:
-        return {
-            m: [
-                layer
-                for s in owners.stages_of(m) + self._replica_stages(owners, m)
-                for layer in self._stage_layers[s]
-            ]
-            for m in owners.members()
-        }
-
-    def _template(self, layer: int) -> nn.Module:
-        return self._layers[layer]
-
-    def _form(
-        self,
-        owners: OwnershipMap,
-        build_optimizers: bool = True,
-        holdings: dict[int, LayerState] | None = None,
-        held: dict[int, LayerState] | None = None,
-    ) -> None:
-        """Move layers to where ``owners`` needs them (or take ``held``, loaded from a checkpoint) and rebuild
-        stage, replica, groups and engine.
-
-        ``holdings``: the layers this member can give (default: all it holds now; a joiner gives none).
-        """
-        assert self._store is not None and self.lightning_module is not None
-        me = self.member
-        if held is None:
-            resharder = Resharder(
-                self._store, owners.generation, me, owners.rank_of, self._template, self.root_device
-            )
-            current = self._current_holdings() if holdings is None else holdings
-            held = resharder.run(current, self._needs(owners))
-        self._held = held
-        own_layers = [layer for s in owners.stages_of(me) for layer in self._stage_layers[s]]
-        replica_layers = [layer for s in self._replica_stages(owners, me) for layer in self._stage_layers[s]]
-        for layer in own_layers + replica_layers:
-            self._layers[layer] = self._held[layer].module
-        for layer in replica_layers:
-            self._layers[layer].to(self.replica_device)
-        for layer in own_layers:
-            self._layers[layer].to(self.root_device)
-        self._release_templates(set(own_layers) | set(replica_layers))
-        stage = sub_sequential(self._layers, own_layers)
-        setattr(stage, _STAGE_MARK, True)
-        layers = range(own_layers[0], own_layers[-1] + 1)
-        stage.outside_call_error = outside_call_message(  # type: ignore[attr-defined]
-            self.lightning_module, self._body_attr, layers, self._body_length
-        )
-        self._stage_module = stage
-        self.lightning_module._modules[self._body_attr] = stage
-        self.replica = sub_sequential(self._layers, replica_layers) if replica_layers else None
-        if build_optimizers:
-            grouping = self._user_optimizer(stage)
-            install(self.optimizers[0], [(layer, self._held[layer]) for layer in own_layers], grouping)
-        # groups: one per pipeline (loss broadcast) and one per stage (gradient all-reduce), same order
-        # on every member
-        pipeline_groups: dict[int, Any] = {}
-        stage_groups: dict[int, Any] = {}
-        kwargs = {"timeout": self._timeout}
-        for pipeline in owners.pipeline_ids():
-            ranks = [owners.rank_of(m) for m, _ in owners.positions(pipeline)]
-            pipeline_groups[pipeline] = dist.new_group(ranks, **kwargs)
-        if len(owners.pipelines) > 1:
-            for s in range(owners.num_stages):
-                stage_groups[s] = dist.new_group(
-                    sorted(owners.rank_of(m) for m in owners.stage_holders(s)), **kwargs
-                )
-        self.view = PipelineView(owners, me, owners.rank_of, pipeline_groups, stage_groups)
-        self.groups = self.view
-        if build_optimizers:
-            self._build_replica_optimizer()
-        positions = self.view.num_stages
-        schedule = build_1f1b(positions, self._num_microbatches)
-        if self._redundancy and positions > 1:
-            schedule = add_forward_redundancy(schedule, positions, self._num_microbatches)
-        if owners.generation == 0 and self._entries == 1:
-            rank_zero_info(f"BambooStrategy schedule (rank x step):\n{format_grid(schedule)}")
-        module = self.lightning_module
-        stage_params = {
-            s: [p for layer in self._stage_layers[s] for p in self._layers[layer].parameters()]
-            for s in owners.stages_of(me)
-        }
-        self.engine = StageAveragingEngine(
-            stage,
-            self.view,
-            schedule,  # type: ignore[arg-type]
-            inputs_fn=module.pipeline_inputs,  # type: ignore[arg-type]
-            loss_fn=module.pipeline_loss,  # type: ignore[arg-type]
-            device=self.root_device,
-            replica=self.replica if positions > 1 and self._redundancy else None,
-            replica_device=self.replica_device,
-            stage_params=stage_params,
-            keyed_rng=self._keyed_rng,
-        )
-        self.engine.before_action = self._before_action
-
-    def _release_templates(self, held: set[int]) -> None:
-        """Layers this member does not hold stay only as templates on the meta device (a layer received
-        later is materialized from its template), so a member's memory is its stages and replica, not the
-        whole model."""
-        for layer, module in self._layers.items():
-            if layer not in held and any(t.device.type != "meta" for t in _tensors_of(module)):
-                module.to("meta")
-
-    def _current_holdings(self) -> dict[int, LayerState]:
-        """Every layer this member holds, with its optimizer state as of now."""
-        held = dict(self._held)
-        if self.optimizers and self._stage_module is not None:
-            own = {int(n): m for n, m in self._stage_module._modules.items()}
-            held.update(gather(own, self.optimizers[0]))
-        if self.replica is not None and self._replica_optimizer is not None:
-            held.update(
-                gather({int(n): m for n, m in self.replica._modules.items()}, self._replica_optimizer)
-            )
-        return held
-
-    def _build_replica_optimizer(self) -> None:
-        """The user's optimizer over the replica (``configure_optimizers`` with the body swapped for it) and
-        the :class:`ReplicaSync` that keeps both equal to the successor's (when the pipeline has two or more
-        positions; a member running the whole pipeline has no successor)."""
-        if self.replica_sync is not None:
-            self.replica_sync.close()
-            self.replica_sync = None
-        if self.replica is None:
-            self._replica_optimizer = None
-            return
-        self._replica_optimizer = self._user_optimizer(self.replica)
-        replica_layers = [int(name) for name in self.replica._modules]
-        layers = [(layer, self._held[layer]) for layer in replica_layers]
-        install(self._replica_optimizer, layers, self._replica_optimizer)
-        if self.view is not None and self.view.num_stages > 1:
-            assert self._stage_module is not None
-            self.replica_sync = ReplicaSync(
-                self._stage_module, self.replica, self._replica_optimizer, self.view, self.root_device
-            )
-
-    def _check_groups_fit_any_layout(self) -> None:
-        """A failover gives a member several stages, whose parameters join the param groups the user's
-        ``configure_optimizers`` gives them, in the member's optimizer (the object Lightning and the
-        schedulers hold): so that code must build as many groups for the whole body as for one stage (a group
-        may be empty). Checked at start, not at the first failover."""
-        whole = self._user_optimizer(sub_sequential(self._layers, sorted(self._layers)))
-        stage = self.optimizers[0]
-        if len(whole.param_groups) != len(stage.param_groups):
-            raise ValueError(
-                f"configure_optimizers builds {len(stage.param_groups)} param groups for this member's stage "
-                f"but {len(whole.param_groups)} for the whole pipeline body; BambooStrategy needs the "
-                "same number for any set of layers (a failover gives a member several stages): build the "
-                "groups from fixed parts (e.g. the head and the rest), leaving a group empty where the "
-                "stage has none of its layers"
-            )
-
-    def _user_optimizer(self, body: nn.Module) -> Optimizer:
-        """The user's optimizer over ``body`` (``configure_optimizers`` with the pipeline body swapped for
-        it): its param groups, hyper-parameters and which parameter goes in which group are the user's own."""
-        module = self.lightning_module
-        assert module is not None
-        stage = module._modules[self._body_attr]
-        module._modules[self._body_attr] = body
-        try:
-            optimizers, _ = _private.init_optimizers(module)
-        finally:
-            module._modules[self._body_attr] = stage
-        if len(optimizers) != 1:
-            raise ValueError(f"BambooStrategy supports exactly one optimizer, got {len(optimizers)}")
-        return optimizers[0]
-
     def _setup_model_and_optimizer(self, trainer: pl.Trainer, module: nn.Module) -> None:
         """Lightning's model, device, optimizer and precision set-up, shared by members and joiners."""
         self.model = self.precision_plugin.convert_module(module)
@@ -996,64 +771,6 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
                     raise
                 self._recover(since)
 
-    def _agreed_batch(
-        self, args: tuple, kwargs: dict[str, Any], per_pipeline: bool = False
-    ) -> tuple[Any, tuple, dict[str, Any]]:
-        """Every member uses rank 0's batch (``per_pipeline``: its pipeline's first stage's): random
-        augmentation or masking in a dataset can draw differently on each process, and stage 0's inputs must
-        meet the same labels on the last stage (sent as raw buffers,
-        :func:`~lightning_bamboo.broadcast.broadcast_batch`)."""
-        batch = args[0] if args else kwargs["batch"]
-        if per_pipeline and self.view is not None and self.view.num_stages > 1:
-            src = self.view.rank_of_stage(0)
-            batch = broadcast_batch(batch, src, self.root_device, group=self.view.pipeline_group)
-        elif not per_pipeline and self._world > 1 and dist.is_initialized():
-            batch = broadcast_batch(batch, 0, self.root_device)
-        if args:
-            return batch, (batch, *args[1:]), kwargs
-        return batch, args, {**kwargs, "batch": batch}
-
-    def _share(self, batch: Any) -> list[Any]:
-        """This pipeline's micro-batches of the global ``batch``."""
-        share = split_microbatches(batch, self.num_pipelines)[self.pipeline_index]
-        return split_microbatches(share, self._num_microbatches)
-
-    def _run_schedule_and_replay(self, microbatches: list[Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-        """Run the schedule on ``microbatches`` (gradients held aside), then replay the training_step."""
-        assert self.engine is not None and self.lightning_module is not None
-        loss = self._run_schedule(microbatches)
-        with replay_step(self.lightning_module, self._body_attr, loss):
-            output = self.lightning_module.training_step(*args, **kwargs)
-        check_replayed_loss(self.lightning_module, output, loss)
-        return output
-
-    def _run_schedule(self, microbatches: list[Any], position: int | None = None) -> Tensor:
-        """The schedule's forwards and backwards; its gradients are held in ``_stashed_grads`` (Lightning
-        zeroes gradients after ``training_step`` and before ``backward``), earlier ones are left in place."""
-        assert self.engine is not None
-        params = self._stage_params()
-        earlier = [p.grad for p in params]  # accumulated by earlier batches (accumulate_grad_batches > 1)
-        for p in params:
-            p.grad = None
-        with self.precision_plugin.train_step_context():
-            loss = self.engine.run_step(microbatches, step=self._forward_key_step(position))
-        self._stashed_grads = [p.grad for p in params]
-        for p, grad in zip(params, earlier):
-            p.grad = grad
-        return loss
-
-    def _forward_key_step(self, position: int | None = None) -> int:
-        """The index keying a batch's forwards' random numbers (:mod:`lightning_bamboo.keyed_rng`): the
-        committed step count, times the batches of a step, plus the batch's ``position`` in the step (default:
-        the batch in flight). A replayed or re-run batch draws the random numbers it drew first."""
-        accumulate = self.lightning_module.trainer.accumulate_grad_batches if self.lightning_module else 1
-        position = max(len(self._window) - 1, 0) if position is None else position
-        return self._step * accumulate + position
-
-    def _stage_params(self) -> list[nn.Parameter]:
-        assert self._stage_module is not None
-        return list(self._stage_module.parameters())
-
     @override
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
@@ -1069,28 +786,6 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
-
-    def _add_stashed_grads(self) -> None:
-        """Add the schedule's gradients to the stage's, divided by ``accumulate_grad_batches`` as Lightning
-        divides the loss before its backward."""
-        assert self.lightning_module is not None and self._stashed_grads is not None
-        accumulate = self.lightning_module.trainer.accumulate_grad_batches
-        for p, grad in zip(self._stage_params(), self._stashed_grads):
-            if grad is None:
-                continue
-            if accumulate != 1:
-                grad = grad / accumulate
-            p.grad = grad if p.grad is None else p.grad + grad
-        self._stashed_grads = None
-
-    def _replay_window(self) -> None:
-        """After a re-form inside a step of several batches: the gradients of the batches already done,
-        computed again on the new layout (the step's batch in flight is run by the caller)."""
-        for p in self._stage_params():
-            p.grad = None
-        for position, (_, batch) in enumerate(self._window[: self._window_done]):
-            self._run_schedule(self._share(batch), position)
-            self._add_stashed_grads()
 
     @override
     def optimizer_step(
@@ -1133,75 +828,6 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
             # the batch in flight runs again in ``closure``; the window's earlier ones in ``_recover``
             self._window_done = max(self._window_done - 1, 0)
             self._recover(attempt)
-
-    def _prepare_and_wait(self) -> str:
-        """The two-phase commit's vote (a job with fixed membership has no one to wait for)."""
-        if not self._elastic:
-            return commit_protocol.COMMIT
-        assert self._store is not None and self.owners is not None
-        commit = commit_protocol.StepCommit(self._store, self.owners.generation, len(self.owners.members()))
-        return commit.prepare_and_wait(self._step, self._claim_join)
-
-    def _decide_abort(self) -> str:
-        assert self._store is not None and self.owners is not None
-        commit = commit_protocol.StepCommit(self._store, self.owners.generation, len(self.owners.members()))
-        return commit.decide(self._step, commit_protocol.ABORT)
-
-    def _committed(self, outcome: str, lost_since: float | None) -> None:
-        self._step += 1
-        self._window, self._window_done, self._window_buffers = [], 0, []
-        report = self.drain_timer.committed()
-        if report is not None:
-            rank_zero_only(print)(report, flush=True)
-        if lost_since is not None:
-            self._lost_since = lost_since  # seconds_lost of the failover formed at the next boundary
-        # a lost peer after the commit (rolled forward) or an adopted join: the next generation is formed at
-        # the next step boundary (_join_at_boundary), where a joiner can be positioned
-        self._join_adopted = outcome == commit_protocol.COMMIT_JOIN
-
-    def _exchange_replica_gradients(self) -> None:
-        """Send this member's stage gradients to its replica holder and receive its successor's (blocking,
-        before the commit: after it, no communication may be needed to apply the step)."""
-        if self.replica_sync is not None:
-            self.replica_sync.exchange(self.optimizers[0])
-
-    def _buffer_snapshot(self) -> list[tuple[Tensor, Tensor]]:
-        """``(buffer, copy)`` of every buffer this member holds (stages and replica) at the step's start."""
-        modules = [m for m in (self._stage_module, self.replica) if m is not None]
-        unique = {id(b): b for m in modules for b in m.buffers()}
-        return [(b, b.detach().clone()) for b in unique.values()]
-
-    def _undo_step(self) -> None:
-        """Leave no trace of an aborted step: its forwards' buffer updates (BatchNorm statistics, on the
-        stages and in the replica's FR) are undone and the successor's update received for it is dropped, so
-        the re-run on the next generation starts from the state the survivors agree on."""
-        with torch.no_grad():
-            for buffer, saved in self._window_buffers:
-                buffer.copy_(saved)
-        if self.replica_sync is not None:
-            self.replica_sync.discard()
-
-    def _plan_clipping(self) -> None:
-        """Agree on the step's gradient clipping before the commit (the norm is a collective)."""
-        assert self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        view = self.view
-        group = view.pipeline_group if view is not None and view.num_stages > 1 else None
-        grads = [p.grad for p in self._stage_params()]
-        clip_val, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
-        self._clip_plan = plan_clipping(grads, clip_val, algorithm, group, self.root_device)
-
-    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        """Lightning's norm clipping, after the commit: the coefficient agreed before it (no collective)."""
-        apply_clipping(self._clip_plan, [p.grad for g in optimizer.param_groups for p in g["params"]])
-
-    def _update_replica(self, optimizer: Optimizer) -> None:
-        """Apply the successor's step, received before the commit, to the replica (clipped by the step's
-        plan)."""
-        if self.replica_sync is None:
-            return
-        self.replica_sync.flush(before_step=lambda grads: apply_clipping(self._clip_plan, grads))
-        self.replica_sync.optimizer.zero_grad(set_to_none=True)  # its gradients are views of a receive buffer
 
     # ------------------------------------------------------------------ evaluation and prediction
     def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
@@ -1461,10 +1087,6 @@ class BambooStrategy(ElasticRuntime, BambooEventsMixin, ParallelStrategy):
 
 ElasticBambooStrategy = BambooStrategy
 """The name the elastic runtime had before it became :class:`BambooStrategy` (kept for existing scripts)."""
-
-
-def _tensors_of(module: nn.Module) -> list[Tensor]:
-    return [*module.parameters(), *module.buffers()]
 
 
 def _destroy_process_group() -> None:

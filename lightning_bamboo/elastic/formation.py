@@ -1,0 +1,264 @@
+"""How a member forms a generation of the ownership map: its process group, the layers it needs moved to
+it from peers (or loaded), its stage and replica, the user's optimizer over them, the process groups of the
+pipelines and stages, and the engine. Generation 0 (at setup) and every later one (a failover, a join, a
+fallback) go through :meth:`GenerationFormation._form`.
+
+A mixin of :class:`~lightning_bamboo.strategy.BambooStrategy` over its state; not used on its own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_bamboo import _private
+from lightning_bamboo.contract import (
+    outside_call_message,
+    sub_sequential,
+)
+from lightning_bamboo.elastic.ownership import OwnershipMap, initial
+from lightning_bamboo.elastic.reshard import LayerState, Resharder, gather, install
+from lightning_bamboo.pipeline.view import PipelineView, StageAveragingEngine
+from lightning_bamboo.replica import ReplicaSync
+from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b, format_grid
+
+if TYPE_CHECKING:
+    pass
+
+from lightning_bamboo.contract import _STAGE_MARK
+
+if TYPE_CHECKING:
+    pass
+
+
+class GenerationFormation:
+    """Forming a generation (see the module docstring)."""
+
+    def _init_generation(self, owners: OwnershipMap) -> None:
+        """Destroy the last generation's process group and create ``owners``' (ranks follow it)."""
+        assert self._store is not None
+        if self._cutter is not None:
+            self._cutter.disarm()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self._cutter is not None:
+            self._cutter.before_init()
+        self.owners = owners
+        self._rank, self._world = owners.rank_of(self.member), len(owners.members())
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type == "cuda":
+            kwargs["device_id"] = self.root_device
+        dist.init_process_group(
+            self._process_group_backend,
+            store=dist.PrefixStore(f"gen{owners.generation}", self._store),
+            rank=self._rank,
+            world_size=self._world,
+            **kwargs,
+        )
+        self.set_world_ranks()
+
+    def _formed(self, generation: int) -> None:
+        """Tell the supervisor this member formed ``generation`` (and arm the cutter on its sockets)."""
+        if self._cutter is not None:
+            self._cutter.arm(generation)
+        assert self._store is not None
+        self._store.add(f"gen{generation}/formed", 1)
+
+    def _generation_zero(self) -> OwnershipMap:
+        assert self._store is not None
+        owners = initial(self._num_stages, range(self._nproc))
+        text = owners.to_json()
+        stored = self._store.compare_set("gen0/map", "", text).decode()
+        if stored != text:
+            raise ValueError(
+                f"this worker was started with num_stages={self._num_stages}, but the job's "
+                f"generation 0 is {OwnershipMap.from_json(stored).format()}"
+            )
+        self._store.compare_set("config/num_stages", "", str(self._num_stages))
+        if self.member not in owners.members():
+            raise RuntimeError(
+                f"member {self.member} has no stage in generation 0 (spare workers are not "
+                "supported at start: use a multiple of num_stages)"
+            )
+        return owners
+
+    def _replica_stages(self, owners: OwnershipMap, member: int) -> list[int]:
+        """The stages ``member`` holds a replica of (none without ``redundancy``: a loss then needs the
+        checkpoint fallback)."""
+        return owners.replica_stages_of(member) if self._redundancy else []
+
+    def _needs(self, owners: OwnershipMap) -> dict[int, list[int]]:
+        return {
+            m: [
+                layer
+                for s in owners.stages_of(m) + self._replica_stages(owners, m)
+                for layer in self._stage_layers[s]
+            ]
+            for m in owners.members()
+        }
+
+    def _template(self, layer: int) -> nn.Module:
+        return self._layers[layer]
+
+    def _form(
+        self,
+        owners: OwnershipMap,
+        build_optimizers: bool = True,
+        holdings: dict[int, LayerState] | None = None,
+        held: dict[int, LayerState] | None = None,
+    ) -> None:
+        """Move layers to where ``owners`` needs them (or take ``held``, loaded from a checkpoint) and rebuild
+        stage, replica, groups and engine.
+
+        ``holdings``: the layers this member can give (default: all it holds now; a joiner gives none).
+        """
+        assert self._store is not None and self.lightning_module is not None
+        me = self.member
+        if held is None:
+            resharder = Resharder(
+                self._store, owners.generation, me, owners.rank_of, self._template, self.root_device
+            )
+            current = self._current_holdings() if holdings is None else holdings
+            held = resharder.run(current, self._needs(owners))
+        self._held = held
+        own_layers = [layer for s in owners.stages_of(me) for layer in self._stage_layers[s]]
+        replica_layers = [layer for s in self._replica_stages(owners, me) for layer in self._stage_layers[s]]
+        for layer in own_layers + replica_layers:
+            self._layers[layer] = self._held[layer].module
+        for layer in replica_layers:
+            self._layers[layer].to(self.replica_device)
+        for layer in own_layers:
+            self._layers[layer].to(self.root_device)
+        self._release_templates(set(own_layers) | set(replica_layers))
+        stage = sub_sequential(self._layers, own_layers)
+        setattr(stage, _STAGE_MARK, True)
+        layers = range(own_layers[0], own_layers[-1] + 1)
+        stage.outside_call_error = outside_call_message(  # type: ignore[attr-defined]
+            self.lightning_module, self._body_attr, layers, self._body_length
+        )
+        self._stage_module = stage
+        self.lightning_module._modules[self._body_attr] = stage
+        self.replica = sub_sequential(self._layers, replica_layers) if replica_layers else None
+        if build_optimizers:
+            grouping = self._user_optimizer(stage)
+            install(self.optimizers[0], [(layer, self._held[layer]) for layer in own_layers], grouping)
+        # groups: one per pipeline (loss broadcast) and one per stage (gradient all-reduce), same order
+        # on every member
+        pipeline_groups: dict[int, Any] = {}
+        stage_groups: dict[int, Any] = {}
+        kwargs = {"timeout": self._timeout}
+        for pipeline in owners.pipeline_ids():
+            ranks = [owners.rank_of(m) for m, _ in owners.positions(pipeline)]
+            pipeline_groups[pipeline] = dist.new_group(ranks, **kwargs)
+        if len(owners.pipelines) > 1:
+            for s in range(owners.num_stages):
+                stage_groups[s] = dist.new_group(
+                    sorted(owners.rank_of(m) for m in owners.stage_holders(s)), **kwargs
+                )
+        self.view = PipelineView(owners, me, owners.rank_of, pipeline_groups, stage_groups)
+        self.groups = self.view
+        if build_optimizers:
+            self._build_replica_optimizer()
+        positions = self.view.num_stages
+        schedule = build_1f1b(positions, self._num_microbatches)
+        if self._redundancy and positions > 1:
+            schedule = add_forward_redundancy(schedule, positions, self._num_microbatches)
+        if owners.generation == 0 and self._entries == 1:
+            rank_zero_info(f"BambooStrategy schedule (rank x step):\n{format_grid(schedule)}")
+        module = self.lightning_module
+        stage_params = {
+            s: [p for layer in self._stage_layers[s] for p in self._layers[layer].parameters()]
+            for s in owners.stages_of(me)
+        }
+        self.engine = StageAveragingEngine(
+            stage,
+            self.view,
+            schedule,  # type: ignore[arg-type]
+            inputs_fn=module.pipeline_inputs,  # type: ignore[arg-type]
+            loss_fn=module.pipeline_loss,  # type: ignore[arg-type]
+            device=self.root_device,
+            replica=self.replica if positions > 1 and self._redundancy else None,
+            replica_device=self.replica_device,
+            stage_params=stage_params,
+            keyed_rng=self._keyed_rng,
+        )
+        self.engine.before_action = self._before_action
+
+    def _release_templates(self, held: set[int]) -> None:
+        """Layers this member does not hold stay only as templates on the meta device (a layer received
+        later is materialized from its template), so a member's memory is its stages and replica, not the
+        whole model."""
+        for layer, module in self._layers.items():
+            if layer not in held and any(t.device.type != "meta" for t in _tensors_of(module)):
+                module.to("meta")
+
+    def _current_holdings(self) -> dict[int, LayerState]:
+        """Every layer this member holds, with its optimizer state as of now."""
+        held = dict(self._held)
+        if self.optimizers and self._stage_module is not None:
+            own = {int(n): m for n, m in self._stage_module._modules.items()}
+            held.update(gather(own, self.optimizers[0]))
+        if self.replica is not None and self._replica_optimizer is not None:
+            held.update(
+                gather({int(n): m for n, m in self.replica._modules.items()}, self._replica_optimizer)
+            )
+        return held
+
+    def _build_replica_optimizer(self) -> None:
+        """The user's optimizer over the replica (``configure_optimizers`` with the body swapped for it) and
+        the :class:`ReplicaSync` that keeps both equal to the successor's (when the pipeline has two or more
+        positions; a member running the whole pipeline has no successor)."""
+        if self.replica_sync is not None:
+            self.replica_sync.close()
+            self.replica_sync = None
+        if self.replica is None:
+            self._replica_optimizer = None
+            return
+        self._replica_optimizer = self._user_optimizer(self.replica)
+        replica_layers = [int(name) for name in self.replica._modules]
+        layers = [(layer, self._held[layer]) for layer in replica_layers]
+        install(self._replica_optimizer, layers, self._replica_optimizer)
+        if self.view is not None and self.view.num_stages > 1:
+            assert self._stage_module is not None
+            self.replica_sync = ReplicaSync(
+                self._stage_module, self.replica, self._replica_optimizer, self.view, self.root_device
+            )
+
+    def _check_groups_fit_any_layout(self) -> None:
+        """A failover gives a member several stages, whose parameters join the param groups the user's
+        ``configure_optimizers`` gives them, in the member's optimizer (the object Lightning and the
+        schedulers hold): so that code must build as many groups for the whole body as for one stage (a group
+        may be empty). Checked at start, not at the first failover."""
+        whole = self._user_optimizer(sub_sequential(self._layers, sorted(self._layers)))
+        stage = self.optimizers[0]
+        if len(whole.param_groups) != len(stage.param_groups):
+            raise ValueError(
+                f"configure_optimizers builds {len(stage.param_groups)} param groups for this member's stage "
+                f"but {len(whole.param_groups)} for the whole pipeline body; BambooStrategy needs the "
+                "same number for any set of layers (a failover gives a member several stages): build the "
+                "groups from fixed parts (e.g. the head and the rest), leaving a group empty where the "
+                "stage has none of its layers"
+            )
+
+    def _user_optimizer(self, body: nn.Module) -> Optimizer:
+        """The user's optimizer over ``body`` (``configure_optimizers`` with the pipeline body swapped for
+        it): its param groups, hyper-parameters and which parameter goes in which group are the user's own."""
+        module = self.lightning_module
+        assert module is not None
+        stage = module._modules[self._body_attr]
+        module._modules[self._body_attr] = body
+        try:
+            optimizers, _ = _private.init_optimizers(module)
+        finally:
+            module._modules[self._body_attr] = stage
+        if len(optimizers) != 1:
+            raise ValueError(f"BambooStrategy supports exactly one optimizer, got {len(optimizers)}")
+        return optimizers[0]
+
+
+def _tensors_of(module: nn.Module) -> list[Tensor]:
+    return [*module.parameters(), *module.buffers()]
