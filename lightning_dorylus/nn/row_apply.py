@@ -1,12 +1,14 @@
 """AV on a first layer's input rows made per interval, just before each request goes out.
 
 A first layer's input is the features after dropout: it needs no gradient and each interval's rows can be
-made on their own (:class:`~lightning_dorylus.nn.dropout.RowSource`, hashed from global coordinates). So in
-the pipeline engine the graph server makes interval ``i``'s rows and sends its request, then makes interval
-``i + 1``'s while ``i``'s is in flight, instead of making the whole ``(n, F_in)`` input before the first
-request (the weight-first GCN layer does the same inside ``ApplyGather``; this is the form for an AV op with
-no GA fused to it, e.g. GAT's ``gat.project``). Slicing, per-interval submission and merging go through
-:mod:`~lightning_dorylus.nn.functions` and the op's declaration.
+made on their own (:class:`~lightning_dorylus.nn.dropout.RowSource`, hashed from global coordinates). So the
+graph server makes interval ``i``'s rows and sends its request, then makes interval ``i + 1``'s while ``i``'s
+is in flight, instead of making the whole ``(n, F_in)`` input before the first request, and keeps none of
+them for the backward, which makes them again from the kept entries' bits (1/32 of float32 rows). That is
+the synchronous engine's form of the weight-first GCN layer's first AV and GAT's ``gat.project``, and the
+pipeline engine's form of the latter (its weight-first GCN layer does the same inside ``ApplyGather``).
+Slicing, per-interval submission and merging go through :mod:`~lightning_dorylus.nn.functions` and the op's
+declaration.
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ def _shares_memory(future: Future[dict[str, Tensor]], buffer: Tensor) -> bool:
 
 class ApplyRows(torch.autograd.Function):
     """``call.op`` per interval with row input ``input_name`` made by ``source`` per interval (no gradient
-    flows to it); gradients of the other (shared) inputs from the declared backward op, per interval.
+    flows to it); gradients of the other (shared) inputs from the declared backward op, per interval, whose
+    requests carry the rows made again (:meth:`RowSource.remake`), equal to the forward's bit for bit.
 
     With ``runahead`` (``staleness >= 1``, training, ``source.next_key`` known) the backward also sends the
     next step's requests while its own backward requests are out, with the shared inputs (weights) as they
