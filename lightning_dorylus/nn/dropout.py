@@ -313,10 +313,13 @@ class RowSource:
             raise ValueError("RowSource makes the features' dropout, which needs no gradient; x requires one")
         if not self.training or self.p == 0.0:
             return x[a:b]
+        if out is not None and (out.shape != x[a:b].shape or out.dtype != x.dtype or out.device != x.device):
+            raise ValueError(f"out has shape {tuple(out.shape)}, dtype {out.dtype} and device {out.device}; "
+                             f"expected {tuple(x[a:b].shape)}, {x.dtype} and {x.device}")
         row_ids = partition.local_nodes[a:b]
         nonzeros = self.graph.feature_nonzeros()
         if nonzeros is not None:
-            return self._sparse_rows(a, b, row_ids, nonzeros)
+            return self._sparse_rows(a, b, row_ids, nonzeros, out)
         if x.device.type != "cpu":
             return row_dropout(x[a:b], row_ids, self.p, self.training, self.key)
         width = x.shape[1]
@@ -335,15 +338,17 @@ class RowSource:
         x = self.graph.partition.x
         return _times_keep(x[a:b], _unpacking(self._kept[a:b], x.shape[1]), self.p, out)
 
-    def _sparse_rows(self, a: int, b: int, row_ids: Tensor, nonzeros: tuple[Tensor, Tensor]) -> Tensor:
-        """Rows ``a:b`` of sparse features' dropout: only their nonzeros are hashed."""
+    def _sparse_rows(self, a: int, b: int, row_ids: Tensor, nonzeros: tuple[Tensor, Tensor],
+                     out: Tensor | None = None) -> Tensor:
+        """Rows ``a:b`` of sparse features' dropout (into ``out``, zeroed first): only their nonzeros are
+        hashed."""
         x = self.graph.partition.x
         index, values = nonzeros
         width = x.shape[1]
         lo, hi = torch.searchsorted(index, torch.tensor([a * width, b * width], device=index.device)).tolist()
         index, values = index[lo:hi] - a * width, values[lo:hi]
         keep = _keep(entry_hashes(self.key, row_ids, index // width, index % width), self.p)
-        out = x.new_zeros((b - a, width))
+        out = x.new_zeros((b - a, width)) if out is None else out.zero_()
         out.view(-1).index_copy_(0, index, values * _scale_mask(keep, self.p, x.dtype))
         return out
 

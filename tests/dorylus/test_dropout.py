@@ -166,10 +166,9 @@ def test_row_source_remakes_its_rows_bit_for_bit(sparse: bool, dtype: torch.dtyp
     full = source.full()
     spans = [(0, 7), (7, 40), (40, part.n_local)]
     made = [source.rows(a, b) for a, b in spans]
-    if not sparse:
-        with pytest.raises(ValueError, match=r"out has shape \(2, 30\)"):
-            source.rows(0, 3, torch.empty(2, 30, dtype=dtype))
-        # no hash in the backward: the kept bits make the rows
+    with pytest.raises(ValueError, match=r"out has shape \(2, 30\)"):
+        source.rows(0, 3, torch.empty(2, 30, dtype=dtype))
+    if not sparse:  # no hash in the backward: the kept bits make the rows
         monkeypatch.setattr(D, "_grid_keep", lambda *args: pytest.fail("remake hashed again"))
     for (a, b), rows in zip(spans, made):
         buffer = torch.full((b - a, part.x.shape[1]), 7.0, dtype=dtype)
@@ -177,7 +176,6 @@ def test_row_source_remakes_its_rows_bit_for_bit(sparse: bool, dtype: torch.dtyp
             assert again.view(torch.int16 if dtype == torch.bfloat16 else dtype).numpy().tobytes() == \
                 full[a:b].view(torch.int16 if dtype == torch.bfloat16 else dtype).numpy().tobytes()
             assert torch.equal(again.isnan(), rows.isnan())
-        if not sparse:
-            assert again.data_ptr() == buffer.data_ptr()
+        assert again.data_ptr() == buffer.data_ptr()  # a reused buffer, written over
     evaluation = D.RowSource(GraphCache().context(part), 0.5, False, 1)
     assert evaluation.remake(0, 5).data_ptr() == part.x.data_ptr()  # no dropout: a view of the features
