@@ -41,7 +41,7 @@ class RowBuffers:
 
     Why: a first layer's rows are made per interval (4 MiB at 8192 x 128 float32), in the forward and
     again in the backward. A fresh buffer that large is a fresh ``mmap`` whose pages the kernel faults in
-    and zeroes, about as costly as making the rows; with one executor worker the requests are answered
+    and zeroes (nearly half the cost of making the rows); with one executor worker requests are answered
     about as fast as they are made, so a handful of buffers serve every interval. An answered request's
     buffer is read by nobody: the answer came after the request was sent, and a late duplicate's answer is
     dropped. One whose answer shares its memory (an inline op returning its input) is never reused.
