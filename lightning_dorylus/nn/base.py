@@ -112,9 +112,10 @@ class DorylusLayer(nn.Module):
     @property
     def takes_row_source(self) -> bool:
         """Whether ``forward`` accepts a :class:`~lightning_dorylus.nn.dropout.RowSource` for its input
-        (rows made per interval as their requests go out): in the pipeline engine, a layer whose first stage
-        is AV on its input (:attr:`applies_first`); a layer that needs its whole input at once: no."""
-        return self.applies_first and self.runtime.pipelined
+        (rows made per interval as their requests go out, and not kept: the backward makes them again from
+        their dropout masks): a layer whose first stage is AV on its input (:attr:`applies_first`), in
+        either engine; a layer that needs its whole input at once: no."""
+        return self.applies_first
 
     def _pipelines(self, graph: GraphContext) -> bool:
         """The one engine decision: interleave graph and tensor work per interval (pipeline engine, and
@@ -139,15 +140,16 @@ class DorylusLayer(nn.Module):
             graph: The partition (its intervals cut the rows).
             attrs: The op's JSON attributes (e.g. ``{"activation": "relu"}``).
             tensors: The op's inputs by name; ``None`` is an absent optional input. At most one may be a
-                :class:`RowSource` (a first layer's dropped-out features, needing no gradient): the pipeline
-                engine makes its rows per interval just before each request goes out, and with
-                ``staleness >= 1`` sends the next epoch's requests during this one's backward.
+                :class:`RowSource` (a first layer's dropped-out features, needing no gradient): its rows are
+                made per interval just before each request goes out and not kept (the backward makes them
+                again from their dropout masks, 1 bit per entry), and with ``staleness >= 1`` the next
+                epoch's requests are sent during this one's backward.
         """
         sources = [name for name, t in tensors.items() if isinstance(t, RowSource)]
         if len(sources) > 1:
             raise ValueError(f"run_op({op!r}) takes at most one RowSource input; got {sources}")
         call = self._call(op, graph, attrs)
-        if sources and self._pipelines(graph):
+        if sources and graph.intervals:  # either engine: rows made per interval, remade in the backward
             (name,) = sources
             shared = {n: t for n, t in tensors.items() if n != name and t is not None}
             return apply_rows(call, tensors[name], name, self._runahead(), self.layer_index, **shared)  # type: ignore[arg-type]

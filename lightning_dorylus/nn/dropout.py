@@ -19,7 +19,7 @@ whole-tensor torch ops; on CPU the hash runs in cache-sized numpy chunks (:data:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -97,6 +97,10 @@ def _murmur_np_(z: np.ndarray, scratch: np.ndarray) -> np.ndarray:
         if mix is not None:
             np.multiply(z, np.uint32(mix), out=z)
     return z
+
+
+#: Chunks ``(a, b, keep)`` of a keep mask: rows ``a:b``, ``keep`` a ``(b - a, width)`` bool array.
+Keeps = Iterator[tuple[int, int, np.ndarray]]
 
 
 def _grid_keep(key: int, row_ids: Tensor, width: int, p: float) -> Iterator[tuple[int, int, np.ndarray]]:
@@ -185,13 +189,39 @@ def row_dropout(x: Tensor, row_ids: Tensor, p: float, training: bool, key: int) 
     width = x[0].numel() if x.shape[0] else 0
     if x.requires_grad or x.device.type != "cpu":  # autograd keeps the mask for the backward
         return x * dropout_mask(row_ids, width, p, key, x.dtype).view(x.shape)
-    flat, out = x.reshape(x.shape[0], width), torch.empty((x.shape[0], width), dtype=x.dtype)
-    mask = torch.empty((min(_rows_per_chunk(width), x.shape[0]), width), dtype=x.dtype)
-    for a, b, keep in _grid_keep(key, row_ids, width, p):  # x * mask, chunk by chunk: no full-size mask
+    flat = x.reshape(x.shape[0], width)
+    return _times_keep(flat, _grid_keep(key, row_ids, width, p), p).view(x.shape)
+
+
+def _times_keep(flat: Tensor, keeps: Keeps, p: float, out: Tensor | None = None) -> Tensor:
+    """``flat (n, width)`` times the scaled mask of ``keeps`` (:func:`_grid_keep`'s chunks), chunk by chunk:
+    no full-size mask. Into ``out`` if given (``flat``'s shape and dtype). CPU only."""
+    n, width = flat.shape
+    if out is None:
+        out = torch.empty((n, width), dtype=flat.dtype)
+    elif out.shape != flat.shape or out.dtype != flat.dtype:
+        raise ValueError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; expected "
+                         f"{tuple(flat.shape)} and {flat.dtype}")
+    mask = torch.empty((min(_rows_per_chunk(width), n), width), dtype=flat.dtype)
+    for a, b, keep in keeps:
         _mask_into(mask[: b - a], keep)
-        chunk = _scale_(mask[: b - a], p)
-        torch.mul(flat[a:b], chunk, out=out[a:b])
-    return out.view(x.shape)
+        torch.mul(flat[a:b], _scale_(mask[: b - a], p), out=out[a:b])
+    return out
+
+
+def _packing(keeps: Keeps, bits: np.ndarray) -> Keeps:
+    """``keeps`` passed through, each chunk also packed into ``bits[a:b]`` (8 entries per byte)."""
+    for a, b, keep in keeps:
+        bits[a:b] = np.packbits(keep, axis=1)
+        yield a, b, keep
+
+
+def _unpacking(bits: np.ndarray, width: int) -> Keeps:
+    """The chunks :func:`_packing` packed, as :func:`_grid_keep` made them (``(b - a, width)`` bool)."""
+    step = _rows_per_chunk(width)
+    for a in range(0, len(bits), step):
+        b = min(a + step, len(bits))
+        yield a, b, np.unpackbits(bits[a:b], axis=1, count=width).view(bool)
 
 
 def dropout_mask(row_ids: Tensor, width: int, p: float, key: int, dtype: torch.dtype) -> Tensor:
@@ -254,9 +284,11 @@ def feature_dropout(graph: GraphContext, p: float, training: bool, key: int) -> 
 class RowSource:
     """The first layer's input, ``feature_dropout(graph, p, training, key)``, made on demand by row range.
 
-    The pipeline engine's weight-first layer asks for interval ``a:b`` just before sending its request, so
-    the server's dropout of one interval overlaps the requests of the previous ones. Entries are the same as
-    :func:`feature_dropout`'s (each is hashed from its global coordinates), whatever the cut.
+    A weight-first layer asks for interval ``a:b`` just before sending its request, so the server's dropout
+    of one interval overlaps the requests of the previous ones, and no ``(n_local, F)`` copy of the input is
+    ever held. Entries are the same as :func:`feature_dropout`'s (each is hashed from its global
+    coordinates), whatever the cut. A dense dropout on the CPU records which entries it kept, 1 bit each
+    (1/32 of float32 rows), so the backward can :meth:`remake` the rows its requests need without hashing.
     """
 
     graph: GraphContext
@@ -264,13 +296,16 @@ class RowSource:
     training: bool
     key: int
     next_key: int | None = None  # the key of the next training step's rows, if known (run-ahead)
+    _kept: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _recorded: set[tuple[int, int]] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def full(self) -> Tensor:
         """All rows, as :func:`feature_dropout`."""
         return feature_dropout(self.graph, self.p, self.training, self.key)
 
-    def rows(self, a: int, b: int) -> Tensor:
-        """Rows ``a:b`` of :meth:`full` (a new tensor in training mode)."""
+    def rows(self, a: int, b: int, out: Tensor | None = None) -> Tensor:
+        """Rows ``a:b`` of :meth:`full`: a new tensor in training mode (written into ``out``, ``(b - a, F)``
+        of ``x``'s dtype, where given and the rows are a dense dropout), a view of ``x`` otherwise."""
         _check_p(self.p)
         partition = self.graph.partition
         x = partition.x
@@ -278,16 +313,42 @@ class RowSource:
             raise ValueError("RowSource makes the features' dropout, which needs no gradient; x requires one")
         if not self.training or self.p == 0.0:
             return x[a:b]
+        if out is not None and (out.shape != x[a:b].shape or out.dtype != x.dtype or out.device != x.device):
+            raise ValueError(f"out has shape {tuple(out.shape)}, dtype {out.dtype} and device {out.device}; "
+                             f"expected {tuple(x[a:b].shape)}, {x.dtype} and {x.device}")
         row_ids = partition.local_nodes[a:b]
         nonzeros = self.graph.feature_nonzeros()
-        if nonzeros is None:
+        if nonzeros is not None:
+            return self._sparse_rows(a, b, row_ids, nonzeros, out)
+        if x.device.type != "cpu":
             return row_dropout(x[a:b], row_ids, self.p, self.training, self.key)
+        width = x.shape[1]
+        if self._kept is None:
+            self._kept = np.empty((x.shape[0], (width + 7) // 8), np.uint8)
+        keeps = _packing(_grid_keep(self.key, row_ids, width, self.p), self._kept[a:b])
+        rows = _times_keep(x[a:b], keeps, self.p, out)
+        self._recorded.add((a, b))
+        return rows
+
+    def remake(self, a: int, b: int, out: Tensor | None = None) -> Tensor:
+        """Rows ``a:b`` again, equal to :meth:`rows`'s: from the kept entries :meth:`rows` recorded for
+        exactly these rows (a few cheap passes instead of the hash's), else made anew."""
+        if (a, b) not in self._recorded or self._kept is None:
+            return self.rows(a, b, out)
+        x = self.graph.partition.x
+        return _times_keep(x[a:b], _unpacking(self._kept[a:b], x.shape[1]), self.p, out)
+
+    def _sparse_rows(self, a: int, b: int, row_ids: Tensor, nonzeros: tuple[Tensor, Tensor],
+                     out: Tensor | None = None) -> Tensor:
+        """Rows ``a:b`` of sparse features' dropout (into ``out``, zeroed first): only their nonzeros are
+        hashed."""
+        x = self.graph.partition.x
         index, values = nonzeros
         width = x.shape[1]
         lo, hi = torch.searchsorted(index, torch.tensor([a * width, b * width], device=index.device)).tolist()
         index, values = index[lo:hi] - a * width, values[lo:hi]
         keep = _keep(entry_hashes(self.key, row_ids, index // width, index % width), self.p)
-        out = x.new_zeros((b - a, width))
+        out = x.new_zeros((b - a, width)) if out is None else out.zero_()
         out.view(-1).index_copy_(0, index, values * _scale_mask(keep, self.p, x.dtype))
         return out
 

@@ -77,12 +77,14 @@ def submit_each(
     shared: dict[str, Tensor],
     spans: Sequence[Span],
     per_interval: PerInterval | None = None,
+    on_submit: Callable[[Future[dict[str, Tensor]]], None] | None = None,
 ) -> tuple[list[tuple[int, Span]], list[Future[dict[str, Tensor]]]]:
     """The one per-interval submit loop of every interval op, forward and backward: interval ``i``'s request
     is ``shared`` cut to its span (as ``op`` declares) plus ``per_interval(i, span)``, server work made just
     before the request goes out (its GA, its rows, its ∇GA; ``None``: no request for this interval), so the
-    server's work on ``i + 1`` overlaps ``i``'s request. All are submitted before any is waited for.
-    Returns the ``(interval, span)`` of each request sent, and their futures."""
+    server's work on ``i + 1`` overlaps ``i``'s request. All are submitted before any is waited for;
+    ``on_submit`` sees each request's future as it goes out. Returns the ``(interval, span)`` of each
+    request sent, and their futures."""
     spec = op_spec(op)
     sent: list[tuple[int, Span]] = []
     futures: list[Future[dict[str, Tensor]]] = []
@@ -93,6 +95,8 @@ def submit_each(
         inputs = {**extra, **slice_inputs(spec, shared, span)}
         futures.append(executor.submit(TensorOpRequest(op, inputs, attrs, interval=i)))
         sent.append((i, span))
+        if on_submit is not None:
+            on_submit(futures[-1])
     return sent, futures
 
 
@@ -236,6 +240,7 @@ def interval_backward(
     per_interval: PerInterval | None = None,
     while_out: Callable[[], None] | None = None,
     on_result: OnResult | None = None,
+    on_submit: Callable[[Future[dict[str, Tensor]]], None] | None = None,
 ) -> dict[str, Tensor]:
     """The backward of every interval op: ``call.op``'s declared backward op, one request per span.
 
@@ -244,10 +249,10 @@ def interval_backward(
     interval), so the server's work on ``i + 1`` overlaps ``i``'s request. ``while_out`` runs once every
     request is out (the run-ahead). Results are taken in interval order, so sums are deterministic:
     ``on_result(i, span, out)`` consumes its part (e.g. adds ∇GA into ``∇H``, popping it); the rest is merged
-    as the backward op declares (concatenated or summed)."""
+    as the backward op declares (concatenated or summed). ``on_submit``: as :func:`submit_each`'s."""
     bwd_name = op_spec(call.op).backward
     assert bwd_name is not None, f"op {call.op!r} declares no backward"
-    sent, futures = submit_each(call.executor, bwd_name, attrs, shared, spans, per_interval)
+    sent, futures = submit_each(call.executor, bwd_name, attrs, shared, spans, per_interval, on_submit)
     if while_out is not None:
         while_out()
     return collect(call.executor, bwd_name, sent, futures, on_result)

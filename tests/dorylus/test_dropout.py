@@ -148,3 +148,34 @@ def test_model_keys_fold_seed_epoch_and_site(model_cls: type) -> None:
     assert other.dropout_seed == 3
     model.eval()
     torch.testing.assert_close(model(graph), model(graph), rtol=0, atol=0)  # no dropout in eval
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_row_source_remakes_its_rows_bit_for_bit(sparse: bool, dtype: torch.dtype,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first layer keeps 1 bit per entry of its dropped-out rows, not the rows: the backward's remade rows
+    are the forward's bit for bit (-0, inf, nan included), without hashing again for dense features; into a
+    reused buffer when given one."""
+    monkeypatch.setattr(D, "CHUNK_ENTRIES", 64)  # several chunks per interval
+    [part] = _partitions(1, sparse)
+    part.x = part.x.to(dtype)
+    if not sparse:
+        part.x[0, :3] = torch.tensor([-1.0, float("inf"), float("nan")], dtype=dtype)
+    source = D.RowSource(GraphCache().context(part), 0.5, True, D.dropout_key(3, 1, 1, 0))
+    full = source.full()
+    spans = [(0, 7), (7, 40), (40, part.n_local)]
+    made = [source.rows(a, b) for a, b in spans]
+    with pytest.raises(ValueError, match=r"out has shape \(2, 30\)"):
+        source.rows(0, 3, torch.empty(2, 30, dtype=dtype))
+    if not sparse:  # no hash in the backward: the kept bits make the rows
+        monkeypatch.setattr(D, "_grid_keep", lambda *args: pytest.fail("remake hashed again"))
+    for (a, b), rows in zip(spans, made):
+        buffer = torch.full((b - a, part.x.shape[1]), 7.0, dtype=dtype)
+        for again in (source.remake(a, b), source.remake(a, b, buffer)):
+            assert again.view(torch.int16 if dtype == torch.bfloat16 else dtype).numpy().tobytes() == \
+                full[a:b].view(torch.int16 if dtype == torch.bfloat16 else dtype).numpy().tobytes()
+            assert torch.equal(again.isnan(), rows.isnan())
+        assert again.data_ptr() == buffer.data_ptr()  # a reused buffer, written over
+    evaluation = D.RowSource(GraphCache().context(part), 0.5, False, 1)
+    assert evaluation.remake(0, 5).data_ptr() == part.x.data_ptr()  # no dropout: a view of the features
