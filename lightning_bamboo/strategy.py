@@ -241,6 +241,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         self._num_stages = num_stages
         self._num_microbatches = num_microbatches
         self._redundancy = redundancy
+        self._forward_redundancy = redundancy  # FR in the schedule (set_forward_redundancy switches it off)
         self._replica_device_option = replica_device
         self._pipeline_attr = pipeline_attr
         self._layer_costs = list(layer_costs) if layer_costs is not None else None
@@ -318,6 +319,12 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
     @property
     def redundancy(self) -> bool:
         return self._redundancy
+
+    @property
+    def forward_redundancy(self) -> bool:
+        """Whether steps run the replica forwards (``FR``) now: ``redundancy`` unless
+        :meth:`set_forward_redundancy` switched them off."""
+        return self._forward_redundancy
 
     @property
     def stage_layers(self) -> tuple[range, ...]:

@@ -39,6 +39,8 @@ class RankReport:
     startup_s: float
     first_step_s: float
     checkpoint_s: float
+    without_fr_s: float = 0.0
+    """Mean step with the replica forwards switched off (0: not measured)."""
 
     @classmethod
     def width(cls) -> int:
@@ -67,15 +69,29 @@ class Run:
     checkpoint_bytes: int
     block_steps: int = 0
     """Measured steps alternated with validation ones in blocks of this many (0 or ``steps``: not)."""
+    without_fr_steps: int = 0
+    """Steps also measured with the replica forwards switched off (0 or ``steps``), in the blocks after the
+    measured ones."""
 
     @property
     def measured_steps(self) -> str:
-        first = self.warmup_steps + 1
-        if 0 < self.block_steps < self.steps:
-            blocks, within = divmod(self.steps - 1, self.block_steps)
-            last = first + 2 * blocks * self.block_steps + within
-            return f"{self.steps} of steps {first}-{last} (alternate blocks of {self.block_steps})"
-        return f"steps {first}-{self.warmup_steps + self.steps}"
+        return self._steps_label(0)
+
+    @property
+    def without_fr_measured_steps(self) -> str:
+        return self._steps_label(1)
+
+    def _steps_label(self, offset: int) -> str:
+        """Which steps of the run a set measured: the ``offset``-th role of the probe's cycle of blocks."""
+        cycle = 3 if self.without_fr_steps else 2
+        block = self.block_steps if 0 < self.block_steps < self.steps else self.steps
+        first = self.warmup_steps + 1 + offset * block
+        blocks, within = divmod(self.steps - 1, block)
+        last = first + cycle * blocks * block + within
+        if block < self.steps:
+            every = "alternate blocks" if cycle == 2 else f"one block in {cycle}"
+            return f"{self.steps} of steps {first}-{last} ({every} of {block})"
+        return f"steps {first}-{last}"
 
     @property
     def layout(self) -> str:
@@ -120,14 +136,27 @@ def plain_step_estimate(step_s: float, stages: list[dict[str, float]]) -> float:
     return max(step_s - saved, max(s["compute_s"] + s["allreduce_s"] for s in stages), 1e-9)
 
 
+WITHOUT_FR = "measured with FR switched off"
+"""The source of a step without redundancy measured in a redundant run (``set_forward_redundancy(False)``)."""
+
+
+def _quality(source: str) -> int:
+    """How directly a source measured a step: estimated, measured in a redundant run with the replica
+    forwards switched off (the replica's exchange still in it), measured (a run with that setting)."""
+    if source.startswith("estimated"):
+        return 0
+    return 1 if source.startswith(WITHOUT_FR) else 2
+
+
 def _reference_value(reference: Costs, key: str) -> Any:
     return reference.raw["costs"].get(key)
 
 
 def build(run: Run, ranks: Sequence[RankReport], reference: Costs, reference_path: str) -> dict[str, Any]:
     """The costs file of one run: its measured layout's step (under ``step_s_by_layout`` when it ran with
-    redundancy, else ``checkpoint_restart_step_s_by_layout``), the other one estimated when the run had
-    ``FR`` times, checkpoint and relaunch costs measured, the rest from ``reference``."""
+    redundancy, else ``checkpoint_restart_step_s_by_layout``), the other one measured with the replica
+    forwards switched off when the run took such steps (else estimated from its ``FR`` times), checkpoint
+    and relaunch costs measured, the rest from ``reference``."""
     stages = per_stage(ranks)
     step_s = statistics.fmean(r.step_s for r in ranks)
     checkpoint_s = max(r.checkpoint_s for r in ranks)
@@ -143,7 +172,12 @@ def build(run: Run, ranks: Sequence[RankReport], reference: Costs, reference_pat
     costs[own][run.layout] = step_s
     redundancy = "on" if run.redundancy else "off"
     sources[f"{own}[{run.layout}]"] = f"{measured} (mean step, redundancy {redundancy})"
-    if run.redundancy:
+    if run.redundancy and run.without_fr_steps:
+        costs[other][run.layout] = statistics.fmean(r.without_fr_s for r in ranks)
+        sources[f"{other}[{run.layout}]"] = (
+            f"{WITHOUT_FR}: {run.without_fr_measured_steps} of this run (mean step, the replica forwards "
+            "switched off; the replica's exchange and optimizer step still ran)")
+    elif run.redundancy:
         costs[other][run.layout] = plain_step_estimate(step_s, stages)
         sources[f"{other}[{run.layout}]"] = (
             "estimated: the measured redundant step less the smallest per-stage FR time (engine trace); "
@@ -203,8 +237,9 @@ def fingerprint(run: Run) -> dict[str, Any]:
 
 def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """``new`` with the layouts ``old`` measured (for the same job) kept where ``new`` did not measure them:
-    a probe run with redundancy on and one with it off (or at other stage counts) fill one file. An
-    estimated step never replaces a measured one."""
+    a probe run with redundancy on and one with it off (or at other stage counts) fill one file. A step
+    never replaces a more direct measurement of it (estimated < measured with FR switched off < measured
+    in a run without redundancy)."""
     if old.get("producer") != PRODUCER or old.get("fingerprint") != new["fingerprint"]:
         return new
     out = json.loads(json.dumps(new))
@@ -214,8 +249,7 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
             name = f"{key}[{layout}]"
             old_source = old["sources"].get(name, "")
             new_source = out["sources"].get(name)
-            better = new_source is not None and new_source.startswith("estimated") and \
-                old_source.startswith("measured")
+            better = new_source is not None and _quality(old_source) > _quality(new_source)
             if new_source is None or better:
                 out["costs"][key][layout] = value
                 out["sources"][name] = old_source

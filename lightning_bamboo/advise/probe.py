@@ -4,11 +4,12 @@
     python -m lightning_bamboo.advise --costs bamboo_costs.json --trace data/spot-traces/aws-p3-trace.csv
 
 After ``warmup_steps`` steps it measures ``steps`` steps (the step time, and per stage, from the engine's
-per-action times, compute, replica forward and bubble) and timed checkpoint saves of the state, then gathers
-every rank's figures (one float64 row per rank, ``torch.distributed.all_gather``) and rank 0 writes the
-costs file. The steps it does not measure are the *validation window* (after the measured ones, or
-alternating with them in ``block_steps``): the advisor's projection of this very configuration must predict
-their throughput (``sim_error``). docs/bamboo-advise.md.
+per-action times, compute, replica forward and bubble), ``steps`` more with the replica forwards switched off
+(``BambooStrategy.set_forward_redundancy``: the step without redundancy, measured in the same run) and timed
+checkpoint saves of the state, then gathers every rank's figures (one float64 row per rank,
+``torch.distributed.all_gather``) and rank 0 writes the costs file. The steps it does not measure are the
+*validation window* (after the measured ones, or alternating with them in ``block_steps``): the advisor's
+projection of this very configuration must predict their throughput (``sim_error``). docs/bamboo-advise.md.
 """
 
 from __future__ import annotations
@@ -81,14 +82,19 @@ class AdvisorProbe(Callback):
         path: the costs file (rank 0 writes it; a file of the same job measured at another layout or with
             redundancy off is merged, so runs at several configurations fill one file).
         steps: steps measured, after ``warmup_steps`` unmeasured ones.
+        measure_without_fr: in a run with redundancy, also measure ``steps`` steps with the replica forwards
+            (``FR``) switched off, in their own blocks between the measured and the validation ones (the
+            replica is still exchanged and stepped, so a failover is covered as before and training is
+            unchanged): the step without redundancy is then measured, not estimated from the ``FR`` time.
         warmup_steps: steps left out (the first steps build caches and allocate).
         checkpoint_every: save a checkpoint every this many measured steps (``checkpoint_s`` is their mean
             save) and every this many validation steps (the window then holds what checkpointing costs);
             each is timed, then removed. ``None``: one save, after the measured steps.
-        block_steps: measured and validation steps alternate in blocks of this many until ``steps`` are
-            measured, and the validation window is the alternate blocks (default ``steps``: the measured
-            steps first, then every later step is the window). Small blocks make the validation robust to a
-            machine whose load changes (both sets see the same load).
+        block_steps: blocks of this many measured steps, steps without ``FR`` (``measure_without_fr``) and
+            validation steps follow one another in turn until both sets are measured, and the validation
+            window is the validation blocks (default ``steps``: the measured steps first, then those without
+            ``FR``, then every later step is the window). Small blocks make the measurement robust to a
+            machine whose load changes (every set sees the same load).
         reference: costs file of the live preemption benchmark (``benchmarks/bamboo_preemption.py``), for
             the costs the first steps cannot show (failover, rejoin, killing a job); default: this
             checkout's ``benchmarks/results/bamboo_preemption.json``.
@@ -105,6 +111,7 @@ class AdvisorProbe(Callback):
         steps: int = 20,
         warmup_steps: int = 5,
         checkpoint_every: int | None = None,
+        measure_without_fr: bool = True,
         block_steps: int | None = None,
         reference: str | Path | None = None,
         samples_per_step: float | None = None,
@@ -121,11 +128,17 @@ class AdvisorProbe(Callback):
         if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
             raise ValueError(f"AdvisorProbe(checkpoint_every=...) must be None or an integer >= 1, got "
                              f"{checkpoint_every!r}")
+        if not isinstance(measure_without_fr, bool):
+            raise ValueError(f"AdvisorProbe(measure_without_fr=...) must be True or False, got "
+                             f"{measure_without_fr!r}")
         self.path = Path(path)
         self.steps = steps
         self.warmup_steps = warmup_steps
         self.checkpoint_every = checkpoint_every
         self.block_steps = block_steps or steps
+        self.measure_without_fr = measure_without_fr
+        # the blocks' roles, in turn (without_fr dropped at setup for a run without redundancy)
+        self._cycle = ("measure", "without_fr", "validate") if measure_without_fr else ("measure", "validate")
         self._interleaved = self.block_steps < steps
         self.reference_path = Path(reference) if reference is not None else default_reference()
         self.samples_per_step = samples_per_step
@@ -138,6 +151,7 @@ class AdvisorProbe(Callback):
         self._last_end = 0.0  # when the probe's own work at the previous step boundary ended
         self._first_step_s = 0.0
         self._intervals: list[float] = []
+        self._without_fr: list[float] = []  # the intervals of the steps with FR switched off
         self._parts = StepParts()
         self._traced = 0
         self._saves: list[tuple[float, int]] = []  # (seconds, bytes) of the measured checkpoint saves
@@ -164,6 +178,8 @@ class AdvisorProbe(Callback):
                 f"run's first steps cannot show (failover, rejoin, killing a job); measure it with: "
                 f"{PRODUCER}")
         self._reference = load_costs(self.reference_path)
+        if not strategy.redundancy:  # nothing to switch off: the measured steps are already without it
+            self._cycle = ("measure", "validate")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -177,16 +193,30 @@ class AdvisorProbe(Callback):
             rank_zero_warn(f"AdvisorProbe: the fit starts at step {trainer.global_step}, not 0: not measured")
 
     def _role(self, done: int) -> str:
-        """``warmup``, ``measure`` or ``validate`` for step number ``done`` (1-based) of this fit: after the
-        warm-up, blocks of ``block_steps`` steps alternate between measuring and validating until ``steps``
-        steps are measured; every step after that validates."""
+        """``warmup``, ``measure``, ``without_fr`` or ``validate`` for step number ``done`` (1-based) of this
+        fit: after the warm-up, blocks of ``block_steps`` steps take the roles of the cycle in turn until
+        ``steps`` steps are measured (with FR, and without); every step after that validates."""
         k = done - self.warmup_steps - 1
         if k < 0:
             return "warmup"
         block, within = divmod(k, self.block_steps)
-        if block % 2 == 0 and (block // 2) * self.block_steps + within < self.steps:
-            return "measure"
+        role = self._cycle[block % len(self._cycle)]
+        if role != "validate" and (block // len(self._cycle)) * self.block_steps + within < self.steps:
+            return role
         return "validate"
+
+    @property
+    def _measured(self) -> bool:
+        """Every measured step taken (with FR, and without where the cycle has them)."""
+        return len(self._intervals) == self.steps and (
+            "without_fr" not in self._cycle or len(self._without_fr) == self.steps)
+
+    def _switch_forward_redundancy(self, trainer: pl.Trainer, enabled: bool) -> None:
+        """Set the replica forwards of the next steps (every rank at this same step boundary: the schedule is
+        collective); nothing in a run without them."""
+        strategy: Any = trainer.strategy
+        if "without_fr" in self._cycle and strategy.forward_redundancy != enabled:
+            strategy.set_forward_redundancy(enabled)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -208,7 +238,7 @@ class AdvisorProbe(Callback):
         if self._done == 1:
             self._first_step_s = time.time() - self._train_start
         if trainer.global_step != self._done or _world() is not self._world:
-            self._stop("the job re-formed or resumed")  # its steps no longer line up: no more collectives
+            self._stop("the job re-formed or resumed", trainer)  # its steps no longer line up
         if not self._active:
             return
         role = self._role(self._done)
@@ -223,21 +253,29 @@ class AdvisorProbe(Callback):
                 engine.trace = None  # type: ignore[union-attr]
             if self.checkpoint_every and len(self._intervals) % self.checkpoint_every == 0:
                 self._saves.append(self._timed_checkpoint(trainer))  # as the validation window takes them
-            if len(self._intervals) == self.steps:
+            if self._measured:
+                self._finish_measurement(trainer, pl_module)
+        elif role == "without_fr":
+            self._without_fr.append(now - self._last_end)
+            if self._measured:
                 self._finish_measurement(trainer, pl_module)
         elif role == "validate" and self._window_open and not (self._finished and self._interleaved):
             window = self._window
             window.step_s.append(now - self._last_end)
             if self.checkpoint_every and len(window.step_s) % self.checkpoint_every == 0:
                 window.checkpoint_s.append(self._timed_checkpoint(trainer)[0])
+        # the next step's replica forwards, switched here so that the switch is in no measured step
+        self._switch_forward_redundancy(trainer, self._role(self._done + 1) != "without_fr")
         self._last_end = time.perf_counter()
 
-    def _stop(self, why: str) -> None:
-        """End measuring and validating for good (the steps before stay valid)."""
+    def _stop(self, why: str, trainer: pl.Trainer) -> None:
+        """End measuring and validating for good (the steps before stay valid), with the replica forwards on
+        again (every rank stops at the same event or step boundary)."""
         if self._active and not self._finished:
             rank_zero_warn(f"AdvisorProbe: {why} before the measurement ended: nothing written")
         self._active = False
         self._window_open = False
+        self._switch_forward_redundancy(trainer, True)
 
     # ------------------------------------------------------------------ the measurement
     def _timed_checkpoint(self, trainer: pl.Trainer) -> tuple[float, int]:
@@ -277,6 +315,7 @@ class AdvisorProbe(Callback):
             replica_bytes=module_bytes(getattr(strategy, "replica", None)),
             startup_s=self._train_start - self._created if self._created is not None else 0.0,
             first_step_s=self._first_step_s, checkpoint_s=checkpoint_s,
+            without_fr_s=sum(self._without_fr) / len(self._without_fr) if self._without_fr else 0.0,
         )
         ranks = gather_rows(mine.row(), strategy.root_device)
         if not trainer.is_global_zero:
@@ -292,10 +331,12 @@ class AdvisorProbe(Callback):
             num_microbatches=int(strategy.num_microbatches), redundancy=bool(strategy.redundancy),
             samples_per_step=float(self.samples_per_step or self._batch_samples * replicas),
             warmup_steps=self.warmup_steps, steps=self.steps, checkpoint_bytes=checkpoint_bytes,
-            block_steps=self.block_steps,
+            block_steps=self.block_steps, without_fr_steps=len(self._without_fr),
         )
         data = costs_file.build(run, reports, self._reference, str(self.reference_path))
         data["probe"][run.layout]["step_s_each_rank0"] = self._intervals
+        if self._without_fr:
+            data["probe"][run.layout]["without_fr_step_s_each_rank0"] = self._without_fr
         if self.path.is_file():
             data = costs_file.merge(json.loads(self.path.read_text()), data)
         self._run = run
@@ -309,29 +350,32 @@ class AdvisorProbe(Callback):
                     **info: Any) -> None:
         """A Bamboo event ends the probe: it does not measure what failovers, rejoins, fallbacks and drains
         cost (the reference does), and the layout changes; the validation window is the steps before."""
-        self._stop("a failover")
+        self._stop("a failover", trainer)
 
     def on_rejoin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any,
                   **info: Any) -> None:
-        self._stop("a rejoin")
+        self._stop("a rejoin", trainer)
 
     def on_fallback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any,
                     **info: Any) -> None:
-        self._stop("a fallback")
+        self._stop("a fallback", trainer)
 
     def on_drain(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any,
                  **info: Any) -> None:
-        self._stop("a drain")
+        self._stop("a drain", trainer)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Rank 0 adds the validation window (the steps after the warm-up that were not measured; with
         alternating blocks, those up to the end of the measurement) to the costs file."""
+        if self._active:  # the replica forwards on again for whatever runs next (no step runs in between)
+            self._switch_forward_redundancy(trainer, True)
         if not self._finished:
             if self._active:
                 rank_zero_warn(f"AdvisorProbe: training ended after {self._done} steps, before the "
-                               f"measurement ({self.warmup_steps} warm-up + {self.steps} measured steps, "
-                               f"alternating with validation blocks of {self.block_steps}): {self.path} not "
+                               f"measurement ({self.warmup_steps} warm-up + {self.steps} measured steps"
+                               f"{f' + {self.steps} without FR' if 'without_fr' in self._cycle else ''}, "
+                               f"in blocks of {self.block_steps} between validation ones): {self.path} not "
                                "written")
             return
         window = self._window

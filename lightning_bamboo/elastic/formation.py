@@ -8,6 +8,7 @@ A mixin of :class:`~lightning_bamboo.strategy.BambooStrategy` over its state; no
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from lightning_bamboo.elastic.ownership import OwnershipMap, initial
 from lightning_bamboo.elastic.reshard import LayerState, Resharder, gather, install
 from lightning_bamboo.pipeline.view import PipelineView, StageAveragingEngine
 from lightning_bamboo.replica import ReplicaSync
-from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b, format_grid
+from lightning_bamboo.schedule import Schedule, add_forward_redundancy, build_1f1b, format_grid, rank_program
 
 if TYPE_CHECKING:
     pass
@@ -164,9 +165,7 @@ class GenerationFormation:
         if build_optimizers:
             self._build_replica_optimizer()
         positions = self.view.num_stages
-        schedule = build_1f1b(positions, self._num_microbatches)
-        if self._redundancy and positions > 1:
-            schedule = add_forward_redundancy(schedule, positions, self._num_microbatches)
+        schedule = self._schedule(positions)
         if owners.generation == 0 and self._entries == 1:
             rank_zero_info(f"BambooStrategy schedule (rank x step):\n{format_grid(schedule)}")
         module = self.lightning_module
@@ -187,6 +186,37 @@ class GenerationFormation:
             keyed_rng=self._keyed_rng,
         )
         self.engine.before_action = self._before_action
+
+    def _schedule(self, positions: int) -> Schedule:
+        """1F1B over ``positions``, with the replica forwards (``FR``) in its bubbles when the job has
+        redundancy and they are not switched off (:meth:`set_forward_redundancy`)."""
+        return pipeline_schedule(positions, self._num_microbatches,
+                                 self._redundancy and self._forward_redundancy)
+
+    def set_forward_redundancy(self, enabled: bool) -> None:
+        """Run the following steps with (``True``, the default) or without (``False``) the eager redundant
+        forwards (``FR``), e.g. to measure what they cost (``AdvisorProbe``); remembered across re-forms.
+
+        Only the engine's schedule changes: the replica is still held, stepped and exchanged with its
+        successor after every step, so a failover recovers as before, and ``FR`` outputs never enter a
+        gradient, so training is exactly the same. The schedule is collective: call this on every rank of
+        the job at the same step boundary (e.g. in a Callback's ``on_train_batch_start`` of the same step),
+        never during a step.
+
+        Raises:
+            TypeError: ``enabled`` is not a bool.
+            ValueError: ``enabled=True`` on a job without redundancy (it holds no replica to run).
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_forward_redundancy(enabled=...) must be True or False, got {enabled!r}")
+        if enabled and not self._redundancy:
+            raise ValueError("set_forward_redundancy(True) needs BambooStrategy(redundancy=True): without "
+                             "redundancy no member holds a replica to run forward")
+        self._forward_redundancy = enabled
+        if self.engine is not None and self.view is not None:
+            self.engine.schedule = self._schedule(self.view.num_stages)
+            self.engine.program = rank_program(self.engine.schedule, self.view.stage)
+            self.engine.lowered(self.engine.schedule)  # lowered now, not in the next step
 
     def _release_templates(self, held: set[int]) -> None:
         """Layers this member does not hold stay only as templates on the meta device (a layer received
@@ -258,6 +288,17 @@ class GenerationFormation:
         if len(optimizers) != 1:
             raise ValueError(f"BambooStrategy supports exactly one optimizer, got {len(optimizers)}")
         return optimizers[0]
+
+
+@functools.lru_cache(maxsize=16)
+def pipeline_schedule(positions: int, num_microbatches: int, forward_redundancy: bool) -> Schedule:
+    """1F1B, with ``FR`` in its bubbles when ``forward_redundancy`` and ``positions > 1``; one object per
+    argument tuple (the engine lowers a schedule once per object: switching back and forth lowers nothing
+    again). Never mutated."""
+    schedule = build_1f1b(positions, num_microbatches)
+    if forward_redundancy and positions > 1:
+        schedule = add_forward_redundancy(schedule, positions, num_microbatches)
+    return schedule
 
 
 def _tensors_of(module: nn.Module) -> list[Tensor]:

@@ -117,10 +117,11 @@ def run_of(redundancy: bool, layout: tuple[int, int] = (2, 1), **probe: int) -> 
                redundancy=redundancy, samples_per_step=16.0, checkpoint_bytes=1000, **settings)
 
 
-def rank(stage: int, step_s: float, fr_s: float) -> RankReport:
+def rank(stage: int, step_s: float, fr_s: float, without_fr_s: float = 0.0) -> RankReport:
     return RankReport(stage=stage, pipeline=0, step_s=step_s, compute_s=0.02, fr_s=fr_s, wait_s=0.01,
                       allreduce_s=0.005, parameters=10, parameter_bytes=40, optimizer_bytes=120,
-                      replica_bytes=40, startup_s=2.0, first_step_s=0.3, checkpoint_s=0.05 * (stage + 1))
+                      replica_bytes=40, startup_s=2.0, first_step_s=0.3, checkpoint_s=0.05 * (stage + 1),
+                      without_fr_s=without_fr_s)
 
 
 def test_costs_file_is_the_replays_format_with_every_costs_source(tmp_path: Path) -> None:
@@ -139,6 +140,29 @@ def test_costs_file_is_the_replays_format_with_every_costs_source(tmp_path: Path
     assert costs.failover_s == reference.failover_s and data["sources"]["failover_s"] == "reference: ref.json"
     assert set(data["sources"]) >= {"step_s", "checkpoint_s", "failover_s", "rejoin_s", "restart_s"}
     assert [s["bubble_share"] for s in data["stages"]["2x1"]] == [pytest.approx(0.1), pytest.approx(0.1)]
+
+
+def test_steps_measured_with_fr_switched_off_are_the_step_without_redundancy(tmp_path: Path) -> None:
+    run = run_of(True, warmup_steps=2, steps=5, block_steps=2, without_fr_steps=5)
+    data = costs_file.build(run, [rank(0, 0.1, 0.01, 0.07), rank(1, 0.1, 0.02, 0.08)], load_costs(FIXTURE),
+                            "ref.json")
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    costs = load_costs(tmp_path / "c.json")
+    assert costs.step_s_by_layout == {"2x1": pytest.approx(0.1)}
+    assert costs.cr_step_s_by_layout == {"2x1": pytest.approx(0.075)}  # the mean over ranks, not estimated
+    source = data["sources"]["checkpoint_restart_step_s_by_layout[2x1]"]
+    # blocks of 2 in turn: with FR (3-4, 9-10, 15), without (5-6, 11-12, 17), validation (7-8, 13-14, 16)
+    assert source.startswith("measured with FR switched off: 5 of steps 5-17 (one block in 3 of 2) of this")
+    assert data["sources"]["step_s_by_layout[2x1]"].startswith("measured: 5 of steps 3-15 (one block in 3")
+    # a run without redundancy measures that step more directly (no replica at all): it is kept, either order
+    off = costs_file.build(run_of(False), [rank(0, 0.06, 0.0), rank(1, 0.06, 0.0)], load_costs(FIXTURE), "r")
+    for merged in (costs_file.merge(off, data), costs_file.merge(data, off)):
+        assert merged["costs"]["checkpoint_restart_step_s_by_layout"] == {"2x1": pytest.approx(0.06)}
+        assert merged["costs"]["step_s_by_layout"] == {"2x1": pytest.approx(0.1)}
+    estimated = costs_file.build(run_of(True), [rank(0, 0.1, 0.01), rank(1, 0.1, 0.02)], load_costs(FIXTURE),
+                                 "r")
+    merged = costs_file.merge(data, estimated)  # and the measured one is kept over a later estimate
+    assert merged["costs"]["checkpoint_restart_step_s_by_layout"] == {"2x1": pytest.approx(0.075)}
 
 
 def test_a_measured_step_is_kept_when_the_other_run_only_estimates_it() -> None:
@@ -170,13 +194,20 @@ def test_validation_replays_the_probes_window_with_its_checkpoints(tmp_path: Pat
 
 def test_measured_and_validation_steps_alternate_in_blocks_until_the_measurement_is_done() -> None:
     probe = AdvisorProbe(reference=FIXTURE, steps=5, warmup_steps=2, block_steps=2)
+    # by default, a block of steps with FR switched off follows each measured one
+    assert [probe._role(done) for done in range(1, 20)] == (
+        ["warmup"] * 2 + ["measure"] * 2 + ["without_fr"] * 2 + ["validate"] * 2
+        + ["measure"] * 2 + ["without_fr"] * 2 + ["validate"] * 2
+        + ["measure"] + ["validate"] + ["without_fr"] + ["validate"] * 2)
+    probe = AdvisorProbe(reference=FIXTURE, steps=5, warmup_steps=2, block_steps=2, measure_without_fr=False)
     assert [probe._role(done) for done in range(1, 16)] == (
         ["warmup"] * 2 + ["measure"] * 2 + ["validate"] * 2 + ["measure"] * 2 + ["validate"] * 2
         + ["measure"] + ["validate"] * 4)
     label = run_of(True, warmup_steps=2, steps=5, block_steps=2).measured_steps
     assert label == "5 of steps 3-11 (alternate blocks of 2)"  # the steps measured above
     contiguous = AdvisorProbe(reference=FIXTURE, steps=3, warmup_steps=1)
-    assert [contiguous._role(done) for done in range(1, 7)] == ["warmup"] + ["measure"] * 3 + ["validate"] * 2
+    assert [contiguous._role(done) for done in range(1, 10)] == \
+        ["warmup"] + ["measure"] * 3 + ["without_fr"] * 3 + ["validate"] * 2
 
 
 def test_probe_arguments_and_its_strategy_are_checked(tmp_path: Path) -> None:
@@ -187,6 +218,8 @@ def test_probe_arguments_and_its_strategy_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=re.escape("AdvisorProbe measures a Bamboo pipeline: "
                                                    "Trainer(strategy='bamboo'), got SimpleNamespace")):
         AdvisorProbe(reference=FIXTURE).setup(SimpleNamespace(strategy=SimpleNamespace()), None, "fit")
+    with pytest.raises(ValueError, match=re.escape("AdvisorProbe(measure_without_fr=...) must be True or")):
+        AdvisorProbe(measure_without_fr=1)
     bamboo = SimpleNamespace(num_stages=2, redundancy=True)
     missing = r"AdvisorProbe\(reference=...\): '.*none.json' does not exist"
     with pytest.raises(FileNotFoundError, match=missing):
@@ -195,7 +228,7 @@ def test_probe_arguments_and_its_strategy_are_checked(tmp_path: Path) -> None:
 
 GPT_TINY = REPO / "recipes" / "conf" / "model" / "gpt_tiny.yaml"
 PROBE_STEPS, WARMUP, EVERY, BLOCK = 20, 3, 6, 1
-WINDOW = PROBE_STEPS - BLOCK  # the alternate blocks up to the last measured step
+WINDOW = PROBE_STEPS - BLOCK  # the validation blocks up to the last measured step
 
 
 @pytest.mark.slow
@@ -204,13 +237,13 @@ def test_probe_on_the_gpt_recipe_writes_sane_costs_and_the_advisor_validates_aga
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The GPT recipe (2 stages, redundancy on) with the probe, two ranks started as torchrun would; then the
-    advisor on its costs file and the shipped p3 trace. Measured and validation steps alternate step by step
-    (the window is the other half), so that both see the shared machine's load alike; the window's last of 3
-    checkpoints is one step before its end."""
+    advisor on its costs file and the shipped p3 trace. Measured steps, steps with the replica forwards
+    switched off and validation steps take turns step by step, so that all see the shared machine's load
+    alike; the window's last of 3 checkpoints is one step before its end."""
     costs_path = tmp_path / "costs.json"
     out = tmp_path / "run"
     run_ranks([sys.executable, "-m", "recipes.train", "experiment=bamboo_gpt",
-               f"trainer.max_steps={WARMUP + PROBE_STEPS + WINDOW + 2}", "trainer.limit_val_batches=0",
+               f"trainer.max_steps={WARMUP + 2 * PROBE_STEPS + WINDOW + 2}", "trainer.limit_val_batches=0",
                "trainer.logger=false", "trainer.enable_checkpointing=false", f"hydra.run.dir={out}",
                "+trainer.callbacks.advisor._target_=lightning_bamboo.advise.AdvisorProbe",
                f"+trainer.callbacks.advisor.path={costs_path}",
@@ -223,7 +256,12 @@ def test_probe_on_the_gpt_recipe_writes_sane_costs_and_the_advisor_validates_aga
     costs = load_costs(costs_path)
     assert (costs.num_stages, costs.max_pipelines, costs.samples_per_step) == (2, 1, 16.0)
     step = costs.step_s_by_layout["2x1"]
-    assert 0 < costs.cr_step_s_by_layout["2x1"] <= step
+    # the step without redundancy is measured in this run, on the steps with FR switched off
+    without_fr = data["probe"]["2x1"]["without_fr_step_s_each_rank0"]
+    assert len(without_fr) == len(data["probe"]["2x1"]["step_s_each_rank0"]) == PROBE_STEPS
+    assert data["sources"]["checkpoint_restart_step_s_by_layout[2x1]"].startswith(
+        f"measured with FR switched off: {PROBE_STEPS} of steps {WARMUP + 2}-{WARMUP + 3 * PROBE_STEPS - 1} ")
+    assert costs.cr_step_s_by_layout["2x1"] > 0  # the mean over ranks (rank 0's steps are listed above)
     assert costs.checkpoint_s > 0 and costs.relaunch_s_by_layout["2x1"] > costs.checkpoint_s
     stages = data["stages"]["2x1"]
     assert [s["stage"] for s in stages] == [0, 1]
@@ -256,8 +294,7 @@ def test_probe_on_the_gpt_recipe_writes_sane_costs_and_the_advisor_validates_aga
                          lines[-1])
     assert match is not None, "\n".join(lines)
     assert next(line for line in lines if "<- recommended" in line).startswith(f"{match[1]} ")
-    warning = "WARNING: checkpoint_restart_step_s_by_layout[2x1] ESTIMATED from the FR time only"
-    assert any(line.startswith(warning) for line in lines)
+    assert not any("ESTIMATED" in line for line in lines), "\n".join(lines)  # nothing estimated to warn of
     # the line's sim_error is the replay of this run's window against what the window measured; its size is
     # a wall-clock comparison on a shared machine, not asserted here (figures: docs/bamboo-advise.md)
     check = validate(costs)
@@ -268,11 +305,12 @@ def test_probe_on_the_gpt_recipe_writes_sane_costs_and_the_advisor_validates_aga
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("fault_step", [20, 5])
+@pytest.mark.parametrize("fault_step", [20, 12])
 def test_a_failover_ends_the_probe_and_training_goes_on(tmp_path: Path, fault_step: int) -> None:
     """The elastic GPT recipe on 2 members; member 1 is SIGKILLed at step ``fault_step``: after the measured
-    steps (3 + 6) the validation window ends at the failover, during them nothing is written; either way the
-    probe's collectives do not hang the survivor, which trains on alone to the last step."""
+    steps (3 warm-up + 6 + 6 with FR switched off) the validation window ends at the failover, during them
+    nothing is written (step 12: a step with FR switched off); either way the probe's collectives do not hang
+    the survivor, which trains on alone to the last step."""
     costs_path = tmp_path / "costs.json"
     out = run_process([sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "2", "-m", "recipes.train",
                        "experiment=bamboo_gpt_elastic", "trainer.max_steps=30", "trainer.logger=false",
@@ -282,9 +320,9 @@ def test_a_failover_ends_the_probe_and_training_goes_on(tmp_path: Path, fault_st
                        "+trainer.callbacks.advisor.warmup_steps=3"],
                       timeout=240, env=launch_env({"BAMBOO_FAULT": f"1:{fault_step}:forward"})).stdout
     assert f"failover at step {fault_step}" in out and "`Trainer.fit` stopped: `max_steps=30` reached" in out
-    if fault_step > 9:
+    if fault_step > 15:
         live = json.loads(costs_path.read_text())["live"]["bamboo"]
-        assert live["steps"] == fault_step - 9  # steps 10..fault_step, none after the failover
+        assert live["steps"] == fault_step - 15  # steps 16..fault_step, none after the failover
     else:
         assert not costs_path.exists()
         assert "AdvisorProbe: a failover before the measurement ended: nothing written" in out

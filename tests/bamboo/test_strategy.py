@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.bamboo.launch import snapshot
-from tests.bamboo.pipe_runs import STEPS
+from tests.bamboo.pipe_runs import STEPS, bamboo_args, run_batch
 
 # float64 model: the only differences are summation orders (micro-batches, all-reduce)
 TOL = {"rtol": 1e-10, "atol": 1e-12}
@@ -116,3 +116,35 @@ def test_bf16_mixed_precision(pipe_references: dict[str, Path], pipe_bamboo_2: d
             for key in (k for k in got if k.startswith("replica")):
                 twin = ranks[(rank + 1) % 2]["own" + key[len("replica") :]]
                 torch.testing.assert_close(got[key], twin, rtol=0, atol=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_forward_redundancy_switched_off_and_on_trains_exactly_as_always_on(tmp_path: Path) -> None:
+    """``set_forward_redundancy`` (what AdvisorProbe alternates to measure the step without redundancy):
+    2 ranks, float64, Adam; FR off at steps 2 and 4, on at 1 and 3, against FR on at every step, in one
+    launch. Every parameter, optimizer state, replica (still stepped and exchanged) and loss is bit-equal;
+    FR steps produce the successor's forwards exactly, the others none."""
+    steps = 4
+    base = [*bamboo_args(2, 1, "adam", []), "--steps", str(steps)]  # the later --steps wins
+    runs = run_batch(tmp_path, {"always": base, "alternating": [*base, "--fr-off-steps", "2", "4"]},
+                     timeout=300, nprocs=2)
+    for step in range(1, steps + 1):
+        for rank in range(2):
+            always = snapshot(runs["always"], step, rank)
+            alternating = snapshot(runs["alternating"], step, rank)
+            state = sorted(k for k in always if not k.startswith("fr/"))
+            assert any(k.startswith("replica/") for k in state)
+            assert any(k.startswith("own_opt/") for k in state)
+            assert sorted(k for k in alternating if not k.startswith("fr/")) == state
+            for key in state:
+                torch.testing.assert_close(alternating[key], always[key], rtol=0, atol=0,
+                                           msg=lambda m, s=step, r=rank, k=key: f"step {s} rank {r} {k}: {m}")
+            fr = {k: v for k, v in alternating.items() if k.startswith("fr/")}
+            if step % 2 == 0:
+                assert not fr, f"step {step} rank {rank} ran FR with it switched off"
+            else:
+                successor = snapshot(runs["alternating"], step, (rank + 1) % 2)
+                assert len(fr) == 2
+                for mb in range(2):
+                    torch.testing.assert_close(fr[f"fr/{mb}"], successor[f"fwd/{mb}"], rtol=0, atol=0)

@@ -71,6 +71,16 @@ class Snapshot(Callback):
         save_file(tensors, str(self.out / f"step{trainer.global_step}_rank{trainer.global_rank}.safetensors"))
 
 
+class ForwardRedundancyOff(Callback):
+    """Train the given steps (1-based) without the replica forwards, the others with them (every rank)."""
+
+    def __init__(self, steps: set[int]) -> None:
+        self.steps = steps
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx) -> None:
+        trainer.strategy.set_forward_redundancy(trainer.global_step + 1 not in self.steps)
+
+
 def states(trainer: Trainer, pl_module: LightningModule) -> dict[str, torch.Tensor]:
     """Own stage and replica: parameters and optimizer state, by parameter name."""
     tensors: dict[str, torch.Tensor] = {}
@@ -124,6 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     parser.add_argument("--extra-samples", type=int, default=0, help="samples beyond whole batches")
     parser.add_argument("--per-rank-state", action="store_true", help="frozen params/buffers drawn per rank")
+    parser.add_argument("--fr-off-steps", type=int, nargs="*", default=[],
+                        help="steps (1-based) trained without the replica forwards (FR)")
     parser.add_argument(
         "--cases", type=Path, default=None,
         help="JSON file {name: [argument, ...]}: run each case (these arguments, --out included) in turn, "
@@ -209,7 +221,8 @@ def train(args: argparse.Namespace) -> None:
         limit_val_batches=1.0 if args.validate else 0,
         gradient_clip_val=args.clip,
         accumulate_grad_batches=args.accumulate,
-        callbacks=[Snapshot(args.out), *checkpointing],
+        callbacks=[Snapshot(args.out), *checkpointing,
+                   *([ForwardRedundancyOff(set(args.fr_off_steps))] if args.fr_off_steps else [])],
     )
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val, ckpt_path=args.resume)
     if args.validate:
