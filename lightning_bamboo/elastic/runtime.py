@@ -158,6 +158,9 @@ class ElasticRuntime:
             raise _Spare(f"Bamboo member {self.member} is a spare in generation {generation}")
         start = time.monotonic()
         self._restore_window_buffers()
+        # every member of the new generation runs the same schedule: a member new to the job (a join, or a
+        # fallback's newcomer) starts with FR on, so a survivor that had it switched off switches it back on
+        self._forward_redundancy = self._redundancy
         self._send_progress(old, new)
         self._init_generation(new)
         if kind == "fallback":
