@@ -443,12 +443,14 @@ def launch_together(args: argparse.Namespace, groups: list[tuple[str, int]], wor
     try:
         # Fails as soon as one fails: when one graph server fails, its peer would wait in a collective.
         failure = watch([proc for _, proc, _, _ in procs], args.timeout, tick=grant_turns)
+        # what ended on its own, before the rest is killed (a SIGKILL here is the kernel's OOM killer)
+        died = [(w, proc.returncode, log) for w, proc, _, log in procs if proc.poll() not in (None, 0)]
     finally:
         kill_groups([proc for _, proc, _, _ in procs])
-    failed = [(worker, proc, log) for worker, proc, _, log in procs if proc.returncode not in (0, -9)]
-    if failure and failed:
-        worker, proc, log = failed[0]
-        raise RuntimeError(f"{worker} worker exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+    if failure and died:
+        worker, code, log = died[0]
+        how = "was SIGKILLed (out of memory?)" if code == -9 else f"exited with {code}"
+        raise RuntimeError(f"{worker} worker {how}:\n{log.read_text()[-3000:]}")
     if failure:
         worker, _, _, log = procs[0]
         tail = log.read_text()[-3000:]
