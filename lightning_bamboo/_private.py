@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry as StrategyRegistry
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers as init_optimizers
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
@@ -39,4 +40,5 @@ __all__ = [
     "abort_process_group",
     "init_optimizers",
     "optimizers_to_device",
+    "sync_ddp_if_available",
 ]

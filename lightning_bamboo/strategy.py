@@ -1043,16 +1043,9 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        if self._joining_setup or not isinstance(tensor, Tensor) or not dist.is_initialized():
+        if self._joining_setup or not isinstance(tensor, Tensor):
             return tensor
-        op = reduce_op
-        if isinstance(op, str):
-            op = ReduceOp.SUM if op.lower() in ("sum", "mean", "avg") else getattr(ReduceOp, op.upper())
-        result = tensor.clone()
-        dist.all_reduce(result, op=op, group=group)
-        if isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg"):
-            result = result / dist.get_world_size(group)
-        return result
+        return _private.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override
     def model_to_device(self) -> None:
@@ -1078,7 +1071,10 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
             self._store.set(f"done/{self.member}", "1")
         # the process group stays (trainer.save_checkpoint after fit is collective) until the next entry
         # point forms its own, or the interpreter exits (a gloo group left to shutdown can abort the process)
-        atexit.register(_destroy_process_group)
+        global _DESTROY_AT_EXIT
+        if not _DESTROY_AT_EXIT:
+            atexit.register(_destroy_process_group)
+            _DESTROY_AT_EXIT = True
         self._elastic = False
         ParallelStrategy.teardown(self)
 
@@ -1094,6 +1090,9 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
 
 ElasticBambooStrategy = BambooStrategy
 """The name the elastic runtime had before it became :class:`BambooStrategy` (kept for existing scripts)."""
+
+
+_DESTROY_AT_EXIT = False  # _destroy_process_group is registered with atexit (once per process)
 
 
 def _destroy_process_group() -> None:

@@ -421,8 +421,9 @@ class ElasticRuntime:
         optimizer = self.optimizers[0]
         for p in self._stage_params():
             p.grad = None
-        with self.precision_plugin.train_step_context():
-            self.engine.run_step(self._share(batch), step=self._step)
+        # the training step's own schedule run (one batch per step: the fallback refuses accumulation)
+        self._run_schedule(self._share(batch), position=0)
+        self._add_stashed_grads()
         self._exchange_replica_gradients()
         self._plan_clipping()
         commit = commit_protocol.StepCommit(self._store, self.owners.generation, len(self.owners.members()))

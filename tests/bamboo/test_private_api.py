@@ -73,5 +73,10 @@ def test_fit_loop_state_keys_the_joiners_progress_rewinds(tmp_path) -> None:
         assert key in state, f"fit_loop.state_dict() has no {key!r}: {sorted(state)}"
 
 
+def test_sync_ddp_without_a_process_group_returns_the_tensor() -> None:
+    tensor = torch.tensor([1.0, 2.0])
+    assert torch.equal(_private.sync_ddp_if_available(tensor, None, reduce_op="mean"), tensor)
+
+
 def test_abort_process_group_exists() -> None:
     assert callable(getattr(torch.distributed.distributed_c10d, "_abort_process_group", None))
