@@ -179,6 +179,15 @@ class WithDropout(PipeMLP):
         self.pipeline = nn.Sequential(*layers)
 
 
+class Tied(PipeMLP):
+    """PipeMLP whose third Linear IS its first (one weight, two uses; biases stay separate): L T L T L' T H
+    with ``L'.weight = L.weight``. 2 stages put the uses on stages 0 and 1, 3 stages on stages 0 and 2."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.pipeline[4].weight = self.pipeline[0].weight
+
+
 VARIANTS: dict[str, type[PipeMLP]] = {
     "mlp": PipeMLP,
     "per-layer-lr": PerLayerLr,
@@ -189,6 +198,7 @@ VARIANTS: dict[str, type[PipeMLP]] = {
     "inplace": InplaceFirst,
     "user": UserModel,
     "dropout": WithDropout,
+    "tied": Tied,
 }
 
 
