@@ -96,3 +96,12 @@ def tied_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.
 
     out = tmp_path_factory.mktemp("elastic-reference-tied")
     return _elastic_reference(out, "--variant", "tied", "--optimizer", "adam", "--clip", str(CLIP))
+
+
+@pytest.fixture(scope="session")
+def tied_gpt_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The uninterrupted run of ``pipe_variants.TiedGPT`` (LM head = token embedding) with clipping."""
+    from tests.bamboo.test_elastic import CLIP
+
+    out = tmp_path_factory.mktemp("elastic-reference-tied-gpt")
+    return _elastic_reference(out, "--variant", "tied-gpt", "--clip", str(CLIP))

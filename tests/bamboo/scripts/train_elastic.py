@@ -83,13 +83,14 @@ def main() -> None:
         model = UserBugMLP(bug_member, bug_step, pairs=args.pairs, optimizer=args.optimizer, dtype=args.dtype)
     else:
         model = VARIANTS[args.variant](pairs=args.pairs, optimizer=args.optimizer, dtype=args.dtype)
-    x, y = make_data(args.steps * args.accumulate * args.batch_size)
+    data = getattr(model, "make_data", make_data)  # a model on other inputs (token ids) brings its own
+    x, y = data(args.steps * args.accumulate * args.batch_size)
     if args.strategy == "auto":
         # the elastic run's (unsharded) DistributedSampler shuffles with seed 0 in epoch 0: read that order
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
         x, y = x[order], y[order]
     train = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=False)
-    vx, vy = make_data(2 * args.batch_size, seed=99)
+    vx, vy = data(2 * args.batch_size, seed=99)
     val = DataLoader(TensorDataset(vx, vy), batch_size=args.batch_size, shuffle=False)
     if args.strategy == "elastic":
         strategy: BambooStrategy | str = BambooStrategy(
