@@ -90,7 +90,7 @@ from lightning_bamboo.progress import resumable, skip_first_batches
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import Action, ActionKind
 from lightning_bamboo.step import PipelinedStep
-from lightning_bamboo.ties import Tie, TiedGradient, aliases, find_ties, untie_module
+from lightning_bamboo.ties import Tie, TiedGradient, aliases, find_ties, untie
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -667,7 +667,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         warn_batch_statistics(module, attr, body, self._num_microbatches)
         self.precision_plugin.convert_module(body)
         self._ties = find_ties(body)
-        untie_module(body, self._ties)  # one copy per use; tied again wherever uses meet (_form)
+        untie(body, self._ties)  # one copy per use, on every layout (lightning_bamboo.ties)
         for found in self._ties:
             stages = sorted({s for s, layers in enumerate(self._stage_layers) for layer in found.layers
                              if layer in layers})
@@ -1008,7 +1008,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
                 "or an ordinary Lightning .ckpt file)"
             )
         self._loaded_path = path
-        return ckpt.load_sharded(checkpoint_path, self.lightning_module, self.optimizers, self._tie_aliases())
+        return ckpt.load_sharded(checkpoint_path, self.lightning_module, self.optimizers)
 
     def _tie_aliases(self) -> dict[str, str]:
         return aliases(self._ties, self._body_attr)
@@ -1018,7 +1018,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         assert self.lightning_module is not None
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
         if self.replica is not None and self._loaded_path is not None:
-            ckpt.load_replica(self._loaded_path, self.replica, self._body_attr, None, self._tie_aliases())
+            ckpt.load_replica(self._loaded_path, self.replica, self._body_attr, None)
         if self.replica is not None and self._loaded_whole is not None:
             ckpt.load_replica_from_memory(self._loaded_whole, self.replica, self._body_attr, None)
 
@@ -1030,9 +1030,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         # the replica of the successor stage is in the same checkpoint: load it rather than transfer it
         optimizer = self._replica_optimizer
         if self.replica is not None and optimizer is not None and self._loaded_path is not None:
-            ckpt.load_replica(
-                self._loaded_path, self.replica, self._body_attr, optimizer, self._tie_aliases()
-            )
+            ckpt.load_replica(self._loaded_path, self.replica, self._body_attr, optimizer)
         if self.replica is not None and optimizer is not None and self._loaded_whole is not None:
             ckpt.load_replica_from_memory(self._loaded_whole, self.replica, self._body_attr, optimizer)
 

@@ -2,16 +2,22 @@
 
 In one process a tied parameter is one tensor: every use adds its gradient into it and the optimizer steps it
 once. A pipeline puts the uses on different processes, so, as DeepSpeed's ``TiedLayerSpec`` and Megatron's
-embedding group do, each process holding a use keeps its own copy, and before the optimizer step the copies'
-gradients are summed over the processes holding a use (and averaged over the pipelines, replacing the
-data-parallel average for that parameter). Every copy then takes the same step from the same state, so the
-copies stay equal bit for bit and the run equals the single-process one.
+embedding group do, every use keeps its own copy, and before the optimizer step each copy's gradient becomes
+the sum over the uses. Every copy then takes the same step from the same state, so the copies stay equal bit
+for bit and the run equals the single-process one.
 
-The runtime treats layers as independent units (they move between members, are loaded from checkpoints,
-become replicas), so at setup the body is *untied* (every use but the first gets its own copy) and the tie is
-restored wherever several uses meet in one module set: a member's own stages (the optimizer then holds the
-parameter once) and, separately, its replica (it mirrors its successor's stages exactly). A member's own
-copy and its replica's copy are never one tensor: the replica's optimizer must not step the member's weights.
+At setup the body is *untied*: every use but the first gets its own copy, and copies are never merged again,
+not even where several uses meet on one member (its stages after a failover, a single stage): the sum is
+then formed the same way on any layout, so a run with failovers equals the uninterrupted one bit for bit (as
+``python -m lightning_bamboo.verify`` checks). Per tie and step:
+
+1. each use's copy is averaged over the pipelines with its stage's other parameters (the data-parallel
+   average, the same groups and order on every layout);
+2. within each pipeline, the member holding use ``u`` broadcasts that average to the other members holding
+   a use, in use order, and every member adds them up in use order into each of its copies' gradient.
+
+The cost: one broadcast of the tied tensor per use and step inside a pipeline, and a member holding two uses
+holds two copies (and two optimizer states) of the tensor.
 """
 
 from __future__ import annotations
@@ -20,11 +26,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-
-from lightning_bamboo.elastic.reshard import LayerState
-from lightning_bamboo.pipeline.engine import average_gradients
 
 
 @dataclass(frozen=True)
@@ -61,77 +65,67 @@ def aliases(ties: Iterable[Tie], attr: str) -> dict[str, str]:
     }
 
 
-def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+def _parameter(module: nn.Module, name: str) -> nn.Parameter:
     prefix, _, leaf = name.rpartition(".")
-    return (module.get_submodule(prefix) if prefix else module), leaf
-
-
-def _get(module: nn.Module, name: str) -> nn.Parameter:
-    owner, leaf = _owner(module, name)
+    owner = module.get_submodule(prefix) if prefix else module
     return owner._parameters[leaf]  # type: ignore[return-value]
 
 
-def _set(module: nn.Module, name: str, param: nn.Parameter) -> None:
-    owner, leaf = _owner(module, name)
-    setattr(owner, leaf, param)
-
-
-def untie(layers: Mapping[int, LayerState], ties: Iterable[Tie]) -> None:
-    """Give every use of each tie among ``layers`` its own parameter (and its own copy of the optimizer
-    state), so the layers can move, be released or become a replica one by one."""
+def untie(body: Sequence[nn.Module], ties: Iterable[Tie]) -> None:
+    """Give every use of each tie its own parameter (an equal copy), so the layers can move, be loaded,
+    become a replica and be stepped one by one."""
     for found in ties:
-        seen: set[int] = set()
-        for layer, name in found.uses:
-            if layer not in layers:
-                continue
-            held = layers[layer]
-            param = _get(held.module, name)
-            if id(param) not in seen:
-                seen.add(id(param))
-                continue
-            copy = nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
-            _set(held.module, name, copy)
-            seen.add(id(copy))
-            if name in held.state:
-                held.state[name] = {
-                    key: value.clone() if isinstance(value, Tensor) else value
-                    for key, value in held.state[name].items()
-                }
-
-
-def tie(layers: Mapping[int, nn.Module], ties: Iterable[Tie]) -> None:
-    """Make the uses of each tie among ``layers`` (one module set: a member's stages, or its replica) one
-    parameter again: the first present use's (the copies are equal)."""
-    for found in ties:
-        present = [(layer, name) for layer, name in found.uses if layer in layers]
-        if len(present) < 2:
-            continue
-        first = _get(layers[present[0][0]], present[0][1])
-        for layer, name in present[1:]:
-            _set(layers[layer], name, first)
-
-
-def untie_module(body: Sequence[nn.Module], ties: Iterable[Tie]) -> None:
-    """:func:`untie` for a body's layers as built (no optimizer state yet)."""
-    untie({index: LayerState(layer) for index, layer in enumerate(body)}, ties)
+        for layer, name in found.uses[1:]:
+            prefix, _, leaf = name.rpartition(".")
+            owner = body[layer].get_submodule(prefix) if prefix else body[layer]
+            param = owner._parameters[leaf]
+            assert param is not None
+            setattr(owner, leaf, nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
 
 
 @dataclass
 class TiedGradient:
-    """One tie's gradient reduction on this member: ``param`` is its copy (``None``: it holds no use),
-    ``group`` the members holding a use in any pipeline (``None``: nothing to reduce), ``counted``: whether
-    this copy counts in the pipeline's gradient norm (one copy per pipeline does)."""
+    """One tie on this member: ``copies[u]`` its copy of use ``u`` (``None``: another member of its pipeline
+    holds it), ``sources[u]`` the rank holding use ``u`` in this member's pipeline, ``group`` the members of
+    the pipeline holding a use (``None``: this member holds them all, or none)."""
 
-    param: nn.Parameter | None
+    copies: list[nn.Parameter | None]
+    sources: list[int]
     group: Any
-    counted: bool
 
-    def reduce(self, num_pipelines: int) -> None:
-        """Sum the copies' gradients over the group, divided by the pipelines (a pipeline's copies hold one
-        sample share's parts; the pipelines' shares are averaged, as the data-parallel average does)."""
-        if self.param is None or self.group is None or not self.param.requires_grad:
+    @property
+    def held(self) -> list[nn.Parameter]:
+        return [copy for copy in self.copies if copy is not None]
+
+    @property
+    def uncounted(self) -> list[nn.Parameter]:
+        """The copies the pipeline's gradient norm must skip: all but use 0's (the parameter counts once)."""
+        return self.held[1:] if self.copies[0] is not None else self.held
+
+    def reduce(self) -> None:
+        """Each copy's gradient becomes the sum, in use order, of every use's (data-parallel averaged)
+        gradient; a use without a gradient adds nothing, and with none at all the copies keep ``None``."""
+        held = self.held
+        if not held or not any(copy.requires_grad for copy in held):
             return
-        average_gradients([self.param], self.group, num_pipelines)
+        total: Tensor | None = None
+        for copy, source in zip(self.copies, self.sources):
+            grad = copy.grad if copy is not None else None
+            if self.group is not None:
+                grad = self._broadcast(grad, source, template=held[0])
+            if grad is not None:
+                total = grad.clone() if total is None else total + grad
+        for copy in held:
+            copy.grad = None if total is None else total.clone()  # clipping scales each in place
+
+    def _broadcast(self, grad: Tensor | None, source: int, template: nn.Parameter) -> Tensor | None:
+        """``source``'s gradient of one use (with a has-gradient flag behind it) to the group."""
+        flat = torch.zeros(template.numel() + 1, dtype=template.dtype, device=template.device)
+        if grad is not None:
+            flat[:-1] = grad.reshape(-1)
+            flat[-1] = 1
+        dist.broadcast(flat, source, group=self.group)
+        return flat[:-1].view_as(template) if flat[-1].item() else None
 
 
 def tied_gradients(
@@ -141,38 +135,36 @@ def tied_gradients(
     me: int,
     timeout: Any,
 ) -> list[TiedGradient]:
-    """Each tie's reduction; creates its group (collective: every rank of the generation calls this with the
-    same ``holders``).
+    """This member's part of each tie, creating the pipelines' groups (collective: every rank of the
+    generation calls it with the same ``holders``).
 
     Args:
         ties: the body's ties.
-        own_layers: this member's own layers (its stages), already tied.
+        own_layers: this member's own layers (its stages).
         holders: ``(rank, pipeline, own layers)`` of every member of the generation.
         me: this member's rank.
         timeout: the groups' collective timeout.
     """
+    pipeline_of = {rank: pipeline for rank, pipeline, _ in holders}
     out: list[TiedGradient] = []
-    num_pipelines = len({pipeline for _, pipeline, _ in holders})
     for found in ties:
-        ranks = sorted(rank for rank, _, layers in holders if layers & found.layers)
-        group = None
-        if len(ranks) > 1 or num_pipelines > 1:
-            group = dist.new_group(ranks, timeout=timeout)
-        present = [(layer, name) for layer, name in found.uses if layer in own_layers]
-        param = _get(own_layers[present[0][0]], present[0][1]) if present else None
-        my_pipeline = next(pipeline for rank, pipeline, _ in holders if rank == me)
-        in_pipeline = [(min(layers & found.layers), rank) for rank, pipeline, layers in holders
-                       if pipeline == my_pipeline and layers & found.layers]
-        counted = bool(present) and min(in_pipeline)[1] == me
-        out.append(TiedGradient(param, group if me in ranks else None, counted))
+        mine = None
+        for pipeline in sorted(set(pipeline_of.values())):
+            members = [(rank, layers) for rank, p, layers in holders if p == pipeline]
+            sources = [next(rank for rank, layers in members if layer in layers) for layer, _ in found.uses]
+            ranks = sorted(set(sources))
+            group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+            if pipeline == pipeline_of[me]:
+                copies = [
+                    _parameter(own_layers[layer], name) if layer in own_layers else None
+                    for layer, name in found.uses
+                ]
+                mine = TiedGradient(copies, sources, group if me in ranks else None)
+        assert mine is not None
+        out.append(mine)
     return out
 
 
-def tied_parameter_ids(gradients: Iterable[TiedGradient]) -> set[int]:
-    return {id(g.param) for g in gradients if g.param is not None}
-
-
 def uncounted_parameter_ids(gradients: Iterable[TiedGradient]) -> set[int]:
-    """Copies another member of the pipeline counts in the gradient norm."""
-    return {id(g.param) for g in gradients if g.param is not None and not g.counted}
-
+    """Copies another copy of the same tie already counts in the pipeline's gradient norm."""
+    return {id(copy) for gradient in gradients for copy in gradient.uncounted}

@@ -232,44 +232,28 @@ def _load_tensors(path: Path, keys: list[str], no_dist: bool) -> dict[str, Tenso
 
 TIED_KEY = "bamboo_tied_parameters"
 """Checkpoint entry (``meta.pt``): ``later use's name -> first use's name`` of every tied parameter
-(:func:`lightning_bamboo.ties.aliases`). Each stage saves its copy's optimizer state under its own use's
-name (a member holding several uses, under the first's); a loader finds a copy's state under any name of its
-tie, and :func:`consolidate_checkpoint` keeps the first use's, as the single-process optimizer holds it."""
-
-
-def tie_names(aliases: dict[str, str]) -> dict[str, list[str]]:
-    """``name -> every name of its tie`` (the first use's first) for each tied parameter name."""
-    ties: dict[str, list[str]] = {}
-    for later, first in aliases.items():
-        ties.setdefault(first, [first]).append(later)
-    return {name: names for names in ties.values() for name in names}
+(:func:`lightning_bamboo.ties.aliases`). Bamboo saves every use's copy (and its optimizer state) under the
+use's own name; :func:`consolidate_checkpoint` keeps the first use's, as the single-process model holds it."""
 
 
 def _saved_optimizer_state(
-    path: Path, index: int, names: list[str], aliases: dict[str, str] | None, no_dist: bool
+    path: Path, index: int, names: list[str], no_dist: bool
 ) -> dict[str, dict[str, Tensor]]:
-    """``name -> {state key: tensor}`` of optimizer ``index`` for each of ``names`` with saved state; a tied
-    parameter without state under its own name takes the state saved under another name of its tie."""
-    saved: dict[str, list[str]] = {}
+    """``name -> {state key: tensor}`` of optimizer ``index`` for each of ``names`` with saved state."""
+    saved: dict[str, list[str]] = {name: [] for name in names}
     for key in _metadata(path):
         if key.startswith(f"optim{index}/"):
             name, _, state_key = key[len(f"optim{index}/") :].rpartition("/")
-            saved.setdefault(name, []).append(state_key)
-    ties = tie_names(aliases or {})
-    source = {n: next((t for t in [n, *ties.get(n, [])] if saved.get(t)), None) for n in names}
-    wanted = sorted({f"optim{index}/{src}/{k}" for src in source.values() if src for k in saved[src]})
-    flat = _load_tensors(path, wanted, no_dist=no_dist)
-    return {n: {k: flat[f"optim{index}/{src}/{k}"] for k in saved[src]} for n, src in source.items() if src}
+            if name in saved:
+                saved[name].append(state_key)
+    flat = _load_tensors(path, [f"optim{index}/{n}/{k}" for n, ks in saved.items() for k in ks], no_dist)
+    return {n: {k: flat[f"optim{index}/{n}/{k}"] for k in ks} for n, ks in saved.items() if ks}
 
 
 def load_sharded(
-    filepath: str | Path,
-    module: LightningModule,
-    optimizers: list[Optimizer],
-    aliases: dict[str, str] | None = None,
+    filepath: str | Path, module: LightningModule, optimizers: list[Optimizer]
 ) -> dict[str, Any]:
-    """Load this rank's stage (model and optimizer) plus the trainer state from a sharded checkpoint
-    (``aliases``: the model's tied parameter names, :data:`TIED_KEY`).
+    """Load this rank's stage (model and optimizer) plus the trainer state from a sharded checkpoint.
 
     Returns:
         A Lightning checkpoint dict: the trainer state from ``meta.pt``, ``state_dict`` for this stage and
@@ -285,7 +269,7 @@ def load_sharded(
     states = []
     for i, (optimizer, saved_groups) in enumerate(zip(optimizers, groups_per_optimizer)):
         names = [n for group in optimizer.param_groups for n in _group_names(module, group)]
-        state = _saved_optimizer_state(path, i, names, aliases, no_dist=not dist.is_initialized())
+        state = _saved_optimizer_state(path, i, names, no_dist=not dist.is_initialized())
         groups = [
             {**saved, "param_names": _group_names(module, g)}
             for saved, g in zip(saved_groups, optimizer.param_groups)
@@ -296,11 +280,7 @@ def load_sharded(
 
 
 def load_replica(
-    filepath: str | Path,
-    replica: nn.Module,
-    body_attr: str,
-    optimizer: Optimizer | None,
-    aliases: dict[str, str] | None = None,
+    filepath: str | Path, replica: nn.Module, body_attr: str, optimizer: Optimizer | None
 ) -> None:
     """Load the replica of the successor stage (parameters and optimizer state) from the checkpoint."""
     path = Path(filepath)
@@ -312,7 +292,7 @@ def load_replica(
         return
     names = {id(p): prefix + n for n, p in replica.named_parameters()}
     ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    named = _saved_optimizer_state(path, 0, ordered, aliases, no_dist=not dist.is_initialized())
+    named = _saved_optimizer_state(path, 0, ordered, no_dist=not dist.is_initialized())
     state = {i: named[n] for i, n in enumerate(ordered) if n in named}
     saved = optimizer.state_dict()
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
@@ -410,9 +390,10 @@ def load_lightning_checkpoint(
         if group_names is None:
             raise RuntimeError("the whole model's param groups were not recorded before the split")
         named_states = [named_from_positional(saved_optimizers[0], group_names)]
+        state = named_states[0]["state"]
         for later, first in (aliases or {}).items():  # every copy of a tied parameter starts from its state
-            if first in named_states[0]["state"]:
-                named_states[0]["state"][later] = named_states[0]["state"][first]
+            if first in state:  # its own tensors: the optimizers update them in place
+                state[later] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in state[first].items()}
     own = []
     for optimizer, named in zip(optimizers, named_states):
         names = {n for g in optimizer.param_groups for n in _group_names(module, g)}
@@ -484,7 +465,7 @@ def _write_lightning_checkpoint(path: Path, output: Path, state_dict: dict[str, 
                 "parameter with optimizer state exactly once; the folder is incomplete"
             )
         named = {
-            "state": _saved_optimizer_state(path, i, names, tied, no_dist=True),
+            "state": _saved_optimizer_state(path, i, names, no_dist=True),
             "param_groups": groups,
         }
         optimizer_states.append(positional_from_named(named, group_names))

@@ -26,7 +26,7 @@ from lightning_bamboo.elastic.reshard import LayerState, Resharder, gather, inst
 from lightning_bamboo.pipeline.view import PipelineView, StageAveragingEngine
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import Schedule, add_forward_redundancy, build_1f1b, format_grid, rank_program
-from lightning_bamboo.ties import tie, tied_gradients, tied_parameter_ids, untie
+from lightning_bamboo.ties import tied_gradients
 
 if TYPE_CHECKING:
     pass
@@ -129,7 +129,6 @@ class GenerationFormation:
             )
             current = self._current_holdings() if holdings is None else holdings
             held = resharder.run(current, self._needs(owners))
-        untie(held, self._ties)  # a layer may become a replica or leave: no tensor shared between layers
         self._held = held
         own_layers = [layer for s in owners.stages_of(me) for layer in self._stage_layers[s]]
         replica_layers = [layer for s in self._replica_stages(owners, me) for layer in self._stage_layers[s]]
@@ -140,8 +139,6 @@ class GenerationFormation:
         for layer in own_layers:
             self._layers[layer].to(self.root_device)
         self._release_templates(set(own_layers) | set(replica_layers))
-        tie({layer: self._layers[layer] for layer in own_layers}, self._ties)
-        tie({layer: self._layers[layer] for layer in replica_layers}, self._ties)
         stage = sub_sequential(self._layers, own_layers)
         setattr(stage, _STAGE_MARK, True)
         layers = range(own_layers[0], own_layers[-1] + 1)
@@ -182,9 +179,8 @@ class GenerationFormation:
         if owners.generation == 0 and self._entries == 1:
             rank_zero_info(f"BambooStrategy schedule (rank x step):\n{format_grid(schedule)}")
         module = self.lightning_module
-        tied = tied_parameter_ids(self._tied)  # reduced by their tie's group, not their stage's
         stage_params = {
-            s: [p for i in self._stage_layers[s] for p in self._layers[i].parameters() if id(p) not in tied]
+            s: [p for layer in self._stage_layers[s] for p in self._layers[layer].parameters()]
             for s in owners.stages_of(me)
         }
         self.engine = StageAveragingEngine(

@@ -81,7 +81,7 @@ class StageAveragingEngine(PipelineEngine):
 
     ``stage_params[s]`` are this member's parameters of stage ``s``; each is all-reduced over the members
     holding ``s`` in every pipeline, stages in increasing order on every member (no cycle between groups);
-    ``tied``: the tied parameters' reductions (their parameters are in no ``stage_params``).
+    ``tied``: the tied parameters' sums over their uses, after the averages.
     """
 
     def __init__(
@@ -97,11 +97,11 @@ class StageAveragingEngine(PipelineEngine):
 
     @override
     def _average_gradients(self) -> None:
-        """The stages' averages, then each tied parameter's gradient summed over its uses' members
-        (:mod:`lightning_bamboo.ties`), in the same order on every member."""
+        """The stages' averages (tied copies included), then each tied copy's gradient summed over the tie's
+        uses (:mod:`lightning_bamboo.ties`), ties in the same order on every member."""
         super()._average_gradients()
         for gradient in self.tied:
-            gradient.reduce(self.groups.layout.num_pipelines)
+            gradient.reduce()
 
     @override
     def _averaging_groups(self) -> list[tuple[list[nn.Parameter], Any]]:

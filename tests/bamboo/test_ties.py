@@ -1,14 +1,21 @@
-"""Tied weights across layers (:mod:`lightning_bamboo.ties`), in one process: which uses are found, how the
-runtime's layers are untied and tied again per module set, and that the optimizer holds a tied parameter once.
-The multi-process exactness against ``strategy="auto"`` is in ``test_elastic_user_model.py``."""
+"""Tied weights across layers (:mod:`lightning_bamboo.ties`), in one process: which uses are found, the body
+untied into one copy per use, and a member's sum over the uses it holds. The multi-process exactness
+against ``strategy="auto"`` is in ``test_elastic_user_model.py`` (and rejoin, fallback, checkpoints)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from lightning_bamboo.elastic.reshard import LayerState, gather, install
-from lightning_bamboo.ties import Tie, aliases, find_ties, tie, untie, untie_module
+from lightning_bamboo.ties import (
+    Tie,
+    TiedGradient,
+    aliases,
+    find_ties,
+    tied_gradients,
+    uncounted_parameter_ids,
+    untie,
+)
 from tests.bamboo.pipe_variants import Tied
 
 
@@ -25,41 +32,48 @@ def test_a_tie_inside_one_layer_is_not_a_tie_between_layers() -> None:
     assert find_ties(nn.Sequential(inner, nn.Linear(4, 4))) == []
 
 
-def test_untie_gives_each_use_its_own_equal_copy_and_state() -> None:
+def test_untie_gives_each_later_use_an_equal_copy() -> None:
     model = Tied()
-    ties = find_ties(model.pipeline)
     shared = model.pipeline[0].weight
-    state = {"exp_avg": torch.ones(8, 8), "step": 3}
-    held = {i: LayerState(model.pipeline[i], {"weight": state}) for i in (0, 4)}
-    untie(held, ties)
+    untie(model.pipeline, find_ties(model.pipeline))
     assert model.pipeline[0].weight is shared and model.pipeline[4].weight is not shared
-    assert torch.equal(model.pipeline[4].weight, shared)
-    assert held[0].state["weight"] is state and held[4].state["weight"] is not state
-    held[4].state["weight"]["exp_avg"].add_(1)  # an in-place optimizer update of one copy
-    assert torch.equal(state["exp_avg"], torch.ones(8, 8))
+    assert torch.equal(model.pipeline[4].weight, shared) and model.pipeline[4].weight.requires_grad
+    assert find_ties(model.pipeline) == []
 
 
-def test_tie_within_a_module_set_and_one_optimizer_entry() -> None:
+def test_a_member_holding_every_use_sums_them_in_use_order_into_each_copy() -> None:
+    """One member, both uses (a single stage, or stages fused after a failover): each copy's gradient is
+    use 0's + use 1's, the auto model's gradient of the one tied parameter; the norm counts use 0's copy."""
+    torch.manual_seed(0)
     model = Tied()
+    reference = Tied()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(4, 8, dtype=torch.float64)
+    reference.pipeline(x).sum().backward()
     ties = find_ties(model.pipeline)
-    untie_module(model.pipeline, ties)
-    own = {i: model.pipeline[i] for i in range(7)}
-    tie(own, ties)
-    assert model.pipeline[4].weight is model.pipeline[0].weight
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters())) == 7
-    model.pipeline(torch.ones(2, 8, dtype=torch.float64)).sum().backward()
-    optimizer.step()
-    layers = sorted(own.items())
-    install(optimizer, [(i, held) for i, held in gather(dict(layers), optimizer).items()], optimizer)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    assert len(params) == len({id(p) for p in params}) == 7
+    untie(model.pipeline, ties)
+    model.pipeline(x).sum().backward()
+    layers = dict(enumerate(model.pipeline))
+    (gradient,) = tied_gradients(ties, layers, [(0, 0, set(layers))], me=0, timeout=None)
+    assert gradient.group is None and gradient.sources == [0, 0]
+    gradient.reduce()
+    first, second = model.pipeline[0].weight, model.pipeline[4].weight
+    assert torch.equal(first.grad, reference.pipeline[0].weight.grad)
+    assert torch.equal(second.grad, first.grad) and second.grad is not first.grad  # clipped in place each
+    assert uncounted_parameter_ids([gradient]) == {id(second)}
 
 
-def test_tie_leaves_a_set_with_one_use_alone() -> None:
-    model = Tied()
-    ties = find_ties(model.pipeline)
-    untie_module(model.pipeline, ties)
-    copy = model.pipeline[4].weight
-    tie({4: model.pipeline[4], 5: model.pipeline[5]}, ties)
-    assert model.pipeline[4].weight is copy
+def test_uses_without_gradients_leave_none() -> None:
+    copies = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))]
+    gradient = TiedGradient(copies, sources=[0, 0], group=None)
+    gradient.reduce()
+    assert all(copy.grad is None for copy in copies)
+    copies[1].grad = torch.full((2,), 3.0)
+    gradient.reduce()
+    assert all(torch.equal(copy.grad, torch.full((2,), 3.0)) for copy in copies)
+
+
+def test_a_member_holding_no_use_counts_none_and_one_holding_a_later_use_counts_none() -> None:
+    later = nn.Parameter(torch.ones(2))
+    assert uncounted_parameter_ids([TiedGradient([None, later], sources=[0, 1], group=None)]) == {id(later)}
+    assert uncounted_parameter_ids([TiedGradient([None, None], sources=[0, 1], group=None)]) == set()
