@@ -104,33 +104,6 @@ def check_contract(module: LightningModule, attr: str, body: nn.Sequential) -> N
         raise TypeError(f"{name}.{attr} is an empty nn.Sequential; nothing to pipeline")
 
 
-def check_tied_layers(
-    module: LightningModule, attr: str, body: nn.Sequential, stages: Sequence[range]
-) -> None:
-    """Refuse a parameter shared by layers of different stages (tied weights).
-
-    Each stage would hold its own copy and update it with its own gradient only (the single-process model
-    sums both uses' gradients into one tensor), and a stage's replica of its successor would share the
-    tensor with the stage itself, so the replica's optimizer step would move the stage's weights.
-
-    Raises:
-        TypeError: naming both uses, their stages, and how to keep them on one stage.
-    """
-    stage_of = {layer: stage for stage, layers in enumerate(stages) for layer in layers}
-    first_use: dict[int, tuple[int, str]] = {}
-    for index, layer in enumerate(body):
-        for name, param in layer.named_parameters():
-            other, other_name = first_use.setdefault(id(param), (index, name))
-            if stage_of[other] != stage_of[index]:
-                raise TypeError(
-                    f"{type(module).__name__}.{attr}.{other}.{other_name} and {attr}.{index}.{name} are the "
-                    f"same parameter (tied weights) but layers {other} and {index} are on different stages "
-                    f"({stage_of[other]} and {stage_of[index]}); BambooStrategy cannot share a parameter "
-                    "between processes. Untie them, or pass BambooStrategy(layer_costs=...) so that one "
-                    "stage holds both layers"
-                )
-
-
 def check_stage_parameters(
     module: LightningModule, attr: str, body: nn.Sequential, stages: Sequence[range]
 ) -> None:
@@ -157,10 +130,9 @@ def check_stage_parameters(
 def check_stage_split(
     module: LightningModule, attr: str, body: nn.Sequential, stages: Sequence[range]
 ) -> None:
-    """What a split of ``body`` into ``stages`` must satisfy, whichever strategy made it: no parameter tied
-    across stages (:func:`check_tied_layers`), a trainable parameter on every stage
-    (:func:`check_stage_parameters`)."""
-    check_tied_layers(module, attr, body, stages)
+    """What a split of ``body`` into ``stages`` must satisfy, whichever strategy made it: a trainable
+    parameter on every stage (:func:`check_stage_parameters`; a parameter tied across stages is one,
+    :mod:`lightning_bamboo.ties`)."""
     check_stage_parameters(module, attr, body, stages)
 
 

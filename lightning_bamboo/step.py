@@ -26,6 +26,7 @@ from lightning_bamboo.elastic import commit as commit_protocol
 from lightning_bamboo.pipeline.microbatch import (
     split_microbatches,
 )
+from lightning_bamboo.ties import uncounted_parameter_ids
 
 if TYPE_CHECKING:
     pass
@@ -168,7 +169,8 @@ class PipelinedStep:
         trainer = self.lightning_module.trainer
         view = self.view
         group = view.pipeline_group if view is not None and view.num_stages > 1 else None
-        grads = [p.grad for p in self._stage_params()]
+        uncounted = uncounted_parameter_ids(self._tied)  # a tied copy counts once per pipeline
+        grads = [p.grad for p in self._stage_params() if id(p) not in uncounted]
         clip_val, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
         self._clip_plan = plan_clipping(grads, clip_val, algorithm, group, self.root_device)
 

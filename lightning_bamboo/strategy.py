@@ -90,6 +90,7 @@ from lightning_bamboo.progress import resumable, skip_first_batches
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import Action, ActionKind
 from lightning_bamboo.step import PipelinedStep
+from lightning_bamboo.ties import Tie, TiedGradient, aliases, find_ties, untie_module
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -276,6 +277,8 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         self._stage_module: nn.Module | None = None
         self._body_length = 0
         self._layers: dict[int, nn.Module] = {}
+        self._ties: list[Tie] = []  # parameters used by several layers of the body (lightning_bamboo.ties)
+        self._tied: list[TiedGradient] = []  # this generation's reductions of their gradients
         self._held: dict[int, LayerState] = {}
         self._stage_layers: tuple[range, ...] = ()
         self._replica_optimizer: Optimizer | None = None
@@ -663,6 +666,13 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         check_stage_split(module, attr, body, self._stage_layers)
         warn_batch_statistics(module, attr, body, self._num_microbatches)
         self.precision_plugin.convert_module(body)
+        self._ties = find_ties(body)
+        untie_module(body, self._ties)  # one copy per use; tied again wherever uses meet (_form)
+        for found in self._ties:
+            stages = sorted({s for s, layers in enumerate(self._stage_layers) for layer in found.layers
+                             if layer in layers})
+            rank_zero_info(f"BambooStrategy: tied {found.describe(attr)} (stages {stages}: each holds a "
+                           "copy, their gradients are summed before every step)")
         self._layers = {i: body[i] for i in range(len(body))}
         self._body_length = len(body)
 
@@ -973,6 +983,8 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         # pipeline 0's members write their param groups' names; one file per member, named by its first
         # stage (a member holding several stages after a failover lists all their parameters in it)
         stage = self.stage_index if self.pipeline_index == 0 else None
+        if self._ties:
+            checkpoint[ckpt.TIED_KEY] = self._tie_aliases()
         ckpt.save_sharded(checkpoint, filepath, self.is_global_zero, self.barrier, stage=stage)
 
     @override
@@ -988,7 +1000,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         self._loaded_path = self._loaded_whole = None
         if path.is_file():
             checkpoint, self._loaded_whole = ckpt.load_lightning_checkpoint(
-                path, self.lightning_module, self.optimizers, self._whole_group_names
+                path, self.lightning_module, self.optimizers, self._whole_group_names, self._tie_aliases()
             )
             return checkpoint
         if not path.is_dir():
@@ -997,14 +1009,17 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
                 "or an ordinary Lightning .ckpt file)"
             )
         self._loaded_path = path
-        return ckpt.load_sharded(checkpoint_path, self.lightning_module, self.optimizers)
+        return ckpt.load_sharded(checkpoint_path, self.lightning_module, self.optimizers, self._tie_aliases())
+
+    def _tie_aliases(self) -> dict[str, str]:
+        return aliases(self._ties, self._body_attr)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         assert self.lightning_module is not None
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
         if self.replica is not None and self._loaded_path is not None:
-            ckpt.load_replica(self._loaded_path, self.replica, self._body_attr, None)
+            ckpt.load_replica(self._loaded_path, self.replica, self._body_attr, None, self._tie_aliases())
         if self.replica is not None and self._loaded_whole is not None:
             ckpt.load_replica_from_memory(self._loaded_whole, self.replica, self._body_attr, None)
 
@@ -1016,7 +1031,9 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         # the replica of the successor stage is in the same checkpoint: load it rather than transfer it
         optimizer = self._replica_optimizer
         if self.replica is not None and optimizer is not None and self._loaded_path is not None:
-            ckpt.load_replica(self._loaded_path, self.replica, self._body_attr, optimizer)
+            ckpt.load_replica(
+                self._loaded_path, self.replica, self._body_attr, optimizer, self._tie_aliases()
+            )
         if self.replica is not None and optimizer is not None and self._loaded_whole is not None:
             ckpt.load_replica_from_memory(self._loaded_whole, self.replica, self._body_attr, optimizer)
 

@@ -230,21 +230,46 @@ def _load_tensors(path: Path, keys: list[str], no_dist: bool) -> dict[str, Tenso
     return out
 
 
-def _optimizer_keys(meta: dict[str, Any], index: int, names: list[str]) -> dict[str, list[str]]:
-    result: dict[str, list[str]] = {name: [] for name in names}
-    for key in meta:
-        if not key.startswith(f"optim{index}/"):
-            continue
-        name, _, state_key = key[len(f"optim{index}/") :].rpartition("/")
-        if name in result:
-            result[name].append(state_key)
-    return result
+TIED_KEY = "bamboo_tied_parameters"
+"""Checkpoint entry (``meta.pt``): ``later use's name -> first use's name`` of every tied parameter
+(:func:`lightning_bamboo.ties.aliases`). Each stage saves its copy's optimizer state under its own use's
+name (a member holding several uses, under the first's); a loader finds a copy's state under any name of its
+tie, and :func:`consolidate_checkpoint` keeps the first use's, as the single-process optimizer holds it."""
+
+
+def tie_names(aliases: dict[str, str]) -> dict[str, list[str]]:
+    """``name -> every name of its tie`` (the first use's first) for each tied parameter name."""
+    ties: dict[str, list[str]] = {}
+    for later, first in aliases.items():
+        ties.setdefault(first, [first]).append(later)
+    return {name: names for names in ties.values() for name in names}
+
+
+def _saved_optimizer_state(
+    path: Path, index: int, names: list[str], aliases: dict[str, str] | None, no_dist: bool
+) -> dict[str, dict[str, Tensor]]:
+    """``name -> {state key: tensor}`` of optimizer ``index`` for each of ``names`` with saved state; a tied
+    parameter without state under its own name takes the state saved under another name of its tie."""
+    saved: dict[str, list[str]] = {}
+    for key in _metadata(path):
+        if key.startswith(f"optim{index}/"):
+            name, _, state_key = key[len(f"optim{index}/") :].rpartition("/")
+            saved.setdefault(name, []).append(state_key)
+    ties = tie_names(aliases or {})
+    source = {n: next((t for t in [n, *ties.get(n, [])] if saved.get(t)), None) for n in names}
+    wanted = sorted({f"optim{index}/{src}/{k}" for src in source.values() if src for k in saved[src]})
+    flat = _load_tensors(path, wanted, no_dist=no_dist)
+    return {n: {k: flat[f"optim{index}/{src}/{k}"] for k in saved[src]} for n, src in source.items() if src}
 
 
 def load_sharded(
-    filepath: str | Path, module: LightningModule, optimizers: list[Optimizer]
+    filepath: str | Path,
+    module: LightningModule,
+    optimizers: list[Optimizer],
+    aliases: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Load this rank's stage (model and optimizer) plus the trainer state from a sharded checkpoint.
+    """Load this rank's stage (model and optimizer) plus the trainer state from a sharded checkpoint
+    (``aliases``: the model's tied parameter names, :data:`TIED_KEY`).
 
     Returns:
         A Lightning checkpoint dict: the trainer state from ``meta.pt``, ``state_dict`` for this stage and
@@ -255,18 +280,12 @@ def load_sharded(
     local = module.state_dict()
     model = _load_tensors(path, [f"{_MODEL}{k}" for k in local], no_dist=not dist.is_initialized())
     checkpoint["state_dict"] = {k[len(_MODEL) :]: v for k, v in model.items()}
-    meta = _metadata(path)
     groups_per_optimizer = checkpoint.pop("optimizer_param_groups", [])
+    checkpoint.pop(TIED_KEY, None)  # the strategy knows its model's ties
     states = []
     for i, (optimizer, saved_groups) in enumerate(zip(optimizers, groups_per_optimizer)):
         names = [n for group in optimizer.param_groups for n in _group_names(module, group)]
-        keys = _optimizer_keys(meta, i, names)
-        flat = _load_tensors(
-            path,
-            [f"optim{i}/{n}/{k}" for n, ks in keys.items() for k in ks],
-            no_dist=not dist.is_initialized(),
-        )
-        state = {n: {k: flat[f"optim{i}/{n}/{k}"] for k in ks} for n, ks in keys.items() if ks}
+        state = _saved_optimizer_state(path, i, names, aliases, no_dist=not dist.is_initialized())
         groups = [
             {**saved, "param_names": _group_names(module, g)}
             for saved, g in zip(saved_groups, optimizer.param_groups)
@@ -277,7 +296,11 @@ def load_sharded(
 
 
 def load_replica(
-    filepath: str | Path, replica: nn.Module, body_attr: str, optimizer: Optimizer | None
+    filepath: str | Path,
+    replica: nn.Module,
+    body_attr: str,
+    optimizer: Optimizer | None,
+    aliases: dict[str, str] | None = None,
 ) -> None:
     """Load the replica of the successor stage (parameters and optimizer state) from the checkpoint."""
     path = Path(filepath)
@@ -289,11 +312,8 @@ def load_replica(
         return
     names = {id(p): prefix + n for n, p in replica.named_parameters()}
     ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    keys = _optimizer_keys(_metadata(path), 0, ordered)
-    flat = _load_tensors(
-        path, [f"optim0/{n}/{k}" for n, ks in keys.items() for k in ks], no_dist=not dist.is_initialized()
-    )
-    state = {i: {k: flat[f"optim0/{n}/{k}"] for k in keys[n]} for i, n in enumerate(ordered) if keys[n]}
+    named = _saved_optimizer_state(path, 0, ordered, aliases, no_dist=not dist.is_initialized())
+    state = {i: named[n] for i, n in enumerate(ordered) if n in named}
     saved = optimizer.state_dict()
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
@@ -368,6 +388,7 @@ def load_lightning_checkpoint(
     module: LightningModule,
     optimizers: list[Optimizer],
     group_names: list[list[str]] | None,
+    aliases: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read an ordinary Lightning ``.ckpt`` file (``weights_only=True``) and keep this rank's stage of it.
 
@@ -389,6 +410,9 @@ def load_lightning_checkpoint(
         if group_names is None:
             raise RuntimeError("the whole model's param groups were not recorded before the split")
         named_states = [named_from_positional(saved_optimizers[0], group_names)]
+        for later, first in (aliases or {}).items():  # every copy of a tied parameter starts from its state
+            if first in named_states[0]["state"]:
+                named_states[0]["state"][later] = named_states[0]["state"][first]
     own = []
     for optimizer, named in zip(optimizers, named_states):
         names = {n for g in optimizer.param_groups for n in _group_names(module, g)}
@@ -447,19 +471,20 @@ def _write_lightning_checkpoint(path: Path, output: Path, state_dict: dict[str, 
     saved_groups = checkpoint.pop("optimizer_param_groups", [])
     meta = _metadata(path)
     optimizer_states = []
+    tied = checkpoint.pop(TIED_KEY, {})
     for i, groups in enumerate(saved_groups):
-        group_names = _whole_group_names(path, i)
+        # a tied parameter is one parameter of the single-process model, listed where its first use is
+        group_names = [[n for n in g if n not in tied] for g in _whole_group_names(path, i)]
         names = [n for g in group_names for n in g]
         with_state = {k[len(f"optim{i}/") :].rpartition("/")[0] for k in meta if k.startswith(f"optim{i}/")}
+        with_state = {tied.get(n, n) for n in with_state}
         if len(set(names)) != len(names) or not with_state <= set(names):
             raise ValueError(
                 f"{path}'s param-group files ({GROUPS_FILE.format(stage=0)}, ...) do not list every "
                 "parameter with optimizer state exactly once; the folder is incomplete"
             )
-        keys = _optimizer_keys(meta, i, names)
-        flat = _load_tensors(path, [f"optim{i}/{n}/{k}" for n, ks in keys.items() for k in ks], no_dist=True)
         named = {
-            "state": {n: {k: flat[f"optim{i}/{n}/{k}"] for k in ks} for n, ks in keys.items() if ks},
+            "state": _saved_optimizer_state(path, i, names, tied, no_dist=True),
             "param_groups": groups,
         }
         optimizer_states.append(positional_from_named(named, group_names))

@@ -26,6 +26,7 @@ from lightning_bamboo.elastic.reshard import LayerState, Resharder, gather, inst
 from lightning_bamboo.pipeline.view import PipelineView, StageAveragingEngine
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import Schedule, add_forward_redundancy, build_1f1b, format_grid, rank_program
+from lightning_bamboo.ties import tie, tied_gradients, tied_parameter_ids, untie
 
 if TYPE_CHECKING:
     pass
@@ -102,6 +103,9 @@ class GenerationFormation:
             for m in owners.members()
         }
 
+    def _layers_of(self, stages: list[int]) -> list[int]:
+        return [layer for s in stages for layer in self._stage_layers[s]]
+
     def _template(self, layer: int) -> nn.Module:
         return self._layers[layer]
 
@@ -125,6 +129,7 @@ class GenerationFormation:
             )
             current = self._current_holdings() if holdings is None else holdings
             held = resharder.run(current, self._needs(owners))
+        untie(held, self._ties)  # a layer may become a replica or leave: no tensor shared between layers
         self._held = held
         own_layers = [layer for s in owners.stages_of(me) for layer in self._stage_layers[s]]
         replica_layers = [layer for s in self._replica_stages(owners, me) for layer in self._stage_layers[s]]
@@ -135,6 +140,8 @@ class GenerationFormation:
         for layer in own_layers:
             self._layers[layer].to(self.root_device)
         self._release_templates(set(own_layers) | set(replica_layers))
+        tie({layer: self._layers[layer] for layer in own_layers}, self._ties)
+        tie({layer: self._layers[layer] for layer in replica_layers}, self._ties)
         stage = sub_sequential(self._layers, own_layers)
         setattr(stage, _STAGE_MARK, True)
         layers = range(own_layers[0], own_layers[-1] + 1)
@@ -160,6 +167,12 @@ class GenerationFormation:
                 stage_groups[s] = dist.new_group(
                     sorted(owners.rank_of(m) for m in owners.stage_holders(s)), **kwargs
                 )
+        holders = [
+            (owners.rank_of(m), owners.pipeline_of(m), set(self._layers_of(owners.stages_of(m))))
+            for m in owners.members()
+        ]
+        own_modules = {layer: self._layers[layer] for layer in own_layers}
+        self._tied = tied_gradients(self._ties, own_modules, holders, owners.rank_of(me), self._timeout)
         self.view = PipelineView(owners, me, owners.rank_of, pipeline_groups, stage_groups)
         self.groups = self.view
         if build_optimizers:
@@ -169,8 +182,9 @@ class GenerationFormation:
         if owners.generation == 0 and self._entries == 1:
             rank_zero_info(f"BambooStrategy schedule (rank x step):\n{format_grid(schedule)}")
         module = self.lightning_module
+        tied = tied_parameter_ids(self._tied)  # reduced by their tie's group, not their stage's
         stage_params = {
-            s: [p for layer in self._stage_layers[s] for p in self._layers[layer].parameters()]
+            s: [p for i in self._stage_layers[s] for p in self._layers[i].parameters() if id(p) not in tied]
             for s in owners.stages_of(me)
         }
         self.engine = StageAveragingEngine(
@@ -183,6 +197,7 @@ class GenerationFormation:
             replica=self.replica if positions > 1 and self._redundancy else None,
             replica_device=self.replica_device,
             stage_params=stage_params,
+            tied=self._tied,
             keyed_rng=self._keyed_rng,
         )
         self.engine.before_action = self._before_action

@@ -63,10 +63,12 @@ def install(optimizer: Optimizer, layers: list[tuple[int, LayerState]], groups: 
     where = {id(p): index for index, group in enumerate(groups.param_groups) for p in group["params"]}
     params: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
     state: dict[Tensor, dict[str, Any]] = {}
+    added: set[int] = set()
     for _, held in layers:
         for name, p in held.module.named_parameters():
-            if id(p) not in where:
-                continue
+            if id(p) not in where or id(p) in added:
+                continue  # a tied parameter (several layers' use) is held once, with its first use's state
+            added.add(id(p))
             params[where[id(p)]].append(p)
             if name in held.state:
                 state[p] = held.state[name]

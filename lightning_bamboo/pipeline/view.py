@@ -9,7 +9,7 @@ the pipelines per ORIGINAL stage, so any layout gives the same averaged gradient
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_bamboo.elastic.ownership import OwnershipMap
 from lightning_bamboo.pipeline.engine import PipelineEngine
+from lightning_bamboo.ties import TiedGradient
 
 
 class PipelineView:
@@ -79,17 +80,28 @@ class StageAveragingEngine(PipelineEngine):
     """The pipeline engine over a :class:`PipelineView`: gradients are averaged per original stage.
 
     ``stage_params[s]`` are this member's parameters of stage ``s``; each is all-reduced over the members
-    holding ``s`` in every pipeline, stages in increasing order on every member (no cycle between groups).
+    holding ``s`` in every pipeline, stages in increasing order on every member (no cycle between groups);
+    ``tied``: the tied parameters' reductions (their parameters are in no ``stage_params``).
     """
 
     def __init__(
         self,
         *args: Any,
         stage_params: dict[int, list[nn.Parameter]],
+        tied: Sequence[TiedGradient] = (),
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.stage_params = stage_params
+        self.tied = list(tied)
+
+    @override
+    def _average_gradients(self) -> None:
+        """The stages' averages, then each tied parameter's gradient summed over its uses' members
+        (:mod:`lightning_bamboo.ties`), in the same order on every member."""
+        super()._average_gradients()
+        for gradient in self.tied:
+            gradient.reduce(self.groups.layout.num_pipelines)
 
     @override
     def _averaging_groups(self) -> list[tuple[list[nn.Parameter], Any]]:

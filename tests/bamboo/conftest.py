@@ -87,3 +87,21 @@ def accumulate_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
 
     out = tmp_path_factory.mktemp("elastic-reference-accumulate")
     return _elastic_reference(out, "--variant", "user", "--clip", str(CLIP), "--accumulate", "2")
+
+
+@pytest.fixture(scope="session")
+def tied_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The uninterrupted run of ``pipe_variants.Tied`` (one weight used by layers 0 and 4), Adam, clipping."""
+    from tests.bamboo.test_elastic import CLIP
+
+    out = tmp_path_factory.mktemp("elastic-reference-tied")
+    return _elastic_reference(out, "--variant", "tied", "--optimizer", "adam", "--clip", str(CLIP))
+
+
+@pytest.fixture(scope="session")
+def tied_gpt_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The uninterrupted run of ``pipe_variants.TiedGPT`` (LM head = token embedding) with clipping."""
+    from tests.bamboo.test_elastic import CLIP
+
+    out = tmp_path_factory.mktemp("elastic-reference-tied-gpt")
+    return _elastic_reference(out, "--variant", "tied-gpt", "--clip", str(CLIP))

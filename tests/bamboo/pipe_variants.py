@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 from typing_extensions import override
 
+from lightning_bamboo.models import GPT
 from tests.bamboo.pipe_mlp import PipeMLP
 
 
@@ -179,7 +181,40 @@ class WithDropout(PipeMLP):
         self.pipeline = nn.Sequential(*layers)
 
 
-VARIANTS: dict[str, type[PipeMLP]] = {
+class Tied(PipeMLP):
+    """PipeMLP whose third Linear IS its first (one weight, two uses; biases stay separate): L T L T L' T H
+    with ``L'.weight = L.weight``. 2 stages put the uses on stages 0 and 1, 3 stages on stages 0 and 2."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.pipeline[4].weight = self.pipeline[0].weight
+
+
+class TiedGPT(GPT):
+    """A tiny GPT-2 (token + position embedding, 2 blocks, LayerNorm + LM head) whose LM head IS the token
+    embedding's weight, as GPT-2 and nanoGPT tie them; float64, no dropout, AdamW with weight decay on
+    matrices (the tied one included) and warm-up + cosine schedule. Trains on random token windows
+    (:meth:`make_data`). Layers ``[Embedding, Block, Block, Head]``: the uses sit on the first and last
+    stage for 2 and 3 stages."""
+
+    VOCAB = 16
+    LENGTH = 8
+
+    def __init__(self, dtype: str = "float64", **_: object) -> None:
+        super().__init__(vocab_size=self.VOCAB, block_size=self.LENGTH, n_layer=2, n_head=2, n_embd=16,
+                         lr=1e-2, warmup=2)
+        self.pipeline.to(getattr(torch, dtype))
+        self.pipeline[-1].lm.weight = self.pipeline[0].tok.weight
+
+    @classmethod
+    def make_data(cls, num_samples: int, seed: int = 1234) -> tuple[Tensor, Tensor]:
+        """``(ids, next ids)``: random windows of ``LENGTH`` tokens."""
+        tokens = torch.randint(0, cls.VOCAB, (num_samples, cls.LENGTH + 1),
+                               generator=torch.Generator().manual_seed(seed))
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+VARIANTS: dict[str, type[LightningModule]] = {
     "mlp": PipeMLP,
     "per-layer-lr": PerLayerLr,
     "head-lr": HeadLr,
@@ -189,6 +224,8 @@ VARIANTS: dict[str, type[PipeMLP]] = {
     "inplace": InplaceFirst,
     "user": UserModel,
     "dropout": WithDropout,
+    "tied": Tied,
+    "tied-gpt": TiedGPT,
 }
 
 

@@ -12,6 +12,7 @@ from lightning_bamboo import consolidate_checkpoint
 from lightning_bamboo.checkpoint import sharded as ckpt
 from tests.bamboo.launch import run_script, snapshot
 from tests.bamboo.pipe_mlp import PipeMLP
+from tests.bamboo.pipe_variants import Tied
 
 ADAM = ["--optimizer", "adam"]
 
@@ -118,3 +119,45 @@ def test_optimizer_state_names_and_positions_round_trip() -> None:
     match = r"param groups of \[2, 2\] parameters but configure_optimizers builds groups of \[4\]"
     with pytest.raises(ValueError, match=match):
         ckpt.named_from_positional(state, [[n for g in group_names for n in g]])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_tied_weights_travel_between_auto_and_any_stage_count(tmp_path: Path) -> None:
+    """``pipe_variants.Tied`` (layers 0 and 4 share one weight): the single-process optimizer holds the
+    weight once, under its first name; each Bamboo stage holding a use holds a copy with its own state.
+    auto -> Bamboo (1 stage: one member holds both uses, one optimizer entry) -> Bamboo (2 stages: the
+    second use's copy takes its state from the first's name; same 16 samples in batches of 2, so the saved
+    data position fits) -> ordinary .ckpt -> auto, exact."""
+    tied = ["--variant", "tied", *ADAM]
+    first, one, two, converted = (tmp_path / n for n in ("auto.ckpt", "one", "two", "converted.ckpt"))
+    run_script("train_pipe.py", ["--strategy", "auto", *tied, "--out", str(tmp_path / "a"),
+                                 "--save-ckpt", str(first)], timeout=200)
+    run_script("train_pipe.py", ["--strategy", "bamboo", "--devices", "1", "--stages", "1", "--no-redundancy",
+                                 *tied, "--out", str(tmp_path / "b"), "--resume", str(first), "--steps", "4",
+                                 "--max-epochs", "2", "--save-ckpt", str(one)], timeout=300, nprocs=1)
+    saved = snapshot(tmp_path / "a", 3, 0)
+    assert torch.equal(saved["own/pipeline.0.weight"], saved["own/pipeline.4.weight"])
+    _assert_equal(load_file(str(tmp_path / "b" / "start_rank0.safetensors")), saved, "own")
+    assert torch.load(one / ckpt.META_FILE, weights_only=True)[ckpt.TIED_KEY] == {
+        "pipeline.4.weight": "pipeline.0.weight"
+    }
+    run_script("train_pipe.py", ["--strategy", "bamboo", "--devices", "2", "--stages", "2", *tied, "--out",
+                                 str(tmp_path / "c"), "--resume", str(one), "--steps", "8", "--batch-size",
+                                 "2", "--max-epochs", "3", "--save-ckpt", str(two)], timeout=300, nprocs=2)
+    after_one = snapshot(tmp_path / "b", 4, 0)
+    starts = [load_file(str(tmp_path / "c" / f"start_rank{rank}.safetensors")) for rank in (0, 1)]
+    resumed = {k: v for start in starts for k, v in start.items() if k.startswith("own")}
+    _assert_equal(resumed, after_one, "own")
+
+    consolidate_checkpoint(two, output=converted)
+    model = Tied.load_from_checkpoint(converted)
+    assert model.pipeline[4].weight is model.pipeline[0].weight
+    trained = {k: v for rank in (0, 1) for k, v in snapshot(tmp_path / "c", 8, rank).items()}
+    assert torch.equal(trained["own/pipeline.0.weight"], trained["own/pipeline.4.weight"])
+    (optimizer,) = torch.load(converted, weights_only=True)["optimizer_states"]
+    assert optimizer["param_groups"][0]["params"] == list(range(len(list(model.parameters()))))
+    run_script("train_pipe.py", ["--strategy", "auto", *tied, "--out", str(tmp_path / "d"), "--resume",
+                                 str(converted), "--steps", "9", "--max-epochs", "4"], timeout=200)
+    back = load_file(str(tmp_path / "d" / "start_rank0.safetensors"))
+    _assert_equal(back, {k: v for k, v in trained.items() if k.startswith("own")}, "own")

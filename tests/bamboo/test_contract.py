@@ -11,7 +11,6 @@ from lightning_bamboo.contract import (
     check_contract,
     check_replayed_loss,
     check_stage_parameters,
-    check_tied_layers,
     find_pipeline_body,
     replay_step,
     sub_sequential,
@@ -127,16 +126,6 @@ def test_stage_indexes_layers_like_the_whole_body() -> None:
         last[0].weight  # noqa: B018
     with pytest.raises(IndexError, match=r"index 7 is out of range: the body has 7 layers"):
         first[7]
-
-
-def test_tied_weights_across_stages_are_refused() -> None:
-    model = PipeMLP()
-    model.pipeline[4].weight = model.pipeline[0].weight
-    check_tied_layers(model, "pipeline", model.pipeline, [range(0, 5), range(5, 7)])  # one stage holds both
-    match = (r"PipeMLP.pipeline.0.weight and pipeline.4.weight are the same parameter \(tied weights\) but "
-             r"layers 0 and 4 are on different stages \(0 and 1\)")
-    with pytest.raises(TypeError, match=match):
-        check_tied_layers(model, "pipeline", model.pipeline, [range(0, 3), range(3, 7)])
 
 
 def test_stage_without_trainable_parameters_is_refused() -> None:

@@ -76,6 +76,23 @@ def test_fewer_processes_than_stages_after_a_loss_after_the_commit(
     check_final(out, elastic_reference)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fallback_keeps_a_tie(tmp_path: Path, tied_reference: dict[str, torch.Tensor]) -> None:
+    """``pipe_variants.Tied`` on 3 stages (the uses on stages 0 and 2, a copy each, checkpointed per layer
+    with its own Adam state); members 1 and 2 die together: member 0 alone loads the checkpoint, both uses
+    become one parameter in its module, and the run equals auto's tied run."""
+    from tests.bamboo.test_elastic import CLIP
+
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "3", str(SCRIPT), "--out", str(out)]
+    cmd += ["--stages", "3", "--steps", str(STEPS), "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt)]
+    cmd += ["--variant", "tied", "--optimizer", "adam", "--clip", str(CLIP)]
+    log = run_process(cmd, timeout=400, env=launch_env({"BAMBOO_FAULT": "1+2:5:exchange"})).stdout
+    assert "fallback: lost [1, 2]" in log and "pipe0  m0      m0      m0" in log, log[-3000:]
+    check_final(out, tied_reference)
+
+
 def _write(root: Path, step: int, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer) -> None:
     checkpointer = fb.PeriodicCheckpointer(root, every=2, keep=5, member=0)
     assert checkpointer.due(step)

@@ -29,13 +29,22 @@ STEPS = 7  # 4 batches per epoch: the runs cross into a second epoch (the sample
 JOIN_LINE = re.compile(r"\[bamboo\.launch\] join members=\[([\d, ]+)\] step=(\d+) .*join_s=([\d.]+)")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], list]:
-    out = tmp_path_factory.mktemp("reference")
+def _reference(out: Path, *extra: str) -> tuple[dict[str, torch.Tensor], list]:
     cmd = [sys.executable, str(WORKER), "--out", str(out), "--strategy", "auto", "--steps", str(STEPS)]
+    cmd += extra
     run_process(cmd, timeout=240, env=launch_env())
     ids = json.loads((out / "ids_reference.json").read_text())
     return load_file(str(out / "final_reference.safetensors")), ids
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], list]:
+    return _reference(tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture(scope="module")
+def tied_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], list]:
+    return _reference(tmp_path_factory.mktemp("reference-tied"), "--tied")
 
 
 def check_final(out: Path, reference: dict[str, torch.Tensor], members: set[int]) -> None:
@@ -89,6 +98,27 @@ def test_rank_joining_back(tmp_path: Path, reference: tuple[dict[str, torch.Tens
     for step, expected in ids[1:]:
         assert sorted(per_step[step]) == sorted(expected), f"step {step}"
     assert {s: sorted(v) for s, v in per_member[2].items()} == {s: sorted(i) for s, i in ids[5:]}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_rank_joining_back_splits_a_tie_again(
+    tmp_path: Path, tied_reference: tuple[dict[str, torch.Tensor], list]
+) -> None:
+    """Layer 4's weight IS layer 0's: member 1 (stage 1, layer 4's use) is SIGKILLed, member 0 holds both
+    uses as one parameter with one Adam state; member 2 joins after step 4 and receives layer 4 with its own
+    copy of the weight and of its Adam state (the copy member 0 keeps is not shared with what it sent), and
+    from then on their gradients are summed again. Equal to auto's tied run."""
+    params, _ = tied_reference
+    env = launch_env({"BAMBOO_FAULT": "1:1:forward"})
+    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "2", "--replace", "1"]
+    cmd += [str(WORKER), "--out", str(tmp_path), "--stages", "2", "--steps", str(STEPS), "--hold-at", "4",
+            "--tied"]
+    log = run_process(cmd, timeout=400, env=env).stdout
+    assert "failover: lost [1]" in log and "rejoin after step 4: joined [2]" in log
+    check_final(tmp_path, params, {0, 2})
+    m0, m2 = (load_file(str(tmp_path / f"final_member{m}.safetensors")) for m in (0, 2))
+    assert torch.equal(m0["own/pipeline.0.weight"], m2["own/pipeline.4.weight"])
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.bamboo.test_elastic import CLIP, SCRIPT, check_final, run_elastic
 from tests.process import REPO, launch_env
@@ -99,3 +100,53 @@ def test_gradient_accumulation_equals_auto(
     if fault:
         assert "failover: lost [1]" in log
     check_final(tmp_path, accumulate_reference)
+
+
+TIED = {
+    "tied": ("--variant", "tied", "--optimizer", "adam", "--clip", str(CLIP)),
+    "tied-gpt": ("--variant", "tied-gpt", "--clip", str(CLIP)),
+}
+TIED_NAMES = {
+    "tied": ("pipeline.0.weight", "pipeline.4.weight"),
+    "tied-gpt": ("pipeline.0.tok.weight", "pipeline.3.lm.weight"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("variant", "nproc", "stages", "fault"),
+    [
+        ("tied", 2, 2, ""),
+        ("tied", 2, 2, "1:2:forward"),
+        ("tied", 3, 3, "2:2:forward"),
+        ("tied", 4, 2, "3:2:forward"),
+        ("tied-gpt", 2, 2, ""),
+        ("tied-gpt", 3, 3, "2:2:forward"),
+    ],
+    ids=["2-stages", "2-stages-sigkill-last", "3-stages-sigkill-last", "2x2-sigkill-one", "gpt-2-stages",
+         "gpt-3-stages-sigkill-last"],
+)
+def test_tied_weights_across_stages_equal_auto(
+    tmp_path: Path, request: pytest.FixtureRequest, variant: str, nproc: int, stages: int, fault: str
+) -> None:
+    """One weight used by two layers: ``pipe_variants.Tied`` (layers 0 and 4; Adam, norm clipping) and a tiny
+    GPT-2 whose LM head is the token embedding (``TiedGPT``; AdamW, warm-up + cosine, clipping). The uses
+    sit on the first and last stage; each member holding one keeps a copy and their gradients are summed
+    before the step. Equal to auto's tied run: with no fault; after the last stage of 2 dies (stage 0 holds
+    both uses, tied again in one module); after the last of 3 dies (the use moves to member 1); with 2
+    pipelines (the tie's sum replaces the data-parallel average) and one member lost."""
+    reference = request.getfixturevalue(f"{variant.replace('-', '_')}_reference")
+    log = run_elastic(tmp_path, nproc=nproc, stages=stages, fault=fault, extra_args=TIED[variant])
+    first, second = TIED_NAMES[variant]
+    assert f"BambooStrategy: tied {first} = {second}" in log
+    if fault:
+        assert f"failover: lost [{fault.split(':')[0]}]" in log
+    check_final(tmp_path, reference)
+    copies = [
+        value
+        for path in sorted(tmp_path.glob("final_member*.safetensors"))
+        for key, value in load_file(str(path)).items()
+        if key in (f"own/{first}", f"own/{second}")
+    ]
+    assert len(copies) >= 2 and all(torch.equal(copy, copies[0]) for copy in copies), "copies drifted apart"

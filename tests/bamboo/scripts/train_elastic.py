@@ -83,13 +83,14 @@ def main() -> None:
         model = UserBugMLP(bug_member, bug_step, pairs=args.pairs, optimizer=args.optimizer, dtype=args.dtype)
     else:
         model = VARIANTS[args.variant](pairs=args.pairs, optimizer=args.optimizer, dtype=args.dtype)
-    x, y = make_data(args.steps * args.accumulate * args.batch_size)
+    data = getattr(model, "make_data", make_data)  # a model on other inputs (token ids) brings its own
+    x, y = data(args.steps * args.accumulate * args.batch_size)
     if args.strategy == "auto":
         # the elastic run's (unsharded) DistributedSampler shuffles with seed 0 in epoch 0: read that order
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
         x, y = x[order], y[order]
     train = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=False)
-    vx, vy = make_data(2 * args.batch_size, seed=99)
+    vx, vy = data(2 * args.batch_size, seed=99)
     val = DataLoader(TensorDataset(vx, vy), batch_size=args.batch_size, shuffle=False)
     if args.strategy == "elastic":
         strategy: BambooStrategy | str = BambooStrategy(
@@ -141,11 +142,16 @@ def main() -> None:
         callbacks=[*callbacks, val_losses, PhaseFaults.from_env()],
     )
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val if args.validate else None)
-    tensors = {f"own/{name}": p.detach().clone() for name, p in model.named_parameters()}
+    # every name of a tied parameter (remove_duplicate=False), so each member's copy meets the reference's
+    params = list(model.named_parameters(remove_duplicate=False))
+    tensors = {f"own/{name}": p.detach().clone() for name, p in params}
     tensors.update({f"own_buffer/{name}": b.detach().clone() for name, b in model.named_buffers()})
-    for name, values in named_optimizer_state(model, trainer.optimizers[0])["state"].items():
-        for key, value in values.items():
-            tensors[f"own_opt/{name}/{key}"] = value.detach().clone().reshape(-1)
+    named_optimizer_state(model, trainer.optimizers[0])  # refuses a non-tensor state value
+    state = trainer.optimizers[0].state
+    for name, p in params:
+        for key, value in state.get(p, {}).items():
+            if value is not None:
+                tensors[f"own_opt/{name}/{key}"] = value.detach().clone().reshape(-1)
     tensors["global_step"] = torch.tensor([trainer.global_step], dtype=torch.int64)
     if args.validate:
         tensors["val_losses"] = torch.tensor(val_losses.losses, dtype=torch.float64)

@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import save_file
+from torch import Tensor, nn
+from torch.optim import Optimizer
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_bamboo
@@ -81,27 +83,29 @@ class ForwardRedundancyOff(Callback):
         trainer.strategy.set_forward_redundancy(trainer.global_step + 1 not in self.steps)
 
 
+def _named(prefix: str, module: nn.Module, optimizer: Optimizer, name_prefix: str = "") -> dict[str, Tensor]:
+    """Parameters and optimizer state under every name of each parameter (a tied one under each use's)."""
+    named_optimizer_state(module, optimizer)  # refuses non-tensor state
+    tensors: dict[str, Tensor] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        tensors[f"{prefix}/{name_prefix}{name}"] = p.detach().clone()
+        for key, value in optimizer.state.get(p, {}).items():
+            if value is not None:
+                tensors[f"{prefix}_opt/{name_prefix}{name}/{key}"] = value.detach().clone()
+    return tensors
+
+
 def states(trainer: Trainer, pl_module: LightningModule) -> dict[str, torch.Tensor]:
     """Own stage and replica: parameters and optimizer state, by parameter name."""
-    tensors: dict[str, torch.Tensor] = {}
-    optimizer = trainer.optimizers[0]
-    for name, p in pl_module.named_parameters():
-        tensors[f"own/{name}"] = p.detach().clone()
+    tensors = _named("own", pl_module, trainer.optimizers[0])
     for name, b in pl_module.named_buffers():
         tensors[f"own_buf/{name}"] = b.detach().clone()
-    for name, values in named_optimizer_state(pl_module, optimizer)["state"].items():
-        for key, value in values.items():
-            tensors[f"own_opt/{name}/{key}"] = value.detach().clone()
     strategy = trainer.strategy
     if isinstance(strategy, BambooStrategy) and strategy.replica_sync is not None:
         replica, replica_opt = strategy.replica_sync.replica, strategy.replica_sync.optimizer
-        for name, p in replica.named_parameters():
-            tensors[f"replica/pipeline.{name}"] = p.detach().clone()
+        tensors.update(_named("replica", replica, replica_opt, "pipeline."))
         for name, b in replica.named_buffers():
             tensors[f"replica_buf/pipeline.{name}"] = b.detach().clone()
-        for name, values in named_optimizer_state(replica, replica_opt)["state"].items():
-            for key, value in values.items():
-                tensors[f"replica_opt/pipeline.{name}/{key}"] = value.detach().clone()
     return {k: v.contiguous().cpu() for k, v in tensors.items()}
 
 

@@ -77,12 +77,15 @@ def main() -> None:
     parser.add_argument("--batches-per-epoch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--hold-at", type=int, default=-1)
+    parser.add_argument("--tied", action="store_true", help="layer 4's weight IS layer 0's")
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
 
     seed_everything(0)
     model = IdMLP(pairs=3, optimizer="adam")
+    if args.tied:
+        model.pipeline[4].weight = model.pipeline[0].weight
     count = args.batches_per_epoch * args.batch_size
     x, y = make_data(count)
     data = TensorDataset(x, y, torch.arange(count))
@@ -107,9 +110,11 @@ def main() -> None:
         callbacks=[HoldForJoin(args.hold_at), PhaseFaults.from_env()],
     )
     trainer.fit(model, train_dataloaders=train)
-    tensors = {f"own/{name}": p.detach().clone() for name, p in model.named_parameters()}
-    for name, values in named_optimizer_state(model, trainer.optimizers[0])["state"].items():
-        for key, value in values.items():
+    params = list(model.named_parameters(remove_duplicate=False))  # a tied weight under each use's name
+    tensors = {f"own/{name}": p.detach().clone() for name, p in params}
+    named_optimizer_state(model, trainer.optimizers[0])  # refuses a non-tensor state value
+    for name, p in params:
+        for key, value in trainer.optimizers[0].state.get(p, {}).items():
             tensors[f"own_opt/{name}/{key}"] = value.detach().clone().reshape(-1)
     tensors["global_step"] = torch.tensor([trainer.global_step], dtype=torch.int64)
     name = f"member{strategy.member}" if isinstance(strategy, BambooStrategy) else "reference"
