@@ -207,20 +207,13 @@ def test_bamboo_gpt_recipe_trains_two_cpu_stages(tmp_path: Path) -> None:
     assert "Trainer.fit` stopped: `max_steps=3` reached" in output
 
 
-_TIE_PENDING = pytest.mark.xfail(
-    raises=AssertionError, strict=True,
-    reason="tied weights across stages are refused by contract.check_tied_layers until the tie lands "
-    "(issue 21); remove this mark then",
-)
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "overrides",
     [
         pytest.param(["strategy.num_stages=1", "strategy.redundancy=false"], id="1-stage-x-2-pipelines"),
-        pytest.param([], id="2-stages", marks=_TIE_PENDING),
+        pytest.param([], id="2-stages"),
     ],
 )
 def test_tied_gpt_recipe_prints_samples_through_the_pipeline(tmp_path: Path, overrides: list[str]) -> None:
