@@ -2,7 +2,8 @@
 
 Lightning has no public way for a strategy to do these few things (build the user's optimizers over another
 set of layers, leave ``fit`` early with teardown run, start Lightning's own script launcher on several nodes,
-be a launcher) and torch none to abort a process group's pending work. ``tests/bamboo/test_private_api.py``
+be a launcher, give a resumed loader its state when Lightning did not) and torch none to abort a process
+group's pending work. ``tests/bamboo/test_private_api.py``
 imports and exercises each, so a Lightning or torch version that changes one fails there, loudly, instead of
 deep inside a failover.
 """
@@ -14,6 +15,7 @@ from lightning.fabric.strategies import _StrategyRegistry as StrategyRegistry
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers as init_optimizers
+from lightning.pytorch.loops import _FitLoop
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher as Launcher
 from lightning.pytorch.utilities.exceptions import _TunerExitException as LeaveFit
@@ -29,6 +31,24 @@ def abort_process_group() -> None:
     dist.distributed_c10d._abort_process_group()
 
 
+def restore_loader_states(fit_loop: _FitLoop) -> bool:
+    """Give the training loaders the states of the checkpoint being resumed if Lightning has not; True if so.
+
+    Lightning hands them over when it builds the loaders (``setup_data``), but when something asked for
+    ``trainer.estimated_stepping_batches`` before the checkpoint was restored (a ``configure_optimizers`` that
+    sizes its LR schedule by it), the loaders were built earlier and the states are dropped: a mid-epoch
+    resume then starts the epoch again (Lightning #20550). Call before the first batch is fetched
+    (``on_train_start``): the fetcher's iterator is made again so that it starts at the restored position.
+    """
+    pending = fit_loop.restarting and fit_loop._combined_loader_states_to_load
+    if not pending or fit_loop._combined_loader is None:
+        return False
+    fit_loop._load_combined_loader_states()
+    if fit_loop._data_fetcher is not None:
+        iter(fit_loop._data_fetcher)
+    return True
+
+
 __all__ = [
     "FIT_LOOP_BATCH_PROGRESS",
     "FIT_LOOP_EPOCH_STATE",
@@ -40,5 +60,6 @@ __all__ = [
     "abort_process_group",
     "init_optimizers",
     "optimizers_to_device",
+    "restore_loader_states",
     "sync_ddp_if_available",
 ]

@@ -753,6 +753,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         epoch's end."""
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
+        _private.restore_loader_states(trainer.fit_loop)  # mid-epoch position, also after an early estimate
         if self._env is not None and self._env.joining and self.owners is None:
             self._join(trainer)  # the job's step count comes with the joiner's progress
         elif not self._rerunning:

@@ -14,8 +14,9 @@ from recipes.paths import CONFIG_DIR, REPO_ROOT
 
 # (experiment, extra overrides, what the run shows)
 DEMO_RUNS: list[tuple[str, list[str], str]] = [
-    ("bamboo_gpt", ["trainer.max_steps=30"],
-     "Bamboo: a tiny GPT as a 2-stage pipeline with redundant layers, 2 CPU processes"),
+    ("bamboo_gpt_tied", ["trainer.max_steps=30"],
+     "Bamboo: a tiny GPT (LM head tied to the token embedding) as a 2-stage pipeline with redundant layers, "
+     "2 CPU processes; a callback prints a sample through the whole pipeline every 10 steps"),
     ("bamboo_gpt_elastic", ["trainer.max_steps=30"],
      "Elastic Bamboo: the same GPT on 4 workers (2 stages x 2 pipelines); worker 3 is SIGKILLed at step 10 "
      "and its predecessor takes its stage over inside the same fit"),

@@ -3,6 +3,7 @@
     python -m recipes.train experiment=plain_mlp
     python -m recipes.train experiment=bamboo_gpt trainer.max_steps=20
     python -m recipes.train experiment=dorylus_gcn_cora --cfg job     # print the composed config
+    python -m recipes.train experiment=bamboo_gpt ckpt_path=<checkpoint>  # resume a fit
 
 The entry point does nothing else: every choice lives in ``recipes/conf``.
 """
@@ -67,10 +68,11 @@ def build_strategy(strategy_cfg: DictConfig) -> Any:
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
-    """Seed, build, ``fit``, then ``test`` if the recipe asks; returns the test metrics (``{}`` without)."""
+    """Seed, build, ``fit`` (resumed from ``cfg.ckpt_path`` if set), then ``test`` if the recipe asks; returns
+    the test metrics (``{}`` without)."""
     pl.seed_everything(cfg.seed, workers=True)
     model, data, trainer = instantiate_components(cfg)
-    trainer.fit(model, datamodule=data)
+    trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
     if not cfg.test_after_fit:
         return {}
     # ckpt_path "best": the weights ModelCheckpoint kept (e.g. the best val_acc epoch); null: current ones

@@ -8,8 +8,12 @@ so a pipeline strategy can cut it into stages anywhere.
     block x N:  (B, T, C)               -> (B, T, C)
     head:       (B, T, C)               -> logits (B, T, vocab_size)
 
-The LM head is not tied to the token embedding (nanoGPT ties them): in a pipeline the two live on
-different stages, and tying would need a gradient all-reduce between the first and last stage.
+With ``tie_embeddings=True`` (the default, as in nanoGPT and GPT-2) the head's projection weight *is* the
+token embedding's weight: one ``nn.Parameter`` used by the first and the last element. Under
+``strategy="auto"`` autograd sums both uses' gradients into it. Under Bamboo the two elements usually land
+on different stages; the strategy then keeps one copy per stage and sums their gradients before the step
+(docs/bamboo-porting-gpt2.md). ``tie_embeddings=False`` gives the head its own matrix
+(``vocab_size * n_embd`` more parameters).
 
 Example::
 
@@ -149,10 +153,12 @@ class Head(nn.Module):
 
 
 def build_pipeline(
-    vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float = 0.0
+    vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float = 0.0,
+    tie_embeddings: bool = True,
 ) -> nn.Sequential:
     """Build the GPT body as ``[Embedding, Block x n_layer, Head]`` with nanoGPT's initialisation.
 
+    ``tie_embeddings``: the head's weight is the token embedding's weight (one parameter, initialised once).
     Kept separate from :class:`GPT` so benchmarks can build the same layers without a LightningModule.
     """
     for name, value in (("vocab_size", vocab_size), ("block_size", block_size), ("n_layer", n_layer),
@@ -169,7 +175,9 @@ def build_pipeline(
         *(Block(n_embd, n_head, dropout) for _ in range(n_layer)),
         Head(n_embd, vocab_size),
     )
-    for name, param in pipeline.named_parameters():
+    if tie_embeddings:
+        pipeline[-1].lm.weight = pipeline[0].tok.weight  # (vocab_size, n_embd) both; nanoGPT's weight tying
+    for name, param in pipeline.named_parameters():  # a tied parameter is listed (and initialised) once
         if name.endswith("proj.weight"):
             # GPT-2: scale residual projections by 1/sqrt(2 * n_layer) so the residual stream stays O(1).
             nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
@@ -213,6 +221,8 @@ class GPT(LightningModule):
         warmup: linear warm-up steps.
         decay_steps: step at which cosine decay reaches 10% of ``lr``; ``None`` uses
             ``trainer.estimated_stepping_batches``.
+        tie_embeddings: the LM head's weight is the token embedding's weight (nanoGPT, GPT-2); ``False``
+            gives the head its own ``(vocab_size, n_embd)`` matrix.
     """
 
     def __init__(
@@ -227,6 +237,7 @@ class GPT(LightningModule):
         weight_decay: float = 0.1,
         warmup: int = 10,
         decay_steps: int | None = None,
+        tie_embeddings: bool = True,
     ) -> None:
         super().__init__()
         if lr <= 0:
@@ -234,7 +245,9 @@ class GPT(LightningModule):
         if warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {warmup}")
         self.save_hyperparameters()
-        self.pipeline = build_pipeline(vocab_size, block_size, n_layer, n_head, n_embd, dropout)
+        self.pipeline = build_pipeline(
+            vocab_size, block_size, n_layer, n_head, n_embd, dropout, tie_embeddings=tie_embeddings
+        )
 
     @override
     def forward(self, idx: Tensor) -> Tensor:

@@ -77,13 +77,34 @@ def test_sequence_longer_than_block_size_is_rejected() -> None:
 
 def test_optimizer_groups_have_the_same_shape_on_every_stage() -> None:
     """A stage holding only the embedding still gets two groups (the second empty), like every other stage."""
-    model = GPT(**TINY)
+    model = GPT(**TINY, tie_embeddings=False)
     full = model.optimizer_groups()
     assert [len(g["params"]) for g in full] == [2 + 2 * 4 + 1, 2 * 8 + 2]  # matrices; biases and LN params
+    tied = GPT(**TINY).optimizer_groups()  # the head's matrix is the token embedding: listed once
+    assert [len(g["params"]) for g in tied] == [2 + 2 * 4, 2 * 8 + 2]
     model.pipeline = model.pipeline[:1]  # what a pipeline strategy leaves on stage 0
     groups = model.optimizer_groups()
     assert [len(g["params"]) for g in groups] == [2, 0]
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+
+
+def test_head_is_tied_to_the_token_embedding_by_default() -> None:
+    """nanoGPT's tie: one parameter, both uses' gradients summed into it; untied, the head has its own."""
+    torch.manual_seed(0)
+    tied = GPT(**TINY)
+    embedding, head = tied.pipeline[0].tok.weight, tied.pipeline[-1].lm.weight
+    assert head is embedding and tied.hparams["tie_embeddings"] is True
+    untied = GPT(**TINY, tie_embeddings=False)
+    assert untied.pipeline[-1].lm.weight is not untied.pipeline[0].tok.weight
+    count = sum(p.numel() for p in untied.parameters()) - sum(p.numel() for p in tied.parameters())
+    assert count == VOCAB_SIZE * TINY["n_embd"]
+    # the tied gradient is the sum of the gradients of the untied model's two copies at the same values
+    untied.load_state_dict(tied.state_dict())
+    inputs, targets = torch.randint(0, VOCAB_SIZE, (2, 3, 16))
+    for model in (tied, untied):
+        model.pipeline_loss(model.pipeline(inputs), (inputs, targets)).backward()
+    expected = untied.pipeline[0].tok.weight.grad + untied.pipeline[-1].lm.weight.grad
+    torch.testing.assert_close(embedding.grad, expected)
 
 
 def test_warmup_cosine_schedule() -> None:
@@ -184,3 +205,24 @@ def test_bamboo_gpt_recipe_trains_two_cpu_stages(tmp_path: Path) -> None:
     assert re.search(r"^rank0\s+0F0\b", output, re.MULTILINE), output[-4000:]
     assert re.search(r"^rank1\s.*\b0FR0\b", output, re.MULTILINE), output[-4000:]
     assert "Trainer.fit` stopped: `max_steps=3` reached" in output
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(["strategy.num_stages=1", "strategy.redundancy=false"], id="1-stage-x-2-pipelines"),
+        pytest.param([], id="2-stages"),
+    ],
+)
+def test_tied_gpt_recipe_prints_samples_through_the_pipeline(tmp_path: Path, overrides: list[str]) -> None:
+    """``experiment=bamboo_gpt_tied`` (the demo's first run): the tied GPT trains and its TextSample callback
+    prints a continuation of "def " after step 10 through the whole model."""
+    cmd = [sys.executable, "-m", "recipes.train", "experiment=bamboo_gpt_tied", "trainer.max_steps=10",
+           "trainer.limit_val_batches=0", "+trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}",
+           *overrides]
+    output = run_ranks(cmd, 2, timeout=240).stdout
+    # the repr of the text: quoted with " when it holds a ', escapes (\n) longer than the byte
+    assert re.search(r"^\[sample step 10\] (['\"])def .+\1$", output, re.MULTILINE), output[-4000:]
+    assert "Trainer.fit` stopped: `max_steps=10` reached" in output

@@ -28,10 +28,11 @@ def _lines(path: Path) -> list[dict]:
 def test_mid_epoch_resume_consumes_every_sample_once_and_is_exact(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """One launch of 2 ranks, six Trainers: the uninterrupted 3 epochs (2 stages); a run stopped at step 9
+    """One launch of 2 ranks, eight Trainers: the uninterrupted 3 epochs (2 stages); a run stopped at step 9
     with a checkpoint at step 7 (epoch 1, batch 2); a resume from that checkpoint appending to the same
-    ledger (its lines 7 and 8 re-trained); a run perturbed before step 5; and the stop/resume again from
-    2 pipelines of 1 stage to 1 pipeline of 2 stages (the position carried over in samples)."""
+    ledger (its lines 7 and 8 re-trained); the same stop and resume with a configure_optimizers that reads
+    estimated_stepping_batches; a run perturbed before step 5; and the stop/resume again from 2 pipelines
+    of 1 stage to 1 pipeline of 2 stages (the position carried over in samples)."""
     ckpt = tmp_path / "ckpt"
     cases = {
         "reference": ["--ledger", str(tmp_path / "reference.jsonl")],
@@ -39,6 +40,11 @@ def test_mid_epoch_resume_consumes_every_sample_once_and_is_exact(
                   "--checkpoint-dir", str(ckpt)],
         "resume": ["--ledger", str(tmp_path / "resumed.jsonl"), "--resume", str(ckpt / "step=7.ckpt")],
         "perturbed": ["--ledger", str(tmp_path / "perturbed.jsonl"), "--perturb-at", "5"],
+        # the same stop and resume with configure_optimizers reading estimated_stepping_batches
+        "estimate-first": ["--ledger", str(tmp_path / "estimate.jsonl"), "--max-steps", "9", "--estimate",
+                           "--checkpoint-every", "7", "--checkpoint-dir", str(tmp_path / "ckpt3")],
+        "estimate-resume": ["--ledger", str(tmp_path / "estimate.jsonl"), "--estimate",
+                            "--resume", str(tmp_path / "ckpt3" / "step=7.ckpt")],
         # 2 pipelines x 2 samples (each its DistributedSampler shard), resumed as 1 pipeline x 4 samples
         "pipelines": ["--ledger", str(tmp_path / "pipelines.jsonl"), "--stages", "1", "--batch-size", "2",
                       "--max-steps", "9", "--checkpoint-every", "7",
@@ -61,6 +67,9 @@ def test_mid_epoch_resume_consumes_every_sample_once_and_is_exact(
     assert "the ledgers are the same: 15 steps (steps 0..14), samples and parameter digests" in (
         capsys.readouterr().out
     )
+    # Lightning alone would start epoch 1 again here (its loaders were built before the restore, #20550)
+    assert verify([str(tmp_path / "reference.jsonl"), str(tmp_path / "estimate.jsonl")]) == 0
+    capsys.readouterr()
     assert verify([str(tmp_path / "reference.jsonl"), str(tmp_path / "perturbed.jsonl")]) == 1
     out = capsys.readouterr().out
     assert "the ledgers differ first at step 5:" in out and "stage 1 parameters differ" in out

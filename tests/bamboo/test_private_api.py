@@ -4,9 +4,10 @@ behave as it expects: a version that changes one fails here, not inside a failov
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 
@@ -80,3 +81,64 @@ def test_sync_ddp_without_a_process_group_returns_the_tensor() -> None:
 
 def test_abort_process_group_exists() -> None:
     assert callable(getattr(torch.distributed.distributed_c10d, "_abort_process_group", None))
+
+
+class _Counting:
+    """A stateful iterable of 10 batches (Lightning saves and loads its position): batch i is all i."""
+
+    def __init__(self) -> None:
+        self.start = self.position = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        for i in range(self.start, 10):
+            self.position = i + 1
+            yield torch.full((1, 32), float(i))
+        self.start = 0
+
+    def __len__(self) -> int:
+        return 10
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.start = state["position"]
+
+
+class _SizesItsSchedule(BoringModel):
+    def configure_optimizers(self):  # type: ignore[override]
+        assert self.trainer.estimated_stepping_batches == self.trainer.max_steps  # builds the loaders early
+        return super().configure_optimizers()
+
+
+class _Seen(Callback):
+    def __init__(self, restore: bool) -> None:
+        self.restore, self.batches, self.restored = restore, [], None
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.restore:
+            self.restored = _private.restore_loader_states(trainer.fit_loop)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        self.batches.append(int(batch[0, 0]))
+
+
+def test_restore_loader_states_after_an_early_estimate(tmp_path: Path) -> None:
+    """Lightning drops a resumed loader's state when ``estimated_stepping_batches`` built the loaders before
+    the restore (#20550): the epoch starts again. ``restore_loader_states`` hands it over before the first
+    fetch. If Lightning fixes this, the plain resume goes on at batch 3 and this test says so."""
+    def trainer(max_steps: int, seen: _Seen) -> Trainer:
+        # max_epochs set: with max_epochs=-1 the estimate is max_steps and builds no loader
+        return Trainer(accelerator="cpu", max_steps=max_steps, max_epochs=5, logger=False,
+                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                       callbacks=[seen])
+
+    first = trainer(3, _Seen(restore=False))
+    first.fit(_SizesItsSchedule(), train_dataloaders=_Counting())
+    checkpoint = tmp_path / "step3.ckpt"
+    first.save_checkpoint(checkpoint)
+    plain, fixed = _Seen(restore=False), _Seen(restore=True)
+    trainer(6, plain).fit(_SizesItsSchedule(), train_dataloaders=_Counting(), ckpt_path=checkpoint)
+    assert plain.batches == [0, 1, 2], "Lightning now restores the state itself: drop the workaround"
+    trainer(6, fixed).fit(_SizesItsSchedule(), train_dataloaders=_Counting(), ckpt_path=checkpoint)
+    assert fixed.restored is True and fixed.batches == [3, 4, 5]

@@ -53,6 +53,17 @@ def test_baseline_recipe_trains_and_tests(tmp_path: Path) -> None:
     assert accuracy > 0.8
 
 
+def test_tied_gpt_recipe_ties_the_head_and_samples_text(tmp_path: Path) -> None:
+    from recipes.components.sample_text import TextSample
+
+    model, _, trainer = instantiate_components(compose_recipe("bamboo_gpt_tied", tmp_path))
+    assert model.pipeline[-1].lm.weight is model.pipeline[0].tok.weight
+    (sample,) = [c for c in trainer.callbacks if isinstance(c, TextSample)]
+    assert (sample.prompt, sample.every_n_steps, sample.top_k) == ("def ", 10, 10)
+    untied, _, _ = instantiate_components(compose_recipe("bamboo_gpt", tmp_path))
+    assert untied.pipeline[-1].lm.weight is not untied.pipeline[0].tok.weight  # the figures' model
+
+
 def test_spot_recipe_wires_notices_and_metrics(tmp_path: Path) -> None:
     from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
 

@@ -5,7 +5,10 @@ both ranks at once, ``tests.process.run_ranks``). ``--stages 1`` makes the 2 ran
 (each reads its shard of the ``DistributedSampler``). A case trains ``--epochs`` epochs of a shuffled
 dataset (Lightning's ``DistributedSampler``, seed 0), or stops at ``--max-steps``; ``--checkpoint-every N``
 keeps a checkpoint every N steps in ``--checkpoint-dir`` (``step=<k>.ckpt``); ``--resume`` resumes from one;
-``--perturb-at K`` adds 1e-3 to stage 1's first weight before step K (a run that must differ from step K).
+``--perturb-at K`` adds 1e-3 to stage 1's first weight before step K (a run that must differ from step K);
+``--estimate``: ``configure_optimizers`` reads ``trainer.estimated_stepping_batches`` (as one sizing a
+OneCycleLR does), which makes Lightning build the loaders before the checkpoint is restored
+(Lightning #20550).
 """
 
 from __future__ import annotations
@@ -41,6 +44,14 @@ class Perturb(Callback):
                 next(pl_module.parameters()).add_(1e-3)
 
 
+class SizesItsSchedule(PipeMLP):
+    """``PipeMLP`` whose ``configure_optimizers`` asks for the run's number of optimizer steps first."""
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def, override]
+        assert self.trainer.estimated_stepping_batches > 0
+        return super().configure_optimizers()
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ledger", type=Path, required=True)
@@ -53,13 +64,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--resume", type=Path, default=None)
     parser.add_argument("--perturb-at", type=int, default=-1)
+    parser.add_argument("--estimate", action="store_true")
     return parser.parse_args(argv)
 
 
 def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     seed_everything(0)
-    model = PipeMLP(optimizer="adam")
+    model = (SizesItsSchedule if args.estimate else PipeMLP)(optimizer="adam")
     x, y = make_data(args.samples)
     pipelines = 2 // args.stages  # the 2 ranks
     # the global batch: every member loads it, each pipeline trains on its share
