@@ -36,6 +36,8 @@ ENV_NPROC = "BAMBOO_NPROC"
 ENV_HEARTBEAT = "BAMBOO_HEARTBEAT_S"
 ENV_JOINING = "BAMBOO_JOINING"
 """``1`` for a worker the launcher started while the job runs (it joins instead of forming gen 0)."""
+ENV_LOCAL_RANK = "BAMBOO_LOCAL_RANK"
+"""The worker's index among the running workers of its machine (its device: ``cuda:<local rank>``)."""
 
 
 def connect(url: str, job: str, timeout: float = 60.0) -> dist.Store:
@@ -80,6 +82,7 @@ class WorkerEnv:
     member: int
     nproc: int
     joining: bool = False
+    local_rank: int = 0
 
     @classmethod
     def from_env(cls) -> WorkerEnv | None:
@@ -98,6 +101,7 @@ class WorkerEnv:
             int(os.environ[ENV_MEMBER]),
             int(os.environ[ENV_NPROC]),
             os.environ.get(ENV_JOINING) == "1",
+            int(os.environ.get(ENV_LOCAL_RANK, "0")),
         )
 
 
