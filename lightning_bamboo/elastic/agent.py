@@ -373,7 +373,19 @@ class Agent:
                     if member not in coordinator.finished:
                         self._codes[member] = None  # lost with its machine: preempted, not a failure of code
                         lost.add(member)
-        return lost - coordinator.lost
+        return (lost & self._placed()) - coordinator.lost
+
+    def _placed(self) -> set[int]:
+        """Members a loss concerns: those of the current generation (owners and spares), of a proposed join
+        and the joiners waiting (a member lost and handled before, e.g. by an earlier coordinator, is not)."""
+        coordinator = self.coordinator
+        assert coordinator is not None
+        _, current = coordinator._current()
+        placed = set(current.members()) | set(current.spares) if current is not None else set()
+        if coordinator._proposal is not None:
+            placed |= set(coordinator._proposal[1].members())
+        with coordinator._lock:
+            return placed | set(coordinator._pending_joins)
 
     def _find_joiners(self) -> None:
         """Members of machines that registered after the rendezvous: proposed to join once registered."""

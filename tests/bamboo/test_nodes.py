@@ -1,0 +1,163 @@
+"""Elastic Bamboo across machines: 3 machines as network namespaces (``tests/netns.py``), etcd on the bridge
+address of the root namespace, one ``python -m lightning_bamboo.launch --nnodes 3:3 --nproc-per-node 2``
+agent per machine (2 stages x 3 pipelines of ``PipeMLP`` in float64, gloo over each machine's ``eth0``).
+
+Whole machines (the agent and its workers, every process of the namespace, by PID) are SIGKILLed while the
+other members wait inside a step; the survivors carry on and the final parameters and optimizer state equal
+the uninterrupted single-process run's. Where namespaces cannot be made, the tests fail with the reason.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lightning_bamboo.elastic import machines as mc
+from lightning_bamboo.elastic import store as ms
+from lightning_bamboo.elastic.ownership import OwnershipMap
+from tests.bamboo.test_elastic import SCRIPT, TOL
+from tests.netns import Host, Network
+from tests.process import launch_env, run_process
+
+STEPS = 8
+BATCH = 12  # the global batch: 3 pipelines x 2 micro-batches x 2
+LEASE_S = 3.0
+TIMEOUT_S = 240.0
+TRAIN = ["--stages", "2", "--steps", str(STEPS), "--batch-size", str(BATCH)]
+
+
+class Job:
+    """One agent per host, started by :meth:`start`; logs in ``out/agent_h<i>.log``."""
+
+    def __init__(self, net: Network, out: Path, etcd: str, job: str, hold: str) -> None:
+        self.net, self.out, self.etcd, self.job, self.hold = net, out, etcd, job, hold
+        self.procs: dict[int, object] = {}
+        self.logs: list[IO[str]] = []
+        self.store = ms.connect(f"etcd://{etcd}", job, timeout=30)
+
+    def start(self, host: Host) -> None:
+        cmd = [
+            sys.executable, "-m", "lightning_bamboo.launch", "--nnodes", "3:3", "--nproc-per-node", "2",
+            "--rdzv-endpoint", f"etcd://{self.etcd}", "--job-id", self.job, "--node-lease", str(LEASE_S),
+            str(SCRIPT), "--out", str(self.out), *TRAIN, "--hold", self.hold,
+        ]
+        # gloo binds eth0, not the address the (shared) hostname resolves to
+        env = launch_env({"GLOO_SOCKET_IFNAME": host.interface})
+        self.logs.append((self.out / f"agent_h{host.index}.log").open("w"))
+        self.procs[host.index] = self.net.popen(host, cmd, env=env, stdout=self.logs[-1])
+
+    def machine_of(self, host: Host) -> int:
+        """The machine index the agent of ``host`` registered as (``node/{i}`` names its PID)."""
+        pid = self.procs[host.index].pid  # type: ignore[attr-defined]  # ``ip netns exec`` execs: same PID
+        for machine in range(mc.count(self.store)):
+            info = mc.describe(self.store, machine)
+            if info is not None and info["pid"] == pid:
+                return machine
+        raise AssertionError(f"the agent of {host.namespace} (pid {pid}) did not register")
+
+    def log(self, host: Host) -> str:
+        return (self.out / f"agent_h{host.index}.log").read_text()
+
+    def logs_tail(self) -> str:
+        return "\n".join(
+            f"--- host {h.index} ---\n{self.log(h)[-5000:]}" for h in self.net.hosts if h.index in self.procs
+        )
+
+    def wait_for(self, what: str, ready: Callable[[], bool], timeout: float = TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {what} in {timeout:.0f}s:\n{self.logs_tail()}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        for log in self.logs:
+            log.close()
+
+
+def final_states(out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {p.name: load_file(str(p)) for p in sorted(out.glob("final_member*.safetensors"))}
+
+
+def assert_equal_to(reference: dict[str, torch.Tensor], out: Path) -> None:
+    """Every finished member's stages (parameters, Adam state) equal the reference; all are covered."""
+    finals = final_states(out)
+    assert finals, f"no member finished: {sorted(p.name for p in out.iterdir())}"
+    covered: set[str] = set()
+    for name, state in finals.items():
+        assert int(state.pop("global_step")) == STEPS, name
+        for key, value in state.items():
+            torch.testing.assert_close(
+                value, reference[key], **TOL, msg=lambda m, k=key, n=name: f"{n} {k}: {m}"
+            )
+            covered.add(key)
+    assert covered == {k for k in reference if k != "global_step"}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.netns
+@pytest.mark.timeout(420)
+def test_whole_machines_lost_then_the_coordinators(
+    make_network: Callable[[int], Network], tmp_path: Path
+) -> None:
+    """Machine 1 (members 1 and 4: stage 1 of pipeline 0, stage 0 of pipeline 2) is SIGKILLed whole while
+    the others wait inside step 3: its lease expires and ONE failover generation drops both members. Then
+    machine 0, the coordinator's (members 0 and 3), is SIGKILLed inside step 6: machine 2's agent takes the
+    coordinator over when the lease expires and fails both members over in one generation. Machine 2's
+    members finish every step equal (float64) to the uninterrupted single-process run."""
+    run_process([sys.executable, str(SCRIPT), "--out", str(tmp_path / "reference"), "--strategy", "auto",
+                 *TRAIN], timeout=240)
+    reference = load_file(str(tmp_path / "reference" / "final_reference.safetensors"))
+
+    net = make_network(3)
+    etcd = net.serve_etcd(tmp_path / "etcd")
+    out = tmp_path / "run"
+    out.mkdir()
+    # member 2 (on machine 2, which survives) holds at the ends of steps 2 and 5 until released: the others
+    # are then inside steps 3 and 6 (waiting for it) when a machine dies
+    job = Job(net, out, etcd, "nodes-test", hold="2:2:file,2:5:file")
+    try:
+        first, *others = net.hosts
+        job.start(first)  # the first to register is machine 0 and the coordinator
+        job.wait_for("coordinator", lambda: mc.coordinator(job.store) is not None)
+        for host in others:
+            job.start(host)
+        job.wait_for("rendezvous", lambda: job.store.check([mc.CLOSED]))
+        rendezvous = mc.Rendezvous.from_json(job.store.get(mc.CLOSED))
+        assert mc.coordinator(job.store) == (0, 0) and job.machine_of(first) == 0
+        assert rendezvous.members == {0: [0, 3], 1: [1, 4], 2: [2, 5]}  # stages alternate across machines
+        host_of = {job.machine_of(h): h for h in net.hosts}
+
+        job.wait_for("step 2 of member 2", lambda: (out / "reached2_member2").exists())
+        killed = net.kill_host(host_of[1])  # agent and workers, every process of the namespace, by PID
+        assert len(killed) >= 3, killed
+        (out / "release2").write_text("")
+        job.wait_for("step 5 of member 2", lambda: (out / "reached5_member2").exists())
+        net.kill_host(host_of[0])  # the coordinator's machine
+        (out / "release5").write_text("")
+        survivor = job.procs[host_of[2].index]
+        job.wait_for("the job's end", lambda: survivor.poll() is not None)  # type: ignore[attr-defined]
+        assert survivor.returncode == 0, job.logs_tail()  # type: ignore[attr-defined]
+    finally:
+        job.close()
+
+    log = job.log(host_of[2])
+    coordinator_log = job.log(host_of[0])
+    assert "machine 1 lost: lease not renewed" in coordinator_log, job.logs_tail()
+    assert "failover: lost [1, 4] joined []" in coordinator_log
+    assert "took over as the coordinator (term 1)" in log, job.logs_tail()
+    assert "machine 0 lost: lease not renewed" in log and "failover: lost [0, 3] joined []" in log
+    # one generation per machine lost, not one per worker
+    maps = [OwnershipMap.from_json(m) for m in (ms.read_map(job.store, g).to_json() for g in range(3))]
+    assert [m.generation for m in maps] == [0, 1, 2] and ms.current_generation(job.store) == 2
+    assert maps[1].members() == [0, 2, 3, 5] and maps[2].members() == [2, 5]
+    assert sorted(final_states(out)) == ["final_member2.safetensors", "final_member5.safetensors"]
+    assert_equal_to(reference, out)
