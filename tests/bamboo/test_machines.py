@@ -1,0 +1,101 @@
+"""The store protocol of a multi-machine job (``lightning_bamboo/elastic/machines.py``) and the agent CLI's
+argument checks, in one process over a ``HashStore``."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from lightning_bamboo.elastic import machines as mc
+from lightning_bamboo.elastic.ownership import initial
+from lightning_bamboo.launch import main
+
+
+def test_placement_puts_adjacent_stages_on_different_machines() -> None:
+    """Member ids are dealt round-robin over the machines, so generation 0 (member m = stage m % S of
+    pipeline m // S) never puts two stages of one pipeline on one machine: 3 machines x 2 workers, 2 stages
+    -> each machine holds one stage of two different pipelines."""
+    rendezvous = mc.placement([0, 1, 2], {}, 2)
+    assert rendezvous.members == {0: [0, 3], 1: [1, 4], 2: [2, 5]} and rendezvous.nproc == 6
+    owners = initial(2, range(rendezvous.nproc))
+    for members in rendezvous.members.values():
+        assert len({owners.pipeline_of(m) for m in members}) == len(members)
+    assert mc.fallback_risks(owners, {f"machine {k}": v for k, v in rendezvous.members.items()}) == []
+    assert mc.Rendezvous.from_json(rendezvous.to_json()) == rendezvous
+
+
+def test_placement_alternates_zones_and_names_the_losses_it_cannot_cover() -> None:
+    """Machines of one zone are not neighbours in the order while another zone has machines left; a loss the
+    replicas cannot cover (here: a zone holding both stages of every pipeline) is named at start."""
+    rendezvous = mc.placement([0, 1, 2, 3], {0: "a", 1: "a", 2: "b", 3: "b"}, 1)
+    assert rendezvous.order == [0, 2, 1, 3]
+    one_machine = mc.placement([0], {}, 2)
+    owners = initial(2, range(one_machine.nproc))
+    assert mc.fallback_risks(owners, {"machine 0": one_machine.members[0]}) == [
+        "losing machine 0 (members [0, 1]) falls back to the last checkpoint"
+    ]
+    two = initial(2, range(4))  # pipelines (0, 1) and (2, 3): machine {0, 1} takes a whole pipeline
+    assert mc.fallback_risks(two, {"machine 0": [0, 1]}) == [
+        "losing machine 0 (members [0, 1]) drops 1 pipeline(s)"
+    ]
+
+
+def test_one_coordinator_per_term_and_leases_by_the_observers_clock() -> None:
+    store = dist.HashStore()
+    first, second = mc.register(store, 2, "", "h0", 10), mc.register(store, 2, "", "h1", 11)
+    assert (first, second, mc.count(store)) == (0, 1, 2)
+    assert mc.describe(store, 1) == {"nproc": 2, "zone": "", "host": "h1", "pid": 11}
+    assert mc.take_coordinator(store, first, None)
+    assert not mc.take_coordinator(store, second, None)  # the key is taken: nobody else wins term 0
+    assert mc.coordinator(store) == (0, 0)
+    leases = mc.LeaseWatch(store, lease=0.2)
+    leases.observe([0, 1])
+    store.add("node/1/hb", 1)
+    time.sleep(0.25)
+    leases.observe([0, 1])  # machine 0 did not renew; machine 1 did, just now
+    assert leases.expired(0) and not leases.expired(1)
+    assert mc.take_coordinator(store, second, (0, 0)) and mc.coordinator(store) == (1, 1)
+    assert not mc.take_coordinator(store, first, (0, 0))  # a stale view of the holder loses
+
+
+def test_reports_are_read_once_each_in_order() -> None:
+    store = dist.HashStore()
+    reader = mc.Reports(store)
+    mc.report(store, 0, 3, -9)
+    mc.report(store, 1, 4, 0)
+    assert reader.new() == [{"machine": 0, "member": 3, "code": -9}, {"machine": 1, "member": 4, "code": 0}]
+    assert reader.new() == []
+    assert len(mc.Reports(store).new()) == 2  # a new coordinator reads the log from the start
+
+
+AGENT = ["--nproc-per-node", "1", "--job-id", "j"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nnodes", "2", "--nproc-per-node", "1", "t.py"], "--nnodes needs --rdzv-endpoint, --job-id"),
+        (["--nnodes", "3:2", *AGENT, "--rdzv-endpoint", "etcd://h:1", "t.py"],
+         "--nnodes MIN:MAX needs 1 <= MIN <= MAX, got '3:2'"),
+        (["--nnodes", "a:b", *AGENT, "--rdzv-endpoint", "etcd://h:1", "t.py"],
+         "--nnodes must be MIN:MAX or N (integers), got 'a:b'"),
+        (["--nnodes", "2", *AGENT, "--rdzv-endpoint", "h:1", "t.py"],
+         "--rdzv-endpoint must be etcd://host:port, got 'h:1'"),
+        (["t.py"], "give --nproc N (one machine) or --nnodes MIN:MAX --nproc-per-node K (each machine)"),
+    ],
+)
+def test_agent_arguments_are_checked(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_unreachable_rendezvous_endpoint_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--nnodes", "2", *AGENT, "--rdzv-endpoint", "etcd://127.0.0.1:1", "train.py"]
+    assert main(argv) == 2
+    assert "cannot reach the job's etcd store at etcd://127.0.0.1:1" in capsys.readouterr().err
