@@ -42,6 +42,11 @@ FENCED = 3
 """An agent's exit code when it stopped its own workers because it could not renew its lease."""
 
 
+def _unreachable(err: BaseException) -> bool:
+    """Whether ``err`` says the store did not answer (a network failure), not a bug."""
+    return isinstance(err, (OSError, TimeoutError)) or type(err).__module__.startswith("etcd3gw")
+
+
 class NodeCoordinator(Coordinator):
     """The coordinator role of an agent: a :class:`Coordinator` fed by the store's reports and leases."""
 
@@ -201,9 +206,12 @@ class Agent:
             except Exception as err:
                 if self._fenced.is_set():
                     return FENCED
-                if time.monotonic() - self._renewed_at < self.lease:
+                if not _unreachable(err):
                     raise
-                self.say(f"store request failed ({type(err).__name__}); retrying")
+                # the store did not answer: retry until it does, or until the lease runs out (the watchdog
+                # then fences this machine)
+                self.say(f"the store did not answer ({type(err).__name__}); retrying")
+                time.sleep(self.poll)
                 continue
             if code is not None:
                 return code

@@ -23,7 +23,7 @@ from lightning_bamboo.elastic import machines as mc
 from lightning_bamboo.elastic import store as ms
 from lightning_bamboo.elastic.ownership import OwnershipMap
 from tests.bamboo.test_elastic import SCRIPT, TOL
-from tests.netns import Host, Network
+from tests.netns import Host, Network, pid_alive
 from tests.process import launch_env, run_process
 
 STEPS = 8
@@ -101,6 +101,31 @@ def assert_equal_to(reference: dict[str, torch.Tensor], out: Path) -> None:
     assert covered == {k for k in reference if k != "global_step"}
 
 
+def reference_run(tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The uninterrupted single-process run on the same global batches."""
+    run_process([sys.executable, str(SCRIPT), "--out", str(tmp_path / "reference"), "--strategy", "auto",
+                 *TRAIN], timeout=240)
+    return load_file(str(tmp_path / "reference" / "final_reference.safetensors"))
+
+
+def start_job(net: Network, out: Path, tmp_path: Path, hold: str) -> tuple[Job, dict[int, Host]]:
+    """etcd on the bridge, one agent per host (host 0's first: it becomes machine 0 and the coordinator);
+    returns the job and the host of each machine index once the rendezvous closed."""
+    etcd = net.serve_etcd(tmp_path / "etcd")
+    out.mkdir()
+    job = Job(net, out, etcd, "nodes-test", hold=hold)
+    first, *others = net.hosts
+    job.start(first)
+    job.wait_for("coordinator", lambda: mc.coordinator(job.store) is not None)
+    for host in others:
+        job.start(host)
+    job.wait_for("rendezvous", lambda: job.store.check([mc.CLOSED]))
+    rendezvous = mc.Rendezvous.from_json(job.store.get(mc.CLOSED))
+    assert mc.coordinator(job.store) == (0, 0) and job.machine_of(first) == 0
+    assert rendezvous.members == {0: [0, 3], 1: [1, 4], 2: [2, 5]}  # stages alternate across machines
+    return job, {job.machine_of(h): h for h in net.hosts}
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.netns
@@ -113,29 +138,13 @@ def test_whole_machines_lost_then_the_coordinators(
     machine 0, the coordinator's (members 0 and 3), is SIGKILLed inside step 6: machine 2's agent takes the
     coordinator over when the lease expires and fails both members over in one generation. Machine 2's
     members finish every step equal (float64) to the uninterrupted single-process run."""
-    run_process([sys.executable, str(SCRIPT), "--out", str(tmp_path / "reference"), "--strategy", "auto",
-                 *TRAIN], timeout=240)
-    reference = load_file(str(tmp_path / "reference" / "final_reference.safetensors"))
-
+    reference = reference_run(tmp_path)
     net = make_network(3)
-    etcd = net.serve_etcd(tmp_path / "etcd")
     out = tmp_path / "run"
-    out.mkdir()
     # member 2 (on machine 2, which survives) holds at the ends of steps 2 and 5 until released: the others
     # are then inside steps 3 and 6 (waiting for it) when a machine dies
-    job = Job(net, out, etcd, "nodes-test", hold="2:2:file,2:5:file")
+    job, host_of = start_job(net, out, tmp_path, hold="2:2:file,2:5:file")
     try:
-        first, *others = net.hosts
-        job.start(first)  # the first to register is machine 0 and the coordinator
-        job.wait_for("coordinator", lambda: mc.coordinator(job.store) is not None)
-        for host in others:
-            job.start(host)
-        job.wait_for("rendezvous", lambda: job.store.check([mc.CLOSED]))
-        rendezvous = mc.Rendezvous.from_json(job.store.get(mc.CLOSED))
-        assert mc.coordinator(job.store) == (0, 0) and job.machine_of(first) == 0
-        assert rendezvous.members == {0: [0, 3], 1: [1, 4], 2: [2, 5]}  # stages alternate across machines
-        host_of = {job.machine_of(h): h for h in net.hosts}
-
         job.wait_for("step 2 of member 2", lambda: (out / "reached2_member2").exists())
         killed = net.kill_host(host_of[1])  # agent and workers, every process of the namespace, by PID
         assert len(killed) >= 3, killed
@@ -160,4 +169,45 @@ def test_whole_machines_lost_then_the_coordinators(
     assert [m.generation for m in maps] == [0, 1, 2] and ms.current_generation(job.store) == 2
     assert maps[1].members() == [0, 2, 3, 5] and maps[2].members() == [2, 5]
     assert sorted(final_states(out)) == ["final_member2.safetensors", "final_member5.safetensors"]
+    assert_equal_to(reference, out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.netns
+@pytest.mark.timeout(420)
+def test_a_partitioned_machine_fences_its_workers(
+    make_network: Callable[[int], Network], tmp_path: Path
+) -> None:
+    """Machine 1's link goes down (``ip link set ... down``: its packets are dropped, nothing is killed) while
+    the others wait inside step 3. Its agent cannot renew its lease: within the lease time it SIGKILLs its own
+    workers by PID and exits 3 (it must not train on, write checkpoints or rejoin with stale state), while
+    the coordinator counts the machine as lost and fails both of its members over in one generation; the
+    rest finish equal to the uninterrupted run."""
+    reference = reference_run(tmp_path)
+    net = make_network(3)
+    out = tmp_path / "run"
+    job, host_of = start_job(net, out, tmp_path, hold="2:2:file")
+    try:
+        job.wait_for("step 2 of member 2", lambda: (out / "reached2_member2").exists())
+        cut = host_of[1]
+        workers = [int((out / f"pid_member{m}").read_text()) for m in (1, 4)]
+        net.partition(cut)
+        cut_at = time.monotonic()
+        (out / "release2").write_text("")
+        fenced = job.procs[cut.index]
+        job.wait_for("the cut-off agent's exit", lambda: fenced.poll() is not None)  # type: ignore[attr-defined]
+        fenced_s = time.monotonic() - cut_at
+        assert fenced.returncode == 3, job.logs_tail()  # type: ignore[attr-defined]
+        assert not any(pid_alive(pid) for pid in workers)
+        others = [job.procs[host_of[m].index] for m in (0, 2)]
+        job.wait_for("the job's end", lambda: all(p.poll() is not None for p in others))  # type: ignore[attr-defined]
+        assert [p.returncode for p in others] == [0, 0], job.logs_tail()  # type: ignore[attr-defined]
+    finally:
+        job.close()
+    print(f"partitioned machine fenced {fenced_s:.1f}s after its link went down (lease {LEASE_S}s)")
+    assert "lease not renewed for" in job.log(cut) and "killed its workers [1, 4]" in job.log(cut)
+    assert "failover: lost [1, 4] joined []" in job.log(host_of[0]), job.logs_tail()
+    assert ms.current_generation(job.store) == 1
+    assert sorted(final_states(out)) == [f"final_member{m}.safetensors" for m in (0, 2, 3, 5)]
     assert_equal_to(reference, out)
