@@ -176,18 +176,24 @@ def test_whole_machines_lost_then_the_coordinators(
 @pytest.mark.multiprocess
 @pytest.mark.netns
 @pytest.mark.timeout(420)
-def test_a_partitioned_machine_fences_its_workers(
+def test_a_partitioned_machine_fences_its_workers_and_comes_back_as_a_new_machine(
     make_network: Callable[[int], Network], tmp_path: Path
 ) -> None:
     """Machine 1's link goes down (``ip link set ... down``: its packets are dropped, nothing is killed) while
-    the others wait inside step 3. Its agent cannot renew its lease: within the lease time it SIGKILLs its own
-    workers by PID and exits 3 (it must not train on, write checkpoints or rejoin with stale state), while
-    the coordinator counts the machine as lost and fails both of its members over in one generation; the
-    rest finish equal to the uninterrupted run."""
+    the others wait inside step 3. Its agent cannot renew its lease: it SIGKILLs its own workers by PID and
+    exits 3 (they must not train on, write checkpoints or rejoin with stale state), while the coordinator
+    counts the machine as lost and fails both of its members over in one generation. The link comes back and
+    the machine's agent is started again: it registers as a new machine (3), its workers join with fresh ids
+    (6, 7) at a step boundary and the job grows back to 3 pipelines of 2 positions. Every member finishes
+    equal to the uninterrupted run."""
     reference = reference_run(tmp_path)
     net = make_network(3)
     out = tmp_path / "run"
-    job, host_of = start_job(net, out, tmp_path, hold="2:2:file")
+    # member 2 holds at the end of step 2 (the link goes down while the others wait inside step 3); every
+    # member holds at the end of step 5 until the replacement machine's workers are ready to join (all at a
+    # boundary: none waits in a collective longer than the process group's timeout)
+    holds = ",".join(f"{m}:5:file" for m in (0, 2, 3, 5))
+    job, host_of = start_job(net, out, tmp_path, hold=f"2:2:file,{holds}")
     try:
         job.wait_for("step 2 of member 2", lambda: (out / "reached2_member2").exists())
         cut = host_of[1]
@@ -200,14 +206,26 @@ def test_a_partitioned_machine_fences_its_workers(
         fenced_s = time.monotonic() - cut_at
         assert fenced.returncode == 3, job.logs_tail()  # type: ignore[attr-defined]
         assert not any(pid_alive(pid) for pid in workers)
-        others = [job.procs[host_of[m].index] for m in (0, 2)]
-        job.wait_for("the job's end", lambda: all(p.poll() is not None for p in others))  # type: ignore[attr-defined]
-        assert [p.returncode for p in others] == [0, 0], job.logs_tail()  # type: ignore[attr-defined]
+        cut_log = job.log(cut)
+
+        net.heal(cut)
+        job.start(cut)  # the same command on the same machine: a new machine for the job
+        job.wait_for("the new machine's workers", lambda: job.store.check(["join/6", "join/7"]))
+        job.wait_for("step 5", lambda: all((out / f"reached5_member{m}").exists() for m in (0, 2, 3, 5)))
+        (out / "release5").write_text("")
+        agents = [job.procs[h.index] for h in net.hosts]
+        job.wait_for("the job's end", lambda: all(p.poll() is not None for p in agents))  # type: ignore[attr-defined]
+        assert [p.returncode for p in agents] == [0, 0, 0], job.logs_tail()  # type: ignore[attr-defined]
     finally:
         job.close()
     print(f"partitioned machine fenced {fenced_s:.1f}s after its link went down (lease {LEASE_S}s)")
-    assert "lease not renewed for" in job.log(cut) and "killed its workers [1, 4]" in job.log(cut)
-    assert "failover: lost [1, 4] joined []" in job.log(host_of[0]), job.logs_tail()
-    assert ms.current_generation(job.store) == 1
-    assert sorted(final_states(out)) == [f"final_member{m}.safetensors" for m in (0, 2, 3, 5)]
+    assert "lease not renewed for" in cut_log and "killed its workers [1, 4]" in cut_log, cut_log[-3000:]
+    coordinator_log = job.log(host_of[0])
+    assert "failover: lost [1, 4] joined []" in coordinator_log, job.logs_tail()
+    assert "machine 3 joins with members [6, 7]" in coordinator_log
+    assert "rejoin after step" in coordinator_log
+    last = ms.read_map(job.store, ms.current_generation(job.store))
+    assert last.members() == [0, 2, 3, 5, 6, 7] and len(last.pipelines) == 3
+    assert all(len(last.positions(p)) == 2 for p in last.pipeline_ids())
+    assert sorted(final_states(out)) == [f"final_member{m}.safetensors" for m in (0, 2, 3, 5, 6, 7)]
     assert_equal_to(reference, out)

@@ -16,7 +16,9 @@ owns at the end, and ``<out>/failovers_member{m}.json`` (the ownership maps it w
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -74,6 +76,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--ledger", type=Path, default=None, help="a BambooLedger file")
     args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
 
