@@ -23,9 +23,11 @@ machines need no synchronised clocks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -141,12 +143,16 @@ class Reports:
         self.store = store
         self.seen = 0
 
-    def new(self) -> list[dict[str, int]]:
+    def new(self, wait: float = 5.0) -> list[dict[str, int]]:
+        """Entries not read yet. The writer bumps the count before it writes the entry: one missing is
+        waited for ``wait`` seconds, then skipped (its writer died in between, with its machine)."""
         total = int(self.store.add("reports/count", 0))
         out = []
         while self.seen < total:
-            # the writer bumps the count before it writes the entry: wait for it (a short while)
-            out.append(json.loads(self.store.get(f"reports/{self.seen}")))
+            key = f"reports/{self.seen}"
+            with contextlib.suppress(TimeoutError, dist.DistStoreError):
+                self.store.wait([key], timedelta(seconds=wait))
+                out.append(json.loads(self.store.get(key)))
             self.seen += 1
         return out
 

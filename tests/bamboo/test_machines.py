@@ -68,6 +68,9 @@ def test_reports_are_read_once_each_in_order() -> None:
     assert reader.new() == [{"machine": 0, "member": 3, "code": -9}, {"machine": 1, "member": 4, "code": 0}]
     assert reader.new() == []
     assert len(mc.Reports(store).new()) == 2  # a new coordinator reads the log from the start
+    store.add("reports/count", 1)  # a writer that died between counting its entry and writing it
+    mc.report(store, 2, 5, 1)
+    assert reader.new(wait=0.1) == [{"machine": 2, "member": 5, "code": 1}]
 
 
 AGENT = ["--nproc-per-node", "1", "--job-id", "j"]
