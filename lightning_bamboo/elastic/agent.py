@@ -124,6 +124,7 @@ class Agent:
         self._fenced = threading.Event()
         self._done = threading.Event()
         self._stop_signal: int | None = None
+        self._drain_until: float | None = None
         # coordinator state
         self._codes: dict[int, int | None] = {}
         self._reports = mc.Reports(self.store)
@@ -240,8 +241,8 @@ class Agent:
             killed = self.local.kill_all()
             self.say(f"this machine was counted as lost (its lease expired); killed its workers {killed}")
             return FENCED
-        if self._stop_signal is not None:
-            return self._drain_local()
+        if self._stop_signal is not None and self._drain_until is None:
+            self._drain_local()
         for member in self.local.check(self.lost, self.finished, set()):
             self.lost.add(member)
         for member in sorted((self.lost | self.finished) - self._reported):
@@ -249,26 +250,26 @@ class Agent:
             mc.report(self.store, self.machine, member, 0 if code is None else code)
             self._reported.add(member)
         self._elect()
-        if self.coordinator is not None:
-            return self._coordinate()
-        return None
+        code = self._coordinate() if self.coordinator is not None else None
+        drained = self._drain_until is not None and (
+            self.local.all_exited() or time.monotonic() > self._drain_until
+        )
+        if code is None and drained:
+            killed = self.local.kill_all()
+            late = f"; killed {killed} (not gone in {self.stop_timeout:g}s)" if killed else ""
+            code = 128 + (self._stop_signal or signal.SIGTERM)
+            self.say(f"this machine's workers left{late}: exit {code}")
+        return code
 
-    def _drain_local(self) -> int:
+    def _drain_local(self) -> None:
         """SIGTERM to the agent (the machine is being taken away with notice): pass it to the workers, which
-        leave at a step boundary (an announced departure), wait for them, exit 143."""
+        leave at a step boundary (an announced departure: the coordinator, maybe this agent, publishes the
+        generation without them); the agent exits 143 once they are gone (at most ``stop_timeout`` s)."""
         signum = self._stop_signal or signal.SIGTERM
         self.say(f"{signal.Signals(signum).name} received: draining this machine's workers")
         for member in self.local.live_members():
             self.local.kill(member, signum)
-        deadline = time.monotonic() + self.stop_timeout
-        while not self.local.all_exited() and time.monotonic() < deadline:
-            self.local.check(self.lost, self.finished, set(self.members))
-            time.sleep(self.poll)
-        for member in self.members:
-            code = self.local.returncode(member)
-            mc.report(self.store, self.machine, member, 0 if code is None else code)
-        self.local.kill_all()
-        return 128 + signum
+        self._drain_until = time.monotonic() + self.stop_timeout
 
     # ------------------------------------------------------------------ election
     def _elect(self) -> None:

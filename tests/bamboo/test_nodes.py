@@ -9,6 +9,7 @@ the uninterrupted single-process run's. Where namespaces cannot be made, the tes
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -228,4 +229,38 @@ def test_a_partitioned_machine_fences_its_workers_and_comes_back_as_a_new_machin
     assert last.members() == [0, 2, 3, 5, 6, 7] and len(last.pipelines) == 3
     assert all(len(last.positions(p)) == 2 for p in last.pipeline_ids())
     assert sorted(final_states(out)) == [f"final_member{m}.safetensors" for m in (0, 2, 3, 5, 6, 7)]
+    assert_equal_to(reference, out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.netns
+@pytest.mark.timeout(420)
+def test_sigterm_to_an_agent_drains_its_machine(
+    make_network: Callable[[int], Network], tmp_path: Path
+) -> None:
+    """SIGTERM to machine 1's agent (a spot notice for the machine) while every member waits at the end of
+    step 2: the agent passes it to its workers, which leave at a step boundary (an announced departure, one
+    ``drain`` generation, nothing replayed) and exit 0; the agent exits 143 and the rest finish equal to the
+    uninterrupted run."""
+    reference = reference_run(tmp_path)
+    net = make_network(3)
+    out = tmp_path / "run"
+    job, host_of = start_job(net, out, tmp_path, hold=",".join(f"{m}:2:file" for m in range(6)))
+    try:
+        job.wait_for("step 2", lambda: all((out / f"reached2_member{m}").exists() for m in range(6)))
+        leaving = job.procs[host_of[1].index]
+        leaving.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
+        job.wait_for("the notices", lambda: "SIGTERM received" in job.log(host_of[1]))
+        (out / "release2").write_text("")
+        agents = [job.procs[h.index] for h in net.hosts]
+        job.wait_for("the job's end", lambda: all(p.poll() is not None for p in agents))  # type: ignore[attr-defined]
+        codes = {m: job.procs[host_of[m].index].returncode for m in range(3)}  # type: ignore[attr-defined]
+        assert codes == {0: 0, 1: 143, 2: 0}, job.logs_tail()
+    finally:
+        job.close()
+    assert "drain: lost [] left [1, 4] joined []" in job.log(host_of[0]), job.logs_tail()
+    assert "member 1 exited" not in job.log(host_of[1]) and "member 4 exited" not in job.log(host_of[1])
+    assert ms.current_generation(job.store) == 1 and ms.get_str(job.store, "gen1/kind") == "drain"
+    assert sorted(final_states(out)) == [f"final_member{m}.safetensors" for m in (0, 2, 3, 5)]
     assert_equal_to(reference, out)
