@@ -336,7 +336,7 @@ class Agent:
         if lost or leaving:
             if lost:
                 time.sleep(self.settle)  # losses that arrive together are handled together
-                self.leases.observe(list(range(mc.count(self.store))))
+                self._await_suspects()
                 lost |= self._collect()
                 coordinator.lost |= lost
                 leaving |= coordinator._departures()
@@ -352,6 +352,20 @@ class Agent:
         if coordinator._job_done():
             return self._end(0)
         return None
+
+    def _await_suspects(self) -> None:
+        """Machines lost together (a zone, a rack) stop renewing at the same moment, but their last renewals
+        are up to lease/3 apart: wait (at most lease/2) until every machine silent for more than half a lease
+        has renewed or expired, so that they are lost in ONE generation."""
+        deadline = time.monotonic() + self.lease / 2
+        while True:
+            machines = [m for m in range(mc.count(self.store)) if m != self.machine and m not in self._dead]
+            self.leases.observe(machines)
+            silent = [m for m in machines if self.leases.silent_for(m) > self.lease / 2]
+            suspects = [m for m in silent if not self.leases.expired(m)]
+            if not suspects or time.monotonic() > deadline:
+                return
+            time.sleep(self.poll)
 
     def _collect(self) -> set[int]:
         """Members newly lost: reported exits (non-zero) and every member of a machine whose lease expired."""

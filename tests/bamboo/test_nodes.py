@@ -37,17 +37,21 @@ TRAIN = ["--stages", "2", "--steps", str(STEPS), "--batch-size", str(BATCH)]
 class Job:
     """One agent per host, started by :meth:`start`; logs in ``out/agent_h<i>.log``."""
 
-    def __init__(self, net: Network, out: Path, etcd: str, job: str, hold: str) -> None:
+    def __init__(
+        self, net: Network, out: Path, etcd: str, job: str, hold: str, per_node: int, train: list[str]
+    ) -> None:
         self.net, self.out, self.etcd, self.job, self.hold = net, out, etcd, job, hold
+        self.per_node, self.train = per_node, train
         self.procs: dict[int, object] = {}
         self.logs: list[IO[str]] = []
         self.store = ms.connect(f"etcd://{etcd}", job, timeout=30)
 
     def start(self, host: Host) -> None:
         cmd = [
-            sys.executable, "-m", "lightning_bamboo.launch", "--nnodes", "3:3", "--nproc-per-node", "2",
+            sys.executable, "-m", "lightning_bamboo.launch", "--nnodes", "3:3",
+            "--nproc-per-node", str(self.per_node),
             "--rdzv-endpoint", f"etcd://{self.etcd}", "--job-id", self.job, "--node-lease", str(LEASE_S),
-            str(SCRIPT), "--out", str(self.out), *TRAIN, "--hold", self.hold,
+            str(SCRIPT), "--out", str(self.out), *self.train, "--hold", self.hold,
         ]
         # gloo binds eth0, not the address the (shared) hostname resolves to
         env = launch_env({"GLOO_SOCKET_IFNAME": host.interface})
@@ -109,12 +113,14 @@ def reference_run(tmp_path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(tmp_path / "reference" / "final_reference.safetensors"))
 
 
-def start_job(net: Network, out: Path, tmp_path: Path, hold: str) -> tuple[Job, dict[int, Host]]:
+def start_job(
+    net: Network, out: Path, tmp_path: Path, hold: str, per_node: int = 2, train: list[str] = TRAIN
+) -> tuple[Job, dict[int, Host]]:
     """etcd on the bridge, one agent per host (host 0's first: it becomes machine 0 and the coordinator);
     returns the job and the host of each machine index once the rendezvous closed."""
     etcd = net.serve_etcd(tmp_path / "etcd")
     out.mkdir()
-    job = Job(net, out, etcd, "nodes-test", hold=hold)
+    job = Job(net, out, etcd, "nodes-test", hold, per_node, train)
     first, *others = net.hosts
     job.start(first)
     job.wait_for("coordinator", lambda: mc.coordinator(job.store) is not None)
@@ -123,7 +129,8 @@ def start_job(net: Network, out: Path, tmp_path: Path, hold: str) -> tuple[Job, 
     job.wait_for("rendezvous", lambda: job.store.check([mc.CLOSED]))
     rendezvous = mc.Rendezvous.from_json(job.store.get(mc.CLOSED))
     assert mc.coordinator(job.store) == (0, 0) and job.machine_of(first) == 0
-    assert rendezvous.members == {0: [0, 3], 1: [1, 4], 2: [2, 5]}  # stages alternate across machines
+    # stages alternate across machines: member ids dealt round-robin
+    assert rendezvous.members == {i: [i + 3 * j for j in range(per_node)] for i in range(3)}
     return job, {job.machine_of(h): h for h in net.hosts}
 
 
@@ -263,4 +270,41 @@ def test_sigterm_to_an_agent_drains_its_machine(
     assert "member 1 exited" not in job.log(host_of[1]) and "member 4 exited" not in job.log(host_of[1])
     assert ms.current_generation(job.store) == 1 and ms.get_str(job.store, "gen1/kind") == "drain"
     assert sorted(final_states(out)) == [f"final_member{m}.safetensors" for m in (0, 2, 3, 5)]
+    assert_equal_to(reference, out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.netns
+@pytest.mark.timeout(420)
+def test_two_machines_lost_at_once_fall_back_to_the_checkpoint(
+    make_network: Callable[[int], Network], tmp_path: Path
+) -> None:
+    """One pipeline of 3 stages, one worker per machine, checkpoints every 2 steps in a folder every machine
+    sees: machines 1 and 2 (two adjacent stages, whose replicas are each other's) are SIGKILLed together
+    while member 0 waits at the end of step 3. Their leases expire up to a third of a lease apart, yet they
+    are lost in ONE generation, of kind ``fallback``: member 0 loads the last complete checkpoint, re-runs
+    the steps since, runs all three stages and ends equal to the uninterrupted run."""
+    reference = reference_run(tmp_path)
+    net = make_network(3)
+    out = tmp_path / "run"
+    train = ["--stages", "3", "--steps", str(STEPS), "--batch-size", str(BATCH), "--checkpoint-every", "2",
+             "--checkpoint-dir", str(tmp_path / "checkpoints")]
+    job, host_of = start_job(net, out, tmp_path, hold="0:3:file", per_node=1, train=train)
+    try:
+        job.wait_for("step 3 of member 0", lambda: (out / "reached3_member0").exists())
+        net.kill_host(host_of[1])
+        net.kill_host(host_of[2])
+        (out / "release3").write_text("")
+        survivor = job.procs[host_of[0].index]
+        job.wait_for("the job's end", lambda: survivor.poll() is not None)  # type: ignore[attr-defined]
+        assert survivor.returncode == 0, job.logs_tail()  # type: ignore[attr-defined]
+    finally:
+        job.close()
+    log = job.log(host_of[0])
+    assert "placement: losing machine" not in log  # any single machine is covered by the replicas
+    assert "fallback: lost [1, 2] joined []" in log, job.logs_tail()
+    assert "[bamboo] fallback: loaded checkpoint step=" in log
+    assert ms.current_generation(job.store) == 1 and ms.get_str(job.store, "gen1/kind") == "fallback"
+    assert sorted(final_states(out)) == ["final_member0.safetensors"]
     assert_equal_to(reference, out)
