@@ -35,7 +35,7 @@ import time
 
 from lightning_bamboo.elastic import machines as mc
 from lightning_bamboo.elastic import store as ms
-from lightning_bamboo.elastic.coordinator import Coordinator
+from lightning_bamboo.elastic.coordinator import Coordinator, Superseded
 from lightning_bamboo.elastic.workers import LocalWorkers, worker_env
 
 FENCED = 3
@@ -204,6 +204,10 @@ class Agent:
                 return FENCED
             try:
                 code = self._tick()
+            except Superseded as err:  # deposed while deciding: the other coordinator's map stands
+                self.say(f"{err}: no longer the coordinator")
+                self.coordinator = None
+                continue
             except Exception as err:
                 if self._fenced.is_set():
                     return FENCED
