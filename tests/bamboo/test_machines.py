@@ -9,7 +9,9 @@ import pytest
 import torch.distributed as dist
 
 from lightning_bamboo.elastic import machines as mc
-from lightning_bamboo.elastic.ownership import initial
+from lightning_bamboo.elastic import store as ms
+from lightning_bamboo.elastic.coordinator import Coordinator, Superseded
+from lightning_bamboo.elastic.ownership import failover, initial
 from lightning_bamboo.launch import main
 
 
@@ -102,3 +104,16 @@ def test_an_unreachable_rendezvous_endpoint_is_named(capsys: pytest.CaptureFixtu
     argv = ["--nnodes", "2", *AGENT, "--rdzv-endpoint", "etcd://127.0.0.1:1", "train.py"]
     assert main(argv) == 2
     assert "cannot reach the job's etcd store at etcd://127.0.0.1:1" in capsys.readouterr().err
+
+
+def test_a_generation_is_published_once_whoever_coordinates() -> None:
+    """Two coordinators (one deposed that has not noticed yet) deciding generation 1: the first map written
+    stands and the second raises ``Superseded``; generation 0 keeps the workers' own write."""
+    store = dist.HashStore()
+    first, second = Coordinator(store, log=lambda *a, **k: None), Coordinator(store, log=lambda *a, **k: None)
+    current = initial(2, range(4))
+    first._publish(current, "initial")
+    first._publish(failover(current, {1}), "failover")
+    with pytest.raises(Superseded, match="generation 1 was published by another coordinator"):
+        second._publish(failover(current, {3}), "failover")
+    assert ms.current_generation(store) == 1 and ms.read_map(store, 1) == failover(current, {1})
