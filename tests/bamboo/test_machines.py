@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from lightning_bamboo.elastic import machines as mc
@@ -13,6 +14,7 @@ from lightning_bamboo.elastic import store as ms
 from lightning_bamboo.elastic.coordinator import Coordinator, Superseded
 from lightning_bamboo.elastic.ownership import failover, initial
 from lightning_bamboo.launch import main
+from lightning_bamboo.strategy import BambooStrategy
 
 
 def test_placement_puts_adjacent_stages_on_different_machines() -> None:
@@ -117,3 +119,18 @@ def test_a_generation_is_published_once_whoever_coordinates() -> None:
     with pytest.raises(Superseded, match="generation 1 was published by another coordinator"):
         second._publish(failover(current, {3}), "failover")
     assert ms.current_generation(store) == 1 and ms.read_map(store, 1) == failover(current, {1})
+
+
+def test_a_supervised_worker_takes_the_gpu_of_its_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker an agent started (``Trainer(devices=1)``) with ``BAMBOO_LOCAL_RANK=1`` runs on ``cuda:1`` when
+    Lightning gives it CUDA, and on the CPU otherwise (no GPU is needed to check the choice)."""
+    env = {ms.ENV_STORE: "tcp://127.0.0.1:1", ms.ENV_JOB: "j", ms.ENV_MEMBER: "3", ms.ENV_NPROC: "4",
+           ms.ENV_LOCAL_RANK: "1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    strategy = BambooStrategy(num_stages=2)
+    strategy.parallel_devices = [torch.device("cuda", 0)]
+    assert strategy.root_device == torch.device("cuda", 1)
+    strategy.parallel_devices = [torch.device("cpu")]
+    assert strategy.root_device == torch.device("cpu")
+    assert strategy.local_rank == 0  # per-node hooks (prepare_data) still run in every worker, as before
