@@ -19,7 +19,8 @@ import sys
 from lightning_bamboo.elastic.supervisor import Supervisor
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's arguments (also used to check the launch commands of the deployment examples)."""
     parser = argparse.ArgumentParser(
         prog="python -m lightning_bamboo.launch", description=__doc__.split("\n")[0]
     )
@@ -70,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-m", dest="module", action="store_true", help="the script is a module (python -m)")
     parser.add_argument("script", help="the training script (or module, with -m)")
     parser.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     command = [sys.executable, *(["-m"] if args.module else []), args.script, *args.args]
     if args.nnodes is not None:

@@ -191,6 +191,10 @@ class Agent:
                     f"{self.min_nodes} machines registered"
                 )
                 return 1
+            if self.store.check([mc.END]):  # a machine started after the job ended (a late replacement)
+                code = int(ms.get_str(self.store, mc.END))
+                self.say(f"the job is already over (exit code {code}): nothing to join")
+                return code
             self._elect()
             if self.coordinator is not None:
                 self._close_rendezvous()

@@ -3,17 +3,20 @@ argument checks, in one process over a ``HashStore``."""
 
 from __future__ import annotations
 
+import shlex
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 
 from lightning_bamboo.elastic import machines as mc
 from lightning_bamboo.elastic import store as ms
 from lightning_bamboo.elastic.coordinator import Coordinator, Superseded
 from lightning_bamboo.elastic.ownership import failover, initial
-from lightning_bamboo.launch import main
+from lightning_bamboo.launch import build_parser, main
 from lightning_bamboo.strategy import BambooStrategy
 
 
@@ -134,3 +137,43 @@ def test_a_supervised_worker_takes_the_gpu_of_its_local_rank(monkeypatch: pytest
     strategy.parallel_devices = [torch.device("cpu")]
     assert strategy.root_device == torch.device("cpu")
     assert strategy.local_rank == 0  # per-node hooks (prepare_data) still run in every worker, as before
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples" / "bamboo-nodes"
+
+
+def launch_commands(node: object) -> list[list[str]]:
+    """Every ``python -m lightning_bamboo.launch ...`` command in a parsed YAML document (a list of words,
+    or a shell line)."""
+    found: list[list[str]] = []
+    if isinstance(node, dict):
+        for value in node.values():
+            found += launch_commands(value)
+    elif isinstance(node, list):
+        if node[:3] == ["python", "-m", "lightning_bamboo.launch"]:
+            return [[str(word) for word in node[3:]]]
+        for value in node:
+            found += launch_commands(value)
+    elif isinstance(node, str) and "lightning_bamboo.launch" in node:
+        for line in node.splitlines():
+            if "python -m lightning_bamboo.launch" in line:
+                found.append(shlex.split(line.split("lightning_bamboo.launch", 1)[1]))
+    return found
+
+
+@pytest.mark.parametrize("name", ["skypilot.yaml", "kubernetes.yaml"])
+def test_the_deployment_examples_parse_and_launch_agents(name: str) -> None:
+    """The SkyPilot task and the Kubernetes manifests are valid YAML and their launch command is an agent's
+    command the CLI accepts (neither SkyPilot nor a Kubernetes API server is available to check more)."""
+    documents = list(yaml.safe_load_all((EXAMPLES / name).read_text()))
+    commands = [c for doc in documents for c in launch_commands(doc)]
+    assert len(commands) == 1, commands
+    args = build_parser().parse_args(commands[0])
+    assert args.nnodes == "3:4" and args.nproc_per_node == 8 and args.rdzv_endpoint.startswith("etcd://")
+    assert args.module and args.script == "recipes.train"
+    if name == "kubernetes.yaml":
+        kinds = [doc["kind"] for doc in documents]
+        assert kinds == ["Service", "StatefulSet", "Job"]
+        assert args.rdzv_endpoint == f"etcd://{documents[0]['metadata']['name']}:2379"  # the etcd Service
+    else:
+        assert documents[0]["resources"]["use_spot"] is True and documents[0]["num_nodes"] == 4
