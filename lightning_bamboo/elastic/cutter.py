@@ -9,7 +9,8 @@ aborting the group from another thread does not wake a pending receive.
 :class:`GenerationCutter` is a daemon thread with its own store connection: when the launcher publishes a
 failover, fallback or ``stop`` (the job is stopping) generation after the one this member runs, it
 ``shutdown()``s the sockets that the old generation's process groups opened (the socket fds that appeared
-while the generation formed; connections only, never a listening socket). Gloo sees its connections close,
+since the generation began forming, groups made later in it included; connections only, never a listening
+socket, never one to the job's store). Gloo sees its connections close,
 as if the peer had died, and the blocked ``wait()`` raises within milliseconds; the strategy's failure
 handling takes it from there. A ``rejoin`` generation is left to the step boundary. Linux only
 (``/proc/self/fd``).
@@ -96,7 +97,10 @@ class GenerationCutter:
                 "Bamboo: generation %d superseded by a %s generation: closing its %d connections",
                 self._generation, ms.get_str(self._store, f"gen{current}/kind"), len(self._fds),
             )
-            for fd in self._fds:
+            # the generation's groups, and the sockets opened since it formed (a group made at a step
+            # boundary, e.g. BambooNotices' flags): a peer cut off by a partition never resets them, so a
+            # collective pending on one (and gloo with it) would otherwise wait on
+            for fd in self._fds | (socket_fds() - self._before):
                 with contextlib.suppress(OSError):
                     sock = socket.socket(fileno=os.dup(fd))  # a duplicate: closing it leaves ``fd`` open
                     try:

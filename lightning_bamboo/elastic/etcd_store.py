@@ -25,13 +25,22 @@ class EtcdStore(dist.Store):
         host, port: the etcd server's client endpoint (``--listen-client-urls``).
         timeout: seconds ``get`` and ``wait`` wait for a key before raising.
         prefix: namespace of this store's keys in etcd.
+        request_timeout: seconds one HTTP request to etcd may take (a machine's lease renewals use a
+            fraction of the lease, so a machine cut off from the store notices in time).
     """
 
-    def __init__(self, host: str, port: int, timeout: float = 60.0, prefix: str = "/torch/") -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        timeout: float = 60.0,
+        prefix: str = "/torch/",
+        request_timeout: float = 30.0,
+    ) -> None:
         super().__init__()
         import etcd3gw
 
-        self._client = etcd3gw.client(host=host, port=port, timeout=30)
+        self._client = etcd3gw.client(host=host, port=port, timeout=request_timeout)
         try:
             self._client.status()  # a store that cannot be reached fails here, by its address
         except Exception as err:

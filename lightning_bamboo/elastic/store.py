@@ -36,10 +36,15 @@ ENV_NPROC = "BAMBOO_NPROC"
 ENV_HEARTBEAT = "BAMBOO_HEARTBEAT_S"
 ENV_JOINING = "BAMBOO_JOINING"
 """``1`` for a worker the launcher started while the job runs (it joins instead of forming gen 0)."""
+ENV_LOCAL_RANK = "BAMBOO_LOCAL_RANK"
+"""The worker's index among the running workers of its machine (its device: ``cuda:<local rank>``)."""
 
 
-def connect(url: str, job: str, timeout: float = 60.0) -> dist.Store:
-    """A client of the job's store: ``tcp://host:port`` or ``etcd://host:port``, under the job's prefix."""
+def connect(url: str, job: str, timeout: float = 60.0, request_timeout: float = 30.0) -> dist.Store:
+    """A client of the job's store: ``tcp://host:port`` or ``etcd://host:port``, under the job's prefix.
+
+    ``timeout``: seconds a ``get``/``wait`` waits for a key; ``request_timeout``: seconds one request to an
+    etcd server may take."""
     parsed = urlparse(url)
     if parsed.scheme == "tcp":
         if parsed.hostname is None or parsed.port is None:
@@ -53,7 +58,13 @@ def connect(url: str, job: str, timeout: float = 60.0) -> dist.Store:
         if parsed.hostname is None or parsed.port is None:
             raise ValueError(f"{ENV_STORE} must look like etcd://host:port, got {url!r}")
         # its own key prefix, not a PrefixStore: a PrefixStore keeps only the C++ side of a Python store
-        return EtcdStore(parsed.hostname, parsed.port, timeout=timeout, prefix=f"/bamboo/{job}/")
+        return EtcdStore(
+            parsed.hostname,
+            parsed.port,
+            timeout=timeout,
+            prefix=f"/bamboo/{job}/",
+            request_timeout=request_timeout,
+        )
     else:
         raise ValueError(f"{ENV_STORE} must start with tcp:// or etcd://, got {url!r}")
     return dist.PrefixStore(f"bamboo/{job}", base)
@@ -80,6 +91,7 @@ class WorkerEnv:
     member: int
     nproc: int
     joining: bool = False
+    local_rank: int = 0
 
     @classmethod
     def from_env(cls) -> WorkerEnv | None:
@@ -98,6 +110,7 @@ class WorkerEnv:
             int(os.environ[ENV_MEMBER]),
             int(os.environ[ENV_NPROC]),
             os.environ.get(ENV_JOINING) == "1",
+            int(os.environ.get(ENV_LOCAL_RANK, "0")),
         )
 
 

@@ -20,13 +20,16 @@ HOLD_S = 120.0
 
 
 class SignalTarget(Callback):
-    """Writes ``<out>/pid_member{m}`` at setup; with ``hold=(step, until)``, at that step boundary (0: the end
-    of Lightning's sanity check) writes ``<out>/reached{step}_member{m}`` and waits until ``until`` holds:
-    ``"sigterm"`` = this member's SIGTERM notice is pending (BambooNotices saw the signal), ``"release"`` =
-    ``<out>/release`` exists."""
+    """Writes ``<out>/pid_member{m}`` at setup; with ``hold=(step, until)`` (or a list of them), at that step
+    boundary (0: the end of Lightning's sanity check) writes ``<out>/reached{step}_member{m}`` and waits until
+    ``until`` holds: ``"sigterm"`` = this member's SIGTERM notice is pending (BambooNotices saw the signal),
+    ``"release"`` = ``<out>/release`` exists, ``"file"`` = ``<out>/release{step}`` exists."""
 
-    def __init__(self, out: Path, member: int, hold: tuple[int, str] | None) -> None:
-        self.out, self.member, self.hold = out, member, hold
+    def __init__(
+        self, out: Path, member: int, hold: tuple[int, str] | list[tuple[int, str]] | None
+    ) -> None:
+        self.out, self.member = out, member
+        self.holds = [hold] if isinstance(hold, tuple) else list(hold or [])
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         (self.out / f"pid_member{self.member}").write_text(str(os.getpid()))
@@ -37,21 +40,22 @@ class SignalTarget(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self.hold is None or trainer.global_step != self.hold[0]:
+        held = [h for h in self.holds if h[0] == trainer.global_step]
+        if not held:
             return
-        step, until = self.hold
+        step, until = held[0]
         (self.out / f"reached{step}_member{self.member}").write_text("")
         notices = [c for c in trainer.callbacks if isinstance(c, BambooNotices)]
         deadline = time.monotonic() + HOLD_S
-        while not self._released(until, notices):
+        while not self._released(until, notices, step):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"member {self.member} held at step {step} for {HOLD_S}s: no {until}")
             time.sleep(0.01)
 
-    def _released(self, until: str, notices: list[BambooNotices]) -> bool:
+    def _released(self, until: str, notices: list[BambooNotices], step: int) -> bool:
         if until == "sigterm":
             return any(n.watcher is not None and n.watcher.pending() is not None for n in notices)
-        return (self.out / "release").exists()
+        return (self.out / ("release" if until == "release" else f"release{step}")).exists()
 
 
 class UserBugMLP(PipeMLP):

@@ -16,7 +16,9 @@ owns at the end, and ``<out>/failovers_member{m}.json`` (the ownership maps it w
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -67,11 +69,14 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--clip-algorithm", choices=["norm", "value"], default="norm")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
-    parser.add_argument("--hold", default="", help="MEMBER:STEP:sigterm|release (signal_callbacks)")
+    parser.add_argument(
+        "--hold", default="", help="MEMBER:STEP:sigterm|release|file[,...] (signal_callbacks)"
+    )
     parser.add_argument("--raise-at", default="", help="MEMBER:STEP: its loss raises there")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--ledger", type=Path, default=None, help="a BambooLedger file")
     args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -113,10 +118,9 @@ def main() -> None:
     if isinstance(strategy, BambooStrategy):
         from tests.bamboo.signal_callbacks import SignalTarget
 
-        hold = None
-        if args.hold and int(args.hold.split(":")[0]) == strategy.member:
-            hold = (int(args.hold.split(":")[1]), args.hold.split(":")[2])
-        callbacks.append(SignalTarget(args.out, strategy.member, hold))
+        holds = [h.split(":") for h in args.hold.split(",") if h]
+        mine = [(int(step), until) for member, step, until in holds if int(member) == strategy.member]
+        callbacks.append(SignalTarget(args.out, strategy.member, mine))
     if args.ledger is not None:
         from lightning_bamboo.ledger import BambooLedger
 

@@ -1,0 +1,179 @@
+"""The store protocol of a multi-machine job (``lightning_bamboo/elastic/machines.py``) and the agent CLI's
+argument checks, in one process over a ``HashStore``."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import yaml
+
+from lightning_bamboo.elastic import machines as mc
+from lightning_bamboo.elastic import store as ms
+from lightning_bamboo.elastic.coordinator import Coordinator, Superseded
+from lightning_bamboo.elastic.ownership import failover, initial
+from lightning_bamboo.launch import build_parser, main
+from lightning_bamboo.strategy import BambooStrategy
+
+
+def test_placement_puts_adjacent_stages_on_different_machines() -> None:
+    """Member ids are dealt round-robin over the machines, so generation 0 (member m = stage m % S of
+    pipeline m // S) never puts two stages of one pipeline on one machine: 3 machines x 2 workers, 2 stages
+    -> each machine holds one stage of two different pipelines."""
+    rendezvous = mc.placement([0, 1, 2], {}, 2)
+    assert rendezvous.members == {0: [0, 3], 1: [1, 4], 2: [2, 5]} and rendezvous.nproc == 6
+    owners = initial(2, range(rendezvous.nproc))
+    for members in rendezvous.members.values():
+        assert len({owners.pipeline_of(m) for m in members}) == len(members)
+    assert mc.fallback_risks(owners, {f"machine {k}": v for k, v in rendezvous.members.items()}) == []
+    assert mc.Rendezvous.from_json(rendezvous.to_json()) == rendezvous
+
+
+def test_placement_alternates_zones_and_names_the_losses_it_cannot_cover() -> None:
+    """Machines of one zone are not neighbours in the order while another zone has machines left; a loss the
+    replicas cannot cover (here: a zone holding both stages of every pipeline) is named at start."""
+    rendezvous = mc.placement([0, 1, 2, 3], {0: "a", 1: "a", 2: "b", 3: "b"}, 1)
+    assert rendezvous.order == [0, 2, 1, 3]
+    one_machine = mc.placement([0], {}, 2)
+    owners = initial(2, range(one_machine.nproc))
+    assert mc.fallback_risks(owners, {"machine 0": one_machine.members[0]}) == [
+        "losing machine 0 (members [0, 1]) falls back to the last checkpoint"
+    ]
+    two = initial(2, range(4))  # pipelines (0, 1) and (2, 3): machine {0, 1} takes a whole pipeline
+    assert mc.fallback_risks(two, {"machine 0": [0, 1]}) == [
+        "losing machine 0 (members [0, 1]) drops 1 pipeline(s)"
+    ]
+
+
+def test_one_coordinator_per_term_and_leases_by_the_observers_clock() -> None:
+    store = dist.HashStore()
+    first, second = mc.register(store, 2, "", "h0", 10), mc.register(store, 2, "", "h1", 11)
+    assert (first, second, mc.count(store)) == (0, 1, 2)
+    assert mc.describe(store, 1) == {"nproc": 2, "zone": "", "host": "h1", "pid": 11}
+    assert mc.take_coordinator(store, first, None)
+    assert not mc.take_coordinator(store, second, None)  # the key is taken: nobody else wins term 0
+    assert mc.coordinator(store) == (0, 0)
+    leases = mc.LeaseWatch(store, lease=0.2)
+    leases.observe([0, 1])
+    store.add("node/1/hb", 1)
+    time.sleep(0.25)
+    leases.observe([0, 1])  # machine 0 did not renew; machine 1 did, just now
+    assert leases.expired(0) and not leases.expired(1)
+    assert mc.take_coordinator(store, second, (0, 0)) and mc.coordinator(store) == (1, 1)
+    assert not mc.take_coordinator(store, first, (0, 0))  # a stale view of the holder loses
+
+
+def test_reports_are_read_once_each_in_order() -> None:
+    store = dist.HashStore()
+    reader = mc.Reports(store)
+    mc.report(store, 0, 3, -9)
+    mc.report(store, 1, 4, 0)
+    assert reader.new() == [{"machine": 0, "member": 3, "code": -9}, {"machine": 1, "member": 4, "code": 0}]
+    assert reader.new() == []
+    assert len(mc.Reports(store).new()) == 2  # a new coordinator reads the log from the start
+    store.add("reports/count", 1)  # a writer that died between counting its entry and writing it
+    mc.report(store, 2, 5, 1)
+    assert reader.new(wait=0.1) == [{"machine": 2, "member": 5, "code": 1}]
+
+
+AGENT = ["--nproc-per-node", "1", "--job-id", "j"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nnodes", "2", "--nproc-per-node", "1", "t.py"], "--nnodes needs --rdzv-endpoint, --job-id"),
+        (["--nnodes", "3:2", *AGENT, "--rdzv-endpoint", "etcd://h:1", "t.py"],
+         "--nnodes MIN:MAX needs 1 <= MIN <= MAX, got '3:2'"),
+        (["--nnodes", "a:b", *AGENT, "--rdzv-endpoint", "etcd://h:1", "t.py"],
+         "--nnodes must be MIN:MAX or N (integers), got 'a:b'"),
+        (["--nnodes", "2", *AGENT, "--rdzv-endpoint", "h:1", "t.py"],
+         "--rdzv-endpoint must be etcd://host:port, got 'h:1'"),
+        (["t.py"], "give --nproc N (one machine) or --nnodes MIN:MAX --nproc-per-node K (each machine)"),
+    ],
+)
+def test_agent_arguments_are_checked(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_unreachable_rendezvous_endpoint_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--nnodes", "2", *AGENT, "--rdzv-endpoint", "etcd://127.0.0.1:1", "train.py"]
+    assert main(argv) == 2
+    assert "cannot reach the job's etcd store at etcd://127.0.0.1:1" in capsys.readouterr().err
+
+
+def test_a_generation_is_published_once_whoever_coordinates() -> None:
+    """Two coordinators (one deposed that has not noticed yet) deciding generation 1: the first map written
+    stands and the second raises ``Superseded``; generation 0 keeps the workers' own write."""
+    store = dist.HashStore()
+    first, second = Coordinator(store, log=lambda *a, **k: None), Coordinator(store, log=lambda *a, **k: None)
+    current = initial(2, range(4))
+    first._publish(current, "initial")
+    first._publish(failover(current, {1}), "failover")
+    with pytest.raises(Superseded, match="generation 1 was published by another coordinator"):
+        second._publish(failover(current, {3}), "failover")
+    assert ms.current_generation(store) == 1 and ms.read_map(store, 1) == failover(current, {1})
+
+
+def test_a_supervised_worker_takes_the_gpu_of_its_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker an agent started (``Trainer(devices=1)``) with ``BAMBOO_LOCAL_RANK=1`` runs on ``cuda:1`` when
+    Lightning gives it CUDA, and on the CPU otherwise (no GPU is needed to check the choice)."""
+    env = {ms.ENV_STORE: "tcp://127.0.0.1:1", ms.ENV_JOB: "j", ms.ENV_MEMBER: "3", ms.ENV_NPROC: "4",
+           ms.ENV_LOCAL_RANK: "1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    strategy = BambooStrategy(num_stages=2)
+    strategy.parallel_devices = [torch.device("cuda", 0)]
+    assert strategy.root_device == torch.device("cuda", 1)
+    strategy.parallel_devices = [torch.device("cpu")]
+    assert strategy.root_device == torch.device("cpu")
+    assert strategy.local_rank == 0  # per-node hooks (prepare_data) still run in every worker, as before
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples" / "bamboo-nodes"
+
+
+def launch_commands(node: object) -> list[list[str]]:
+    """Every ``python -m lightning_bamboo.launch ...`` command in a parsed YAML document (a list of words,
+    or a shell line)."""
+    found: list[list[str]] = []
+    if isinstance(node, dict):
+        for value in node.values():
+            found += launch_commands(value)
+    elif isinstance(node, list):
+        if node[:3] == ["python", "-m", "lightning_bamboo.launch"]:
+            return [[str(word) for word in node[3:]]]
+        for value in node:
+            found += launch_commands(value)
+    elif isinstance(node, str) and "lightning_bamboo.launch" in node:
+        for line in node.splitlines():
+            if "python -m lightning_bamboo.launch" in line:
+                found.append(shlex.split(line.split("lightning_bamboo.launch", 1)[1]))
+    return found
+
+
+@pytest.mark.parametrize("name", ["skypilot.yaml", "kubernetes.yaml"])
+def test_the_deployment_examples_parse_and_launch_agents(name: str) -> None:
+    """The SkyPilot task and the Kubernetes manifests are valid YAML and their launch command is an agent's
+    command the CLI accepts (neither SkyPilot nor a Kubernetes API server is available to check more)."""
+    documents = list(yaml.safe_load_all((EXAMPLES / name).read_text()))
+    commands = [c for doc in documents for c in launch_commands(doc)]
+    assert len(commands) == 1, commands
+    args = build_parser().parse_args(commands[0])
+    assert args.nnodes == "3:4" and args.nproc_per_node == 8 and args.rdzv_endpoint.startswith("etcd://")
+    assert args.module and args.script == "recipes.train"
+    if name == "kubernetes.yaml":
+        kinds = [doc["kind"] for doc in documents]
+        assert kinds == ["Service", "StatefulSet", "Job"]
+        assert args.rdzv_endpoint == f"etcd://{documents[0]['metadata']['name']}:2379"  # the etcd Service
+    else:
+        assert documents[0]["resources"]["use_spot"] is True and documents[0]["num_nodes"] == 4

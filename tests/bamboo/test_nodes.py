@@ -1,0 +1,310 @@
+"""Elastic Bamboo across machines: 3 machines as network namespaces (``tests/netns.py``), etcd on the bridge
+address of the root namespace, one ``python -m lightning_bamboo.launch --nnodes 3:3 --nproc-per-node 2``
+agent per machine (2 stages x 3 pipelines of ``PipeMLP`` in float64, gloo over each machine's ``eth0``).
+
+Whole machines (the agent and its workers, every process of the namespace, by PID) are SIGKILLed while the
+other members wait inside a step; the survivors carry on and the final parameters and optimizer state equal
+the uninterrupted single-process run's. Where namespaces cannot be made, the tests fail with the reason.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lightning_bamboo.elastic import machines as mc
+from lightning_bamboo.elastic import store as ms
+from lightning_bamboo.elastic.ownership import OwnershipMap
+from tests.bamboo.test_elastic import SCRIPT, TOL
+from tests.netns import Host, Network, pid_alive
+from tests.process import launch_env, run_process
+
+STEPS = 8
+BATCH = 12  # the global batch: 3 pipelines x 2 micro-batches x 2
+LEASE_S = 3.0
+TIMEOUT_S = 240.0
+TRAIN = ["--stages", "2", "--steps", str(STEPS), "--batch-size", str(BATCH)]
+
+
+class Job:
+    """One agent per host, started by :meth:`start`; logs in ``out/agent_h<i>.log``."""
+
+    def __init__(
+        self, net: Network, out: Path, etcd: str, job: str, hold: str, per_node: int, train: list[str]
+    ) -> None:
+        self.net, self.out, self.etcd, self.job, self.hold = net, out, etcd, job, hold
+        self.per_node, self.train = per_node, train
+        self.procs: dict[int, object] = {}
+        self.logs: list[IO[str]] = []
+        self.store = ms.connect(f"etcd://{etcd}", job, timeout=30)
+
+    def start(self, host: Host) -> None:
+        cmd = [
+            sys.executable, "-m", "lightning_bamboo.launch", "--nnodes", "3:3",
+            "--nproc-per-node", str(self.per_node),
+            "--rdzv-endpoint", f"etcd://{self.etcd}", "--job-id", self.job, "--node-lease", str(LEASE_S),
+            str(SCRIPT), "--out", str(self.out), *self.train, "--hold", self.hold,
+        ]
+        # gloo binds eth0, not the address the (shared) hostname resolves to
+        env = launch_env({"GLOO_SOCKET_IFNAME": host.interface})
+        self.logs.append((self.out / f"agent_h{host.index}.log").open("w"))
+        self.procs[host.index] = self.net.popen(host, cmd, env=env, stdout=self.logs[-1])
+
+    def machine_of(self, host: Host) -> int:
+        """The machine index the agent of ``host`` registered as (``node/{i}`` names its PID)."""
+        pid = self.procs[host.index].pid  # type: ignore[attr-defined]  # ``ip netns exec`` execs: same PID
+        for machine in range(mc.count(self.store)):
+            info = mc.describe(self.store, machine)
+            if info is not None and info["pid"] == pid:
+                return machine
+        raise AssertionError(f"the agent of {host.namespace} (pid {pid}) did not register")
+
+    def log(self, host: Host) -> str:
+        return (self.out / f"agent_h{host.index}.log").read_text()
+
+    def logs_tail(self) -> str:
+        return "\n".join(
+            f"--- host {h.index} ---\n{self.log(h)[-5000:]}" for h in self.net.hosts if h.index in self.procs
+        )
+
+    def wait_for(self, what: str, ready: Callable[[], bool], timeout: float = TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {what} in {timeout:.0f}s:\n{self.logs_tail()}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        for log in self.logs:
+            log.close()
+
+
+def final_states(out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {p.name: load_file(str(p)) for p in sorted(out.glob("final_member*.safetensors"))}
+
+
+def assert_equal_to(reference: dict[str, torch.Tensor], out: Path) -> None:
+    """Every finished member's stages (parameters, Adam state) equal the reference; all are covered."""
+    finals = final_states(out)
+    assert finals, f"no member finished: {sorted(p.name for p in out.iterdir())}"
+    covered: set[str] = set()
+    for name, state in finals.items():
+        assert int(state.pop("global_step")) == STEPS, name
+        for key, value in state.items():
+            torch.testing.assert_close(
+                value, reference[key], **TOL, msg=lambda m, k=key, n=name: f"{n} {k}: {m}"
+            )
+            covered.add(key)
+    assert covered == {k for k in reference if k != "global_step"}
+
+
+def reference_run(tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The uninterrupted single-process run on the same global batches."""
+    run_process([sys.executable, str(SCRIPT), "--out", str(tmp_path / "reference"), "--strategy", "auto",
+                 *TRAIN], timeout=240)
+    return load_file(str(tmp_path / "reference" / "final_reference.safetensors"))
+
+
+def start_job(
+    net: Network, out: Path, tmp_path: Path, hold: str, per_node: int = 2, train: list[str] = TRAIN
+) -> tuple[Job, dict[int, Host]]:
+    """etcd on the bridge, one agent per host (host 0's first: it becomes machine 0 and the coordinator);
+    returns the job and the host of each machine index once the rendezvous closed."""
+    etcd = net.serve_etcd(tmp_path / "etcd")
+    out.mkdir()
+    job = Job(net, out, etcd, "nodes-test", hold, per_node, train)
+    first, *others = net.hosts
+    job.start(first)
+    job.wait_for("coordinator", lambda: mc.coordinator(job.store) is not None)
+    for host in others:
+        job.start(host)
+    job.wait_for("rendezvous", lambda: job.store.check([mc.CLOSED]))
+    rendezvous = mc.Rendezvous.from_json(job.store.get(mc.CLOSED))
+    assert mc.coordinator(job.store) == (0, 0) and job.machine_of(first) == 0
+    # stages alternate across machines: member ids dealt round-robin
+    assert rendezvous.members == {i: [i + 3 * j for j in range(per_node)] for i in range(3)}
+    return job, {job.machine_of(h): h for h in net.hosts}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.netns
+@pytest.mark.timeout(420)
+def test_whole_machines_lost_then_the_coordinators(
+    make_network: Callable[[int], Network], tmp_path: Path
+) -> None:
+    """Machine 1 (members 1 and 4: stage 1 of pipeline 0, stage 0 of pipeline 2) is SIGKILLed whole while
+    the others wait inside step 3: its lease expires and ONE failover generation drops both members. Then
+    machine 0, the coordinator's (members 0 and 3), is SIGKILLed inside step 6: machine 2's agent takes the
+    coordinator over when the lease expires and fails both members over in one generation. Machine 2's
+    members finish every step equal (float64) to the uninterrupted single-process run."""
+    reference = reference_run(tmp_path)
+    net = make_network(3)
+    out = tmp_path / "run"
+    # member 2 (on machine 2, which survives) holds at the ends of steps 2 and 5 until released: the others
+    # are then inside steps 3 and 6 (waiting for it) when a machine dies
+    job, host_of = start_job(net, out, tmp_path, hold="2:2:file,2:5:file")
+    try:
+        job.wait_for("step 2 of member 2", lambda: (out / "reached2_member2").exists())
+        killed = net.kill_host(host_of[1])  # agent and workers, every process of the namespace, by PID
+        assert len(killed) >= 3, killed
+        (out / "release2").write_text("")
+        job.wait_for("step 5 of member 2", lambda: (out / "reached5_member2").exists())
+        net.kill_host(host_of[0])  # the coordinator's machine
+        (out / "release5").write_text("")
+        survivor = job.procs[host_of[2].index]
+        job.wait_for("the job's end", lambda: survivor.poll() is not None)  # type: ignore[attr-defined]
+        assert survivor.returncode == 0, job.logs_tail()  # type: ignore[attr-defined]
+    finally:
+        job.close()
+
+    log = job.log(host_of[2])
+    coordinator_log = job.log(host_of[0])
+    assert "machine 1 lost: lease not renewed" in coordinator_log, job.logs_tail()
+    assert "failover: lost [1, 4] joined []" in coordinator_log
+    assert "took over as the coordinator (term 1)" in log, job.logs_tail()
+    assert "machine 0 lost: lease not renewed" in log and "failover: lost [0, 3] joined []" in log
+    # one generation per machine lost, not one per worker
+    maps = [OwnershipMap.from_json(m) for m in (ms.read_map(job.store, g).to_json() for g in range(3))]
+    assert [m.generation for m in maps] == [0, 1, 2] and ms.current_generation(job.store) == 2
+    assert maps[1].members() == [0, 2, 3, 5] and maps[2].members() == [2, 5]
+    assert sorted(final_states(out)) == ["final_member2.safetensors", "final_member5.safetensors"]
+    assert_equal_to(reference, out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.netns
+@pytest.mark.timeout(420)
+def test_a_partitioned_machine_fences_its_workers_and_comes_back_as_a_new_machine(
+    make_network: Callable[[int], Network], tmp_path: Path
+) -> None:
+    """Machine 1's link goes down (``ip link set ... down``: its packets are dropped, nothing is killed) while
+    the others wait inside step 3. Its agent cannot renew its lease: it SIGKILLs its own workers by PID and
+    exits 3 (they must not train on, write checkpoints or rejoin with stale state), while the coordinator
+    counts the machine as lost and fails both of its members over in one generation. The link comes back and
+    the machine's agent is started again: it registers as a new machine (3), its workers join with fresh ids
+    (6, 7) at a step boundary and the job grows back to 3 pipelines of 2 positions. Every member finishes
+    equal to the uninterrupted run."""
+    reference = reference_run(tmp_path)
+    net = make_network(3)
+    out = tmp_path / "run"
+    # member 2 holds at the end of step 2 (the link goes down while the others wait inside step 3); every
+    # member holds at the end of step 5 until the replacement machine's workers are ready to join (all at a
+    # boundary: none waits in a collective longer than the process group's timeout)
+    holds = ",".join(f"{m}:5:file" for m in (0, 2, 3, 5))
+    job, host_of = start_job(net, out, tmp_path, hold=f"2:2:file,{holds}")
+    try:
+        job.wait_for("step 2 of member 2", lambda: (out / "reached2_member2").exists())
+        cut = host_of[1]
+        workers = [int((out / f"pid_member{m}").read_text()) for m in (1, 4)]
+        net.partition(cut)
+        cut_at = time.monotonic()
+        (out / "release2").write_text("")
+        fenced = job.procs[cut.index]
+        job.wait_for("the cut-off agent's exit", lambda: fenced.poll() is not None)  # type: ignore[attr-defined]
+        fenced_s = time.monotonic() - cut_at
+        assert fenced.returncode == 3, job.logs_tail()  # type: ignore[attr-defined]
+        assert not any(pid_alive(pid) for pid in workers)
+        cut_log = job.log(cut)
+
+        net.heal(cut)
+        job.start(cut)  # the same command on the same machine: a new machine for the job
+        job.wait_for("the new machine's workers", lambda: job.store.check(["join/6", "join/7"]))
+        job.wait_for("step 5", lambda: all((out / f"reached5_member{m}").exists() for m in (0, 2, 3, 5)))
+        (out / "release5").write_text("")
+        agents = [job.procs[h.index] for h in net.hosts]
+        job.wait_for("the job's end", lambda: all(p.poll() is not None for p in agents))  # type: ignore[attr-defined]
+        assert [p.returncode for p in agents] == [0, 0, 0], job.logs_tail()  # type: ignore[attr-defined]
+    finally:
+        job.close()
+    print(f"partitioned machine fenced {fenced_s:.1f}s after its link went down (lease {LEASE_S}s)")
+    assert "lease not renewed for" in cut_log and "killed its workers [1, 4]" in cut_log, cut_log[-3000:]
+    coordinator_log = job.log(host_of[0])
+    assert "failover: lost [1, 4] joined []" in coordinator_log, job.logs_tail()
+    assert "machine 3 joins with members [6, 7]" in coordinator_log
+    assert "rejoin after step" in coordinator_log
+    last = ms.read_map(job.store, ms.current_generation(job.store))
+    assert last.members() == [0, 2, 3, 5, 6, 7] and len(last.pipelines) == 3
+    assert all(len(last.positions(p)) == 2 for p in last.pipeline_ids())
+    assert sorted(final_states(out)) == [f"final_member{m}.safetensors" for m in (0, 2, 3, 5, 6, 7)]
+    assert_equal_to(reference, out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.netns
+@pytest.mark.timeout(420)
+def test_sigterm_to_an_agent_drains_its_machine(
+    make_network: Callable[[int], Network], tmp_path: Path
+) -> None:
+    """SIGTERM to machine 1's agent (a spot notice for the machine) while every member waits at the end of
+    step 2: the agent passes it to its workers, which leave at a step boundary (an announced departure, one
+    ``drain`` generation, nothing replayed) and exit 0; the agent exits 143 and the rest finish equal to the
+    uninterrupted run."""
+    reference = reference_run(tmp_path)
+    net = make_network(3)
+    out = tmp_path / "run"
+    job, host_of = start_job(net, out, tmp_path, hold=",".join(f"{m}:2:file" for m in range(6)))
+    try:
+        job.wait_for("step 2", lambda: all((out / f"reached2_member{m}").exists() for m in range(6)))
+        leaving = job.procs[host_of[1].index]
+        leaving.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
+        job.wait_for("the notices", lambda: "SIGTERM received" in job.log(host_of[1]))
+        (out / "release2").write_text("")
+        agents = [job.procs[h.index] for h in net.hosts]
+        job.wait_for("the job's end", lambda: all(p.poll() is not None for p in agents))  # type: ignore[attr-defined]
+        codes = {m: job.procs[host_of[m].index].returncode for m in range(3)}  # type: ignore[attr-defined]
+        assert codes == {0: 0, 1: 143, 2: 0}, job.logs_tail()
+    finally:
+        job.close()
+    assert "drain: lost [] left [1, 4] joined []" in job.log(host_of[0]), job.logs_tail()
+    assert "member 1 exited" not in job.log(host_of[1]) and "member 4 exited" not in job.log(host_of[1])
+    assert ms.current_generation(job.store) == 1 and ms.get_str(job.store, "gen1/kind") == "drain"
+    assert sorted(final_states(out)) == [f"final_member{m}.safetensors" for m in (0, 2, 3, 5)]
+    assert_equal_to(reference, out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.netns
+@pytest.mark.timeout(420)
+def test_two_machines_lost_at_once_fall_back_to_the_checkpoint(
+    make_network: Callable[[int], Network], tmp_path: Path
+) -> None:
+    """One pipeline of 3 stages, one worker per machine, checkpoints every 2 steps in a folder every machine
+    sees: machines 1 and 2 (two adjacent stages, whose replicas are each other's) are SIGKILLed together
+    while member 0 waits at the end of step 3. Their leases expire up to a third of a lease apart, yet they
+    are lost in ONE generation, of kind ``fallback``: member 0 loads the last complete checkpoint, re-runs
+    the steps since, runs all three stages and ends equal to the uninterrupted run."""
+    reference = reference_run(tmp_path)
+    net = make_network(3)
+    out = tmp_path / "run"
+    train = ["--stages", "3", "--steps", str(STEPS), "--batch-size", str(BATCH), "--checkpoint-every", "2",
+             "--checkpoint-dir", str(tmp_path / "checkpoints")]
+    job, host_of = start_job(net, out, tmp_path, hold="0:3:file", per_node=1, train=train)
+    try:
+        job.wait_for("step 3 of member 0", lambda: (out / "reached3_member0").exists())
+        net.kill_host(host_of[1])
+        net.kill_host(host_of[2])
+        (out / "release3").write_text("")
+        survivor = job.procs[host_of[0].index]
+        job.wait_for("the job's end", lambda: survivor.poll() is not None)  # type: ignore[attr-defined]
+        assert survivor.returncode == 0, job.logs_tail()  # type: ignore[attr-defined]
+    finally:
+        job.close()
+    log = job.log(host_of[0])
+    assert "placement: losing machine" not in log  # any single machine is covered by the replicas
+    assert "fallback: lost [1, 2] joined []" in log, job.logs_tail()
+    assert "[bamboo] fallback: loaded checkpoint step=" in log
+    assert ms.current_generation(job.store) == 1 and ms.get_str(job.store, "gen1/kind") == "fallback"
+    assert sorted(final_states(out)) == ["final_member0.safetensors"]
+    assert_equal_to(reference, out)
