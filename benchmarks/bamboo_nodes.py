@@ -1,18 +1,20 @@
-"""Multi-machine Bamboo: whole machines lost mid-training, timed from the kill to the next committed step.
+"""Multi-machine Bamboo under a spot trace: whole machines lost and replaced, timed from a loss to the next
+committed step.
 
 3 machines as Linux network namespaces (``tests/netns.py``; needs root and iproute2), etcd on the bridge
 address of the root namespace, one ``python -m lightning_bamboo.launch --nnodes 3:3 --nproc-per-node 2``
 agent per machine over ``tests/bamboo/scripts/train_elastic.py`` (``PipeMLP``, float64, 2 stages x 3
-pipelines, gloo over each machine's ``eth0``). A third of the way through, machine 1 is SIGKILLed whole
-(every process of its namespace, by PID); two thirds through, machine 0, the coordinator's. The benchmark
-watches the job's commits in etcd (``g{g}/outcome/{step}``) from the root namespace, and compares the final
-parameters and optimizer state with the uninterrupted single-process run on the same batches.
+pipelines, gloo over each machine's ``eth0``). A segment of the AWS p3 trace, its times divided by
+``--compression``, is applied per machine exactly as ``bamboo_preemption.py`` applies it per worker
+(``make_plan`` with 3 units: each removal SIGKILLs a whole machine, every process of its namespace by PID,
+the victim drawn with ``--seed``; each addition starts a replacement machine, a new namespace whose agent
+joins the running job). The default segment (p3 at 2.67-2.96 h: the fleet loses a node and regains it,
+twice) gives two machine losses and two replacements. The benchmark watches the job's commits in etcd
+(``g{g}/outcome/{step}``) from the root namespace, and compares the final parameters and optimizer state
+with the uninterrupted single-process run on the same batches. The lease (``--lease``) bounds a failover
+from below: a machine lost silently is noticed when its lease expires.
 
-Not in it (issue 18 asks for them): a p3 trace segment per machine and replacement machines joining; the
-kills here are two, at fixed steps. The lease (``--lease``) bounds the failover from below: a lost machine
-is noticed when its lease expires.
-
-    sudo python benchmarks/bamboo_nodes.py [--steps 60] [--lease 3]
+    sudo python benchmarks/bamboo_nodes.py [--steps 600] [--lease 3] [--compression 10]
 
 Last line: ``node_failover_s=<median s from a machine lost to the next committed step> step_s=<median
 failure-free step s> nodes_lost=<machines lost> exact=<true|false>``.
@@ -35,6 +37,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from benchmarks.bamboo_preemption import FULL, TRACE, make_plan  # noqa: E402
 from lightning_bamboo.elastic import machines as mc  # noqa: E402
 from lightning_bamboo.elastic import store as ms  # noqa: E402
 from tests.netns import Network  # noqa: E402
@@ -42,6 +45,8 @@ from tests.process import launch_env, run_process  # noqa: E402
 
 SCRIPT = REPO / "tests" / "bamboo" / "scripts" / "train_elastic.py"
 TOL = {"rtol": 1e-9, "atol": 1e-11}
+MACHINES = 3
+WARMUP_STEPS = 2  # the segment's clock starts when this many steps are committed
 
 
 class Commits:
@@ -83,9 +88,13 @@ def exact(reference: dict[str, torch.Tensor], out: Path, steps: int) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="keep the run's files here (default: removed)")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=600, help="training steps (to outlast the segment)")
     parser.add_argument("--lease", type=float, default=3.0, help="--node-lease of the agents (seconds)")
-    parser.add_argument("--timeout", type=float, default=400.0, help="seconds the whole run may take")
+    parser.add_argument("--segment-ms", type=int, nargs=2, default=FULL["segment_ms"],
+                        metavar=("START", "END"), help="the p3 trace segment (ms from the trace start)")
+    parser.add_argument("--compression", type=float, default=FULL["compression"])
+    parser.add_argument("--seed", type=int, default=0, help="which machine each removal takes")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds the whole run may take")
     args = parser.parse_args()
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -96,6 +105,7 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, work: Path) -> None:
+    plan = make_plan(REPO / TRACE, *args.segment_ms, args.compression, args.seed, units=MACHINES)
     train = ["--stages", "2", "--steps", str(args.steps), "--batch-size", "12"]
     run_process([sys.executable, str(SCRIPT), "--out", str(work / "reference"), "--strategy", "auto", *train],
                 timeout=args.timeout)
@@ -104,55 +114,76 @@ def run(args: argparse.Namespace, work: Path) -> None:
     out = work / "run"
     out.mkdir(exist_ok=True)
     kills: list[tuple[int, float, int]] = []  # (machine, time.monotonic(), generation then)
-    with Network(3) as net:
+    added = 0
+    with Network(MACHINES) as net:
         etcd = net.serve_etcd(work / "etcd")
         store = ms.connect(f"etcd://{etcd}", "bench", timeout=30)
         procs, logs = {}, []
-        for host in net.hosts:
-            cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nnodes", "3:3",
+
+        def start_agent(host) -> None:
+            cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nnodes", f"{MACHINES}:{MACHINES}",
                    "--nproc-per-node", "2", "--rdzv-endpoint", f"etcd://{etcd}", "--job-id", "bench",
                    "--node-lease", str(args.lease), str(SCRIPT), "--out", str(out), *train]
             logs.append((out / f"agent_h{host.index}.log").open("w"))
             procs[host.index] = net.popen(host, cmd, env=launch_env({"GLOO_SOCKET_IFNAME": host.interface}),
                                           stdout=logs[-1])
+
+        for host in net.hosts:
+            start_agent(host)
             if host.index == 0:  # the first to register is machine 0 and the coordinator
                 while mc.coordinator(store) is None:
                     time.sleep(0.05)
         while not store.check([mc.CLOSED]):
             time.sleep(0.05)
-        host_of = {}
-        for machine in range(3):
+        host_of = {}  # the plan's node names (m0, m1, .. then replacements) -> their namespace
+        for machine in range(MACHINES):
             pid = int((mc.describe(store, machine) or {})["pid"])  # type: ignore[arg-type]
-            host_of[machine] = next(h for h in net.hosts if procs[h.index].pid == pid)
+            host_of[f"m{machine}"] = next(h for h in net.hosts if procs[h.index].pid == pid)
         commits = Commits(store)
-        plan = [(args.steps // 3, 1), (2 * args.steps // 3, 0)]  # (after this many commits, kill machine)
+        events = list(plan.events)
         deadline = time.monotonic() + args.timeout
-        survivor = procs[host_of[2].index]
-        while survivor.poll() is None and time.monotonic() < deadline:
+        window_start: float | None = None
+        killed: set[int] = set()
+        while time.monotonic() < deadline:
+            live = [i for i, proc in procs.items() if i not in killed]
+            if all(procs[i].poll() is not None for i in live):
+                break
             commits.poll()
-            if plan and len(commits.seen) >= plan[0][0]:
-                _, machine = plan.pop(0)
-                net.kill_host(host_of[machine])
-                kills.append((machine, time.monotonic(), ms.current_generation(store)))
-                print(f"[bench] step {len(commits.seen)}: machine {machine} killed", flush=True)
+            if window_start is None and len(commits.seen) >= WARMUP_STEPS:
+                window_start = time.monotonic()
+            while window_start is not None and events and time.monotonic() - window_start >= events[0][0]:
+                _, kind, node = events.pop(0)
+                if kind == "remove":
+                    host = host_of[node]
+                    net.kill_host(host)
+                    killed.add(host.index)
+                    kills.append((host.index, time.monotonic(), ms.current_generation(store)))
+                    print(f"[bench] step {len(commits.seen)}: machine {node} (host {host.index}) killed",
+                          flush=True)
+                else:
+                    host_of[node] = net.add_host()
+                    start_agent(host_of[node])
+                    added += 1
+                    print(f"[bench] step {len(commits.seen)}: replacement machine {node} started", flush=True)
             time.sleep(0.005)
         commits.poll()
-        code = survivor.poll()
+        codes = [procs[i].poll() for i in procs if i not in killed]
         for log in logs:
             log.close()
     times = [t for _, t, _ in commits.seen]
     # to the first step committed by the generation that replaced the lost machine (a step the survivors
     # commit before that, which the lost members had prepared, is not the failover)
     failovers = [
-        next((t - killed for _, t, g in commits.seen if t > killed and g > generation), float("nan"))
-        for _, killed, generation in kills
+        next((t - lost for _, t, g in commits.seen if t > lost and g > generation), float("nan"))
+        for _, lost, generation in kills
     ]
     spans = [b - a for a, b in itertools.pairwise(times) if not any(a < k < b for _, k, _ in kills)]
     step_s = statistics.median(spans) if spans else float("nan")
-    is_exact = code == 0 and exact(reference, out, args.steps)
-    result = {"steps_committed": len(times), "kills": [m for m, _, _ in kills], "failover_s": failovers,
-              "step_s": step_s, "exit_code": code, "exact": is_exact, "lease_s": args.lease,
-              "work": str(work)}
+    is_exact = all(code == 0 for code in codes) and exact(reference, out, args.steps)
+    result = {"steps_committed": len(times), "kills": [m for m, _, _ in kills], "replacements": added,
+              "events_not_applied": len(events), "failover_s": failovers, "step_s": step_s,
+              "exit_codes": codes, "exact": is_exact, "lease_s": args.lease,
+              "segment_ms": args.segment_ms, "compression": args.compression, "work": str(work)}
     print(json.dumps(result), flush=True)
     print(f"node_failover_s={statistics.median(failovers) if failovers else float('nan'):.3f} "
           f"step_s={step_s:.3f} nodes_lost={len(kills)} exact={'true' if is_exact else 'false'}")

@@ -92,16 +92,19 @@ class Plan:
         return len({t for t, kind, _ in self.events if kind == "remove"})
 
 
-def make_plan(trace_path: Path, start_ms: int, end_ms: int, compression: float, seed: int) -> Plan:
-    """Map the segment's fleet changes onto ``WORKERS`` workers (see the module docstring)."""
+def make_plan(
+    trace_path: Path, start_ms: int, end_ms: int, compression: float, seed: int, units: int = WORKERS
+) -> Plan:
+    """Map the segment's fleet changes onto ``units`` workers (or machines: ``bamboo_nodes.py``), see the
+    module docstring."""
     trace = parse_trace(trace_path)
     fleet = fleet_start = trace.nodes_at(start_ms / 1000.0)
     rng = random.Random(seed)
-    alive = [f"m{i}" for i in range(WORKERS)]
+    alive = [f"m{i}" for i in range(units)]
     initial = list(alive)
-    fresh = WORKERS
+    fresh = units
     events: list[tuple[float, str, str]] = []
-    count = WORKERS
+    count = units
     for event in trace.events:
         if not start_ms / 1000.0 < event.t_s <= end_ms / 1000.0:
             continue
@@ -112,7 +115,7 @@ def make_plan(trace_path: Path, start_ms: int, end_ms: int, compression: float, 
             alive.remove(victim)
             events.append((t, "remove", victim))
             count -= 1
-        elif event.kind == "add" and count < WORKERS:
+        elif event.kind == "add" and count < units:
             node = f"m{fresh}"
             fresh += 1
             alive.append(node)
