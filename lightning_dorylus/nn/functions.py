@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_dorylus.executors import TensorOpExecutor, TensorOpRequest
+from lightning_dorylus.graph.structure import TransposedSum
 from lightning_dorylus.nn.row_buffers import RowBuffers
 from lightning_dorylus.nn.runahead import Prefetch, RunAhead
 from lightning_dorylus.ops.handlers import OPS
@@ -393,9 +394,11 @@ class GatherApply(torch.autograd.Function):
             )
         grad_h = torch.zeros((ctx.n_full, ctx.width), dtype=ctx.dtype) if needs_h else None
 
+        gather_grads = TransposedSum(ctx.blocks, grad_h) if grad_h is not None else None
+
         def add_gather_grad(i: int, span: Span, out: dict[str, Tensor]) -> None:
-            if grad_h is not None:  # ∇GA of this interval, over the rows it touches
-                ctx.blocks[i].add_transposed(grad_h, out.pop(f"grad_{ctx.gather_input}"))
+            if gather_grads is not None:  # ∇GA of this interval's group, over the rows it touches
+                gather_grads.add(i, out.pop(f"grad_{ctx.gather_input}"))
 
         spans = block_spans(ctx.blocks)
         merged = interval_backward(call, tensors, attrs, spans, on_result=add_gather_grad)
@@ -447,10 +450,11 @@ class ApplyGather(torch.autograd.Function):
         n_local = blocks[-1].rows[1]
         z = torch.zeros((n_local, w.size(1)), dtype=w.dtype)
         ps: list[Tensor] = []
+        columns = TransposedSum(blocks, z)
 
         def gather_columns(i: int, span: Span, out: dict[str, Tensor]) -> None:
             ps.append(out["h"])
-            blocks[i].add_transposed(z, ps[-1])  # GA share of these columns
+            columns.add(i, ps[-1])  # GA share of these columns (of the group's, at its last interval)
 
         spans = block_spans(blocks)
         p = collect(call.executor, call.op, list(enumerate(spans)), futures, gather_columns)["h"]
