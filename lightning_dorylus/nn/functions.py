@@ -338,9 +338,10 @@ class GatherApply(torch.autograd.Function):
 
     Forward: for interval ``i``, GA ``z_i = Â[a:b] h_full`` on the server, then submit AV ``op`` on it at
     once, then go on with interval ``i + 1``'s GA while ``i``'s request is in flight. Backward: every
-    interval's ``*.backward`` request is submitted at once; as each comes back (in interval order, so sums
-    are deterministic) its ∇GA ``Â[a:b]ᵀ grad_z_i`` is added into ``grad_h_full`` while later intervals are
-    still in flight. Same values as GA then :class:`TensorOp` (the backward's sum runs per interval).
+    interval's ``*.backward`` request is submitted at once; results are taken in interval order (so sums
+    are deterministic) and each group's ∇GA ``Â[a0:b1]ᵀ grad_z`` is added into ``grad_h_full`` when its
+    last interval is in (:class:`TransposedSum`), while later intervals are still in flight. Same values as
+    GA then :class:`TensorOp` (the backward's sum runs per group).
     """
 
     @staticmethod
@@ -420,14 +421,15 @@ class ApplyGather(torch.autograd.Function):
     """AV then the local part of GA, pipelined per interval: the weight-first GCN layer's unit of overlap.
 
     Forward: interval ``i``'s rows ``x[a:b]`` (or ``source.rows(a, b)``, made just before its request goes
-    out) are submitted as AV ``P_i = x_i W`` at once; as each result comes back (in interval order, so sums
-    are deterministic) the server adds its column block ``Â[:, a:b] P_i`` into ``Z_local`` while later
-    intervals are still in flight. Returns ``(P, Z_local)``: the caller scatters ``P`` (SC) and adds the
-    ghost columns' share (:func:`ghost_gather`). Backward: for interval ``i``, ∇GA of its rows ``Âᵀ[a:b] ∇Z``
-    plus the ghost gradients its owners sent back (``∇P``) form ``∇P_i``, whose ∇AV request goes out at
-    once, so ∇GA of interval ``i + 1`` overlaps ∇AV of ``i``. Same values as AV -> SC -> GA (sums in another
-    order). With ``runahead`` (``staleness >= 1``, a first layer fed by a ``RowSource``) the backward also
-    sends the next epoch's AV requests while its own ∇AV requests are out (:mod:`.runahead`).
+    out) are submitted as AV ``P_i = x_i W`` at once; results are taken in interval order (so sums are
+    deterministic) and each group's column block ``Â[:, a0:b1] P[a0:b1]`` is added into ``Z_local`` when its
+    last interval is in (:class:`TransposedSum`), while later intervals are still in flight. Returns
+    ``(P, Z_local)``: the caller scatters ``P`` (SC) and adds the ghost columns' share
+    (:func:`ghost_gather`). Backward: for interval ``i``, ∇GA of its rows ``Âᵀ[a:b] ∇Z`` plus the ghost
+    gradients its owners sent back (``∇P``) form ``∇P_i``, whose ∇AV request goes out at once, so ∇GA of
+    interval ``i + 1`` overlaps ∇AV of ``i``. Same values as AV -> SC -> GA (sums in another order). With
+    ``runahead`` (``staleness >= 1``, a first layer fed by a ``RowSource``) the backward also sends the next
+    epoch's AV requests while its own ∇AV requests are out (:mod:`.runahead`).
     """
 
     @staticmethod
