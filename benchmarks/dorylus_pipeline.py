@@ -34,7 +34,10 @@ different loads.
 
 ``--profile`` also prints, per configuration and server (last measured epoch), the seconds the server was
 blocked in ``executor.wait``, the CPU seconds of the server and its executor workers, and every wait stage
-(op, requests, first submit to last result): where an epoch waits.
+(op, requests, first submit to last result): where an epoch waits; then the CPU seconds per epoch on the
+server cores and on the worker cores (synchronous and staleness 1, own cores) and the bound the busier set
+puts on ``async_speedup``: a staleness-1 epoch cannot be shorter than its busiest cores' work, whatever it
+overlaps. Every configuration also prints its peak memory per graph server (the server + its workers).
 
 The last line printed is ``async_speedup=<sync / staleness=1, own cores> s0_speedup=<sync / staleness=0,
 own cores> shared_cores_async_speedup=<sync / staleness=1, shared cores>``.
@@ -55,9 +58,17 @@ from pathlib import Path
 from typing import Any
 
 try:  # imported by the tests, the checkout on sys.path
-    from benchmarks._harness import free_port, kill_groups, pin, rank_env, stat_cpu_seconds, watch
+    from benchmarks._harness import (
+        free_port,
+        kill_groups,
+        peak_memory_mib,
+        pin,
+        rank_env,
+        stat_cpu_seconds,
+        watch,
+    )
 except ImportError:  # run as a script: its own directory is first on sys.path
-    from _harness import free_port, kill_groups, pin, rank_env, stat_cpu_seconds, watch
+    from _harness import free_port, kill_groups, peak_memory_mib, pin, rank_env, stat_cpu_seconds, watch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LR, WEIGHT_DECAY = 0.01, 5e-4
@@ -249,9 +260,11 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
         )
     try:
         trainer.fit(model, datamodule=DorylusDataModule(args.partition_dir))
+        memory = peak_memory_mib()  # while the executor's workers are alive: the server + its workers
     finally:
         executor.close()
-    return {"rank": trainer.global_rank, "epoch_times": timer.times[args.warmup :], "losses": timer.losses,
+    return {"rank": trainer.global_rank, "peak_total_mib": memory["peak_total_mib"],
+            "epoch_times": timer.times[args.warmup :], "losses": timer.losses,
             "profile": timer.profile[args.warmup :], "affinity": sorted(os.sched_getaffinity(0)),
             "worker_affinity": worker_affinity}
 
@@ -333,14 +346,15 @@ def report(
     own = results.get("sync/own", [{}])[0]
     print(f"own cores: graph servers on {own.get('affinity')}, executor workers on "
           f"{own.get('worker_affinity')} (as run); shared cores: all on {sorted(os.sched_getaffinity(0))}")
-    print(f"{'configuration':<36}{'s/epoch':>10}{'loss':>16}")
+    print(f"{'configuration':<36}{'s/epoch':>10}{'loss':>16}{'peak MiB/server':>17}")
     epochs = {}
     for config, servers in results.items():
         mode, cores = config.split("/")
         epochs[config] = statistics.median(job_epoch(one[config]) for one in rounds)
         losses = servers[0]["losses"]
         label = f"staleness={MODES[mode]}, {cores} cores"
-        print(f"{label:<36}{epochs[config]:>10.3f}{losses[0]:>8.3f}->{losses[-1]:.3f}")
+        peak = max(s.get("peak_total_mib", float("nan")) for s in servers)  # server + its workers
+        print(f"{label:<36}{epochs[config]:>10.3f}{losses[0]:>8.3f}->{losses[-1]:.3f}{peak:>17,.0f}")
     if len(rounds) > 1:
         for index, one in enumerate(rounds):
             times = "  ".join(f"{config} {job_epoch(one[config]):.3f}" for config in round_order(index))
@@ -360,9 +374,30 @@ def report(
                       f"{last['cpu_s']:.3f} s; stages (op, requests, first submit to last result s):")
                 for stage in last["stages"]:
                     print(f"    {stage}")
+        s1_servers, s1_workers = core_seconds(results["s1/own"])
+        floor = max(s1_servers / len(args.server_cores), s1_workers / len(args.worker_cores))
+        for config in ("sync/own", "s1/own"):
+            on_servers, on_workers = core_seconds(results[config])
+            print(f"cores {config}: CPU s per epoch, graph servers {on_servers:.3f} on {args.server_cores}, "
+                  f"executor workers {on_workers:.3f} on {args.worker_cores} (epoch {epochs[config]:.3f} s)")
+        print(f"own-cores bound: a staleness-1 epoch needs at least {floor:.3f} s (its busiest core set), so "
+              f"async_speedup <= {epochs['sync/own'] / floor:.2f} whatever it overlaps")
     print(f"async_speedup={epochs['sync/own'] / epochs['s1/own']:.2f} "
           f"s0_speedup={epochs['sync/own'] / epochs['s0/own']:.2f} "
           f"shared_cores_async_speedup={epochs['sync/shared'] / epochs['s1/shared']:.2f}")
+
+
+def core_seconds(servers: list[dict[str, Any]]) -> tuple[float, float]:
+    """Mean CPU seconds per epoch of all graph servers' own threads (main, dispatchers, gloo, the benchmark's
+    latency threads: the server cores with own cores) and of all their executor workers (the worker cores),
+    from ``--profile``'s per-thread figures."""
+    on_servers = on_workers = 0.0
+    for server in servers:
+        epochs_run = server["profile"]
+        workers = sum(v for e in epochs_run for k, v in e["threads"].items() if k.startswith("worker:"))
+        on_workers += workers / len(epochs_run)
+        on_servers += (sum(e["cpu_s"] for e in epochs_run) - workers) / len(epochs_run)
+    return on_servers, on_workers
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

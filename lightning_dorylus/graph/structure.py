@@ -196,52 +196,110 @@ def _csr(row: Tensor, col: Tensor, value: Tensor, size: tuple[int, int]) -> Tens
 
 @dataclass
 class AdjacencyBlock:
-    """Rows ``a:b`` (one vertex interval) of an adjacency, and its transpose, for per-interval GA and ∇GA.
+    """Rows ``a:b`` (one vertex interval) of an adjacency, for per-interval GA, and the transpose of the
+    rows of its *group* of consecutive intervals, for ∇GA, held by the group's last block.
+
+    Why groups: an interval's transpose reaches about as many columns as it has entries (8192 rows of a
+    20-edge graph: ~130k columns for ~190k entries), so one sparse product per interval costs a row visit
+    per entry and a pass over the full-height output; with 62 intervals per server that was ~1.9x one whole
+    ``Âᵀ`` product, and the 62 full-height row pointers ~340 MiB per server (1M-vertex benchmark). At most
+    :data:`TRANSPOSE_GROUPS` groups per adjacency keep the pipeline's overlap (each group's product runs
+    while later intervals' requests are out) at a fraction of that cost and memory.
 
     Attributes:
         rows: ``(a, b)``.
         adj: ``(b - a, n_local + n_ghost)`` sparse CSR: the interval's rows.
-        adj_t: ``(len(cols), b - a)`` sparse CSR: their transpose, restricted to the columns they touch, so
-            ∇GA of one interval costs its nonzeros, not a full ``(n_local + n_ghost, F)`` product.
-        cols: ``(len(cols),)`` int64: the rows of ``[local; ghost]`` that ``adj_t``'s rows stand for.
+        group_rows: ``(a0, b1)``: the rows of this block's group (its first block's ``a``, its last's ``b``).
+        adj_t: ``(len(cols), b1 - a0)`` sparse CSR: the group's rows transposed, restricted to the columns
+            they touch; ``None`` unless this block closes its group.
+        cols: ``(len(cols),)`` int64: the rows of ``[local; ghost]`` that ``adj_t``'s rows stand for
+            (or None).
         adj_t_rows: ``adj_t`` with a row for every row of ``[local; ghost]`` (``adj.size(1)``), empty where
-            ``cols`` has none; it shares ``adj_t``'s column and value arrays.
+            ``cols`` has none; it shares ``adj_t``'s column and value arrays (or None).
     """
 
     rows: tuple[int, int]
     adj: Tensor
-    adj_t: Tensor
-    cols: Tensor
-    adj_t_rows: Tensor
+    group_rows: tuple[int, int]
+    adj_t: Tensor | None = None
+    cols: Tensor | None = None
+    adj_t_rows: Tensor | None = None
+
+    @property
+    def closes_group(self) -> bool:
+        """Whether this block holds its group's transpose (it is the group's last interval)."""
+        return self.adj_t_rows is not None
 
     def add_transposed(self, out: Tensor, x: Tensor) -> Tensor:
-        """``out[cols] += adj_t @ x`` in place (one sparse ``addmm``, no product temporary and no
-        ``index_add_``: 3 ms instead of 8 for the 7 column blocks of a 25,000-row partition)."""
+        """``out[cols] += adj_t @ x`` in place for the group's rows ``x`` (``(b1 - a0, F)``): one sparse
+        ``addmm``, no product temporary and no ``index_add_``."""
+        if self.adj_t_rows is None:
+            raise ValueError(f"block of rows {self.rows} does not close its group {self.group_rows}; add "
+                             "through the group's last block (TransposedSum)")
         return out.addmm_(self.adj_t_rows, x)
 
 
-def interval_blocks(adjacency: GCNAdjacency, intervals: list[tuple[int, int]]) -> list[AdjacencyBlock]:
-    """Cut ``adjacency.adj`` into one row block per interval (and transpose each), once per partition."""
+#: At most this many transposed groups per adjacency (see :class:`AdjacencyBlock`).
+TRANSPOSE_GROUPS = 8
+
+
+class TransposedSum:
+    """``out += Σ_i block_iᵀ x_i`` as interval results arrive in interval order: each group's rows are
+    gathered and added with one product when its last interval's arrive (:class:`AdjacencyBlock`)."""
+
+    def __init__(self, blocks: list[AdjacencyBlock], out: Tensor) -> None:
+        self.blocks, self.out = blocks, out
+        self._pending: list[Tensor] = []
+
+    def add(self, i: int, x: Tensor) -> None:
+        """Interval ``i``'s rows ``x`` (``(b - a, F)``); intervals must come in order, none skipped."""
+        self._pending.append(x)
+        block = self.blocks[i]
+        if block.closes_group:
+            rows = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending)
+            self._pending.clear()
+            block.add_transposed(self.out, rows)
+
+
+def _group_ends(n: int, groups: int) -> list[int]:
+    """Indices of the intervals that close a group: ``n`` intervals in at most ``groups`` runs of equal
+    length (the last may be shorter)."""
+    size = -(-n // max(groups, 1)) if n else 1
+    return [min(i + size, n) - 1 for i in range(0, n, size)]
+
+
+def interval_blocks(
+    adjacency: GCNAdjacency, intervals: list[tuple[int, int]], groups: int = TRANSPOSE_GROUPS
+) -> list[AdjacencyBlock]:
+    """Cut ``adjacency.adj`` into one row block per interval, and transpose each run of consecutive
+    intervals (at most ``groups`` runs), once per partition."""
     adj = adjacency.adj
     crow, col, value = adj.crow_indices().long(), adj.col_indices().long(), adj.values()
     n_total = adj.size(1)
-    blocks = []
-    for a, b in intervals:
-        e0, e1 = int(crow[a]), int(crow[b])
-        counts = crow[a + 1 : b + 1] - crow[a:b]
-        row = torch.repeat_interleave(torch.arange(b - a, device=crow.device), counts)
+    blocks: list[AdjacencyBlock] = []
+    first = 0
+    for last in _group_ends(len(intervals), groups):
+        a0, b1 = intervals[first][0], intervals[last][1]
+        for a, b in intervals[first : last + 1]:
+            blocks.append(AdjacencyBlock(rows=(a, b), adj=_row_block(crow, col, value, a, b, n_total),
+                                         group_rows=(a0, b1)))
+        e0, e1 = int(crow[a0]), int(crow[b1])
+        counts = crow[a0 + 1 : b1 + 1] - crow[a0:b1]
+        row = torch.repeat_interleave(torch.arange(b1 - a0, device=crow.device), counts)
         cols, compact = torch.unique(col[e0:e1], return_inverse=True)
-        adj_t = _csr(compact, row, value[e0:e1], (cols.numel(), b - a))
-        blocks.append(
-            AdjacencyBlock(
-                rows=(a, b),
-                adj=_csr(row, col[e0:e1], value[e0:e1], (b - a, n_total)),
-                adj_t=adj_t,
-                cols=cols,
-                adj_t_rows=_spread_rows(adj_t, cols, n_total),
-            )
-        )
+        adj_t = _csr(compact, row, value[e0:e1], (cols.numel(), b1 - a0))
+        closing = blocks[-1]
+        closing.adj_t, closing.cols = adj_t, cols
+        closing.adj_t_rows = _spread_rows(adj_t, cols, n_total)
+        first = last + 1
     return blocks
+
+
+def _row_block(crow: Tensor, col: Tensor, value: Tensor, a: int, b: int, n_total: int) -> Tensor:
+    """Rows ``a:b`` of the CSR ``(crow, col, value)`` as a ``(b - a, n_total)`` CSR matrix."""
+    e0, e1 = int(crow[a]), int(crow[b])
+    row = torch.repeat_interleave(torch.arange(b - a, device=crow.device), crow[a + 1 : b + 1] - crow[a:b])
+    return _csr(row, col[e0:e1], value[e0:e1], (b - a, n_total))
 
 
 def _spread_rows(compact: Tensor, rows: Tensor, n_rows: int) -> Tensor:
@@ -267,7 +325,7 @@ def column_blocks(adjacency: GCNAdjacency, intervals: list[tuple[int, int]]) -> 
     """
     n_local, n_total = adjacency.adj.shape
     transposed = GCNAdjacency(adj=adjacency.adj_t, adj_t=adjacency.adj)
-    return interval_blocks(transposed, [*intervals, (n_local, n_total)])
+    return interval_blocks(transposed, intervals) + interval_blocks(transposed, [(n_local, n_total)])
 
 
 def self_loop_edges(partition: GraphPartition) -> SelfLoopEdges:

@@ -21,6 +21,8 @@ import torch
 from torch import Tensor
 
 from lightning_dorylus.executors import TensorOpExecutor, TensorOpRequest
+from lightning_dorylus.graph.structure import TransposedSum
+from lightning_dorylus.nn.row_buffers import RowBuffers
 from lightning_dorylus.nn.runahead import Prefetch, RunAhead
 from lightning_dorylus.ops.handlers import OPS
 from lightning_dorylus.ops.spec import OpSpec
@@ -189,18 +191,34 @@ def output_grads(
 
 
 def submit_rows(
-    call: OpCall, rows: Callable[[int, int], Tensor], input_name: str, shared: dict[str, Tensor],
-    spans: Sequence[Span],
-) -> tuple[list[Tensor], list[Future]]:
-    """Interval ``i``'s row input made by ``rows(a, b)`` and its ``call.op`` request sent, then ``i + 1``'s
-    while ``i``'s is out; ``shared`` (weights) go as the op declares them. The rows sent, and the futures."""
-    xs: list[Tensor] = []
+    call: OpCall, source: Any, input_name: str, shared: dict[str, Tensor], spans: Sequence[Span]
+) -> list[Future]:
+    """Interval ``i``'s row input made by ``source.rows(a, b)`` (a ``RowSource``) and its ``call.op`` request
+    sent, then ``i + 1``'s while ``i``'s is out; ``shared`` (weights) go as the op declares them. The rows go
+    into buffers reused once their request is answered (:class:`RowBuffers`) and are not kept: a backward
+    makes them again (:func:`remade_rows`). The futures."""
+    buffers = RowBuffers()
 
     def make_rows(i: int, span: Span) -> dict[str, Tensor]:
-        xs.append(to_host(rows(span[0], span[1])))
-        return {input_name: xs[-1]}
+        rows = source.rows(span[0], span[1], buffers.take(source, span))
+        return {input_name: buffers.lend(to_host(rows))}
 
-    return xs, submit_each(call.executor, call.op, call.attrs, shared, spans, make_rows)[1]
+    return submit_each(call.executor, call.op, call.attrs, shared, spans, make_rows, buffers.answered_by)[1]
+
+
+def remade_rows(
+    source: Any, input_name: str
+) -> tuple[PerInterval, Callable[[Future[dict[str, Tensor]]], None]]:
+    """A backward's ``per_interval`` and ``on_submit`` (:func:`interval_backward`) sending interval ``i``'s
+    rows of ``source`` made again (``source.remake``: from the kept entries' bits, equal to the forward's
+    rows bit for bit) in reused buffers, instead of rows kept since the forward (``n x F_in`` per layer)."""
+    buffers = RowBuffers()
+
+    def rows(i: int, span: Span) -> dict[str, Tensor]:
+        made = source.remake(span[0], span[1], buffers.take(source, span))
+        return {input_name: buffers.lend(to_host(made))}
+
+    return rows, buffers.answered_by
 
 
 def send_ahead(
@@ -210,11 +228,12 @@ def send_ahead(
     """Send the next step's first-layer requests now (rows from ``source`` under its ``next_key``), with
     ``params`` as they are: copied, as the optimizer updates them in place while the requests may still wait
     to be encoded, and the next backward may need exactly this version. Kept in ``runahead`` under
-    ``layer``, with ``cut`` (what the requests were cut by) for the next forward to match."""
+    ``layer``, with ``cut`` (what the requests were cut by) for the next forward to match, and the source
+    that made the rows (it holds their kept-entry bits, so the next backward remakes them cheaply)."""
     source = dataclasses.replace(source, key=source.next_key, next_key=None)
     version = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in params.items()}
-    xs, futures = submit_rows(call, source.rows, input_name, version, spans)
-    runahead.put(layer, Prefetch(source.key, cut, xs, futures, version))
+    futures = submit_rows(call, source, input_name, version, spans)
+    runahead.put(layer, Prefetch(source.key, cut, source, futures, version))
 
 
 def block_spans(blocks: Sequence[Any]) -> list[Span]:
@@ -319,9 +338,10 @@ class GatherApply(torch.autograd.Function):
 
     Forward: for interval ``i``, GA ``z_i = Â[a:b] h_full`` on the server, then submit AV ``op`` on it at
     once, then go on with interval ``i + 1``'s GA while ``i``'s request is in flight. Backward: every
-    interval's ``*.backward`` request is submitted at once; as each comes back (in interval order, so sums
-    are deterministic) its ∇GA ``Â[a:b]ᵀ grad_z_i`` is added into ``grad_h_full`` while later intervals are
-    still in flight. Same values as GA then :class:`TensorOp` (the backward's sum runs per interval).
+    interval's ``*.backward`` request is submitted at once; results are taken in interval order (so sums
+    are deterministic) and each group's ∇GA ``Â[a0:b1]ᵀ grad_z`` is added into ``grad_h_full`` when its
+    last interval is in (:class:`TransposedSum`), while later intervals are still in flight. Same values as
+    GA then :class:`TensorOp` (the backward's sum runs per group).
     """
 
     @staticmethod
@@ -375,9 +395,11 @@ class GatherApply(torch.autograd.Function):
             )
         grad_h = torch.zeros((ctx.n_full, ctx.width), dtype=ctx.dtype) if needs_h else None
 
+        gather_grads = TransposedSum(ctx.blocks, grad_h) if grad_h is not None else None
+
         def add_gather_grad(i: int, span: Span, out: dict[str, Tensor]) -> None:
-            if grad_h is not None:  # ∇GA of this interval, over the rows it touches
-                ctx.blocks[i].add_transposed(grad_h, out.pop(f"grad_{ctx.gather_input}"))
+            if gather_grads is not None:  # ∇GA of this interval's group, over the rows it touches
+                gather_grads.add(i, out.pop(f"grad_{ctx.gather_input}"))
 
         spans = block_spans(ctx.blocks)
         merged = interval_backward(call, tensors, attrs, spans, on_result=add_gather_grad)
@@ -399,14 +421,15 @@ class ApplyGather(torch.autograd.Function):
     """AV then the local part of GA, pipelined per interval: the weight-first GCN layer's unit of overlap.
 
     Forward: interval ``i``'s rows ``x[a:b]`` (or ``source.rows(a, b)``, made just before its request goes
-    out) are submitted as AV ``P_i = x_i W`` at once; as each result comes back (in interval order, so sums
-    are deterministic) the server adds its column block ``Â[:, a:b] P_i`` into ``Z_local`` while later
-    intervals are still in flight. Returns ``(P, Z_local)``: the caller scatters ``P`` (SC) and adds the
-    ghost columns' share (:func:`ghost_gather`). Backward: for interval ``i``, ∇GA of its rows ``Âᵀ[a:b] ∇Z``
-    plus the ghost gradients its owners sent back (``∇P``) form ``∇P_i``, whose ∇AV request goes out at
-    once, so ∇GA of interval ``i + 1`` overlaps ∇AV of ``i``. Same values as AV -> SC -> GA (sums in another
-    order). With ``runahead`` (``staleness >= 1``, a first layer fed by a ``RowSource``) the backward also
-    sends the next epoch's AV requests while its own ∇AV requests are out (:mod:`.runahead`).
+    out) are submitted as AV ``P_i = x_i W`` at once; results are taken in interval order (so sums are
+    deterministic) and each group's column block ``Â[:, a0:b1] P[a0:b1]`` is added into ``Z_local`` when its
+    last interval is in (:class:`TransposedSum`), while later intervals are still in flight. Returns
+    ``(P, Z_local)``: the caller scatters ``P`` (SC) and adds the ghost columns' share
+    (:func:`ghost_gather`). Backward: for interval ``i``, ∇GA of its rows ``Âᵀ[a:b] ∇Z`` plus the ghost
+    gradients its owners sent back (``∇P``) form ``∇P_i``, whose ∇AV request goes out at once, so ∇GA of
+    interval ``i + 1`` overlaps ∇AV of ``i``. Same values as AV -> SC -> GA (sums in another order). With
+    ``runahead`` (``staleness >= 1``, a first layer fed by a ``RowSource``) the backward also sends the next
+    epoch's AV requests while its own ∇AV requests are out (:mod:`.runahead`).
     """
 
     @staticmethod
@@ -415,23 +438,29 @@ class ApplyGather(torch.autograd.Function):
         weight: Tensor,
     ) -> tuple[Tensor, Tensor]:
         prefetch = runahead.take(layer, source.key, blocks) if runahead is not None else None
+        xs: list[Tensor] | None = None  # the rows of an input tensor (views); a source's are made again
         if prefetch is not None:  # sent during the previous epoch's backward, with that epoch's weights
-            w, xs, futures = prefetch.weights["weight"], prefetch.xs, prefetch.futures
+            w, futures, made_by = prefetch.weights["weight"], prefetch.futures, prefetch.source
+        elif x is None:
+            w, made_by = to_host(weight), source
+            futures = submit_rows(call, source, "z", {"weight": w}, block_spans(blocks))
         else:
-            w = to_host(weight)
-            rows = source.rows if x is None else (lambda a, b: x[a:b])
-            xs, futures = submit_rows(call, rows, "z", {"weight": w}, block_spans(blocks))
+            w, made_by = to_host(weight), None
+            xs = [to_host(x[a:b]) for a, b in (block.rows for block in blocks)]
+            futures = submit_each(call.executor, call.op, call.attrs, {"weight": w}, block_spans(blocks),
+                                  lambda i, span: {"z": xs[i]})[1]
         n_local = blocks[-1].rows[1]
         z = torch.zeros((n_local, w.size(1)), dtype=w.dtype)
         ps: list[Tensor] = []
+        columns = TransposedSum(blocks, z)
 
         def gather_columns(i: int, span: Span, out: dict[str, Tensor]) -> None:
             ps.append(out["h"])
-            blocks[i].add_transposed(z, ps[-1])  # GA share of these columns
+            columns.add(i, ps[-1])  # GA share of these columns (of the group's, at its last interval)
 
         spans = block_spans(blocks)
         p = collect(call.executor, call.op, list(enumerate(spans)), futures, gather_columns)["h"]
-        ctx.call, ctx.blocks, ctx.xs, ctx.ps, ctx.w = call, blocks, xs, ps, w
+        ctx.call, ctx.blocks, ctx.xs, ctx.made_by, ctx.ps, ctx.w = call, blocks, xs, made_by, ps, w
         ctx.source, ctx.runahead, ctx.layer = source, runahead, layer
         ctx.save_for_backward(weight)
         ctx.device = weight.device
@@ -446,6 +475,8 @@ class ApplyGather(torch.autograd.Function):
         grad_z = to_host(grad_z) if grad_z is not None else None
         grad_p = to_host(grad_p) if grad_p is not None else None
 
+        remade, answered_by = remade_rows(ctx.made_by, "z") if ctx.xs is None else (None, None)
+
         def grad_rows(i: int, span: Span) -> dict[str, Tensor]:
             a, b = span[0], span[1]
             block = ctx.blocks[i]
@@ -453,7 +484,8 @@ class ApplyGather(torch.autograd.Function):
                    else torch.zeros((b - a, width), dtype=ctx.w.dtype))
             if grad_p is not None:
                 g_i += grad_p[a:b]
-            return {"z": ctx.xs[i], "h": ctx.ps[i], "grad_h": g_i}
+            rows = remade(i, span) if remade is not None else {"z": ctx.xs[i]}
+            return {**rows, "h": ctx.ps[i], "grad_h": g_i}
 
         def run_ahead() -> None:
             del ctx.xs, ctx.ps
@@ -462,7 +494,8 @@ class ApplyGather(torch.autograd.Function):
                            ctx.blocks, ctx.runahead, ctx.layer)
 
         spans = block_spans(ctx.blocks)
-        merged = interval_backward(call, {"weight": ctx.w}, attrs, spans, grad_rows, run_ahead)
+        merged = interval_backward(call, {"weight": ctx.w}, attrs, spans, grad_rows, run_ahead,
+                                   on_submit=answered_by)
         grad_x = merged["grad_z"].to(ctx.device) if needs_x else None
         return None, None, None, None, None, grad_x, merged["grad_weight"].to(ctx.device)
 

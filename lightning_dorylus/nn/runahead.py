@@ -32,11 +32,12 @@ from torch import Tensor
 
 @dataclass
 class Prefetch:
-    """First-layer AV requests of a coming epoch: their inputs (kept for ∇AV), futures and weight version."""
+    """First-layer AV requests of a coming epoch: the ``RowSource`` that made their rows (its kept-entry bits
+    let ∇AV make them again), their futures and weight version."""
 
     key: int  # dropout key of the rows (identifies the step they belong to)
     blocks: list  # what the requests were cut by: column blocks or intervals (the same objects = same cut)
-    xs: list[Tensor]
+    source: Any  # a RowSource under ``key``
     futures: list[Future]
     weights: dict[str, Tensor]  # the version sent with them, by op input name (copies: the stashed version)
 

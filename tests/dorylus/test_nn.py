@@ -15,6 +15,7 @@ from torch_geometric.utils import to_undirected
 from lightning_dorylus.data import partition_graph
 from lightning_dorylus.executors import InlineExecutor, TensorOpExecutor, TensorOpRequest
 from lightning_dorylus.graph import GhostExchange, GraphCache, gcn_adjacency, gcn_gather, structure
+from lightning_dorylus.graph.structure import TRANSPOSE_GROUPS, TransposedSum
 from lightning_dorylus.nn import DorylusRuntime, GATConv, GCNConv, SAGEConv
 from lightning_dorylus.nn.dropout import RowSource, dropout_key, feature_dropout
 from lightning_dorylus.nn.edge_pipeline import EdgeDropout, apply_edge_gather
@@ -272,21 +273,31 @@ def test_graph_structures_are_built_once_per_partition(graph: Data) -> None:
 
 
 def test_block_add_transposed_equals_the_compact_product_scattered(graph: Data) -> None:
-    """The pipelined GA/∇GA accumulate each interval with one sparse addmm over the full-height block; it
-    is the compact product ``adj_t @ x`` added into rows ``cols``, bit for bit."""
-    parts = partition_graph(graph, 2, interval_size=8)
+    """The pipelined GA/∇GA accumulate each group of intervals with one sparse addmm over the full-height
+    block; it is the compact product ``adj_t @ x`` added into rows ``cols``, bit for bit."""
+    parts = partition_graph(graph, 2, interval_size=2)  # more intervals than groups
     ctx = GraphCache().context(parts[0])
-    for blocks in (ctx.column_blocks(torch.float64), ctx.blocks("gcn", torch.float64)):
-        n = blocks[0].adj_t_rows.size(0)
-        assert all(b.adj_t_rows.shape == (n, b.adj_t.size(1)) for b in blocks)
+    for blocks in (ctx.column_blocks(torch.float64)[:-1], ctx.blocks("gcn", torch.float64)):
+        closing = [b for b in blocks if b.closes_group]
+        assert 1 < len(closing) <= TRANSPOSE_GROUPS < len(blocks)  # groups of several intervals
+        n = closing[0].adj_t_rows.size(0)
+        assert all(b.adj_t_rows.shape == (n, b.adj_t.size(1)) for b in closing)
+        assert all(b.adj_t.size(1) == b.group_rows[1] - b.group_rows[0] for b in closing)
         gen = torch.Generator().manual_seed(2)
         expected = torch.randn(n, 3, generator=gen, dtype=torch.float64)
-        got = expected.clone()
-        for block in blocks:
+        got, summed = expected.clone(), expected.clone()
+        adder = TransposedSum(blocks, summed)
+        for block in closing:
             x = torch.randn(block.adj_t.size(1), 3, generator=gen, dtype=torch.float64)
             expected.index_add_(0, block.cols, torch.sparse.mm(block.adj_t, x))
             assert block.add_transposed(got, x) is got
-        assert torch.equal(got, expected)
+            a0 = block.group_rows[0]
+            for i, b in enumerate(blocks):  # the same rows, interval by interval
+                if a0 <= b.rows[0] and b.rows[1] <= block.group_rows[1]:
+                    adder.add(i, x[b.rows[0] - a0 : b.rows[1] - a0])
+        assert torch.equal(got, expected) and torch.equal(summed, expected)
+        with pytest.raises(ValueError, match="does not close its group"):
+            next(b for b in blocks if not b.closes_group).add_transposed(got, x)
 
 
 def test_feature_dropout_draws_only_nonzeros_with_dense_dropout_distribution(graph: Data) -> None:

@@ -13,7 +13,7 @@ def _prefetch(key: int, blocks: list, done: bool = True) -> Prefetch:
     future: Future = Future()
     if done:
         future.set_result({"h": torch.zeros(1)})
-    return Prefetch(key, blocks, [torch.zeros(1)], [future], {"weight": torch.zeros(1)})
+    return Prefetch(key, blocks, None, [future], {"weight": torch.zeros(1)})
 
 
 def test_prefetch_is_used_only_for_its_key_and_blocks() -> None:
