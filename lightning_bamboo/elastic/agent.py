@@ -32,6 +32,7 @@ import signal
 import socket
 import threading
 import time
+from urllib.parse import urlparse
 
 from lightning_bamboo.elastic import machines as mc
 from lightning_bamboo.elastic import store as ms
@@ -113,7 +114,11 @@ class Agent:
         self.store = ms.connect(store_url, job, request_timeout=max(request_s, 2.0))
         self._lease_store = ms.connect(store_url, job, request_timeout=request_s)
         self.local = LocalWorkers(command, self.store, hang_timeout, log)
-        self.machine = mc.register(self.store, nproc_per_node, zone, socket.gethostname(), os.getpid())
+        endpoint = urlparse(store_url)
+        self.liveness = mc.Liveness((endpoint.hostname or "127.0.0.1", endpoint.port or 0))
+        self.machine = mc.register(
+            self.store, nproc_per_node, zone, socket.gethostname(), os.getpid(), self.liveness.address
+        )
         self.leases = mc.LeaseWatch(self.store, node_lease)
         self.coordinator: NodeCoordinator | None = None
         self.members: list[int] = []
@@ -133,6 +138,8 @@ class Agent:
         self._risks_told = False
         self._ending: tuple[int, float] | None = None
         self._min_reached_at: float | None = None
+        self._probed: tuple[int, int] = (-1, 0)  # (generation, lost-peer reports) of the last probe
+        self._refusing: set[int] = set()
         self.say(f"machine {self.machine} registered ({nproc_per_node} workers, zone {zone or '-'})")
         threading.Thread(target=self._renew, name="bamboo-lease", daemon=True).start()
         threading.Thread(target=self._watchdog, name="bamboo-fence", daemon=True).start()
@@ -176,6 +183,7 @@ class Agent:
         finally:
             self._done.set()
             self.local.kill_all()
+            self.liveness.close()
             if handler is not None:
                 signal.signal(signal.SIGTERM, handler)
 
@@ -292,6 +300,7 @@ class Agent:
             self.say(f"machine {holder[1] if holder else '?'} is the coordinator now")
             self.coordinator = None
         vacant = holder is None or self.leases.expired(holder[1]) or mc.is_dead(self.store, holder[1])
+        vacant = vacant or holder[1] in self._gone()
         if vacant and mc.take_coordinator(self.store, self.machine, holder):
             self._become_coordinator(mc.coordinator(self.store))
 
@@ -300,7 +309,8 @@ class Agent:
         self.coordinator = NodeCoordinator(self.store, self.log, self._codes)
         self._reports = mc.Reports(self.store)
         if term > 0:
-            self.say(f"took over as the coordinator (term {term}): the previous one's lease expired")
+            self.say(f"took over as the coordinator (term {term}): the previous one's machine is lost "
+                     "(its lease expired or its agent refuses connections)")
         else:
             self.say("is the coordinator")
 
@@ -343,8 +353,10 @@ class Agent:
         leaving = coordinator._departures()
         if lost or leaving:
             if lost:
-                time.sleep(self.settle)  # losses that arrive together are handled together
-                self._await_suspects()
+                proven = {m for machine in self._refusing for m in mc.members_of(self.store, machine)}
+                if not lost <= proven:  # machines found gone by one probe need no wait to be grouped
+                    time.sleep(self.settle)  # losses that arrive together are handled together
+                    self._await_suspects()
                 lost |= self._collect()
                 coordinator.lost |= lost
                 leaving |= coordinator._departures()
@@ -375,8 +387,22 @@ class Agent:
                 return
             time.sleep(self.poll)
 
+    def _gone(self) -> set[int]:
+        """Machines whose agent refuses a connection (:class:`~lightning_bamboo.elastic.machines.Liveness`),
+        probed once per new lost-peer report of the current generation's workers (a worker whose peer's
+        connection was reset or closed): a machine whose processes died is lost at once, not a lease later."""
+        generation = ms.current_generation(self.store)
+        reports = ms.lost_peer_reports(self.store, generation) if generation >= 0 else 0
+        if reports and (generation, reports) != self._probed:
+            self._probed = (generation, reports)
+            timeout = min(0.2, self.lease / 5)
+            others = [m for m in range(mc.count(self.store)) if m != self.machine and m not in self._dead]
+            self._refusing |= {m for m in others if mc.refuses(self.store, m, timeout)}
+        return self._refusing
+
     def _collect(self) -> set[int]:
-        """Members newly lost: reported exits (non-zero) and every member of a machine whose lease expired."""
+        """Members newly lost: reported exits (non-zero) and every member of a machine whose lease expired
+        or whose agent is gone (:meth:`_gone`)."""
         coordinator = self.coordinator
         assert coordinator is not None
         lost: set[int] = set()
@@ -391,14 +417,14 @@ class Agent:
             if machine == self.machine:
                 continue
             expired = self.leases.expired(machine) or mc.is_dead(self.store, machine)
-            if machine not in self._dead and expired:
+            gone = machine in self._gone()
+            if machine not in self._dead and (expired or gone):
                 self._dead.add(machine)
                 self.store.set(f"node/{machine}/dead", "1")
                 members = mc.members_of(self.store, machine)
-                self.say(
-                    f"machine {machine} lost: lease not renewed for {self.leases.silent_for(machine):.1f}s; "
-                    f"its members {members}"
-                )
+                why = (f"lease not renewed for {self.leases.silent_for(machine):.1f}s" if expired
+                       else "its agent refuses connections (its processes are gone)")
+                self.say(f"machine {machine} lost: {why}; its members {members}")
             if machine in self._dead:
                 for member in mc.members_of(self.store, machine):
                     if member not in coordinator.finished:

@@ -4,7 +4,8 @@ processes are :mod:`lightning_bamboo.elastic.agent`).
 Keys (under the job's prefix, next to those of :mod:`lightning_bamboo.elastic.store`):
 
 * ``nodes/count``: machines registered so far; a machine's index is its arrival order (``store.add``).
-* ``node/{i}``: its description (JSON: workers, zone, host, agent PID); ``node/{i}/members``: its members'
+* ``node/{i}``: its description (JSON: workers, zone, host, agent PID, the agent's liveness address);
+  ``node/{i}/members``: its members'
   ids (JSON list); ``node/{i}/hb``: its lease, a counter the agent bumps every lease/3 seconds;
   ``node/{i}/dead``: written by the coordinator when the lease expired (the machine is lost, with all its
   members; an agent that finds its own machine dead stops its workers).
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,11 +42,59 @@ CLOSED = "rdzv/closed"
 END = "job/end"
 
 
-def register(store: dist.Store, nproc: int, zone: str, host: str, pid: int) -> int:
+def register(store: dist.Store, nproc: int, zone: str, host: str, pid: int, liveness: str = "") -> int:
     """Register this machine; returns its index."""
     index = int(store.add("nodes/count", 1)) - 1
-    store.set(f"node/{index}", json.dumps({"nproc": nproc, "zone": zone, "host": host, "pid": pid}))
+    description = {"nproc": nproc, "zone": zone, "host": host, "pid": pid, "liveness": liveness}
+    store.set(f"node/{index}", json.dumps(description))
     return index
+
+
+class Liveness:
+    """The agent's liveness socket: a TCP port on the address the machine reaches the store from.
+
+    A lease can only tell a lost machine by its silence (seconds). When a machine's processes die while its
+    host stays up (a spot machine's processes SIGKILLed, an OOM kill, a container stopped), a connection to
+    this port is *refused* at once: proof that the agent is gone, with its workers. A machine taken away
+    whole answers nothing, and then only its lease tells (:func:`refuses` says no).
+    """
+
+    def __init__(self, toward: tuple[str, int]) -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as route:  # no packet: picks the interface
+            route.connect(toward)
+            host = route.getsockname()[0]
+        self._server = socket.create_server((host, 0))
+        self.address = f"{host}:{self._server.getsockname()[1]}"
+        threading.Thread(target=self._accept, name="bamboo-liveness", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._server.accept()
+            except OSError:
+                return
+            connection.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # wakes the accepting thread: the port refuses from now on
+            self._server.shutdown(socket.SHUT_RDWR)
+        self._server.close()
+
+
+def refuses(store: dist.Store, index: int, timeout: float) -> bool:
+    """Whether machine ``index``'s agent refuses a connection (its host answered: nothing listens, the agent
+    is gone). A timeout or an unreachable host is no proof (a partition, a machine taken away)."""
+    address = str((describe(store, index) or {}).get("liveness") or "")
+    if not address:
+        return False
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def count(store: dist.Store) -> int:

@@ -24,6 +24,7 @@ ends the job, as under DDP.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -111,6 +112,8 @@ class ElasticRuntime:
             type(err).__name__,
             str(err).splitlines()[0] if str(err) else "",
         )
+        with contextlib.suppress(Exception):  # a hint for the coordinator; the store may be what failed
+            ms.report_lost_peer(self._store, self.owners.generation)
         self._abort_groups()
         deadline = time.monotonic() + self._failure_wait
         while time.monotonic() < deadline:

@@ -78,6 +78,17 @@ def current_generation(store: dist.Store) -> int:
     return int(get_str(store, "gen")) if store.check(["gen"]) else -1
 
 
+def report_lost_peer(store: dist.Store, generation: int) -> None:
+    """A worker of ``generation`` lost a peer (a connection reset or closed): the multi-machine coordinator
+    then probes the machines' agents at once instead of waiting for a lease to expire
+    (:class:`lightning_bamboo.elastic.machines.Liveness`)."""
+    store.add(f"gen{generation}/lost_peer", 1)
+
+
+def lost_peer_reports(store: dist.Store, generation: int) -> int:
+    return int(store.add(f"gen{generation}/lost_peer", 0))
+
+
 def read_map(store: dist.Store, generation: int) -> OwnershipMap:
     return OwnershipMap.from_json(store.get(f"gen{generation}/map"))
 

@@ -53,7 +53,7 @@ def test_one_coordinator_per_term_and_leases_by_the_observers_clock() -> None:
     store = dist.HashStore()
     first, second = mc.register(store, 2, "", "h0", 10), mc.register(store, 2, "", "h1", 11)
     assert (first, second, mc.count(store)) == (0, 1, 2)
-    assert mc.describe(store, 1) == {"nproc": 2, "zone": "", "host": "h1", "pid": 11}
+    assert mc.describe(store, 1) == {"nproc": 2, "zone": "", "host": "h1", "pid": 11, "liveness": ""}
     assert mc.take_coordinator(store, first, None)
     assert not mc.take_coordinator(store, second, None)  # the key is taken: nobody else wins term 0
     assert mc.coordinator(store) == (0, 0)
@@ -177,3 +177,25 @@ def test_the_deployment_examples_parse_and_launch_agents(name: str) -> None:
         assert args.rdzv_endpoint == f"etcd://{documents[0]['metadata']['name']}:2379"  # the etcd Service
     else:
         assert documents[0]["resources"]["use_spot"] is True and documents[0]["num_nodes"] == 4
+
+
+def test_a_gone_agent_refuses_and_a_live_or_unreachable_one_does_not() -> None:
+    """The liveness port: connected while the agent lives; refused once it is gone (its host answers, nothing
+    listens: proof of death). (An address that does not answer is no proof, a partition: the lease decides;
+    the partition test in ``test_nodes.py`` covers it.)"""
+    store = dist.HashStore()
+    liveness = mc.Liveness(("127.0.0.1", 9))
+    assert liveness.address.startswith("127.0.0.1:")
+    alive = mc.register(store, 2, "", "host", 1, liveness.address)
+    assert not mc.refuses(store, alive, timeout=1.0)
+    liveness.close()
+    assert mc.refuses(store, alive, timeout=1.0)
+    assert not mc.refuses(store, mc.register(store, 2, "", "host", 3), timeout=0.1)  # none published
+
+
+def test_lost_peer_reports_count_per_generation() -> None:
+    store = dist.HashStore()
+    assert ms.lost_peer_reports(store, 3) == 0
+    ms.report_lost_peer(store, 3)
+    ms.report_lost_peer(store, 3)
+    assert (ms.lost_peer_reports(store, 3), ms.lost_peer_reports(store, 4)) == (2, 0)
