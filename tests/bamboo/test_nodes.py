@@ -43,13 +43,14 @@ class Job:
     ) -> None:
         self.net, self.out, self.etcd, self.job, self.hold = net, out, etcd, job, hold
         self.per_node, self.train = per_node, train
+        self.nodes = len(net.hosts)
         self.procs: dict[int, object] = {}
         self.logs: list[IO[str]] = []
         self.store = ms.connect(f"etcd://{etcd}", job, timeout=30)
 
     def start(self, host: Host) -> None:
         cmd = [
-            sys.executable, "-m", "lightning_bamboo.launch", "--nnodes", "3:3",
+            sys.executable, "-m", "lightning_bamboo.launch", "--nnodes", f"{self.nodes}:{self.nodes}",
             "--nproc-per-node", str(self.per_node),
             "--rdzv-endpoint", f"etcd://{self.etcd}", "--job-id", self.job, "--node-lease", str(LEASE_S),
             str(SCRIPT), "--out", str(self.out), *self.train, "--hold", self.hold,
@@ -131,7 +132,8 @@ def start_job(
     rendezvous = mc.Rendezvous.from_json(job.store.get(mc.CLOSED))
     assert mc.coordinator(job.store) == (0, 0) and job.machine_of(first) == 0
     # stages alternate across machines: member ids dealt round-robin
-    assert rendezvous.members == {i: [i + 3 * j for j in range(per_node)] for i in range(3)}
+    nodes = len(net.hosts)
+    assert rendezvous.members == {i: [i + nodes * j for j in range(per_node)] for i in range(nodes)}
     return job, {job.machine_of(h): h for h in net.hosts}
 
 
@@ -312,4 +314,38 @@ def test_two_machines_lost_at_once_fall_back_to_the_checkpoint(
     assert "[bamboo] fallback: loaded checkpoint step=" in log
     assert ms.current_generation(job.store) == 1 and ms.get_str(job.store, "gen1/kind") == "fallback"
     assert sorted(final_states(out)) == ["final_member0.safetensors"]
+    assert_equal_to(reference, out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.netns
+@pytest.mark.timeout(420)
+def test_two_non_adjacent_machines_lost_at_once_are_covered_by_the_replicas(
+    make_network: Callable[[int], Network], tmp_path: Path
+) -> None:
+    """One pipeline of 4 stages, one worker per machine: machines 1 and 3 (stages 1 and 3, not adjacent: the
+    replica of each is on a survivor, machines 0 and 2) are SIGKILLed together while member 0 waits at the
+    end of step 3. ONE failover generation drops both; members 0 and 2 promote their replicas, run two
+    stages each and end equal to the uninterrupted run, with no checkpoint."""
+    reference = reference_run(tmp_path)
+    net = make_network(4)
+    out = tmp_path / "run"
+    train = ["--stages", "4", "--steps", str(STEPS), "--batch-size", str(BATCH)]
+    job, host_of = start_job(net, out, tmp_path, hold="0:3:file", per_node=1, train=train)
+    try:
+        job.wait_for("step 3 of member 0", lambda: (out / "reached3_member0").exists())
+        net.kill_host(host_of[1])
+        net.kill_host(host_of[3])
+        (out / "release3").write_text("")
+        survivor = job.procs[host_of[0].index]
+        job.wait_for("the job's end", lambda: survivor.poll() is not None)  # type: ignore[attr-defined]
+        assert survivor.returncode == 0, job.logs_tail()  # type: ignore[attr-defined]
+    finally:
+        job.close()
+    log = job.log(host_of[0])
+    assert "failover: lost [1, 3] joined []" in log, job.logs_tail()
+    assert ms.current_generation(job.store) == 1 and ms.get_str(job.store, "gen1/kind") != "fallback"
+    assert ms.read_map(job.store, 1).members() == [0, 2]
+    assert sorted(final_states(out)) == ["final_member0.safetensors", "final_member2.safetensors"]
     assert_equal_to(reference, out)
