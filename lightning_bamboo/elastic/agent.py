@@ -265,6 +265,7 @@ class Agent:
             code = self.local.returncode(member)
             mc.report(self.store, self.machine, member, 0 if code is None else code)
             self._reported.add(member)
+        self._probe()
         self._elect()
         code = self._coordinate() if self.coordinator is not None else None
         drained = self._drain_until is not None and (
@@ -300,7 +301,7 @@ class Agent:
             self.say(f"machine {holder[1] if holder else '?'} is the coordinator now")
             self.coordinator = None
         vacant = holder is None or self.leases.expired(holder[1]) or mc.is_dead(self.store, holder[1])
-        vacant = vacant or holder[1] in self._gone()
+        vacant = vacant or holder[1] in self._refusing
         if vacant and mc.take_coordinator(self.store, self.machine, holder):
             self._become_coordinator(mc.coordinator(self.store))
 
@@ -387,10 +388,11 @@ class Agent:
                 return
             time.sleep(self.poll)
 
-    def _gone(self) -> set[int]:
-        """Machines whose agent refuses a connection (:class:`~lightning_bamboo.elastic.machines.Liveness`),
-        probed once per new lost-peer report of the current generation's workers (a worker whose peer's
-        connection was reset or closed): a machine whose processes died is lost at once, not a lease later."""
+    def _probe(self) -> None:
+        """Add the machines whose agent refuses a connection (:class:`~lightning_bamboo.elastic.machines.
+        Liveness`) to :attr:`_refusing`, probed once per new lost-peer report of the current generation's
+        workers (a worker whose peer's connection was reset or closed): a machine whose processes died is lost
+        at once, not a lease later. Once per tick, before the election and the decisions."""
         generation = ms.current_generation(self.store)
         reports = ms.lost_peer_reports(self.store, generation) if generation >= 0 else 0
         if reports and (generation, reports) != self._probed:
@@ -398,11 +400,10 @@ class Agent:
             timeout = min(0.2, self.lease / 5)
             others = [m for m in range(mc.count(self.store)) if m != self.machine and m not in self._dead]
             self._refusing |= {m for m in others if mc.refuses(self.store, m, timeout)}
-        return self._refusing
 
     def _collect(self) -> set[int]:
         """Members newly lost: reported exits (non-zero) and every member of a machine whose lease expired
-        or whose agent is gone (:meth:`_gone`)."""
+        or whose agent is gone (:meth:`_probe`)."""
         coordinator = self.coordinator
         assert coordinator is not None
         lost: set[int] = set()
@@ -417,7 +418,7 @@ class Agent:
             if machine == self.machine:
                 continue
             expired = self.leases.expired(machine) or mc.is_dead(self.store, machine)
-            gone = machine in self._gone()
+            gone = machine in self._refusing
             if machine not in self._dead and (expired or gone):
                 self._dead.add(machine)
                 self.store.set(f"node/{machine}/dead", "1")

@@ -86,7 +86,9 @@ def report_lost_peer(store: dist.Store, generation: int) -> None:
 
 
 def lost_peer_reports(store: dist.Store, generation: int) -> int:
-    return int(store.add(f"gen{generation}/lost_peer", 0))
+    """How many lost-peer reports ``generation`` has (a read only: agents ask at every tick)."""
+    key = f"gen{generation}/lost_peer"
+    return int(get_str(store, key)) if store.check([key]) else 0
 
 
 def read_map(store: dist.Store, generation: int) -> OwnershipMap:
