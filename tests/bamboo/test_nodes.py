@@ -280,6 +280,26 @@ def test_sigterm_to_an_agent_drains_its_machine(
     assert_equal_to(reference, out)
 
 
+def lose_two_at_once(
+    net: Network, tmp_path: Path, train: list[str], lost: tuple[int, int]
+) -> tuple[Job, str, Path]:
+    """One worker per machine; the machines ``lost`` are SIGKILLed together while member 0 waits at the end
+    of step 3; returns the job, machine 0's log and the output folder once member 0 finished (exit 0)."""
+    out = tmp_path / "run"
+    job, host_of = start_job(net, out, tmp_path, hold="0:3:file", per_node=1, train=train)
+    try:
+        job.wait_for("step 3 of member 0", lambda: (out / "reached3_member0").exists())
+        for machine in lost:
+            net.kill_host(host_of[machine])
+        (out / "release3").write_text("")
+        survivor = job.procs[host_of[0].index]
+        job.wait_for("the job's end", lambda: survivor.poll() is not None)  # type: ignore[attr-defined]
+        assert survivor.returncode == 0, job.logs_tail()  # type: ignore[attr-defined]
+    finally:
+        job.close()
+    return job, job.log(host_of[0]), out
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.netns
@@ -289,26 +309,13 @@ def test_two_machines_lost_at_once_fall_back_to_the_checkpoint(
 ) -> None:
     """One pipeline of 3 stages, one worker per machine, checkpoints every 2 steps in a folder every machine
     sees: machines 1 and 2 (two adjacent stages, whose replicas are each other's) are SIGKILLed together
-    while member 0 waits at the end of step 3. Their leases expire up to a third of a lease apart, yet they
-    are lost in ONE generation, of kind ``fallback``: member 0 loads the last complete checkpoint, re-runs
-    the steps since, runs all three stages and ends equal to the uninterrupted run."""
+    while member 0 waits at the end of step 3. They are lost in ONE generation, of kind ``fallback``:
+    member 0 loads the last complete checkpoint, re-runs the steps since, runs all three stages and ends
+    equal to the uninterrupted run."""
     reference = reference_run(tmp_path)
-    net = make_network(3)
-    out = tmp_path / "run"
     train = ["--stages", "3", "--steps", str(STEPS), "--batch-size", str(BATCH), "--checkpoint-every", "2",
              "--checkpoint-dir", str(tmp_path / "checkpoints")]
-    job, host_of = start_job(net, out, tmp_path, hold="0:3:file", per_node=1, train=train)
-    try:
-        job.wait_for("step 3 of member 0", lambda: (out / "reached3_member0").exists())
-        net.kill_host(host_of[1])
-        net.kill_host(host_of[2])
-        (out / "release3").write_text("")
-        survivor = job.procs[host_of[0].index]
-        job.wait_for("the job's end", lambda: survivor.poll() is not None)  # type: ignore[attr-defined]
-        assert survivor.returncode == 0, job.logs_tail()  # type: ignore[attr-defined]
-    finally:
-        job.close()
-    log = job.log(host_of[0])
+    job, log, out = lose_two_at_once(make_network(3), tmp_path, train, lost=(1, 2))
     assert "placement: losing machine" not in log  # any single machine is covered by the replicas
     assert "fallback: lost [1, 2] joined []" in log, job.logs_tail()
     assert "[bamboo] fallback: loaded checkpoint step=" in log
@@ -329,21 +336,8 @@ def test_two_non_adjacent_machines_lost_at_once_are_covered_by_the_replicas(
     end of step 3. ONE failover generation drops both; members 0 and 2 promote their replicas, run two
     stages each and end equal to the uninterrupted run, with no checkpoint."""
     reference = reference_run(tmp_path)
-    net = make_network(4)
-    out = tmp_path / "run"
     train = ["--stages", "4", "--steps", str(STEPS), "--batch-size", str(BATCH)]
-    job, host_of = start_job(net, out, tmp_path, hold="0:3:file", per_node=1, train=train)
-    try:
-        job.wait_for("step 3 of member 0", lambda: (out / "reached3_member0").exists())
-        net.kill_host(host_of[1])
-        net.kill_host(host_of[3])
-        (out / "release3").write_text("")
-        survivor = job.procs[host_of[0].index]
-        job.wait_for("the job's end", lambda: survivor.poll() is not None)  # type: ignore[attr-defined]
-        assert survivor.returncode == 0, job.logs_tail()  # type: ignore[attr-defined]
-    finally:
-        job.close()
-    log = job.log(host_of[0])
+    job, log, out = lose_two_at_once(make_network(4), tmp_path, train, lost=(1, 3))
     assert "failover: lost [1, 3] joined []" in log, job.logs_tail()
     assert ms.current_generation(job.store) == 1 and ms.get_str(job.store, "gen1/kind") != "fallback"
     assert ms.read_map(job.store, 1).members() == [0, 2]
