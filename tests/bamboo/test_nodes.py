@@ -226,6 +226,10 @@ def test_a_partitioned_machine_fences_its_workers_and_comes_back_as_a_new_machin
         net.heal(cut)
         job.start(cut)  # the same command on the same machine: a new machine for the job
         job.wait_for("the new machine's workers", lambda: job.store.check(["join/6", "join/7"]))
+        # the coordinator has proposed the grown layout before anyone leaves step 5 (else the job can end
+        # before the proposal is adopted and the join never happens)
+        proposed = lambda: job.store.check([f"gen{ms.current_generation(job.store)}/join"])  # noqa: E731
+        job.wait_for("the join proposal", proposed)
         job.wait_for("step 5", lambda: all((out / f"reached5_member{m}").exists() for m in (0, 2, 3, 5)))
         (out / "release5").write_text("")
         agents = [job.procs[h.index] for h in net.hosts]
