@@ -171,11 +171,12 @@ def build(run: Run, ranks: Sequence[RankReport], reference: Costs, reference_pat
         ("checkpoint_restart_step_s_by_layout", "step_s_by_layout")
     costs[own][run.layout] = step_s
     redundancy = "on" if run.redundancy else "off"
-    sources[f"{own}[{run.layout}]"] = f"{measured} (mean step, redundancy {redundancy})"
+    step = "median of 5 means of consecutive steps"
+    sources[f"{own}[{run.layout}]"] = f"{measured} ({step}, redundancy {redundancy})"
     if run.redundancy and run.without_fr_steps:
         costs[other][run.layout] = statistics.fmean(r.without_fr_s for r in ranks)
         sources[f"{other}[{run.layout}]"] = (
-            f"{WITHOUT_FR}: {run.without_fr_measured_steps} of this run (mean step, the replica forwards "
+            f"{WITHOUT_FR}: {run.without_fr_measured_steps} of this run ({step}, the replica forwards "
             "switched off; the replica's exchange and optimizer step still ran)")
     elif run.redundancy:
         costs[other][run.layout] = plain_step_estimate(step_s, stages)
@@ -186,7 +187,8 @@ def build(run: Run, ranks: Sequence[RankReport], reference: Costs, reference_pat
     sources["step_s"] = sources[f"{own}[{run.layout}]"]
     costs["step_s_by_shape"] = {}
     costs["checkpoint_s"] = checkpoint_s
-    sources["checkpoint_s"] = "measured: trainer.save_checkpoint of the run's state (mean save, slowest rank)"
+    sources["checkpoint_s"] = (
+        "measured: trainer.save_checkpoint of the run's state (median save, slowest rank)")
     costs["relaunch_s_by_layout"] = {run.layout: relaunch_s}
     sources[f"relaunch_s_by_layout[{run.layout}]"] = (
         f"measured: process creation -> training start {startup_s:.3g} s (slowest rank) + restore priced as "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from typing_extensions import override
 from lightning_bamboo.advise import costs_file
 from lightning_bamboo.advise.timing import (
     StepParts,
+    median_of_means,
     module_bytes,
     optimizer_state_bytes,
     process_start_time,
@@ -71,8 +73,17 @@ class Window:
     checkpoint_s: list[float] = field(default_factory=list)
 
     @property
-    def wall_s(self) -> float:
+    def total_s(self) -> float:
+        """The window's wall time as it ran, every stall in it."""
         return sum(self.step_s) + sum(self.checkpoint_s)
+
+    @property
+    def wall_s(self) -> float:
+        """The window's wall time with the step and the save each taken as the measured costs are (median of
+        means, median): a one-off stall of the machine moves neither the costs nor the window they are checked
+        against."""
+        saves = len(self.checkpoint_s) * statistics.median(self.checkpoint_s) if self.checkpoint_s else 0.0
+        return len(self.step_s) * median_of_means(self.step_s) + saves
 
 
 class AdvisorProbe(Callback):
@@ -301,21 +312,20 @@ class AdvisorProbe(Callback):
         strategy: Any = trainer.strategy
         if not self._saves:
             self._saves.append(self._timed_checkpoint(trainer))
-        checkpoint_s = sum(seconds for seconds, _ in self._saves) / len(self._saves)
+        checkpoint_s = statistics.median(seconds for seconds, _ in self._saves)
         checkpoint_bytes = self._saves[0][1]
         params, param_bytes, optim_bytes = optimizer_state_bytes(trainer.optimizers)
-        n = len(self._intervals)
         per_step = 1.0 / self._traced if self._traced else 0.0
         mine = costs_file.RankReport(
             stage=strategy.stage_index, pipeline=strategy.pipeline_index,
-            step_s=sum(self._intervals) / n,
+            step_s=median_of_means(self._intervals),
             compute_s=self._parts.compute_s * per_step, fr_s=self._parts.fr_s * per_step,
             wait_s=self._parts.wait_s * per_step, allreduce_s=self._parts.allreduce_s * per_step,
             parameters=params, parameter_bytes=param_bytes, optimizer_bytes=optim_bytes,
             replica_bytes=module_bytes(getattr(strategy, "replica", None)),
             startup_s=self._train_start - self._created if self._created is not None else 0.0,
             first_step_s=self._first_step_s, checkpoint_s=checkpoint_s,
-            without_fr_s=sum(self._without_fr) / len(self._without_fr) if self._without_fr else 0.0,
+            without_fr_s=median_of_means(self._without_fr) if self._without_fr else 0.0,
         )
         ranks = gather_rows(mine.row(), strategy.root_device)
         if not trainer.is_global_zero:
@@ -387,7 +397,8 @@ class AdvisorProbe(Callback):
         samples = steps * run.samples_per_step
         entry: dict[str, Any] = {
             "layout": run.layout, "wall_s": wall, "steps": steps, "samples": samples,
-            "samples_per_s": samples / wall, "events": [],
+            "samples_per_s": samples / wall, "wall_s_total": window.total_s,
+            "samples_per_s_total": samples / window.total_s, "events": [],
             "initial_nodes": [f"rank{i}" for i in range(run.num_stages * run.pipelines)],
             "checkpoints": len(window.checkpoint_s), "checkpoint_s_each": window.checkpoint_s,
             "step_s_each_rank0": window.step_s, "block_steps": self.block_steps,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +20,7 @@ from omegaconf import OmegaConf
 from lightning_bamboo.advise import AdvisorProbe, advise, costs_file
 from lightning_bamboo.advise.__main__ import main
 from lightning_bamboo.advise.costs_file import RankReport, Run
-from lightning_bamboo.advise.timing import optimizer_state_bytes, step_parts
+from lightning_bamboo.advise.timing import median_of_means, optimizer_state_bytes, step_parts
 from lightning_bamboo.simulate import Prices, load_costs, parse_trace, validate
 from lightning_bamboo.simulate.model import young_daly_interval
 from tests.process import DATA, REPO, launch_env, run_process, run_ranks
@@ -282,8 +283,13 @@ def test_probe_on_the_gpt_recipe_writes_sane_costs_and_the_advisor_validates_aga
     assert [s["replica_bytes"] for s in stages] == successors
     live = data["live"]["bamboo"]
     assert live["steps"] == WINDOW and live["checkpoints"] == WINDOW // EVERY
-    assert live["wall_s"] == pytest.approx(sum(live["step_s_each_rank0"]) + sum(live["checkpoint_s_each"]))
+    # the window as it ran, and as the costs are taken (a step: median of 5 means; a save: the median)
+    steps, saves = live["step_s_each_rank0"], live["checkpoint_s_each"]
+    assert live["wall_s_total"] == pytest.approx(sum(steps) + sum(saves))
+    robust = WINDOW * median_of_means(steps) + len(saves) * statistics.median(saves)
+    assert live["wall_s"] == pytest.approx(robust)
     assert live["samples_per_s"] == pytest.approx(WINDOW * 16 / live["wall_s"])
+    assert data["probe"]["2x1"]["step_s_each_rank0"] and step > 0
     assert live["checkpoint_interval_s"] == pytest.approx(EVERY * step)
 
     assert main(["--costs", str(costs_path), "--trace", str(DATA / "spot-traces" / "aws-p3-trace.csv"),
@@ -326,3 +332,18 @@ def test_a_failover_ends_the_probe_and_training_goes_on(tmp_path: Path, fault_st
     else:
         assert not costs_path.exists()
         assert "AdvisorProbe: a failover before the measurement ended: nothing written" in out
+
+
+def test_median_of_means_drops_a_one_off_stall_and_keeps_what_slows_every_run_of_steps() -> None:
+    steady = [0.05] * 20
+    assert median_of_means(steady) == pytest.approx(0.05)
+    stalled = steady.copy()
+    stalled[7] += 0.369  # one scheduler stall: the mean moves by 37 %, the estimate not at all
+    assert statistics.fmean(stalled) == pytest.approx(0.06845)
+    assert median_of_means(stalled) == pytest.approx(0.05)
+    every_fourth = [0.05, 0.05, 0.05, 0.13] * 5  # a slow step in every run of 4 (a collector): a throughput
+    assert median_of_means(every_fourth) == pytest.approx(statistics.fmean(every_fourth))  # pays it
+    assert median_of_means([0.2, 0.1]) == pytest.approx(0.15)  # fewer values than runs: one run each
+    assert median_of_means([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], groups=3) == pytest.approx(4.5)  # 3+2+2
+    with pytest.raises(ValueError, match="median_of_means: no values"):
+        median_of_means([])
