@@ -113,7 +113,7 @@ class Agent:
         request_s = max(node_lease / 3, 0.5)  # a cut-off store answers nothing: notice within the lease
         self.store = ms.connect(store_url, job, request_timeout=max(request_s, 2.0))
         self._lease_store = ms.connect(store_url, job, request_timeout=request_s)
-        self.local = LocalWorkers(command, self.store, hang_timeout, log)
+        self.local = LocalWorkers(command, self.store, hang_timeout, log, workers_on_machine=nproc_per_node)
         endpoint = urlparse(store_url)
         self.liveness = mc.Liveness((endpoint.hostname or "127.0.0.1", endpoint.port or 0))
         self.machine = mc.register(
