@@ -181,3 +181,18 @@ def test_a_scenario_that_is_not_yaml_is_refused(tmp_path: Path, capsys: pytest.C
         load_scenario(path)
     assert main(["--scenario", str(path)]) == 2
     assert capsys.readouterr().err.startswith(f"error: {path}: not valid YAML")
+
+
+def test_python_m_lightning_bamboo_replay_is_the_same_command(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The name the issues use, ``python -m lightning_bamboo.replay``, runs the replay's own command."""
+    import runpy
+
+    assert main(["--scenario", "gpt2-p3"]) == 0
+    expected = capsys.readouterr().out
+    monkeypatch.setattr("sys.argv", ["lightning_bamboo.replay", "--scenario", "gpt2-p3"])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_module("lightning_bamboo.replay", run_name="__main__")
+    assert stopped.value.code == 0
+    assert capsys.readouterr().out == expected
