@@ -283,9 +283,11 @@ class Agent:
         leave at a step boundary (an announced departure: the coordinator, maybe this agent, publishes the
         generation without them); the agent exits 143 once they are gone (at most ``stop_timeout`` s)."""
         signum = self._stop_signal or signal.SIGTERM
-        self.say(f"{signal.Signals(signum).name} received: draining this machine's workers")
-        for member in self.local.live_members():
+        members = self.local.live_members()
+        for member in members:
             self.local.kill(member, signum)
+        # said once every worker has the signal (a watcher of this log then knows they all have it)
+        self.say(f"{signal.Signals(signum).name} received: passed to workers {members}; draining the machine")
         self._drain_until = time.monotonic() + self.stop_timeout
 
     # ------------------------------------------------------------------ election

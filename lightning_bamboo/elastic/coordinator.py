@@ -149,24 +149,35 @@ class Coordinator:
             new = fallback_map(old, survivors)
             kind = "fallback"
         left = f" left {sorted(leaving)}" if leaving else ""
-        self.log(
-            f"[bamboo.launch] {kind}: lost {sorted(lost)}{left} joined {joined}\n{old.format()}\n->\n"
-            f"{new.format()}",
-            flush=True,
-        )
+        headline = f"{kind}: lost {sorted(lost)}{left} joined {joined}"
+        self._announce(kind, headline, old, new, lost, set(leaving), joined)
+        return True
+
+    def _announce(
+        self,
+        kind: str,
+        headline: str,
+        old: OwnershipMap,
+        new: OwnershipMap,
+        lost: set[int] | frozenset[int] = frozenset(),
+        left: set[int] | frozenset[int] = frozenset(),
+        joined: list[int] | None = None,
+    ) -> None:
+        """Log the change (``headline``, then both maps), record it in :attr:`events` and publish ``new``:
+        every generation change (failover, drain, fallback, rejoin) goes out the same way."""
+        self.log(f"[bamboo.launch] {headline}\n{old.format()}\n->\n{new.format()}", flush=True)
         self.events.append(
             {
                 "t_s": time.monotonic() - self.start_time,
                 "kind": kind,
                 "lost": sorted(lost),
-                "left": sorted(leaving),
-                "joined": joined,
+                "left": sorted(left),
+                "joined": list(joined or []),
                 "old": old.to_json(),
                 "new": new.to_json(),
             }
         )
         self._publish(new, kind)
-        return True
 
     def _stop_generation(self) -> set[int]:
         """Publish a ``stop`` generation (the current map, one generation on): every member leaves ``fit`` at
@@ -210,22 +221,7 @@ class Coordinator:
         generation, proposal, proposed_at = self._proposal
         old = ms.read_map(self.store, generation)
         joined = sorted(set(proposal.members()) - set(old.members()))
-        self.log(
-            f"[bamboo.launch] rejoin after step {step}: joined {joined}\n{old.format()}\n->\n"
-            f"{proposal.format()}",
-            flush=True,
-        )
-        self.events.append(
-            {
-                "t_s": time.monotonic() - self.start_time,
-                "kind": "rejoin",
-                "lost": [],
-                "joined": joined,
-                "old": old.to_json(),
-                "new": proposal.to_json(),
-            }
-        )
-        self._publish(proposal, "rejoin")
+        self._announce("rejoin", f"rejoin after step {step}: joined {joined}", old, proposal, joined=joined)
         with self._lock:
             self._pending_joins = [m for m in self._pending_joins if m not in joined]
         self._proposal = None

@@ -269,7 +269,10 @@ def test_sigterm_to_an_agent_drains_its_machine(
         job.wait_for("step 2", lambda: all((out / f"reached2_member{m}").exists() for m in range(6)))
         leaving = job.procs[host_of[1].index]
         leaving.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
-        job.wait_for("the notices", lambda: "SIGTERM received" in job.log(host_of[1]))
+        # both workers' notice watchers have seen it before anyone leaves step 2 (else one of them may see it
+        # only after the next boundary and leave one drain later)
+        job.wait_for("the notices", lambda: all(f"preemption notice on rank {m} " in job.log(host_of[1])
+                                                for m in (1, 4)))
         (out / "release2").write_text("")
         agents = [job.procs[h.index] for h in net.hosts]
         job.wait_for("the job's end", lambda: all(p.poll() is not None for p in agents))  # type: ignore[attr-defined]
