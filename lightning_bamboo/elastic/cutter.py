@@ -52,6 +52,7 @@ class GenerationCutter:
     def __init__(self, env: ms.WorkerEnv, interval: float = 0.05) -> None:
         self._store = ms.connect(env.store_url, env.job)
         self._store_port = int(env.store_url.rsplit(":", 1)[1].split("/")[0])
+        self._member = env.member
         self._interval = interval
         self._lock = threading.Lock()
         self._before: set[int] = set()
@@ -94,8 +95,8 @@ class GenerationCutter:
             if ms.get_str(self._store, f"gen{current}/kind") not in _CUT_KINDS:
                 return
             log.warning(
-                "Bamboo: generation %d superseded by a %s generation: closing its %d connections",
-                self._generation, ms.get_str(self._store, f"gen{current}/kind"), len(self._fds),
+                "Bamboo member %d: generation %d superseded by a %s generation: closing its %d connections",
+                self._member, self._generation, ms.get_str(self._store, f"gen{current}/kind"), len(self._fds),
             )
             # the generation's groups, and the sockets opened since it formed (a group made at a step
             # boundary, e.g. BambooNotices' flags): a peer cut off by a partition never resets them, so a
