@@ -98,20 +98,39 @@ class GenerationCutter:
                 "Bamboo member %d: generation %d superseded by a %s generation: closing its %d connections",
                 self._member, self._generation, ms.get_str(self._store, f"gen{current}/kind"), len(self._fds),
             )
-            # the generation's groups, and the sockets opened since it formed (a group made at a step
-            # boundary, e.g. BambooNotices' flags): a peer cut off by a partition never resets them, so a
-            # collective pending on one (and gloo with it) would otherwise wait on
-            for fd in self._fds | (socket_fds() - self._before):
-                with contextlib.suppress(OSError):
-                    sock = socket.socket(fileno=os.dup(fd))  # a duplicate: closing it leaves ``fd`` open
-                    try:
-                        # connections only (gloo's listener aborts the process when its accept() fails),
-                        # and never one to the job's store (an etcd client may open some while forming)
-                        if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and (
-                            sock.getpeername()[1] != self._store_port
-                        ):
-                            sock.shutdown(socket.SHUT_RDWR)  # acts on the socket itself, seen by gloo
-                    finally:
-                        sock.close()
-            self._fds = set()
-            self.cuts += 1
+            self._shutdown()
+
+    def cut_now(self) -> int:
+        """Shut this member's connections of the armed generation down now, and disarm; returns how many.
+
+        For the member whose own operation failed (a lost peer): gloo does not fail a peer's pending receive
+        when this member merely abandons the collective (a broadcast root whose send to a dead member failed
+        never sends to the members after it), but it does when this side's sockets close: those peers then
+        fail at once instead of at the process group's timeout.
+        """
+        with self._lock:
+            if not self._fds:
+                return 0
+            count = len(self._fds)
+            self._shutdown()
+            return count
+
+    def _shutdown(self) -> None:
+        """Shut down the armed generation's sockets and those opened since it began forming (lock held)."""
+        # the generation's groups, and the sockets opened since it formed (a group made at a step
+        # boundary, e.g. BambooNotices' flags): a peer cut off by a partition never resets them, so a
+        # collective pending on one (and gloo with it) would otherwise wait on
+        for fd in self._fds | (socket_fds() - self._before):
+            with contextlib.suppress(OSError):
+                sock = socket.socket(fileno=os.dup(fd))  # a duplicate: closing it leaves ``fd`` open
+                try:
+                    # connections only (gloo's listener aborts the process when its accept() fails),
+                    # and never one to the job's store (an etcd client may open some while forming)
+                    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and (
+                        sock.getpeername()[1] != self._store_port
+                    ):
+                        sock.shutdown(socket.SHUT_RDWR)  # acts on the socket itself, seen by gloo
+                finally:
+                    sock.close()
+        self._fds = set()
+        self.cuts += 1

@@ -123,11 +123,15 @@ class ElasticRuntime:
         return False
 
     def _abort_groups(self) -> None:
-        """Abort this member's process groups: peers blocked on it fail now instead of at their timeout."""
+        """Abort this member's process groups: peers blocked on it fail now instead of at their timeout.
+
+        Its connections are shut down first (:meth:`~.cutter.GenerationCutter.cut_now`): a peer waiting for a
+        message this member will not send now (the rest of a broadcast it abandoned) is failed by gloo only
+        when this side's sockets close, not by ``abort`` (measured: 20 s, the group's timeout, without it)."""
         if not dist.is_initialized():
             return
         if self._cutter is not None:
-            self._cutter.disarm()
+            self._cutter.cut_now()
         try:
             _private.abort_process_group()
         except Exception as err:  # the groups are being thrown away either way
