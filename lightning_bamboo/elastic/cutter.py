@@ -100,8 +100,8 @@ class GenerationCutter:
             )
             self._shutdown()
 
-    def cut_now(self) -> int:
-        """Shut this member's connections of the armed generation down now, and disarm; returns how many.
+    def cut_now(self) -> None:
+        """Shut this member's connections of the armed generation down now, and disarm.
 
         For the member whose own operation failed (a lost peer): gloo does not fail a peer's pending receive
         when this member merely abandons the collective (a broadcast root whose send to a dead member failed
@@ -109,11 +109,8 @@ class GenerationCutter:
         fail at once instead of at the process group's timeout.
         """
         with self._lock:
-            if not self._fds:
-                return 0
-            count = len(self._fds)
-            self._shutdown()
-            return count
+            if self._fds:
+                self._shutdown()
 
     def _shutdown(self) -> None:
         """Shut down the armed generation's sockets and those opened since it began forming (lock held)."""
