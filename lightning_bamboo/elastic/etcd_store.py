@@ -3,7 +3,7 @@
 Spoken through etcd's v3 HTTP/JSON gateway with ``etcd3gw`` (no gRPC or protobuf pin). Every operation the
 job and ``init_process_group`` need maps onto one etcd operation or a short compare-and-swap loop:
 ``set`` = put, ``get``/``wait`` = poll until the key exists, ``add`` and ``compare_set`` = transactions
-comparing the value read (so concurrent adders never lose an increment).
+comparing the value read (so concurrent adders never lose an increment), except ``add(key, 0)``, a read.
 """
 
 from __future__ import annotations
@@ -78,8 +78,13 @@ class EtcdStore(dist.Store):
         return value
 
     def add(self, key: str, amount: int) -> int:  # type: ignore[override]
+        """Add ``amount`` to the counter at ``key`` (created at 0). ``add(key, 0)`` is how Store users read a
+        counter: here it is one read, not a write (every etcd write is a consensus round and a disk sync, and
+        agents read every machine's lease counter at every tick)."""
         while True:
             current = self._read(key)
+            if amount == 0:
+                return int(current) if current is not None else 0
             new = str((int(current) if current is not None else 0) + amount).encode()
             if current is None:
                 done = self._client.create(self._key(key), new)

@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lightning_bamboo.elastic import store as ms
 from tests.process import REPO, launch_env, run_process
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_elastic.py"
@@ -199,6 +200,18 @@ def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
+
+
+@pytest.mark.services
+def test_the_etcd_store_counts_and_reads_a_counter_without_writing(etcd_endpoint: str) -> None:
+    """``add(key, 0)`` is how Store users read a counter (agents read every machine's lease each tick): on
+    etcd it must be a read, not a write (each write is a consensus round and a disk sync)."""
+    store = ms.connect(f"etcd://{etcd_endpoint}", f"counter-{os.getpid()}")
+    assert store.add("c", 0) == 0 and not store.check(["c"])
+    assert (store.add("c", 2), store.add("c", 3)) == (2, 5)
+    revision = store._client.get(store._key("c"), metadata=True)[0][1]["mod_revision"]
+    assert store.add("c", 0) == 5
+    assert store._client.get(store._key("c"), metadata=True)[0][1]["mod_revision"] == revision
 
 
 @pytest.mark.slow
