@@ -4,14 +4,21 @@ formed included, and nothing else."""
 
 from __future__ import annotations
 
+import json
 import socket
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 from lightning_bamboo.elastic import store as ms
 from lightning_bamboo.elastic.cutter import GenerationCutter
+from tests.process import REPO, launch_env, run_ranks
+
+SCRIPT = REPO / "tests" / "bamboo" / "scripts" / "abandoned_broadcast.py"
 
 
 def connected_pair(listener: socket.socket) -> tuple[socket.socket, socket.socket]:
@@ -64,3 +71,25 @@ def test_a_failover_cuts_the_generations_connections_and_those_made_after_it_for
         cutter.stop()
         for sock in (older, older_peer, listener, formed_peer, later_peer):
             sock.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("cut", [True, False], ids=["cut_now", "abandoned"])
+def test_a_member_whose_broadcast_failed_cuts_its_connections_so_the_next_receiver_fails_at_once(
+    tmp_path: Path, cut: bool
+) -> None:
+    """Rank 1 dies; the broadcast's root (rank 0) fails on its send to it and never sends to rank 2. With
+    ``cut_now`` (what a failing member does before aborting its groups) rank 2's receive fails as soon as the
+    root gave up; without it, only at the group's timeout (10 s here; the failover that took the job's 20 s
+    in the node benchmark)."""
+    env = launch_env()
+    # the job's store lives outside the ranks, as in Bamboo (the launcher's, or etcd)
+    server = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), is_master=True, wait_for_workers=False)
+    cmd = [sys.executable, str(SCRIPT), str(tmp_path), *(["--cut"] if cut else [])]
+    run_ranks(cmd, nprocs=3, timeout=120, env=env)
+    del server
+    waited = json.loads((tmp_path / "rank2.json").read_text())["waited_s"]
+    if cut:
+        assert waited < 5.0, waited  # the root's 1 s wait for rank 1 to die, then the cut
+    else:
+        assert waited >= 9.0, waited
