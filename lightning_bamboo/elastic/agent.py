@@ -140,6 +140,7 @@ class Agent:
         self._min_reached_at: float | None = None
         self._probed: tuple[int, int] = (-1, 0)  # (generation, lost-peer reports) of the last probe
         self._refusing: set[int] = set()
+        self._late_probed: dict[int, int | None] = {}  # machine -> its lease counter when last probed
         self.say(f"machine {self.machine} registered ({nproc_per_node} workers, zone {zone or '-'})")
         threading.Thread(target=self._renew, name="bamboo-lease", daemon=True).start()
         threading.Thread(target=self._watchdog, name="bamboo-fence", daemon=True).start()
@@ -149,13 +150,19 @@ class Agent:
 
     # ------------------------------------------------------------------ lease and fencing
     def _renew(self) -> None:
+        """Bump the lease every lease/3 s. A renewal counts from when it was *sent* (an observer may see it
+        any time after), so this machine fences no later than the others count it lost. A renewal that
+        failed (a request timed out, the store was slow or cut off) is retried at once, not a period later:
+        one slow answer must not cost the machine its lease."""
         while not self._done.is_set() and not self._fenced.is_set():
+            sent = time.monotonic()
             try:
                 self._lease_store.add(f"node/{self.machine}/hb", 1)
-                self._renewed_at = time.monotonic()
-            except Exception:  # the store is unreachable: the watchdog fences when the lease runs out
-                pass
-            self._done.wait(self.lease / 3)
+                self._renewed_at = sent
+                pause = self.lease / 3
+            except Exception:  # unreachable or slow: the watchdog fences when the lease runs out
+                pause = min(self.poll, self.lease / 30)
+            self._done.wait(pause)
 
     def _watchdog(self) -> None:
         while not self._done.wait(min(self.lease / 10, 0.1)):
@@ -392,16 +399,24 @@ class Agent:
 
     def _probe(self) -> None:
         """Add the machines whose agent refuses a connection (:class:`~lightning_bamboo.elastic.machines.
-        Liveness`) to :attr:`_refusing`, probed once per new lost-peer report of the current generation's
-        workers (a worker whose peer's connection was reset or closed): a machine whose processes died is lost
-        at once, not a lease later. Once per tick, before the election and the decisions."""
+        Liveness`) to :attr:`_refusing`, so that a machine whose processes died is lost at once, not a lease
+        later. Probed: every machine once per new lost-peer report of the current generation's workers (a
+        worker whose peer's connection was reset or closed), and a machine whose lease is late once per
+        renewal it missed (its loss is found by no worker when none was talking to it: the survivors were
+        waiting at the step's commit, say). Once per tick, before the election and the decisions."""
         generation = ms.current_generation(self.store)
         reports = ms.lost_peer_reports(self.store, generation) if generation >= 0 else 0
+        others = [m for m in range(mc.count(self.store)) if m != self.machine and m not in self._dead]
+        suspects = set()
         if reports and (generation, reports) != self._probed:
             self._probed = (generation, reports)
-            timeout = min(0.2, self.lease / 5)
-            others = [m for m in range(mc.count(self.store)) if m != self.machine and m not in self._dead]
-            self._refusing |= {m for m in others if mc.refuses(self.store, m, timeout)}
+            suspects.update(others)
+        for machine in others:
+            if self.leases.late(machine) and self._late_probed.get(machine) != self.leases.beat(machine):
+                self._late_probed[machine] = self.leases.beat(machine)
+                suspects.add(machine)
+        timeout = min(0.2, self.lease / 5)
+        self._refusing |= {m for m in sorted(suspects) if mc.refuses(self.store, m, timeout)}
 
     def _collect(self) -> set[int]:
         """Members newly lost: reported exits (non-zero) and every member of a machine whose lease expired

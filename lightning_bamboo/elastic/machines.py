@@ -220,7 +220,7 @@ class LeaseWatch:
         now = time.monotonic()
         for machine in machines:
             key = f"node/{machine}/hb"
-            beat = int(self.store.add(key, 0))
+            beat = int(self.store.add(key, 0))  # a read (EtcdStore, TCPStore)
             last = self._seen.get(machine)
             if last is None or last[0] != beat:
                 self._seen[machine] = (beat, now)
@@ -232,6 +232,17 @@ class LeaseWatch:
 
     def expired(self, machine: int) -> bool:
         return self.silent_for(machine) > self.lease
+
+    def beat(self, machine: int) -> int | None:
+        """The last counter value seen for ``machine`` (``None`` before the first observation)."""
+        last = self._seen.get(machine)
+        return None if last is None else last[0]
+
+    def late(self, machine: int) -> bool:
+        """Whether ``machine`` missed a renewal (agents renew every lease/3 s): silent for more than a
+        renewal period and a quarter. Not proof of anything (a loaded machine renews late), only a reason to
+        look (:func:`refuses`)."""
+        return self.silent_for(machine) > self.lease / 3 * 1.25
 
 
 def coordinator(store: dist.Store) -> tuple[int, int] | None:

@@ -14,6 +14,7 @@ import yaml
 
 from lightning_bamboo.elastic import machines as mc
 from lightning_bamboo.elastic import store as ms
+from lightning_bamboo.elastic.agent import Agent
 from lightning_bamboo.elastic.coordinator import Coordinator, Superseded
 from lightning_bamboo.elastic.ownership import failover, initial
 from lightning_bamboo.launch import build_parser, main
@@ -199,3 +200,42 @@ def test_lost_peer_reports_count_per_generation() -> None:
     ms.report_lost_peer(store, 3)
     ms.report_lost_peer(store, 3)
     assert (ms.lost_peer_reports(store, 3), ms.lost_peer_reports(store, 4)) == (2, 0)
+
+
+def test_a_machine_gone_while_nobody_talked_to_it_is_found_by_its_late_lease_not_its_expiry() -> None:
+    """No worker reported a lost peer (the survivors were waiting at a step's commit, say): a machine that
+    missed a lease renewal is probed, once per renewal missed, and one whose agent is gone is lost then, well
+    before its lease expires. A live machine that renews late is probed and not counted."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    url = f"tcp://127.0.0.1:{server.port}"
+    quiet = {"log": lambda *args, **kwargs: None}
+    lease = 3.0
+    agents = [Agent(["true"], 1, url, "late", 3, 3, node_lease=lease, **quiet) for _ in range(3)]
+    watcher, gone, slow = agents
+    try:
+        watcher.leases.observe([gone.machine, slow.machine])
+        gone._done.set()  # its processes die: no more renewals, its liveness port refuses
+        gone.liveness.close()
+        slow._done.set()  # stops renewing, but its agent still answers
+        late_by = time.monotonic() + lease / 3 * 1.25 + 0.2
+        while time.monotonic() < late_by:
+            watcher.leases.observe([gone.machine, slow.machine])
+            time.sleep(0.05)
+        assert watcher.leases.late(gone.machine) and not watcher.leases.expired(gone.machine)
+        probes = []
+        real_refuses = mc.refuses
+
+        def counted(store, index, timeout):
+            probes.append(index)
+            return real_refuses(store, index, timeout)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(mc, "refuses", counted)
+            watcher._probe()
+            watcher._probe()  # the same missed renewal: not probed again
+        assert sorted(probes) == sorted([gone.machine, slow.machine])
+        assert gone.machine in watcher._refusing and slow.machine not in watcher._refusing
+    finally:
+        for agent in agents:
+            agent._done.set()
+            agent.liveness.close()
