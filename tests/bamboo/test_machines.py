@@ -239,3 +239,32 @@ def test_a_machine_gone_while_nobody_talked_to_it_is_found_by_its_late_lease_not
         for agent in agents:
             agent._done.set()
             agent.liveness.close()
+
+
+class _OneSlowAnswer:
+    """A store whose first lease renewal hangs ``hang`` seconds and then fails (an overloaded etcd)."""
+
+    def __init__(self, store: dist.Store, hang: float) -> None:
+        self.store, self.hang, self.slow = store, hang, True
+
+    def add(self, key: str, amount: int) -> int:
+        if self.slow:
+            self.slow = False
+            time.sleep(self.hang)
+            raise TimeoutError("the store did not answer in time")
+        return self.store.add(key, amount)
+
+
+def test_one_slow_store_answer_does_not_cost_a_machine_its_lease() -> None:
+    """A renewal that failed is retried at once: one answer slower than the request timeout (here 1.2 s of a
+    3 s lease renewed every 1 s) must not fence the machine (it did when the retry waited a whole period)."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    agent = Agent(["true"], 1, f"tcp://127.0.0.1:{server.port}", "slow", 1, 1, node_lease=3.0,
+                  log=lambda *args, **kwargs: None)
+    try:
+        agent._lease_store = _OneSlowAnswer(agent._lease_store, hang=1.2)
+        time.sleep(4.5)
+        assert not agent._lease_store.slow and not agent._fenced.is_set()
+    finally:
+        agent._done.set()
+        agent.liveness.close()
