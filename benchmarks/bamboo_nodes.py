@@ -10,13 +10,21 @@ pipelines, gloo over each machine's ``eth0``). A segment of the AWS p3 trace, it
 the victim drawn with ``--seed``; each addition starts a replacement machine, a new namespace whose agent
 joins the running job). The default segment (p3 at 2.67-2.96 h: the fleet loses a node and regains it,
 twice) gives two machine losses and two replacements. The benchmark watches the job's commits in etcd
-(``g{g}/outcome/{step}``) from the root namespace, and compares the final parameters and optimizer state
-with the uninterrupted single-process run on the same batches. The lease (``--lease``) bounds a failover
-from below: a machine lost silently is noticed when its lease expires.
+(``g{g}/outcome/{step}``, an etcd watch) from the root namespace, and compares the final parameters and
+optimizer state with the uninterrupted single-process run on the same batches. A failover is timed from the
+kill to the first step committed by a later generation. A machine none of whose members trained when it was
+lost (a replacement taken before its workers joined) interrupts nothing: it counts in ``nodes_lost`` but
+not in ``node_failover_s`` (its time to the next step is the JSON line's
+``not_training_lost_to_next_step_s``).
+The lease (``--lease``) bounds a failover from above: a machine lost silently is found when its agent is
+probed after a missed renewal (its processes died) or when its lease expires (it is gone whole).
 
-    sudo python benchmarks/bamboo_nodes.py [--steps 600] [--lease 3] [--compression 10]
+    sudo python benchmarks/bamboo_nodes.py [--steps 1200] [--lease 3] [--compression 10] [--seed 0] \
+        [--out DIR]
 
-Last line: ``node_failover_s=<median s from a machine lost to the next committed step> step_s=<median
+``--out DIR`` keeps the agents' logs and ``commits.json`` (each step's commit time and generation, the
+kills). The line before the last is JSON (``final_state_equal`` and ``exit_codes`` apart: ``exact`` needs
+both). Last line: ``node_failover_s=<median s from a machine lost to the next committed step> step_s=<median
 failure-free step s> nodes_lost=<machines lost> exact=<true|false>``.
 """
 
@@ -25,15 +33,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import etcd3gw  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -49,26 +60,52 @@ MACHINES = 3
 WARMUP_STEPS = 2  # the segment's clock starts when this many steps are committed
 
 
-class Commits:
-    """The job's committed steps as they appear in the store, with the time each was first seen."""
+class Commits(threading.Thread):
+    """Watches the job's committed steps in etcd (a watch of the job's step keys, pushed by etcd as they are
+    written), with the time each was first seen: no polling that could fall behind a loaded machine or load
+    etcd, and the trace's events are applied on time by the main loop whatever the commit rate."""
 
-    def __init__(self, store) -> None:
-        self.store = store
-        self.seen: list[tuple[int, float, int]] = []  # (step, time.monotonic(), generation)
+    OUTCOME = re.compile(r"g(\d+)/outcome/(\d+)$")
 
-    def poll(self) -> None:
-        while True:
-            step = len(self.seen)
-            generation = ms.current_generation(self.store)
-            found = None
-            for g in range(max(generation - 2, 0), generation + 1):
-                key = f"g{g}/outcome/{step}"
-                if self.store.check([key]) and ms.get_str(self.store, key).startswith("commit"):
-                    found = g
-                    break
-            if found is None:
-                return
-            self.seen.append((step, time.monotonic(), found))
+    def __init__(self, endpoint: str, job: str) -> None:
+        super().__init__(name="commits", daemon=True)
+        host, _, port = endpoint.rpartition(":")
+        client = etcd3gw.client(host=host, port=int(port))
+        # from revision 1: steps committed before the watch was in place are replayed, none is missed
+        self._events, self._cancel = client.watch_prefix(f"/bamboo/{job}/g", start_revision=1,
+                                                         filters=["NODELETE"])
+        self.first: dict[int, tuple[float, int]] = {}  # step -> (time.monotonic() first seen, generation)
+
+    def run(self) -> None:
+        for event in self._events:
+            now = time.monotonic()
+            kv = event["kv"]
+            match = self.OUTCOME.search(bytes(kv["key"]).decode())
+            if match and bytes(kv.get("value", b"")).startswith(b"commit"):
+                self.first.setdefault(int(match[2]), (now, int(match[1])))
+
+    def stop(self) -> None:
+        self._cancel()
+        self.join(timeout=10)
+
+    @property
+    def seen(self) -> list[tuple[int, float, int]]:
+        """``(step, time, generation)`` of the steps committed so far without a gap, in step order."""
+        out = []
+        for step in itertools.count():
+            if step not in self.first:
+                return out
+            out.append((step, *self.first[step]))
+        return out
+
+
+def trains(store, agent_pid: int, generation: int) -> bool:
+    """Whether the machine whose agent is ``agent_pid`` has a member training in ``generation`` (a
+    replacement whose workers have not joined yet has none)."""
+    if generation < 0:
+        return False
+    machine = next(m for m in range(mc.count(store)) if (mc.describe(store, m) or {}).get("pid") == agent_pid)
+    return bool(set(mc.members_of(store, machine)) & set(ms.read_map(store, generation).members()))
 
 
 def exact(reference: dict[str, torch.Tensor], out: Path, steps: int) -> bool:
@@ -88,7 +125,8 @@ def exact(reference: dict[str, torch.Tensor], out: Path, steps: int) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="keep the run's files here (default: removed)")
-    parser.add_argument("--steps", type=int, default=600, help="training steps (to outlast the segment)")
+    parser.add_argument("--steps", type=int, default=1200,
+                        help="training steps (to outlast the segment, also on a loaded machine)")
     parser.add_argument("--lease", type=float, default=3.0, help="--node-lease of the agents (seconds)")
     parser.add_argument("--segment-ms", type=int, nargs=2, default=FULL["segment_ms"],
                         metavar=("START", "END"), help="the p3 trace segment (ms from the trace start)")
@@ -139,7 +177,8 @@ def run(args: argparse.Namespace, work: Path) -> None:
         for machine in range(MACHINES):
             pid = int((mc.describe(store, machine) or {})["pid"])  # type: ignore[arg-type]
             host_of[f"m{machine}"] = next(h for h in net.hosts if procs[h.index].pid == pid)
-        commits = Commits(store)
+        commits = Commits(etcd, "bench")
+        commits.start()
         events = list(plan.events)
         deadline = time.monotonic() + args.timeout
         window_start: float | None = None
@@ -148,16 +187,17 @@ def run(args: argparse.Namespace, work: Path) -> None:
             live = [i for i, proc in procs.items() if i not in killed]
             if all(procs[i].poll() is not None for i in live):
                 break
-            commits.poll()
             if window_start is None and len(commits.seen) >= WARMUP_STEPS:
                 window_start = time.monotonic()
             while window_start is not None and events and time.monotonic() - window_start >= events[0][0]:
                 _, kind, node = events.pop(0)
                 if kind == "remove":
                     host = host_of[node]
+                    generation = ms.current_generation(store)
+                    training = trains(store, procs[host.index].pid, generation)
                     net.kill_host(host)
                     killed.add(host.index)
-                    kills.append((host.index, time.monotonic(), ms.current_generation(store)))
+                    kills.append((host.index, time.monotonic(), generation, training))
                     print(f"[bench] step {len(commits.seen)}: machine {node} (host {host.index}) killed",
                           flush=True)
                 else:
@@ -166,24 +206,38 @@ def run(args: argparse.Namespace, work: Path) -> None:
                     added += 1
                     print(f"[bench] step {len(commits.seen)}: replacement machine {node} started", flush=True)
             time.sleep(0.005)
-        commits.poll()
+        commits.stop()
         codes = [procs[i].poll() for i in procs if i not in killed]
         for log in logs:
             log.close()
     times = [t for _, t, _ in commits.seen]
     # to the first step committed by the generation that replaced the lost machine (a step the survivors
-    # commit before that, which the lost members had prepared, is not the failover)
+    # commit before that, which the lost members had prepared, is not the failover); a machine none of whose
+    # members trained (a replacement lost before its workers joined) interrupts nothing: not a failover
     failovers = [
         next((t - lost for _, t, g in commits.seen if t > lost and g > generation), float("nan"))
-        for _, lost, generation in kills
+        for _, lost, generation, training in kills if training
     ]
-    spans = [b - a for a, b in itertools.pairwise(times) if not any(a < k < b for _, k, _ in kills)]
+    idle = [
+        next((t - lost for _, t, _ in commits.seen if t > lost), float("nan"))
+        for _, lost, _, training in kills if not training
+    ]
+    spans = [b - a for a, b in itertools.pairwise(times) if not any(a < k < b for _, k, _, _ in kills)]
     step_s = statistics.median(spans) if spans else float("nan")
-    is_exact = all(code == 0 for code in codes) and exact(reference, out, args.steps)
-    result = {"steps_committed": len(times), "kills": [m for m, _, _ in kills], "replacements": added,
-              "events_not_applied": len(events), "failover_s": failovers, "step_s": step_s,
-              "exit_codes": codes, "exact": is_exact, "lease_s": args.lease,
+    final_equal = exact(reference, out, args.steps)
+    is_exact = all(code == 0 for code in codes) and final_equal
+    after_end = sum(1 for _, t, _, _ in kills if len(times) >= args.steps and t >= times[-1])
+    if events or after_end:
+        print(f"[bench] the job's {args.steps} steps ended before the trace segment did ({len(events)} "
+              f"events not applied, {after_end} machine(s) lost after the last step): give more --steps",
+              flush=True)
+    result = {"steps_committed": len(times), "kills": [m for m, _, _, _ in kills], "replacements": added,
+              "events_not_applied": len(events), "kills_after_last_step": after_end, "failover_s": failovers,
+              "not_training_lost_to_next_step_s": idle,
+              "step_s": step_s, "exit_codes": codes, "final_state_equal": final_equal, "exact": is_exact,
+              "lease_s": args.lease,
               "segment_ms": args.segment_ms, "compression": args.compression, "work": str(work)}
+    (work / "commits.json").write_text(json.dumps({"commits": commits.seen, "kills": kills}))
     print(json.dumps(result), flush=True)
     print(f"node_failover_s={statistics.median(failovers) if failovers else float('nan'):.3f} "
           f"step_s={step_s:.3f} nodes_lost={len(kills)} exact={'true' if is_exact else 'false'}")
