@@ -406,15 +406,15 @@ class Agent:
         waiting at the step's commit, say). Once per tick, before the election and the decisions."""
         generation = ms.current_generation(self.store)
         reports = ms.lost_peer_reports(self.store, generation) if generation >= 0 else 0
-        others = [m for m in range(mc.count(self.store)) if m != self.machine and m not in self._dead]
         suspects = set()
         if reports and (generation, reports) != self._probed:
             self._probed = (generation, reports)
-            suspects.update(others)
-        for machine in others:
+            suspects.update(range(mc.count(self.store)))
+        for machine in self.leases.observed():  # no store read: the last tick's observation
             if self.leases.late(machine) and self._late_probed.get(machine) != self.leases.beat(machine):
                 self._late_probed[machine] = self.leases.beat(machine)
                 suspects.add(machine)
+        suspects -= self._dead | {self.machine}
         timeout = min(0.2, self.lease / 5)
         self._refusing |= {m for m in sorted(suspects) if mc.refuses(self.store, m, timeout)}
 

@@ -92,11 +92,12 @@ class GenerationCutter:
             current = ms.current_generation(self._store)
             if current <= self._generation:
                 return
-            if ms.get_str(self._store, f"gen{current}/kind") not in _CUT_KINDS:
+            kind = ms.get_str(self._store, f"gen{current}/kind")
+            if kind not in _CUT_KINDS:
                 return
             log.warning(
                 "Bamboo member %d: generation %d superseded by a %s generation: closing its %d connections",
-                self._member, self._generation, ms.get_str(self._store, f"gen{current}/kind"), len(self._fds),
+                self._member, self._generation, kind, len(self._fds),
             )
             self._shutdown()
 

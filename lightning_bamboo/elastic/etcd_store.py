@@ -83,9 +83,10 @@ class EtcdStore(dist.Store):
         agents read every machine's lease counter at every tick)."""
         while True:
             current = self._read(key)
+            count = int(current) if current is not None else 0
             if amount == 0:
-                return int(current) if current is not None else 0
-            new = str((int(current) if current is not None else 0) + amount).encode()
+                return count
+            new = str(count + amount).encode()
             if current is None:
                 done = self._client.create(self._key(key), new)
             else:

@@ -233,6 +233,10 @@ class LeaseWatch:
     def expired(self, machine: int) -> bool:
         return self.silent_for(machine) > self.lease
 
+    def observed(self) -> list[int]:
+        """The machines observed so far (only they can be :meth:`late`)."""
+        return sorted(self._seen)
+
     def beat(self, machine: int) -> int | None:
         """The last counter value seen for ``machine`` (``None`` before the first observation)."""
         last = self._seen.get(machine)
