@@ -3,8 +3,9 @@ MIN:MAX --nproc-per-node K --rdzv-endpoint etcd://HOST:PORT --job-id ID train.py
 
 A spot preemption takes a whole machine, so the machine is the failure domain. Each agent:
 
-* registers its machine in the store and keeps a *lease* there: a counter it bumps every lease/3 seconds on
-  a store connection of its own (:mod:`lightning_bamboo.elastic.machines` has the keys);
+* registers its machine in the store and keeps a *lease* there: a counter it bumps every renewal period (a
+  fraction of the lease) on a store connection of its own (:mod:`lightning_bamboo.elastic.machines` has the
+  keys);
 * starts its ``K`` workers (:class:`~lightning_bamboo.elastic.workers.LocalWorkers`, each with
   ``BAMBOO_LOCAL_RANK``), watches them by PID and heartbeat and reports their exits into the store;
 * fences itself: when it has not renewed its lease for the lease time (cut off from the store), it SIGKILLs
@@ -150,16 +151,17 @@ class Agent:
 
     # ------------------------------------------------------------------ lease and fencing
     def _renew(self) -> None:
-        """Bump the lease every lease/3 s. A renewal counts from when it was *sent* (an observer may see it
-        any time after), so this machine fences no later than the others count it lost. A renewal that
-        failed (a request timed out, the store was slow or cut off) is retried at once, not a period later:
-        one slow answer must not cost the machine its lease."""
+        """Bump the lease every renewal period (:func:`~lightning_bamboo.elastic.machines.renewal_period`). A
+        renewal counts from when it was *sent* (an observer may see it any time after), so this machine
+        fences no later than the others count it lost. A renewal that failed (a request timed out, the store
+        was slow or cut off) is retried at once, not a period later: one slow answer must not cost the
+        machine its lease."""
         while not self._done.is_set() and not self._fenced.is_set():
             sent = time.monotonic()
             try:
                 self._lease_store.add(f"node/{self.machine}/hb", 1)
                 self._renewed_at = sent
-                pause = self.lease / 3
+                pause = mc.renewal_period(self.lease)
             except Exception:  # unreachable or slow: the watchdog fences when the lease runs out
                 pause = min(self.poll, self.lease / 30)
             self._done.wait(pause)

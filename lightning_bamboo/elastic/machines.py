@@ -6,7 +6,7 @@ Keys (under the job's prefix, next to those of :mod:`lightning_bamboo.elastic.st
 * ``nodes/count``: machines registered so far; a machine's index is its arrival order (``store.add``).
 * ``node/{i}``: its description (JSON: workers, zone, host, agent PID, the agent's liveness address);
   ``node/{i}/members``: its members'
-  ids (JSON list); ``node/{i}/hb``: its lease, a counter the agent bumps every lease/3 seconds;
+  ids (JSON list); ``node/{i}/hb``: its lease, a counter the agent bumps every :func:`renewal_period`;
   ``node/{i}/dead``: written by the coordinator when the lease expired (the machine is lost, with all its
   members; an agent that finds its own machine dead stops its workers).
 * ``coordinator``: ``"{term}:{machine}"``, the agent deciding membership. Taken with ``compare_set`` from the
@@ -37,9 +37,18 @@ import torch.distributed as dist
 from lightning_bamboo.elastic import store as ms
 from lightning_bamboo.elastic.ownership import FallbackNeeded, OwnershipMap, failover
 
+RENEWALS_PER_LEASE = 3
+"""An agent renews its machine's lease this many times per lease (every ``lease / RENEWALS_PER_LEASE`` s,
+:func:`renewal_period`); observers call a machine :meth:`LeaseWatch.late` after a missed renewal."""
+
 COORDINATOR = "coordinator"
 CLOSED = "rdzv/closed"
 END = "job/end"
+
+
+def renewal_period(lease: float) -> float:
+    """Seconds between two renewals of a ``lease``-second lease."""
+    return lease / RENEWALS_PER_LEASE
 
 
 def register(store: dist.Store, nproc: int, zone: str, host: str, pid: int, liveness: str = "") -> int:
@@ -243,10 +252,10 @@ class LeaseWatch:
         return None if last is None else last[0]
 
     def late(self, machine: int) -> bool:
-        """Whether ``machine`` missed a renewal (agents renew every lease/3 s): silent for more than a
-        renewal period and a quarter. Not proof of anything (a loaded machine renews late), only a reason to
-        look (:func:`refuses`)."""
-        return self.silent_for(machine) > self.lease / 3 * 1.25
+        """Whether ``machine`` missed a renewal (:func:`renewal_period`): silent for more than a renewal
+        period and a quarter. Not proof of anything (a loaded machine renews late), only a reason to look
+        (:func:`refuses`)."""
+        return self.silent_for(machine) > renewal_period(self.lease) * 1.25
 
 
 def coordinator(store: dist.Store) -> tuple[int, int] | None:

@@ -217,7 +217,7 @@ def test_a_machine_gone_while_nobody_talked_to_it_is_found_by_its_late_lease_not
         gone._done.set()  # its processes die: no more renewals, its liveness port refuses
         gone.liveness.close()
         slow._done.set()  # stops renewing, but its agent still answers
-        late_by = time.monotonic() + lease / 3 * 1.25 + 0.2
+        late_by = time.monotonic() + mc.renewal_period(lease) * 1.25 + 0.2
         while time.monotonic() < late_by:
             watcher.leases.observe([gone.machine, slow.machine])
             time.sleep(0.05)
