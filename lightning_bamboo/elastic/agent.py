@@ -387,8 +387,8 @@ class Agent:
 
     def _await_suspects(self) -> None:
         """Machines lost together (a zone, a rack) stop renewing at the same moment, but their last renewals
-        are up to lease/3 apart: wait (at most lease/2) until every machine silent for more than half a lease
-        has renewed or expired, so that they are lost in ONE generation."""
+        are up to a renewal period apart: wait (at most lease/2) until every machine silent for more than
+        half a lease has renewed or expired, so that they are lost in ONE generation."""
         deadline = time.monotonic() + self.lease / 2
         while True:
             machines = [m for m in range(mc.count(self.store)) if m != self.machine and m not in self._dead]

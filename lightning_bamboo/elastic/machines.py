@@ -37,7 +37,7 @@ import torch.distributed as dist
 from lightning_bamboo.elastic import store as ms
 from lightning_bamboo.elastic.ownership import FallbackNeeded, OwnershipMap, failover
 
-RENEWALS_PER_LEASE = 3
+RENEWALS_PER_LEASE = 6
 """An agent renews its machine's lease this many times per lease (every ``lease / RENEWALS_PER_LEASE`` s,
 :func:`renewal_period`); observers call a machine :meth:`LeaseWatch.late` after a missed renewal."""
 

@@ -256,14 +256,16 @@ class _OneSlowAnswer:
 
 
 def test_one_slow_store_answer_does_not_cost_a_machine_its_lease() -> None:
-    """A renewal that failed is retried at once: one answer slower than the request timeout (here 1.2 s of a
-    3 s lease renewed every 1 s) must not fence the machine (it did when the retry waited a whole period)."""
+    """A renewal that failed is retried at once: one answer that fails after hanging most of the lease must
+    not fence the machine. With a 3 s lease renewed every 0.5 s, a 2.2 s hang leaves time for a retry at
+    once, not for one a renewal period later (which fenced the machine)."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     agent = Agent(["true"], 1, f"tcp://127.0.0.1:{server.port}", "slow", 1, 1, node_lease=3.0,
                   log=lambda *args, **kwargs: None)
     try:
-        agent._lease_store = _OneSlowAnswer(agent._lease_store, hang=1.2)
-        time.sleep(4.5)
+        hang = 3.0 - 1.5 * mc.renewal_period(3.0) - 0.05  # past a retry a period later, not one at once
+        agent._lease_store = _OneSlowAnswer(agent._lease_store, hang=hang)
+        time.sleep(hang + 2.5)
         assert not agent._lease_store.slow and not agent._fenced.is_set()
     finally:
         agent._done.set()
