@@ -436,15 +436,19 @@ class Agent:
         for machine in range(mc.count(self.store)):
             if machine == self.machine:
                 continue
-            expired = self.leases.expired(machine) or mc.is_dead(self.store, machine)
+            marked = mc.is_dead(self.store, machine)  # by an earlier coordinator
+            expired = self.leases.expired(machine)
             gone = machine in self._refusing
-            if machine not in self._dead and (expired or gone):
+            if machine not in self._dead and (marked or expired or gone):
                 self._dead.add(machine)
-                self.store.set(f"node/{machine}/dead", "1")
                 members = mc.members_of(self.store, machine)
-                why = (f"lease not renewed for {self.leases.silent_for(machine):.1f}s" if expired
-                       else "its agent refuses connections (its processes are gone)")
-                self.say(f"machine {machine} lost: {why}; its members {members}")
+                if marked:
+                    self.say(f"machine {machine} was counted lost before; its members {members}")
+                else:
+                    self.store.set(f"node/{machine}/dead", "1")
+                    why = (f"lease not renewed for {self.leases.silent_for(machine):.1f}s" if expired
+                           else "its agent refuses connections (its processes are gone)")
+                    self.say(f"machine {machine} lost: {why}; its members {members}")
             if machine in self._dead:
                 for member in mc.members_of(self.store, machine):
                     if member not in coordinator.finished:

@@ -179,6 +179,8 @@ def test_whole_machines_lost_then_the_coordinators(
     assert "failover: lost [1, 4] joined []" in coordinator_log
     assert "took over as the coordinator (term 1)" in log, job.logs_tail()
     assert re.search(f"machine 0 {gone}", log) and "failover: lost [0, 3] joined []" in log
+    # the new coordinator learns machine 1's loss from the store; it does not claim to have found it
+    assert "machine 1 was counted lost before" in log and not re.search(f"machine 1 {gone}", log)
     # one generation per machine lost, not one per worker
     maps = [OwnershipMap.from_json(m) for m in (ms.read_map(job.store, g).to_json() for g in range(3))]
     assert [m.generation for m in maps] == [0, 1, 2] and ms.current_generation(job.store) == 2
