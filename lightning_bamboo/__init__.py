@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_bamboo.checkpoint.sharded import consolidate_checkpoint
+    from lightning_bamboo.elastic.drain import BambooDeparted
     from lightning_bamboo.pipeline.engine import PipelineEngine
     from lightning_bamboo.pipeline.groups import BambooGroups
     from lightning_bamboo.pipeline.microbatch import split_microbatches
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from lightning_bamboo.strategy import BambooStrategy, ElasticBambooStrategy
 
 _EXPORTS = {
+    "BambooDeparted": "lightning_bamboo.elastic.drain",
     "BambooGroups": "lightning_bamboo.pipeline.groups",
     "BambooStrategy": "lightning_bamboo.strategy",
     "ElasticBambooStrategy": "lightning_bamboo.strategy",
@@ -32,6 +34,7 @@ _EXPORTS = {
     "split_microbatches": "lightning_bamboo.pipeline.microbatch",
 }
 __all__ = [
+    "BambooDeparted",
     "BambooGroups",
     "BambooStrategy",
     "ElasticBambooStrategy",

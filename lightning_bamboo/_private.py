@@ -2,7 +2,8 @@
 
 Lightning has no public way for a strategy to do these few things (build the user's optimizers over another
 set of layers, leave ``fit`` early with teardown run, start Lightning's own script launcher on several nodes,
-be a launcher, give a resumed loader its state when Lightning did not) and torch none to abort a process
+be a launcher, give a resumed loader its state when Lightning did not, take the trainer's checkpoint dict
+without its collective save) and torch none to abort a process
 group's pending work. ``tests/bamboo/test_private_api.py``
 imports and exercises each, so a Lightning or torch version that changes one fails there, loudly, instead of
 deep inside a failover.
@@ -10,10 +11,13 @@ deep inside a failover.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry as StrategyRegistry
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.pytorch import Trainer
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers as init_optimizers
 from lightning.pytorch.loops import _FitLoop
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
@@ -29,6 +33,15 @@ FIT_LOOP_EPOCH_STATE = "epoch_loop.state_dict"
 def abort_process_group() -> None:
     """Abort the default process group's pending work, so peers blocked on this member fail now."""
     dist.distributed_c10d._abort_process_group()
+
+
+def dump_checkpoint(trainer: Trainer) -> dict[str, Any]:
+    """What ``trainer.save_checkpoint`` writes (model, optimizers, loops, callbacks, schedulers), as a dict.
+
+    ``save_checkpoint`` also runs the strategy's collective save and a barrier; the checkpoint a stopping job
+    writes (:mod:`lightning_bamboo.checkpoint.stop`) meets the other workers through the job's store instead.
+    """
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
 
 def restore_loader_states(fit_loop: _FitLoop) -> bool:
@@ -58,6 +71,7 @@ __all__ = [
     "StrategyRegistry",
     "SubprocessScriptLauncher",
     "abort_process_group",
+    "dump_checkpoint",
     "init_optimizers",
     "optimizers_to_device",
     "restore_loader_states",

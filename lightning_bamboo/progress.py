@@ -55,30 +55,16 @@ def snapshot(trainer: pl.Trainer, optimizer: Optimizer, step: int) -> dict[str, 
     """
     loop = copy.deepcopy(trainer.fit_loop.state_dict())
     batches = loop[_BATCH]
-    for part in ("total", "current"):
-        c = batches[part]
-        if not (c["ready"] == c["started"] == c["processed"] + 1 == c["completed"] + 1):
-            raise RuntimeError(
-                f"Bamboo: a worker can join only at a step boundary; the batch progress is {batches}"
-            )
+    if not in_flight(loop):
+        raise RuntimeError(
+            f"Bamboo: a worker can join only at a step boundary; the batch progress is {batches}"
+        )
     done = batches["current"]["completed"]
     if done == 0:
         raise NotImplementedError(
             "Bamboo: a worker cannot join at the first batch of an epoch (the join is taken one step later)"
         )
-    # rewind the batch in flight: the state a checkpoint saved in on_train_batch_end of the previous step has
-    for part in ("total", "current"):
-        for key in ("ready", "started", "completed"):
-            batches[part][key] -= 1
-    batches["is_last_batch"] = False
-    for part in ("total", "current"):
-        loop[_OPTIM]["optimizer"]["step"][part]["ready"] -= 1
-    loop[_EPOCH_STATE]["_batches_that_stepped"] -= 1
-    # zero_grad ran once per step (twice for a replayed step): as many as completed steps at a batch end
-    optim = loop[_OPTIM]["optimizer"]
-    for part in ("total", "current"):
-        done_steps = optim["step"][part]["completed"]
-        optim["zero_grad"][part] = {"ready": done_steps, "started": done_steps, "completed": done_steps}
+    rewind_in_flight(loop)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     progress = {
         "step": step,
@@ -91,6 +77,53 @@ def snapshot(trainer: pl.Trainer, optimizer: Optimizer, step: int) -> dict[str, 
     }
     _check_json(progress, "progress")
     return progress
+
+
+def in_flight(loop: dict[str, Any]) -> bool:
+    """Whether ``loop`` (a ``fit_loop.state_dict()``) is inside a batch that has not been processed yet (a
+    member inside ``optimizer_step``, the closure run or not)."""
+    batches = loop[_BATCH]
+    return all(
+        c["ready"] == c["started"] == c["processed"] + 1 == c["completed"] + 1
+        for c in (batches["total"], batches["current"])
+    )
+
+
+def at_batch_end(loop: dict[str, Any]) -> bool:
+    """Whether ``loop`` is where Lightning's ``on_train_batch_end`` leaves it (processed, not completed)."""
+    batches = loop[_BATCH]
+    return all(
+        c["ready"] == c["started"] == c["processed"] == c["completed"] + 1
+        for c in (batches["total"], batches["current"])
+    )
+
+
+def rewind_in_flight(loop: dict[str, Any]) -> None:
+    """Rewind the batch in flight of ``loop`` (in place; :func:`in_flight` holds, past the epoch's first
+    batch): the state a checkpoint saved in ``on_train_batch_end`` of the previous step has, which Lightning
+    resumes mid-epoch from. The training loaders' saved positions are left alone (a joiner skips by
+    ``skip``; :func:`rewind_loader_positions` for a checkpoint)."""
+    batches = loop[_BATCH]
+    for part in ("total", "current"):
+        for key in ("ready", "started", "completed"):
+            batches[part][key] -= 1
+    batches["is_last_batch"] = False
+    for part in ("total", "current"):
+        loop[_OPTIM]["optimizer"]["step"][part]["ready"] -= 1
+    loop[_EPOCH_STATE]["_batches_that_stepped"] -= 1
+    # zero_grad ran once per step (twice for a replayed step): as many as completed steps at a batch end
+    optim = loop[_OPTIM]["optimizer"]
+    for part in ("total", "current"):
+        done_steps = optim["step"][part]["completed"]
+        optim["zero_grad"][part] = {"ready": done_steps, "started": done_steps, "completed": done_steps}
+
+
+def rewind_loader_positions(loop: dict[str, Any]) -> None:
+    """The saved position of every :class:`ResumableDataLoader` in ``loop`` back by the batch in flight (it
+    was delivered, not trained on), so a checkpoint of that loop resumes at that batch."""
+    for state in loop.get("state_dict", {}).get("combined_loader", []):
+        if isinstance(state, dict) and "batches" in state and "epoch_length" in state:
+            state["batches"] -= 1
 
 
 def _check_json(value: Any, where: str) -> None:

@@ -70,7 +70,7 @@ from lightning_bamboo.contract import (
 from lightning_bamboo.elastic import commit as commit_protocol
 from lightning_bamboo.elastic import store as ms
 from lightning_bamboo.elastic.cutter import GenerationCutter
-from lightning_bamboo.elastic.drain import DrainTimer
+from lightning_bamboo.elastic.drain import BambooDeparted, DrainTimer
 from lightning_bamboo.elastic.formation import GenerationFormation
 from lightning_bamboo.elastic.ownership import OwnershipMap
 from lightning_bamboo.elastic.reshard import LayerState
@@ -308,6 +308,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         self._joining_setup = False  # a joiner before its first step: no collective with the running job
         self._skip: Any = None  # a joiner's training batch sampler (progress.SkipFirstBatches)
         self.departed = False  # this member left by an announced departure (it stops after its last step)
+        self._left = False  # a departed member's fit has ended: it is no rank of the job any more
         self.drain_timer = DrainTimer()
 
     # ------------------------------------------------------------------ properties
@@ -350,6 +351,13 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
     @override
     def global_rank(self) -> int:
         return self._rank
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        """Rank 0 of the current generation; never a member that drained (it is no rank of the job any more,
+        while the member that became rank 0 is)."""
+        return self._rank == 0 and not self._left
 
     @property
     @override
@@ -1096,6 +1104,15 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
             _DESTROY_AT_EXIT = True
         self._elastic = False
         ParallelStrategy.teardown(self)
+        if self.departed and not self._left:
+            self._leave()
+
+    def _leave(self) -> None:
+        """A drained member's ``fit`` has ended (teardown hooks ran, loggers were finalized): end the process
+        with exit code 0 instead of returning into the script (:class:`BambooDeparted` says why)."""
+        self._left = True
+        rank_zero_only.rank = utils_rank_zero_only.rank = -1  # type: ignore[attr-defined]
+        raise BambooDeparted(self.member, self._step)
 
     @classmethod
     @override

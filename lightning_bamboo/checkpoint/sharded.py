@@ -132,11 +132,27 @@ def single_process_dcp() -> Iterator[None]:
         yield
 
 
-def _writer(path: Path) -> dcp.StorageWriter:
-    """Safetensors shards, one file per rank (``save_distributed``: file names carry the rank's index)."""
+def _writer(path: Path, shard: int | None = None) -> dcp.StorageWriter:
+    """Safetensors shards, one file per rank (``save_distributed``: file names carry the rank's index).
+
+    ``shard``: this process writes alone (no process group) as shard ``shard`` (>= 1) of the folder; DCP
+    would number every lone writer 1.
+    """
+    import dataclasses
+
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    return HuggingFaceStorageWriter(str(path), save_distributed=True)
+    if shard is None:
+        return HuggingFaceStorageWriter(str(path), save_distributed=True)
+
+    class _LoneShardWriter(HuggingFaceStorageWriter):
+        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+            return [
+                dataclasses.replace(plan, storage_data={**plan.storage_data, "shard_index": shard})
+                for plan in super().prepare_global_plan(plans)
+            ]
+
+    return _LoneShardWriter(str(path), save_distributed=True)
 
 
 def _reader(path: Path) -> dcp.StorageReader:
@@ -151,11 +167,15 @@ def save_sharded(
     is_global_zero: bool,
     barrier: Callable[[], None],
     stage: int | None = None,
+    shard: int | None = None,
 ) -> None:
     """Write this rank's shard of ``checkpoint`` (collective: every rank calls it).
 
     ``stage``: given by one rank per stage (pipeline 0's), which then also writes its param groups'
     parameter names (JSON), so :func:`consolidate_checkpoint` can write the whole model's optimizer state.
+    ``shard``: write without the process group, as shard ``shard`` (>= 1; unique among the writers), with
+    ``barrier`` meeting the others some other way (the job's store); only the ranks that hold tensors to
+    write pass a ``checkpoint`` with any (each tensor written by exactly one of them).
     """
     path = Path(filepath)
     partial = path.with_name(path.name + ".partial")
@@ -164,8 +184,12 @@ def save_sharded(
             shutil.rmtree(partial)
         partial.mkdir(parents=True)
     barrier()
+    tree = _tensor_tree(checkpoint)
     with single_process_dcp():
-        dcp.save(_tensor_tree(checkpoint), storage_writer=_writer(partial), no_dist=not dist.is_initialized())
+        if shard is None:
+            dcp.save(tree, storage_writer=_writer(partial), no_dist=not dist.is_initialized())
+        elif tree:
+            dcp.save(tree, storage_writer=_writer(partial, shard), no_dist=True)
     if stage is not None:
         write_group_names(partial, stage, checkpoint.get("optimizer_states", []))
     if is_global_zero:

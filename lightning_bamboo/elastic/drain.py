@@ -9,9 +9,12 @@ the same warned ranks, right after step ``k`` committed:
 2. the launcher, the only one that decides membership, sees the key and publishes generation ``g+1`` =
    :func:`lightning_bamboo.elastic.ownership.failover` of the leavers, kind ``drain``; it counts the leavers'
    exit as a departure, not a failure;
-3. the leavers wait for a published generation without them, stop training (``trainer.should_stop``) and
-   exit 0; the survivors form that generation at once and go on with step ``k+1``: no step is replayed,
-   since nothing was interrupted.
+3. the leavers wait for a published generation without them and end their ``fit`` the way Lightning's own
+   early exits do (teardown hooks run, loggers are finalized), then the process exits 0 through
+   :class:`BambooDeparted` instead of returning into the script: a leaver is no trainer of the job any more
+   (it would run the script's post-``fit`` code as a stale rank, and its collectives with nobody); the
+   survivors form that generation at once and go on with step ``k+1``: no step is replayed, since nothing
+   was interrupted.
 
 Nothing is sent by the leavers: after the commit of step ``k`` every replica holds exactly the stage it
 mirrors (a step commits only once every replica holds its successor's gradients, and the replica applies
@@ -32,6 +35,28 @@ import torch.distributed as dist
 
 from lightning_bamboo.elastic import store as ms
 from lightning_bamboo.elastic.ownership import OwnershipMap
+
+
+class BambooDeparted(SystemExit):
+    """Ends the process of a member that drained (its machine is being taken), with exit code 0.
+
+    Raised at the end of ``fit``'s teardown on the leaver, after Lightning ran the teardown hooks and
+    finalized the loggers, so nothing the script does after ``trainer.fit`` runs there: code after ``fit``
+    (saving or uploading the result as rank 0, ``trainer.test``, ``trainer.save_checkpoint``) runs on the
+    survivors only, where ``is_global_zero`` is true in exactly one process. It is a ``SystemExit``: ``except
+    Exception`` does not catch it, ``finally`` blocks and ``atexit`` handlers run as at any exit, and the
+    interpreter exits 0 without a traceback. A script that must do something on a leaver catches it:
+    ``except BambooDeparted as gone: ...`` (``gone.member``, ``gone.step``); the leaver's strategy says
+    ``is_global_zero=False`` from its drain on.
+    """
+
+    def __init__(self, member: int, step: int) -> None:
+        super().__init__(0)
+        self.member = member
+        self.step = step  # the last step this member trained (the survivors go on with step + 1)
+
+    def __str__(self) -> str:
+        return f"Bamboo member {self.member} drained after step {self.step}: it left the job"
 
 
 def _key(generation: int) -> str:

@@ -41,6 +41,8 @@ from typing_extensions import override
 from lightning_bamboo import _private
 from lightning_bamboo import progress as trainer_progress
 from lightning_bamboo.checkpoint import periodic as fb
+from lightning_bamboo.checkpoint import sharded as ckpt
+from lightning_bamboo.checkpoint import stop as stop_checkpoint
 from lightning_bamboo.clipping import apply_clipping
 from lightning_bamboo.elastic import commit as commit_protocol
 from lightning_bamboo.elastic import crash
@@ -217,17 +219,61 @@ class ElasticRuntime:
         Every member is at the same committed step here: a step in flight was aborted or rolled forward as
         in a failover (the cutter ends the old generation's collectives). The final checkpoint, when
         ``checkpoint_every_n_steps`` is set, is therefore one consistent step (written by the first
-        pipeline; ``teardown`` waits for the write). ``fit`` then ends as Lightning ends it on SIGTERM
+        pipeline; ``teardown`` waits for the write), and so is the Lightning checkpoint folder a new run
+        resumes from (:meth:`_write_stop_checkpoint`). ``fit`` then ends as Lightning ends it on SIGTERM
         (``SIGTERMException``: teardown runs; the process exits with 143 unless the script catches it).
         """
         assert self.owners is not None
         self._maybe_checkpoint(final=True)
+        self._write_stop_checkpoint()
         print(
             f"[bamboo] member {self.member}: the job is stopping; leaving after step {self._step} "
             f"(generation {self.owners.generation})",
             flush=True,
         )
         raise SIGTERMException(128 + signal.SIGTERM)
+
+    def _write_stop_checkpoint(self) -> None:
+        """Every member writes its part of ``<checkpoint_dir>/<job id>/stop-step=<k>.ckpt``, a Lightning
+        checkpoint of the last committed step ``k`` (:mod:`lightning_bamboo.checkpoint.stop`), meeting the
+        others through the store. Skipped without ``checkpoint_dir``, when a member's error stopped the job
+        (its stages may be in no other member), or where the loop has no resumable state (said once)."""
+        checkpointer, owners, store = self._checkpointer, self.owners, self._store
+        if checkpointer is None or owners is None or store is None or self.lightning_module is None:
+            return
+        members = owners.members()
+        if any(crash.recorded(store, m) is not None for m in members):
+            return
+        checkpoint = stop_checkpoint.trainer_checkpoint(self.lightning_module.trainer)
+        path = stop_checkpoint.path(checkpointer.root, self._step)
+        if checkpoint is None:
+            rank_zero_only(print)(
+                f"[bamboo] no stop checkpoint at step {self._step}: the job stopped where the trainer has no "
+                "resumable state (the first batch of an epoch, or during validation)",
+                flush=True,
+            )
+            return
+        writers = sorted({m for m, _ in owners.positions(owners.pipeline_ids()[0])})
+        writer = self.member in writers
+        if not writer:
+            checkpoint = stop_checkpoint.without_tensors(checkpoint)
+        if self._ties:
+            checkpoint[ckpt.TIED_KEY] = self._tie_aliases()
+        arrivals = iter(range(3))
+        timeout = self._timeout.total_seconds()
+        ckpt.save_sharded(
+            checkpoint,
+            path,
+            self.is_global_zero,
+            lambda: ms.store_barrier(store, f"stop/ckpt/{next(arrivals)}", len(members), timeout),
+            stage=self.stage_index if writer else None,
+            shard=self.stage_index + 1 if writer else 0,
+        )
+        rank_zero_only(print)(
+            f"[bamboo] stop checkpoint step={self._step} path={path} (resume: trainer.fit(model, "
+            "ckpt_path=...))",
+            flush=True,
+        )
 
     def _join_at_boundary(self) -> None:
         """Form the next generation before the step when the last commit adopted a join (every member read
@@ -308,8 +354,9 @@ class ElasticRuntime:
         (:mod:`lightning_bamboo.elastic.drain`).
 
         Called on every member at the same boundary. A leaver ends its ``fit`` (teardown hooks run, not
-        ``on_train_end``) once the launcher published the generation without it; the survivors form that
-        generation now and replay nothing. ``checkpoint_dir`` is not used: nothing is checkpointed.
+        ``on_train_end``) once the launcher published the generation without it, and its process exits 0
+        (:class:`~lightning_bamboo.elastic.drain.BambooDeparted`, raised by ``teardown``); the survivors
+        form that generation now and replay nothing. ``checkpoint_dir`` is not used: nothing is checkpointed.
 
         Without a supervisor (no next generation can come), the job checkpoints and stops instead
         (:func:`lightning_bamboo.events.drain_with_checkpoint`).
@@ -332,7 +379,8 @@ class ElasticRuntime:
             self.departed = True
             # leave ``fit`` now, the way Lightning's own tuner callbacks end it early: teardown hooks run,
             # nothing else. Whatever ran after this boundary (ModelCheckpoint's collective decisions and save,
-            # on_train_end) would run against a world the survivors have already left.
+            # on_train_end) would run against a world the survivors have already left. ``teardown`` then
+            # ends the process (BambooDeparted, exit 0): the script's code after ``fit`` is the survivors'.
             raise _private.LeaveFit
         self._next_generation(since=start)
         self.drain_timer.reformed()

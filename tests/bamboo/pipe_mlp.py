@@ -46,6 +46,12 @@ class PipeMLP(LightningModule):
         return loss
 
     @override
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self.pipeline_loss(self.pipeline(self.pipeline_inputs(batch)), batch)
+        self.log("test_loss", loss)
+        return loss
+
+    @override
     def configure_optimizers(self):  # type: ignore[override]
         if self.optimizer_name == "adam":
             optimizer: torch.optim.Optimizer = torch.optim.Adam(

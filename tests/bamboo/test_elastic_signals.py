@@ -9,6 +9,7 @@ checkpoint folder, and that no process outlives the job. Workers hold at a step 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -28,6 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
 from lightning_bamboo.checkpoint import periodic as fb
+from lightning_bamboo.checkpoint.sharded import consolidate_checkpoint
 from lightning_bamboo.elastic import crash
 from lightning_bamboo.elastic.supervisor import Supervisor, _Worker
 from lightning_bamboo.notices.signals import SigtermNoticeSource
@@ -152,6 +154,44 @@ def test_sigterm_to_a_worker_drains_it_by_default(
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_a_drained_rank_zero_runs_no_code_after_fit(tmp_path: Path, jobs: list[Job]) -> None:
+    """3 stages on 3 members; member 0 (rank 0) is SIGTERMed while it holds at step 3 and drains. Its process
+    exits 0 at the end of its ``fit`` (``BambooDeparted``): it writes no after-``fit`` marker, so "rank 0
+    saves the result" runs once, on the survivor that became rank 0 (exactly one marker says
+    ``is_global_zero``). The survivors' ``trainer.test`` and ``trainer.save_checkpoint`` after ``fit`` (both
+    collective) work: the test loss is the uninterrupted run's, the checkpoint consolidates to its final
+    parameters (float64)."""
+    reference_out = tmp_path / "reference"
+    run_process([sys.executable, str(SCRIPT), "--out", str(reference_out), "--strategy", "auto", "--stages",
+                 "3", "--steps", str(STEPS), "--after-fit"], timeout=240)
+    reference = load_file(str(reference_out / "final_reference.safetensors"))
+    job = Job(tmp_path / "run", 3, 3, "--hold", "0:3:sigterm", "--after-fit")
+    jobs.append(job)
+    job.wait_for("reached3_member0")
+    os.kill(job.pid(0), signal.SIGTERM)
+    assert job.wait() == 0, job.log[-4000:]
+    assert "[bamboo.launch] member 0 left (exit 0)" in job.log
+    assert "Traceback" not in job.log, job.log[-4000:]
+    markers = {int(p.stem.removeprefix("after_fit_member")): json.loads(p.read_text())
+               for p in job.out.glob("after_fit_member*.json")}
+    assert sorted(markers) == [1, 2]  # the leaver ran nothing after fit
+    assert [m for m, after in markers.items() if after["is_global_zero"]] == [1]
+    assert sorted(after["rank"] for after in markers.values()) == [0, 1]
+    expected = json.loads((reference_out / "after_fit_reference.json").read_text())["test_loss"]
+    for after in markers.values():
+        assert after["world_size"] == 2 and after["global_step"] == STEPS
+        torch.testing.assert_close(after["test_loss"], expected, **TOL)
+    check_final(job.out, reference)
+    merged = consolidate_checkpoint(job.out / "after_fit_ckpt")
+    own = {k.removeprefix("own/"): v for k, v in reference.items() if k.startswith("own/")}
+    assert merged.keys() == own.keys()
+    for key, value in merged.items():
+        torch.testing.assert_close(value, own[key], **TOL, msg=key)
+    assert not any(alive(pid) for pid in job.worker_pids())
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_sigterm_during_the_sanity_check_drains_at_the_first_boundaries(
     tmp_path: Path, jobs: list[Job]
 ) -> None:
@@ -178,15 +218,18 @@ def test_sigterm_during_the_sanity_check_drains_at_the_first_boundaries(
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigterm_to_the_supervisor_stops_the_workers_with_a_final_checkpoint(
-    tmp_path: Path, jobs: list[Job]
+    tmp_path: Path, jobs: list[Job], elastic_reference: dict[str, torch.Tensor]
 ) -> None:
     """SIGTERM to the supervisor while member 0 holds at step 3 (fallback checkpoints every 2 steps): it
     publishes a stop, member 1 (already blocked in step 4 on member 0) is cut out of that step and aborts
     it, both leave at step 3 after writing a final checkpoint of step 3, and the supervisor exits 143 with
-    no worker left. The checkpoint equals the uninterrupted run after 3 steps (float64)."""
+    no worker left; neither runs the script's code after ``fit``. The checkpoint equals the uninterrupted
+    run after 3 steps (float64). The stop's Lightning checkpoint (``stop-step=3.ckpt``) consolidates to the
+    same parameters, and a new job resumed from it with ``fit(ckpt_path=...)`` ends equal to the
+    uninterrupted run."""
     ckpt = tmp_path / "ckpt"
     job = Job(tmp_path / "run", 2, 2, "--hold", "0:3:release", "--checkpoint-every", "2",
-              "--checkpoint-dir", str(ckpt))
+              "--checkpoint-dir", str(ckpt), "--after-fit")
     jobs.append(job)
     job.wait_for("reached3_member0")
     pids = [job.pid(0), job.pid(1)]
@@ -204,6 +247,7 @@ def test_sigterm_to_the_supervisor_stops_the_workers_with_a_final_checkpoint(
     assert "failover" not in log and "did not stop" not in log
     assert not any(alive(pid) for pid in pids)
     assert not list(job.out.glob("final_*"))  # the script did not go on as if training had finished
+    assert not list(job.out.glob("after_fit_*"))
 
     (root,) = ckpt.iterdir()  # <checkpoint_dir>/<job id>
     assert fb.latest_complete(root) == 3
@@ -220,6 +264,19 @@ def test_sigterm_to_the_supervisor_stops_the_workers_with_a_final_checkpoint(
             torch.testing.assert_close(dict(held[layer].module.named_parameters())[name], p, **TOL, msg=where)
             for key, value in optimizer.state[p].items():
                 torch.testing.assert_close(held[layer].state[name][key], value, **TOL, msg=f"{where} {key}")
+
+    stopped = root / "stop-step=3.ckpt"
+    assert f"[bamboo] stop checkpoint step=3 path={stopped}" in log
+    merged = consolidate_checkpoint(stopped)
+    assert merged.keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(merged[key], value, **TOL, msg=key)
+    ledger = tmp_path / "resumed.jsonl"
+    resumed = Job(tmp_path / "resumed", 2, 2, "--resume", str(stopped), "--ledger", str(ledger))
+    jobs.append(resumed)
+    assert resumed.wait() == 0, resumed.log[-4000:]
+    assert [json.loads(line)["step"] for line in ledger.read_text().splitlines()] == [3, 4, 5]  # resumed
+    check_final(resumed.out, elastic_reference)
 
 
 def reference_after(steps: int, root: Path) -> tuple[PipeMLP, torch.optim.Optimizer]:

@@ -11,6 +11,10 @@ owns at the end, and ``<out>/failovers_member{m}.json`` (the ownership maps it w
 (an announced departure drains it); members record their Bamboo hook calls and metrics in
 ``<out>/events_member{m}.json`` (see ``tests/bamboo/drain_callbacks.py``). A member that left writes no
 ``final_*`` file.
+``--after-fit``: right after ``fit`` the script writes ``<out>/after_fit_<name>.json`` (its rank,
+``is_global_zero``, world size, global step), then runs ``trainer.test`` on the validation data and
+``trainer.save_checkpoint(<out>/after_fit_ckpt)`` (both collective) and adds the test loss to that file: what
+a user's "after training, rank 0 saves the result" code does. A drained member never gets there.
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ def main() -> None:
     parser.add_argument("--raise-at", default="", help="MEMBER:STEP: its loss raises there")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--ledger", type=Path, default=None, help="a BambooLedger file")
+    parser.add_argument("--resume", type=Path, default=None, help="fit(ckpt_path=...)")
+    parser.add_argument("--after-fit", action="store_true", help="record the rank, test, save (see above)")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack
     torch.set_num_threads(1)
@@ -145,7 +151,16 @@ def main() -> None:
         val_check_interval=args.validate or None,
         callbacks=[*callbacks, val_losses, PhaseFaults.from_env()],
     )
-    trainer.fit(model, train_dataloaders=train, val_dataloaders=val if args.validate else None)
+    trainer.fit(model, train_dataloaders=train, val_dataloaders=val if args.validate else None,
+                ckpt_path=args.resume)
+    who = f"member{strategy.member}" if isinstance(strategy, BambooStrategy) else "reference"
+    if args.after_fit:
+        after = {"rank": trainer.global_rank, "is_global_zero": trainer.is_global_zero,
+                 "world_size": trainer.world_size, "global_step": trainer.global_step}
+        (args.out / f"after_fit_{who}.json").write_text(json.dumps(after))
+        after["test_loss"] = trainer.test(model, dataloaders=val, verbose=False)[0]["test_loss"]
+        trainer.save_checkpoint(args.out / "after_fit_ckpt")
+        (args.out / f"after_fit_{who}.json").write_text(json.dumps(after))
     # every name of a tied parameter (remove_duplicate=False), so each member's copy meets the reference's
     params = list(model.named_parameters(remove_duplicate=False))
     tensors = {f"own/{name}": p.detach().clone() for name, p in params}
@@ -159,16 +174,11 @@ def main() -> None:
     tensors["global_step"] = torch.tensor([trainer.global_step], dtype=torch.int64)
     if args.validate:
         tensors["val_losses"] = torch.tensor(val_losses.losses, dtype=torch.float64)
-    if isinstance(strategy, BambooStrategy) and strategy.departed:
-        return
     if isinstance(strategy, BambooStrategy):
-        name = f"member{strategy.member}"
-        (args.out / f"failovers_{name}.json").write_text(
+        (args.out / f"failovers_{who}.json").write_text(
             json.dumps([[old.to_json(), new.to_json()] for old, new in strategy.failovers])
         )
-    else:
-        name = "reference"
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(args.out / f"final_{name}.safetensors"))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(args.out / f"final_{who}.safetensors"))
 
 
 if __name__ == "__main__":
