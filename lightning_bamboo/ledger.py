@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _KEY = "ledger/{step}/{member}"
+_FALLBACK_KEY = "ledger/{step}/fallback/{member}"
 
 
 class BambooLedger(Callback):
@@ -71,6 +72,9 @@ class BambooLedger(Callback):
         self._samples: dict[int, list[int]] = {}  # pipeline -> indices of the step being accumulated
         self._step_before = -1  # trainer.global_step when the current batch started
         self._trimmed = False  # this process has dropped stale lines (it writes from now on)
+        # (step, epoch, reports) of a line written without some stage's digest because the members holding
+        # it were lost after its commit: completed by the fallback that re-runs the step (on_fallback)
+        self._pending: tuple[int, int, list[dict[str, Any]]] | None = None
 
     # ------------------------------------------------------------------ Lightning hooks
     def on_train_batch_start(
@@ -101,6 +105,7 @@ class BambooLedger(Callback):
         if elastic:
             store.set(_KEY.format(step=step, member=strategy.member), json.dumps(report))  # type: ignore[attr-defined]
             if trainer.global_rank == 0:
+                self._write_pending()
                 self._write_from_store(trainer, store, owners, step)
             return
         one_process = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
@@ -134,9 +139,49 @@ class BambooLedger(Callback):
         if len(found) < len(keys):
             log.warning("BambooLedger: step %d: %d of %d members reported", step, len(found), len(keys))
         reports = [json.loads(store.get(k)) for k in found]
-        self._append(_line(step, trainer.current_epoch, reports))
         for key in found:
             store.delete_key(key)
+        if _stages_reported(reports) < len(_stage_layers(trainer.strategy)):
+            # every holder of a stage was lost after this step's commit: the fallback that follows re-runs
+            # the step and reports the digest (on_fallback); written then, or before the next line
+            self._pending = (step, trainer.current_epoch, reports)
+            return
+        self._append(_line(step, trainer.current_epoch, reports))
+
+    def on_fallback(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint_path: str, **info: Any
+    ) -> None:
+        """After a fallback's re-run (the members hold the parameters of step ``info["step"] - 1`` again),
+        every member reports its stages' digests of that step; rank 0 completes the line it holds back."""
+        strategy = trainer.strategy
+        store, owners = _store_of(strategy), getattr(strategy, "owners", None)
+        if store is None or owners is None or "step" not in info:
+            return
+        step = int(info["step"]) - 1
+        key = _FALLBACK_KEY.format(step=step, member=strategy.member)  # type: ignore[attr-defined]
+        store.set(key, json.dumps(_digests(trainer, pl_module)))
+        if trainer.global_rank != 0 or self._pending is None or self._pending[0] != step:
+            return
+        keys = [_FALLBACK_KEY.format(step=step, member=m) for m in owners.members()]
+        deadline = time.monotonic() + self.wait
+        while not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        found = [k for k in keys if store.check([k])]
+        step, epoch, reports = self._pending
+        self._pending = None
+        self._append(_line(step, epoch, reports, [json.loads(store.get(k)) for k in found]))
+        for key in found:
+            store.delete_key(key)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write_pending()
+
+    def _write_pending(self) -> None:
+        """A line held back for a fallback that did not come (no member could report the stage): as it is."""
+        if self._pending is not None:
+            step, epoch, reports = self._pending
+            self._pending = None
+            self._append(_line(step, epoch, reports))
 
     def _trim(self, step: int) -> int:
         """Before this process's first line: drop lines at or after ``step`` (a resumed run re-trains them);
@@ -259,9 +304,17 @@ def _members_ever(owners: Any) -> list[int]:
     return list(range(max(owners.members()) + 1))
 
 
-def _line(step: int, epoch: int, reports: list[dict[str, Any]]) -> dict[str, Any]:
+def _stages_reported(reports: list[dict[str, Any]]) -> int:
+    """How many stages some report gives a digest of (its own stages or its replica)."""
+    return len({stage for report in reports for kind in ("own", "replica") for stage in report[kind]})
+
+
+def _line(
+    step: int, epoch: int, reports: list[dict[str, Any]], refilled: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """Merge the ranks' reports of one step into its ledger line (an elastic member's report carries the
-    ownership map of the generation the step committed under)."""
+    ownership map of the generation the step committed under). ``refilled``: digests (``own``/``replica``)
+    the members of a fallback reported for this step after re-running it, used for stages no report has."""
     samples: dict[str, list[int]] = {}
     seen: dict[str, set[str]] = {}
     digests: dict[str, str] = {}
@@ -270,7 +323,7 @@ def _line(step: int, epoch: int, reports: list[dict[str, Any]]) -> dict[str, Any
     for report in ordered:
         samples.setdefault(str(report["pipeline"]), report["samples"])
     for kind in ("own", "replica"):  # a stage whose holders were all lost: its replica holder's digest
-        for report in ordered:
+        for report in [*ordered, *(refilled or [])]:
             for stage, value in report[kind].items():
                 seen.setdefault(stage, set()).add(value)
                 digests.setdefault(stage, value)

@@ -13,6 +13,7 @@ import pickle
 import re
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -63,17 +64,35 @@ def test_fewer_processes_than_stages_after_a_loss_after_the_commit(
 ) -> None:
     """4 stages x 1 pipeline; members 1 and 2 die together after reading the commit of step 4 (the survivors
     apply it). Two survivors for four stages: members 0 and 3 run stages 0-1 and 2-3 fused, each with the
-    other's replica, all loaded from the checkpoint, and re-run the steps since it with replica exchange."""
+    other's replica, all loaded from the checkpoint, and re-run the steps since it with replica exchange.
+
+    Both runs keep a ``BambooLedger``: step 3's line (the step before the fallback, whose stage 2 no survivor
+    held: its owner and its replica holder were lost before reporting it) gets stage 2's digest from the
+    fallback's re-run, and ``verify`` finds the run the same as the uninterrupted one."""
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "4", str(SCRIPT), "--out", str(out)]
-    cmd += ["--stages", "4", "--steps", str(STEPS), "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt)]
-    log = run_process(cmd, timeout=400, env=launch_env({"BAMBOO_FAULT": "1+2:4:commit"})).stdout
+
+    def launch(to: Path, fault: str, *args: str) -> str:
+        cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "4", str(SCRIPT), "--out", str(to)]
+        cmd += ["--stages", "4", "--steps", str(STEPS), "--ledger", str(to / "ledger.jsonl"), *args]
+        return run_process(cmd, timeout=400, env=launch_env({"BAMBOO_FAULT": fault})).stdout
+
+    with ThreadPoolExecutor(2) as pool:
+        plain = pool.submit(launch, tmp_path / "plain", "")
+        log = launch(out, "1+2:4:commit", "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt))
+        plain.result()
     assert "fallback: lost [1, 2]" in log, log[-3000:]
     assert "pipe0  m0      m0      m3      m3" in log
     found = re.search(r"fallback: loaded checkpoint step=(\d+) .* re-ran steps (\d+)\.\.(\d+)", log)
     assert found, log[-3000:]
     assert [int(v) for v in found.groups()] in ([4, 4, 4], [2, 2, 4])
     check_final(out, elastic_reference)
+    lines = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(STEPS))
+    assert all(sorted(line["digests"]) == ["0", "1", "2", "3"] for line in lines), lines
+    assert not any("mismatch" in line for line in lines)
+    verify = [sys.executable, "-m", "lightning_bamboo.verify", str(tmp_path / "plain" / "ledger.jsonl"),
+              str(out / "ledger.jsonl")]
+    assert f"the ledgers are the same: {STEPS} steps" in run_process(verify, timeout=60).stdout
 
 
 @pytest.mark.slow
