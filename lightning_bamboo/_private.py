@@ -3,7 +3,7 @@
 Lightning has no public way for a strategy to do these few things (build the user's optimizers over another
 set of layers, leave ``fit`` early with teardown run, start Lightning's own script launcher on several nodes,
 be a launcher, give a resumed loader its state when Lightning did not, take the trainer's checkpoint dict
-without its collective save) and torch none to abort a process
+without its collective save, read the row a training step logs) and torch none to abort a process
 group's pending work. ``tests/bamboo/test_private_api.py``
 imports and exercises each, so a Lightning or torch version that changes one fails there, loudly, instead of
 deep inside a failover.
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry as StrategyRegistry
+from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
 from lightning.pytorch import Trainer
@@ -42,6 +43,13 @@ def dump_checkpoint(trainer: Trainer) -> dict[str, Any]:
     writes (:mod:`lightning_bamboo.checkpoint.stop`) meets the other workers through the job's store instead.
     """
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def step_log_metrics(trainer: Trainer) -> dict[str, Any]:
+    """The metrics Lightning logs at a training step's end, as scalars (computed on every rank; only rank
+    0's loggers take them): what a member that becomes rank 0 logs for a step the old one did not
+    (:mod:`lightning_bamboo.rank_zero`)."""
+    return convert_tensors_to_scalars(trainer._logger_connector.metrics["log"])
 
 
 def restore_loader_states(fit_loop: _FitLoop) -> bool:
@@ -75,5 +83,6 @@ __all__ = [
     "init_optimizers",
     "optimizers_to_device",
     "restore_loader_states",
+    "step_log_metrics",
     "sync_ddp_if_available",
 ]

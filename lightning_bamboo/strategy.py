@@ -87,6 +87,7 @@ from lightning_bamboo.pipeline.microbatch import (
 from lightning_bamboo.pipeline.view import PipelineView, StageAveragingEngine
 from lightning_bamboo.precision import with_pipeline_clipping
 from lightning_bamboo.progress import resumable, skip_first_batches
+from lightning_bamboo.rank_zero import RankZeroDuties
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import Action, ActionKind
 from lightning_bamboo.step import PipelinedStep
@@ -308,6 +309,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         self._joining_setup = False  # a joiner before its first step: no collective with the running job
         self._skip: Any = None  # a joiner's training batch sampler (progress.SkipFirstBatches)
         self.departed = False  # this member left by an announced departure (it stops after its last step)
+        self._rank_zero = RankZeroDuties()  # rows and progress bar, when this member becomes rank 0
         self._left = False  # a departed member's fit has ended: it is no rank of the job any more
         self.drain_timer = DrainTimer()
 
@@ -775,6 +777,8 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Remember the batches of the step in progress (more than one with ``accumulate_grad_batches``): a
         failover mid-step runs them again on the next generation."""
+        if self._elastic and self._store is not None and self.lightning_module is not None:
+            self._rank_zero.batch_start(self.lightning_module.trainer, self._store, self.is_global_zero)
         if not self._window:
             self._window_buffers = self._buffer_snapshot()
         self._window.append((batch_idx, batch))

@@ -182,6 +182,9 @@ class ElasticRuntime:
                 kind = "fallback"
                 self._fall_back(new)
         self._formed(generation)
+        if self._rank == 0 and self.member in old.members() and old.rank_of(self.member) != 0:
+            assert self.lightning_module is not None
+            self._rank_zero.take_over(self.lightning_module.trainer, self._store)
         self.failovers.append((old, new))
         if self._window:  # inside a step of several batches: the done ones again, on the new layout
             self._window_buffers = self._buffer_snapshot()

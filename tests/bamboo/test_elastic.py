@@ -9,6 +9,7 @@ timeout, killed by process group if it outlives it).
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import os
 import signal
@@ -226,3 +227,22 @@ def test_failover_through_etcd(
     )
     assert "failover: lost [1]" in log
     check_final(tmp_path, elastic_reference)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_rank_zero_lost_after_a_commit_logs_every_step_once(
+    tmp_path: Path, elastic_reference: dict[str, torch.Tensor]
+) -> None:
+    """Member 0 (rank 0: the one whose CSVLogger writes and whose progress bar shows) is SIGKILLed after the
+    commit of step 3, before Lightning logged that step's row. Member 1 rolls the step forward, becomes rank
+    0, logs step 3's row (the store says the old rank 0 logged up to step 2) and shows the progress bar for
+    the rest of the run: the CSV has every step once, and the final state equals the uninterrupted run."""
+    log = run_elastic(tmp_path, nproc=2, stages=2, fault="0:3:commit", extra_args=("--csv",))
+    assert "failover: lost [0]" in log, log[-3000:]
+    check_final(tmp_path, elastic_reference)
+    (version,) = (tmp_path / "logs").iterdir()
+    rows = list(csv.DictReader((version / "metrics.csv").open()))
+    steps = [int(row["step"]) for row in rows if row.get("train_loss")]
+    assert steps == list(range(STEPS)), steps
+    assert json.loads((tmp_path / "bar_member1.json").read_text()) == {"enabled": True, "n": STEPS}

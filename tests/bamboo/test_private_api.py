@@ -142,3 +142,32 @@ def test_restore_loader_states_after_an_early_estimate(tmp_path: Path) -> None:
     assert plain.batches == [0, 1, 2], "Lightning now restores the state itself: drop the workaround"
     trainer(6, fixed).fit(_SizesItsSchedule(), train_dataloaders=_Counting(), ckpt_path=checkpoint)
     assert fixed.restored is True and fixed.batches == [3, 4, 5]
+
+
+def test_dump_checkpoint_and_step_log_metrics_inside_a_step(tmp_path) -> None:
+    """Inside a training step: the trainer's checkpoint dict (what the stop checkpoint writes, its loop in
+    flight) and the row Lightning logged at the last step's end (what a new rank 0 logs)."""
+    seen: dict[str, object] = {}
+
+    class Probe(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[override]
+            if batch_idx == 2:
+                seen["checkpoint"] = _private.dump_checkpoint(trainer)
+                seen["row"] = _private.step_log_metrics(trainer)
+
+    class Logs(BoringModel):
+        def training_step(self, batch, batch_idx):  # type: ignore[override]
+            out = super().training_step(batch, batch_idx)
+            self.log("seen_batch", float(batch_idx))
+            return out
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=3, logger=CSVLogger(tmp_path), log_every_n_steps=1,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      accelerator="cpu", callbacks=[Probe()])
+    trainer.fit(Logs())
+    checkpoint = seen["checkpoint"]
+    assert isinstance(checkpoint, dict) and {"state_dict", "optimizer_states", "loops"} <= set(checkpoint)
+    assert _private.FIT_LOOP_BATCH_PROGRESS in checkpoint["loops"]["fit_loop"]
+    assert seen["row"] == {"seen_batch": 1.0}  # batch 1's row, as its step logged it

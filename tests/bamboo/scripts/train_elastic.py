@@ -15,6 +15,8 @@ owns at the end, and ``<out>/failovers_member{m}.json`` (the ownership maps it w
 ``is_global_zero``, world size, global step), then runs ``trainer.test`` on the validation data and
 ``trainer.save_checkpoint(<out>/after_fit_ckpt)`` (both collective) and adds the test loss to that file: what
 a user's "after training, rank 0 saves the result" code does. A drained member never gets there.
+``--csv``: a ``CSVLogger`` under ``<out>/logs`` logging every step, and Lightning's progress bar; each member
+that ends training writes ``<out>/bar_member{m}.json`` (whether its bar is shown, the batch it shows).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.loggers import CSVLogger
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -50,6 +54,22 @@ class ValLosses(Callback):
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking:
             self.losses.append(float(trainer.callback_metrics["val_loss"]))
+
+
+class RecordBar(Callback):
+    """At the end of training: whether this member's progress bar is shown and the batch it shows."""
+
+    def __init__(self, out: Path, member: int) -> None:
+        self.out, self.member = out, member
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        bar = trainer.progress_bar_callback
+        record: dict[str, object] = {"enabled": bar is not None and bar.is_enabled}
+        if isinstance(bar, RichProgressBar) and bar.is_enabled:
+            record["n"] = int(bar.train_progress_bar.completed)
+        elif isinstance(bar, TQDMProgressBar) and bar.is_enabled:
+            record["n"] = int(bar.train_progress_bar.n)
+        (self.out / f"bar_member{self.member}.json").write_text(json.dumps(record))
 
 
 def main() -> None:
@@ -80,6 +100,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--ledger", type=Path, default=None, help="a BambooLedger file")
     parser.add_argument("--resume", type=Path, default=None, help="fit(ckpt_path=...)")
+    parser.add_argument("--csv", action="store_true", help="a CSVLogger and the progress bar (see above)")
     parser.add_argument("--after-fit", action="store_true", help="record the rank, test, save (see above)")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack
@@ -132,6 +153,11 @@ def main() -> None:
 
         callbacks.append(BambooLedger(args.ledger))
     val_losses = ValLosses()
+    logger: CSVLogger | bool = False
+    if args.csv:
+        logger = CSVLogger(args.out, name="logs")
+        if isinstance(strategy, BambooStrategy):
+            callbacks.append(RecordBar(args.out, strategy.member))
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
@@ -142,9 +168,10 @@ def main() -> None:
         gradient_clip_val=args.clip,
         gradient_clip_algorithm=args.clip_algorithm,
         accumulate_grad_batches=args.accumulate,
-        logger=False,
+        logger=logger,
+        log_every_n_steps=1,
         enable_checkpointing=False,
-        enable_progress_bar=False,
+        enable_progress_bar=args.csv,
         enable_model_summary=False,
         num_sanity_val_steps=2 if args.validate else 0,  # Lightning's default sanity check, when validating
         limit_val_batches=2 if args.validate else 0,
