@@ -221,8 +221,25 @@ def remove(filepath: str | Path) -> None:
     _rm(Path(filepath))
 
 
+def _not_a_fallback_snapshot(path: Path) -> None:
+    """Refuse one of the fallback's periodic snapshots (``checkpoint/periodic.py``: layers only, no trainer
+    state) with what to use instead.
+
+    Raises:
+        ValueError: ``path`` is such a snapshot.
+    """
+    if path.is_dir() and not (path / META_FILE).exists() and any(path.glob("member*.json")):
+        raise ValueError(
+            f"{path} is a snapshot of BambooStrategy's checkpoint fallback (layers only, for a fallback "
+            "inside the same fit), not a Lightning checkpoint: resume from the stop checkpoint the job "
+            f"wrote beside it ({path.parent}/stop-step=<k>.ckpt, after a SIGTERM to the supervisor) or "
+            "from a ModelCheckpoint folder"
+        )
+
+
 def _metadata(path: Path) -> dict[str, Any]:
     """Every tensor's shape and dtype, from the safetensors headers (JSON: nothing unpickled)."""
+    _not_a_fallback_snapshot(path)
     shards = [p for p in path.iterdir() if p.name.endswith(_SAFETENSORS)] if path.is_dir() else []
     if not shards:
         if (path / ".metadata").exists():
@@ -284,6 +301,7 @@ def load_sharded(
         ``optimizer_states`` in the name-keyed form of :func:`named_optimizer_state`.
     """
     path = Path(filepath)
+    _not_a_fallback_snapshot(path)
     checkpoint: dict[str, Any] = torch.load(path / META_FILE, weights_only=True)
     local = module.state_dict()
     model = _load_tensors(path, [f"{_MODEL}{k}" for k in local], no_dist=not dist.is_initialized())

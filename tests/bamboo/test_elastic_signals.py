@@ -265,6 +265,8 @@ def test_sigterm_to_the_supervisor_stops_the_workers_with_a_final_checkpoint(
             for key, value in optimizer.state[p].items():
                 torch.testing.assert_close(held[layer].state[name][key], value, **TOL, msg=f"{where} {key}")
 
+    with pytest.raises(ValueError, match="is a snapshot of BambooStrategy's checkpoint fallback"):
+        consolidate_checkpoint(fb.folder(root, 3))  # layers only: not what fit(ckpt_path=...) resumes
     stopped = root / "stop-step=3.ckpt"
     assert f"[bamboo] stop checkpoint step=3 path={stopped}" in log
     merged = consolidate_checkpoint(stopped)
