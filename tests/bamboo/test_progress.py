@@ -98,3 +98,40 @@ def test_workers_running_ahead_do_not_move_the_position() -> None:
     assert isinstance(loader, ResumableDataLoader)
     seen = _take(loader, 3)
     assert loader.state_dict()["batches"] == 3 and seen[-1] == loader.last_indices == [4, 5]
+
+
+def test_a_stop_inside_a_step_checkpoints_the_previous_steps_batch_end(tmp_path) -> None:
+    """``checkpoint.stop.trainer_checkpoint`` taken inside step 3 (its closure running) holds the loop state a
+    checkpoint saved in ``on_train_batch_end`` of step 2 holds (what Lightning resumes mid-epoch from), the
+    loader's position included; at a batch end it is taken as it is."""
+    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+
+    from lightning_bamboo import _private
+    from lightning_bamboo.checkpoint import stop
+
+    seen: dict[str, dict] = {}
+
+    class Probe(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[override]
+            if batch_idx == 1:
+                seen["batch_end"] = _private.dump_checkpoint(trainer)["loops"]["fit_loop"]
+                at_end = stop.trainer_checkpoint(trainer)
+                assert at_end is not None
+                seen["taken_at_end"] = at_end["loops"]["fit_loop"]
+
+        def on_before_backward(self, trainer, pl_module, loss) -> None:  # type: ignore[override]
+            if trainer.global_step == 2:
+                inside = stop.trainer_checkpoint(trainer)
+                assert inside is not None
+                seen["inside"] = inside["loops"]["fit_loop"]
+            if trainer.global_step == 0:
+                assert stop.trainer_checkpoint(trainer) is None  # the epoch's first batch: nothing to resume
+
+    loader = resumable(DataLoader(RandomDataset(32, 16), batch_size=4))
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=4, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                      callbacks=[Probe()])
+    trainer.fit(BoringModel(), loader)
+    assert seen["inside"] == seen["batch_end"] == seen["taken_at_end"]
+    assert seen["inside"]["state_dict"]["combined_loader"][0]["batches"] == 2
