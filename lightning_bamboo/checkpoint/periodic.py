@@ -46,7 +46,7 @@ from torch.optim import Optimizer
 
 from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
 from lightning_bamboo.checkpoint.sharded import single_process_dcp
-from lightning_bamboo.elastic.reshard import LayerState, _dtype, describe, materialize
+from lightning_bamboo.elastic.reshard import LayerState, describe, materialize, spec_of
 
 log = logging.getLogger(__name__)
 
@@ -123,15 +123,16 @@ def _part_written(part: Path, meta: dict[str, Any]) -> bool:
     return all(key in weight_map for key in _tensor_specs(meta, meta["layers"]))
 
 
-def _tensor_specs(meta: dict[str, Any], layers: list[int]) -> dict[str, tuple[torch.dtype, list[int]]]:
+def _tensor_specs(meta: dict[str, Any], layers: list[int]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """``layer<L>/<i>`` -> (dtype, shape) of the tensors a member's JSON describes, describe() order."""
-    specs: dict[str, tuple[torch.dtype, list[int]]] = {}
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for layer in layers:
         desc = meta["descriptions"][str(layer)]
         entries = [*desc["params"], *desc["buffers"]]
         entries += [entry[2:] for entry in desc["state"] if entry[2] == "tensor"]
         for i, entry in enumerate(entries):
-            specs[f"layer{layer}/{i}"] = (_dtype(entry[-2]), list(entry[-1]))
+            spec = spec_of(entry)
+            specs[f"layer{layer}/{i}"] = (spec.dtype, spec.shape)
     return specs
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lbd_common import codec
 from lightning_bamboo.elastic.ownership import FallbackNeeded
 
 
@@ -76,31 +77,44 @@ def install(optimizer: Optimizer, layers: list[tuple[int, LayerState]], groups: 
     optimizer.state.update(state)
 
 
-def _dtype(name: str) -> torch.dtype:
-    value = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in a layer description")
-    return value
-
-
 def describe(held: LayerState) -> tuple[dict[str, Any], list[Tensor]]:
-    """A layer's JSON description and its tensors, in the order they are sent."""
+    """A layer's JSON description and its tensors, in the order they are sent.
+
+    Each tensor is described by ``[..., dtype, shape]`` (:class:`lbd_common.codec.Spec`'s JSON; descriptions
+    written before the codec name dtypes ``"torch.float32"``, which :func:`materialize` still reads).
+
+    Raises:
+        TypeError: a tensor's dtype cannot travel (:data:`lbd_common.codec.DTYPES`).
+    """
     tensors: list[Tensor] = []
     desc: dict[str, Any] = {"params": [], "buffers": [], "state": []}
     for name, p in held.module.named_parameters():
-        desc["params"].append([name, str(p.dtype), list(p.shape)])
+        desc["params"].append([name, *codec.Spec.of(p, _WHERE).to_json()])
         tensors.append(p.detach())
     for name, b in held.module.named_buffers():
-        desc["buffers"].append([name, str(b.dtype), list(b.shape)])
+        desc["buffers"].append([name, *codec.Spec.of(b, _WHERE).to_json()])
         tensors.append(b.detach())
     for name, values in held.state.items():
         for key, value in values.items():
             if isinstance(value, Tensor):
-                desc["state"].append([name, key, "tensor", str(value.dtype), list(value.shape)])
+                desc["state"].append([name, key, "tensor", *codec.Spec.of(value, _WHERE).to_json()])
                 tensors.append(value.detach())
             else:
                 desc["state"].append([name, key, "value", json.dumps(value)])
     return desc, tensors
+
+
+_WHERE = "to another member or a checkpoint"
+_WHAT = "layer description"
+
+
+def spec_of(entry: list[Any]) -> codec.Spec:
+    """The spec of a tensor of a :func:`describe` description (its entry ends with ``dtype, shape``).
+
+    Raises:
+        lbd_common.codec.MalformedHeader: the entry names no allowed dtype or no valid shape.
+    """
+    return codec.Spec.from_json(entry[-2:], _WHAT)
 
 
 class Resharder:
@@ -159,13 +173,14 @@ class Resharder:
                 for tensor in tensors:
                     dist.send(tensor.contiguous().reshape(-1), self.rank_of(dst))
             elif dst == self.me:
-                out[layer] = self._receive(layer, src, json.loads(self.store.get(f"g{g}/desc/{layer}/{dst}")))
+                desc = codec.parse_json(self.store.get(f"g{g}/desc/{layer}/{dst}"), _WHAT)
+                out[layer] = self._receive(layer, src, desc)
         return out
 
     def _receive(self, layer: int, src: int, desc: dict[str, Any]) -> LayerState:
         src_rank = self.rank_of(src)
 
-        def fetch(dtype: torch.dtype, shape: list[int]) -> Tensor:
+        def fetch(dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
             flat = torch.empty(math.prod(shape), dtype=dtype, device=self.device)
             dist.recv(flat, src_rank)
             return flat.view(shape)
@@ -176,7 +191,7 @@ class Resharder:
 def materialize(
     module: nn.Module,
     desc: dict[str, Any],
-    fetch: Callable[[torch.dtype, list[int]], Tensor],
+    fetch: Callable[[torch.dtype, tuple[int, ...]], Tensor],
     device: torch.device,
 ) -> LayerState:
     """Fill ``module`` (a template, possibly on the meta device) from a :func:`describe` description.
@@ -191,15 +206,19 @@ def materialize(
         params = dict(module.named_parameters())
         buffers = dict(module.named_buffers())
     with torch.no_grad():
-        for name, dtype, shape in desc["params"]:
-            params[name].data = fetch(_dtype(dtype), shape).to(device=device, dtype=params[name].dtype)
-        for name, dtype, shape in desc["buffers"]:
-            buffers[name].data = fetch(_dtype(dtype), shape).to(device)
+        for entry in desc["params"]:
+            spec = spec_of(entry)
+            param = params[entry[0]]
+            param.data = fetch(spec.dtype, spec.shape).to(device=device, dtype=param.dtype)
+        for entry in desc["buffers"]:
+            spec = spec_of(entry)
+            buffers[entry[0]].data = fetch(spec.dtype, spec.shape).to(device)
     state: dict[str, dict[str, Any]] = {}
     for entry in desc["state"]:
         name, key, kind = entry[0], entry[1], entry[2]
         if kind == "tensor":
-            state.setdefault(name, {})[key] = fetch(_dtype(entry[3]), entry[4]).to(device)
+            spec = spec_of(entry)
+            state.setdefault(name, {})[key] = fetch(spec.dtype, spec.shape).to(device)
         else:
-            state.setdefault(name, {})[key] = json.loads(entry[3])
+            state.setdefault(name, {})[key] = codec.parse_json(entry[3], _WHAT)
     return LayerState(module, state)
