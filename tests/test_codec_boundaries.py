@@ -16,7 +16,7 @@ from torch import nn
 
 from lbd_common import codec
 from lightning_bamboo.broadcast import _describe, _encode, _rebuild, _specs
-from lightning_bamboo.elastic.reshard import describe, gather, materialize
+from lightning_bamboo.checkpoint.layers import describe, gather, materialize
 from lightning_bamboo.pipeline.transfers import BoundaryLayout
 from lightning_dorylus.predict import _check_headers, _header
 from lightning_dorylus.strategy import _encode_broadcast_header

@@ -21,7 +21,7 @@ needs and nothing about process groups:
   step does not depend on the layout).
 
 Tensors are keyed ``layer<L>/<i>`` (the ``i``-th tensor of
-:func:`lightning_bamboo.elastic.reshard.describe`), so any
+:func:`lightning_bamboo.checkpoint.layers.describe`), so any
 later layout loads the layers it needs, wherever they were written.
 """
 
@@ -45,8 +45,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
+from lightning_bamboo.checkpoint.layers import LayerState, describe, materialize, spec_of
 from lightning_bamboo.checkpoint.sharded import single_process_dcp
-from lightning_bamboo.elastic.reshard import LayerState, describe, materialize, spec_of
 
 log = logging.getLogger(__name__)
 
