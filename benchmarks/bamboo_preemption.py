@@ -41,7 +41,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,20 +51,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from lightning_bamboo.elastic import store as ms
+from lightning_bamboo.elastic.supervisor import Supervisor
+from lightning_bamboo.simulate.traces import parse_trace
 
-from benchmarks.preemption_timeline import (  # noqa: E402
-    WARMUP_WINDOW,
-    event_warmups,
-    median_by,
-    median_of,
-    restart_records,
-    warmup_excess,
-)
-from lightning_bamboo.elastic import store as ms  # noqa: E402
-from lightning_bamboo.elastic.supervisor import Supervisor  # noqa: E402
-from lightning_bamboo.simulate.traces import parse_trace  # noqa: E402
+try:  # imported as ``benchmarks.bamboo_preemption`` (the tests, bamboo_nodes.py: the checkout on sys.path)
+    from benchmarks._harness import free_port, kill_groups
+    from benchmarks.preemption_timeline import (
+        WARMUP_WINDOW,
+        event_warmups,
+        median_by,
+        median_of,
+        restart_records,
+        warmup_excess,
+    )
+except ImportError:  # run as a script: its own directory is first on sys.path
+    from _harness import free_port, kill_groups  # type: ignore[no-redef]
+    from preemption_timeline import (  # type: ignore[no-redef]
+        WARMUP_WINDOW,
+        event_warmups,
+        median_by,
+        median_of,
+        restart_records,
+        warmup_excess,
+    )
+
+REPO = Path(__file__).resolve().parents[1]
 
 TRACE = "data/spot-traces/aws-p3-trace.csv"
 WORKER = Path(__file__).with_name("preemption_worker.py")
@@ -190,12 +201,6 @@ def window_start(run_dir: Path, pattern: str) -> float | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def worker_env() -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     for threads in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -232,7 +237,8 @@ def run_bamboo(plan: Plan, run_dir: Path, overrides: list[str], rejoin: bool, lo
         sys.executable, str(WORKER), "--system", "bamboo", "--run-dir", str(run_dir), "--batch", str(BATCH),
         "--microbatches", str(MICROBATCHES), "--stages", str(STAGES), *overrides,
     ]
-    os.environ.update({k: v for k, v in worker_env().items() if k.endswith("_THREADS")})
+    # the supervisor's workers inherit this environment: one thread each, this checkout's code first
+    os.environ.update({k: v for k, v in worker_env().items() if k.endswith("_THREADS") or k == "PYTHONPATH"})
     lines: list[str] = []
     sup = Supervisor(
         command, WORKERS, hang_timeout=10.0, log=lambda *a, **k: lines.append(" ".join(map(str, a)))
@@ -325,10 +331,7 @@ class CheckpointRestart:
         self.launches += 1
 
     def kill_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_groups(self.procs)  # each rank runs in a session of its own
         self.procs = []
 
     def training(self) -> bool:
