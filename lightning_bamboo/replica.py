@@ -399,7 +399,7 @@ def encode_hyperparameters(optimizer: Optimizer) -> list[float]:
 def _kind(value: Any) -> list[Any]:
     """``[kind, size or shape(, dtype)]`` of a numeric setting, as JSON."""
     if isinstance(value, Tensor):
-        return ["tensor", list(value.shape), str(value.dtype).removeprefix("torch.")]
+        return ["tensor", list(value.shape), codec.dtype_name(value.dtype, "as a replica hyper-parameter")]
     if isinstance(value, (tuple, list)):
         return [type(value).__name__, [type(v).__name__ for v in value]]
     return [type(value).__name__, 1]
@@ -435,7 +435,7 @@ def _placeholder(kind: list[Any]) -> Any:
     types = {"bool": bool, "int": int, "float": float}
     name, shape = kind[0], kind[1]
     if name == "tensor":
-        return torch.zeros(shape, dtype=getattr(torch, kind[2]))
+        return torch.zeros(codec.checked_shape(shape, _SCHEMA), dtype=codec.dtype_of(kind[2], _SCHEMA))
     if name in ("tuple", "list"):
         return (tuple if name == "tuple" else list)(types[t](0) for t in shape)
     return types[name](0)

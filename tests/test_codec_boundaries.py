@@ -18,6 +18,7 @@ from lbd_common import codec
 from lightning_bamboo.broadcast import _describe, _encode, _rebuild, _specs
 from lightning_bamboo.checkpoint.layers import describe, gather, materialize
 from lightning_bamboo.pipeline.transfers import BoundaryLayout
+from lightning_bamboo.replica import follow_schema, hyperparameter_schema
 from lightning_dorylus.predict import _check_headers, _header
 from lightning_dorylus.strategy import _encode_broadcast_header
 from tests.process import REPO, run_ranks
@@ -181,6 +182,21 @@ def test_layer_description_refuses_an_unknown_dtype_or_shape() -> None:
     forged["buffers"][0][2] = [2.0]
     with pytest.raises(codec.MalformedHeader, match=r"corrupt layer description: shape \[2.0\]"):
         _moved(forged, tensors)
+
+
+def test_replica_schema_names_tensor_settings_by_the_codec_and_refuses_others() -> None:
+    """A tensor learning rate travels in the replica's hyper-parameter schema as a codec spec; a schema
+    naming another dtype, or a bad shape, is refused (nothing is looked up on ``torch`` by name)."""
+    params = [nn.Parameter(torch.ones(2))]
+    stage = torch.optim.SGD(params, lr=torch.tensor(0.1, dtype=torch.float64))
+    schema = json.loads(json.dumps(hyperparameter_schema(stage)))
+    replica = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    follow_schema(replica, schema)
+    assert replica.param_groups[0]["lr"].dtype == torch.float64 and replica.param_groups[0]["lr"].shape == ()
+    forged = [(["lr", "tensor", [], "nn"], r"unknown dtype 'nn'"), (["lr", "tensor", [-1], "float64"], r"shape")]
+    for entry, match in forged:
+        with pytest.raises(codec.MalformedHeader, match=rf"corrupt replica hyper-parameter schema: {match}"):
+            follow_schema(torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1), [[entry]])
 
 
 def test_dorylus_broadcast_and_prediction_headers_use_the_allow_list() -> None:
