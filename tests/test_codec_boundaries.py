@@ -193,7 +193,10 @@ def test_replica_schema_names_tensor_settings_by_the_codec_and_refuses_others() 
     replica = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
     follow_schema(replica, schema)
     assert replica.param_groups[0]["lr"].dtype == torch.float64 and replica.param_groups[0]["lr"].shape == ()
-    forged = [(["lr", "tensor", [], "nn"], "unknown dtype 'nn'"), (["lr", "tensor", [-1], "float64"], "shape")]
+    forged = [
+        (["lr", "tensor", [], "nn"], "unknown dtype 'nn'"),
+        (["lr", "tensor", [-1], "float64"], "shape"),
+    ]
     for entry, match in forged:
         with pytest.raises(codec.MalformedHeader, match=rf"corrupt replica hyper-parameter schema: {match}"):
             follow_schema(torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1), [[entry]])
