@@ -56,25 +56,11 @@ from lightning_bamboo.elastic.supervisor import Supervisor
 from lightning_bamboo.simulate.traces import parse_trace
 
 try:  # imported as ``benchmarks.bamboo_preemption`` (the tests, bamboo_nodes.py: the checkout on sys.path)
-    from benchmarks._harness import free_port, kill_groups
-    from benchmarks.preemption_timeline import (
-        WARMUP_WINDOW,
-        event_warmups,
-        median_by,
-        median_of,
-        restart_records,
-        warmup_excess,
-    )
+    from benchmarks import _harness
+    from benchmarks import preemption_timeline as timeline
 except ImportError:  # run as a script: its own directory is first on sys.path
-    from _harness import free_port, kill_groups  # type: ignore[no-redef]
-    from preemption_timeline import (  # type: ignore[no-redef]
-        WARMUP_WINDOW,
-        event_warmups,
-        median_by,
-        median_of,
-        restart_records,
-        warmup_excess,
-    )
+    import _harness  # type: ignore[no-redef]
+    import preemption_timeline as timeline  # type: ignore[no-redef]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -316,7 +302,7 @@ class CheckpointRestart:
         if pipelines == 0:
             return
         world = pipelines * STAGES
-        port = str(free_port())
+        port = str(_harness.free_port())
         out = (self.run_dir / f"launch{self.launches}.log").open("wb")
         for rank in range(world):
             env = {**worker_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world),
@@ -331,7 +317,7 @@ class CheckpointRestart:
         self.launches += 1
 
     def kill_all(self) -> None:
-        kill_groups(self.procs)  # each rank runs in a session of its own
+        _harness.kill_groups(self.procs)  # each rank runs in a session of its own
         self.procs = []
 
     def training(self) -> bool:
@@ -471,7 +457,9 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
         restart_costs.append(cost - (checkpoint_s if r["why"] == "grow" else 0.0))
     # where each restart's time goes (benchmarks/preemption_timeline.py); the warm-up after failovers, joins
     ckpt_marks = [(float(c[1]), float(c[2])) for c in ckpts]
-    restart_each = restart_records(run_dir / "cr", crl.t0, crl.restarts, c_rows, ckpt_marks, c_layouts)
+    restart_each = timeline.restart_records(
+        run_dir / "cr", crl.t0, crl.restarts, c_rows, ckpt_marks, c_layouts
+    )
     for rec in restart_each:
         rec["stop_kind"] = "drain" if rec["drained"] else "kill"
     after = [{"stop_kind": "drain", "stop_s": crl.drain_after_s}] if crl.drain_after_s is not None else []
@@ -481,12 +469,13 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
     marks = sorted([bamboo.t0 + e["t_s"] for e in bamboo.applied] + [b_end])
     ends = [next(m for m in marks if m > t + 1e-9) if any(m > t + 1e-9 for m in marks) else t
             for t in resumed + joins_done]
-    b_warm = event_warmups(b_rows, resumed + joins_done, ends, b_layouts)
+    b_warm = timeline.event_warmups(b_rows, resumed + joins_done, ends, b_layouts)
     failover_warm, join_warm = b_warm[: len(resumed)], b_warm[len(resumed):]
     start_warm = {
-        "bamboo": warmup_excess(sorted(t for t, _ in first_completion(b_rows).values() if t >= bamboo.t0),
-                                step_s_of(b_layouts, STAGES, WORKERS), (), min(marks)),
-        "checkpoint_restart": warmup_excess(
+        "bamboo": timeline.warmup_excess(
+            sorted(t for t, _ in first_completion(b_rows).values() if t >= bamboo.t0),
+            step_s_of(b_layouts, STAGES, WORKERS), (), min(marks)),
+        "checkpoint_restart": timeline.warmup_excess(
             [r[1] for r in c_rows if r[3] == "steps-launch0-rank0" and r[1] >= crl.t0],
             step_s_of(c_layouts, STAGES, WORKERS), ckpt_marks,
             crl.t0 + crl.restarts[0]["t_s"] if crl.restarts else c_end),
@@ -523,12 +512,12 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
             "checkpoint_s": checkpoint_s,
             "restart_s": statistics.median(restart_costs) if restart_costs else None,
             "fallback_s": None,
-            "restart_stop_s": median_by(stops, "stop_kind", "stop_s"),
-            "relaunch_s_by_layout": median_by(restart_each, "layout", "relaunch_s"),
-            "relaunch_warmup_s_by_layout": median_by(restart_each, "layout", "warmup_s"),
-            "failover_warmup_s": median_of(failover_warm, "warmup_s"),
-            "rejoin_warmup_s": median_of(join_warm, "warmup_s"),
-            "warmup_window_steps": WARMUP_WINDOW,
+            "restart_stop_s": timeline.median_by(stops, "stop_kind", "stop_s"),
+            "relaunch_s_by_layout": timeline.median_by(restart_each, "layout", "relaunch_s"),
+            "relaunch_warmup_s_by_layout": timeline.median_by(restart_each, "layout", "warmup_s"),
+            "failover_warmup_s": timeline.median_of(failover_warm, "warmup_s"),
+            "rejoin_warmup_s": timeline.median_of(join_warm, "warmup_s"),
+            "warmup_window_steps": timeline.WARMUP_WINDOW,
         },
         "live": {
             "bamboo": {
