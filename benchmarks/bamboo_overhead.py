@@ -58,7 +58,7 @@ from recipes.components.text import DEFAULT_MODULES, VOCAB_SIZE, TokenWindows, c
 try:  # imported by the tests, the checkout on sys.path
     from benchmarks._harness import free_port, kill_groups, rank_env, watch
 except ImportError:  # run as a script: its own directory is first on sys.path
-    from _harness import free_port, kill_groups, rank_env, watch
+    from _harness import free_port, kill_groups, rank_env, watch  # type: ignore[no-redef]
 
 ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "loop")
 """``--adamw`` choices: PyTorch's AdamW implementations (``fused=True``, ``foreach=True``, the for-loop)."""
