@@ -87,7 +87,7 @@ def dtype_of(name: Any, what: str = "header") -> torch.dtype:
     dtype = _BY_NAME.get(name.removeprefix("torch.")) if isinstance(name, str) else None
     if dtype is None:
         raise MalformedHeader(
-            f"corrupt {what}: unknown dtype {_short(name)}; expected one of {list(_BY_NAME)}"
+            f"corrupt {what}: unknown dtype {shorten(name)}; expected one of {list(_BY_NAME)}"
         )
     return dtype
 
@@ -136,7 +136,7 @@ class Spec:
     def from_json(value: Any, what: str = "header") -> Spec:
         """Inverse of :meth:`to_json`. Raises :class:`MalformedHeader` for anything it did not write."""
         if not (isinstance(value, (list, tuple)) and len(value) == 2):
-            raise MalformedHeader(f"corrupt {what}: expected [dtype, shape], got {_short(value)}")
+            raise MalformedHeader(f"corrupt {what}: expected [dtype, shape], got {shorten(value)}")
         return Spec(dtype_of(value[0], what), checked_shape(value[1], what))
 
 
@@ -152,7 +152,7 @@ def checked_shape(shape: Any, what: str = "header") -> tuple[int, ...]:
         or not all(type(d) is int and d >= 0 for d in shape)
     ):
         raise MalformedHeader(
-            f"corrupt {what}: shape {_short(shape)} is not a list of at most {MAX_JSON_DIMS} ints >= 0"
+            f"corrupt {what}: shape {shorten(shape)} is not a list of at most {MAX_JSON_DIMS} ints >= 0"
         )
     return tuple(shape)
 
@@ -313,7 +313,7 @@ def by_dtype(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
     return list(buckets.values())
 
 
-def _short(value: Any, limit: int = 80) -> str:
+def shorten(value: Any, limit: int = 80) -> str:
     """``repr`` cut to ``limit`` characters: errors quote forged values, which may be huge."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."

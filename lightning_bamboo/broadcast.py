@@ -136,19 +136,24 @@ def _describe(obj: Any, tensors: list[Tensor]) -> Any:
     )
 
 
+_KINDS = ("t", "d", "n", "l", "u", "s")
+"""Node kinds of a batch tree: tensor, dict, namedtuple, list, tuple, JSON scalar."""
+
+
 def _node(tree: Any) -> tuple[str, Any]:
     """``(kind, value)`` of one node of a :func:`_describe` tree. Raises ``MalformedHeader`` otherwise."""
     if not (isinstance(tree, dict) and len(tree) == 1) or next(iter(tree)) not in _KINDS:
-        raise codec.MalformedHeader(f"corrupt batch header: node {codec._short(tree)} is not one of {_KINDS}")
+        raise codec.MalformedHeader(
+            f"corrupt batch header: node {codec.shorten(tree)} is not one of {_KINDS}"
+        )
     kind, value = next(iter(tree.items()))
     if kind in ("n", "l", "u", "d") and not isinstance(value, list):
-        raise codec.MalformedHeader(f"corrupt batch header: {kind!r} holds {codec._short(value)}, not a list")
+        raise codec.MalformedHeader(
+            f"corrupt batch header: {kind!r} holds {codec.shorten(value)}, not a list"
+        )
     if kind == "d" and not all(isinstance(item, list) and len(item) == 2 for item in value):
-        raise codec.MalformedHeader(f"corrupt batch header: dict items {codec._short(value)}")
+        raise codec.MalformedHeader(f"corrupt batch header: dict items {codec.shorten(value)}")
     return kind, value
-
-
-_KINDS = ("t", "d", "n", "l", "u", "s")
 
 
 def _specs(tree: Any, out: list[codec.Spec]) -> None:

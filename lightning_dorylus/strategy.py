@@ -583,7 +583,7 @@ class DorylusStrategy(ParallelStrategy):
         dist.broadcast(buf, src)
         meta = codec.parse_json(buf, what)
         if not isinstance(meta, dict) or meta.get("kind") not in ("tensor", "path", "json"):
-            raise codec.MalformedHeader(f"corrupt {what}: {codec._short(meta)}")
+            raise codec.MalformedHeader(f"corrupt {what}: {codec.shorten(meta)}")
         if meta["kind"] == "tensor":
             tensor = obj if self.global_rank == src else None
             spec = codec.Spec.from_json([meta.get("dtype"), meta.get("shape")], what)

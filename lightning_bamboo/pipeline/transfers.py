@@ -95,10 +95,10 @@ class BoundaryLayout:
         write."""
         value = codec.parse_json(data, "boundary layout")
         if not (isinstance(value, list) and len(value) == 5 and all(isinstance(v, list) for v in value[1:])):
-            raise codec.MalformedHeader(f"corrupt boundary layout: {codec._short(value)}")
+            raise codec.MalformedHeader(f"corrupt boundary layout: {codec.shorten(value)}")
         kind, keys, dtypes, shapes, grads = value
         if kind not in ("tuple", "list", "dict") or not len(dtypes) == len(shapes) == len(grads):
-            raise codec.MalformedHeader(f"corrupt boundary layout: {codec._short(value)}")
+            raise codec.MalformedHeader(f"corrupt boundary layout: {codec.shorten(value)}")
         for name in dtypes:
             codec.dtype_of(name, "boundary layout")
         return BoundaryLayout(
