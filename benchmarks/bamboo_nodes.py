@@ -42,6 +42,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# kept: this benchmark runs on the test suite's network namespaces and launcher (``tests.netns``,
+# ``tests.process``), which no install provides; ``python benchmarks/bamboo_nodes.py`` puts only benchmarks/
+# on sys.path (``python -m benchmarks.bamboo_nodes`` from the checkout needs no insert, but sudo usage and the
+# docs run the file)
 sys.path.insert(0, str(REPO))
 
 import etcd3gw  # noqa: E402

@@ -23,8 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +54,11 @@ from lightning_bamboo.schedule import (
 )
 from lightning_bamboo.schedule.cost import program_makespan
 from recipes.components.text import DEFAULT_MODULES, VOCAB_SIZE, TokenWindows, corpus_tokens
+
+try:  # imported by the tests, the checkout on sys.path
+    from benchmarks._harness import free_port, kill_groups, rank_env, watch
+except ImportError:  # run as a script: its own directory is first on sys.path
+    from _harness import free_port, kill_groups, rank_env, watch  # type: ignore[no-redef]
 
 ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "loop")
 """``--adamw`` choices: PyTorch's AdamW implementations (``fused=True``, ``foreach=True``, the for-loop)."""
@@ -510,39 +513,28 @@ def print_traces(traces: dict[str, list[tuple]], rank: int, world_size: int) -> 
     dist.barrier()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(args: argparse.Namespace, argv: list[str]) -> dict[str, dict]:
-    """Start one worker per stage, wait (killing the group on timeout), read the last rank's JSON."""
+    """Start one worker per stage (``benchmarks/_harness.py``: as torchrun would, each in a session of its
+    own), wait, read the last rank's JSON; whatever still runs at the end is killed with its group."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-               "WORLD_SIZE": str(args.stages), "OMP_NUM_THREADS": "1"}
-        procs = [
-            subprocess.Popen(
-                [sys.executable, __file__, *argv, "--worker", "--out", str(out)],
-                env={**env, "RANK": str(rank)}, start_new_session=True,
-            )
-            for rank in range(args.stages)
-        ]
-        deadline = time.monotonic() + args.timeout
+        base = {**os.environ, "OMP_NUM_THREADS": "1"}
+        port = free_port()
+        procs: list[subprocess.Popen[bytes]] = []
         try:
-            for proc in procs:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired as err:
-            raise SystemExit(f"workers did not finish within --timeout ({args.timeout} s)") from err
+            for rank in range(args.stages):
+                env = {**rank_env(base, rank, args.stages, port), "RANK": str(rank)}
+                procs.append(subprocess.Popen(
+                    [sys.executable, __file__, *argv, "--worker", "--out", str(out)],
+                    env=env, start_new_session=True,
+                ))
+            failure = watch(procs, args.timeout)
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-        codes = [proc.returncode for proc in procs]
-        if any(codes):
-            raise SystemExit(f"worker exit codes {codes}")
+            kill_groups(procs)
+        if failure.startswith("timed out"):
+            raise SystemExit(f"workers did not finish within --timeout ({args.timeout} s)")
+        if failure:
+            raise SystemExit(f"workers {failure}")
         return json.loads(out.read_text())
 
 

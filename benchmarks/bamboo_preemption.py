@@ -41,7 +41,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,20 +51,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from lightning_bamboo.elastic import store as ms
+from lightning_bamboo.elastic.supervisor import Supervisor
+from lightning_bamboo.simulate.traces import parse_trace
 
-from benchmarks.preemption_timeline import (  # noqa: E402
-    WARMUP_WINDOW,
-    event_warmups,
-    median_by,
-    median_of,
-    restart_records,
-    warmup_excess,
-)
-from lightning_bamboo.elastic import store as ms  # noqa: E402
-from lightning_bamboo.elastic.supervisor import Supervisor  # noqa: E402
-from lightning_bamboo.simulate.traces import parse_trace  # noqa: E402
+try:  # imported as ``benchmarks.bamboo_preemption`` (the tests, bamboo_nodes.py: the checkout on sys.path)
+    from benchmarks import _harness
+    from benchmarks import preemption_timeline as timeline
+except ImportError:  # run as a script: its own directory is first on sys.path
+    import _harness  # type: ignore[no-redef]
+    import preemption_timeline as timeline  # type: ignore[no-redef]
+
+REPO = Path(__file__).resolve().parents[1]
 
 TRACE = "data/spot-traces/aws-p3-trace.csv"
 WORKER = Path(__file__).with_name("preemption_worker.py")
@@ -190,12 +187,6 @@ def window_start(run_dir: Path, pattern: str) -> float | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def worker_env() -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     for threads in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -232,7 +223,8 @@ def run_bamboo(plan: Plan, run_dir: Path, overrides: list[str], rejoin: bool, lo
         sys.executable, str(WORKER), "--system", "bamboo", "--run-dir", str(run_dir), "--batch", str(BATCH),
         "--microbatches", str(MICROBATCHES), "--stages", str(STAGES), *overrides,
     ]
-    os.environ.update({k: v for k, v in worker_env().items() if k.endswith("_THREADS")})
+    # the supervisor's workers inherit this environment: one thread each, this checkout's code first
+    os.environ.update({k: v for k, v in worker_env().items() if k.endswith("_THREADS") or k == "PYTHONPATH"})
     lines: list[str] = []
     sup = Supervisor(
         command, WORKERS, hang_timeout=10.0, log=lambda *a, **k: lines.append(" ".join(map(str, a)))
@@ -310,7 +302,7 @@ class CheckpointRestart:
         if pipelines == 0:
             return
         world = pipelines * STAGES
-        port = str(free_port())
+        port = str(_harness.free_port())
         out = (self.run_dir / f"launch{self.launches}.log").open("wb")
         for rank in range(world):
             env = {**worker_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world),
@@ -325,10 +317,7 @@ class CheckpointRestart:
         self.launches += 1
 
     def kill_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _harness.kill_groups(self.procs)  # each rank runs in a session of its own
         self.procs = []
 
     def training(self) -> bool:
@@ -468,7 +457,9 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
         restart_costs.append(cost - (checkpoint_s if r["why"] == "grow" else 0.0))
     # where each restart's time goes (benchmarks/preemption_timeline.py); the warm-up after failovers, joins
     ckpt_marks = [(float(c[1]), float(c[2])) for c in ckpts]
-    restart_each = restart_records(run_dir / "cr", crl.t0, crl.restarts, c_rows, ckpt_marks, c_layouts)
+    restart_each = timeline.restart_records(
+        run_dir / "cr", crl.t0, crl.restarts, c_rows, ckpt_marks, c_layouts
+    )
     for rec in restart_each:
         rec["stop_kind"] = "drain" if rec["drained"] else "kill"
     after = [{"stop_kind": "drain", "stop_s": crl.drain_after_s}] if crl.drain_after_s is not None else []
@@ -478,12 +469,13 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
     marks = sorted([bamboo.t0 + e["t_s"] for e in bamboo.applied] + [b_end])
     ends = [next(m for m in marks if m > t + 1e-9) if any(m > t + 1e-9 for m in marks) else t
             for t in resumed + joins_done]
-    b_warm = event_warmups(b_rows, resumed + joins_done, ends, b_layouts)
+    b_warm = timeline.event_warmups(b_rows, resumed + joins_done, ends, b_layouts)
     failover_warm, join_warm = b_warm[: len(resumed)], b_warm[len(resumed):]
     start_warm = {
-        "bamboo": warmup_excess(sorted(t for t, _ in first_completion(b_rows).values() if t >= bamboo.t0),
-                                step_s_of(b_layouts, STAGES, WORKERS), (), min(marks)),
-        "checkpoint_restart": warmup_excess(
+        "bamboo": timeline.warmup_excess(
+            sorted(t for t, _ in first_completion(b_rows).values() if t >= bamboo.t0),
+            step_s_of(b_layouts, STAGES, WORKERS), (), min(marks)),
+        "checkpoint_restart": timeline.warmup_excess(
             [r[1] for r in c_rows if r[3] == "steps-launch0-rank0" and r[1] >= crl.t0],
             step_s_of(c_layouts, STAGES, WORKERS), ckpt_marks,
             crl.t0 + crl.restarts[0]["t_s"] if crl.restarts else c_end),
@@ -520,12 +512,12 @@ def measure(plan: Plan, run_dir: Path, bamboo: Live, crl: Live, compression: flo
             "checkpoint_s": checkpoint_s,
             "restart_s": statistics.median(restart_costs) if restart_costs else None,
             "fallback_s": None,
-            "restart_stop_s": median_by(stops, "stop_kind", "stop_s"),
-            "relaunch_s_by_layout": median_by(restart_each, "layout", "relaunch_s"),
-            "relaunch_warmup_s_by_layout": median_by(restart_each, "layout", "warmup_s"),
-            "failover_warmup_s": median_of(failover_warm, "warmup_s"),
-            "rejoin_warmup_s": median_of(join_warm, "warmup_s"),
-            "warmup_window_steps": WARMUP_WINDOW,
+            "restart_stop_s": timeline.median_by(stops, "stop_kind", "stop_s"),
+            "relaunch_s_by_layout": timeline.median_by(restart_each, "layout", "relaunch_s"),
+            "relaunch_warmup_s_by_layout": timeline.median_by(restart_each, "layout", "warmup_s"),
+            "failover_warmup_s": timeline.median_of(failover_warm, "warmup_s"),
+            "rejoin_warmup_s": timeline.median_of(join_warm, "warmup_s"),
+            "warmup_window_steps": timeline.WARMUP_WINDOW,
         },
         "live": {
             "bamboo": {

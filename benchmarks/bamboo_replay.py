@@ -21,13 +21,12 @@ import argparse
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from lightning_bamboo.simulate import Prices, load_costs, parse_trace, replay, validate
+from lightning_bamboo.simulate.__main__ import report
+from lightning_bamboo.simulate.costs import PRODUCER
+from lightning_bamboo.simulate.plot import save_plot
 
-from lightning_bamboo.simulate import Prices, load_costs, parse_trace, replay, validate  # noqa: E402
-from lightning_bamboo.simulate.__main__ import report  # noqa: E402
-from lightning_bamboo.simulate.costs import PRODUCER  # noqa: E402
-from lightning_bamboo.simulate.plot import save_plot  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:

@@ -22,23 +22,18 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import hydra
 import torch
 import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import hydra  # noqa: E402
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
-
-from lightning_bamboo.simulate.model import shape_key  # noqa: E402
-from lightning_bamboo.strategy import BambooStrategy  # noqa: E402
-from recipes.compose import compose_recipe  # noqa: E402
+from lightning_bamboo.simulate.model import shape_key
+from lightning_bamboo.strategy import BambooStrategy
+from recipes.compose import compose_recipe
 
 EXPERIMENT = "bamboo_gpt_elastic"
 WARMUP_STEPS = 2

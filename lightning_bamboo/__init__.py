@@ -64,7 +64,7 @@ def _locating_own_tool() -> bool:
 def _register_strategy() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_bamboo._warnings import filter_lightning_leafspec_warning
+    from lbd_common._warnings import filter_lightning_leafspec_warning
     from lightning_bamboo.strategy import BambooStrategy
 
     filter_lightning_leafspec_warning()

@@ -1,5 +1,5 @@
 """Broadcasts (and an all-gather) that never pickle: small plain values as JSON bytes, and batches as JSON
-header + raw bytes.
+header + raw bytes, both in the one codec of every boundary (:mod:`lbd_common.codec`).
 
 Lightning broadcasts checkpoint directories and log paths through ``Strategy.broadcast``. DDP does that with
 ``broadcast_object_list``, which pickles; here only JSON-representable values are accepted, so nothing that
@@ -8,8 +8,6 @@ crosses a process boundary is ever unpickled.
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lbd_common import codec
 
 _PATH_KEY = "__bamboo_path__"
 
@@ -53,31 +53,37 @@ def _decode(obj: Any) -> Any:
 def broadcast_json(obj: Any, src: int, device: torch.device, group: Any = None) -> Any:
     """Broadcast ``obj`` from global rank ``src`` to every rank of ``group`` (collective)."""
     rank = dist.get_rank()
-    payload = json.dumps(_encode(obj)).encode("utf-8") if rank == src else b""
+    payload = codec.json_bytes(_encode(obj), "broadcast") if rank == src else b""
     length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     dist.broadcast(length, src, group=group)
-    buffer = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    size = codec.check_header_length(int(length.item()), f"broadcast from rank {src}")
     if rank == src:
-        buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        buffer = codec.bytes_tensor(payload, device)
+    else:
+        buffer = torch.empty(size, dtype=torch.uint8, device=device)
     dist.broadcast(buffer, src, group=group)
-    return _decode(json.loads(bytes(buffer.cpu().tolist()).decode("utf-8")))
+    return _decode(codec.parse_json(buffer, f"broadcast from rank {src}"))
 
 
 def all_gather_json(obj: Any, device: torch.device, group: Any = None) -> list[Any]:
     """Every rank's ``obj`` (a JSON value) on every rank of ``group``, in rank order (collective): each as
     JSON bytes in a ``uint8`` tensor padded to the longest."""
     world = dist.get_world_size(group)
-    payload = json.dumps(_encode(obj)).encode("utf-8")
+    payload = codec.json_bytes(_encode(obj), "all-gather")
     length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(world)]
     dist.all_gather(lengths, length, group=group)
-    sizes = [int(n.item()) for n in lengths]
+    sizes = [
+        codec.check_header_length(int(n.item()), f"all-gather from rank {r}") for r, n in enumerate(lengths)
+    ]
     buffer = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
-    buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    buffer[: len(payload)] = codec.bytes_tensor(payload, device)
     buffers = [torch.empty_like(buffer) for _ in range(world)]
     dist.all_gather(buffers, buffer, group=group)
-    texts = [b[:n].cpu().numpy().tobytes().decode("utf-8") for b, n in zip(buffers, sizes)]
-    return [_decode(json.loads(text)) for text in texts]
+    return [
+        _decode(codec.parse_json(b[:n], f"all-gather from rank {r}"))
+        for r, (b, n) in enumerate(zip(buffers, sizes))
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- batches
@@ -96,28 +102,23 @@ def broadcast_batch(batch: Any, src: int, device: torch.device, group: Any = Non
     """
     rank = dist.get_rank()
     tensors: list[Tensor] = []
-    header = {"tree": _describe(batch, tensors)} if rank == src else None
+    tree = broadcast_json(_describe(batch, tensors) if rank == src else None, src, device, group)
     if rank == src:
-        header["bytes"] = sum(t.numel() * t.element_size() for t in tensors)  # type: ignore[index]
-    header = broadcast_json(header, src, device, group)
-    buffer = torch.empty(int(header["bytes"]), dtype=torch.uint8, device=device)
-    if rank == src:
-        if tensors:
-            torch.cat(
-                [t.detach().to(device).contiguous().reshape(-1).view(torch.uint8) for t in tensors],
-                out=buffer,
-            )
+        buffer = codec.pack(tensors, device=device)
         dist.broadcast(buffer, src, group=group)
         return batch
+    specs: list[codec.Spec] = []
+    _specs(tree, specs)
+    buffer = torch.empty(codec.spans(specs)[1], dtype=torch.uint8, device=device)
     dist.broadcast(buffer, src, group=group)
     offset = [0]
-    return _rebuild(header["tree"], buffer, offset, batch)
+    return _rebuild(tree, buffer, offset, batch)
 
 
 def _describe(obj: Any, tensors: list[Tensor]) -> Any:
     if isinstance(obj, Tensor):
         tensors.append(obj)
-        return {"t": [str(obj.dtype).removeprefix("torch."), list(obj.shape)]}
+        return {"t": codec.Spec.of(obj, "from stage 0 to the other stages").to_json()}
     if isinstance(obj, Mapping):
         if not all(isinstance(key, (str, int)) for key in obj):
             raise TypeError(f"a batch dict needs str or int keys to be sent between stages; got {list(obj)}")
@@ -135,17 +136,48 @@ def _describe(obj: Any, tensors: list[Tensor]) -> Any:
     )
 
 
+_KINDS = ("t", "d", "n", "l", "u", "s")
+"""Node kinds of a batch tree: tensor, dict, namedtuple, list, tuple, JSON scalar."""
+
+
+def _node(tree: Any) -> tuple[str, Any]:
+    """``(kind, value)`` of one node of a :func:`_describe` tree. Raises ``MalformedHeader`` otherwise."""
+    if not (isinstance(tree, dict) and len(tree) == 1) or next(iter(tree)) not in _KINDS:
+        raise codec.MalformedHeader(
+            f"corrupt batch header: node {codec.shorten(tree)} is not one of {_KINDS}"
+        )
+    kind, value = next(iter(tree.items()))
+    if kind in ("n", "l", "u", "d") and not isinstance(value, list):
+        raise codec.MalformedHeader(
+            f"corrupt batch header: {kind!r} holds {codec.shorten(value)}, not a list"
+        )
+    if kind == "d" and not all(isinstance(item, list) and len(item) == 2 for item in value):
+        raise codec.MalformedHeader(f"corrupt batch header: dict items {codec.shorten(value)}")
+    return kind, value
+
+
+def _specs(tree: Any, out: list[codec.Spec]) -> None:
+    """The specs of the tensors of ``tree``, in the order they lie in the buffer (checks the whole tree
+    before anything is allocated)."""
+    kind, value = _node(tree)
+    if kind == "t":
+        out.append(codec.Spec.from_json(value, "batch header"))
+    elif kind == "d":
+        for _, sub in value:
+            _specs(sub, out)
+    elif kind in ("n", "l", "u"):
+        for sub in value:
+            _specs(sub, out)
+
+
 def _rebuild(tree: dict[str, Any], buffer: Tensor, offset: list[int], local: Any) -> Any:
     """The batch described by ``tree``; ``local`` (this rank's own batch) lends its container types."""
-    kind, value = next(iter(tree.items()))
+    kind, value = _node(tree)
     if kind == "t":
-        dtype = getattr(torch, value[0], None)
-        if not isinstance(dtype, torch.dtype):
-            raise RuntimeError(f"corrupt batch header: unknown dtype {value[0]!r}")
-        size = math.prod(value[1]) * torch.empty((), dtype=dtype).element_size()
-        chunk = buffer[offset[0] : offset[0] + size].clone()  # own storage: aligned for any dtype
-        offset[0] += size
-        return chunk.view(dtype).reshape(value[1])
+        spec = codec.Spec.from_json(value, "batch header")
+        chunk = codec.take(buffer, offset[0], spec, "batch")  # own storage: aligned for any dtype
+        offset[0] += spec.nbytes
+        return chunk
     if kind == "d":
         items = {key: _rebuild(sub, buffer, offset, _child(local, key)) for key, sub in value}
         if isinstance(local, Mapping) and list(local) == list(items):

@@ -30,9 +30,8 @@ step and the next replica forward, can be one update behind; call :meth:`flush` 
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +39,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lbd_common import codec
 from lightning_bamboo.pipeline import p2p
 from lightning_bamboo.pipeline.groups import BambooGroups
 
@@ -47,6 +47,7 @@ _MAGIC = 7301.0
 """First value of every replica header (a message of another kind is refused, not misread)."""
 _HEADER = 4
 _TAIL = 2
+_SCHEMA = "replica hyper-parameter schema"
 """Values at the end of every message: the sizes of the next (hyper-parameter values, schema bytes)."""
 
 
@@ -157,7 +158,7 @@ class ReplicaSync:
         schema, current_values = schema_and_values(main_optimizer)  # one pass over the param groups
         header: tuple[list[Any], Tensor] | None = None
         if self._layout is None:  # the first message: agree on its sizes (blocking, once per ReplicaSync)
-            self._layout, self._schema_due = schema, json.dumps(schema).encode()
+            self._layout, self._schema_due = schema, codec.json_bytes(schema, _SCHEMA)
             size, schema_length = _layout_size(schema), len(self._schema_due)
             header = self._post_header(len(flags), size, schema_length)
         # the flat buffers are kept from step to step (no fresh 2 x model-size allocation per step): the
@@ -182,12 +183,12 @@ class ReplicaSync:
         else:
             values = encode_in_layout(main_optimizer, self._layout, self._sent_values)
         self._sent_values = values
-        next_schema = b"" if schema == self._layout else json.dumps(schema).encode()
+        next_schema = b"" if schema == self._layout else codec.json_bytes(schema, _SCHEMA)
         tail = [float(len(current_values)), float(len(next_schema))]
         meta_out = torch.tensor([*flags, *values, *tail], dtype=torch.float64, device=self.device)
         own = [*self._send_flats, meta_out]
         if self._schema_due:
-            own.append(torch.frombuffer(bytearray(self._schema_due), dtype=torch.uint8).to(self.device))
+            own.append(codec.bytes_tensor(self._schema_due, self.device))
         self._layout, self._schema_due = schema, next_schema
         if self._receive_flats is None:
             replica_tensors = [*self._replica_params(), *self._replica.buffers()]
@@ -200,7 +201,8 @@ class ReplicaSync:
         incoming = [*self._receive_flats, self._meta_in]
         schema_in = None
         if schema_length:
-            schema_in = torch.empty(schema_length, dtype=torch.uint8, device=self.device)
+            schema_in = torch.empty(codec.check_header_length(schema_length, _SCHEMA), dtype=torch.uint8,
+                                    device=self.device)
         receives = incoming if schema_in is None else [*incoming, schema_in]
         works = self._post(own, receives, p2p.Tag.REPLICA_GRAD)
         self._pending = _PendingUpdate(works, incoming, sent=own, schema=schema_in)
@@ -268,7 +270,7 @@ class ReplicaSync:
             return
         pending.taken = True
         if pending.schema is not None:
-            follow_schema(self._optimizer, json.loads(bytes(pending.schema.cpu().numpy().tobytes())))
+            follow_schema(self._optimizer, codec.parse_json(pending.schema, _SCHEMA))
         num_values, schema_length = pending.incoming[-1][-_TAIL:].tolist()
         if not (num_values >= 0 and schema_length >= 0 and num_values == int(num_values)):
             raise RuntimeError(
@@ -397,7 +399,7 @@ def encode_hyperparameters(optimizer: Optimizer) -> list[float]:
 def _kind(value: Any) -> list[Any]:
     """``[kind, size or shape(, dtype)]`` of a numeric setting, as JSON."""
     if isinstance(value, Tensor):
-        return ["tensor", list(value.shape), str(value.dtype).removeprefix("torch.")]
+        return ["tensor", list(value.shape), codec.dtype_name(value.dtype, "as a replica hyper-parameter")]
     if isinstance(value, (tuple, list)):
         return [type(value).__name__, [type(v).__name__ for v in value]]
     return [type(value).__name__, 1]
@@ -433,7 +435,7 @@ def _placeholder(kind: list[Any]) -> Any:
     types = {"bool": bool, "int": int, "float": float}
     name, shape = kind[0], kind[1]
     if name == "tensor":
-        return torch.zeros(shape, dtype=getattr(torch, kind[2]))
+        return torch.zeros(codec.checked_shape(shape, _SCHEMA), dtype=codec.dtype_of(kind[2], _SCHEMA))
     if name in ("tuple", "list"):
         return (tuple if name == "tuple" else list)(types[t](0) for t in shape)
     return types[name](0)
@@ -547,31 +549,24 @@ def _state_tensors(module: nn.Module) -> list[Tensor]:
     return [p.data for p in module.parameters()] + list(module.buffers())
 
 
-def _by_dtype(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
-    buckets: dict[torch.dtype, list[Tensor]] = {}
-    for tensor in tensors:
-        buckets.setdefault(tensor.dtype, []).append(tensor)
-    return list(buckets.values())
-
-
 def _flatten(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
-    """One flat tensor per dtype (:func:`_by_dtype` order)."""
-    return [torch.cat([t.reshape(-1).to(device) for t in bucket]) for bucket in _by_dtype(tensors)]
+    """One flat tensor per dtype (:func:`lbd_common.codec.by_dtype` order)."""
+    return [torch.cat([t.reshape(-1).to(device) for t in bucket]) for bucket in codec.by_dtype(tensors)]
 
 
 def _empty_flats(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
     """Uninitialised flat buffers (one per dtype) the size of :func:`_flatten` of ``tensors``."""
     return [
         torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=device)
-        for bucket in _by_dtype(tensors)
+        for bucket in codec.by_dtype(tensors)
     ]
 
 
 def _views(flats: list[Tensor], targets: list[Tensor]) -> list[Tensor]:
-    """Views of ``flats`` (one per dtype, :func:`_by_dtype` order) shaped like each of ``targets``, in the
-    order of ``targets``."""
+    """Views of ``flats`` (one per dtype, :func:`lbd_common.codec.by_dtype` order) shaped like each of
+    ``targets``, in the order of ``targets``."""
     offsets: dict[torch.dtype, int] = {}
-    by_dtype = {bucket[0].dtype: flat for bucket, flat in zip(_by_dtype(targets), flats, strict=True)}
+    by_dtype = {bucket[0].dtype: flat for bucket, flat in zip(codec.by_dtype(targets), flats, strict=True)}
     views = []
     for target in targets:
         start = offsets.get(target.dtype, 0)
@@ -581,8 +576,8 @@ def _views(flats: list[Tensor], targets: list[Tensor]) -> list[Tensor]:
 
 
 def _unflatten(flats: list[Tensor], targets: list[Tensor]) -> None:
-    """Copy flat buckets (one per dtype, in :func:`_by_dtype` order) back into ``targets``."""
-    for bucket, flat in zip(_by_dtype(targets), flats):
+    """Copy flat buckets (one per dtype, in :func:`lbd_common.codec.by_dtype` order) back into ``targets``."""
+    for bucket, flat in zip(codec.by_dtype(targets), flats):
         offset = 0
         for target in bucket:
             target.copy_(flat[offset : offset + target.numel()].view_as(target))

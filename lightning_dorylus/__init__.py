@@ -7,7 +7,7 @@ with Lightning.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_dorylus._warnings import filter_lightning_leafspec_warning
+from lbd_common._warnings import filter_lightning_leafspec_warning
 from lightning_dorylus.models import GAT, GCN, GraphSAGE
 from lightning_dorylus.strategy import DorylusStrategy
 

@@ -4,8 +4,9 @@ A graph server's ``predict_step`` sees only its partition, so its output has one
 ``partition.local_nodes`` order. :func:`gather_vertex_rows` all-gathers those rows (and the global ids they
 belong to) from every server and puts row ``v`` of the result at global vertex ``v``: every rank gets the
 ``(num_global_nodes, ...)`` tensor that one process computes on the whole graph. No pickle: a fixed-size
-int64 header per rank first (rows, trailing shape, dtype), so every rank agrees on what follows, or every
-rank raises the same error instead of one of them waiting in a collective.
+int64 header per rank first (rows, trailing shape, dtype: a code of :mod:`lbd_common.codec`'s allow-list), so
+every rank agrees on what follows, or every rank raises the same error instead of one of them waiting in a
+collective.
 """
 
 from __future__ import annotations
@@ -14,17 +15,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-MAX_DIMS = 8  # trailing dimensions a gathered tensor may have
-_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool)
+from lbd_common import codec
+
+MAX_DIMS = codec.MAX_DIMS  # trailing dimensions a gathered tensor may have
 
 
 def _header(rows: Tensor, n_local: int) -> Tensor:
     """``[ok, n_rows, dtype code, ndim, *trailing shape (padded with -1)]`` of this rank's output."""
     head = torch.full((4 + MAX_DIMS,), -1, dtype=torch.long)
-    ok = rows.dim() >= 1 and rows.dim() - 1 <= MAX_DIMS and rows.dtype in _DTYPES and rows.size(0) == n_local
+    allowed = codec.allowed(rows.dtype)
+    ok = rows.dim() >= 1 and rows.dim() - 1 <= MAX_DIMS and allowed and rows.size(0) == n_local
     head[0], head[1] = int(ok), rows.size(0) if rows.dim() else -1
-    head[2] = _DTYPES.index(rows.dtype) if rows.dtype in _DTYPES else -1
+    head[2] = codec.dtype_code(rows.dtype) if allowed else -1
     head[3] = rows.dim()
     if ok:
         head[4 : 4 + rows.dim() - 1] = torch.tensor(rows.shape[1:], dtype=torch.long)
@@ -53,7 +55,8 @@ def _check_headers(heads: Tensor, n_locals: list[int]) -> None:
 
 def _describe(head: Tensor) -> str:
     dims = ", ".join(str(d) for d in head[4 : 4 + int(head[3]) - 1].tolist())
-    return f"{_DTYPES[int(head[2])]} (n, {dims})" if dims else f"{_DTYPES[int(head[2])]} (n,)"
+    dtype = codec.dtype_from_code(int(head[2]), "prediction header")
+    return f"{dtype} (n, {dims})" if dims else f"{dtype} (n,)"
 
 
 def gather_vertex_rows(rows: Tensor, local_nodes: Tensor, num_global_nodes: int) -> Tensor:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import ctypes.util
-import json
 import logging
 from datetime import timedelta
 from pathlib import PurePath
@@ -60,6 +59,7 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from typing_extensions import override
 
+from lbd_common import codec
 from lightning_dorylus.autotune import TimedExecutor, TuneResult, autotune
 from lightning_dorylus.data.partition import GraphPartition
 from lightning_dorylus.data.validation import check_world_size
@@ -568,24 +568,29 @@ class DorylusStrategy(ParallelStrategy):
             header = _encode_broadcast_header(obj)
         size = torch.tensor([len(header)], dtype=torch.long, device=self.root_device)
         dist.broadcast(size, src)
-        if int(size) == 0:
+        what = f"DorylusStrategy.broadcast from rank {src}"
+        if codec.check_header_length(int(size), what) == 0:
             raise TypeError(
                 f"DorylusStrategy.broadcast sends tensors and JSON-representable objects (no pickle); "
                 f"rank {src} "
                 f"tried to broadcast an object of another type "
                 f"({type(obj).__name__ if self.global_rank == src else 'see rank ' + str(src)})"
             )
-        buf = torch.empty(int(size), dtype=torch.uint8, device=self.root_device)
         if self.global_rank == src:
-            buf.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+            buf = codec.bytes_tensor(header, self.root_device)
+        else:
+            buf = torch.empty(int(size), dtype=torch.uint8, device=self.root_device)
         dist.broadcast(buf, src)
-        meta = json.loads(bytes(buf.cpu().tolist()).decode())
+        meta = codec.parse_json(buf, what)
+        if not isinstance(meta, dict) or meta.get("kind") not in ("tensor", "path", "json"):
+            raise codec.MalformedHeader(f"corrupt {what}: {codec.shorten(meta)}")
         if meta["kind"] == "tensor":
             tensor = obj if self.global_rank == src else None
+            spec = codec.Spec.from_json([meta.get("dtype"), meta.get("shape")], what)
             out = (
                 tensor.detach().clone().to(self.root_device)  # type: ignore[union-attr]
                 if tensor is not None
-                else torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]), device=self.root_device)
+                else torch.empty(spec.shape, dtype=spec.dtype, device=self.root_device)
             )
             dist.broadcast(out, src)
             return out  # type: ignore[return-value]
@@ -651,14 +656,17 @@ def set_mmap_threshold(threshold: int) -> bool:
 
 
 def _encode_broadcast_header(obj: Any) -> bytes:
-    """JSON description of ``obj`` for :meth:`DorylusStrategy.broadcast`; ``b""`` if it cannot be sent."""
-    if isinstance(obj, Tensor):
-        meta = {"kind": "tensor", "dtype": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape)}
-    elif isinstance(obj, PurePath):
-        meta = {"kind": "path", "value": str(obj)}
-    else:
-        meta = {"kind": "json", "value": obj}
+    """JSON description of ``obj`` for :meth:`DorylusStrategy.broadcast` (:mod:`lbd_common.codec`); ``b""``
+    if it cannot be sent (not JSON, a tensor of a dtype outside the codec's allow-list, over the header
+    limit), so every rank raises the same ``TypeError``."""
     try:
-        return json.dumps(meta, allow_nan=True).encode()
+        if isinstance(obj, Tensor):
+            dtype, shape = codec.Spec.of(obj, "by DorylusStrategy.broadcast").to_json()
+            meta = {"kind": "tensor", "dtype": dtype, "shape": shape}
+        elif isinstance(obj, PurePath):
+            meta = {"kind": "path", "value": str(obj)}
+        else:
+            meta = {"kind": "json", "value": obj}
+        return codec.json_bytes(meta, "DorylusStrategy.broadcast")
     except (TypeError, ValueError):
         return b""

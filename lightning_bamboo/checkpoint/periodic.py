@@ -21,7 +21,7 @@ needs and nothing about process groups:
   step does not depend on the layout).
 
 Tensors are keyed ``layer<L>/<i>`` (the ``i``-th tensor of
-:func:`lightning_bamboo.elastic.reshard.describe`), so any
+:func:`lightning_bamboo.checkpoint.layers.describe`), so any
 later layout loads the layers it needs, wherever they were written.
 """
 
@@ -45,8 +45,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
+from lightning_bamboo.checkpoint.layers import LayerState, describe, materialize, spec_of
 from lightning_bamboo.checkpoint.sharded import single_process_dcp
-from lightning_bamboo.elastic.reshard import LayerState, _dtype, describe, materialize
 
 log = logging.getLogger(__name__)
 
@@ -123,15 +123,16 @@ def _part_written(part: Path, meta: dict[str, Any]) -> bool:
     return all(key in weight_map for key in _tensor_specs(meta, meta["layers"]))
 
 
-def _tensor_specs(meta: dict[str, Any], layers: list[int]) -> dict[str, tuple[torch.dtype, list[int]]]:
+def _tensor_specs(meta: dict[str, Any], layers: list[int]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """``layer<L>/<i>`` -> (dtype, shape) of the tensors a member's JSON describes, describe() order."""
-    specs: dict[str, tuple[torch.dtype, list[int]]] = {}
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for layer in layers:
         desc = meta["descriptions"][str(layer)]
         entries = [*desc["params"], *desc["buffers"]]
         entries += [entry[2:] for entry in desc["state"] if entry[2] == "tensor"]
         for i, entry in enumerate(entries):
-            specs[f"layer{layer}/{i}"] = (_dtype(entry[-2]), list(entry[-1]))
+            spec = spec_of(entry)
+            specs[f"layer{layer}/{i}"] = (spec.dtype, spec.shape)
     return specs
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,28 +21,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lbd_common import codec
+from lightning_bamboo.checkpoint.layers import LayerState, describe, gather, materialize
 from lightning_bamboo.elastic.ownership import FallbackNeeded
 
-
-@dataclass
-class LayerState:
-    """One layer of the body as this member holds it: the module and its parameters' optimizer state."""
-
-    module: nn.Module
-    state: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """``parameter name within the layer -> optimizer state`` (empty before the first step)."""
-
-
-def gather(layers: dict[int, nn.Module], optimizer: Optimizer | None) -> dict[int, LayerState]:
-    """The states of ``layers`` whose parameters ``optimizer`` holds (``None``: no optimizer yet)."""
-    out: dict[int, LayerState] = {}
-    for layer, module in layers.items():
-        held = LayerState(module)
-        for name, p in module.named_parameters():
-            if optimizer is not None and p in optimizer.state and optimizer.state[p]:
-                held.state[name] = optimizer.state[p]
-        out[layer] = held
-    return out
+__all__ = ["LayerState", "Resharder", "gather", "install"]
+"""``LayerState`` and ``gather`` live in :mod:`lightning_bamboo.checkpoint.layers`; named here too for the
+modules that import them from here."""
 
 
 def install(optimizer: Optimizer, layers: list[tuple[int, LayerState]], groups: Optimizer) -> None:
@@ -74,33 +58,6 @@ def install(optimizer: Optimizer, layers: list[tuple[int, LayerState]], groups: 
         group["params"] = group_params
     optimizer.state.clear()
     optimizer.state.update(state)
-
-
-def _dtype(name: str) -> torch.dtype:
-    value = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in a layer description")
-    return value
-
-
-def describe(held: LayerState) -> tuple[dict[str, Any], list[Tensor]]:
-    """A layer's JSON description and its tensors, in the order they are sent."""
-    tensors: list[Tensor] = []
-    desc: dict[str, Any] = {"params": [], "buffers": [], "state": []}
-    for name, p in held.module.named_parameters():
-        desc["params"].append([name, str(p.dtype), list(p.shape)])
-        tensors.append(p.detach())
-    for name, b in held.module.named_buffers():
-        desc["buffers"].append([name, str(b.dtype), list(b.shape)])
-        tensors.append(b.detach())
-    for name, values in held.state.items():
-        for key, value in values.items():
-            if isinstance(value, Tensor):
-                desc["state"].append([name, key, "tensor", str(value.dtype), list(value.shape)])
-                tensors.append(value.detach())
-            else:
-                desc["state"].append([name, key, "value", json.dumps(value)])
-    return desc, tensors
 
 
 class Resharder:
@@ -159,13 +116,14 @@ class Resharder:
                 for tensor in tensors:
                     dist.send(tensor.contiguous().reshape(-1), self.rank_of(dst))
             elif dst == self.me:
-                out[layer] = self._receive(layer, src, json.loads(self.store.get(f"g{g}/desc/{layer}/{dst}")))
+                desc = codec.parse_json(self.store.get(f"g{g}/desc/{layer}/{dst}"), "layer description")
+                out[layer] = self._receive(layer, src, desc)
         return out
 
     def _receive(self, layer: int, src: int, desc: dict[str, Any]) -> LayerState:
         src_rank = self.rank_of(src)
 
-        def fetch(dtype: torch.dtype, shape: list[int]) -> Tensor:
+        def fetch(dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
             flat = torch.empty(math.prod(shape), dtype=dtype, device=self.device)
             dist.recv(flat, src_rank)
             return flat.view(shape)
@@ -173,33 +131,3 @@ class Resharder:
         return materialize(self.template(layer), desc, fetch, self.device)
 
 
-def materialize(
-    module: nn.Module,
-    desc: dict[str, Any],
-    fetch: Callable[[torch.dtype, list[int]], Tensor],
-    device: torch.device,
-) -> LayerState:
-    """Fill ``module`` (a template, possibly on the meta device) from a :func:`describe` description.
-
-    ``fetch(dtype, shape)`` returns the next tensor in :func:`describe`'s order (received from a peer, or read
-    from a checkpoint).
-    """
-    params = dict(module.named_parameters())
-    buffers = dict(module.named_buffers())
-    if any(t.is_meta for t in [*params.values(), *buffers.values()]):
-        module.to_empty(device=device)
-        params = dict(module.named_parameters())
-        buffers = dict(module.named_buffers())
-    with torch.no_grad():
-        for name, dtype, shape in desc["params"]:
-            params[name].data = fetch(_dtype(dtype), shape).to(device=device, dtype=params[name].dtype)
-        for name, dtype, shape in desc["buffers"]:
-            buffers[name].data = fetch(_dtype(dtype), shape).to(device)
-    state: dict[str, dict[str, Any]] = {}
-    for entry in desc["state"]:
-        name, key, kind = entry[0], entry[1], entry[2]
-        if kind == "tensor":
-            state.setdefault(name, {})[key] = fetch(_dtype(entry[3]), entry[4]).to(device)
-        else:
-            state.setdefault(name, {})[key] = json.loads(entry[3])
-    return LayerState(module, state)

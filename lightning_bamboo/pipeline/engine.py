@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lbd_common import codec
 from lightning_bamboo.contract import pipeline_execution
 from lightning_bamboo.keyed_rng import Forward, KeyedForward, run_seed
 from lightning_bamboo.pipeline.groups import BambooGroups
@@ -500,13 +501,6 @@ def _leaf_copies(x: Any) -> Any:
     return _map(x, lambda t: t.clone() if t.requires_grad else t)
 
 
-def _by_dtype(tensors: list[Tensor]) -> list[list[Tensor]]:
-    buckets: dict[torch.dtype, list[Tensor]] = {}
-    for tensor in tensors:
-        buckets.setdefault(tensor.dtype, []).append(tensor)
-    return list(buckets.values())
-
-
 def average_gradients(params: Sequence[nn.Parameter], group: Any, count: int) -> None:
     """Mean of ``params``' gradients over the ``count`` ranks of ``group`` (one flat all-reduce per dtype).
 
@@ -516,7 +510,7 @@ def average_gradients(params: Sequence[nn.Parameter], group: Any, count: int) ->
     only averages with zeros for the others (their samples did not use it).
     """
     trainable = [p for p in params if p.requires_grad]
-    for bucket in _by_dtype(trainable):
+    for bucket in codec.by_dtype(trainable):
         flags = torch.tensor([float(p.grad is not None) for p in bucket], dtype=bucket[0].dtype)
         parts = [
             (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket

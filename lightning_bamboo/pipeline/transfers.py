@@ -31,8 +31,6 @@ input shapes); a stage whose output shape changes without its input shape changi
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -44,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lbd_common import codec
 from lightning_bamboo.pipeline import p2p
 from lightning_bamboo.schedule import ActionKind, Schedule
 from lightning_bamboo.schedule.lowering import Comm, CommKind
@@ -81,57 +80,56 @@ class BoundaryLayout:
         return BoundaryLayout(
             kind,
             keys,
-            tuple(str(t.dtype).removeprefix("torch.") for t in tensors),
+            tuple(codec.dtype_name(t.dtype, "between stages") for t in tensors),
             tuple(tuple(t.shape) for t in tensors),
             tuple(grads and t.is_floating_point() and t.requires_grad for t in tensors),
         )
 
     def to_bytes(self) -> bytes:
-        return json.dumps([self.kind, self.keys, self.dtypes, self.shapes, self.grads]).encode("utf-8")
+        fields = [self.kind, self.keys, self.dtypes, self.shapes, self.grads]
+        return codec.json_bytes(fields, "boundary layout")
 
     @staticmethod
     def from_bytes(data: bytes) -> BoundaryLayout:
-        kind, keys, dtypes, shapes, grads = json.loads(data.decode("utf-8"))
+        """Inverse of :meth:`to_bytes`. Raises ``MalformedHeader`` (a ``RuntimeError``) for what it did not
+        write."""
+        value = codec.parse_json(data, "boundary layout")
+        if not (isinstance(value, list) and len(value) == 5 and all(isinstance(v, list) for v in value[1:])):
+            raise codec.MalformedHeader(f"corrupt boundary layout: {codec.shorten(value)}")
+        kind, keys, dtypes, shapes, grads = value
+        if kind not in ("tuple", "list", "dict") or not len(dtypes) == len(shapes) == len(grads):
+            raise codec.MalformedHeader(f"corrupt boundary layout: {codec.shorten(value)}")
         for name in dtypes:
-            if not isinstance(getattr(torch, name, None), torch.dtype):
-                raise RuntimeError(f"corrupt boundary layout: unknown dtype {name!r}")
+            codec.dtype_of(name, "boundary layout")
         return BoundaryLayout(
-            kind, tuple(keys), tuple(dtypes), tuple(tuple(s) for s in shapes), tuple(bool(g) for g in grads)
+            kind,
+            tuple(keys),
+            tuple(dtypes),
+            tuple(codec.checked_shape(s, "boundary layout") for s in shapes),
+            tuple(bool(g) for g in grads),
         )
 
-    def _spans(self, which: Sequence[int]) -> list[tuple[int, int]]:
-        spans, offset = [], 0
-        for i in which:
-            itemsize = torch.empty((), dtype=getattr(torch, self.dtypes[i])).element_size()
-            size = math.prod(self.shapes[i]) * itemsize
-            spans.append((offset, size))
-            offset += -(-size // _ALIGN) * _ALIGN
-        return spans
+    def specs(self, gradients: bool = False) -> list[codec.Spec]:
+        """The specs of the boundary's tensors (or of the gradients of :meth:`grad_indices`), in order."""
+        which = self.grad_indices() if gradients else range(len(self.dtypes))
+        return [codec.Spec(codec.dtype_of(self.dtypes[i]), self.shapes[i]) for i in which]
 
     def nbytes(self, gradients: bool = False) -> int:
-        which = self.grad_indices() if gradients else range(len(self.dtypes))
-        spans = self._spans(which)
-        return spans[-1][0] + -(-spans[-1][1] // _ALIGN) * _ALIGN if spans else 0
+        return codec.spans(self.specs(gradients), _ALIGN)[1]
 
     def grad_indices(self) -> list[int]:
         return [i for i, flag in enumerate(self.grads) if flag]
 
     def pack(self, tensors: Sequence[Tensor], gradients: bool = False) -> Tensor:
         """``tensors`` (the boundary's, or the gradients of :meth:`grad_indices`) in one uint8 buffer."""
-        which = self.grad_indices() if gradients else range(len(self.dtypes))
-        device = tensors[0].device if tensors else torch.device("cpu")
-        buffer = torch.zeros(self.nbytes(gradients), dtype=torch.uint8, device=device)
-        for tensor, (offset, size) in zip(tensors, self._spans(which), strict=True):
-            buffer[offset : offset + size] = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        return buffer
+        expected = len(self.grad_indices()) if gradients else len(self.dtypes)
+        if len(tensors) != expected:
+            raise ValueError(f"{len(tensors)} tensors to pack for a boundary layout of {expected}")
+        return codec.pack(tensors, _ALIGN)
 
     def unpack(self, buffer: Tensor, gradients: bool = False) -> list[Tensor]:
         """The tensors in ``buffer``, each in its own (aligned, dense) storage, as the sender had them."""
-        which = self.grad_indices() if gradients else list(range(len(self.dtypes)))
-        return [
-            buffer[start : start + size].clone().view(getattr(torch, self.dtypes[i])).reshape(self.shapes[i])
-            for i, (start, size) in zip(which, self._spans(which), strict=True)
-        ]
+        return codec.unpack(buffer, self.specs(gradients), _ALIGN, "stage boundary")
 
     def rebuild(self, tensors: list[Tensor]) -> Any:
         """The boundary value (tuple, list or dict) from its tensors in order."""
@@ -430,9 +428,10 @@ class StepTransfers:
         values = header.cpu()
         if int(values[0]) != STRUCTURED:
             return p2p.decode_header(values)
-        payload = torch.empty(int(values[2]), dtype=torch.uint8, device=self.device)
+        length = codec.check_header_length(int(values[2]), f"boundary layout from rank {peer}")
+        payload = torch.empty(length, dtype=torch.uint8, device=self.device)
         dist.irecv(payload, peer, tag=int(p2p.Tag.HEADER)).wait()  # sent right behind the header
-        return BoundaryLayout.from_bytes(bytes(payload.cpu().tolist()))
+        return BoundaryLayout.from_bytes(codec.tensor_bytes(payload))
 
     def _check_cached_shape(self, mb: int, described: Any) -> None:
         expected = self.shapes.sent[self.keys[mb]]
@@ -461,4 +460,4 @@ def _headers(tensor: Tensor | Packed) -> list[Tensor]:
     header = torch.zeros(p2p.HEADER_LEN, dtype=torch.int64)
     header[0], header[1], header[2] = STRUCTURED, 1, len(layout)
     device = tensor.buffer.device
-    return [header.to(device), torch.frombuffer(bytearray(layout), dtype=torch.uint8).to(device)]
+    return [header.to(device), codec.bytes_tensor(layout, device)]

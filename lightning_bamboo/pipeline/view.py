@@ -3,21 +3,37 @@
 The engine runs *positions* (one member's run of consecutive stages, fused after a failover) as stages; a
 :class:`PipelineView` answers its questions (who is before me, who is last, which group) from the
 :class:`~lightning_bamboo.elastic.ownership.OwnershipMap`, and :class:`StageAveragingEngine` averages
-gradients over
-the pipelines per ORIGINAL stage, so any layout gives the same averaged gradients.
+gradients over the pipelines per ORIGINAL stage, so any layout gives the same averaged gradients.
+
+The pipeline floor does not import the elastic one: what the view reads of the map is stated here as the
+:class:`Owners` protocol, which ``OwnershipMap`` satisfies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 from torch import nn
 from typing_extensions import override
 
-from lightning_bamboo.elastic.ownership import OwnershipMap
 from lightning_bamboo.pipeline.engine import PipelineEngine
 from lightning_bamboo.ties import TiedGradient
+
+
+class Owners(Protocol):
+    """What :class:`PipelineView` reads of an ownership map (``lightning_bamboo.elastic.ownership``)."""
+
+    @property
+    def pipelines(self) -> Mapping[int, Mapping[int, int]]:
+        """``pipeline id -> (stage -> member)``."""
+        ...
+
+    def pipeline_of(self, member: int) -> int: ...
+
+    def positions(self, pipeline: int) -> list[tuple[int, list[int]]]:
+        """The pipeline's positions in order: ``(member, its consecutive stages)``."""
+        ...
 
 
 class PipelineView:
@@ -28,7 +44,7 @@ class PipelineView:
 
     def __init__(
         self,
-        owners: OwnershipMap,
+        owners: Owners,
         member: int,
         rank_of: Callable[[int], int],
         pipeline_groups: dict[int, Any],

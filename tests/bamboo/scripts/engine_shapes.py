@@ -23,9 +23,6 @@ import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import save_file

@@ -9,14 +9,10 @@ with ``trainer.predict``'s outputs.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset

@@ -15,13 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset

@@ -11,9 +11,6 @@ import argparse
 import json
 import sys
 import threading
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from lightning_bamboo.elastic.supervisor import Supervisor
 

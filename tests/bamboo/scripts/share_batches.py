@@ -12,12 +12,9 @@ import argparse
 import subprocess
 import sys
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from lightning_bamboo.checkpoint.periodic import BatchRing, share_batches
 from tests.process import free_port

@@ -13,15 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset

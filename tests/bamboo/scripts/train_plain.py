@@ -19,8 +19,6 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
 from lightning_bamboo.strategy import BambooStrategy
 
 

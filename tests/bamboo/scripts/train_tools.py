@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.tuner import Tuner
