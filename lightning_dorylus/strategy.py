@@ -70,7 +70,7 @@ from lightning_dorylus.graph.stale import StaleGhostExchange, StaleReads, check_
 from lightning_dorylus.nn import DorylusLayer, DorylusRuntime
 from lightning_dorylus.precision import check_precision
 from lightning_dorylus.predict import gather_vertex_rows
-from lightning_dorylus.reduce import all_reduce
+from lightning_dorylus.reduce import all_reduce, check_group
 from lightning_dorylus.threads import limit_server_threads
 
 log = logging.getLogger(__name__)
@@ -541,7 +541,9 @@ class DorylusStrategy(ParallelStrategy):
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        """All-reduces ``tensor`` over graph servers (``"sum"`` or ``"mean"``); non-tensors pass through."""
+        """All-reduces ``tensor`` over graph servers (``"sum"`` or ``"mean"``); non-tensors pass through.
+        ``reduce(t, "sum")`` (the op passed as ``group``) raises on any number of servers, naming the fix."""
+        check_group(group)
         if isinstance(tensor, Tensor) and _distributed_is_initialized():
             return all_reduce(tensor, group, reduce_op=reduce_op)
         return tensor
