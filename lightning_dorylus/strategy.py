@@ -68,6 +68,7 @@ from lightning_dorylus.executors import EXECUTORS, TensorOpExecutor, build_execu
 from lightning_dorylus.graph import GhostExchange, GraphCache
 from lightning_dorylus.graph.stale import StaleGhostExchange, StaleReads, check_stale_reads
 from lightning_dorylus.nn import DorylusLayer, DorylusRuntime
+from lightning_dorylus.nn.norm import check_vertex_norms, convert_batchnorm, revert_batchnorm
 from lightning_dorylus.precision import check_precision
 from lightning_dorylus.predict import gather_vertex_rows
 from lightning_dorylus.reduce import all_reduce, check_group
@@ -324,6 +325,9 @@ class DorylusStrategy(ParallelStrategy):
         if self.root_device.type == "cpu":  # CUDA half/mixed precision: untested, left to the user
             check_precision(str(getattr(self.precision_plugin, "precision", "32-true")))
         assert self.model is not None
+        check_vertex_norms(self.model)
+        # as DDP's sync_batchnorm=True (Lightning's TorchSyncBatchNorm), but on CPU too; reverted in teardown
+        self.model = convert_batchnorm(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         _sync_module_states(self.model)  # every weight replica starts from rank 0's values
@@ -606,6 +610,8 @@ class DorylusStrategy(ParallelStrategy):
         self._executor = None
         self._exchange = None
         self._runtime = None
+        if self.model is not None:
+            self.model = revert_batchnorm(self.model)  # the user's module gets its own BatchNorm classes back
         super().teardown()
 
     @classmethod
