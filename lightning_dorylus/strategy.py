@@ -28,6 +28,7 @@ import ctypes
 import ctypes.util
 import json
 import logging
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import PurePath
 from typing import Any, Literal
@@ -67,6 +68,7 @@ from lightning_dorylus.dropout_check import TorchDropoutCheck
 from lightning_dorylus.executors import EXECUTORS, TensorOpExecutor, build_executor
 from lightning_dorylus.graph import GhostExchange, GraphCache
 from lightning_dorylus.graph.stale import StaleGhostExchange, StaleReads, check_stale_reads
+from lightning_dorylus.model_checks import LabelRangeCheck, check_foreign_layers, num_labels
 from lightning_dorylus.nn import DorylusLayer, DorylusRuntime
 from lightning_dorylus.nn.norm import check_vertex_norms, convert_batchnorm, revert_batchnorm
 from lightning_dorylus.precision import check_precision
@@ -326,6 +328,7 @@ class DorylusStrategy(ParallelStrategy):
             check_precision(str(getattr(self.precision_plugin, "precision", "32-true")))
         assert self.model is not None
         check_vertex_norms(self.model)
+        check_foreign_layers(self.model)
         # as DDP's sync_batchnorm=True (Lightning's TorchSyncBatchNorm), but on CPU too; reverted in teardown
         self.model = convert_batchnorm(self.model)
         self.precision_plugin.convert_module(self.model)
@@ -430,11 +433,21 @@ class DorylusStrategy(ParallelStrategy):
                     self._timed.recording = True  # measure the first epoch(s) on the partition's intervals
                 else:
                     self._autotune(batch)
-        if self._dropout_checked or self.world_size == 1:
+        if self._dropout_checked:
             return super().training_step(*args, **kwargs)
         self._dropout_checked = True  # the first step only: a model calling F.dropout does so every step
-        with TorchDropoutCheck(self.world_size):
+        with ExitStack() as checks:
+            checks.enter_context(LabelRangeCheck(self._num_labels(batch)))
+            if self.world_size > 1:
+                checks.enter_context(TorchDropoutCheck(self.world_size))
             return super().training_step(*args, **kwargs)
+
+    def _num_labels(self, batch: Any) -> int:
+        """The whole graph's ``max(y) + 1`` (all-reduced: every server checks against the same count)."""
+        count = torch.tensor(num_labels(getattr(batch, "y", None)), device=self.root_device)
+        if self.world_size > 1 and _distributed_is_initialized():
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return int(count)
 
     def _train_share(self, batch: GraphPartition) -> float:
         """``n_train_local / num_train_global``: the weight of this server's local-mean loss."""
