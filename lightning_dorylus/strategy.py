@@ -434,13 +434,25 @@ class DorylusStrategy(ParallelStrategy):
                 else:
                     self._autotune(batch)
         if self._dropout_checked:
-            return super().training_step(*args, **kwargs)
-        self._dropout_checked = True  # the first step only: a model calling F.dropout does so every step
-        with ExitStack() as checks:
-            checks.enter_context(LabelRangeCheck(self._num_labels(batch)))
-            if self.world_size > 1:
-                checks.enter_context(TorchDropoutCheck(self.world_size))
-            return super().training_step(*args, **kwargs)
+            out = super().training_step(*args, **kwargs)
+        else:
+            self._dropout_checked = True  # the first step only: a model calling F.dropout does so every step
+            with ExitStack() as checks:
+                checks.enter_context(LabelRangeCheck(self._num_labels(batch)))
+                if self.world_size > 1:
+                    checks.enter_context(TorchDropoutCheck(self.world_size))
+                out = super().training_step(*args, **kwargs)
+        self._log_recoveries()
+        return out
+
+    def _log_recoveries(self) -> None:
+        """Logs ``executor_recoveries``: the dead workers this server's executor has replaced so far (the
+        local pool's ``respawns``; each one's requests were retried, results unchanged). This server's own
+        count, logged per step without a collective (Lightning's loggers record rank 0's)."""
+        count = getattr(self._executor, "respawns", None)
+        if isinstance(count, int) and self.lightning_module is not None:
+            self.lightning_module.log("executor_recoveries", float(count), on_step=True, on_epoch=False,
+                                      batch_size=1)
 
     def _num_labels(self, batch: Any) -> int:
         """The whole graph's ``max(y) + 1`` (all-reduced: every server checks against the same count)."""
