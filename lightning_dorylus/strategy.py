@@ -27,6 +27,7 @@ import atexit
 import ctypes
 import ctypes.util
 import logging
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import PurePath
 from typing import Any, Literal
@@ -67,10 +68,12 @@ from lightning_dorylus.dropout_check import TorchDropoutCheck
 from lightning_dorylus.executors import EXECUTORS, TensorOpExecutor, build_executor
 from lightning_dorylus.graph import GhostExchange, GraphCache
 from lightning_dorylus.graph.stale import StaleGhostExchange, StaleReads, check_stale_reads
+from lightning_dorylus.model_checks import LabelRangeCheck, check_foreign_layers, num_labels
 from lightning_dorylus.nn import DorylusLayer, DorylusRuntime
+from lightning_dorylus.nn.norm import check_vertex_norms, convert_batchnorm, revert_batchnorm
 from lightning_dorylus.precision import check_precision
 from lightning_dorylus.predict import gather_vertex_rows
-from lightning_dorylus.reduce import all_reduce
+from lightning_dorylus.reduce import all_reduce, check_group
 from lightning_dorylus.threads import limit_server_threads
 
 log = logging.getLogger(__name__)
@@ -324,6 +327,10 @@ class DorylusStrategy(ParallelStrategy):
         if self.root_device.type == "cpu":  # CUDA half/mixed precision: untested, left to the user
             check_precision(str(getattr(self.precision_plugin, "precision", "32-true")))
         assert self.model is not None
+        check_vertex_norms(self.model)
+        check_foreign_layers(self.model)
+        # as DDP's sync_batchnorm=True (Lightning's TorchSyncBatchNorm), but on CPU too; reverted in teardown
+        self.model = convert_batchnorm(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         _sync_module_states(self.model)  # every weight replica starts from rank 0's values
@@ -426,11 +433,33 @@ class DorylusStrategy(ParallelStrategy):
                     self._timed.recording = True  # measure the first epoch(s) on the partition's intervals
                 else:
                     self._autotune(batch)
-        if self._dropout_checked or self.world_size == 1:
-            return super().training_step(*args, **kwargs)
-        self._dropout_checked = True  # the first step only: a model calling F.dropout does so every step
-        with TorchDropoutCheck(self.world_size):
-            return super().training_step(*args, **kwargs)
+        if self._dropout_checked:
+            out = super().training_step(*args, **kwargs)
+        else:
+            self._dropout_checked = True  # the first step only: a model calling F.dropout does so every step
+            with ExitStack() as checks:
+                checks.enter_context(LabelRangeCheck(self._num_labels(batch)))
+                if self.world_size > 1:
+                    checks.enter_context(TorchDropoutCheck(self.world_size))
+                out = super().training_step(*args, **kwargs)
+        self._log_recoveries()
+        return out
+
+    def _log_recoveries(self) -> None:
+        """Logs ``executor_recoveries``: the dead workers this server's executor has replaced so far (the
+        local pool's ``respawns``; each one's requests were retried, results unchanged). This server's own
+        count, logged per step without a collective (Lightning's loggers record rank 0's)."""
+        count = getattr(self._executor, "respawns", None)
+        if isinstance(count, int) and self.lightning_module is not None:
+            self.lightning_module.log("executor_recoveries", float(count), on_step=True, on_epoch=False,
+                                      batch_size=1)
+
+    def _num_labels(self, batch: Any) -> int:
+        """The whole graph's ``max(y) + 1`` (all-reduced: every server checks against the same count)."""
+        count = torch.tensor(num_labels(getattr(batch, "y", None)), device=self.root_device)
+        if self.world_size > 1 and _distributed_is_initialized():
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return int(count)
 
     def _train_share(self, batch: GraphPartition) -> float:
         """``n_train_local / num_train_global``: the weight of this server's local-mean loss."""
@@ -541,7 +570,9 @@ class DorylusStrategy(ParallelStrategy):
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        """All-reduces ``tensor`` over graph servers (``"sum"`` or ``"mean"``); non-tensors pass through."""
+        """All-reduces ``tensor`` over graph servers (``"sum"`` or ``"mean"``); non-tensors pass through.
+        ``reduce(t, "sum")`` (the op passed as ``group``) raises on any number of servers, naming the fix."""
+        check_group(group)
         if isinstance(tensor, Tensor) and _distributed_is_initialized():
             return all_reduce(tensor, group, reduce_op=reduce_op)
         return tensor
@@ -609,6 +640,8 @@ class DorylusStrategy(ParallelStrategy):
         self._executor = None
         self._exchange = None
         self._runtime = None
+        if self.model is not None:
+            self.model = revert_batchnorm(self.model)  # the user's module gets its own BatchNorm classes back
         super().teardown()
 
     @classmethod

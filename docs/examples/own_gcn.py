@@ -61,6 +61,12 @@ class UserGCN(LightningModule):
     def predict_step(self, batch: GraphPartition, batch_idx: int) -> Tensor:
         return self(batch).softmax(dim=-1)  # (n_local, C); the strategy returns (num_nodes, C), global order
 
+    def validation_step(self, batch: GraphPartition, batch_idx: int) -> None:
+        correct = (self(batch).argmax(dim=-1) == batch.y)[batch.val_mask].sum()
+        counts = torch.stack([correct, batch.val_mask.sum()]).double()  # this partition's (correct, count)
+        counts = self.trainer.strategy.reduce(counts, reduce_op="sum")  # the whole graph's; by keyword
+        self.log("val_acc", counts[0] / counts[1], batch_size=1)  # already global: no sync_dist
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.hparams.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
@@ -97,10 +103,11 @@ def main() -> None:
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, datamodule=datamodule)
     loss = float(trainer.callback_metrics["train_loss"])  # the last epoch's whole-graph mean
+    val_acc = float(trainer.callback_metrics["val_acc"])  # the last epoch's whole-graph accuracy
     [probs] = trainer.predict(model, datamodule=datamodule)  # (num_nodes, C) on every rank
     if trainer.global_rank == 0:
         torch.save(probs, args.out / "probs.pt")
-        print(f"train_loss={loss:.4f} predictions={tuple(probs.shape)}")
+        print(f"train_loss={loss:.4f} val_acc={val_acc:.6f} predictions={tuple(probs.shape)}")
 
 
 if __name__ == "__main__":

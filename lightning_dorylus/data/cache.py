@@ -22,7 +22,6 @@ Single graphs (e.g. synthetic ones) are stored as one ``.safetensors`` file by :
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -47,11 +46,14 @@ from lightning_dorylus.data.integrity import (
     verify_file,
 )
 from lightning_dorylus.data.partition import GraphPartition
+from lightning_dorylus.data.prune import delete_directory, mark_used, prune_cache
 from lightning_dorylus.data.validation import (
     check_cache_dir,
     check_interval_size,
     check_partitioner,
     is_integer,
+    removed_edges,
+    warn_removed_edges,
 )
 
 FORMAT_VERSION = 2
@@ -94,6 +96,8 @@ def partition_to_cache(
     seed: int = 0,
     cache_dir: str | Path | None = None,
     digest: str | None = None,
+    max_age_s: float | None = None,
+    max_bytes: int | None = None,
 ) -> Path:
     """Partitions ``data`` into ``cache_dir`` unless an identical, intact partitioning is already there.
 
@@ -108,6 +112,9 @@ def partition_to_cache(
         seed: Partitioner seed.
         cache_dir: Cache root; ``None`` means :func:`default_cache_dir`.
         digest: ``graph_hash(data)`` if the caller already has it.
+        max_age_s: Then delete the other partitionings of ``cache_dir`` unused for longer (``None``: none).
+        max_bytes: ... and the least recently used ones beyond this total size (``None``: no bound). See
+            :mod:`.prune` (never the one in use, nor one used in the last hour).
 
     Returns:
         The partitioning's directory (holding ``meta.json`` and ``part_<k>.safetensors``).
@@ -123,7 +130,11 @@ def partition_to_cache(
     problem = cache_problem(target, digest)
     if problem is None:
         damage = damaged_files(target)
-        if not damage:
+        if not damage:  # a cached run warns about the removed edges as the run that partitioned did
+            warn_removed_edges(**json.loads((target / "meta.json").read_text()).get("removed_edges", {}),
+                               stacklevel=3)
+            mark_used(target)
+            prune_cache(root, target, max_age_s, max_bytes)
             return target
         problem = "; ".join(damage)
     if target.exists():
@@ -144,6 +155,7 @@ def partition_to_cache(
         "num_classes": max(int(p.y.max()) if p.n_local else -1 for p in parts) + 1,
         "num_train_global": parts[0].num_train_global,
         "edge_cut": sum(int((p.edge_index[0] >= p.n_local).sum()) for p in parts),  # edges with a ghost src
+        "removed_edges": removed_edges(data.edge_index, parts[0].num_global_nodes),  # warned on cached runs
         "parts": [
             {"n_local": p.n_local, "n_ghost": p.n_ghost, "edges": p.num_edges, "intervals": p.num_intervals}
             for p in parts
@@ -161,6 +173,7 @@ def partition_to_cache(
         _move_into_place(tmp, target, digest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    prune_cache(root, target, max_age_s, max_bytes)
     return target
 
 
@@ -169,10 +182,7 @@ def _move_into_place(tmp: Path, target: Path, digest: str) -> None:
     if target.exists() and cache_problem(target, digest) is None and not damaged_files(target):
         return  # an identical writer (another node on a shared file system) finished first
     if target.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.damaged.", dir=target.parent))
-        with contextlib.suppress(FileNotFoundError):  # another writer moved it aside first
-            os.rename(target, trash / target.name)
-        shutil.rmtree(trash, ignore_errors=True)
+        delete_directory(target, "damaged")  # another writer may have moved it aside first
     try:
         os.rename(tmp, target)
     except OSError:

@@ -98,6 +98,10 @@ class DorylusDataModule(LightningDataModule):
             partition directory, whose partitions are already built.
         num_classes: Number of classes the model predicts; every label must be below it (checked here).
             ``None``: ``max(y) + 1``.
+        cache_max_age_days: After partitioning (or finding the partitioning in the cache), delete the other
+            partitionings of ``cache_dir`` unused for longer than this (``None``: keep them).
+        cache_max_bytes: ... and the least recently used others beyond this many bytes in all (``None``: no
+            size bound). Never the one in use, nor one used in the last hour (``data/prune.py``).
 
     The graph is checked here, in every process, before any graph server starts: edges in range, finite
     features, labels ``>= 0`` (``-1``: unlabeled) and ``< num_classes``, masks selecting labeled vertices
@@ -114,6 +118,8 @@ class DorylusDataModule(LightningDataModule):
         seed: int = 0,
         transform: Callable[[Data], Data] | None = None,
         num_classes: int | None = None,
+        cache_max_age_days: float | None = 30.0,
+        cache_max_bytes: int | None = None,
     ) -> None:
         super().__init__()
         if transform is not None and not callable(transform):
@@ -132,6 +138,13 @@ class DorylusDataModule(LightningDataModule):
         self.seed = int(seed)
         self._num_classes = check_num_classes(num_classes)
         self.cache_dir = check_cache_dir(cache_dir if cache_dir is not None else default_cache_dir())
+        bounds = (("cache_max_age_days", cache_max_age_days), ("cache_max_bytes", cache_max_bytes))
+        for name, bound in bounds:
+            numeric = isinstance(bound, int | float) and not isinstance(bound, bool)
+            if bound is not None and (not numeric or bound <= 0):
+                raise ValueError(f"{name}={bound!r}: expected None (no bound) or a number > 0")
+        self._cache_max_age_s = None if cache_max_age_days is None else float(cache_max_age_days) * 86400
+        self._cache_max_bytes = cache_max_bytes
         self.data: Data | None = None
         self.partition_dir: Path | None = None  # fixed when `data` is a partition directory
         self.partition: GraphPartition | None = None
@@ -260,6 +273,8 @@ class DorylusDataModule(LightningDataModule):
             self.seed,
             self.cache_dir,
             digest=self.graph_digest(),
+            max_age_s=self._cache_max_age_s,
+            max_bytes=self._cache_max_bytes,
         )
 
     @override

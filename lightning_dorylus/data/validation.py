@@ -118,20 +118,37 @@ def coalesce(edge_index: Tensor, num_nodes: int) -> Tensor:
 
     Self loops are dropped because the GNN layers add their own (``in_degree`` counts raw edges only).
     """
+    key, num_loops, num_dupes = _coalesced_keys(edge_index, num_nodes)
+    warn_removed_edges(num_loops, num_dupes, stacklevel=4)
+    return torch.stack([key % num_nodes, key // num_nodes])
+
+
+def removed_edges(edge_index: Tensor, num_nodes: int) -> dict[str, int]:
+    """``{"self_loops": n, "duplicates": m}``: what :func:`coalesce` removes from ``edge_index`` (kept in the
+    partition cache's metadata, so that a run reading the cache warns as the run that partitioned did)."""
+    _, num_loops, num_dupes = _coalesced_keys(edge_index, num_nodes)
+    return {"self_loops": num_loops, "duplicates": num_dupes}
+
+
+def warn_removed_edges(self_loops: int = 0, duplicates: int = 0, stacklevel: int = 2) -> None:
+    """The warning for removed self loops / duplicate edges (none if there were none)."""
+    if self_loops or duplicates:
+        warnings.warn(
+            f"edge_index had {self_loops} self loops and {duplicates} duplicate edges; they were removed "
+            "(the GNN layers add self loops themselves)",
+            stacklevel=stacklevel,
+        )
+
+
+def _coalesced_keys(edge_index: Tensor, num_nodes: int) -> tuple[Tensor, int, int]:
+    """Sorted unique ``dst * num_nodes + src`` keys without self loops; the loops and duplicates dropped."""
     src, dst = edge_index
     loops = src == dst
     num_loops = int(loops.sum())
     if num_loops:
         src, dst = src[~loops], dst[~loops]
     key = torch.unique(dst * num_nodes + src)  # sorted: by dst, then src
-    num_dupes = int(src.numel() - key.numel())
-    if num_loops or num_dupes:
-        warnings.warn(
-            f"edge_index had {num_loops} self loops and {num_dupes} duplicate edges; they were removed "
-            "(the GNN layers add self loops themselves)",
-            stacklevel=3,
-        )
-    return torch.stack([key % num_nodes, key // num_nodes])
+    return key, num_loops, int(src.numel() - key.numel())
 
 
 def _check_edge_index(edge_index: Tensor | None, num_nodes: int) -> Tensor:

@@ -211,6 +211,12 @@ class LambdaExecutor(ResilientExecutor):
             raise RemoteOpError(f"{call.describe()} failed in Lambda function {self.function_name!r}: "
                                 f"{header.get('error_type')}: {header.get('message')}",
                                 str(header.get("error_type")))
+        ours, theirs = call.header["fingerprint"], header.get("fingerprint") or "without a fingerprint"
+        if theirs != ours:  # a handler that does not check (deployed before fingerprints)
+            raise ExecutorError(f"{call.describe()}: Lambda function {self.function_name!r} ran op "
+                                f"{call.request.op!r} {theirs}, "
+                                f"this graph server runs {ours}: the function's code is not the graph "
+                                "server's; redeploy it (`python -m lightning_dorylus.deploy`)")
         return to_tensors(arrays)
 
     def _invoke_raw(self, attempt: Attempt, event: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import queue
 import selectors
@@ -35,6 +36,8 @@ from ..ops import bundle, registry
 from .base import ExecutorError, RemoteOpError, RetryableError, to_tensors
 from .resilient import POLICY_FIELDS, Attempt, FaultPolicy, ResilientExecutor
 from .worker import read_message, write_message
+
+log = logging.getLogger(__name__)
 
 _THREAD_ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
                     "VECLIB_MAXIMUM_THREADS")
@@ -307,6 +310,10 @@ class LocalPoolExecutor(ResilientExecutor):
         try:
             self._workers[index] = self._spawn(index)
             self.respawns += 1
+            if self.respawns == 1:  # once: later ones are only counted (respawns, metric executor_recoveries)
+                log.warning("local executor: worker %d (pid %s) died; a new worker replaced it and its "
+                            "requests are retried (results unchanged). Further recoveries are counted in "
+                            "executor.respawns and the logged metric 'executor_recoveries'", index, dead.pid)
         except Exception as err:
             self._broken = err
 

@@ -1,7 +1,8 @@
 """The tensor-op handler: the code that runs inside an executor (local worker or AWS Lambda).
 
-``handle(payload) -> bytes`` decodes a request ``{"op": str, "attrs": {...}}`` + named arrays (see
-``lightning_dorylus.wire``), runs the op, and encodes ``{"op": str, "ok": true}`` + the outputs.
+``handle(payload) -> bytes`` decodes a request ``{"op": str, "attrs": {...}, "fingerprint": str}`` + named
+arrays (see ``lightning_dorylus.wire``), refuses an op whose fingerprint differs from the sender's
+(``fingerprint.py``), runs the op, and encodes ``{"op": str, "ok": true, "fingerprint": str}`` + the outputs.
 ``run_op`` is the same dispatch without the encoding (the "inline" executor calls it directly).
 
 Imports only the standard library, numpy, and sibling modules, so this package ships into a
@@ -40,6 +41,7 @@ import numpy as np
 
 from .. import wire
 from . import gat, sage, vertex
+from .fingerprint import check_fingerprint, op_fingerprint
 from .spec import OpSpec
 
 __all__ = ["OPS", "OpSpec", "handle", "run_op"]
@@ -107,18 +109,26 @@ def handle_frames(payload: bytes | bytearray | memoryview) -> tuple[int, list[An
     attrs = header.get("attrs", {})
     if not isinstance(attrs, dict):
         raise wire.WireError(f"request header 'attrs' must be a JSON object, got {type(attrs).__name__}")
+    if op in OPS:  # the graph server's code and this handler's must be the same (fingerprint.py)
+        check_fingerprint(op, OPS[op], header.get("fingerprint"))
     outputs = run_op(op, arrays, attrs)  # type: ignore[arg-type]
     return wire.encode_frames(response_header(op), outputs)  # type: ignore[arg-type]
 
 
 def request_header(op: str, attrs: Mapping[str, Any] | None = None, interval: int = -1) -> dict[str, Any]:
-    """The header of a request payload (what executors send)."""
-    return {"op": op, "attrs": dict(attrs or {}), "interval": interval}
+    """The header of a request payload (what executors send): with the sender's fingerprint of ``op``."""
+    return {"op": op, "attrs": dict(attrs or {}), "interval": interval, "fingerprint": fingerprint(op)}
 
 
 def response_header(op: str) -> dict[str, Any]:
-    """The header of a successful response."""
-    return {"op": op, "ok": True}
+    """The header of a successful response: with the fingerprint of the op this handler ran."""
+    return {"op": op, "ok": True, "fingerprint": fingerprint(op)}
+
+
+def fingerprint(op: str) -> str | None:
+    """This process's fingerprint of ``op`` (``None`` for an op it does not have)."""
+    spec = OPS.get(op)
+    return None if spec is None else op_fingerprint(op, spec)
 
 
 def error_header(op: Any, err: BaseException) -> dict[str, Any]:

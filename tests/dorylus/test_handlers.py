@@ -159,7 +159,8 @@ def test_handle_round_trip_through_wire() -> None:
     request = wire.encode(handlers.request_header("apply_vertex.forward", {"activation": "none"}),
                           {"z": z, "weight": w})
     header, out = wire.decode(handlers.handle(request))
-    assert header == {"op": "apply_vertex.forward", "ok": True}
+    assert header == {"op": "apply_vertex.forward", "ok": True,
+                      "fingerprint": handlers.fingerprint("apply_vertex.forward")}  # the op it ran
     np.testing.assert_array_equal(out["h"], z @ w)
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sys
+import time
+import warnings
 
 import numpy as np
 import pytest
@@ -13,6 +16,7 @@ from torch_geometric.data import Data
 
 import lightning_dorylus.data.cache as cache_module
 from lightning_dorylus.data import (
+    DorylusDataModule,
     GraphPartition,
     build_partitions,
     edge_cut,
@@ -25,6 +29,7 @@ from lightning_dorylus.data import (
     save_graph,
 )
 from lightning_dorylus.data.partitioner import bfs_partition
+from lightning_dorylus.data.prune import prune_cache
 from lightning_dorylus.data.synthetic import powerlaw_graph
 from lightning_dorylus.data.validation import coalesce, graph_tensors
 
@@ -190,6 +195,23 @@ def test_self_loops_and_duplicates_are_removed_with_a_warning() -> None:
     with pytest.warns(UserWarning, match="had 2 self loops and 4 duplicate edges; they were removed"):
         parts = partition_graph(data, 2)
     assert global_edges(parts) == edge_set(clean)
+
+
+def test_removed_edges_are_warned_about_on_cached_runs_too(tmp_path) -> None:
+    """The partitioning run stores the counts in meta.json; a run that reads the cache warns the same."""
+    data = random_graph()
+    extra = [data.edge_index[:, :4], torch.tensor([[3, 7], [3, 7]])]  # 4 duplicates, 2 self loops
+    data.edge_index = torch.cat([data.edge_index, *extra], dim=1)
+    for _ in ("partitions", "reads the cache"):
+        with pytest.warns(UserWarning, match="had 2 self loops and 4 duplicate edges; they were removed"):
+            target = partition_to_cache(data, 2, "contiguous", cache_dir=tmp_path)
+    removed = json.loads((target / "meta.json").read_text())["removed_edges"]
+    assert removed == {"self_loops": 2, "duplicates": 4}
+    clean = random_graph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a clean graph: no warning on either run
+        partition_to_cache(clean, 2, "contiguous", cache_dir=tmp_path / "clean")
+        partition_to_cache(clean, 2, "contiguous", cache_dir=tmp_path / "clean")
 
 
 def test_metis_cuts_fewer_edges_than_random_on_a_clustered_graph() -> None:
@@ -371,3 +393,30 @@ def test_numpy_integers_and_bfloat16_features(tmp_path) -> None:
     part = load_partition(directory, 0)
     assert part.x.dtype == torch.bfloat16
     torch.testing.assert_close(part.x, data.x[part.local_nodes])
+
+
+def test_old_partitionings_are_pruned_by_age_then_size(tmp_path) -> None:
+    """``partition_to_cache(max_age_s=..., max_bytes=...)`` deletes other partitionings unused for too long,
+    then the least recently used beyond the size bound; never the one in use nor one used within the grace
+    period, nor a folder that is not a partitioning."""
+    data = random_graph()
+    dirs = [partition_to_cache(data, 2, "contiguous", seed=s, cache_dir=tmp_path) for s in range(4)]
+    size = sum(f.stat().st_size for f in dirs[0].iterdir())
+    day, now = 86400.0, time.time()
+    for directory, age in zip(dirs, (40 * day, 3 * day, 2 * day, 0.0), strict=True):
+        os.utime(directory / "meta.json", (now - age, now - age))
+    (tmp_path / "notes").mkdir()  # not a partitioning: never touched
+    # the age bound: seed 0, unused for 40 days, goes; the others stay (no size bound)
+    assert prune_cache(tmp_path, dirs[3], max_age_s=30 * day, max_bytes=None, now=now) == [dirs[0]]
+    # the size bound (room for 2 partitionings): the one in use, then the most recent (seed 2) stays
+    assert prune_cache(tmp_path, dirs[3], max_age_s=None, max_bytes=2 * size, now=now) == [dirs[1]]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == sorted(
+        [dirs[2].name, dirs[3].name, "notes"])
+    # within the grace period nothing goes, whatever the bounds
+    os.utime(dirs[2] / "meta.json", (now - 60, now - 60))
+    assert prune_cache(tmp_path, dirs[3], max_age_s=1.0, max_bytes=1, now=now) == []
+    # a cache hit refreshes the last use; the DataModule's default bound is 30 days
+    partition_to_cache(data, 2, "contiguous", seed=2, cache_dir=tmp_path, max_age_s=1.0)
+    assert now - (dirs[2] / "meta.json").stat().st_mtime < 60 and dirs[3].exists()
+    with pytest.raises(ValueError, match=r"cache_max_bytes=0: expected None \(no bound\) or a number > 0"):
+        DorylusDataModule(data, cache_dir=tmp_path, cache_max_bytes=0)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_dorylus import DorylusStrategy
 from lightning_dorylus.reduce import all_reduce
 
 
@@ -45,3 +46,13 @@ def test_mean_of_an_integer_tensor_keeps_its_dtype() -> None:
 def test_unknown_reduce_op_is_named() -> None:
     with pytest.raises(ValueError, match=r"reduce_op='median': expected 'sum', 'mean', 'avg', 'max', 'min'"):
         all_reduce(torch.ones(1), reduce_op="median")
+
+
+@pytest.mark.parametrize("group", ["sum", "mean"])
+def test_an_op_passed_as_the_group_is_refused_without_a_process_group(group: str) -> None:
+    """``strategy.reduce(t, "sum")`` fails on one graph server too (no process group), naming the keyword."""
+    message = rf"reduce\(tensor, '{group}'\).*process group.*write reduce\(tensor, reduce_op='{group}'\)"
+    with pytest.raises(TypeError, match=message):
+        DorylusStrategy().reduce(torch.ones(1), group)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=message):
+        all_reduce(torch.ones(1), group)

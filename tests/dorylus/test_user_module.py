@@ -19,10 +19,12 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from safetensors.torch import load_file
+from torch_geometric.nn import norm as pyg_norm
 
 from lightning_dorylus import GCN, DorylusStrategy
 from lightning_dorylus.data import partition_graph
 from lightning_dorylus.dropout_check import TorchDropoutCheck, torch_dropout_message
+from lightning_dorylus.nn.norm import GraphBatchNorm, check_vertex_norms, convert_batchnorm, revert_batchnorm
 from lightning_dorylus.predict import gather_vertex_rows
 from tests.dorylus.scripts.exact_run import INTERVAL_SIZE, NUM_CLASSES, make_graph
 from tests.dorylus.scripts.launch import run_script
@@ -36,6 +38,8 @@ CASES = {
     "gcn-sgd-sum": {"model": "gcn", "optimizer": "sgd", "dropout": 0.0, "executor": "inline",
                     "loss_reduction": "sum"},
     "torch-dropout": {"model": "torch_dropout", "optimizer": "sgd", "dropout": 0.5, "executor": "inline"},
+    "batchnorm-adam": {"model": "batchnorm", "optimizer": "adam", "dropout": 0.5, "executor": "inline",
+                       "first_part": 90},  # BatchNorm1d, servers of 90 and 150 vertices
 }
 SERVER_CASES = {2: list(CASES), 3: ["gcn-sgd", "gcn-adam-dropout"]}
 
@@ -85,8 +89,8 @@ def load_run(folder: Path, servers: int) -> tuple[list[float], list[dict], list[
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize(("servers", "name"), [
-    (2, "gcn-sgd"), (2, "gcn-adam-dropout"), (2, "gin-adam"), (2, "gcn-adam-pipelined"), (3, "gcn-sgd"),
-    (3, "gcn-adam-dropout"),
+    (2, "gcn-sgd"), (2, "gcn-adam-dropout"), (2, "gin-adam"), (2, "gcn-adam-pipelined"),
+    (2, "batchnorm-adam"), (3, "gcn-sgd"), (3, "gcn-adam-dropout"),
 ])
 def test_user_module_with_local_mean_loss_trains_what_auto_trains(launches, servers: int, name: str) -> None:
     folder, _ = launches(servers)
@@ -201,3 +205,48 @@ def test_loss_reduction_comes_from_the_module_or_the_strategy() -> None:
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+def test_batchnorm_case_runs_on_partitions_of_unequal_size() -> None:
+    """The BatchNorm1d case is exact with servers of different row counts (the counts are all-reduced)."""
+    from tests.dorylus.scripts.user_module_run import make_partitions
+
+    assert [p.n_local for p in make_partitions(CASES["batchnorm-adam"], 2)] == [90, 150]
+
+
+def test_batchnorm_is_converted_for_the_fit_and_given_back() -> None:
+    """The strategy swaps ``torch.nn`` batch norms for ``GraphBatchNorm`` in setup, sharing the parameter and
+    buffer tensors (optimizer and state_dict unchanged), and gives the user's classes back in teardown."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU(),
+                                torch.nn.Sequential(torch.nn.BatchNorm2d(2)))
+    before = model.state_dict(keep_vars=True)
+    converted = convert_batchnorm(model)
+    assert converted is model
+    assert type(model[1]) is GraphBatchNorm and type(model[3][0]) is GraphBatchNorm
+    assert all(value is before[key] for key, value in model.state_dict(keep_vars=True).items())
+    x = torch.randn(7, 4)
+    torch.testing.assert_close(model[1](x), torch.nn.functional.batch_norm(x, None, None, model[1].weight,
+                                                                             model[1].bias, True))
+    assert model[1].num_batches_tracked == 1  # one process: BatchNorm's own update
+    revert_batchnorm(model)
+    assert type(model[1]) is torch.nn.BatchNorm1d and type(model[3][0]) is torch.nn.BatchNorm2d
+    assert all(value is before[key] for key, value in model.state_dict(keep_vars=True).items())
+    own = torch.nn.Sequential(GraphBatchNorm(4))  # the user's own GraphBatchNorm stays one
+    assert type(revert_batchnorm(own)[0]) is GraphBatchNorm
+
+
+@pytest.mark.parametrize(("layer", "instead"), [
+    (pyg_norm.GraphNorm(4), r"torch.nn.BatchNorm1d"),
+    (pyg_norm.LayerNorm(4, mode="graph"), r"LayerNorm\(mode='node'\)"),
+    (pyg_norm.PairNorm(), r"torch.nn.BatchNorm1d"),
+    (pyg_norm.InstanceNorm(4), r"torch.nn.BatchNorm1d"),
+])
+def test_norms_over_a_graphs_vertices_are_refused_naming_the_layer(layer: torch.nn.Module, instead: str
+                                                                   ) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), layer)
+    name = type(layer).__name__
+    message = rf"Sequential\.1 \(torch_geometric\.\S+\.{name}\) takes statistics over the vertices.*"
+    message += rf"Use .*{instead}"
+    with pytest.raises(TypeError, match=message):
+        check_vertex_norms(model)
+    check_vertex_norms(torch.nn.Sequential(pyg_norm.LayerNorm(4, mode="node"), pyg_norm.BatchNorm(4)))

@@ -5,10 +5,11 @@ Launched by ``tests/dorylus/test_user_module.py`` (all ranks at once, ``tests.pr
 trains the same models in its own process under ``strategy="auto"`` with :func:`build_model` and :func:`fit`.
 
 Usage: python user_module_run.py OUT_DIR --servers N --cases CASES_JSON
-``CASES_JSON``: ``{name: {"model": "gcn"|"gin"|"torch_dropout", "optimizer": "sgd"|"adam", "dropout": p,
-"executor": "inline"|"local", "loss_reduction": null|"mean"|"sum", "staleness": null|0}}``; each case
-trains in turn into ``OUT_DIR/<name>``: ``result.json`` (rank 0: per-epoch train_loss),
-``weights_rank{r}.safetensors`` and ``predictions_rank{r}.safetensors`` (``trainer.predict`` on rank r).
+``CASES_JSON``: ``{name: {"model": "gcn"|"gin"|"torch_dropout"|"batchnorm", "optimizer": "sgd"|"adam",
+"dropout": p, "executor": "inline"|"local", "loss_reduction": null|"mean"|"sum", "staleness": null|0,
+"first_part": k}}``; each case trains in turn into ``OUT_DIR/<name>``: ``result.json`` (rank 0: per-epoch
+train_loss), ``weights_rank{r}.safetensors`` and ``predictions_rank{r}.safetensors`` (``trainer.predict``
+on rank r).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from safetensors.torch import save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_dorylus import DorylusStrategy
-from lightning_dorylus.data import GraphPartition, partition_graph
+from lightning_dorylus.data import GraphPartition, build_partitions, partition_graph
+from lightning_dorylus.data.build import graph_tensors
 from tests.dorylus.scripts.exact_run import INTERVAL_SIZE, NUM_CLASSES, NUM_FEATURES, loader, make_graph
 from tests.process import REPO
 
@@ -59,7 +61,20 @@ class TorchDropoutGCN(UserGCN):
         return F.dropout(h, self.hparams.dropout, self.training)
 
 
-MODELS = {"gcn": UserGCN, "gin": UserGIN, "torch_dropout": TorchDropoutGCN}
+class BatchNormGCN(UserGCN):
+    """``torch.nn.BatchNorm1d`` over the hidden vertices: its batch statistics must be the whole graph's."""
+
+    def __init__(self, in_channels: int, hidden_channels: int, num_classes: int, **kwargs: Any) -> None:
+        super().__init__(in_channels, hidden_channels, num_classes, **kwargs)
+        self.norm = nn.BatchNorm1d(hidden_channels, momentum=0.3)
+
+    def forward(self, batch: GraphPartition) -> Tensor:
+        graph = self.graphs.context(batch)
+        h = self.norm(self.conv1(self.dropout(batch.x, batch, site=0), graph))
+        return self.conv2(self.dropout(h, batch, site=1), graph)
+
+
+MODELS = {"gcn": UserGCN, "gin": UserGIN, "torch_dropout": TorchDropoutGCN, "batchnorm": BatchNormGCN}
 
 
 def build_model(case: dict[str, Any]) -> LightningModule:
@@ -90,6 +105,16 @@ def fit(model: LightningModule, partitions: list[GraphPartition], strategy: Any,
     return trainer, recorder.losses, predictions
 
 
+def make_partitions(case: dict[str, Any], servers: int) -> list[GraphPartition]:
+    """METIS's (balanced) partitions, or with ``"first_part": k`` vertices ``0..k-1`` on server 0 and the rest
+    on server 1 (2 servers): partitions of unequal size."""
+    if "first_part" not in case:
+        return partition_graph(make_graph(), servers, partitioner="metis", interval_size=INTERVAL_SIZE)
+    graph = graph_tensors(make_graph())
+    assignment = (torch.arange(graph.num_nodes) >= case["first_part"]).long()
+    return build_partitions(graph, assignment, 2, INTERVAL_SIZE)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -97,8 +122,8 @@ def main() -> None:
     parser.add_argument("--cases", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    partitions = partition_graph(make_graph(), args.servers, partitioner="metis", interval_size=INTERVAL_SIZE)
     for name, case in json.loads(args.cases.read_text()).items():
+        partitions = make_partitions(case, args.servers)
         print(f"user_module_run: case {name}", flush=True)
         out = args.out / name
         out.mkdir(parents=True, exist_ok=True)
