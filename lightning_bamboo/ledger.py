@@ -12,7 +12,9 @@ elastic job)::
 
 * ``step``: the step's index from 0 (``trainer.global_step - 1`` after it; the ``step`` of Bamboo's events).
 * ``samples``: pipeline index -> the dataset indices that pipeline trained on in this step, in batch order
-  (with ``accumulate_grad_batches`` > 1, those of every batch of the step).
+  (with ``accumulate_grad_batches`` > 1, those of every batch of the step). Every member loads the global
+  batch and knows how the job's fixed split shares it, so every member reports every pipeline's samples: a
+  pipeline lost after the commit, members and replicas together, still has its samples in the line.
 * ``generation``/``owners``: the elastic job's generation and ownership map the step committed under
   (``OwnershipMap.to_json``); ``null`` without one.
 * ``digests``: stage -> sha256 over the raw bytes of that stage's parameters (layer by layer, each
@@ -44,7 +46,7 @@ from torch import nn
 
 from lightning_bamboo.broadcast import all_gather_json
 from lightning_bamboo.contract import StageSequential
-from lightning_bamboo.pipeline.microbatch import split_microbatches
+from lightning_bamboo.pipeline.microbatch import microbatch_shares, split_microbatches
 from lightning_bamboo.progress import ResumableDataLoader
 
 if TYPE_CHECKING:
@@ -81,8 +83,9 @@ class BambooLedger(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        pipeline, indices = _pipeline_samples(trainer)
-        self._samples.setdefault(pipeline, []).extend(indices)
+        pipeline, shares = _pipeline_samples(trainer)
+        for index, indices in shares.items():
+            self._samples.setdefault(index, []).extend(indices)
         if trainer.global_step == self._step_before:
             return  # no optimizer step yet (accumulate_grad_batches): its samples are the batches' together
         step = trainer.global_step - 1
@@ -92,7 +95,7 @@ class BambooLedger(Callback):
         elastic = store is not None and owners is not None and bool(getattr(strategy, "elastic", False))
         report = {
             "pipeline": pipeline,
-            "samples": self._samples.pop(pipeline),
+            "samples": {str(index): indices for index, indices in sorted(self._samples.items())},
             **_digests(trainer, pl_module),
         }
         self._samples.clear()
@@ -178,8 +181,9 @@ class BambooLedger(Callback):
 
 
 # ---------------------------------------------------------------------- what each rank reports
-def _pipeline_samples(trainer: pl.Trainer) -> tuple[int, list[int]]:
-    """``(pipeline index, indices it trained on in this batch)`` of this rank."""
+def _pipeline_samples(trainer: pl.Trainer) -> tuple[int, dict[int, list[int]]]:
+    """``(this rank's pipeline index, pipeline index -> the indices it trained on in this batch)``: every
+    pipeline's when every member loads the global batch (elastic Bamboo), else this rank's own."""
     loader = trainer.train_dataloader
     if not isinstance(loader, ResumableDataLoader):
         raise TypeError(
@@ -190,11 +194,14 @@ def _pipeline_samples(trainer: pl.Trainer) -> tuple[int, list[int]]:
     strategy = trainer.strategy
     pipelines = int(getattr(strategy, "num_pipelines", 1))
     pipeline = int(getattr(strategy, "pipeline_index", 0))
-    indices = loader.last_indices
+    indices = list(loader.last_indices)
     if pipelines > 1 and strategy.distributed_sampler_kwargs.get("num_replicas", 1) == 1:
-        # every member loads the global batch and trains on its pipeline's share (elastic Bamboo)
-        indices = split_microbatches(torch.tensor(indices), pipelines)[pipeline].tolist()
-    return pipeline, list(indices)
+        # every member loads the global batch; each pipeline trains on its share of the job's fixed split
+        total = int(strategy.global_microbatches)
+        parts = split_microbatches(torch.tensor(indices), total)
+        shares = microbatch_shares(total, pipelines)
+        return pipeline, {p: torch.cat(parts[s.start : s.stop]).tolist() for p, s in enumerate(shares)}
+    return pipeline, {pipeline: indices}
 
 
 def _digests(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, dict[str, str]]:
@@ -267,8 +274,9 @@ def _line(step: int, epoch: int, reports: list[dict[str, Any]]) -> dict[str, Any
     digests: dict[str, str] = {}
     ordered = sorted(reports, key=lambda r: r["pipeline"])
     owners = next((r["owners"] for r in ordered if r.get("owners")), None)  # every member's is the same
-    for report in ordered:
-        samples.setdefault(str(report["pipeline"]), report["samples"])
+    for report in ordered:  # each report holds every pipeline's samples (a lost pipeline's too)
+        for pipeline, indices in report["samples"].items():
+            samples.setdefault(pipeline, indices)
     for kind in ("own", "replica"):  # a stage whose holders were all lost: its replica holder's digest
         for report in ordered:
             for stage, value in report[kind].items():
