@@ -8,7 +8,8 @@ One line per committed optimizer step, written by global rank 0 (the rank 0 of t
 elastic job)::
 
     {"step": 3, "epoch": 0, "samples": {"0": [17, 4, ...], "1": [...]}, "generation": 1,
-     "owners": {...} | null, "digests": {"0": "<sha256 hex>", "1": "..."}}
+     "owners": {...} | null, "digests": {"0": "<sha256 hex>", "1": "..."},
+     "fingerprints": {"0": [sum, abs_sum, square_sum, signed_sum], "1": [...]}}
 
 * ``step``: the step's index from 0 (``trainer.global_step - 1`` after it; the ``step`` of Bamboo's events).
 * ``samples``: pipeline index -> the dataset indices that pipeline trained on in this step, in batch order
@@ -20,6 +21,10 @@ elastic job)::
 * ``digests``: stage -> sha256 over the raw bytes of that stage's parameters (layer by layer, each
   parameter's name, dtype and shape, then its bytes). Every pipeline holds the same stage; a stage whose
   holders disagree is also listed under ``"mismatch"`` with every digest seen.
+* ``fingerprints``: stage -> four float64 sums over that stage's parameters (their values, absolute values,
+  squares, and values times a fixed pseudo-random sign per element): what ``verify`` compares when two
+  runs' digests differ, to tell rounding (the gradients of a step reduced in another order, e.g. over
+  another number of pipelines after one was lost) from a different model.
 
 Nothing is pickled on the way to rank 0: the static strategy's ranks all-gather JSON bytes as ``uint8``
 tensors; an elastic job's members put JSON in the job's store (each also reports the digests of the
@@ -204,16 +209,19 @@ def _pipeline_samples(trainer: pl.Trainer) -> tuple[int, dict[int, list[int]]]:
     return pipeline, {pipeline: indices}
 
 
-def _digests(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, dict[str, str]]:
+def _digests(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, dict[str, Any]]:
     """``{"own": stage -> digest, "replica": stage -> digest}`` of the stages this rank holds whole (the
-    replica has taken the step when the step's batch ends)."""
+    replica has taken the step when the step's batch ends), and their fingerprints under ``"own_fp"`` and
+    ``"replica_fp"``."""
     stages = _stage_layers(trainer.strategy)
     own = next((m for m in pl_module.children() if isinstance(m, StageSequential)), None)
     replica = getattr(trainer.strategy, "replica", None)
-    return {
-        "own": _held_stage_digests(own, stages) if own is not None else {},
-        "replica": _held_stage_digests(replica, stages) if isinstance(replica, StageSequential) else {},
-    }
+    modules = {"own": own, "replica": replica if isinstance(replica, StageSequential) else None}
+    report: dict[str, dict[str, Any]] = {}
+    for kind, module in modules.items():
+        report[kind] = _held_stages(module, stages, stage_digest) if module is not None else {}
+        report[f"{kind}_fp"] = _held_stages(module, stages, stage_fingerprint) if module is not None else {}
+    return report
 
 
 def _stage_layers(strategy: Any) -> list[range]:
@@ -227,10 +235,11 @@ def _stage_layers(strategy: Any) -> list[range]:
     return list(stages)
 
 
-def _held_stage_digests(module: StageSequential, stages: list[range]) -> dict[str, str]:
+def _held_stages(module: StageSequential, stages: list[range], summary: Any) -> dict[str, Any]:
+    """Stage -> ``summary`` of its layers, for the stages ``module`` holds whole."""
     held = {int(name): layer for name, layer in module.named_children()}
     return {
-        str(s): stage_digest([(i, held[i]) for i in layers])
+        str(s): summary([(i, held[i]) for i in layers])
         for s, layers in enumerate(stages)
         if all(i in held for i in layers)
     }
@@ -245,6 +254,23 @@ def stage_digest(layers: list[tuple[int, nn.Module]]) -> str:
             digest.update(f"{index}.{name}:{tensor.dtype}:{tuple(param.shape)}\n".encode())
             digest.update(tensor.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def stage_fingerprint(layers: list[tuple[int, nn.Module]]) -> list[float]:
+    """Four float64 sums over every parameter's elements: values, absolute values, squares, and values
+    times a pseudo-random sign fixed by the layer index and parameter name (the same in every run). Equal
+    parameters give equal sums; parameters that differ by rounding give sums within a few ulps of the
+    absolute sum; a different model moves them far more (``verify`` compares them)."""
+    sums = torch.zeros(4, dtype=torch.float64)
+    for index, layer in layers:
+        for name, param in layer.named_parameters():
+            values = param.detach().to("cpu", torch.float64).reshape(-1)
+            key = hashlib.blake2b(f"{index}.{name}".encode(), digest_size=7).digest()
+            generator = torch.Generator().manual_seed(int.from_bytes(key, "little"))
+            signs = torch.randint(0, 2, values.shape, generator=generator, dtype=torch.float64) * 2 - 1
+            parts = [values.sum(), values.abs().sum(), values.square().sum(), (values * signs).sum()]
+            sums += torch.stack(parts)
+    return sums.tolist()
 
 
 # ---------------------------------------------------------------------- the elastic job's store
@@ -272,6 +298,7 @@ def _line(step: int, epoch: int, reports: list[dict[str, Any]]) -> dict[str, Any
     samples: dict[str, list[int]] = {}
     seen: dict[str, set[str]] = {}
     digests: dict[str, str] = {}
+    fingerprints: dict[str, list[float]] = {}
     ordered = sorted(reports, key=lambda r: r["pipeline"])
     owners = next((r["owners"] for r in ordered if r.get("owners")), None)  # every member's is the same
     for report in ordered:  # each report holds every pipeline's samples (a lost pipeline's too)
@@ -282,6 +309,8 @@ def _line(step: int, epoch: int, reports: list[dict[str, Any]]) -> dict[str, Any
             for stage, value in report[kind].items():
                 seen.setdefault(stage, set()).add(value)
                 digests.setdefault(stage, value)
+            for stage, value in report.get(f"{kind}_fp", {}).items():
+                fingerprints.setdefault(stage, value)
     line: dict[str, Any] = {
         "step": step,
         "epoch": epoch,
@@ -289,6 +318,7 @@ def _line(step: int, epoch: int, reports: list[dict[str, Any]]) -> dict[str, Any
         "generation": owners["generation"] if owners is not None else None,
         "owners": owners,
         "digests": dict(sorted(digests.items(), key=lambda kv: int(kv[0]))),
+        "fingerprints": dict(sorted(fingerprints.items(), key=lambda kv: int(kv[0]))),
     }
     mismatch = {s: sorted(v) for s, v in seen.items() if len(v) > 1}
     if mismatch:
