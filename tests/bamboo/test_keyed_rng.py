@@ -3,10 +3,11 @@
 In one process: the key is stable and depends on each of its parts; a replica's keyed forward draws its
 stage's masks; a fused position (several original stages, as after a failover) and any other split of the
 body into stages draw the same masks; the global generators come back as they were; the stage's own hooks
-still run; a single-stage engine keys its steps. The
-multi-process checks (FR equals F with dropout under ``strategy="bamboo"``; elastic runs with a SIGKILLed
-stage, or two and a checkpoint fallback, equal the uninterrupted one bit for bit) start processes and are
-marked so.
+still run; a single-stage engine keys its steps; one pipeline over all global micro-batches, or two or
+three over their shares, draw the same masks and gradient. The multi-process checks (FR equals F with
+dropout under ``strategy="bamboo"``; elastic runs with a SIGKILLed stage, or two and a checkpoint fallback,
+equal the uninterrupted one bit for bit; a 2x2 run that loses a whole pipeline equals it to rounding and
+``verify`` says the same) start processes and are marked so.
 """
 
 from __future__ import annotations
