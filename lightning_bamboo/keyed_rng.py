@@ -1,4 +1,4 @@
-"""Random numbers of the pipeline's training forwards, keyed by (seed, step, pipeline, micro-batch, layer).
+"""Random numbers of the pipeline's training forwards, keyed by (seed, step, global micro-batch, layer).
 
 Under Bamboo the same layers run forward in several places: stage ``s``'s own forward (``F``), its
 predecessor's redundant forward of the replica (``FR``), and, after a failover, the re-run of the aborted step
@@ -12,6 +12,12 @@ runs, and restored afterwards. A layer draws the same numbers for the same micro
 wherever it runs: on its stage, in its replica, on a member that runs several original stages fused, in any
 layout of the body into stages. Code outside the pipeline sees a random stream that does not depend on the
 schedule.
+
+The micro-batch in the key is the *global* micro-batch: the job cuts each global batch into a fixed number
+of micro-batches (``num_microbatches`` x its pipelines at the start,
+:func:`~lightning_bamboo.pipeline.microbatch.microbatch_shares`) and each pipeline runs a consecutive share of
+them. No pipeline id is in the key, so a sample meets the same masks whichever pipeline runs it and however
+many pipelines survive: losing a whole pipeline, a join or growing back leaves the masks as they were.
 
 The seed is ``seed_everything``'s (Lightning exports it as ``PL_GLOBAL_SEED``), else :data:`DEFAULT_SEED`.
 """
@@ -59,16 +65,18 @@ def run_seed() -> int:
     return seed
 
 
-def forward_key(seed: int, step: int, pipeline: int, microbatch: int, layer: int) -> int:
+def forward_key(seed: int, step: int, microbatch: int, layer: int) -> int:
     """The 64-bit seed of one layer's forward of one micro-batch: a stable hash (BLAKE2b), the same in every
     process, Python and PyTorch version, so a replica and a re-run draw what the stage drew.
 
-    ``pipeline`` is the data-parallel pipeline (its id in the elastic ownership map), so pipelines that train
-    on other samples at the same micro-batch index draw other masks. ``layer`` is the layer's index in the
-    whole body (a module the engine cannot see the layers of is keyed by its stage index instead).
+    ``microbatch`` is the global micro-batch's index in the step's global batch (the job's fixed split,
+    :func:`~lightning_bamboo.pipeline.microbatch.microbatch_shares`): pipelines train other micro-batches,
+    so they draw other masks, and no pipeline id is needed (it would change the masks when the pipelines
+    change). ``layer`` is the layer's index in the whole body (a module the engine cannot see the layers of
+    is keyed by its stage index instead).
     """
-    parts = (seed, step, pipeline, microbatch, layer)
-    digest = hashlib.blake2b(struct.pack("<5q", *parts), digest_size=8, person=b"bamboo-rng").digest()
+    parts = (seed, step, microbatch, layer)
+    digest = hashlib.blake2b(struct.pack("<4q", *parts), digest_size=8, person=b"bamboo-rng").digest()
     return int.from_bytes(digest, "little")
 
 
@@ -110,9 +118,9 @@ class KeyedForward:
         self._device_index = index
 
     @contextmanager
-    def keyed(self, step: int, pipeline: int, microbatch: int) -> Iterator[Forward]:
-        """Fork the generators and seed them; yields the module, whose every layer reseeds with its own key
-        just before it runs (for the block only).
+    def keyed(self, step: int, microbatch: int) -> Iterator[Forward]:
+        """Fork the generators and seed them for global micro-batch ``microbatch`` of ``step``; yields the
+        module, whose every layer reseeds with its own key just before it runs (for the block only).
 
         What runs in the block before the forward (stage 0's ``pipeline_inputs``) draws from the
         :data:`INPUTS` key, and what runs after it (the last stage's ``pipeline_loss``) continues the last
@@ -123,7 +131,7 @@ class KeyedForward:
         stage = self.module if isinstance(self.module, StageSequential) else None
 
         def reseed(layer: int) -> None:
-            self._seed(forward_key(self.seed, step, pipeline, microbatch, layer))
+            self._seed(forward_key(self.seed, step, microbatch, layer))
 
         with torch.random.fork_rng(devices=devices, device_type=self.device.type):
             reseed(INPUTS if stage is not None else self.default_unit)

@@ -8,16 +8,23 @@ One line per committed optimizer step, written by global rank 0 (the rank 0 of t
 elastic job)::
 
     {"step": 3, "epoch": 0, "samples": {"0": [17, 4, ...], "1": [...]}, "generation": 1,
-     "owners": {...} | null, "digests": {"0": "<sha256 hex>", "1": "..."}}
+     "owners": {...} | null, "digests": {"0": "<sha256 hex>", "1": "..."},
+     "fingerprints": {"0": [sum, abs_sum, square_sum, signed_sum], "1": [...]}}
 
 * ``step``: the step's index from 0 (``trainer.global_step - 1`` after it; the ``step`` of Bamboo's events).
 * ``samples``: pipeline index -> the dataset indices that pipeline trained on in this step, in batch order
-  (with ``accumulate_grad_batches`` > 1, those of every batch of the step).
+  (with ``accumulate_grad_batches`` > 1, those of every batch of the step). Every member loads the global
+  batch and knows how the job's fixed split shares it, so every member reports every pipeline's samples: a
+  pipeline lost after the commit, members and replicas together, still has its samples in the line.
 * ``generation``/``owners``: the elastic job's generation and ownership map the step committed under
   (``OwnershipMap.to_json``); ``null`` without one.
 * ``digests``: stage -> sha256 over the raw bytes of that stage's parameters (layer by layer, each
   parameter's name, dtype and shape, then its bytes). Every pipeline holds the same stage; a stage whose
   holders disagree is also listed under ``"mismatch"`` with every digest seen.
+* ``fingerprints``: stage -> four float64 sums over that stage's parameters (their values, absolute values,
+  squares, and values times a fixed pseudo-random sign per element): what ``verify`` compares when two
+  runs' digests differ, to tell rounding (the gradients of a step reduced in another order, e.g. over
+  another number of pipelines after one was lost) from a different model.
 
 Nothing is pickled on the way to rank 0: the static strategy's ranks all-gather JSON bytes as ``uint8``
 tensors; an elastic job's members put JSON in the job's store (each also reports the digests of the
@@ -44,7 +51,7 @@ from torch import nn
 
 from lightning_bamboo.broadcast import all_gather_json
 from lightning_bamboo.contract import StageSequential
-from lightning_bamboo.pipeline.microbatch import split_microbatches
+from lightning_bamboo.pipeline.microbatch import microbatch_shares, split_microbatches
 from lightning_bamboo.progress import ResumableDataLoader
 
 if TYPE_CHECKING:
@@ -85,8 +92,9 @@ class BambooLedger(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        pipeline, indices = _pipeline_samples(trainer)
-        self._samples.setdefault(pipeline, []).extend(indices)
+        pipeline, shares = _pipeline_samples(trainer)
+        for index, indices in shares.items():
+            self._samples.setdefault(index, []).extend(indices)
         if trainer.global_step == self._step_before:
             return  # no optimizer step yet (accumulate_grad_batches): its samples are the batches' together
         step = trainer.global_step - 1
@@ -96,7 +104,7 @@ class BambooLedger(Callback):
         elastic = store is not None and owners is not None and bool(getattr(strategy, "elastic", False))
         report = {
             "pipeline": pipeline,
-            "samples": self._samples.pop(pipeline),
+            "samples": {str(index): indices for index, indices in sorted(self._samples.items())},
             **_digests(trainer, pl_module),
         }
         self._samples.clear()
@@ -223,8 +231,9 @@ class BambooLedger(Callback):
 
 
 # ---------------------------------------------------------------------- what each rank reports
-def _pipeline_samples(trainer: pl.Trainer) -> tuple[int, list[int]]:
-    """``(pipeline index, indices it trained on in this batch)`` of this rank."""
+def _pipeline_samples(trainer: pl.Trainer) -> tuple[int, dict[int, list[int]]]:
+    """``(this rank's pipeline index, pipeline index -> the indices it trained on in this batch)``: every
+    pipeline's when every member loads the global batch (elastic Bamboo), else this rank's own."""
     loader = trainer.train_dataloader
     if not isinstance(loader, ResumableDataLoader):
         raise TypeError(
@@ -235,23 +244,29 @@ def _pipeline_samples(trainer: pl.Trainer) -> tuple[int, list[int]]:
     strategy = trainer.strategy
     pipelines = int(getattr(strategy, "num_pipelines", 1))
     pipeline = int(getattr(strategy, "pipeline_index", 0))
-    indices = loader.last_indices
+    indices = list(loader.last_indices)
     if pipelines > 1 and strategy.distributed_sampler_kwargs.get("num_replicas", 1) == 1:
-        # every member loads the global batch and trains on its pipeline's share (elastic Bamboo)
-        indices = split_microbatches(torch.tensor(indices), pipelines)[pipeline].tolist()
-    return pipeline, list(indices)
+        # every member loads the global batch; each pipeline trains on its share of the job's fixed split
+        total = int(strategy.global_microbatches)
+        parts = split_microbatches(torch.tensor(indices), total)
+        shares = microbatch_shares(total, pipelines)
+        return pipeline, {p: torch.cat(parts[s.start : s.stop]).tolist() for p, s in enumerate(shares)}
+    return pipeline, {pipeline: indices}
 
 
-def _digests(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, dict[str, str]]:
+def _digests(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, dict[str, Any]]:
     """``{"own": stage -> digest, "replica": stage -> digest}`` of the stages this rank holds whole (the
-    replica has taken the step when the step's batch ends)."""
+    replica has taken the step when the step's batch ends), and their fingerprints under ``"own_fp"`` and
+    ``"replica_fp"``."""
     stages = _stage_layers(trainer.strategy)
     own = next((m for m in pl_module.children() if isinstance(m, StageSequential)), None)
     replica = getattr(trainer.strategy, "replica", None)
-    return {
-        "own": _held_stage_digests(own, stages) if own is not None else {},
-        "replica": _held_stage_digests(replica, stages) if isinstance(replica, StageSequential) else {},
-    }
+    modules = {"own": own, "replica": replica if isinstance(replica, StageSequential) else None}
+    report: dict[str, dict[str, Any]] = {}
+    for kind, module in modules.items():
+        report[kind] = _held_stages(module, stages, stage_digest) if module is not None else {}
+        report[f"{kind}_fp"] = _held_stages(module, stages, stage_fingerprint) if module is not None else {}
+    return report
 
 
 def _stage_layers(strategy: Any) -> list[range]:
@@ -265,10 +280,11 @@ def _stage_layers(strategy: Any) -> list[range]:
     return list(stages)
 
 
-def _held_stage_digests(module: StageSequential, stages: list[range]) -> dict[str, str]:
+def _held_stages(module: StageSequential, stages: list[range], summary: Any) -> dict[str, Any]:
+    """Stage -> ``summary`` of its layers, for the stages ``module`` holds whole."""
     held = {int(name): layer for name, layer in module.named_children()}
     return {
-        str(s): stage_digest([(i, held[i]) for i in layers])
+        str(s): summary([(i, held[i]) for i in layers])
         for s, layers in enumerate(stages)
         if all(i in held for i in layers)
     }
@@ -283,6 +299,23 @@ def stage_digest(layers: list[tuple[int, nn.Module]]) -> str:
             digest.update(f"{index}.{name}:{tensor.dtype}:{tuple(param.shape)}\n".encode())
             digest.update(tensor.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def stage_fingerprint(layers: list[tuple[int, nn.Module]]) -> list[float]:
+    """Four float64 sums over every parameter's elements: values, absolute values, squares, and values
+    times a pseudo-random sign fixed by the layer index and parameter name (the same in every run). Equal
+    parameters give equal sums; parameters that differ by rounding give sums within a few ulps of the
+    absolute sum; a different model moves them far more (``verify`` compares them)."""
+    sums = torch.zeros(4, dtype=torch.float64)
+    for index, layer in layers:
+        for name, param in layer.named_parameters():
+            values = param.detach().to("cpu", torch.float64).reshape(-1)
+            key = hashlib.blake2b(f"{index}.{name}".encode(), digest_size=7).digest()
+            generator = torch.Generator().manual_seed(int.from_bytes(key, "little"))
+            signs = torch.randint(0, 2, values.shape, generator=generator, dtype=torch.float64) * 2 - 1
+            parts = [values.sum(), values.abs().sum(), values.square().sum(), (values * signs).sum()]
+            sums += torch.stack(parts)
+    return sums.tolist()
 
 
 # ---------------------------------------------------------------------- the elastic job's store
@@ -318,15 +351,19 @@ def _line(
     samples: dict[str, list[int]] = {}
     seen: dict[str, set[str]] = {}
     digests: dict[str, str] = {}
+    fingerprints: dict[str, list[float]] = {}
     ordered = sorted(reports, key=lambda r: r["pipeline"])
     owners = next((r["owners"] for r in ordered if r.get("owners")), None)  # every member's is the same
-    for report in ordered:
-        samples.setdefault(str(report["pipeline"]), report["samples"])
+    for report in ordered:  # each report holds every pipeline's samples (a lost pipeline's too)
+        for pipeline, indices in report["samples"].items():
+            samples.setdefault(pipeline, indices)
     for kind in ("own", "replica"):  # a stage whose holders were all lost: its replica holder's digest
         for report in [*ordered, *(refilled or [])]:
             for stage, value in report[kind].items():
                 seen.setdefault(stage, set()).add(value)
                 digests.setdefault(stage, value)
+            for stage, value in report.get(f"{kind}_fp", {}).items():
+                fingerprints.setdefault(stage, value)
     line: dict[str, Any] = {
         "step": step,
         "epoch": epoch,
@@ -334,6 +371,7 @@ def _line(
         "generation": owners["generation"] if owners is not None else None,
         "owners": owners,
         "digests": dict(sorted(digests.items(), key=lambda kv: int(kv[0]))),
+        "fingerprints": dict(sorted(fingerprints.items(), key=lambda kv: int(kv[0]))),
     }
     mismatch = {s: sorted(v) for s, v in seen.items() if len(v) > 1}
     if mismatch:

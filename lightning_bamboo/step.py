@@ -54,9 +54,11 @@ class PipelinedStep:
         return batch, args, {**kwargs, "batch": batch}
 
     def _share(self, batch: Any) -> list[Any]:
-        """This pipeline's micro-batches of the global ``batch``."""
-        share = split_microbatches(batch, self.num_pipelines)[self.pipeline_index]
-        return split_microbatches(share, self._num_microbatches)
+        """This pipeline's micro-batches of the global ``batch``: its share of the job's fixed split into
+        global micro-batches (the same micro-batches, and so the same dropout masks, however many pipelines
+        share the batch)."""
+        share = self._microbatch_share()
+        return split_microbatches(batch, self._global_microbatches)[share.start : share.stop]
 
     def _run_schedule_and_replay(self, microbatches: list[Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         """Run the schedule on ``microbatches`` (gradients held aside), then replay the training_step."""

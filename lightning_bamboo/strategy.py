@@ -242,6 +242,8 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         self._keyed_rng = keyed_rng
         self._num_stages = num_stages
         self._num_microbatches = num_microbatches
+        # global micro-batches per step: num_microbatches x the pipelines of generation 0, fixed for the job
+        self._global_microbatches = num_microbatches
         self._redundancy = redundancy
         self._forward_redundancy = redundancy  # FR in the schedule (set_forward_redundancy switches it off)
         self._replica_device_option = replica_device
@@ -321,6 +323,14 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
     @property
     def num_microbatches(self) -> int:
         return self._num_microbatches
+
+    @property
+    def global_microbatches(self) -> int:
+        """How many micro-batches each global batch is cut into: ``num_microbatches`` x the pipelines the
+        job started with, fixed for the job. Each pipeline runs a consecutive share of them (more each after
+        a pipeline is lost), and their dropout masks are keyed by their index in the global batch
+        (:mod:`lightning_bamboo.keyed_rng`), so they do not depend on how many pipelines share the batch."""
+        return self._global_microbatches
 
     @property
     def redundancy(self) -> bool:
@@ -771,7 +781,9 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
             self._join(trainer)  # the job's step count comes with the joiner's progress
         elif not self._rerunning:
             self._step = trainer.global_step  # a resumed fit goes on counting (checkpoints, random keys)
-        check_train_batches(trainer.train_dataloader, self._num_microbatches, self.num_pipelines)
+        # the job's fixed split: num_microbatches x the pipelines at its start, whatever is alive now
+        starting = self._global_microbatches // self._num_microbatches
+        check_train_batches(trainer.train_dataloader, self._num_microbatches, starting)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

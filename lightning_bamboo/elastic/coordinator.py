@@ -140,7 +140,7 @@ class Coordinator:
         try:
             new = failover(old, gone) if gone else old
             if joined:
-                new = rejoin(new, joined)
+                new = rejoin(new, joined, self._max_pipelines())
         except FallbackNeeded as err:
             survivors = sorted(m for m in old.members() + list(old.spares) if m not in gone) + joined
             if not survivors:
@@ -152,6 +152,13 @@ class Coordinator:
         headline = f"{kind}: lost {sorted(lost)}{left} joined {joined}"
         self._announce(kind, headline, old, new, lost, set(leaving), joined)
         return True
+
+    def _max_pipelines(self) -> int | None:
+        """The most pipelines a join may form: the job's global micro-batches per step (each pipeline runs
+        at least one; the workers write the count when they form generation 0), ``None`` before that."""
+        if not self.store.check([ms.GLOBAL_MICROBATCHES]):
+            return None
+        return int(self.store.get(ms.GLOBAL_MICROBATCHES).decode())
 
     def _announce(
         self,
@@ -204,7 +211,7 @@ class Coordinator:
                 ]
             if not pending:
                 return
-            proposal = rejoin(current, pending)
+            proposal = rejoin(current, pending, self._max_pipelines())
             if proposal.pipelines == current.pipelines:
                 return  # not enough new workers to change the layout yet: they wait
             joining.propose(self.store, generation, proposal)

@@ -23,6 +23,8 @@ from lightning_bamboo.contract import (
 )
 from lightning_bamboo.elastic.ownership import OwnershipMap, initial
 from lightning_bamboo.elastic.reshard import LayerState, Resharder, gather, install
+from lightning_bamboo.elastic.store import GLOBAL_MICROBATCHES
+from lightning_bamboo.pipeline.microbatch import microbatch_shares
 from lightning_bamboo.pipeline.view import PipelineView, StageAveragingEngine
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import Schedule, add_forward_redundancy, build_1f1b, format_grid, rank_program
@@ -81,6 +83,8 @@ class GenerationFormation:
                 f"generation 0 is {OwnershipMap.from_json(stored).format()}"
             )
         self._store.compare_set("config/num_stages", "", str(self._num_stages))
+        total = str(self._num_microbatches * len(owners.pipelines))
+        self._global_microbatches = int(self._store.compare_set(GLOBAL_MICROBATCHES, "", total).decode())
         if self.member not in owners.members():
             raise RuntimeError(
                 f"member {self.member} has no stage in generation 0 (spare workers are not "
@@ -175,6 +179,7 @@ class GenerationFormation:
         if build_optimizers:
             self._build_replica_optimizer()
         positions = self.view.num_stages
+        share = self._microbatch_share()
         schedule = self._schedule(positions)
         if owners.generation == 0 and self._entries == 1:
             rank_zero_info(f"BambooStrategy schedule (rank x step):\n{format_grid(schedule)}")
@@ -195,14 +200,25 @@ class GenerationFormation:
             stage_params=stage_params,
             tied=self._tied,
             keyed_rng=self._keyed_rng,
+            first_microbatch=share.start,
+            loss_divisor=self._global_microbatches / len(owners.pipelines),
         )
         self.engine.before_action = self._before_action
 
     def _schedule(self, positions: int) -> Schedule:
         """1F1B over ``positions``, with the replica forwards (``FR``) in its bubbles when the job has
         redundancy and they are not switched off (:meth:`set_forward_redundancy`)."""
-        return pipeline_schedule(positions, self._num_microbatches,
+        return pipeline_schedule(positions, len(self._microbatch_share()),
                                  self._redundancy and self._forward_redundancy)
+
+    def _microbatch_share(self) -> range:
+        """The job's global micro-batches this member's pipeline runs in the current generation (its
+        consecutive share of the fixed split,
+        :func:`~lightning_bamboo.pipeline.microbatch.microbatch_shares`): ``num_microbatches`` each while
+        the pipelines are those of the start, more each after a pipeline is lost, fewer after one joins."""
+        assert self.owners is not None
+        shares = microbatch_shares(self._global_microbatches, len(self.owners.pipelines))
+        return shares[self.pipeline_index]
 
     def set_forward_redundancy(self, enabled: bool) -> None:
         """Run the following steps with (``True``, the default) or without (``False``) the eager redundant

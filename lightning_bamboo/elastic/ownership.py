@@ -190,11 +190,13 @@ def failover(old: OwnershipMap, lost: Iterable[int]) -> OwnershipMap:
     return OwnershipMap(old.generation + 1, old.num_stages, pipelines, tuple(sorted(spares)))
 
 
-def rejoin(old: OwnershipMap, new: Iterable[int]) -> OwnershipMap:
+def rejoin(old: OwnershipMap, new: Iterable[int], max_pipelines: int | None = None) -> OwnershipMap:
     """The next generation with ``new`` members (and the old spares) placed.
 
     Fused positions are split first (the newcomer takes the last stage of the longest run, pipeline by
-    pipeline), then whole new pipelines are formed from ``num_stages`` members at a time; the rest stay spare.
+    pipeline), then whole new pipelines are formed from ``num_stages`` members at a time, up to
+    ``max_pipelines`` pipelines in all (the job's global micro-batches: each pipeline runs at least one); the
+    rest stay spare.
     """
     waiting = sorted(set(old.spares) | set(new))
     pipelines = {p: dict(o) for p, o in old.pipelines.items()}
@@ -211,7 +213,7 @@ def rejoin(old: OwnershipMap, new: Iterable[int]) -> OwnershipMap:
                 owners[longest[-1]] = waiting.pop(0)
                 changed = True
     next_id = max(pipelines, default=-1) + 1
-    while len(waiting) >= old.num_stages:
+    while len(waiting) >= old.num_stages and (max_pipelines is None or len(pipelines) < max_pipelines):
         pipelines[next_id] = {s: waiting.pop(0) for s in range(old.num_stages)}
         next_id += 1
     return OwnershipMap(old.generation + 1, old.num_stages, pipelines, tuple(waiting))

@@ -331,6 +331,7 @@ class ElasticRuntime:
         owners = joining.wait_for_membership(self._store, self.member)
         start = time.monotonic()
         self._init_generation(owners)
+        self._global_microbatches = int(self._store.get(ms.GLOBAL_MICROBATCHES).decode())  # the job's split
         self._form(owners, holdings={})
         progress = json.loads(self._store.get(f"gen{owners.generation}/progress"))
         trainer_progress.restore_optimizer(trainer, self.optimizers[0], progress)

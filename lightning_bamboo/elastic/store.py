@@ -11,6 +11,7 @@ etcd server for several; see :mod:`lightning_bamboo.elastic.supervisor` and
 * ``g{g}/prep/{step}`` and ``g{g}/outcome/{step}``: the two-phase commit of a training step
   (:class:`lightning_bamboo.elastic.commit.StepCommit`).
 * ``config/num_stages``: the pipeline length the workers were started with (the launcher needs it).
+* ``config/global_microbatches``: :data:`GLOBAL_MICROBATCHES`.
 * ``join/{member}``, ``gen{g}/join``, ``gen{g}/next``, ``gen{g}/progress``: a worker joining the running job
   (:mod:`lightning_bamboo.elastic.join`).
 """
@@ -28,6 +29,10 @@ import torch.distributed as dist
 
 from lightning_bamboo.elastic.ownership import OwnershipMap
 
+GLOBAL_MICROBATCHES = "config/global_microbatches"
+"""The job's count of global micro-batches per step (``num_microbatches`` x the pipelines of generation 0),
+written by the members forming generation 0 and fixed for the whole job, so the split of a global batch
+never depends on the pipelines alive (a joiner reads it; the coordinator forms no more pipelines than it)."""
 ENV_STORE = "BAMBOO_STORE"
 """``tcp://host:port`` (the launcher's TCPStore) or ``etcd://host:port`` (an etcd v3 HTTP endpoint)."""
 ENV_JOB = "BAMBOO_JOB"

@@ -5,7 +5,9 @@ dropped) as fast as its inputs arrive; ranks do not move in lock-step:
 
 * ``F`` (stage s, micro-batch i): stage 0 builds its input with ``inputs_fn(micro-batch)``, any other stage
   takes the activation received from stage s-1; runs the stage; the last stage computes ``loss_fn(output,
-  micro-batch) / num_microbatches``, the others hand the output to stage s+1 (a non-blocking send).
+  micro-batch) / loss_divisor`` (the micro-batch count, unless the strategy shares a fixed split of the
+  global batch unequally, see ``loss_divisor``), the others hand the output to stage s+1 (a non-blocking
+  send).
 * ``B``: the last stage back-propagates its scaled loss, the others take the output gradient received from
   stage s+1; every stage but the first hands its input gradient to stage s-1.
 * ``FR``: runs the replica of the successor stage on a copy of this rank's own output of micro-batch i (the
@@ -31,10 +33,11 @@ After the last action, gradients of the stage are averaged over the data-paralle
 loss of the step is broadcast from the last stage to every rank of the pipeline.
 
 Random numbers (dropout): in each ``F`` and ``FR`` of a training step, every layer draws from generators
-keyed by (seed, step, pipeline, micro-batch, the layer's index in the body), restored afterwards
+keyed by (seed, step, global micro-batch, the layer's index in the body), restored afterwards
 (:mod:`lightning_bamboo.keyed_rng`), so an ``FR`` equals its successor's ``F`` bit for bit with dropout on,
-and a step re-run after a failover, on a member that now runs several original stages fused, draws what
-the uninterrupted run drew.
+and a step re-run after a failover, on a member that now runs several original stages fused, or on fewer
+or more pipelines, draws what the uninterrupted run drew. The engine's micro-batch ``i`` is global
+micro-batch ``first_microbatch + i``.
 
 Standalone use (benchmarks), on every rank after ``init_process_group``::
 
@@ -94,11 +97,18 @@ class PipelineEngine:
         replica_device: device the replica lives on (``device`` or CPU); its inputs are moved there and its
             outputs are kept there.
         keyed_rng: ``True`` (default): in every forward of a training step each layer draws its random
-            numbers from generators keyed by (seed, step, pipeline, micro-batch, its index in the body),
+            numbers from generators keyed by (seed, step, global micro-batch, its index in the body),
             restored afterwards (:mod:`lightning_bamboo.keyed_rng`; a stage that is not a ``StageSequential``
             is keyed as a whole by its stage index); ``False``: from the process's global generators, as
             they stand (``FR`` then draws other dropout masks than its successor's ``F``).
         seed: the seed of the keys; ``None``: ``seed_everything``'s (``PL_GLOBAL_SEED``), else 0.
+        first_microbatch: the global index (in the step's global batch) of this pipeline's first
+            micro-batch, keying its random numbers; ``None``: ``pipeline x the schedule's micro-batches``
+            (``groups.pipeline``, 0 without one: equal consecutive shares).
+        loss_divisor: each micro-batch's loss is divided by it before its backward; ``None``: the
+            schedule's micro-batch count. The gradients are then averaged over the pipelines, so a job whose
+            ``P`` pipelines share ``G`` global micro-batches unequally passes ``G / P``: the result is the
+            mean over the global batch whatever each pipeline's share.
     """
 
     def __init__(
@@ -114,6 +124,8 @@ class PipelineEngine:
         replica_device: torch.device | None = None,
         keyed_rng: bool = True,
         seed: int | None = None,
+        first_microbatch: int | None = None,
+        loss_divisor: float | None = None,
     ) -> None:
         self.stage = stage
         self.groups = groups
@@ -147,6 +159,14 @@ class PipelineEngine:
         self._forward_only: dict[int, Schedule] = {}
         num_mb = {action.microbatch for program in schedule.values() for action in program if action}
         self.num_microbatches = len(num_mb)
+        if first_microbatch is None:
+            first_microbatch = getattr(groups, "pipeline", 0) * self.num_microbatches
+        self.first_microbatch = first_microbatch
+        """Global index of this pipeline's micro-batch 0 (the key of its random numbers)."""
+        if loss_divisor is not None and not loss_divisor > 0:
+            raise ValueError(f"loss_divisor must be a number > 0, got {loss_divisor!r}")
+        self.loss_divisor = loss_divisor
+        """What each micro-batch's training loss is divided by (``None``: the step's micro-batch count)."""
         self.rng_step = -1
         """The step whose keys the last (or current) ``run_step`` drew from."""
         self.keyed_stage: KeyedForward | None = None
@@ -175,7 +195,8 @@ class PipelineEngine:
         self._check_count(microbatches)
         self.rng_step = self.rng_step + 1 if step is None else step
         self.redundant_outputs = {}
-        state = _StepState(count=len(microbatches))
+        divisor = len(microbatches) if self.loss_divisor is None else self.loss_divisor
+        state = _StepState(count=len(microbatches), divisor=divisor)
         self._run_program(self.schedule, microbatches, state, train=True)
         start = self.clock()
         self._average_gradients()
@@ -303,7 +324,7 @@ class PipelineEngine:
                 assert loss is not None
                 step.losses.append(loss.detach())
                 if train:
-                    step.outputs[mb] = loss / step.count
+                    step.outputs[mb] = loss / step.divisor
             else:
                 if train:
                     step.outputs[mb] = y
@@ -391,7 +412,7 @@ class PipelineEngine:
         evaluation, or with ``keyed_rng=False``, the module itself on the global generators."""
         if keyed is None or not train:
             return nullcontext(module)
-        return keyed.keyed(self.rng_step, getattr(self.groups, "pipeline", 0), mb)
+        return keyed.keyed(self.rng_step, self.first_microbatch + mb)
 
     def _average_gradients(self) -> None:
         """Mean of the stage's gradients over the pipelines (see :func:`average_gradients`)."""
@@ -420,6 +441,8 @@ class _StepState:
     """Tensors alive during one step, by micro-batch."""
 
     count: int
+    divisor: float = 1
+    """What each micro-batch's training loss is divided by (see ``PipelineEngine``'s ``loss_divisor``)."""
     inputs: dict[int, Any] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)
     kept_for_fr: dict[int, Any] = field(default_factory=dict)

@@ -42,6 +42,29 @@ def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
     return [_take(batch, index, num_microbatches, size) for index in range(num_microbatches)]
 
 
+def microbatch_shares(total: int, pipelines: int) -> list[range]:
+    """Which of a job's ``total`` global micro-batches each of ``pipelines`` pipelines runs: consecutive
+    runs, the first ``total % pipelines`` pipelines one more than the others.
+
+    The global batch is cut into ``total`` micro-batches whatever the number of pipelines (the job's
+    ``num_microbatches`` x its pipelines at the start), so a sample is in the same micro-batch, drawing the
+    same dropout masks (:mod:`lightning_bamboo.keyed_rng`), however many pipelines share the batch.
+
+    Raises:
+        ValueError: more pipelines than micro-batches (a pipeline would have nothing to run).
+    """
+    if not isinstance(total, int) or total < 1:
+        raise ValueError(f"the global micro-batch count must be an integer >= 1, got {total!r}")
+    if not isinstance(pipelines, int) or not 1 <= pipelines <= total:
+        raise ValueError(
+            f"{pipelines!r} pipelines cannot share {total} global micro-batches: each pipeline needs at "
+            "least one (the job's global micro-batches are num_microbatches x its pipelines at the start)"
+        )
+    base, extra = divmod(total, pipelines)
+    starts = [p * base + min(p, extra) for p in range(pipelines + 1)]
+    return [range(starts[p], starts[p + 1]) for p in range(pipelines)]
+
+
 def _take(batch: Any, index: int, parts: int, size: int) -> Any:
     if isinstance(batch, Tensor):
         if batch.dim() == 0 or batch.shape[0] != size:

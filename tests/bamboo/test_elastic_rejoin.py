@@ -144,6 +144,62 @@ def test_join_adds_a_pipeline(tmp_path: Path, reference: tuple[dict[str, torch.T
     assert all(len(per_member[3][s]) == 4 and len(per_member[1][s]) == 4 for s in range(3, STEPS))
 
 
+def _finals(out: Path) -> dict[str, torch.Tensor]:
+    """Every finished member's final state merged (stages held by several pipelines are equal)."""
+    merged: dict[str, torch.Tensor] = {}
+    for path in sorted(out.glob("final_member*.safetensors")):
+        state = load_file(str(path))
+        assert int(state.pop("global_step")) == STEPS, path.name
+        merged.update(state)
+    return merged
+
+
+@pytest.fixture(scope="module")
+def dropout_2x2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The uninterrupted elastic run with dropout, 2 stages x 2 pipelines x 2 micro-batches (4 global)."""
+    out = tmp_path_factory.mktemp("dropout-2x2")
+    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "4"]
+    cmd += [str(WORKER), "--out", str(out), "--stages", "2", "--steps", str(STEPS), "--dropout"]
+    run_process(cmd, timeout=400, env=launch_env())
+    return _finals(out)
+
+
+def _assert_equal_to(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_pipeline_lost_and_grown_back_with_dropout(
+    tmp_path: Path, dropout_2x2: dict[str, torch.Tensor]
+) -> None:
+    """2x2 with dropout: both members of pipeline 1 are SIGKILLed in step 1 (pipeline 0 replays it alone, all
+    4 global micro-batches), ``--replace`` starts two workers that form pipeline 1 again after step 4: every
+    step drew the uninterrupted run's masks for each sample, so the final state equals it."""
+    env = launch_env({"BAMBOO_FAULT": "2+3:1:forward"})
+    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "4", "--replace", "2"]
+    cmd += [str(WORKER), "--out", str(tmp_path), "--stages", "2", "--steps", str(STEPS), "--hold-at", "4",
+            "--dropout"]
+    log = run_process(cmd, timeout=400, env=env).stdout
+    assert "failover: lost [2, 3]" in log and "rejoin after step 4: joined [4, 5]" in log, log[-3000:]
+    _assert_equal_to(_finals(tmp_path), dropout_2x2)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_join_adds_a_pipeline_with_dropout(tmp_path: Path, dropout_2x2: dict[str, torch.Tensor]) -> None:
+    """One pipeline of 4 micro-batches, joined by a second after step 2 (each then runs 2 of the 4 global
+    micro-batches): equal to the 2x2 run of 2 micro-batches each, which cuts the batch the same way."""
+    cmd = [sys.executable, str(SCRIPTS / "rejoin_driver.py"), "--nproc", "2", "--add", "2", "--"]
+    cmd += [str(WORKER), "--out", str(tmp_path), "--stages", "2", "--steps", str(STEPS), "--hold-at", "2",
+            "--microbatches", "4", "--dropout"]
+    log = run_process(cmd, timeout=400, env=launch_env()).stdout
+    assert "rejoin after step 2: joined [2, 3]" in log, log[-3000:]
+    _assert_equal_to(_finals(tmp_path), dropout_2x2)
+
+
 # ---------------------------------------------------------------------- single-process pieces (fast)
 def test_skip_first_batches_skips_once_and_follows_the_epoch() -> None:
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from lightning_bamboo.verify import main as verify
+from lightning_bamboo.verify import rounding_distance
 from tests.bamboo.launch import run_script
 from tests.process import run_process
 
@@ -146,6 +147,47 @@ def test_verify_names_the_first_differing_step(tmp_path: Path, capsys: pytest.Ca
     e = _write(tmp_path / "e.jsonl", [_step(0, [1, 2, 3, 4])])
     assert verify([str(e), str(a)]) == 1
     assert "differ first at step 1:\n  the step is in " in capsys.readouterr().out
+
+
+def _fingerprinted(step: int, digest: str, sums: list[float], pipelines: int, generation: int) -> dict:
+    line = _step(step, [1, 2, 3, 4], digest)
+    line["digests"] = {"0": digest}
+    line["fingerprints"] = {"0": sums}
+    line["generation"] = generation
+    line["owners"] = {"generation": generation, "pipelines": {str(p): {"0": p} for p in range(pipelines)}}
+    return line
+
+
+def test_verify_tells_rounding_from_a_different_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Digests that differ where the fingerprints are a few ulps apart (one pipeline summed what two summed
+    after a pipeline was lost) are the same parameters, said so with the steps; fingerprints further apart
+    than ``--rtol`` are a different model, named with the stage, the distance and each run's pipelines."""
+    sums = [1.5, 40.0, 30.0, -2.25]
+    ulps = [1.5 + 4e-15, 40.0, 30.0 + 1e-14, -2.25 - 4e-15]
+    far = [1.5 + 4e-4, 40.0, 30.0, -2.25]
+    a = _write(tmp_path / "a.jsonl", [_fingerprinted(s, "aa", sums, 2, 0) for s in range(4)])
+    rounded = [_fingerprinted(s, "aa", sums, 2, 0) for s in range(2)]
+    rounded += [_fingerprinted(s, "bb", ulps, 1, 1) for s in range(2, 4)]
+    b = _write(tmp_path / "b.jsonl", rounded)
+    assert verify([str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "the ledgers are the same: 4 steps (steps 0..3)" in out
+    distance = rounding_distance(sums, ulps)
+    assert f"steps 2..3: parameters equal to rounding (fingerprints at most {distance:.3g} apart)" in out
+    assert rounding_distance(sums, ulps) < 1e-15 and rounding_distance(sums, sums) == 0
+    assert verify([str(a), str(b), "--rtol", "1e-17"]) == 1
+    capsys.readouterr()
+    c = _write(tmp_path / "c.jsonl", [*rounded[:3], _fingerprinted(3, "cc", far, 1, 1)])
+    assert verify([str(a), str(c)]) == 1
+    out = capsys.readouterr().out
+    assert "the ledgers differ first at step 3:" in out
+    assert "stage 0 parameters differ: " in out
+    assert "their fingerprints are 1e-05 apart, more than rounding (--rtol 1e-09)" in out
+    assert f"committed by {a} with 2 pipeline(s) in generation 0, {c} with 1 pipeline(s) in generation 1" in (
+        out
+    )
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,10 @@ def test_rejoin_splits_fused_stages_then_adds_pipelines() -> None:
         "gen 2  stage0  stage1  stage2\npipe0  m0      m7      m2\npipe1  m8      m9      m10"
     )
 
+    # no more pipelines than the job's global micro-batches (each runs at least one): the rest wait as spares
+    capped = rejoin(shortened, [7, 8, 9, 10], max_pipelines=1)
+    assert capped.pipelines == {0: {0: 0, 1: 7, 2: 2}} and capped.spares == (8, 9, 10)
+
 
 def test_fallback_map_with_fewer_members_than_stages() -> None:
     assert (

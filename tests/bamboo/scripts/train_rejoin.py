@@ -31,6 +31,7 @@ from lightning_bamboo.elastic import join as joining
 from lightning_bamboo.strategy import BambooStrategy
 from lightning_bamboo.testing import PhaseFaults
 from tests.bamboo.pipe_mlp import PipeMLP, make_data
+from tests.bamboo.pipe_variants import WithDropout
 
 
 class IdMLP(PipeMLP):
@@ -45,6 +46,10 @@ class IdMLP(PipeMLP):
         if view is None or view.is_last_stage:
             self.seen.append((self.trainer.global_step, batch[2].tolist()))
         return super().pipeline_loss(outputs, batch)
+
+
+class IdDropoutMLP(IdMLP, WithDropout):
+    """``IdMLP`` with ``WithDropout``'s body (Dropout(0.5) after every Tanh)."""
 
 
 class HoldForJoin(Callback):
@@ -74,12 +79,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--hold-at", type=int, default=-1)
     parser.add_argument("--tied", action="store_true", help="layer 4's weight IS layer 0's")
+    parser.add_argument("--dropout", action="store_true", help="WithDropout's body (not with --tied)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
 
     seed_everything(0)
-    model = IdMLP(pairs=3, optimizer="adam")
+    model = (IdDropoutMLP if args.dropout else IdMLP)(pairs=3, optimizer="adam")
     if args.tied:
         model.pipeline[4].weight = model.pipeline[0].weight
     count = args.batches_per_epoch * args.batch_size
