@@ -90,7 +90,7 @@ from lightning_bamboo.progress import resumable, skip_first_batches
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import Action, ActionKind
 from lightning_bamboo.step import PipelinedStep
-from lightning_bamboo.ties import Tie, TiedGradient, aliases, find_ties, untie
+from lightning_bamboo.ties import Tie, TiedGradient, aliases, find_ties, first_use_groups, untie
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -279,6 +279,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         self._layers: dict[int, nn.Module] = {}
         self._ties: list[Tie] = []  # parameters used by several layers of the body (lightning_bamboo.ties)
         self._tied: list[TiedGradient] = []  # this generation's reductions of their gradients
+        self._tie_groups: dict[str, int | None] = {}  # a later use's name -> its tie's param group under auto
         self._held: dict[int, LayerState] = {}
         self._stage_layers: tuple[range, ...] = ()
         self._replica_optimizer: Optimizer | None = None
@@ -592,6 +593,9 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
             if fitting:
                 self._whole_group_names = _param_group_names(module)
             self._prepare_body(module)
+            if fitting:
+                assert self._whole_group_names is not None
+                self._tie_groups = first_use_groups(self._ties, self._body_attr, self._whole_group_names)
         if self._env is not None and self._env.joining and self._elastic:
             self._setup_joiner(trainer)
             return
@@ -705,6 +709,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
                 f"BambooStrategy supports exactly one optimizer, configure_optimizers returned "
                 f"{len(self.optimizers)}"
             )
+        self._regroup_ties(self.optimizers[0], module._modules[self._body_attr])
         self.setup_precision_plugin()  # its norm clipping applies the plan agreed before the commit
         _private.optimizers_to_device(self.optimizers, self.root_device)
 

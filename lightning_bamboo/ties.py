@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,37 @@ def aliases(ties: Iterable[Tie], attr: str) -> dict[str, str]:
         for tie in ties
         for layer, name in tie.uses[1:]
     }
+
+
+def first_use_groups(
+    ties: Iterable[Tie], attr: str, whole_groups: Sequence[Sequence[str]]
+) -> dict[str, int | None]:
+    """``later use's name -> the param group of its tie`` (``None``: in no group).
+
+    ``whole_groups`` are the names in each param group of the user's ``configure_optimizers`` over the whole,
+    still tied, model: the tied parameter is listed there once, under its first use's name, as under
+    ``strategy="auto"``. A stage holding a later use sees its copy under the later name
+    (``pipeline.5.lm_head.weight``), which a name-based grouping (``"embed" in name`` -> no weight decay) may
+    put elsewhere; every copy must take the step the one parameter takes, so it goes where the first use is.
+    """
+    group_of = {name: index for index, names in enumerate(whole_groups) for name in names}
+    return {later: group_of.get(first) for later, first in aliases(ties, attr).items()}
+
+
+def regroup_tied_copies(
+    optimizer: Optimizer, named: Iterable[tuple[str, nn.Parameter]], placement: Mapping[str, int | None]
+) -> None:
+    """Put each later use's copy into the group of ``optimizer`` (just built, no state yet) that ``placement``
+    gives it (:func:`first_use_groups`), whatever group, or none, the user's code chose by its name.
+
+    ``named``: ``(name, parameter)`` of the module the optimizer was built for (names as in the whole model).
+    """
+    copies = {id(param): (param, placement[name]) for name, param in named if name in placement}
+    for group in optimizer.param_groups:
+        group["params"] = [param for param in group["params"] if id(param) not in copies]
+    for param, target in copies.values():
+        if target is not None:
+            optimizer.param_groups[target]["params"].append(param)
 
 
 def _parameter(module: nn.Module, name: str) -> nn.Parameter:

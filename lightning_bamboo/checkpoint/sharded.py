@@ -305,13 +305,26 @@ def consolidate_checkpoint(filepath: str | Path, output: str | Path | None = Non
     ``output``, also write an ordinary Lightning ``.ckpt`` file there: the merged weights, each optimizer's
     state in ``Optimizer.state_dict()`` form for the whole model, and the trainer state (epoch, global
     step, loops, schedulers, callbacks), so ``Trainer(strategy="auto").fit(ckpt_path=output)`` resumes
-    and ``MyModel.load_from_checkpoint(output)`` loads. Lightning opens a ``ckpt_path`` itself (a folder
-    fails there with ``IsADirectoryError`` before any strategy code runs), hence this converter.
+    and ``MyModel.load_from_checkpoint(output)`` loads. A tied parameter is one tensor under all its names
+    (every stage's copy is equal; a checkpoint whose copies differ is refused). Lightning opens a
+    ``ckpt_path`` itself (a folder fails there with ``IsADirectoryError`` before any strategy code runs),
+    hence this converter.
     """
     path = Path(filepath)
     keys = [k for k in _metadata(path) if k.startswith(_MODEL)]
     loaded = _load_tensors(path, keys, no_dist=True)
     state_dict = {k[len(_MODEL) :]: v for k, v in loaded.items()}
+    tied = torch.load(path / META_FILE, weights_only=True).get(TIED_KEY, {})
+    for later, first in tied.items():  # one tensor per tied parameter, as in the single-process model
+        if later in state_dict and first in state_dict:
+            if not torch.equal(state_dict[later], state_dict[first]):
+                difference = (state_dict[later] - state_dict[first]).abs().max().item()
+                raise ValueError(
+                    f"{path} holds two different values of one tied parameter: {later} differs from {first} "
+                    f"by up to {difference:.3g}; each stage's copy must take the same step (a checkpoint of "
+                    "an earlier version whose param groups put the copies apart): pick one, load it by hand"
+                )
+            state_dict[later] = state_dict[first]
     if output is not None:
         _write_lightning_checkpoint(path, Path(output), state_dict)
     return state_dict

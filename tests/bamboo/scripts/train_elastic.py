@@ -6,6 +6,7 @@ owns at the end, and ``<out>/failovers_member{m}.json`` (the ownership maps it w
 ``--strategy auto`` is the uninterrupted single-process reference on the same global batches; it writes
 ``<out>/final_reference.safetensors`` in the same format.
 
+``--save-ckpt PATH`` saves ``trainer.save_checkpoint(PATH)`` after ``fit`` (a Bamboo folder, or auto's file).
 ``--ledger PATH`` adds a :class:`~lightning_bamboo.ledger.BambooLedger` writing there.
 ``--aws-endpoints U0,U1,..`` gives member ``m`` its own (fake) IMDSv2 ``U<m>`` polled by ``BambooNotices``
 (an announced departure drains it); members record their Bamboo hook calls and metrics in
@@ -75,6 +76,7 @@ def main() -> None:
     parser.add_argument("--raise-at", default="", help="MEMBER:STEP: its loss raises there")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--ledger", type=Path, default=None, help="a BambooLedger file")
+    parser.add_argument("--save-ckpt", type=Path, default=None, help="save_checkpoint after fit")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack
     torch.set_num_threads(1)
@@ -146,6 +148,8 @@ def main() -> None:
         callbacks=[*callbacks, val_losses, PhaseFaults.from_env()],
     )
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val if args.validate else None)
+    if args.save_ckpt is not None:
+        trainer.save_checkpoint(args.save_ckpt)
     # every name of a tied parameter (remove_duplicate=False), so each member's copy meets the reference's
     params = list(model.named_parameters(remove_duplicate=False))
     tensors = {f"own/{name}": p.detach().clone() for name, p in params}
