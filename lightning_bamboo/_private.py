@@ -10,15 +10,23 @@ deep inside a failover.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry as StrategyRegistry
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers as init_optimizers
 from lightning.pytorch.loops import _FitLoop
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher as Launcher
+from lightning.pytorch.utilities.data import _update_dataloader as update_dataloader
 from lightning.pytorch.utilities.exceptions import _TunerExitException as LeaveFit
+from torch.utils.data import Sampler
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 FIT_LOOP_BATCH_PROGRESS = "epoch_loop.batch_progress"
 FIT_LOOP_OPTIM_PROGRESS = "epoch_loop.automatic_optimization.optim_progress"
@@ -29,6 +37,17 @@ FIT_LOOP_EPOCH_STATE = "epoch_loop.state_dict"
 def abort_process_group() -> None:
     """Abort the default process group's pending work, so peers blocked on this member fail now."""
     dist.distributed_c10d._abort_process_group()
+
+
+def wrapped_sampler(sampler: DistributedSamplerWrapper) -> Sampler:
+    """The user's sampler inside the ``DistributedSamplerWrapper`` Lightning put around it."""
+    return sampler.dataset._sampler
+
+
+def train_loader_source(trainer: pl.Trainer) -> object:
+    """What the training loaders come from: ``fit(train_dataloaders=...)``'s value, or the module/datamodule
+    whose ``train_dataloader()`` Lightning calls."""
+    return trainer.fit_loop._data_source.instance
 
 
 def restore_loader_states(fit_loop: _FitLoop) -> bool:
@@ -53,6 +72,7 @@ __all__ = [
     "FIT_LOOP_BATCH_PROGRESS",
     "FIT_LOOP_EPOCH_STATE",
     "FIT_LOOP_OPTIM_PROGRESS",
+    "DistributedSamplerWrapper",
     "Launcher",
     "LeaveFit",
     "StrategyRegistry",
@@ -62,4 +82,7 @@ __all__ = [
     "optimizers_to_device",
     "restore_loader_states",
     "sync_ddp_if_available",
+    "train_loader_source",
+    "update_dataloader",
+    "wrapped_sampler",
 ]

@@ -26,6 +26,7 @@ pipelines exist.
 from __future__ import annotations
 
 import atexit
+import base64
 import logging
 import math
 import os
@@ -50,6 +51,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_bamboo import _private
@@ -67,6 +69,7 @@ from lightning_bamboo.contract import (
     replay_step,
     warn_batch_statistics,
 )
+from lightning_bamboo.data_order import in_written_order
 from lightning_bamboo.elastic import commit as commit_protocol
 from lightning_bamboo.elastic import store as ms
 from lightning_bamboo.elastic.cutter import GenerationCutter
@@ -261,6 +264,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         self._nproc = self._env.nproc if self._env is not None else 1
         self._elastic = self._env is not None  # a supervisor publishes generations (set per fit in setup)
         self._store: dist.Store | None = None
+        self._rng_at_start = torch.get_rng_state()  # set again when an entry point starts (setup_environment)
         self._entries = 0  # fit/validate/test/predict calls in this process (each its own store prefix)
         self._heartbeat: ms.Heartbeat | None = None
         self._cutter: GenerationCutter | None = None
@@ -466,8 +470,18 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
 
     @override
     def setup_environment(self) -> None:
+        # the global generator as fit found it, before reset_seed: what "auto"'s RandomSampler draws from
+        self._rng_at_start = torch.get_rng_state()
         super().setup_environment()
         self.setup_distributed()
+
+    def _agreed_rng_state(self) -> Tensor:
+        """The global generator's state at the start of ``fit`` as the first member to ask had it, so every
+        member (a joiner too) draws ``auto``'s shuffle from the same state (:mod:`.data_order`)."""
+        assert self._store is not None
+        mine = base64.b64encode(self._rng_at_start.numpy().tobytes()).decode()
+        agreed = self._store.compare_set("data/rng_at_start", "", mine).decode()
+        return torch.frombuffer(bytearray(base64.b64decode(agreed)), dtype=torch.uint8)
 
     @override
     def set_world_ranks(self) -> None:
@@ -747,6 +761,9 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
+        if isinstance(dataloader, DataLoader):
+            source = _private.train_loader_source(trainer)
+            dataloader = in_written_order(dataloader, source, self._agreed_rng_state)
         if self._joining_setup and self._skip is None:
             # how many batches to skip is known when the joiner forms (on_train_start, before the first fetch)
             loader = skip_first_batches(dataloader, 0)  # type: ignore[arg-type]

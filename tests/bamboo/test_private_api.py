@@ -142,3 +142,29 @@ def test_restore_loader_states_after_an_early_estimate(tmp_path: Path) -> None:
     assert plain.batches == [0, 1, 2], "Lightning now restores the state itself: drop the workaround"
     trainer(6, fixed).fit(_SizesItsSchedule(), train_dataloaders=_Counting(), ckpt_path=checkpoint)
     assert fixed.restored is True and fixed.batches == [3, 4, 5]
+
+
+def test_the_training_loaders_source_and_lightnings_sampler_rebuild() -> None:
+    """``train_loader_source`` is ``fit``'s loader; ``update_dataloader`` rebuilds a loader around another
+    sampler (keeping batch size and generator); ``wrapped_sampler`` is the sampler inside Lightning's
+    ``DistributedSamplerWrapper``."""
+    from torch.utils.data import DataLoader, SequentialSampler
+
+    loader = DataLoader(torch.randn(8, 32), batch_size=4, shuffle=True,  # type: ignore[arg-type]
+                        generator=torch.Generator().manual_seed(1))
+    sources: list[object] = []
+
+    class Source(Callback):
+        def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            sources.append(_private.train_loader_source(trainer))
+
+    Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[Source()]).fit(
+        BoringModel(), train_dataloaders=loader
+    )
+    assert sources == [loader]
+    sequential = SequentialSampler(loader.dataset)
+    rebuilt = _private.update_dataloader(loader, sequential)
+    assert rebuilt.sampler is sequential and rebuilt.batch_size == 4 and rebuilt.generator is loader.generator
+    wrapper = _private.DistributedSamplerWrapper(sequential, num_replicas=1, rank=0)
+    assert _private.wrapped_sampler(wrapper) is sequential

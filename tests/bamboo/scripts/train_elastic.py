@@ -3,7 +3,8 @@
 ``--strategy elastic`` runs under ``python -m lightning_bamboo.launch``; every member that finishes writes
 ``<out>/final_member{m}.safetensors`` with ``own/<param>`` and ``own_opt/<param>/<key>`` of the stages it
 owns at the end, and ``<out>/failovers_member{m}.json`` (the ownership maps it went through).
-``--strategy auto`` is the uninterrupted single-process reference on the same global batches; it writes
+``--strategy auto`` is the uninterrupted single-process reference (the same DataLoader, trained in the same
+order: ``--shuffle``, ``--epochs``, ``--no-distributed-sampler`` set it up); it writes
 ``<out>/final_reference.safetensors`` in the same format.
 
 ``--save-ckpt PATH`` saves ``trainer.save_checkpoint(PATH)`` after ``fit`` (a Bamboo folder, or auto's file).
@@ -76,6 +77,10 @@ def main() -> None:
     parser.add_argument("--raise-at", default="", help="MEMBER:STEP: its loss raises there")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--ledger", type=Path, default=None, help="a BambooLedger file")
+    parser.add_argument("--shuffle", choices=["no", "yes", "generator"], default="no",
+                        help="the training DataLoader's shuffle= (generator: True, a seeded generator)")
+    parser.add_argument("--no-distributed-sampler", action="store_true", help="use_distributed_sampler=False")
+    parser.add_argument("--epochs", type=int, default=1, help="the steps make this many epochs")
     parser.add_argument("--save-ckpt", type=Path, default=None, help="save_checkpoint after fit")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack
@@ -91,12 +96,10 @@ def main() -> None:
     else:
         model = VARIANTS[args.variant](pairs=args.pairs, optimizer=args.optimizer, dtype=args.dtype)
     data = getattr(model, "make_data", make_data)  # a model on other inputs (token ids) brings its own
-    x, y = data(args.steps * args.accumulate * args.batch_size)
-    if args.strategy == "auto":
-        # the elastic run's (unsharded) DistributedSampler shuffles with seed 0 in epoch 0: read that order
-        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-        x, y = x[order], y[order]
-    train = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=False)
+    x, y = data(args.steps * args.accumulate * args.batch_size // args.epochs)
+    generator = torch.Generator().manual_seed(7) if args.shuffle == "generator" else None
+    train = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=args.shuffle != "no",
+                       generator=generator)
     vx, vy = data(2 * args.batch_size, seed=99)
     val = DataLoader(TensorDataset(vx, vy), batch_size=args.batch_size, shuffle=False)
     if args.strategy == "elastic":
@@ -133,7 +136,8 @@ def main() -> None:
         devices=1,
         strategy=strategy,
         max_steps=args.steps,
-        max_epochs=1,
+        max_epochs=args.epochs,
+        use_distributed_sampler=not args.no_distributed_sampler,
         precision=args.precision,
         gradient_clip_val=args.clip,
         gradient_clip_algorithm=args.clip_algorithm,

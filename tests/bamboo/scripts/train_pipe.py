@@ -179,11 +179,6 @@ def train(args: argparse.Namespace) -> None:
     dataset = TensorDataset(x, y)
     # the global batch (Bamboo splits it over the pipelines)
     batch_size = args.batch_size * args.pipelines
-    if args.strategy == "auto":
-        # Under bamboo Lightning's DistributedSampler (one replica: every member loads the global batch)
-        # shuffles with seed 0, epoch 0; the reference reads the same permutation.
-        permutation = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
-        dataset = TensorDataset(x[permutation], y[permutation])
     if args.data == "rank-noise":
         dataset = RankNoise(*dataset.tensors)
     train = DataLoader(dataset, batch_size=batch_size, shuffle=False)
