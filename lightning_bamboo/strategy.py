@@ -466,7 +466,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
             assert env is not None
             self._launcher = _private.SubprocessScriptLauncher(env, self.num_processes, self.num_nodes)
             return
-        self._launcher = SupervisorLauncher(self.num_processes, self._hang_timeout)
+        self._launcher = SupervisorLauncher(self.num_processes, self._hang_timeout, preflight=self._preflight)
 
     @override
     def setup_environment(self) -> None:
@@ -675,16 +675,10 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         """Find the body, check the contract, plan which layers make each stage; every layer is converted to
         the precision's dtype now (any of them may become this member's stage or replica, and layers received
         from peers take their template's dtype)."""
-        attr, body = find_pipeline_body(module, self._pipeline_attr)
-        check_contract(module, attr, body)
-        if getattr(body, _STAGE_MARK, False):
-            raise RuntimeError(
-                f"{type(module).__name__}.{attr} holds only the layers of one stage, left by an earlier "
-                "BambooStrategy run; build a fresh module (e.g. load consolidate_checkpoint(path) into it)"
-            )
+        attr, body, layout = self._checked_body(module)
         self._body_attr = attr
-        self._stage_layers = self._plan_stages(body)
-        check_stage_split(module, attr, body, self._stage_layers)
+        self._stage_layers = layout.stage_layers
+        rank_zero_info(f"BambooStrategy layout:\n{layout.describe(costs=self._costs_of(body))}")
         warn_batch_statistics(module, attr, body, self._num_microbatches)
         self.precision_plugin.convert_module(body)
         self._ties = find_ties(body)
@@ -697,21 +691,46 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         self._layers = {i: body[i] for i in range(len(body))}
         self._body_length = len(body)
 
-    def _plan_stages(self, body: nn.Sequential) -> tuple[range, ...]:
+    def _costs_of(self, body: nn.Sequential) -> list[float]:
+        return list(self._layer_costs) if self._layer_costs is not None else estimate_layer_costs(list(body))
+
+    def _plan_stages(self, body: nn.Sequential) -> StageLayout:
         """Which layers make each stage: contiguous runs of about equal cost (``layer_costs``, estimated)."""
         if len(body) < self._num_stages:
             raise ValueError(
                 f"num_stages ({self._num_stages}) is more than the {len(body)} layers of the pipeline body; "
                 f"each stage needs at least one layer"
             )
-        costs = self._layer_costs if self._layer_costs is not None else estimate_layer_costs(list(body))
+        costs = self._costs_of(body)
         if len(costs) != len(body):
             raise ValueError(
                 f"layer_costs has {len(costs)} entries but the pipeline body has {len(body)} layers"
             )
-        layout = StageLayout.plan(costs, self._num_stages, self._num_stages)
-        rank_zero_info(f"BambooStrategy layout:\n{layout.describe(costs=costs)}")
-        return layout.stage_layers
+        return StageLayout.plan(costs, self._num_stages, self._num_stages)
+
+    def _checked_body(self, module: pl.LightningModule) -> tuple[str, nn.Sequential, StageLayout]:
+        """The body's attribute, the body and its stages' layout, once the module passed every check that
+        needs the module only (the contract, enough layers, no trainable parameter outside the body, a
+        trainable parameter on every stage). Changes nothing: the supervisor of a plain ``python train.py``
+        runs it before any worker starts (:meth:`_preflight`), and every worker again at setup."""
+        attr, body = find_pipeline_body(module, self._pipeline_attr)
+        check_contract(module, attr, body)
+        if getattr(body, _STAGE_MARK, False):
+            raise RuntimeError(
+                f"{type(module).__name__}.{attr} holds only the layers of one stage, left by an earlier "
+                "BambooStrategy run; build a fresh module (e.g. load consolidate_checkpoint(path) into it)"
+            )
+        layout = self._plan_stages(body)
+        check_stage_split(module, attr, body, layout.stage_layers)
+        return attr, body, layout
+
+    def _preflight(self, module: object) -> None:
+        """The supervisor's checks of the user's module before it starts workers (one error, in the script's
+        process, instead of the same traceback from every worker seconds later)."""
+        from lightning.pytorch import LightningModule
+
+        if isinstance(module, LightningModule):
+            self._checked_body(module)
 
     def _setup_model_and_optimizer(self, trainer: pl.Trainer, module: nn.Module) -> None:
         """Lightning's model, device, optimizer and precision set-up, shared by members and joiners."""

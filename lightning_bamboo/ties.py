@@ -88,13 +88,25 @@ def regroup_tied_copies(
     gives it (:func:`first_use_groups`), whatever group, or none, the user's code chose by its name.
 
     ``named``: ``(name, parameter)`` of the module the optimizer was built for (names as in the whole model).
+    A copy already in its group stays where it is; a moved one goes before the first parameter of its new
+    group that comes after it in the module, so a group in module order stays so (the order a failover's
+    refill gives: the gradient norm sums in that order, and a run with failovers stays bit-exact).
     """
-    copies = {id(param): (param, placement[name]) for name, param in named if name in placement}
+    named = list(named)
+    order = {id(param): index for index, (_, param) in enumerate(named)}
+    where = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    moved = {
+        id(param): (param, placement[name])
+        for name, param in named
+        if name in placement and where.get(id(param)) != placement[name]
+    }
     for group in optimizer.param_groups:
-        group["params"] = [param for param in group["params"] if id(param) not in copies]
-    for param, target in copies.values():
+        group["params"] = [p for p in group["params"] if id(p) not in moved]
+    for param, target in moved.values():
         if target is not None:
-            optimizer.param_groups[target]["params"].append(param)
+            params = optimizer.param_groups[target]["params"]
+            after = (k for k, p in enumerate(params) if order.get(id(p), -1) > order[id(param)])
+            params.insert(next(after, len(params)), param)
 
 
 def _parameter(module: nn.Module, name: str) -> nn.Parameter:

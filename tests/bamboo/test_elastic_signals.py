@@ -229,10 +229,11 @@ def reference_after(steps: int, root: Path) -> tuple[PipeMLP, torch.optim.Optimi
     seed_everything(0)
     model = PipeMLP(pairs=3, optimizer="adam")
     x, y = make_data(STEPS * 8)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, max_epochs=1, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       default_root_dir=root)
-    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False))
+    trainer.fit(model, DataLoader(TensorDataset(x[order], y[order]), batch_size=8, shuffle=False))
     assert trainer.global_step == steps
     return model, trainer.optimizers[0]
 

@@ -98,3 +98,17 @@ def test_a_later_copy_joins_the_group_auto_gives_its_first_use() -> None:
     optimizer = torch.optim.SGD([{"params": [copy, bias]}], lr=0.1)
     regroup_tied_copies(optimizer, named, first_use_groups(ties, "pipeline", [["pipeline.4.bias"]]))
     assert optimizer.param_groups[0]["params"] == [bias]
+
+
+def test_a_moved_copy_keeps_its_new_group_in_module_order() -> None:
+    """The copy goes before the first parameter of its new group that follows it in the module (a failover's
+    refill orders groups that way, and the gradient norm sums in group order); a copy already in its group
+    is not touched."""
+    first, copy, last = (nn.Parameter(torch.ones(1)) for _ in range(3))
+    named = [("pipeline.0.bias", first), ("pipeline.4.weight", copy), ("pipeline.4.bias", last)]
+    optimizer = torch.optim.SGD([{"params": [copy]}, {"params": [first, last]}], lr=0.1)
+    regroup_tied_copies(optimizer, named, {"pipeline.4.weight": 1})
+    assert [g["params"] for g in optimizer.param_groups] == [[], [first, copy, last]]
+    optimizer = torch.optim.SGD([{"params": [last, copy]}], lr=0.1)
+    regroup_tied_copies(optimizer, named, {"pipeline.4.weight": 0})
+    assert optimizer.param_groups[0]["params"] == [last, copy]

@@ -50,6 +50,9 @@ def main() -> None:
     batch_size = args.batch_size * args.pipelines  # the global batch (Bamboo splits it over the pipelines)
     pairs = [windows[i] for i in range(args.steps * batch_size)]
     ids, targets = torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+    # the samples in a fixed shuffled order (both strategies train the DataLoader's order)
+    permutation = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
+    ids, targets = ids[permutation], targets[permutation]
     if args.strategy == "auto":
         strategy: BambooStrategy | str = "auto"
         devices = 1

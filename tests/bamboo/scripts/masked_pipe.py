@@ -69,6 +69,8 @@ def main() -> None:
     seed_everything(0)
     model = MaskedPipe()
     x, mask, y = make_masked_data(args.steps * args.batch_size)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))  # a fixed shuffled order
+    x, mask, y = x[order], mask[order], y[order]
     if args.strategy == "auto":
         strategy: BambooStrategy | str = "auto"
     else:
