@@ -21,6 +21,7 @@ A ``RandomSampler`` with its own generator (``DataLoader(shuffle=True, generator
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -126,3 +127,55 @@ def in_written_order(loader: DataLoader, source: object, agreed_rng_state: Any) 
     if sampler is loader.sampler:
         return loader
     return _private.update_dataloader(loader, sampler)
+
+
+class AutoBatches:
+    """The batches of dataset indices a one-process run (``strategy="auto"``) trains ``loader`` on, epoch by
+    epoch, worked out from its sampler and the generators' states as ``fit`` found them (take them before
+    ``fit`` iterates the loader: a callback's ``setup``). For a record of the run
+    (:class:`~lightning_bamboo.ledger.BambooLedger`), not for loading: a plain ``DataLoader`` does not say
+    which indices a batch came from.
+
+    Raises:
+        TypeError: the loader has no ``batch_size`` (a custom batch sampler), so its batches are unknown.
+    """
+
+    def __init__(self, loader: DataLoader, rng_state: Tensor, generator_state: Tensor | None) -> None:
+        if loader.batch_size is None:
+            raise TypeError(
+                "BambooLedger under a one-process strategy needs a DataLoader with a batch_size (its batches "
+                f"are cut from the sampler's order); this one has the batch sampler {loader.batch_sampler!r}"
+            )
+        self.loader = loader
+        self.rng_state = rng_state
+        self.generator_state = generator_state
+        self._epoch: int | None = None
+        self._order: list[int] = []
+
+    def batch(self, epoch: int, index: int) -> list[int]:
+        """The indices of batch ``index`` of ``epoch``."""
+        if epoch != self._epoch:
+            self._epoch, self._order = epoch, self._epoch_order(epoch)
+        size = self.loader.batch_size
+        assert size is not None
+        return self._order[index * size : (index + 1) * size]
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        sampler, loader = self.loader.sampler, self.loader
+        if type(sampler) is RandomSampler and sampler.generator is None:
+            auto = AutoOrderSampler(sampler, self.rng_state, loader.persistent_workers)
+            auto.set_epoch(epoch)
+            return list(auto)
+        if type(sampler) is RandomSampler and self.generator_state is not None:
+            generator = torch.Generator()
+            generator.set_state(self.generator_state)
+            order: list[int] = []
+            for e in range(epoch + 1):  # as the loader drew them: base seed (shared generator), permutation
+                if loader.generator is sampler.generator and (e == 0 or not loader.persistent_workers):
+                    torch.empty((), dtype=torch.int64).random_(generator=generator)
+                again = RandomSampler(sampler.data_source, sampler.replacement, sampler._num_samples,
+                                      generator=generator)
+                # as many as a batch loop takes: its last ask for more would draw one more permutation
+                order = list(itertools.islice(again, len(again)))
+            return order
+        return [int(i) for i in sampler]

@@ -4,7 +4,8 @@ agree.
 The ledgers are :class:`lightning_bamboo.ledger.BambooLedger` files. Two steps agree when they trained on the
 same samples (the global batch as a multiset: the order within a step follows how many pipelines shared it and
 how the sampler dealt them out) and every stage's parameter digest is equal. ``--samples-only`` ignores the
-digests (runs that are not meant to be bit-exact, e.g. another precision). Exit status: 0 the same, 1 they
+digests (runs that are not meant to be bit-exact, e.g. another precision); a ledger of a one-process run
+(``strategy="auto"``) has no stage digests, and is compared by its samples. Exit status: 0 the same, 1 they
 differ, 2 a file is missing or malformed (the message names the file and line).
 
 Only the standard library is used: it runs without importing torch or Lightning.
@@ -160,8 +161,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"verify: {err}", file=sys.stderr)
         return 2
     names = (str(args.a), str(args.b))
-    found = compare(a, b, names, args.samples_only)
-    what = "samples" if args.samples_only else "samples and parameter digests"
+    # a one-process run (strategy="auto") records no stage digests: its parameters are compared elsewhere
+    one_process = [
+        name for name, ledger in zip(names, (a, b)) if ledger and not any(e.digests for e in ledger.values())
+    ]
+    samples_only = args.samples_only or bool(one_process)
+    found = compare(a, b, names, samples_only)
+    what = "samples" if samples_only else "samples and parameter digests"
+    if one_process and not args.samples_only:
+        what += f" ({', '.join(one_process)}: a one-process run, no stage digests to compare)"
     if found is None:
         steps = sorted(a)
         span = f"steps {steps[0]}..{steps[-1]}" if steps else "no steps"
