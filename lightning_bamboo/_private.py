@@ -10,7 +10,7 @@ deep inside a failover.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry as StrategyRegistry
@@ -23,6 +23,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as 
 from lightning.pytorch.strategies.launchers.launcher import _Launcher as Launcher
 from lightning.pytorch.utilities.data import _update_dataloader as update_dataloader
 from lightning.pytorch.utilities.exceptions import _TunerExitException as LeaveFit
+from torch.distributed.checkpoint import StorageReader, StorageWriter, state_dict_loader, state_dict_saver
 from torch.utils.data import Sampler
 
 if TYPE_CHECKING:
@@ -37,6 +38,20 @@ FIT_LOOP_EPOCH_STATE = "epoch_loop.state_dict"
 def abort_process_group() -> None:
     """Abort the default process group's pending work, so peers blocked on this member fail now."""
     dist.distributed_c10d._abort_process_group()
+
+
+def save_single_process(state_dict: dict[str, Any], writer: StorageWriter) -> None:
+    """``torch.distributed.checkpoint.save`` of this process's own checkpoint (no process group, no
+    collective). The public ``save``/``async_save`` warn "torch.distributed is disabled ... assuming the
+    intent is to save in a single process" every time, even with ``no_dist=True`` (torch 2.13); that is the
+    intent here, so the function they call is called directly, with ``no_dist=True``."""
+    state_dict_saver._save_state_dict(state_dict, writer, no_dist=True)
+
+
+def load_single_process(state_dict: dict[str, Any], reader: StorageReader) -> None:
+    """``torch.distributed.checkpoint.load`` in one process, without its warning (see
+    :func:`save_single_process`)."""
+    state_dict_loader._load_state_dict(state_dict, reader, no_dist=True)
 
 
 def wrapped_sampler(sampler: DistributedSamplerWrapper) -> Sampler:
@@ -79,8 +94,10 @@ __all__ = [
     "SubprocessScriptLauncher",
     "abort_process_group",
     "init_optimizers",
+    "load_single_process",
     "optimizers_to_device",
     "restore_loader_states",
+    "save_single_process",
     "sync_ddp_if_available",
     "train_loader_source",
     "update_dataloader",

@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +44,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.optim import Optimizer
 
+from lightning_bamboo import _private
 from lightning_bamboo.progress import drop_loader_position
 
 META_FILE = "meta.pt"
@@ -123,15 +122,6 @@ def _tensor_tree(checkpoint: dict[str, Any]) -> dict[str, Tensor]:
     return tensors
 
 
-@contextmanager
-def single_process_dcp() -> Iterator[None]:
-    """DCP warns on every save/load without a process group ("assuming the intent is to save in a single
-    process"); here that is the intent (a rank's own shard, or merging on one machine), so say nothing."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
-        yield
-
-
 def _writer(path: Path) -> dcp.StorageWriter:
     """Safetensors shards, one file per rank (``save_distributed``: file names carry the rank's index)."""
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -164,8 +154,10 @@ def save_sharded(
             shutil.rmtree(partial)
         partial.mkdir(parents=True)
     barrier()
-    with single_process_dcp():
-        dcp.save(_tensor_tree(checkpoint), storage_writer=_writer(partial), no_dist=not dist.is_initialized())
+    if dist.is_initialized():
+        dcp.save(_tensor_tree(checkpoint), storage_writer=_writer(partial))
+    else:  # one process: its own checkpoint (torch's public save would warn that it assumes so)
+        _private.save_single_process(_tensor_tree(checkpoint), _writer(partial))
     if stage is not None:
         write_group_names(partial, stage, checkpoint.get("optimizer_states", []))
     if is_global_zero:
@@ -224,9 +216,10 @@ def _load_tensors(path: Path, keys: list[str], no_dist: bool) -> dict[str, Tenso
         if not isinstance(entry, TensorStorageMetadata):
             raise TypeError(f"checkpoint entry {key} is not a tensor")
         out[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    if out:
-        with single_process_dcp():
-            dcp.load(out, storage_reader=_reader(path), no_dist=no_dist)
+    if out and no_dist:  # this process's own read (torch's public load would warn that it assumes so)
+        _private.load_single_process(out, _reader(path))
+    elif out:
+        dcp.load(out, storage_reader=_reader(path))
     return out
 
 

@@ -168,3 +168,18 @@ def test_the_training_loaders_source_and_lightnings_sampler_rebuild() -> None:
     assert rebuilt.sampler is sequential and rebuilt.batch_size == 4 and rebuilt.generator is loader.generator
     wrapper = _private.DistributedSamplerWrapper(sequential, num_replicas=1, rank=0)
     assert _private.wrapped_sampler(wrapper) is sequential
+
+
+def test_single_process_checkpoint_save_and_load_say_nothing(tmp_path: Path) -> None:
+    """``save_single_process``/``load_single_process`` round-trip a DCP checkpoint without a process group and
+    without torch's "torch.distributed is disabled" warning (an error here)."""
+    import warnings
+
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="torch.distributed is disabled")
+        _private.save_single_process({"w": torch.arange(3.0)}, FileSystemWriter(str(tmp_path)))
+        loaded = {"w": torch.zeros(3)}
+        _private.load_single_process(loaded, FileSystemReader(str(tmp_path)))
+    assert torch.equal(loaded["w"], torch.arange(3.0))
