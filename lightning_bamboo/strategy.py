@@ -275,7 +275,9 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         self.engine: StageAveragingEngine | None = None
         self.replica: nn.Module | None = None
         self.replica_sync: ReplicaSync | None = None
-        self._rank = 0
+        # a worker counts as its member id until generation 0 forms, so Lightning's rank-zero-only output
+        # while the Trainer is built and fit starts (tips, device summary, warnings) comes from member 0 only
+        self._rank = self._member
         self._world = 1
         self._body_attr: str = pipeline_attr or "pipeline"
         self._stage_module: nn.Module | None = None

@@ -106,7 +106,9 @@ class ElasticRuntime:
             # an error of the training code: a failover would raise it again on the member taking the
             # stage over. Raised, it stops the job (on_exception records it for the supervisor).
             return False
-        log.warning(
+        # what a lost peer does to this member's collectives: expected, and the supervisor reports the
+        # failover; a failover that does not come raises the error below (INFO: shown with logging at INFO)
+        log.info(
             "Bamboo member %d: %s: %s",
             self.member,
             type(err).__name__,

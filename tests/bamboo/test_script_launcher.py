@@ -186,10 +186,12 @@ def test_bad_module_is_refused_before_any_worker_starts(tmp_path: Path, kind: st
 @pytest.mark.multiprocess
 def test_a_good_module_starts_the_workers(tmp_path: Path) -> None:
     """The control of the test above: the same script with nothing wrong trains, the supervisor's events file
-    is written and each of the 2 workers ran the script too."""
+    is written and each of the 2 workers ran the script too. Lightning's start-up lines are printed by the
+    script's process (it builds the Trainer before it knows it supervises) and by member 0, not member 1."""
     events = tmp_path / "events.json"
     env = launch_env({"BAMBOO_EVENTS": str(events)})
     proc = subprocess.run([sys.executable, str(BAD_INPUT), "ok", str(tmp_path)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert events.exists() and len(list(tmp_path.glob("ran-*"))) == 3
+    assert (proc.stdout + proc.stderr).count("GPU available:") == 2
