@@ -478,6 +478,10 @@ class ElasticRuntime:
         if crash.is_communication_error(exception):
             return
         try:
-            crash.record(self._store, self.member, exception)
+            first = crash.record(self._store, self.member, exception)
+            earlier = crash.recorded(self._store, first) if first != self.member else None
         except Exception as err:  # the supervisor is gone: nobody to tell
             log.warning("Bamboo member %d: could not record its error in the store: %s", self.member, err)
+            return
+        if earlier is not None:  # every worker met the same error: its traceback once, not once per worker
+            crash.report_once(exception, self.member, earlier)

@@ -184,6 +184,24 @@ def test_bad_module_is_refused_before_any_worker_starts(tmp_path: Path, kind: st
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_an_error_every_worker_meets_is_printed_once(tmp_path: Path) -> None:
+    """A batch the micro-batches cannot split (only the workers see the loader): both workers raise it at the
+    start of training; the first to record it prints its traceback, the other one line, and the supervisor
+    names it once and exits 1."""
+    events = tmp_path / "events.json"
+    env = launch_env({"BAMBOO_EVENTS": str(events)})
+    proc = subprocess.run([sys.executable, str(BAD_INPUT), "batch", str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert events.exists()  # the workers ran
+    assert output.count("Traceback") == 1, output[-6000:]
+    assert re.search(r"ValueError: .*batch_size \(3, the global batch\) is not divisible", output)
+    assert output.count("failed with ValueError") == 1  # the supervisor names it once
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_good_module_starts_the_workers(tmp_path: Path) -> None:
     """The control of the test above: the same script with nothing wrong trains, the supervisor's events file
     is written and each of the 2 workers ran the script too. Lightning's start-up lines are printed by the

@@ -2,7 +2,8 @@
 whose module breaks the Bamboo contract in one way, for the supervisor's checks before any worker starts.
 
 KIND: ``no-body`` (no ``nn.Sequential`` at all), ``few-layers`` (a body of one layer for 2 stages),
-``outside`` (a trainable parameter outside the body), ``ok`` (nothing wrong; trains one step). Every process
+``outside`` (a trainable parameter outside the body), ``batch`` (a batch of 3 the 4 micro-batches cannot
+split: only the workers see the loader), ``ok`` (nothing wrong; trains one step). Every process
 that runs the script (the supervisor, and the workers if any were started) writes ``OUT/ran-<pid>``.
 """
 
@@ -53,7 +54,8 @@ def main() -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=1, strategy=BambooStrategy(num_stages=2),
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
-    trainer.fit(Model(kind), torch.utils.data.DataLoader(data, batch_size=4))
+    loader = torch.utils.data.DataLoader(data, batch_size=3 if kind == "batch" else 4, drop_last=True)
+    trainer.fit(Model(kind), loader)
 
 
 if __name__ == "__main__":
