@@ -583,8 +583,9 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
 
         Every member reads its loggers' next free version before any creates a folder (a store barrier), then
         opens the logger (``experiment``: CSVLogger's writer, which would delete a ``metrics.csv`` it found
-        if it were first opened after a failover) before anything is logged (a second barrier). Until
-        :meth:`set_world_ranks` runs, every process counts as rank zero, so every member opens its own.
+        if it were first opened after a failover) before anything is logged (a second barrier). Loggers open
+        their experiment on rank zero only, so every member counts as rank zero while it opens its own (a
+        worker otherwise counts as its member id until generation 0 forms, see ``__init__``).
         """
         assert self.lightning_module is not None and self._store is not None
         loggers = self.lightning_module.trainer.loggers
@@ -592,8 +593,12 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
             _ = logger.version  # CSV/TensorBoard: the next free version; nothing is created yet
         timeout = self._timeout.total_seconds()
         ms.store_barrier(self._store, "loggers/versions_read", self._nproc, timeout)
-        for logger in loggers:
-            _ = logger.experiment
+        rank_zero_only.rank = utils_rank_zero_only.rank = 0  # type: ignore[attr-defined]
+        try:
+            for logger in loggers:
+                _ = logger.experiment
+        finally:
+            rank_zero_only.rank = utils_rank_zero_only.rank = self._rank  # type: ignore[attr-defined]
         ms.store_barrier(self._store, "loggers/opened", self._nproc, timeout)
 
     # ------------------------------------------------------------------ setup
