@@ -11,11 +11,12 @@ deep inside a failover.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry as StrategyRegistry
 from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
 from lightning.pytorch import Trainer
@@ -23,7 +24,13 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers 
 from lightning.pytorch.loops import _FitLoop
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher as Launcher
+from lightning.pytorch.utilities.data import _update_dataloader as update_dataloader
 from lightning.pytorch.utilities.exceptions import _TunerExitException as LeaveFit
+from torch.distributed.checkpoint import StorageReader, StorageWriter, state_dict_loader, state_dict_saver
+from torch.utils.data import Sampler
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 FIT_LOOP_BATCH_PROGRESS = "epoch_loop.batch_progress"
 FIT_LOOP_OPTIM_PROGRESS = "epoch_loop.automatic_optimization.optim_progress"
@@ -52,6 +59,31 @@ def step_log_metrics(trainer: Trainer) -> dict[str, Any]:
     return convert_tensors_to_scalars(trainer._logger_connector.metrics["log"])
 
 
+def save_single_process(state_dict: dict[str, Any], writer: StorageWriter) -> None:
+    """``torch.distributed.checkpoint.save`` of this process's own checkpoint (no process group, no
+    collective). The public ``save``/``async_save`` warn "torch.distributed is disabled ... assuming the
+    intent is to save in a single process" every time, even with ``no_dist=True`` (torch 2.13); that is the
+    intent here, so the function they call is called directly, with ``no_dist=True``."""
+    state_dict_saver._save_state_dict(state_dict, writer, no_dist=True)
+
+
+def load_single_process(state_dict: dict[str, Any], reader: StorageReader) -> None:
+    """``torch.distributed.checkpoint.load`` in one process, without its warning (see
+    :func:`save_single_process`)."""
+    state_dict_loader._load_state_dict(state_dict, reader, no_dist=True)
+
+
+def wrapped_sampler(sampler: DistributedSamplerWrapper) -> Sampler:
+    """The user's sampler inside the ``DistributedSamplerWrapper`` Lightning put around it."""
+    return sampler.dataset._sampler
+
+
+def train_loader_source(trainer: pl.Trainer) -> object:
+    """What the training loaders come from: ``fit(train_dataloaders=...)``'s value, or the module/datamodule
+    whose ``train_dataloader()`` Lightning calls."""
+    return trainer.fit_loop._data_source.instance
+
+
 def restore_loader_states(fit_loop: _FitLoop) -> bool:
     """Give the training loaders the states of the checkpoint being resumed if Lightning has not; True if so.
 
@@ -74,6 +106,7 @@ __all__ = [
     "FIT_LOOP_BATCH_PROGRESS",
     "FIT_LOOP_EPOCH_STATE",
     "FIT_LOOP_OPTIM_PROGRESS",
+    "DistributedSamplerWrapper",
     "Launcher",
     "LeaveFit",
     "StrategyRegistry",
@@ -81,8 +114,13 @@ __all__ = [
     "abort_process_group",
     "dump_checkpoint",
     "init_optimizers",
+    "load_single_process",
     "optimizers_to_device",
     "restore_loader_states",
+    "save_single_process",
     "step_log_metrics",
     "sync_ddp_if_available",
+    "train_loader_source",
+    "update_dataloader",
+    "wrapped_sampler",
 ]

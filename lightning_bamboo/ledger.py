@@ -26,6 +26,11 @@ elastic job)::
   runs' digests differ, to tell rounding (the gradients of a step reduced in another order, e.g. over
   another number of pipelines after one was lost) from a different model.
 
+A one-process run (``strategy="auto"`` on one device) is recorded too, as one pipeline: its samples are
+worked out from the loader's sampler as ``fit`` draws them (:class:`~lightning_bamboo.data_order.AutoBatches`;
+a ``DataLoader`` with a ``batch_size``), and it has no stage digests (``verify`` then compares samples only),
+so a Bamboo run can be checked against the same script run in one process.
+
 Nothing is pickled on the way to rank 0: the static strategy's ranks all-gather JSON bytes as ``uint8``
 tensors; an elastic job's members put JSON in the job's store (each also reports the digests of the
 replica it holds, so a member lost after a commit still has its stage reported, and a new writer writes a
@@ -47,10 +52,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
-from torch import nn
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
 
+from lightning_bamboo import _private
 from lightning_bamboo.broadcast import all_gather_json
 from lightning_bamboo.contract import StageSequential
+from lightning_bamboo.data_order import AutoBatches
 from lightning_bamboo.pipeline.microbatch import microbatch_shares, split_microbatches
 from lightning_bamboo.progress import ResumableDataLoader
 
@@ -82,17 +90,31 @@ class BambooLedger(Callback):
         # (step, epoch, reports) of a line written without some stage's digest because the members holding
         # it were lost after its commit: completed by the fallback that re-runs the step (on_fallback)
         self._pending: tuple[int, int, list[dict[str, Any]]] | None = None
+        self._one_process: tuple[Tensor, Tensor | None] | None = None  # generators' states at fit's start
+        self._auto: AutoBatches | None = None
+        self._batch_idx = 0
 
     # ------------------------------------------------------------------ Lightning hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """A one-process run (``strategy="auto"``, one device): keep the generators' states before ``fit``
+        draws its first permutation, to work out which samples each batch holds (:class:`AutoBatches`)."""
+        if stage != "fit" or _is_bamboo(trainer.strategy) or trainer.world_size != 1:
+            return
+        source = _private.train_loader_source(trainer)
+        generator = source.generator if isinstance(source, DataLoader) else None
+        self._one_process = (torch.get_rng_state(), generator.get_state() if generator is not None else None)
+
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step_before = trainer.global_step
+        self._batch_idx = batch_idx
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        pipeline, shares = _pipeline_samples(trainer)
+        one = self._one_process is not None
+        pipeline, shares = self._one_process_samples(trainer) if one else _pipeline_samples(trainer)
         for index, indices in shares.items():
             self._samples.setdefault(index, []).extend(indices)
         if trainer.global_step == self._step_before:
@@ -121,6 +143,16 @@ class BambooLedger(Callback):
         if trainer.global_rank == 0:
             self._trim(step)
             self._append(_line(step, trainer.current_epoch, reports))
+
+    def _one_process_samples(self, trainer: pl.Trainer) -> tuple[int, dict[int, list[int]]]:
+        """``(0, {0: indices of this batch})`` of a one-process run, from its loader's sampler."""
+        assert self._one_process is not None
+        loader = trainer.train_dataloader
+        if not isinstance(loader, DataLoader) or isinstance(loader, ResumableDataLoader):
+            return _pipeline_samples(trainer)
+        if self._auto is None or self._auto.loader is not loader:
+            self._auto = AutoBatches(loader, *self._one_process)
+        return 0, {0: self._auto.batch(trainer.current_epoch, self._batch_idx)}
 
     # ------------------------------------------------------------------ writing
     def _write_from_store(self, trainer: pl.Trainer, store: Any, owners: Any, step: int) -> None:
@@ -254,10 +286,17 @@ def _pipeline_samples(trainer: pl.Trainer) -> tuple[int, dict[int, list[int]]]:
     return pipeline, {pipeline: indices}
 
 
+def _is_bamboo(strategy: Any) -> bool:
+    return getattr(strategy, "stage_layers", None) is not None
+
+
 def _digests(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, dict[str, Any]]:
     """``{"own": stage -> digest, "replica": stage -> digest}`` of the stages this rank holds whole (the
     replica has taken the step when the step's batch ends), and their fingerprints under ``"own_fp"`` and
-    ``"replica_fp"``."""
+    ``"replica_fp"``. A one-process run has no stages: none (its parameters are not bit-equal to a
+    pipeline's, whose sums run in another order; ``verify`` compares its samples only)."""
+    if not _is_bamboo(trainer.strategy) and trainer.world_size == 1:
+        return {"own": {}, "replica": {}, "own_fp": {}, "replica_fp": {}}
     stages = _stage_layers(trainer.strategy)
     own = next((m for m in pl_module.children() if isinstance(m, StageSequential)), None)
     replica = getattr(trainer.strategy, "replica", None)

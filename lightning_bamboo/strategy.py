@@ -26,6 +26,7 @@ pipelines exist.
 from __future__ import annotations
 
 import atexit
+import base64
 import logging
 import math
 import os
@@ -50,6 +51,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_bamboo import _private
@@ -67,6 +69,7 @@ from lightning_bamboo.contract import (
     replay_step,
     warn_batch_statistics,
 )
+from lightning_bamboo.data_order import in_written_order
 from lightning_bamboo.elastic import commit as commit_protocol
 from lightning_bamboo.elastic import store as ms
 from lightning_bamboo.elastic.cutter import GenerationCutter
@@ -91,7 +94,7 @@ from lightning_bamboo.rank_zero import RankZeroDuties
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import Action, ActionKind
 from lightning_bamboo.step import PipelinedStep
-from lightning_bamboo.ties import Tie, TiedGradient, aliases, find_ties, untie
+from lightning_bamboo.ties import Tie, TiedGradient, aliases, find_ties, first_use_groups, untie
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -264,6 +267,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         self._nproc = self._env.nproc if self._env is not None else 1
         self._elastic = self._env is not None  # a supervisor publishes generations (set per fit in setup)
         self._store: dist.Store | None = None
+        self._rng_at_start = torch.get_rng_state()  # set again when an entry point starts (setup_environment)
         self._entries = 0  # fit/validate/test/predict calls in this process (each its own store prefix)
         self._heartbeat: ms.Heartbeat | None = None
         self._cutter: GenerationCutter | None = None
@@ -274,7 +278,9 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         self.engine: StageAveragingEngine | None = None
         self.replica: nn.Module | None = None
         self.replica_sync: ReplicaSync | None = None
-        self._rank = 0
+        # a worker counts as its member id until generation 0 forms, so Lightning's rank-zero-only output
+        # while the Trainer is built and fit starts (tips, device summary, warnings) comes from member 0 only
+        self._rank = self._member
         self._world = 1
         self._body_attr: str = pipeline_attr or "pipeline"
         self._stage_module: nn.Module | None = None
@@ -282,6 +288,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         self._layers: dict[int, nn.Module] = {}
         self._ties: list[Tie] = []  # parameters used by several layers of the body (lightning_bamboo.ties)
         self._tied: list[TiedGradient] = []  # this generation's reductions of their gradients
+        self._tie_groups: dict[str, int | None] = {}  # a later use's name -> its tie's param group under auto
         self._held: dict[int, LayerState] = {}
         self._stage_layers: tuple[range, ...] = ()
         self._replica_optimizer: Optimizer | None = None
@@ -481,12 +488,22 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
             assert env is not None
             self._launcher = _private.SubprocessScriptLauncher(env, self.num_processes, self.num_nodes)
             return
-        self._launcher = SupervisorLauncher(self.num_processes, self._hang_timeout)
+        self._launcher = SupervisorLauncher(self.num_processes, self._hang_timeout, preflight=self._preflight)
 
     @override
     def setup_environment(self) -> None:
+        # the global generator as fit found it, before reset_seed: what "auto"'s RandomSampler draws from
+        self._rng_at_start = torch.get_rng_state()
         super().setup_environment()
         self.setup_distributed()
+
+    def _agreed_rng_state(self) -> Tensor:
+        """The global generator's state at the start of ``fit`` as the first member to ask had it, so every
+        member (a joiner too) draws ``auto``'s shuffle from the same state (:mod:`.data_order`)."""
+        assert self._store is not None
+        mine = base64.b64encode(self._rng_at_start.numpy().tobytes()).decode()
+        agreed = self._store.compare_set("data/rng_at_start", "", mine).decode()
+        return torch.frombuffer(bytearray(base64.b64decode(agreed)), dtype=torch.uint8)
 
     @override
     def set_world_ranks(self) -> None:
@@ -586,8 +603,9 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
 
         Every member reads its loggers' next free version before any creates a folder (a store barrier), then
         opens the logger (``experiment``: CSVLogger's writer, which would delete a ``metrics.csv`` it found
-        if it were first opened after a failover) before anything is logged (a second barrier). Until
-        :meth:`set_world_ranks` runs, every process counts as rank zero, so every member opens its own.
+        if it were first opened after a failover) before anything is logged (a second barrier). Loggers open
+        their experiment on rank zero only, so every member counts as rank zero while it opens its own (a
+        worker otherwise counts as its member id until generation 0 forms, see ``__init__``).
         """
         assert self.lightning_module is not None and self._store is not None
         loggers = self.lightning_module.trainer.loggers
@@ -595,8 +613,12 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
             _ = logger.version  # CSV/TensorBoard: the next free version; nothing is created yet
         timeout = self._timeout.total_seconds()
         ms.store_barrier(self._store, "loggers/versions_read", self._nproc, timeout)
-        for logger in loggers:
-            _ = logger.experiment
+        rank_zero_only.rank = utils_rank_zero_only.rank = 0  # type: ignore[attr-defined]
+        try:
+            for logger in loggers:
+                _ = logger.experiment
+        finally:
+            rank_zero_only.rank = utils_rank_zero_only.rank = self._rank  # type: ignore[attr-defined]
         ms.store_barrier(self._store, "loggers/opened", self._nproc, timeout)
 
     # ------------------------------------------------------------------ setup
@@ -612,6 +634,9 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
             if fitting:
                 self._whole_group_names = _param_group_names(module)
             self._prepare_body(module)
+            if fitting:
+                assert self._whole_group_names is not None
+                self._tie_groups = first_use_groups(self._ties, self._body_attr, self._whole_group_names)
         if self._env is not None and self._env.joining and self._elastic:
             self._setup_joiner(trainer)
             return
@@ -677,16 +702,10 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         """Find the body, check the contract, plan which layers make each stage; every layer is converted to
         the precision's dtype now (any of them may become this member's stage or replica, and layers received
         from peers take their template's dtype)."""
-        attr, body = find_pipeline_body(module, self._pipeline_attr)
-        check_contract(module, attr, body)
-        if getattr(body, _STAGE_MARK, False):
-            raise RuntimeError(
-                f"{type(module).__name__}.{attr} holds only the layers of one stage, left by an earlier "
-                "BambooStrategy run; build a fresh module (e.g. load consolidate_checkpoint(path) into it)"
-            )
+        attr, body, layout = self._checked_body(module)
         self._body_attr = attr
-        self._stage_layers = self._plan_stages(body)
-        check_stage_split(module, attr, body, self._stage_layers)
+        self._stage_layers = layout.stage_layers
+        rank_zero_info(f"BambooStrategy layout:\n{layout.describe(costs=self._costs_of(body))}")
         warn_batch_statistics(module, attr, body, self._num_microbatches)
         self.precision_plugin.convert_module(body)
         self._ties = find_ties(body)
@@ -699,21 +718,46 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         self._layers = {i: body[i] for i in range(len(body))}
         self._body_length = len(body)
 
-    def _plan_stages(self, body: nn.Sequential) -> tuple[range, ...]:
+    def _costs_of(self, body: nn.Sequential) -> list[float]:
+        return list(self._layer_costs) if self._layer_costs is not None else estimate_layer_costs(list(body))
+
+    def _plan_stages(self, body: nn.Sequential) -> StageLayout:
         """Which layers make each stage: contiguous runs of about equal cost (``layer_costs``, estimated)."""
         if len(body) < self._num_stages:
             raise ValueError(
                 f"num_stages ({self._num_stages}) is more than the {len(body)} layers of the pipeline body; "
                 f"each stage needs at least one layer"
             )
-        costs = self._layer_costs if self._layer_costs is not None else estimate_layer_costs(list(body))
+        costs = self._costs_of(body)
         if len(costs) != len(body):
             raise ValueError(
                 f"layer_costs has {len(costs)} entries but the pipeline body has {len(body)} layers"
             )
-        layout = StageLayout.plan(costs, self._num_stages, self._num_stages)
-        rank_zero_info(f"BambooStrategy layout:\n{layout.describe(costs=costs)}")
-        return layout.stage_layers
+        return StageLayout.plan(costs, self._num_stages, self._num_stages)
+
+    def _checked_body(self, module: pl.LightningModule) -> tuple[str, nn.Sequential, StageLayout]:
+        """The body's attribute, the body and its stages' layout, once the module passed every check that
+        needs the module only (the contract, enough layers, no trainable parameter outside the body, a
+        trainable parameter on every stage). Changes nothing: the supervisor of a plain ``python train.py``
+        runs it before any worker starts (:meth:`_preflight`), and every worker again at setup."""
+        attr, body = find_pipeline_body(module, self._pipeline_attr)
+        check_contract(module, attr, body)
+        if getattr(body, _STAGE_MARK, False):
+            raise RuntimeError(
+                f"{type(module).__name__}.{attr} holds only the layers of one stage, left by an earlier "
+                "BambooStrategy run; build a fresh module (e.g. load consolidate_checkpoint(path) into it)"
+            )
+        layout = self._plan_stages(body)
+        check_stage_split(module, attr, body, layout.stage_layers)
+        return attr, body, layout
+
+    def _preflight(self, module: object) -> None:
+        """The supervisor's checks of the user's module before it starts workers (one error, in the script's
+        process, instead of the same traceback from every worker seconds later)."""
+        from lightning.pytorch import LightningModule
+
+        if isinstance(module, LightningModule):
+            self._checked_body(module)
 
     def _setup_model_and_optimizer(self, trainer: pl.Trainer, module: nn.Module) -> None:
         """Lightning's model, device, optimizer and precision set-up, shared by members and joiners."""
@@ -725,6 +769,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
                 f"BambooStrategy supports exactly one optimizer, configure_optimizers returned "
                 f"{len(self.optimizers)}"
             )
+        self._regroup_ties(self.optimizers[0], module._modules[self._body_attr])
         self.setup_precision_plugin()  # its norm clipping applies the plan agreed before the commit
         _private.optimizers_to_device(self.optimizers, self.root_device)
 
@@ -762,6 +807,9 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
+        if isinstance(dataloader, DataLoader):
+            source = _private.train_loader_source(trainer)
+            dataloader = in_written_order(dataloader, source, self._agreed_rng_state)
         if self._joining_setup and self._skip is None:
             # how many batches to skip is known when the joiner forms (on_train_start, before the first fetch)
             loader = skip_first_batches(dataloader, 0)  # type: ignore[arg-type]

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,49 @@ def aliases(ties: Iterable[Tie], attr: str) -> dict[str, str]:
         for tie in ties
         for layer, name in tie.uses[1:]
     }
+
+
+def first_use_groups(
+    ties: Iterable[Tie], attr: str, whole_groups: Sequence[Sequence[str]]
+) -> dict[str, int | None]:
+    """``later use's name -> the param group of its tie`` (``None``: in no group).
+
+    ``whole_groups`` are the names in each param group of the user's ``configure_optimizers`` over the whole,
+    still tied, model: the tied parameter is listed there once, under its first use's name, as under
+    ``strategy="auto"``. A stage holding a later use sees its copy under the later name
+    (``pipeline.5.lm_head.weight``), which a name-based grouping (``"embed" in name`` -> no weight decay) may
+    put elsewhere; every copy must take the step the one parameter takes, so it goes where the first use is.
+    """
+    group_of = {name: index for index, names in enumerate(whole_groups) for name in names}
+    return {later: group_of.get(first) for later, first in aliases(ties, attr).items()}
+
+
+def regroup_tied_copies(
+    optimizer: Optimizer, named: Iterable[tuple[str, nn.Parameter]], placement: Mapping[str, int | None]
+) -> None:
+    """Put each later use's copy into the group of ``optimizer`` (just built, no state yet) that ``placement``
+    gives it (:func:`first_use_groups`), whatever group, or none, the user's code chose by its name.
+
+    ``named``: ``(name, parameter)`` of the module the optimizer was built for (names as in the whole model).
+    A copy already in its group stays where it is; a moved one goes before the first parameter of its new
+    group that comes after it in the module, so a group in module order stays so (the order a failover's
+    refill gives: the gradient norm sums in that order, and a run with failovers stays bit-exact).
+    """
+    named = list(named)
+    order = {id(param): index for index, (_, param) in enumerate(named)}
+    where = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    moved = {
+        id(param): (param, placement[name])
+        for name, param in named
+        if name in placement and where.get(id(param)) != placement[name]
+    }
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) not in moved]
+    for param, target in moved.values():
+        if target is not None:
+            params = optimizer.param_groups[target]["params"]
+            after = (k for k, p in enumerate(params) if order.get(id(p), -1) > order[id(param)])
+            params.insert(next(after, len(params)), param)
 
 
 def _parameter(module: nn.Module, name: str) -> nn.Parameter:

@@ -9,7 +9,8 @@ sums. The second is rounding: a step whose gradients were reduced in another ord
 is lost, one pipeline sums the micro-batches that two pipelines and an all-reduce summed) ends a few ulps
 away; the output says which steps were equal only to rounding. A difference names the first step, the stage,
 how far apart its fingerprints are, and the pipelines and generation each run committed the step under.
-``--samples-only`` ignores the parameters (runs that are not meant to be equal, e.g. another precision).
+``--samples-only`` ignores the parameters (runs that are not meant to be equal, e.g. another precision);
+a ledger of a one-process run (``strategy="auto"``) has no stage digests, and is compared by its samples.
 Exit status: 0 the same, 1 they differ, 2 a file is missing or malformed (the message names the file and
 line).
 
@@ -246,9 +247,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"verify: {err}", file=sys.stderr)
         return 2
     names = (str(args.a), str(args.b))
+    # a one-process run (strategy="auto") records no stage digests: its parameters are compared elsewhere
+    one_process = [
+        name for name, ledger in zip(names, (a, b)) if ledger and not any(e.digests for e in ledger.values())
+    ]
+    samples_only = args.samples_only or bool(one_process)
     rounding = Rounding()
-    found = compare(a, b, names, args.samples_only, args.rtol, rounding)
-    what = "samples" if args.samples_only else "samples and parameter digests"
+    found = compare(a, b, names, samples_only, args.rtol, rounding)
+    what = "samples" if samples_only else "samples and parameter digests"
+    if one_process and not args.samples_only:
+        what += f" ({', '.join(one_process)}: a one-process run, no stage digests to compare)"
     if found is None:
         steps = sorted(a)
         span = f"steps {steps[0]}..{steps[-1]}" if steps else "no steps"

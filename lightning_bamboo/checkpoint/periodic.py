@@ -7,8 +7,10 @@ inside the same ``fit`` (:class:`lightning_bamboo.strategy.BambooStrategy`). Thi
 needs and nothing about process groups:
 
 * :class:`PeriodicCheckpointer`: every ``N`` steps each member of the first pipeline writes the layers of its
-  stages (parameters, buffers, optimizer state) with ``torch.distributed.checkpoint.async_save`` (no
-  collectives: one DCP checkpoint per member) into ``<root>/step_<c>.partial/member<m>/``, after writing
+  stages (parameters, buffers, optimizer state) with ``torch.distributed.checkpoint``, copied to host
+  memory and written by a background thread (no collectives: one DCP checkpoint per member, saved as this
+  process's own, so torch does not warn that it assumes a single process) into
+  ``<root>/step_<c>.partial/member<m>/``, after writing
   ``member<m>.json`` (each layer's description, the writers, the LR schedulers' and optimizer groups'
   settings). The tensors go through DCP's ``HuggingFaceStorageWriter``: a safetensors file and a JSON index,
   so loading never unpickles anything (DCP's default ``FileSystemReader`` reads its ``.metadata`` with
@@ -33,20 +35,19 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_bamboo import _private
 from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
 from lightning_bamboo.checkpoint.layers import LayerState, describe, materialize, spec_of
-from lightning_bamboo.checkpoint.sharded import single_process_dcp
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +257,7 @@ class PeriodicCheckpointer:
         self._last: int | None = None
         self._pending: tuple[int, Future, float] | None = None
         self._written_at: dict[int, float] = {}
+        self._writing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bamboo-checkpoint")
         _hf_storage()  # a torch without the safetensors writer fails at setup, not at the first checkpoint
         root.mkdir(parents=True, exist_ok=True)
 
@@ -278,8 +280,8 @@ class PeriodicCheckpointer:
         """Start writing ``layers`` for ``step``; returns (seconds blocked, bytes of tensors).
 
         The previous write is waited for first (a failure of it raises), finished folders are renamed into
-        place and old ones pruned. ``async_save`` copies the tensors before it returns (the blocking part),
-        so training may change them right after.
+        place and old ones pruned. The tensors are copied before it returns (the blocking part), so training
+        may change them right after; a background thread writes the copies.
         """
         self.wait(strict=True)
         finalize(self.root)
@@ -305,8 +307,8 @@ class PeriodicCheckpointer:
         _write_json(path / f"member{self.member}.json", meta)
         start = time.perf_counter()
         writer = _hf_storage()[0](str(path / f"member{self.member}"))
-        with single_process_dcp():
-            future = dcp.async_save(tensors, storage_writer=writer, no_dist=True)
+        staged = {key: tensor.detach().to("cpu", copy=True) for key, tensor in tensors.items()}
+        future = self._writing.submit(_private.save_single_process, staged, writer)
         blocking = time.perf_counter() - start
         future.add_done_callback(lambda _f, s=step: self._written_at.__setitem__(s, time.perf_counter()))
         self._pending = (step, future, start)
@@ -358,8 +360,7 @@ def load_layers(
         loaded = {key: torch.empty(shape, dtype=dtype) for key, (dtype, shape) in specs.items()}
         if loaded:  # read through the safetensors files and their JSON index: nothing is unpickled
             reader = _hf_storage()[1](str(path / f"member{meta['member']}"))
-            with single_process_dcp():
-                dcp.load(loaded, storage_reader=reader, no_dist=True)
+            _private.load_single_process(loaded, reader)
         for layer in wanted:
             values = iter(loaded[key] for key in specs if key.startswith(f"layer{layer}/"))
             out[layer] = materialize(

@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +44,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.optim import Optimizer
 
+from lightning_bamboo import _private
 from lightning_bamboo.progress import drop_loader_position
 
 META_FILE = "meta.pt"
@@ -123,15 +122,6 @@ def _tensor_tree(checkpoint: dict[str, Any]) -> dict[str, Tensor]:
     return tensors
 
 
-@contextmanager
-def single_process_dcp() -> Iterator[None]:
-    """DCP warns on every save/load without a process group ("assuming the intent is to save in a single
-    process"); here that is the intent (a rank's own shard, or merging on one machine), so say nothing."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
-        yield
-
-
 def _writer(path: Path, shard: int | None = None) -> dcp.StorageWriter:
     """Safetensors shards, one file per rank (``save_distributed``: file names carry the rank's index).
 
@@ -185,11 +175,13 @@ def save_sharded(
         partial.mkdir(parents=True)
     barrier()
     tree = _tensor_tree(checkpoint)
-    with single_process_dcp():
-        if shard is None:
-            dcp.save(tree, storage_writer=_writer(partial), no_dist=not dist.is_initialized())
-        elif tree:
-            dcp.save(tree, storage_writer=_writer(partial, shard), no_dist=True)
+    if shard is not None:  # a lone writer among others that meet through the store (a stopping job)
+        if tree:
+            _private.save_single_process(tree, _writer(partial, shard))
+    elif dist.is_initialized():
+        dcp.save(tree, storage_writer=_writer(partial))
+    else:  # one process: its own checkpoint (torch's public save would warn that it assumes so)
+        _private.save_single_process(tree, _writer(partial))
     if stage is not None:
         write_group_names(partial, stage, checkpoint.get("optimizer_states", []))
     if is_global_zero:
@@ -265,9 +257,10 @@ def _load_tensors(path: Path, keys: list[str], no_dist: bool) -> dict[str, Tenso
         if not isinstance(entry, TensorStorageMetadata):
             raise TypeError(f"checkpoint entry {key} is not a tensor")
         out[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    if out:
-        with single_process_dcp():
-            dcp.load(out, storage_reader=_reader(path), no_dist=no_dist)
+    if out and no_dist:  # this process's own read (torch's public load would warn that it assumes so)
+        _private.load_single_process(out, _reader(path))
+    elif out:
+        dcp.load(out, storage_reader=_reader(path))
     return out
 
 
@@ -347,13 +340,26 @@ def consolidate_checkpoint(filepath: str | Path, output: str | Path | None = Non
     ``output``, also write an ordinary Lightning ``.ckpt`` file there: the merged weights, each optimizer's
     state in ``Optimizer.state_dict()`` form for the whole model, and the trainer state (epoch, global
     step, loops, schedulers, callbacks), so ``Trainer(strategy="auto").fit(ckpt_path=output)`` resumes
-    and ``MyModel.load_from_checkpoint(output)`` loads. Lightning opens a ``ckpt_path`` itself (a folder
-    fails there with ``IsADirectoryError`` before any strategy code runs), hence this converter.
+    and ``MyModel.load_from_checkpoint(output)`` loads. A tied parameter is one tensor under all its names
+    (every stage's copy is equal; a checkpoint whose copies differ is refused). Lightning opens a
+    ``ckpt_path`` itself (a folder fails there with ``IsADirectoryError`` before any strategy code runs),
+    hence this converter.
     """
     path = Path(filepath)
     keys = [k for k in _metadata(path) if k.startswith(_MODEL)]
     loaded = _load_tensors(path, keys, no_dist=True)
     state_dict = {k[len(_MODEL) :]: v for k, v in loaded.items()}
+    tied = torch.load(path / META_FILE, weights_only=True).get(TIED_KEY, {})
+    for later, first in tied.items():  # one tensor per tied parameter, as in the single-process model
+        if later in state_dict and first in state_dict:
+            if not torch.equal(state_dict[later], state_dict[first]):
+                difference = (state_dict[later] - state_dict[first]).abs().max().item()
+                raise ValueError(
+                    f"{path} holds two different values of one tied parameter: {later} differs from {first} "
+                    f"by up to {difference:.3g}; each stage's copy must take the same step (a checkpoint of "
+                    "an earlier version whose param groups put the copies apart): pick one, load it by hand"
+                )
+            state_dict[later] = state_dict[first]
     if output is not None:
         _write_lightning_checkpoint(path, Path(output), state_dict)
     return state_dict

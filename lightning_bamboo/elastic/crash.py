@@ -22,6 +22,7 @@ job dies after a chain of failovers, each printing the same traceback. So a work
 from __future__ import annotations
 
 import json
+import sys
 import traceback
 from typing import Any
 
@@ -57,8 +58,12 @@ def _key(member: int) -> str:
     return f"error/{member}"
 
 
-def record(store: dist.Store, member: int, err: BaseException) -> None:
-    """Record ``err`` as member ``member``'s failure (before the worker exits with it)."""
+_FIRST = "error/first"
+
+
+def record(store: dist.Store, member: int, err: BaseException) -> int:
+    """Record ``err`` as member ``member``'s failure (before the worker exits with it); returns the member
+    whose error the job recorded first (this one, or one that failed before it)."""
     text = json.dumps(
         {
             "member": member,
@@ -68,6 +73,30 @@ def record(store: dist.Store, member: int, err: BaseException) -> None:
         }
     )
     store.set(_key(member), text)
+    return int(store.compare_set(_FIRST, "", str(member)).decode())
+
+
+def report_once(err: BaseException, member: int, first: dict[str, Any]) -> None:
+    """When ``err`` is the error member ``first["member"]`` already failed with (same type and message: a
+    mistake every worker meets, such as a batch size the pipelines cannot split), this worker prints one line
+    for it at exit instead of the same traceback again; the first member prints the traceback, the
+    supervisor names it. Another error is printed in full, as always.
+
+    Python's ``sys.excepthook`` is what prints an uncaught exception; it is wrapped for this one exception
+    object only."""
+    if (type(err).__name__, str(err)) != (first["type"], first["message"]):
+        return
+    previous = sys.excepthook
+    line = str(err).splitlines()[0] if str(err) else ""
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if value is not err:
+            previous(kind, value, tb)
+            return
+        print(f"[bamboo] member {member}: {kind.__name__}: {line} (the error member {first['member']} failed "
+              "with first; its traceback is printed once)", file=sys.stderr, flush=True)
+
+    sys.excepthook = hook
 
 
 def recorded(store: dist.Store, member: int) -> dict[str, Any] | None:

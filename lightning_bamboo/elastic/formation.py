@@ -28,7 +28,7 @@ from lightning_bamboo.pipeline.microbatch import microbatch_shares
 from lightning_bamboo.pipeline.view import PipelineView, StageAveragingEngine
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import Schedule, add_forward_redundancy, build_1f1b, format_grid, rank_program
-from lightning_bamboo.ties import tied_gradients
+from lightning_bamboo.ties import regroup_tied_copies, tied_gradients
 
 if TYPE_CHECKING:
     pass
@@ -314,7 +314,15 @@ class GenerationFormation:
             module._modules[self._body_attr] = stage
         if len(optimizers) != 1:
             raise ValueError(f"BambooStrategy supports exactly one optimizer, got {len(optimizers)}")
+        self._regroup_ties(optimizers[0], body)
         return optimizers[0]
+
+    def _regroup_ties(self, optimizer: Optimizer, body: nn.Module) -> None:
+        """Every copy of a tied parameter into the param group ``strategy="auto"`` gives the parameter (its
+        first use's), whatever its own name makes the user's grouping choose (:mod:`..ties`)."""
+        if self._tie_groups:
+            named = ((f"{self._body_attr}.{name}", p) for name, p in body.named_parameters())
+            regroup_tied_copies(optimizer, named, self._tie_groups)
 
 
 @functools.lru_cache(maxsize=16)

@@ -108,7 +108,9 @@ class ElasticRuntime:
             # an error of the training code: a failover would raise it again on the member taking the
             # stage over. Raised, it stops the job (on_exception records it for the supervisor).
             return False
-        log.warning(
+        # what a lost peer does to this member's collectives: expected, and the supervisor reports the
+        # failover; a failover that does not come raises the error below (INFO: shown with logging at INFO)
+        log.info(
             "Bamboo member %d: %s: %s",
             self.member,
             type(err).__name__,
@@ -528,6 +530,10 @@ class ElasticRuntime:
         if crash.is_communication_error(exception):
             return
         try:
-            crash.record(self._store, self.member, exception)
+            first = crash.record(self._store, self.member, exception)
+            earlier = crash.recorded(self._store, first) if first != self.member else None
         except Exception as err:  # the supervisor is gone: nobody to tell
             log.warning("Bamboo member %d: could not record its error in the store: %s", self.member, err)
+            return
+        if earlier is not None:  # every worker met the same error: its traceback once, not once per worker
+            crash.report_once(exception, self.member, earlier)

@@ -57,11 +57,16 @@ class SupervisorLauncher(_private.Launcher):
     Args:
         nproc: workers to start (``Trainer(devices=N)``).
         hang_timeout: seconds without a heartbeat after which a worker is killed and counted as lost.
+        preflight: called with the Trainer entry point's module (``fit(model)``'s ``model``) before any worker
+            starts; an error it raises ends the script there, once (the strategy's checks of the module).
     """
 
-    def __init__(self, nproc: int, hang_timeout: float = 5.0) -> None:
+    def __init__(
+        self, nproc: int, hang_timeout: float = 5.0, preflight: Callable[[object], None] | None = None
+    ) -> None:
         self.nproc = nproc
         self.hang_timeout = hang_timeout
+        self.preflight = preflight
         self.supervisor: Supervisor | None = None
 
     @property
@@ -71,6 +76,8 @@ class SupervisorLauncher(_private.Launcher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if self.preflight is not None and args:  # fit/validate/test/predict(model, ...)
+            self.preflight(args[0])
         supervisor = Supervisor(script_command(), self.nproc, hang_timeout=self.hang_timeout)
         self.supervisor = supervisor
         print(

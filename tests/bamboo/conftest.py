@@ -105,3 +105,12 @@ def tied_gpt_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, to
 
     out = tmp_path_factory.mktemp("elastic-reference-tied-gpt")
     return _elastic_reference(out, "--variant", "tied-gpt", "--clip", str(CLIP))
+
+
+@pytest.fixture(scope="session")
+def tied_gpt_named_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The uninterrupted run of ``pipe_variants.TiedGPTNamed`` (name-based AdamW groups) with clipping."""
+    from tests.bamboo.test_elastic import CLIP
+
+    out = tmp_path_factory.mktemp("elastic-reference-tied-gpt-named")
+    return _elastic_reference(out, "--variant", "tied-gpt-named", "--clip", str(CLIP))

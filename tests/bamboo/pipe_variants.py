@@ -214,6 +214,22 @@ class TiedGPT(GPT):
         return tokens[:, :-1], tokens[:, 1:]
 
 
+class TiedGPTNamed(TiedGPT):
+    """``TiedGPT`` with the usual name-based AdamW recipe (issue 28): no weight decay on embeddings, norms and
+    biases (``"tok"``/``"pos"``/``"ln"``/``"bias"`` in the name), decay on the rest. Under ``auto`` the tied
+    weight is listed once, as ``pipeline.0.tok.weight`` (no decay); a stage holding the head sees its copy as
+    ``pipeline.3.lm.weight``, which this grouping alone would decay."""
+
+    NO_DECAY = ("tok", "pos", "ln", "bias")
+
+    @override
+    def optimizer_groups(self) -> list[dict[str, object]]:
+        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        plain = [p for n, p in named if any(k in n for k in self.NO_DECAY)]
+        decayed = [p for n, p in named if not any(k in n for k in self.NO_DECAY)]
+        return [{"params": decayed, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}]
+
+
 VARIANTS: dict[str, type[LightningModule]] = {
     "mlp": PipeMLP,
     "per-layer-lr": PerLayerLr,
@@ -226,6 +242,7 @@ VARIANTS: dict[str, type[LightningModule]] = {
     "dropout": WithDropout,
     "tied": Tied,
     "tied-gpt": TiedGPT,
+    "tied-gpt-named": TiedGPTNamed,
 }
 
 

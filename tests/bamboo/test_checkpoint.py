@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_bamboo import consolidate_checkpoint
+from lightning_bamboo import _private, consolidate_checkpoint
 from lightning_bamboo.checkpoint import sharded as ckpt
 from tests.bamboo.launch import run_script, snapshot
 from tests.bamboo.pipe_mlp import PipeMLP
@@ -184,8 +184,7 @@ def test_a_checkpoint_of_the_pickled_format_is_refused(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     old = tmp_path / "old.ckpt"
-    with ckpt.single_process_dcp():
-        dcp.save({"model/w": torch.ones(2)}, checkpoint_id=str(old), no_dist=True)
+    _private.save_single_process({"model/w": torch.ones(2)}, dcp.FileSystemWriter(str(old)))
     with pytest.raises(ValueError, match=r"older format .* not loaded, since loading it would unpickle"):
         consolidate_checkpoint(old)
     with pytest.raises(FileNotFoundError, match="is not a BambooStrategy checkpoint directory"):

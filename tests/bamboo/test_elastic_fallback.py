@@ -122,10 +122,12 @@ def _write(root: Path, step: int, layers: dict[int, nn.Module], optimizer: torch
     fb.finalize(root)
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.filterwarnings("error:torch.distributed is disabled")
 def test_an_incomplete_checkpoint_is_never_loaded(tmp_path: Path) -> None:
     """The loader takes the newest COMPLETE checkpoint: a ``.partial`` folder (a writer still writing, or
-    dead) and a renamed folder missing a writer's part are skipped; the complete one loads exactly."""
+    dead) and a renamed folder missing a writer's part are skipped; the complete one loads exactly. Writing
+    and loading say nothing (torch's "torch.distributed is disabled ... single process" warning is an error
+    here, in the writer's thread too: the write would fail)."""
     torch.manual_seed(0)
     layers = {0: nn.Linear(3, 3).double(), 1: nn.Tanh()}
     optimizer = torch.optim.Adam(layers[0].parameters(), lr=0.1)

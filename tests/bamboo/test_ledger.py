@@ -230,3 +230,51 @@ def test_a_failover_with_tied_weights_is_bit_exact(tmp_path: Path) -> None:
     assert _lines(ledgers["lost"])[2]["owners"]["pipelines"]["1"] == {"0": 2, "1": 2}
     cmd = [sys.executable, "-m", "lightning_bamboo.verify", str(ledgers["plain"]), str(ledgers["lost"])]
     assert "the ledgers are the same: 6 steps" in run_process(cmd, timeout=60).stdout
+
+
+@pytest.mark.parametrize("shuffle", ["no", "yes", "generator", "persistent"])
+def test_a_one_process_run_records_the_samples_it_trains_on(tmp_path: Path, shuffle: str) -> None:
+    """``strategy="auto"``: the ledger's samples of every step (3 epochs of 3 batches) are the dataset indices
+    the training step really received, for an unshuffled loader, ``shuffle=True`` (the global generator), a
+    seeded ``generator=`` and persistent workers; no stage digests."""
+    import torch
+    from lightning.pytorch import Trainer, seed_everything
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_bamboo.ledger import BambooLedger
+    from tests.bamboo.test_data_order import Recorder
+
+    seed_everything(0)
+    model = Recorder()
+    data = TensorDataset(torch.randn(12, 2), torch.randn(12), torch.arange(12))
+    generator = torch.Generator().manual_seed(3) if shuffle == "generator" else None
+    workers = {"num_workers": 1, "persistent_workers": True} if shuffle == "persistent" else {}
+    loader = DataLoader(data, batch_size=4, shuffle=shuffle != "no", generator=generator, **workers)
+    ledger = tmp_path / "ledger.jsonl"
+    Trainer(max_epochs=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[BambooLedger(ledger)]).fit(model, loader)
+    lines = _lines(ledger)
+    assert [i for line in lines for i in line["samples"]["0"]] == model.seen
+    assert [line["step"] for line in lines] == list(range(9)) and all(not line["digests"] for line in lines)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_verify_compares_bamboo_with_a_one_process_run(tmp_path: Path) -> None:
+    """The same script (``shuffle=True`` after ``seed_everything``, 2 epochs) under ``strategy="auto"`` and
+    under Bamboo (2 stages): ``verify`` finds the same samples at every step (the one-process ledger has no
+    stage digests; the parameters are compared with ``check_final``, float64); a Bamboo run of another
+    order is told apart."""
+    from tests.bamboo.conftest import _elastic_reference
+    from tests.bamboo.test_elastic import check_final
+
+    shuffled = ("--shuffle", "yes", "--epochs", "2")
+    reference = _elastic_reference(tmp_path / "auto", *shuffled, "--ledger", str(tmp_path / "auto.jsonl"))
+    bamboo = _elastic(tmp_path / "bamboo", "", extra=shuffled)
+    check_final(tmp_path / "bamboo", reference)
+    out = run_process([sys.executable, "-m", "lightning_bamboo.verify", str(tmp_path / "auto.jsonl"),
+                       str(bamboo)], timeout=60).stdout
+    assert "the ledgers are the same: 6 steps (steps 0..5), samples (" in out
+    assert "a one-process run, no stage digests to compare" in out
+    other = _elastic(tmp_path / "unshuffled", "", extra=("--epochs", "2"))
+    assert verify([str(tmp_path / "auto.jsonl"), str(other)]) == 1

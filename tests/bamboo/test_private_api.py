@@ -171,3 +171,44 @@ def test_dump_checkpoint_and_step_log_metrics_inside_a_step(tmp_path) -> None:
     assert isinstance(checkpoint, dict) and {"state_dict", "optimizer_states", "loops"} <= set(checkpoint)
     assert _private.FIT_LOOP_BATCH_PROGRESS in checkpoint["loops"]["fit_loop"]
     assert seen["row"] == {"seen_batch": 1.0}  # batch 1's row, as its step logged it
+
+
+def test_the_training_loaders_source_and_lightnings_sampler_rebuild() -> None:
+    """``train_loader_source`` is ``fit``'s loader; ``update_dataloader`` rebuilds a loader around another
+    sampler (keeping batch size and generator); ``wrapped_sampler`` is the sampler inside Lightning's
+    ``DistributedSamplerWrapper``."""
+    from torch.utils.data import DataLoader, SequentialSampler
+
+    loader = DataLoader(torch.randn(8, 32), batch_size=4, shuffle=True,  # type: ignore[arg-type]
+                        generator=torch.Generator().manual_seed(1))
+    sources: list[object] = []
+
+    class Source(Callback):
+        def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            sources.append(_private.train_loader_source(trainer))
+
+    Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[Source()]).fit(
+        BoringModel(), train_dataloaders=loader
+    )
+    assert sources == [loader]
+    sequential = SequentialSampler(loader.dataset)
+    rebuilt = _private.update_dataloader(loader, sequential)
+    assert rebuilt.sampler is sequential and rebuilt.batch_size == 4 and rebuilt.generator is loader.generator
+    wrapper = _private.DistributedSamplerWrapper(sequential, num_replicas=1, rank=0)
+    assert _private.wrapped_sampler(wrapper) is sequential
+
+
+def test_single_process_checkpoint_save_and_load_say_nothing(tmp_path: Path) -> None:
+    """``save_single_process``/``load_single_process`` round-trip a DCP checkpoint without a process group and
+    without torch's "torch.distributed is disabled" warning (an error here)."""
+    import warnings
+
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="torch.distributed is disabled")
+        _private.save_single_process({"w": torch.arange(3.0)}, FileSystemWriter(str(tmp_path)))
+        loaded = {"w": torch.zeros(3)}
+        _private.load_single_process(loaded, FileSystemReader(str(tmp_path)))
+    assert torch.equal(loaded["w"], torch.arange(3.0))

@@ -150,3 +150,66 @@ def test_unreachable_store_is_named_with_what_was_tried(capsys: pytest.CaptureFi
     err = capsys.readouterr().err
     assert "cannot reach the job's etcd store at etcd://127.0.0.1:1" in err
     assert "POST http://127.0.0.1:1/v3/maintenance/status" in err
+
+
+BAD_INPUT = Path(__file__).parent / "scripts" / "bad_input.py"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("kind", "match"),
+    [
+        ("no-body", r"TypeError: .*found none on Model"),
+        ("few-layers", r"ValueError: num_stages \(2\) is more than the 1 layers of the pipeline body"),
+        ("outside", r"TypeError: BambooStrategy pipelines only Model.pipeline, but these trainable "
+                    r"parameters live outside it: scale"),
+    ],
+    ids=["no-body", "few-layers", "outside"],
+)
+def test_bad_module_is_refused_before_any_worker_starts(tmp_path: Path, kind: str, match: str) -> None:
+    """Under ``python train.py`` the script's process (the supervisor) holds the module: the strategy's checks
+    of it run there, before any worker starts, and the script fails once with the error. No worker ran: the
+    supervisor never ran (it writes ``BAMBOO_EVENTS`` whenever it started workers) and only the script's own
+    process ran the script."""
+    events = tmp_path / "events.json"
+    env = launch_env({"BAMBOO_EVENTS": str(events)})
+    proc = subprocess.run([sys.executable, str(BAD_INPUT), kind, str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert re.search(match, proc.stderr), proc.stderr[-3000:]
+    assert proc.stderr.count("Traceback") == 1
+    assert not events.exists()
+    assert len(list(tmp_path.glob("ran-*"))) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_an_error_every_worker_meets_is_printed_once(tmp_path: Path) -> None:
+    """A batch the micro-batches cannot split (only the workers see the loader): both workers raise it at the
+    start of training; the first to record it prints its traceback, the other one line, and the supervisor
+    names it once and exits 1."""
+    events = tmp_path / "events.json"
+    env = launch_env({"BAMBOO_EVENTS": str(events)})
+    proc = subprocess.run([sys.executable, str(BAD_INPUT), "batch", str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert events.exists()  # the workers ran
+    assert output.count("Traceback") == 1, output[-6000:]
+    assert re.search(r"ValueError: .*batch_size \(3, the global batch\) is not divisible", output)
+    assert output.count("failed with ValueError") == 1  # the supervisor names it once
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_good_module_starts_the_workers(tmp_path: Path) -> None:
+    """The control of the test above: the same script with nothing wrong trains, the supervisor's events file
+    is written and each of the 2 workers ran the script too. Lightning's start-up lines are printed by the
+    script's process (it builds the Trainer before it knows it supervises) and by member 0, not member 1."""
+    events = tmp_path / "events.json"
+    env = launch_env({"BAMBOO_EVENTS": str(events)})
+    proc = subprocess.run([sys.executable, str(BAD_INPUT), "ok", str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert events.exists() and len(list(tmp_path.glob("ran-*"))) == 3
+    assert (proc.stdout + proc.stderr).count("GPU available:") == 2

@@ -12,6 +12,8 @@ from lightning_bamboo.ties import (
     TiedGradient,
     aliases,
     find_ties,
+    first_use_groups,
+    regroup_tied_copies,
     tied_gradients,
     uncounted_parameter_ids,
     untie,
@@ -77,3 +79,36 @@ def test_a_member_holding_no_use_counts_none_and_one_holding_a_later_use_counts_
     later = nn.Parameter(torch.ones(2))
     assert uncounted_parameter_ids([TiedGradient([None, later], sources=[0, 1], group=None)]) == {id(later)}
     assert uncounted_parameter_ids([TiedGradient([None, None], sources=[0, 1], group=None)]) == set()
+
+
+def test_a_later_copy_joins_the_group_auto_gives_its_first_use() -> None:
+    """Name-based groups over the whole tied model list the weight once, as ``pipeline.0.weight`` (group 1
+    here); a stage's copy ``pipeline.4.weight``, put in group 0 by its name or left out, is moved to group 1;
+    a tie whose first use is in no group leaves its copies out too."""
+    ties = [Tie(((0, "weight"), (4, "weight")))]
+    whole = [["pipeline.4.bias"], ["pipeline.0.weight", "pipeline.0.bias"]]
+    placement = first_use_groups(ties, "pipeline", whole)
+    assert placement == {"pipeline.4.weight": 1}
+    copy, bias = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    named = [("pipeline.4.weight", copy), ("pipeline.4.bias", bias)]
+    for groups in ([{"params": [copy, bias]}, {"params": []}], [{"params": [bias]}, {"params": []}]):
+        optimizer = torch.optim.SGD(groups, lr=0.1)
+        regroup_tied_copies(optimizer, named, placement)
+        assert [g["params"] for g in optimizer.param_groups] == [[bias], [copy]]
+    optimizer = torch.optim.SGD([{"params": [copy, bias]}], lr=0.1)
+    regroup_tied_copies(optimizer, named, first_use_groups(ties, "pipeline", [["pipeline.4.bias"]]))
+    assert optimizer.param_groups[0]["params"] == [bias]
+
+
+def test_a_moved_copy_keeps_its_new_group_in_module_order() -> None:
+    """The copy goes before the first parameter of its new group that follows it in the module (a failover's
+    refill orders groups that way, and the gradient norm sums in group order); a copy already in its group
+    is not touched."""
+    first, copy, last = (nn.Parameter(torch.ones(1)) for _ in range(3))
+    named = [("pipeline.0.bias", first), ("pipeline.4.weight", copy), ("pipeline.4.bias", last)]
+    optimizer = torch.optim.SGD([{"params": [copy]}, {"params": [first, last]}], lr=0.1)
+    regroup_tied_copies(optimizer, named, {"pipeline.4.weight": 1})
+    assert [g["params"] for g in optimizer.param_groups] == [[], [first, copy, last]]
+    optimizer = torch.optim.SGD([{"params": [last, copy]}], lr=0.1)
+    regroup_tied_copies(optimizer, named, {"pipeline.4.weight": 0})
+    assert optimizer.param_groups[0]["params"] == [last, copy]

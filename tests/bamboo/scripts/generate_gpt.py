@@ -46,9 +46,10 @@ def main() -> None:
     batch_size = args.batch_size * args.pipelines  # the global batch (Bamboo splits it over the pipelines)
     pairs = [windows[i] for i in range(args.steps * batch_size)]
     ids, targets = torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
-    if args.strategy == "auto":  # Bamboo's members read Lightning's one-replica sampler: this permutation
-        permutation = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
-        ids, targets = ids[permutation], targets[permutation]
+    # the samples in a fixed shuffled order (both strategies train the DataLoader's order)
+    permutation = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
+    ids, targets = ids[permutation], targets[permutation]
+    if args.strategy == "auto":
         strategy: BambooStrategy | str = "auto"
         devices = 1
     else:

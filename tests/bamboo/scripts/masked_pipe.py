@@ -65,9 +65,9 @@ def main() -> None:
     seed_everything(0)
     model = MaskedPipe()
     x, mask, y = make_masked_data(args.steps * args.batch_size)
-    if args.strategy == "auto":  # the order Bamboo's distributed sampler (one pipeline, seed 0) reads
-        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-        x, mask, y = x[order], mask[order], y[order]
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))  # a fixed shuffled order
+    x, mask, y = x[order], mask[order], y[order]
+    if args.strategy == "auto":
         strategy: BambooStrategy | str = "auto"
     else:
         strategy = BambooStrategy(num_stages=args.stages, num_microbatches=2, timeout=180)

@@ -87,9 +87,10 @@ def main() -> None:
     model = TinyLM()
     ids, targets, _ = make_tokens(args.steps * args.batch_size * args.pipelines)
     batch_size = args.batch_size * args.pipelines  # the global batch (Bamboo splits it over the pipelines)
-    if args.strategy == "auto":  # Bamboo's members read Lightning's one-replica sampler: this permutation
-        permutation = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
-        ids, targets = ids[permutation], targets[permutation]
+    # the samples in a fixed shuffled order (both strategies train the DataLoader's order)
+    permutation = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
+    ids, targets = ids[permutation], targets[permutation]
+    if args.strategy == "auto":
         strategy: BambooStrategy | str = "auto"
         devices = 1
     else:

@@ -3,9 +3,11 @@
 ``--strategy elastic`` runs under ``python -m lightning_bamboo.launch``; every member that finishes writes
 ``<out>/final_member{m}.safetensors`` with ``own/<param>`` and ``own_opt/<param>/<key>`` of the stages it
 owns at the end, and ``<out>/failovers_member{m}.json`` (the ownership maps it went through).
-``--strategy auto`` is the uninterrupted single-process reference on the same global batches; it writes
+``--strategy auto`` is the uninterrupted single-process reference (the same DataLoader, trained in the same
+order: ``--shuffle``, ``--epochs``, ``--no-distributed-sampler`` set it up); it writes
 ``<out>/final_reference.safetensors`` in the same format.
 
+``--save-ckpt PATH`` saves ``trainer.save_checkpoint(PATH)`` after ``fit`` (a Bamboo folder, or auto's file).
 ``--ledger PATH`` adds a :class:`~lightning_bamboo.ledger.BambooLedger` writing there.
 ``--aws-endpoints U0,U1,..`` gives member ``m`` its own (fake) IMDSv2 ``U<m>`` polled by ``BambooNotices``
 (an announced departure drains it); members record their Bamboo hook calls and metrics in
@@ -98,6 +100,11 @@ def main() -> None:
     parser.add_argument("--resume", type=Path, default=None, help="fit(ckpt_path=...)")
     parser.add_argument("--csv", action="store_true", help="a CSVLogger and the progress bar (see above)")
     parser.add_argument("--after-fit", action="store_true", help="record the rank, test, save (see above)")
+    parser.add_argument("--shuffle", choices=["no", "yes", "generator"], default="no",
+                        help="the training DataLoader's shuffle= (generator: True, a seeded generator)")
+    parser.add_argument("--no-distributed-sampler", action="store_true", help="use_distributed_sampler=False")
+    parser.add_argument("--epochs", type=int, default=1, help="the steps make this many epochs")
+    parser.add_argument("--save-ckpt", type=Path, default=None, help="save_checkpoint after fit")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack
     torch.set_num_threads(1)
@@ -112,12 +119,14 @@ def main() -> None:
     else:
         model = VARIANTS[args.variant](pairs=args.pairs, optimizer=args.optimizer, dtype=args.dtype)
     data = getattr(model, "make_data", make_data)  # a model on other inputs (token ids) brings its own
-    x, y = data(args.steps * args.accumulate * args.batch_size)
-    if args.strategy == "auto":
-        # the elastic run's (unsharded) DistributedSampler shuffles with seed 0 in epoch 0: read that order
-        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-        x, y = x[order], y[order]
-    train = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=False)
+    x, y = data(args.steps * args.accumulate * args.batch_size // args.epochs)
+    # the samples in a fixed shuffled order (the one these tests were written for; both strategies train the
+    # DataLoader's order, lightning_bamboo.data_order)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[order], y[order]
+    generator = torch.Generator().manual_seed(7) if args.shuffle == "generator" else None
+    train = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=args.shuffle != "no",
+                       generator=generator)
     vx, vy = data(2 * args.batch_size, seed=99)
     val = DataLoader(TensorDataset(vx, vy), batch_size=args.batch_size, shuffle=False)
     if args.strategy == "elastic":
@@ -159,7 +168,8 @@ def main() -> None:
         devices=1,
         strategy=strategy,
         max_steps=args.steps,
-        max_epochs=1,
+        max_epochs=args.epochs,
+        use_distributed_sampler=not args.no_distributed_sampler,
         precision=args.precision,
         gradient_clip_val=args.clip,
         gradient_clip_algorithm=args.clip_algorithm,
@@ -184,6 +194,8 @@ def main() -> None:
         after["test_loss"] = trainer.test(model, dataloaders=val, verbose=False)[0]["test_loss"]
         trainer.save_checkpoint(args.out / "after_fit_ckpt")
         (args.out / f"after_fit_{who}.json").write_text(json.dumps(after))
+    if args.save_ckpt is not None:
+        trainer.save_checkpoint(args.save_ckpt)
     # every name of a tied parameter (remove_duplicate=False), so each member's copy meets the reference's
     params = list(model.named_parameters(remove_duplicate=False))
     tensors = {f"own/{name}": p.detach().clone() for name, p in params}

@@ -175,11 +175,10 @@ def train(args: argparse.Namespace) -> None:
     dataset = TensorDataset(x, y)
     # the global batch (Bamboo splits it over the pipelines)
     batch_size = args.batch_size * args.pipelines
-    if args.strategy == "auto":
-        # Under bamboo Lightning's DistributedSampler (one replica: every member loads the global batch)
-        # shuffles with seed 0, epoch 0; the reference reads the same permutation.
-        permutation = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
-        dataset = TensorDataset(x[permutation], y[permutation])
+    # the samples in a fixed shuffled order (the one these tests were written for; both strategies train
+    # the DataLoader's order, lightning_bamboo.data_order)
+    permutation = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
+    dataset = TensorDataset(x[permutation], y[permutation])
     if args.data == "rank-noise":
         dataset = RankNoise(*dataset.tensors)
     train = DataLoader(dataset, batch_size=batch_size, shuffle=False)
