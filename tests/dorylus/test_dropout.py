@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scipy.stats import binom
 
 from lightning_dorylus import GAT, GCN
 from lightning_dorylus.data import GraphPartition, partition_graph
@@ -179,3 +180,43 @@ def test_row_source_remakes_its_rows_bit_for_bit(sparse: bool, dtype: torch.dtyp
         assert again.data_ptr() == buffer.data_ptr()  # a reused buffer, written over
     evaluation = D.RowSource(GraphCache().context(part), 0.5, False, 1)
     assert evaluation.remake(0, 5).data_ptr() == part.x.data_ptr()  # no dropout: a view of the features
+
+
+def test_gat_masks_are_independent_draws_at_the_keep_rate() -> None:
+    """GAT's four dropout sites on a Cora-sized graph (p = 0.6, 30 epochs) draw what ``F.dropout`` draws:
+    every entry kept with probability 0.4, independently of the other heads of its edge, of the previous
+    epoch, and of the other sites; an edge's kept heads are Binomial(8, 0.4). Issue 32 asked whether the
+    hashed masks explain GAT's gap to PyG on CiteSeer: they do not (docs/dorylus.md, "GAT against PyG"), and a
+    change to the hash that correlates heads, epochs or layers fails here."""
+    p, keep, n, epochs = 0.6, 0.4, 2708, 30
+    gen = torch.Generator().manual_seed(0)
+    src, dst = torch.randint(0, n, (2, 10_556), generator=gen)
+    vertices = torch.arange(n)
+    edges = torch.cat([src * n + dst, vertices * (n + 1)])  # global edge ids, self loops included
+
+    def kept(ids: torch.Tensor, width: int, site: int) -> torch.Tensor:
+        """(epochs, len(ids), width) 0/1: site ``site``'s masks in epochs 0.. (one step per epoch)."""
+        keys = [D.dropout_key(0, epoch, epoch, site) for epoch in range(epochs)]
+        return torch.stack([D.dropout_mask(ids, width, p, key, torch.float64) != 0 for key in keys]).double()
+
+    features, attention1, hidden, attention2 = (
+        kept(vertices, 64, 0), kept(edges, 8, 1), kept(vertices, 64, 2), kept(edges, 1, 3)
+    )
+
+    def assert_rate(both: torch.Tensor, rate: float, what: str) -> None:
+        bound = 5 * (rate * (1 - rate) / both.numel()) ** 0.5  # 5 standard errors
+        assert abs(both.mean().item() - rate) < bound, f"{what}: {both.mean().item():.4f}, expected {rate}"
+
+    for name, masks in {"features": features, "attention 1": attention1, "hidden": hidden,
+                        "attention 2": attention2}.items():
+        assert_rate(masks, keep, f"{name} keep rate")
+        assert_rate(masks[1:] * masks[:-1], keep**2, f"{name}: kept in two consecutive epochs")
+    for i in range(8):
+        for j in range(i + 1, 8):
+            assert_rate(attention1[..., i] * attention1[..., j], keep**2, f"heads {i} and {j} both kept")
+    assert_rate(attention1[..., 0] * attention2[..., 0], keep**2, "an edge kept in both layers")
+    assert_rate(features * hidden, keep**2, "a vertex entry kept at both vertex sites")
+    counts = torch.bincount(attention1.sum(-1).long().flatten(), minlength=9).double()
+    expected = counts.sum() * torch.tensor([binom.pmf(k, 8, keep) for k in range(9)], dtype=torch.float64)
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 37.0, f"kept heads per edge vs Binomial(8, 0.4): chi2 {chi2:.1f} (8 dof; p < 1e-5 above 37)"

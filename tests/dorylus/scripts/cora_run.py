@@ -3,10 +3,11 @@
 Each seed runs exactly what ``python -m recipes.train experiment=dorylus_<model>_cora seed=<k>`` runs
 (:func:`recipes.train.run`: the recipe's model, ``NormalizeFeatures``, METIS partitions, 200 epochs,
 ``ModelCheckpoint(monitor="val_acc")`` and ``trainer.test(ckpt_path="best")``), with the overrides below:
-the inline executor (the tensor ops' results equal the local pool's: ``tests/dorylus/test_strategy.py``)
-and no progress bar. Models and seeds run one after another in the same processes (both graph servers
-started together by the test, ``tests.process.run_ranks``, or by Lightning's popen launcher with the first
-Trainer when run alone; the process group is reused, the imports are paid once).
+the inline executor (the tensor ops' results equal the local pool's: ``tests/dorylus/test_strategy.py``;
+not with ``strategy=auto`` among the overrides: one process, no executor option) and no progress bar.
+Models and seeds run one after another in the same processes (both graph servers started together by the
+test, ``tests.process.run_ranks``, or by Lightning's popen launcher with the first Trainer when run alone;
+the process group is reused, the imports are paid once).
 Rank 0 writes ``cora.json``: per model its runs and mean (``{"models": {"gcn": {...}, ...}}``; with one
 model, that model's summary at the top level too).
 
@@ -52,7 +53,7 @@ def main() -> None:
                 [
                     f"seed={seed}",
                     f"trainer.max_epochs={args.epochs}",
-                    "strategy.executor=inline",
+                    *([] if "strategy=auto" in args.overrides else ["strategy.executor=inline"]),
                     f"paths.cache={args.out / 'cache'}",
                     "++trainer.enable_progress_bar=false",
                     "++trainer.enable_model_summary=false",
