@@ -48,27 +48,13 @@ from pathlib import Path
 from typing import Any
 
 try:  # imported by the tests, the checkout on sys.path
+    from benchmarks import _harness
     from benchmarks import _memory_bound as memory_bound
-    from benchmarks._harness import (
-        cpu_seconds,
-        descendants,
-        free_port,
-        kill_groups,
-        peak_memory_mib,
-        rank_env,
-        watch,
-    )
+    from benchmarks._harness import free_port, kill_groups, peak_memory_mib, rank_env, watch
 except ImportError:  # run as a script: its own directory is first on sys.path
+    import _harness  # type: ignore[no-redef]
     import _memory_bound as memory_bound  # type: ignore[no-redef]
-    from _harness import (  # type: ignore[no-redef]
-        cpu_seconds,
-        descendants,
-        free_port,
-        kill_groups,
-        peak_memory_mib,
-        rank_env,
-        watch,
-    )
+    from _harness import free_port, kill_groups, peak_memory_mib, rank_env, watch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LR, WEIGHT_DECAY = 0.01, 5e-4  # Adam, the same on both sides (the GCN recipe's values)
@@ -346,7 +332,8 @@ def run_dorylus_server(args: argparse.Namespace) -> dict[str, Any]:
 
         def _cpu_now(self) -> tuple[float, float]:
             """CPU seconds so far of this server process (all its threads) and of its executor workers."""
-            return time.process_time(), sum(cpu_seconds(pid) for pid in descendants(os.getpid()))
+            workers = _harness.descendants(os.getpid())
+            return time.process_time(), sum(_harness.cpu_seconds(pid) for pid in workers)
 
         @override
         def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
