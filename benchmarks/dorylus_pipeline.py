@@ -417,8 +417,7 @@ def time_to_loss(losses: dict[str, list[float]], epochs: dict[str, float]) -> di
     including that one times its median epoch (the warm-up's wall time holds one-off set-up, not training).
     A mode that never reaches it takes ``inf``. "Reaches" allows :data:`LOSS_TOLERANCE` (relative): staleness
     0 computes the synchronous values with sums in another order, so its float32 loss may differ in the last
-    bits. ``speedup`` = the synchronous time / the faster pipelined
-    mode's (``0`` if neither reaches it).
+    bits. ``speedup`` = the synchronous time / the faster pipelined mode's (``0`` if neither reaches it).
     """
     target = losses["sync/own"][-1]
     limit = target + LOSS_TOLERANCE * abs(target)
