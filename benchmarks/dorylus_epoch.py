@@ -48,8 +48,12 @@ from pathlib import Path
 from typing import Any
 
 try:  # imported by the tests, the checkout on sys.path
+    from benchmarks import _harness
+    from benchmarks import _memory_bound as memory_bound
     from benchmarks._harness import free_port, kill_groups, peak_memory_mib, rank_env, watch
 except ImportError:  # run as a script: its own directory is first on sys.path
+    import _harness  # type: ignore[no-redef]
+    import _memory_bound as memory_bound  # type: ignore[no-redef]
     from _harness import free_port, kill_groups, peak_memory_mib, rank_env, watch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +111,8 @@ def initial_weights(args: argparse.Namespace) -> dict[str, Any]:
 def run_prepare(args: argparse.Namespace) -> dict[str, Any]:
     """Generate the graph, PyG's CSR adjacency, the initial weights and the Dorylus partitions (not timed).
 
-    Returns the graph's size and the partition directory the graph servers then read (each only its part).
+    Returns the graph's size, the partition directory the graph servers then read (each only its part) and
+    this machine's stream bandwidth (one thread's large copy: the memory-traffic bound's rate).
     """
     import torch
     from safetensors.torch import save_file
@@ -148,8 +153,10 @@ def run_prepare(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
     )
     datamodule.prepare_data()
+    # measured here, alone (the measured processes start after this one ends): the memory-traffic bound's rate
     return {"nodes": int(data.num_nodes), "edges": int(data.num_edges),
-            "partition_dir": str(datamodule.resolved_partition_dir())}
+            "partition_dir": str(datamodule.resolved_partition_dir()),
+            "stream_bytes_per_s": memory_bound.stream_bandwidth()}
 
 
 # --------------------------------------------------------------------------- turns (interleaving)
@@ -320,12 +327,20 @@ def run_dorylus_server(args: argparse.Namespace) -> dict[str, Any]:
             self.turns = Turns(args.turn_dir, "dorylus", rank=rank, timeout=args.timeout)
             self._start = 0.0
             self._untimed = 0.0
+            self.cpu: list[tuple[float, float]] = []  # per epoch: CPU s of this server, of its workers
+            self._cpu = (0.0, 0.0)
+
+        def _cpu_now(self) -> tuple[float, float]:
+            """CPU seconds so far of this server process (all its threads) and of its executor workers."""
+            workers = _harness.descendants(os.getpid())
+            return time.process_time(), sum(_harness.cpu_seconds(pid) for pid in workers)
 
         @override
         def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self.turns.wait(trainer.current_epoch)
             executor.start_epoch(trainer.current_epoch)
             self._untimed = 0.0
+            self._cpu = self._cpu_now()
             self._start = time.perf_counter()
 
         @override
@@ -347,6 +362,8 @@ def run_dorylus_server(args: argparse.Namespace) -> dict[str, Any]:
         @override
         def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self.times.append(time.perf_counter() - self._start - self._untimed)
+            now = self._cpu_now()
+            self.cpu.append((now[0] - self._cpu[0], now[1] - self._cpu[1]))
             executor.end_epoch(self.times[-1])
             loss = trainer.callback_metrics.get("train_loss")
             self.losses.append(float(loss) if loss is not None else float("nan"))
@@ -366,13 +383,18 @@ def run_dorylus_server(args: argparse.Namespace) -> dict[str, Any]:
     model = GCN(args.features, args.hidden, args.classes, num_layers=2, dropout=args.dropout, lr=LR,
                 weight_decay=WEIGHT_DECAY)
     model.load_state_dict(load_file(str(init_weights_file(args))))
+    datamodule = DorylusDataModule(args.partition_dir)
     try:
         # The partition directory, not the graph: each server reads only its own partition from disk.
-        trainer.fit(model, datamodule=DorylusDataModule(args.partition_dir))
+        trainer.fit(model, datamodule=datamodule)
     finally:
         executor.close()
+    cpu = timer.cpu[args.warmup:]
     return {"rank": trainer.global_rank, "epoch_times": timer.times[args.warmup:], "losses": timer.losses,
-            "initial_loss": timer.initial_loss, "op_epochs": executor.epochs[args.warmup:], **timer.memory}
+            "initial_loss": timer.initial_loss, "op_epochs": executor.epochs[args.warmup:], **timer.memory,
+            "cpu_s": statistics.mean(c[0] for c in cpu), "worker_cpu_s": statistics.mean(c[1] for c in cpu),
+            "bytes": memory_bound.partition_bytes(datamodule.partition, args.features, args.hidden,
+                                                  args.classes)}
 
 
 # --------------------------------------------------------------------------- launching workers
@@ -510,6 +532,9 @@ def report(graph: dict[str, Any], pyg: dict[str, Any], servers: list[dict[str, A
     label = "(b) Dorylus job (slowest server)"
     print(f"{label:<36}{s['dorylus_epoch']:>9.3f}{s['mem_per_server_mib']:>10.0f}{'':>8}{'':>14}  "
           f"(max per server; all servers: {s['mem_total_mib']:.0f} MiB)")
+    if "stream_bytes_per_s" in graph and all("bytes" in server for server in servers):
+        for line in memory_bound.describe(servers, graph["stream_bytes_per_s"]):
+            print(f"(b) {line}")
     print(f"vs_pyg={s['vs_pyg']:.2f} mem_per_server_vs_pyg={s['mem_per_server_vs_pyg']:.2f} "
           f"mem_total_vs_pyg={s['mem_total_vs_pyg']:.2f}")
     return s
@@ -541,7 +566,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads-per-server", type=int, default=0,
                         help="torch threads per graph server (default: cores // servers)")
     parser.add_argument("--pyg-threads", type=_thread_list, default=None,
-                        help="PyG thread counts to sweep, comma-separated (default: 1 and min(cores, 2))")
+                        help="PyG thread counts to sweep, comma-separated (default: the powers of two up "
+                             "to the cores this process may use, and that count)")
     parser.add_argument("--pyg-transpose", choices=["cached", "per-call"], default="cached",
                         help="cached: the backward's transposed adjacency is built once (default); per-call: "
                              "torch.sparse.mm's own backward, which rebuilds it every epoch")
@@ -571,8 +597,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cores = os.cpu_count() or 1
     if args.threads_per_server == 0:
         args.threads_per_server = max(1, cores // args.servers)
-    if args.pyg_threads is None:
-        args.pyg_threads = sorted({1, min(cores, 2)})
+    if args.pyg_threads is None:  # PyG at its best: every power of two up to the cores it may use, and those
+        usable = len(os.sched_getaffinity(0))
+        args.pyg_threads = sorted({2**k for k in range(usable.bit_length()) if 2**k <= usable} | {usable})
     return args
 
 

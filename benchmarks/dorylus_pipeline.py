@@ -32,15 +32,20 @@ configuration ``r mod 5``), and takes each configuration's median over rounds: o
 drifts within the minutes one configuration takes, and one round compares configurations that ran under
 different loads.
 
-``--profile`` also prints, per configuration and server (last measured epoch), the seconds the server was
-blocked in ``executor.wait``, the CPU seconds of the server and its executor workers, and every wait stage
-(op, requests, first submit to last result): where an epoch waits; then the CPU seconds per epoch on the
-server cores and on the worker cores (synchronous and staleness 1, own cores) and the bound the busier set
-puts on ``async_speedup``: a staleness-1 epoch cannot be shorter than its busiest cores' work, whatever it
+``--profile`` also prints, per configuration and server, the CPU seconds per thread kind and (last measured
+epoch) the seconds the server was blocked in ``executor.wait`` and every wait stage (op, requests, first
+submit to last result): where an epoch waits. Every run prints the CPU seconds per epoch on the server cores
+and on the worker cores (synchronous and staleness 1, own cores) and the bound the busier set puts on
+``async_speedup``: a staleness-1 epoch cannot be shorter than its busiest cores' work, whatever it
 overlaps. Every configuration also prints its peak memory per graph server (the server + its workers).
 
+Every server records its CPU seconds per epoch (its threads and its executor workers', from ``/proc``), so
+every run prints the own-cores bound; and the wall time each own-cores mode needs to reach the synchronous
+run's final loss (epochs needed x its median epoch; ``inf`` if it never does within the run).
+
 The last line printed is ``async_speedup=<sync / staleness=1, own cores> s0_speedup=<sync / staleness=0,
-own cores> shared_cores_async_speedup=<sync / staleness=1, shared cores>``.
+own cores> shared_cores_async_speedup=<sync / staleness=1, shared cores> bound=<the own-cores bound on
+async_speedup> time_to_loss_speedup=<sync's time to its final loss / the faster pipelined mode's>``.
 """
 
 # Only the standard library at module level: the parent process only launches workers and prints.
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -76,6 +82,8 @@ MODES = {"sync": None, "s0": 0, "s1": 1}
 #: The configurations one round runs (mode/cores): the three modes with the executor workers on cores of
 #: their own (the default: tensor work elsewhere, as on Lambdas), and sync / staleness 1 on shared cores.
 CONFIGS = ("sync/own", "s0/own", "s1/own", "sync/shared", "s1/shared")
+#: How close (relative) a mode's loss must come to the synchronous final loss to count as reaching it.
+LOSS_TOLERANCE = 1e-4
 
 
 def make_delayed_executor(inner: Any, latency_s: float, max_in_flight: int = 256) -> Any:
@@ -165,6 +173,7 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
             self.times: list[float] = []
             self.losses: list[float] = []
             self.profiler, self.profile, self.pool = profiler, [], pool
+            self.cpu: list[dict[str, Any]] = []  # per epoch: CPU s of server + workers, and per thread kind
             self._cpu = 0.0
             self._start = 0.0
 
@@ -172,9 +181,8 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
             if self.profiler is not None:
                 self.profiler.start_epoch(trainer.current_epoch)
             self._start = time.perf_counter()
-            if self.profiler is not None:
-                self._cpu = self._cpu_seconds()
-                self._threads = self._thread_cpu()
+            self._cpu = self._cpu_seconds()  # always: the own-cores bound of the summary line needs it
+            self._threads = self._thread_cpu()
 
         def _thread_cpu(self) -> dict[str, float]:
             """CPU seconds so far per thread kind of this server (name without its number) and its workers."""
@@ -206,11 +214,12 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
 
         def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self.times.append(time.perf_counter() - self._start)
+            cpu = self._cpu_seconds() - self._cpu
+            threads = {k: v - self._threads.get(k, 0.0) for k, v in self._thread_cpu().items()}
+            self.cpu.append({"cpu_s": cpu, "threads": threads})
             if self.profiler is not None:
                 row = self.profiler.end_epoch(self.times[-1])
                 stages = [(s["op"], s["requests"], round(s["wall_s"], 4)) for s in row["stages"]]
-                cpu = self._cpu_seconds() - self._cpu
-                threads = {k: v - self._threads.get(k, 0.0) for k, v in self._thread_cpu().items()}
                 self.profile.append({"epoch_s": row["epoch_s"], "blocked_s": row["blocked_s"], "cpu_s": cpu,
                                      "stages": stages, "threads": threads})
             self.losses.append(float(trainer.callback_metrics.get("train_loss", float("nan"))))
@@ -265,7 +274,8 @@ def run_server(args: argparse.Namespace) -> dict[str, Any]:
         executor.close()
     return {"rank": trainer.global_rank, "peak_total_mib": memory["peak_total_mib"],
             "epoch_times": timer.times[args.warmup :], "losses": timer.losses,
-            "profile": timer.profile[args.warmup :], "affinity": sorted(os.sched_getaffinity(0)),
+            "profile": timer.profile[args.warmup :], "cpu": timer.cpu[args.warmup :],
+            "affinity": sorted(os.sched_getaffinity(0)),
             "worker_affinity": worker_affinity}
 
 
@@ -362,7 +372,7 @@ def report(
     if args.profile:
         for mode, servers in results.items():  # mode: the configuration, mode/cores
             for server in servers:
-                epochs_run = server["profile"]
+                epochs_run = server["cpu"]
                 kinds = sorted({k for e in epochs_run for k in e["threads"]})
                 mean = {k: sum(e["threads"].get(k, 0.0) for e in epochs_run) / len(epochs_run) for k in kinds}
                 print(f"threads {mode} rank {server['rank']} (CPU s per epoch, mean of {len(epochs_run)}): "
@@ -374,26 +384,59 @@ def report(
                       f"{last['cpu_s']:.3f} s; stages (op, requests, first submit to last result s):")
                 for stage in last["stages"]:
                     print(f"    {stage}")
+    bound = float("nan")
+    if all(server.get("cpu") for server in results["s1/own"]):
         s1_servers, s1_workers = core_seconds(results["s1/own"])
         floor = max(s1_servers / len(args.server_cores), s1_workers / len(args.worker_cores))
         for config in ("sync/own", "s1/own"):
             on_servers, on_workers = core_seconds(results[config])
             print(f"cores {config}: CPU s per epoch, graph servers {on_servers:.3f} on {args.server_cores}, "
                   f"executor workers {on_workers:.3f} on {args.worker_cores} (epoch {epochs[config]:.3f} s)")
+        bound = epochs["sync/own"] / floor
         print(f"own-cores bound: a staleness-1 epoch needs at least {floor:.3f} s (its busiest core set), so "
-              f"async_speedup <= {epochs['sync/own'] / floor:.2f} whatever it overlaps")
+              f"async_speedup <= {bound:.2f} whatever it overlaps")
+    ttl = time_to_loss({config: results[config][0]["losses"] for config in ("sync/own", "s0/own", "s1/own")},
+                       epochs)
+    print(f"time to the synchronous run's final loss {ttl['target']:.3f} (epochs needed x median s/epoch, "
+          "own cores): " + "  ".join(
+              f"{config} {t:.3f} s ({n} epochs)" if math.isfinite(t) else
+              f"{config} inf (never reached: {results[config][0]['losses'][-1]:.3f} after {n} epochs)"
+              for config, (t, n) in ttl["modes"].items()))
     print(f"async_speedup={epochs['sync/own'] / epochs['s1/own']:.2f} "
           f"s0_speedup={epochs['sync/own'] / epochs['s0/own']:.2f} "
-          f"shared_cores_async_speedup={epochs['sync/shared'] / epochs['s1/shared']:.2f}")
+          f"shared_cores_async_speedup={epochs['sync/shared'] / epochs['s1/shared']:.2f} "
+          f"bound={bound:.2f} time_to_loss_speedup={ttl['speedup']:.2f}")
+
+
+def time_to_loss(losses: dict[str, list[float]], epochs: dict[str, float]) -> dict[str, Any]:
+    """Wall time each own-cores mode needs to reach the synchronous run's final loss, and the speedup.
+
+    ``losses``: per configuration the training loss of every epoch (warm-up included: the loss a step
+    reaches does not depend on how long its epoch took); ``epochs``: the median seconds per epoch. A mode
+    reaches the target at the first epoch whose loss is ``<=`` it; its time is the epochs up to and
+    including that one times its median epoch (the warm-up's wall time holds one-off set-up, not training).
+    A mode that never reaches it takes ``inf``. "Reaches" allows :data:`LOSS_TOLERANCE` (relative): staleness
+    0 computes the synchronous values with sums in another order, so its float32 loss may differ in the last
+    bits. ``speedup`` = the synchronous time / the faster pipelined mode's (``0`` if neither reaches it).
+    """
+    target = losses["sync/own"][-1]
+    limit = target + LOSS_TOLERANCE * abs(target)
+    modes: dict[str, tuple[float, int]] = {}
+    for config, trace in losses.items():
+        reached = next((k + 1 for k, loss in enumerate(trace) if loss <= limit), None)
+        modes[config] = (reached * epochs[config], reached) if reached is not None else (math.inf, len(trace))
+    best = min(modes["s0/own"][0], modes["s1/own"][0])
+    speedup = modes["sync/own"][0] / best if math.isfinite(best) else 0.0
+    return {"target": target, "modes": modes, "speedup": speedup}
 
 
 def core_seconds(servers: list[dict[str, Any]]) -> tuple[float, float]:
     """Mean CPU seconds per epoch of all graph servers' own threads (main, dispatchers, gloo, the benchmark's
     latency threads: the server cores with own cores) and of all their executor workers (the worker cores),
-    from ``--profile``'s per-thread figures."""
+    from the per-thread CPU seconds every server records per epoch."""
     on_servers = on_workers = 0.0
     for server in servers:
-        epochs_run = server["profile"]
+        epochs_run = server["cpu"]
         workers = sum(v for e in epochs_run for k, v in e["threads"].items() if k.startswith("worker:"))
         on_workers += workers / len(epochs_run)
         on_servers += (sum(e["cpu_s"] for e in epochs_run) - workers) / len(epochs_run)

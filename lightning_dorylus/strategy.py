@@ -74,7 +74,12 @@ from lightning_dorylus.nn.norm import check_vertex_norms, convert_batchnorm, rev
 from lightning_dorylus.precision import check_precision
 from lightning_dorylus.predict import gather_vertex_rows
 from lightning_dorylus.reduce import all_reduce, check_group
-from lightning_dorylus.threads import limit_server_threads
+from lightning_dorylus.threads import (
+    colocated_worker_threads,
+    limit_server_threads,
+    pipelined_server_threads,
+    server_threads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +114,10 @@ class DorylusStrategy(ParallelStrategy):
             leaves the allocator alone. A C library without ``mallopt`` logs a warning.
         num_threads: BLAS/OpenMP (and torch intra-op) threads of each graph server; ``None``: the
             environment's ``OMP_NUM_THREADS`` if set, else available cores / graph servers on this machine
-            (``lightning_dorylus.threads``). A BLAS library whose own variable (``OPENBLAS_NUM_THREADS``...)
-            the user set keeps that count.
+            (``lightning_dorylus.threads``); with ``staleness`` set, less the threads of the ``local``
+            executor's workers that may run on the server's cores (they compute while it does, and an
+            OpenMP pool with more threads than free cores spins at its barriers). A BLAS library whose own
+            variable (``OPENBLAS_NUM_THREADS``...) the user set keeps that count.
         staleness: ``None`` (default): synchronous, layer by layer; exactly the single-process computation.
             ``0``: the pipeline engine: each layer's GA and AV run per interval so the graph server's GA of
             one interval overlaps the executor's AV of others (forward and backward); values stay exact.
@@ -376,6 +383,13 @@ class DorylusStrategy(ParallelStrategy):
             spec = self._executor_spec
             self._executor = build_executor(spec, **self._executor_options) if isinstance(spec, str) else spec
         self._executor.start()
+        if self._staleness is not None and self._num_threads is None:  # no count given: leave the workers
+            colocated = colocated_worker_threads(self._executor)  # that share this server's cores theirs
+            if colocated:
+                threads = pipelined_server_threads(server_threads(None, self.num_processes), colocated)
+                limit_server_threads(threads, self.num_processes)
+                log.debug("graph server %d: %d threads (pipelined, %d executor worker threads share its "
+                          "cores)", self.global_rank, threads, colocated)
         self._exchange = GhostExchange()
         stale = None
         if self._staleness and self.world_size > 1:

@@ -12,6 +12,7 @@ run time, through ``threadpoolctl`` (every BLAS/OpenMP library loaded in the pro
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from threadpoolctl import threadpool_limits
@@ -42,6 +43,46 @@ def server_threads(num_threads: int | None, local_servers: int) -> int:
             raise ValueError(f"OMP_NUM_THREADS={env!r} in the environment: expected an integer >= 1")
         return int(env)
     return max(1, available_cores() // max(1, local_servers))
+
+
+def colocated_worker_threads(executor: Any, cores: set[int] | None = None) -> int:
+    """BLAS/OpenMP threads of ``executor``'s local worker processes that may run on ``cores`` (default: the
+    cores this process may run on); 0 for executors with no local workers (inline, Lambda).
+
+    ``executor`` or the executor it wraps (``inner``, e.g. a ``TimedExecutor``) names its workers through
+    ``worker_pids`` and their threads through ``threads_per_worker`` (the ``local`` pool). Workers pinned to
+    other cores do not count.
+    """
+    pool = executor
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        if pool is None or hasattr(pool, "worker_pids"):
+            break
+        pool = getattr(pool, "inner", None)
+    if pool is None or not hasattr(pool, "worker_pids"):
+        return 0
+    own = cores if cores is not None else set(os.sched_getaffinity(0))
+    shared = 0
+    for pid in pool.worker_pids:
+        try:
+            if set(os.sched_getaffinity(pid)) & own:
+                shared += int(getattr(pool, "threads_per_worker", 1))
+        except (ProcessLookupError, PermissionError):  # a worker that just died is respawned elsewhere
+            continue
+    return shared
+
+
+def pipelined_server_threads(threads: int, colocated: int) -> int:
+    """A pipelined graph server's thread count: ``threads`` less the ``colocated`` worker threads that share
+    its cores (at least 1).
+
+    Why: the pipeline engine's executor workers compute while the server computes, on the same cores when
+    they share them. An OpenMP pool as large as the server's share of the cores then has more threads than
+    free cores, and its threads wait at every parallel region's barrier for a thread the workers have
+    descheduled, spinning meanwhile: one graph server with 2 threads next to its worker on 2 cores spent 2.8x
+    the CPU seconds of its 1-thread twin on the same work (issue 31). The synchronous engine keeps the full
+    count: its workers are idle while the server computes.
+    """
+    return max(1, threads - colocated)
 
 
 def limit_server_threads(num_threads: int | None, local_servers: int) -> int:

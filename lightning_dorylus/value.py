@@ -21,6 +21,10 @@ assumptions are spelled out in ``docs/dorylus-value.md``):
   Lambda GB-seconds (billed duration = service time, scaled by the Lambda's vCPU share) and requests.
 
 Value is Dorylus's performance per dollar, ``1 / (T * C)`` (``T`` seconds and ``C`` dollars per epoch).
+
+Beside them the report prints the row users weigh Dorylus against first, PyG on one GPU (:class:`GpuServer`:
+measured elsewhere, scaled to the run's edges, priced per GPU-hour), and the crossover: the largest graph
+one GPU's memory holds, and how efficient k GPUs would have to be for Dorylus to be cheaper beyond it.
 """
 
 from __future__ import annotations
@@ -232,6 +236,77 @@ class Deployment:
         return {**asdict(self), "dollars": self.dollars, "value": self.value}
 
 
+@dataclass(frozen=True)
+class GpuServer:
+    """PyG full-graph training on one GPU: the row users weigh Dorylus against (measured elsewhere, not here).
+
+    Defaults: issue 31's measurement of PyG ``GCNConv`` (CSR ``adj_t``, the same graph, model and optimizer as
+    ``benchmarks/dorylus_epoch.py``'s defaults) on one NVIDIA H200 of a 16-core machine: 0.020 s per epoch,
+    peak 4.1 GiB (``edge_index`` instead: 0.067 s, 5.4 GiB). Price: one GPU's share of an 8-GPU AWS
+    on-demand instance, p5.48xlarge (8 x H100 80 GB) at $98.32/h (``docs/dorylus-value.md`` cites the pages).
+
+    Args:
+        name: The row's label.
+        epoch_s: Measured seconds per epoch on ``graph_edges`` edges; other graphs scale it by edges.
+        graph_nodes: Vertices of the measured graph.
+        graph_edges: Directed edges of the measured graph.
+        peak_gib: Measured peak GPU memory on that graph; scaled by edges (at the measured graph's degree).
+        memory_gib: The GPU's memory (80: H100, 141: H200): the largest graph one GPU trains full-graph.
+        per_hour: Dollars per GPU-hour.
+    """
+
+    name: str = "one GPU, PyG (elsewhere)"
+    epoch_s: float = 0.020
+    graph_nodes: int = 1_000_000
+    graph_edges: int = 20_265_688
+    peak_gib: float = 4.1
+    memory_gib: float = 80.0
+    per_hour: float = 98.32 / 8
+
+    def __post_init__(self) -> None:
+        for name in ("epoch_s", "graph_nodes", "graph_edges", "peak_gib", "memory_gib"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if self.per_hour < 0:
+            raise ValueError(f"per_hour={self.per_hour} must be >= 0")
+
+    @property
+    def max_edges(self) -> float:
+        """Edges of the largest graph (at the measured graph's degree) whose peak fits in the GPU's memory."""
+        return self.graph_edges * self.memory_gib / self.peak_gib
+
+    def deployment(self, edges: int) -> Deployment:
+        """One epoch on a graph of ``edges`` edges (time scaled linearly by edges from the measurement)."""
+        epoch = self.epoch_s * edges / self.graph_edges
+        return Deployment(self.name, epoch, self.per_hour / 3600.0 * epoch, 0.0, 0.0, 0.0)
+
+
+def crossover(report: dict[str, Any], gpu: GpuServer) -> dict[str, Any]:
+    """Where one GPU stops being an option, and what Dorylus costs against GPUs per edge and epoch.
+
+    Below ``gpu.max_edges`` one GPU trains the graph; beyond it the GPU option needs ``k`` GPUs. Per edge and
+    epoch both sides cost about the same at any size (each scales linearly: more graph servers, more GPUs),
+    so past one GPU's memory Dorylus (its cheaper deployment of the run) is the cheaper way to train only if
+    ``k`` GPUs reach less than ``break_even_efficiency`` of ``k`` times one GPU's speed (scaled by edges).
+    """
+    edges = report["graph"].get("edges")
+    if not edges:
+        raise ValueError("the run names no graph size ('graph': {'edges': ...}); the crossover needs it")
+    dorylus = min(report["deployments"], key=lambda d: d["dollars"])
+    gpu_row = gpu.deployment(edges)
+    bytes_per_edge = gpu.peak_gib * 2**30 / gpu.graph_edges
+    return {
+        "dorylus": dorylus["name"],
+        "gpu_faster": dorylus["epoch_s"] / gpu_row.epoch_s,
+        "gpu_cheaper": dorylus["dollars"] / gpu_row.dollars,
+        "bytes_per_edge": bytes_per_edge,  # at the measured graph's degree: its vertices' bytes included
+        "bytes_per_vertex": gpu.peak_gib * 2**30 / gpu.graph_nodes,  # the same peak, its edges included
+        "max_edges": gpu.max_edges,
+        "max_nodes": gpu.graph_nodes * gpu.memory_gib / gpu.peak_gib,
+        "break_even_efficiency": gpu_row.dollars / dorylus["dollars"],
+    }
+
+
 def load_run(path: str | Path) -> dict[str, Any]:
     """Read and check a ``dorylus-op-times/1`` file."""
     path = Path(path)
@@ -271,9 +346,10 @@ def _server_means(run: dict[str, Any]) -> list[dict[str, Any]]:
     return servers
 
 
-def price(run: dict[str, Any], prices: Prices = Prices(), lambdas: LambdaModel = LambdaModel()
-          ) -> dict[str, Any]:
-    """Model one epoch of the run as CPU-only servers and as servers + Lambdas; the report's figures."""
+def price(run: dict[str, Any], prices: Prices = Prices(), lambdas: LambdaModel = LambdaModel(),
+          gpu: GpuServer | None = None) -> dict[str, Any]:
+    """Model one epoch of the run as CPU-only servers and as servers + Lambdas; the report's figures. With
+    ``gpu`` (and the run's graph size known) also one GPU's row (``"gpu"``) and the ``"crossover"``."""
     servers = _server_means(run)
     count = len(servers)
     server_per_s = prices.server_per_hour / 3600.0
@@ -295,7 +371,7 @@ def price(run: dict[str, Any], prices: Prices = Prices(), lambdas: LambdaModel =
     lambda_dollars = gb_s * prices.lambda_per_gb_s + requests * prices.lambda_per_million_requests / 1e6
     with_lambdas = Deployment("graph servers + Lambdas", lambda_epoch, count * server_per_s * lambda_epoch,
                               lambda_dollars, requests, gb_s)
-    return {
+    report = {
         "graph": run.get("graph", {}), "model": run.get("model", {}), "servers": count,
         "measured": [{k: v for k, v in s.items() if k != "stages"} | {"stages": len(s["stages"])}
                      for s in servers],
@@ -304,6 +380,10 @@ def price(run: dict[str, Any], prices: Prices = Prices(), lambdas: LambdaModel =
         "speedup": cpu.epoch_s / with_lambdas.epoch_s,
         "value_ratio": with_lambdas.value / cpu.value,
     }
+    if gpu is not None and report["graph"].get("edges"):
+        report["gpu"] = {**gpu.deployment(report["graph"]["edges"]).row(), "model": asdict(gpu)}
+        report["crossover"] = crossover(report, gpu)
+    return report
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -322,10 +402,22 @@ def format_report(report: dict[str, Any]) -> str:
         f"{'deployment':<26}{'s/epoch':>9}{'$/epoch':>12}{'servers $':>12}{'Lambda $':>12}"
         f"{'requests':>10}{'GB-s':>9}{'value 1/(T*C)':>15}",
     ]
-    for d in report["deployments"]:
+    for d in [*report["deployments"], *([report["gpu"]] if "gpu" in report else [])]:
         lines.append(f"{d['name']:<26}{d['epoch_s']:>9.3f}{d['dollars']:>12.3e}{d['server_dollars']:>12.3e}"
                      f"{d['lambda_dollars']:>12.3e}{d['lambda_requests']:>10.0f}{d['lambda_gb_s']:>9.3f}"
                      f"{d['value']:>15.4g}")
+    if "crossover" in report:
+        c, g = report["crossover"], report["gpu"]["model"]
+        lines += [
+            f"GPU row: {g['epoch_s']} s/epoch on {g['graph_edges']:,} edges, peak {g['peak_gib']} GiB, "
+            f"${g['per_hour']:.2f}/GPU-h, scaled by edges (measured elsewhere; docs/dorylus-value.md)",
+            f"on this graph one GPU is {c['gpu_faster']:.0f}x faster per epoch and {c['gpu_cheaper']:.1f}x "
+            f"cheaper than the {c['dorylus']}",
+            f"crossover: one {g['memory_gib']:g} GiB GPU holds up to {c['max_edges'] / 1e6:,.0f}M edges / "
+            f"{c['max_nodes'] / 1e6:,.1f}M vertices ({c['bytes_per_edge']:.0f} B per edge at the measured "
+            f"degree); beyond it Dorylus is cheaper only if k GPUs reach < {c['break_even_efficiency']:.0%} "
+            "of k x one GPU's speed",
+        ]
     lines.append(f"value_ratio={report['value_ratio']:.2f} speedup={report['speedup']:.2f}")
     return "\n".join(lines)
 
@@ -377,6 +469,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="Lambdas per graph server at once (0: one per request of a stage)")
     parser.add_argument("--overlap", type=float, default=0.0,
                         help="0: synchronous (tensor ops are barriers); 1: fully hidden behind graph work")
+    parser.add_argument("--gpu-epoch-s", type=float, default=GpuServer.epoch_s,
+                        help="PyG's seconds per epoch on one GPU for --gpu-graph-edges (default: an H200's)")
+    parser.add_argument("--gpu-graph-edges", type=int, default=GpuServer.graph_edges)
+    parser.add_argument("--gpu-graph-nodes", type=int, default=GpuServer.graph_nodes)
+    parser.add_argument("--gpu-peak-gib", type=float, default=GpuServer.peak_gib,
+                        help="PyG's peak GPU memory on that graph (GiB)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=GpuServer.memory_gib,
+                        help="the GPU's memory (80: H100, 141: H200)")
+    parser.add_argument("--gpu-per-hour", type=float, default=GpuServer.per_hour,
+                        help="dollars per GPU-hour (default: p5.48xlarge on demand / 8)")
     parser.add_argument("--plot", default="", help="save a plot here (PNG)")
     parser.add_argument("--json", default="", help="write the report's figures here")
     args = parser.parse_args(argv)
@@ -387,10 +489,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         lambdas = LambdaModel(args.lambda_memory_mb, args.lambda_latency_ms / 1000, args.lambda_concurrency,
                               args.overlap)
+        gpu = GpuServer(epoch_s=args.gpu_epoch_s, graph_nodes=args.gpu_graph_nodes,
+                        graph_edges=args.gpu_graph_edges, peak_gib=args.gpu_peak_gib,
+                        memory_gib=args.gpu_memory_gib, per_hour=args.gpu_per_hour)
         run = load_run(args.op_times)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
-    report = price(run, prices, lambdas)
+    report = price(run, prices, lambdas, gpu)
     if args.plot:
         plot(run, prices, lambdas, args.plot)
         print(f"plot: {args.plot}")

@@ -202,10 +202,21 @@ def _times_keep(flat: Tensor, keeps: Keeps, p: float, out: Tensor | None = None)
     elif out.shape != flat.shape or out.dtype != flat.dtype:
         raise ValueError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; expected "
                          f"{tuple(flat.shape)} and {flat.dtype}")
-    mask = torch.empty((min(_rows_per_chunk(width), n), width), dtype=flat.dtype)
-    for a, b, keep in keeps:
-        _mask_into(mask[: b - a], keep)
-        torch.mul(flat[a:b], _scale_(mask[: b - a], p), out=out[a:b])
+    try:  # numpy multiplies by the bool chunk directly: no 0/1 mask filled and scaled per chunk
+        flat_np, out_np = flat.numpy(), out.numpy()
+    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16): the mask, chunk by chunk
+        mask = torch.empty((min(_rows_per_chunk(width), n), width), dtype=flat.dtype)
+        for a, b, keep in keeps:
+            _mask_into(mask[: b - a], keep)
+            torch.mul(flat[a:b], _scale_(mask[: b - a], p), out=out[a:b])
+        return out
+    # the value a kept entry's mask has (1 / (1 - p) rounded in flat's dtype, as the mask's division
+    # makes it); x * keep * scale equals x * mask bit for bit: x * 1 is exact, x * 0 keeps x's sign and NaN
+    scale = _scale_(torch.ones((), dtype=flat.dtype), p).numpy()
+    with np.errstate(all="ignore"):  # inf * 0 is NaN, as torch makes it, without numpy's warning
+        for a, b, keep in keeps:
+            np.multiply(flat_np[a:b], keep, out=out_np[a:b])
+            np.multiply(out_np[a:b], scale, out=out_np[a:b])
     return out
 
 

@@ -52,16 +52,44 @@ def test_report_uses_the_slowest_server_per_epoch_and_the_best_pyg_threads(
            "losses": [2.0, 1.0], "initial_loss": 2.5}
     server = {"peak_self_mib": 300.0, "peak_workers_mib": 100.0, "num_workers": 2, "losses": [2.0, 1.5],
               "initial_loss": 2.5}
+    traffic = {"features": 3 << 30, "csr": 1 << 30, "activations": 0, "gradients": 1 << 29}
     servers = [
-        {**server, "rank": 0, "epoch_times": [2.0, 1.0, 1.0], "peak_total_mib": 400.0},
-        {**server, "rank": 1, "epoch_times": [1.0, 3.0, 5.0], "peak_total_mib": 700.0},
+        {**server, "rank": 0, "epoch_times": [2.0, 1.0, 1.0], "peak_total_mib": 400.0, "cpu_s": 1.25,
+         "worker_cpu_s": 0.5, "bytes": traffic},
+        {**server, "rank": 1, "epoch_times": [1.0, 3.0, 5.0], "peak_total_mib": 700.0, "cpu_s": 1.5,
+         "worker_cpu_s": 0.25, "bytes": traffic},
     ]
-    bench.report({"nodes": 10, "edges": 20}, pyg, servers)
+    bench.report({"nodes": 10, "edges": 20, "stream_bytes_per_s": 9 * 2**30}, pyg, servers)
     lines = capsys.readouterr().out.strip().splitlines()
+    # 4.5 GiB per epoch at 9 GiB/s: 0.5 s
+    assert lines[-3] == ("(b) server 0: CPU 1.250 s/epoch (+ 0.500 in its executor workers); must move "
+                         "4,608 MiB/epoch (features 3,072, csr 1,024, activations 0, gradients 512) = "
+                         "memory-traffic bound 0.500 s at 9.7 GB/s")
+    assert lines[-2].startswith("(b) server 1: CPU 1.500 s/epoch (+ 0.250 in its executor workers)")
     # per-epoch max over servers: [2, 3, 5] -> median 3; PyG's best (1 thread) median 2; worst server 700 MiB
     # of 1000, both servers 1100 MiB.
     assert lines[-1] == "vs_pyg=1.50 mem_per_server_vs_pyg=0.70 mem_total_vs_pyg=1.10"
     assert [line.endswith("best") for line in lines if line.startswith("(a)")] == [True, False]
+
+
+def test_pyg_threads_default_to_powers_of_two_up_to_the_usable_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = load_benchmark()
+    for cores, expected in ((1, [1]), (2, [1, 2]), (6, [1, 2, 4, 6]), (16, [1, 2, 4, 8, 16])):
+        monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert bench.parse_args([]).pyg_threads == expected, cores
+    assert bench.parse_args(["--pyg-threads", "3"]).pyg_threads == [3]
+
+
+def test_epoch_bytes_count_each_array_once_per_use() -> None:
+    """The memory-traffic model by hand: 10 local + 4 ghost vertices, 30 adjacency entries, 8 -> 2 -> 3."""
+    bench = load_benchmark()
+    traffic = bench.memory_bound.gcn_epoch_bytes(10, 4, 30, features=8, hidden=2, classes=3)
+    assert traffic["features"] == 4 * 10 * 8 * 4  # X read and its rows written, forward and ∇W
+    assert traffic["csr"] == 2 * (11 * 4 + 30 * 8) + 2 * (15 * 4 + 30 * 8)  # Â twice, Âᵀ twice
+    # per layer: SC writes and GA reads 14 rows, GA writes 10, the AV's rows in and out over the wire
+    layer1 = 4 * (14 * 2 + 14 * 2 + 10 * 2 + 10 * (0 + 2))
+    layer2 = 4 * (14 * 2 + 14 * 2 + 10 * 2 + 10 * (2 + 3))
+    assert traffic["activations"] == traffic["gradients"] == layer1 + layer2
 
 
 def test_turns_alternate_pyg_thread_counts_and_the_dorylus_job() -> None:
@@ -107,6 +135,9 @@ def test_benchmark_ci_size(tmp_path: Path) -> None:
         initial.add(row[6])
         trained.add(row[7])
     assert len(initial) == 1 and len(trained) == 1, output
+    traffic = [line for line in lines if line.startswith("(b) server ")]
+    assert [line.split(":")[0] for line in traffic] == ["(b) server 0", "(b) server 1"], output
+    assert all("memory-traffic bound" in line and " GB/s" in line for line in traffic), output
     run = json.loads(op_times.read_text())
     assert run["format"] == "dorylus-op-times/1"
     assert sorted({e["rank"] for e in run["epochs"]}) == [0, 1] and len(run["epochs"]) == 4

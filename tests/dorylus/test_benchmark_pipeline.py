@@ -17,7 +17,8 @@ from tests.process import REPO as REPO_ROOT
 from tests.process import run_process
 
 SCRIPT = REPO_ROOT / "benchmarks" / "dorylus_pipeline.py"
-SUMMARY = re.compile(r"^async_speedup=\d+\.\d\d s0_speedup=\d+\.\d\d shared_cores_async_speedup=\d+\.\d\d$")
+SUMMARY = re.compile(r"^async_speedup=\d+\.\d\d s0_speedup=\d+\.\d\d shared_cores_async_speedup=\d+\.\d\d "
+                     r"bound=\d+\.\d\d time_to_loss_speedup=\d+\.\d\d$")
 
 
 def load_benchmark():
@@ -43,25 +44,49 @@ def test_delayed_executor_adds_the_round_trip_to_every_request_concurrently() ->
 
 
 def test_report_prints_sync_over_stale_ratios_last(capsys: pytest.CaptureFixture[str]) -> None:
+    """The summary line: the three ratios, the own-cores bound from the servers' CPU seconds, and the time to
+    the synchronous final loss (staleness 1 never reaches it here: inf, and the line says so)."""
     bench = load_benchmark()
-    args = bench.parse_args([])
+    args = bench.parse_args(["--server-cores", "0", "--worker-cores", "1"])
+    # per server and epoch: 1.0 CPU-s in its own threads, 0.5 in its executor worker's
+    cpu = {"cpu_s": 1.5, "threads": {"MainThread": 1.0, "worker:python": 0.5}}
 
-    def servers(times_a: list[float], times_b: list[float]) -> list[dict]:
+    def servers(times_a: list[float], times_b: list[float], losses: tuple = (2.0, 1.0)) -> list[dict]:
         return [
-            {"rank": 0, "epoch_times": times_a, "losses": [2.0, 1.0]},
-            {"rank": 1, "epoch_times": times_b, "losses": [2.0, 1.0]},
+            {"rank": 0, "epoch_times": times_a, "losses": list(losses), "cpu": [cpu] * len(times_a)},
+            {"rank": 1, "epoch_times": times_b, "losses": list(losses), "cpu": [cpu] * len(times_b)},
         ]
 
     results = {
         "sync/own": servers([3.0, 1.0, 3.0], [1.0, 3.0, 1.0]),  # slowest per epoch: 3, 3, 3
         "s0/own": servers([2.0], [1.0]),
-        "s1/own": servers([1.5], [1.0]),
+        "s1/own": servers([1.5], [1.0], losses=(2.0, 1.5)),
         "sync/shared": servers([2.0], [1.0]),
         "s1/shared": servers([2.5], [1.0]),
     }
     bench.report({"nodes": 10, "edges": 20}, results, args)
-    assert capsys.readouterr().out.strip().splitlines()[-1] == (
-        "async_speedup=2.00 s0_speedup=1.50 shared_cores_async_speedup=0.80")
+    lines = capsys.readouterr().out.strip().splitlines()
+    # bound: staleness 1's busiest core set is the servers' core, 2 x 1.0 CPU-s: 3.0 / 2.0; time to loss 1.0:
+    # sync 2 epochs x 3.0 s, staleness 0 2 x 2.0 s, staleness 1 never
+    assert lines[-1] == ("async_speedup=2.00 s0_speedup=1.50 shared_cores_async_speedup=0.80 bound=1.50 "
+                         "time_to_loss_speedup=1.50")
+    assert lines[-2] == ("time to the synchronous run's final loss 1.000 (epochs needed x median s/epoch, "
+                         "own cores): sync/own 6.000 s (2 epochs)  s0/own 4.000 s (2 epochs)  s1/own inf "
+                         "(never reached: 1.500 after 2 epochs)")
+
+
+def test_time_to_loss_takes_the_faster_pipelined_mode_and_tolerates_rounding() -> None:
+    bench = load_benchmark()
+    epochs = {"sync/own": 2.0, "s0/own": 1.5, "s1/own": 1.0}
+    # staleness 0 ends 1e-6 above the synchronous loss (sums in another order): it reaches it; staleness 1
+    # reaches it one epoch later than sync, but its epochs are half as long
+    losses = {"sync/own": [3.0, 2.0, 1.0], "s0/own": [3.0, 2.0, 1.000001], "s1/own": [3.0, 2.5, 1.5, 0.9]}
+    ttl = bench.time_to_loss(losses, epochs)
+    assert ttl["modes"] == {"sync/own": (6.0, 3), "s0/own": (4.5, 3), "s1/own": (4.0, 4)}
+    assert ttl["speedup"] == pytest.approx(1.5)
+    never = bench.time_to_loss({**losses, "s0/own": [3.0, 2.0, 1.1], "s1/own": [3.0, 2.0, 1.2]}, epochs)
+    assert never["modes"]["s0/own"][0] == never["modes"]["s1/own"][0] == float("inf")
+    assert never["speedup"] == 0.0
 
 
 def test_rounds_rotate_the_order_and_report_the_median_per_configuration(
@@ -74,15 +99,17 @@ def test_rounds_rotate_the_order_and_report_the_median_per_configuration(
     args = bench.parse_args(["--rounds", "3"])
 
     def one(*times: float) -> dict:
-        return {config: [{"rank": 0, "epoch_times": [t], "losses": [2.0, 1.0]}]
+        return {config: [{"rank": 0, "epoch_times": [t], "losses": [2.0, 1.0], "cpu": []}]
                 for config, t in zip(configs, times)}
 
     # medians: sync/own 4, s0/own 2, s1/own 1.5, sync/shared 3, s1/shared 2
     rounds = [one(3.0, 2.0, 1.0, 3.0, 1.0), one(9.0, 1.0, 1.5, 2.0, 2.0), one(4.0, 4.0, 2.0, 6.0, 3.0)]
     bench.report({"nodes": 10, "edges": 20}, rounds[0], args, rounds)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-1] == "async_speedup=2.67 s0_speedup=2.00 shared_cores_async_speedup=1.50"
-    assert lines[-2] == ("round 2 (s/epoch, in the order run): s1/own 2.000  sync/shared 6.000  "
+    # no CPU seconds recorded: no bound (nan); the losses are the first round's, the epochs the medians
+    assert lines[-1] == ("async_speedup=2.67 s0_speedup=2.00 shared_cores_async_speedup=1.50 bound=nan "
+                         "time_to_loss_speedup=2.67")
+    assert lines[-3] == ("round 2 (s/epoch, in the order run): s1/own 2.000  sync/shared 6.000  "
                          "s1/shared 3.000  sync/own 4.000  s0/own 4.000")
 
 
@@ -125,10 +152,15 @@ def test_benchmark_tiny_size_prints_the_summary_line(tmp_path: Path) -> None:
     ]
     lines = run_process(command, timeout=600, cwd=REPO_ROOT).stdout.strip().splitlines()
     assert SUMMARY.match(lines[-1]), lines[-1]
-    assert [line.split("  ")[0] for line in lines[-6:-1]] == [
+    table = next(i for i, line in enumerate(lines) if line.startswith("configuration"))
+    assert [line.split("  ")[0] for line in lines[table + 1 : table + 6]] == [
         "staleness=None, own cores", "staleness=0, own cores", "staleness=1, own cores",
         "staleness=None, shared cores", "staleness=1, shared cores"]
     cores = sorted(os.sched_getaffinity(0))
     servers, workers = cores[: len(cores) // 2], cores[len(cores) // 2 :]
     pinned = f"own cores: graph servers on {servers}, executor workers on {workers} (as run)"
-    assert pinned in lines[-8], lines
+    assert pinned in lines[table - 1], lines
+    # every run: the own-cores bound from the servers' CPU seconds, and each mode's time to the sync loss
+    assert lines[-3].startswith("own-cores bound: a staleness-1 epoch needs at least"), lines
+    assert lines[-2].startswith("time to the synchronous run's final loss"), lines
+    assert "sync/own " in lines[-2] and "s0/own " in lines[-2] and "s1/own " in lines[-2], lines

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import numpy  # noqa: F401  (loads numpy's OpenBLAS: a BLAS library for threadpoolctl to limit)
@@ -10,7 +11,16 @@ import torch
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from lightning_dorylus import DorylusStrategy
-from lightning_dorylus.threads import BLAS_ENV_VARS, available_cores, limit_server_threads, server_threads
+from lightning_dorylus.executors import InlineExecutor, LocalPoolExecutor
+from lightning_dorylus.threads import (
+    BLAS_ENV_VARS,
+    available_cores,
+    colocated_worker_threads,
+    limit_server_threads,
+    pipelined_server_threads,
+    server_threads,
+)
+from lightning_dorylus.value import TimedExecutor
 
 
 @pytest.fixture
@@ -59,3 +69,18 @@ def test_user_blas_variable_keeps_its_library_alone(clean_env: pytest.MonkeyPatc
 def test_strategy_rejects_a_bad_thread_count(bad: object) -> None:
     with pytest.raises(ValueError, match=r"num_threads=.* must be None \(automatic\) or an integer >= 1"):
         DorylusStrategy(num_threads=bad)  # type: ignore[arg-type]
+
+
+def test_a_pipelined_server_leaves_its_colocated_workers_their_cores() -> None:
+    """The local pool's workers count when they may run on the server's cores (through wrappers too), not
+    when pinned elsewhere; the server keeps at least one thread."""
+    assert pipelined_server_threads(2, 1) == 1 and pipelined_server_threads(8, 2) == 6
+    assert pipelined_server_threads(1, 3) == 1
+    assert colocated_worker_threads(InlineExecutor()) == 0
+    own = sorted(os.sched_getaffinity(0))
+    with LocalPoolExecutor(num_workers=2, threads_per_worker=1) as pool:
+        assert colocated_worker_threads(pool) == 2
+        assert colocated_worker_threads(TimedExecutor(pool)) == 2
+        if len(own) >= 2:  # one worker pinned off the cores asked about: it no longer counts
+            os.sched_setaffinity(pool.worker_pids[0], {own[1]})
+            assert colocated_worker_threads(pool, cores={own[0]}) == 1

@@ -12,6 +12,7 @@ import torch
 from lightning_dorylus.executors import InlineExecutor, TensorOpRequest
 from lightning_dorylus.value import (
     FORMAT,
+    GpuServer,
     LambdaModel,
     Prices,
     TimedExecutor,
@@ -79,6 +80,26 @@ def test_pricing_model_by_hand() -> None:
     assert full["deployments"][1]["epoch_s"] == pytest.approx(max(2.0, tensor))
 
 
+def test_gpu_row_and_crossover_by_hand() -> None:
+    """The GPU row scales the measured epoch by edges; the crossover is the GPU's memory over the measured
+    peak, and the break-even efficiency the GPU's dollars per epoch over Dorylus's cheaper deployment's."""
+    run = _run(graph_s=2.0, stages=[(10, 1.0, 0.2)])  # 20 edges
+    gpu = GpuServer(epoch_s=0.5, graph_nodes=5, graph_edges=40, peak_gib=2.0, memory_gib=80.0, per_hour=36.0)
+    report = price(run, Prices(server_per_hour=3.6), LambdaModel(), gpu)
+    assert report["gpu"]["epoch_s"] == pytest.approx(0.25)  # half the measured graph's edges
+    assert report["gpu"]["dollars"] == pytest.approx(0.25 * 0.01)
+    cheaper = min(report["deployments"], key=lambda d: d["dollars"])
+    c = report["crossover"]
+    assert c["dorylus"] == cheaper["name"]
+    assert c["max_edges"] == pytest.approx(40 * 80 / 2) and c["max_nodes"] == pytest.approx(5 * 80 / 2)
+    assert c["bytes_per_edge"] == pytest.approx(2 * 2**30 / 40)
+    assert c["gpu_faster"] == pytest.approx(cheaper["epoch_s"] / 0.25)
+    assert c["break_even_efficiency"] == pytest.approx(0.0025 / cheaper["dollars"])
+    assert "gpu" not in price(run, Prices(), LambdaModel())  # no GPU asked for: the two rows only
+    with pytest.raises(ValueError, match="memory_gib=0 must be > 0"):
+        GpuServer(memory_gib=0)
+
+
 def test_bad_inputs_name_what_was_expected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match=r"overlap=1.5 must be in \[0, 1\]"):
         LambdaModel(overlap=1.5)
@@ -103,5 +124,7 @@ def test_command_line_prints_the_report_and_saves_the_plot(tmp_path: Path,
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == f"plot: {tmp_path / 'value.png'}"
     assert lines[-1].startswith(f"value_ratio={report['value_ratio']:.2f} speedup=")
+    assert lines[-2].startswith("crossover: one 80 GiB GPU holds up to 395M edges / 19.5M vertices")
+    assert report["gpu"]["model"] == {**GpuServer().__dict__}
     assert (tmp_path / "value.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert math.isclose(json.loads((tmp_path / "r.json").read_text())["speedup"], report["speedup"])
