@@ -9,7 +9,7 @@ would not continue the same trajectory).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ class ClipPlan:
 
 
 def plan_clipping(
-    grads: Iterable[Tensor | None],
+    stage_grads: Sequence[Iterable[Tensor | None]],
     clip_val: float | None,
     algorithm: Any,
     pipeline_group: Any | None,
@@ -39,8 +39,17 @@ def plan_clipping(
 ) -> ClipPlan | None:
     """The step's clipping (collective over ``pipeline_group`` for the norm), or ``None`` without clipping.
 
+    The squared norm is summed per stage (each stage's gradients in order, from zero), the pipeline's members
+    all-reduce the vector of per-stage sums (every entry has one contributor, the rest add exact zeros) and
+    every member adds the entries in stage order. So the total is the same bits on any layout: a member
+    holding several stages after a failover forms what one member per stage forms (a plain running sum over
+    its stages would associate them differently, and a last-bit change of the clipping coefficient sets the
+    pipeline off its uninterrupted trajectory).
+
     Args:
-        grads: this member's own stages' gradients (not its replica's: those are its successor's own).
+        stage_grads: per stage of the pipeline (index: the original stage), this member's own gradients of
+            that stage that count in the norm (not its replica's: those are its successor's own); empty for a
+            stage another member holds.
         clip_val: ``Trainer(gradient_clip_val=...)``.
         algorithm: ``Trainer(gradient_clip_algorithm=...)`` (``"norm"``, the default, or ``"value"``).
         pipeline_group: the members of this pipeline; ``None``: nothing to reduce (one member runs the whole
@@ -54,13 +63,19 @@ def plan_clipping(
         return ClipPlan(VALUE, float(clip_val))
     if kind != NORM:
         raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {algorithm!r}")
-    grads = [g for g in grads if g is not None]
-    squares = torch.zeros((), dtype=torch.float64, device=device)
-    for grad in grads:
-        squares += grad.detach().to(torch.float64).pow(2).sum()
+    per_stage = torch.zeros(len(stage_grads), dtype=torch.float64, device=device)
+    for stage, grads in enumerate(stage_grads):
+        squares = torch.zeros((), dtype=torch.float64, device=device)
+        for grad in grads:
+            if grad is not None:
+                squares += grad.detach().to(torch.float64).pow(2).sum()
+        per_stage[stage] = squares
     if pipeline_group is not None:
-        dist.all_reduce(squares, group=pipeline_group)
-    coef = torch.clamp(float(clip_val) / (squares.sqrt() + 1e-6), max=1.0)
+        dist.all_reduce(per_stage, group=pipeline_group)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for squares in per_stage:
+        total = total + squares
+    coef = torch.clamp(float(clip_val) / (total.sqrt() + 1e-6), max=1.0)
     return ClipPlan(NORM, float(clip_val), coef)
 
 

@@ -171,10 +171,23 @@ class PipelinedStep:
         trainer = self.lightning_module.trainer
         view = self.view
         group = view.pipeline_group if view is not None and view.num_stages > 1 else None
-        uncounted = uncounted_parameter_ids(self._tied)  # a tied copy counts once per pipeline
-        grads = [p.grad for p in self._stage_params() if id(p) not in uncounted]
         clip_val, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
-        self._clip_plan = plan_clipping(grads, clip_val, algorithm, group, self.root_device)
+        self._clip_plan = plan_clipping(self._norm_gradients(), clip_val, algorithm, group, self.root_device)
+
+    def _norm_gradients(self) -> list[list[Tensor | None]]:
+        """Per original stage, this member's gradients that count in its pipeline's norm (empty: a stage
+        another member holds), so the norm is summed stage by stage on any layout (:func:`plan_clipping`).
+        A tied copy counts once per pipeline."""
+        uncounted = uncounted_parameter_ids(self._tied)
+        by_stage: list[list[Tensor | None]] = [[] for _ in range(self._num_stages)]
+        if self.owners is None:
+            by_stage[self.stage_index] = [p.grad for p in self._stage_params() if id(p) not in uncounted]
+            return by_stage
+        for stage in self.owners.stages_of(self.member):
+            for layer in self._stage_layers[stage]:
+                params = self._layers[layer].parameters()
+                by_stage[stage].extend(p.grad for p in params if id(p) not in uncounted)
+        return by_stage
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """Lightning's norm clipping, after the commit: the coefficient agreed before it (no collective)."""

@@ -90,7 +90,7 @@ def regroup_tied_copies(
     ``named``: ``(name, parameter)`` of the module the optimizer was built for (names as in the whole model).
     A copy already in its group stays where it is; a moved one goes before the first parameter of its new
     group that comes after it in the module, so a group in module order stays so (the order a failover's
-    refill gives: the gradient norm sums in that order, and a run with failovers stays bit-exact).
+    refill gives).
     """
     named = list(named)
     order = {id(param): index for index, (_, param) in enumerate(named)}

@@ -85,11 +85,11 @@ def test_mid_epoch_resume_consumes_every_sample_once_and_is_exact(
     assert verify([*reference_and_pipelines, "--samples-only"]) == 0
 
 
-def _elastic(out: Path, fault: str, nproc: int = 2, extra: tuple[str, ...] = ()) -> Path:
+def _elastic(out: Path, fault: str, nproc: int = 2, extra: tuple[str, ...] = (), stages: int = 2) -> Path:
     from tests.bamboo.test_elastic import run_elastic
 
     ledger = out / "ledger.jsonl"
-    run_elastic(out, nproc=nproc, stages=2, fault=fault, extra_args=("--ledger", str(ledger), *extra))
+    run_elastic(out, nproc=nproc, stages=stages, fault=fault, extra_args=("--ledger", str(ledger), *extra))
     return ledger
 
 
@@ -215,21 +215,67 @@ def test_verify_names_file_and_line_of_a_malformed_ledger(
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_a_failover_with_tied_weights_is_bit_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("order", ["permuted", "sequential"])
+def test_a_failover_with_tied_weights_is_bit_exact(tmp_path: Path, order: str) -> None:
     """2 stages x 2 pipelines, one weight used on stage 0 and stage 1 (``pipe_variants.Tied``), Adam,
     clipping: member 3 (stage 1 of pipeline 1) is SIGKILLed in step 2 and member 2 then holds both uses. Its
-    two copies are summed in the same order as two members' (lightning_bamboo.ties), so the ledgers, samples
-    and parameter digests, equal the uninterrupted run's."""
+    two copies are summed in the same order as two members' (lightning_bamboo.ties) and its clipping norm adds
+    the stages' sums as the two members' all-reduce does (lightning_bamboo.clipping), so the ledgers, samples
+    and parameter digests, equal the uninterrupted run's. Both sample orders: with the dataset's own
+    (``sequential``) order, a running sum of the norm over both stages made pipeline 1's coefficient of step
+    3 one ulp off pipeline 0's, and the digests differed from step 4 on."""
     from tests.bamboo.test_elastic import CLIP
 
-    tied = ("--variant", "tied", "--optimizer", "adam", "--clip", str(CLIP))
+    tied = ("--variant", "tied", "--optimizer", "adam", "--clip", str(CLIP), "--order", order)
     runs = {"plain": "", "lost": "3:2:forward"}
     with ThreadPoolExecutor(len(runs)) as pool:
         futures = {name: pool.submit(_elastic, tmp_path / name, f, 4, tied) for name, f in runs.items()}
         ledgers = {name: future.result() for name, future in futures.items()}
     assert _lines(ledgers["lost"])[2]["owners"]["pipelines"]["1"] == {"0": 2, "1": 2}
     cmd = [sys.executable, "-m", "lightning_bamboo.verify", str(ledgers["plain"]), str(ledgers["lost"])]
-    assert "the ledgers are the same: 6 steps" in run_process(cmd, timeout=60).stdout
+    out = run_process(cmd, timeout=60).stdout
+    # bit for bit: no step "equal to rounding"
+    assert out == "the ledgers are the same: 6 steps (steps 0..5), samples and parameter digests\n"
+    _check_bit_exact(tmp_path / "plain", tmp_path / "lost")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_failover_fusing_three_tied_stages_into_two_is_bit_exact(tmp_path: Path) -> None:
+    """1 pipeline of 3 stages, the tie on stages 0 and 2 (``pipe_variants.Tied``), Adam, clipping, the samples
+    in their sequential order: member 2 is SIGKILLed in step 2 and member 1 then holds stages 1 and 2. Its
+    clipping norm adds the two stages' sums as the three members' all-reduce of per-stage sums does, so the
+    run is bit-exact (a running sum over its two stages was one ulp off the three members' norm: parameters
+    up to 6.9e-18 apart at the end, verify's "equal to rounding" from step 4)."""
+    from tests.bamboo.test_elastic import CLIP
+
+    tied = ("--variant", "tied", "--optimizer", "adam", "--clip", str(CLIP), "--order", "sequential")
+    runs = {"plain": "", "lost": "2:2:forward"}
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = {name: pool.submit(_elastic, tmp_path / name, f, 3, tied, 3) for name, f in runs.items()}
+        ledgers = {name: future.result() for name, future in futures.items()}
+    assert _lines(ledgers["lost"])[2]["owners"]["pipelines"] == {"0": {"0": 0, "1": 1, "2": 1}}
+    cmd = [sys.executable, "-m", "lightning_bamboo.verify", str(ledgers["plain"]), str(ledgers["lost"])]
+    out = run_process(cmd, timeout=60).stdout
+    assert out == "the ledgers are the same: 6 steps (steps 0..5), samples and parameter digests\n"
+    _check_bit_exact(tmp_path / "plain", tmp_path / "lost", finished=2)
+
+
+def _check_bit_exact(plain: Path, lost: Path, finished: int = 3) -> None:
+    """Every parameter and optimizer state tensor each finished member of ``lost`` holds equals, bit for bit,
+    the one the uninterrupted ``plain`` run's members hold under that name (``train_elastic.py``'s finals)."""
+    import torch
+    from safetensors.torch import load_file
+
+    reference: dict[str, torch.Tensor] = {}
+    for path in sorted(plain.glob("final_member*.safetensors")):
+        reference.update(load_file(str(path)))
+    finals = sorted(lost.glob("final_member*.safetensors"))
+    assert len(finals) == finished, finals
+    for path in finals:
+        for key, value in load_file(str(path)).items():
+            torch.testing.assert_close(value, reference[key], rtol=0, atol=0,
+                                       msg=lambda m, k=key: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("shuffle", ["no", "yes", "generator", "persistent"])

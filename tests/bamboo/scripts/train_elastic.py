@@ -7,6 +7,8 @@ owns at the end, and ``<out>/failovers_member{m}.json`` (the ownership maps it w
 order: ``--shuffle``, ``--epochs``, ``--no-distributed-sampler`` set it up); it writes
 ``<out>/final_reference.safetensors`` in the same format.
 
+``--order sequential`` trains the samples in the order ``make_data`` generates them (default ``permuted``: a
+fixed permutation of them, the order most exactness tests were written for).
 ``--save-ckpt PATH`` saves ``trainer.save_checkpoint(PATH)`` after ``fit`` (a Bamboo folder, or auto's file).
 ``--ledger PATH`` adds a :class:`~lightning_bamboo.ledger.BambooLedger` writing there.
 ``--aws-endpoints U0,U1,..`` gives member ``m`` its own (fake) IMDSv2 ``U<m>`` polled by ``BambooNotices``
@@ -105,6 +107,8 @@ def main() -> None:
     parser.add_argument("--no-distributed-sampler", action="store_true", help="use_distributed_sampler=False")
     parser.add_argument("--epochs", type=int, default=1, help="the steps make this many epochs")
     parser.add_argument("--save-ckpt", type=Path, default=None, help="save_checkpoint after fit")
+    parser.add_argument("--order", choices=["permuted", "sequential"], default="permuted",
+                        help="the dataset's sample order: a fixed permutation, or as generated")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: every thread's stack
     torch.set_num_threads(1)
@@ -122,8 +126,9 @@ def main() -> None:
     x, y = data(args.steps * args.accumulate * args.batch_size // args.epochs)
     # the samples in a fixed shuffled order (the one these tests were written for; both strategies train the
     # DataLoader's order, lightning_bamboo.data_order)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    x, y = x[order], y[order]
+    if args.order == "permuted":
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+        x, y = x[order], y[order]
     generator = torch.Generator().manual_seed(7) if args.shuffle == "generator" else None
     train = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=args.shuffle != "no",
                        generator=generator)
