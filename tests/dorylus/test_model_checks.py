@@ -5,6 +5,7 @@ bounds"). One graph server in this process; ``test_model_checks_two_servers`` be
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Iterator
@@ -101,11 +102,14 @@ def test_model_checks_two_servers(tmp_path: Path) -> None:
     """Both errors on 2 graph servers: every rank raises the named error (none waits in a collective)."""
     script = REPO / "tests" / "dorylus" / "scripts" / "model_checks_run.py"
     for case, expected in (("pyg", FOREIGN), ("too_few", TOO_FEW)):
-        done = run_ranks([sys.executable, str(script), case], 2, timeout=240, cwd=tmp_path)
-        errors = [line for line in done.stdout.splitlines() if line.startswith("model_checks_run: rank")]
-        assert len(errors) == 2, done.stdout[-3000:]
-        for line in errors:
-            assert re.search(expected, line), line
+        folder = tmp_path / case
+        folder.mkdir()
+        done = run_ranks([sys.executable, str(script), case], 2, timeout=240, cwd=folder)
+        records = sorted(folder.glob("error_rank*.json"))
+        assert [r.name for r in records] == ["error_rank0.json", "error_rank1.json"], done.stdout[-3000:]
+        for record in records:
+            error = json.loads(record.read_text())
+            assert re.search(expected, f"{error['type']}: {error['message']}"), error
 
 
 def test_loss_check_reads_input_by_keyword() -> None:

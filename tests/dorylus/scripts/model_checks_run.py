@@ -1,5 +1,6 @@
 """Worker script of ``tests/dorylus/test_model_checks.py``: one rank of a 2-server fit that must fail before
-any update with a named error; prints ``model_checks_run: rank R: <type>: <message>`` and exits 0.
+any update with a named error; writes ``error_rank<R>.json`` (``{"type": ..., "message": ...}``) into the
+working folder and exits 0 (a file per rank: two ranks' lines on one shared stdout can run together).
 
 Usage: python model_checks_run.py pyg|too_few
 """
@@ -7,7 +8,9 @@ Usage: python model_checks_run.py pyg|too_few
 from __future__ import annotations
 
 import datetime
+import json
 import sys
+from pathlib import Path
 
 import torch
 from lightning.pytorch import Trainer
@@ -35,7 +38,8 @@ def main() -> None:
         trainer.fit(model, loader(parts[trainer.global_rank]))
     except (TypeError, LabelRangeError) as err:
         assert trainer.global_step == 0
-        print(f"model_checks_run: rank {trainer.global_rank}: {type(err).__name__}: {err}", flush=True)
+        record = {"type": type(err).__name__, "message": str(err)}
+        Path(f"error_rank{trainer.global_rank}.json").write_text(json.dumps(record))
         return
     raise AssertionError(f"case {case!r} trained without the named error")
 
