@@ -213,15 +213,15 @@ def test_a_machine_gone_while_nobody_talked_to_it_is_found_by_its_late_lease_not
     agents = [Agent(["true"], 1, url, "late", 3, 3, node_lease=lease, **quiet) for _ in range(3)]
     watcher, gone, slow = agents
     try:
-        watcher.leases.observe([gone.machine, slow.machine])
-        gone._done.set()  # its processes die: no more renewals, its liveness port refuses
+        watcher.peers.leases.observe([gone.machine, slow.machine])
+        gone.own_lease.done.set()  # its processes die: no more renewals, its liveness port refuses
         gone.liveness.close()
-        slow._done.set()  # stops renewing, but its agent still answers
+        slow.own_lease.done.set()  # stops renewing, but its agent still answers
         late_by = time.monotonic() + mc.renewal_period(lease) * 1.25 + 0.2
         while time.monotonic() < late_by:
-            watcher.leases.observe([gone.machine, slow.machine])
+            watcher.peers.leases.observe([gone.machine, slow.machine])
             time.sleep(0.05)
-        assert watcher.leases.late(gone.machine) and not watcher.leases.expired(gone.machine)
+        assert watcher.peers.leases.late(gone.machine) and not watcher.peers.leases.expired(gone.machine)
         probes = []
         real_refuses = mc.refuses
 
@@ -231,13 +231,13 @@ def test_a_machine_gone_while_nobody_talked_to_it_is_found_by_its_late_lease_not
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(mc, "refuses", counted)
-            watcher._probe()
-            watcher._probe()  # the same missed renewal: not probed again
+            watcher.peers.probe()
+            watcher.peers.probe()  # the same missed renewal: not probed again
         assert sorted(probes) == sorted([gone.machine, slow.machine])
-        assert gone.machine in watcher._refusing and slow.machine not in watcher._refusing
+        assert gone.machine in watcher.peers.refusing and slow.machine not in watcher.peers.refusing
     finally:
         for agent in agents:
-            agent._done.set()
+            agent.own_lease.done.set()
             agent.liveness.close()
 
 
@@ -264,9 +264,9 @@ def test_one_slow_store_answer_does_not_cost_a_machine_its_lease() -> None:
                   log=lambda *args, **kwargs: None)
     try:
         hang = 3.0 - 1.5 * mc.renewal_period(3.0) - 0.05  # past a retry a period later, not one at once
-        agent._lease_store = _OneSlowAnswer(agent._lease_store, hang=hang)
+        agent.own_lease.store = _OneSlowAnswer(agent.own_lease.store, hang=hang)
         time.sleep(hang + 2.5)
-        assert not agent._lease_store.slow and not agent._fenced.is_set()
+        assert not agent.own_lease.store.slow and not agent.own_lease.fenced.is_set()
     finally:
-        agent._done.set()
+        agent.own_lease.done.set()
         agent.liveness.close()
