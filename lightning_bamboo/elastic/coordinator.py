@@ -74,6 +74,7 @@ class Coordinator:
             failure = crash.recorded(self.store, member)
             if failure is not None:
                 self.error = failure
+                self._recorded()
                 self.log(
                     f"[bamboo.launch] member {member} failed with {failure['type']}: {failure['message']} "
                     "(an error of the training code, not a preemption; its traceback is in the worker's "
@@ -185,6 +186,11 @@ class Coordinator:
             }
         )
         self._publish(new, kind)
+        self._recorded()
+
+    def _recorded(self) -> None:
+        """Called after each addition to :attr:`events`, :attr:`joins` or :attr:`error`: the supervisor
+        writes its record file (``BAMBOO_EVENTS``) then, so that a watcher sees a change when it happens."""
 
     def _stop_generation(self) -> set[int]:
         """Publish a ``stop`` generation (the current map, one generation on): every member leaves ``fit`` at
@@ -259,6 +265,7 @@ class Coordinator:
         entry = {**watch, "join_s": join_s}
         self.joins.append(entry)
         self._join_watch = None
+        self._recorded()
         self.log(
             f"[bamboo.launch] join members={entry['members']} step={step} generation={generation} "
             f"wait_s={entry['wait_s']:.3f} join_s={join_s:.3f} start_s={entry['start_s']:.2f}",

@@ -97,6 +97,8 @@ class Supervisor(Coordinator):
         self.returncode: int | None = None
         self._stop_signal: int | None = None
         self._stopping = False
+        self.stopped: dict[str, object] | None = None
+        """How the job was stopped (:meth:`_stop_job`): reason, exit code, members killed late."""
 
     @property
     def workers(self) -> dict[int, _Worker]:
@@ -185,7 +187,37 @@ class Supervisor(Coordinator):
                 signal.signal(signal.SIGTERM, handler)
             if self.returncode is None:
                 self.returncode = 1
+            self._recorded()
         return self.returncode
+
+    # ------------------------------------------------------------------ the record of the job
+    def record(self) -> dict[str, object]:
+        """What happened to the job so far, as JSON data (the ``BAMBOO_EVENTS`` file, docs/bamboo-elastic.md):
+        ``changes`` (every generation change: kind, lost, left, joined, old and new map), ``joins`` (completed
+        joins with their cost), ``hung`` (members killed for a silent heartbeat), ``error`` (the error of the
+        training code that stopped the job), ``stop`` (reason, exit code, members killed for not stopping in
+        time: ``None`` until they are gone), ``exits`` (each worker's exit code, negative for a signal,
+        ``None`` while it runs) and ``returncode`` (``None`` while the job runs)."""
+        with self._lock:
+            return {
+                "changes": list(self.events),
+                "joins": list(self.joins),
+                "hung": list(self.local.hung),
+                "error": self.error,
+                "stop": self.stopped,
+                "exits": {str(m): code for m, code in self.local.exits().items()},
+                "returncode": self.returncode,
+            }
+
+    def _recorded(self) -> None:
+        """Write :meth:`record` to ``BAMBOO_EVENTS`` when set, whole (a reader never sees half a file)."""
+        path = os.environ.get("BAMBOO_EVENTS")
+        if not path:
+            return
+        target = Path(path)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(self.record(), indent=1))
+        partial.replace(target)
 
     def _stop_job(self, reason: str, code: int, poll: float) -> int:
         """Stop every worker at a step boundary: publish a ``stop`` generation (each member leaves ``fit`` at
@@ -193,6 +225,8 @@ class Supervisor(Coordinator):
         configured), wait up to ``stop_timeout`` seconds, SIGKILL by PID whatever is left."""
         self._stopping = True
         members = self._stop_generation()
+        self.stopped = {"reason": reason, "code": code, "killed": None}
+        self._recorded()
         self.log(
             f"[bamboo.launch] {reason}: stopping the workers at the next step boundary "
             f"(at most {self.stop_timeout:g}s)",
@@ -213,6 +247,8 @@ class Supervisor(Coordinator):
                 os.kill(worker.proc.pid, signal.SIGKILL)
                 worker.proc.wait()
         late = f"; members {killed} did not stop in {self.stop_timeout:g}s: killed" if killed else ""
+        self.stopped = {"reason": reason, "code": code, "killed": killed}
+        self._recorded()
         self.log(f"[bamboo.launch] job stopped ({reason}){late}; exit code {code}", flush=True)
         return code
 
@@ -261,8 +297,3 @@ class Supervisor(Coordinator):
                 time.sleep(poll)
         finally:
             self.stop_all()
-            (
-                Path(os.environ["BAMBOO_EVENTS"]).write_text(json.dumps(self.events, indent=1))
-                if os.environ.get("BAMBOO_EVENTS")
-                else None
-            )

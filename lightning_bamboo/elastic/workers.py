@@ -70,6 +70,8 @@ class LocalWorkers:
         self.log = log
         self.threads = thread_env(workers_on_machine)
         self.workers: dict[int, _Worker] = {}
+        self.hung: list[int] = []
+        """Members SIGKILLed for a silent heartbeat, in order (the supervisor's record of the job)."""
         self.lock = threading.RLock()  # kill / start may come from another thread
 
     def start(self, member: int, env: Mapping[str, str]) -> int:
@@ -100,6 +102,11 @@ class LocalWorkers:
     def all_exited(self) -> bool:
         with self.lock:
             return all(w.proc.poll() is not None for w in self.workers.values())
+
+    def exits(self) -> dict[int, int | None]:
+        """Each worker's exit code by member (negative: killed by that signal; ``None``: still running)."""
+        with self.lock:
+            return {m: w.proc.poll() for m, w in sorted(self.workers.items())}
 
     def returncode(self, member: int) -> int | None:
         with self.lock:
@@ -158,11 +165,13 @@ class LocalWorkers:
                     )
                     os.kill(worker.proc.pid, signal.SIGKILL)
                     worker.proc.wait()
+                    self.hung.append(member)
                     newly.add(member)
             elif now - worker.beat_seen_at > max(self.hang_timeout, 300.0):  # never started beating
                 self.log(f"[bamboo.launch] member {member} sent no heartbeat in 300s: killing it", flush=True)
                 os.kill(worker.proc.pid, signal.SIGKILL)
                 worker.proc.wait()
+                self.hung.append(member)
                 newly.add(member)
         return newly
 

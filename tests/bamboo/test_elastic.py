@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_bamboo.elastic import store as ms
-from tests.process import REPO, launch_env, run_process
+from tests.bamboo.launch_record import NAME, Record, record_env
+from tests.process import REPO, run_process
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_elastic.py"
 TOL = {"rtol": 1e-9, "atol": 1e-11}
@@ -44,7 +45,8 @@ def run_elastic(
     extra_env: dict[str, str] | None = None,
     extra_args: tuple[str, ...] = (),
 ) -> str:
-    env = launch_env({"BAMBOO_FAULT": fault, **(extra_env or {})})
+    """Run the job; returns its output. The supervisor's record is then :func:`launched` ``(out)``."""
+    env = {**record_env(out, fault), **(extra_env or {})}
     cmd = [
         sys.executable,
         "-m",
@@ -82,8 +84,9 @@ def check_final(out: Path, reference: dict[str, torch.Tensor]) -> set[str]:
     return covered
 
 
-def maps_seen(out: Path) -> list[list[str]]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob("failovers_member*.json"))]
+def launched(out: Path) -> Record:
+    """The supervisor's record of the job :func:`run_elastic` ran into ``out``."""
+    return Record.read(out / NAME)
 
 
 @pytest.mark.slow
@@ -93,10 +96,10 @@ def test_sigkill_last_stage_two_stages(tmp_path: Path, elastic_reference: dict[s
     once: Lightning's start-up lines come from member 0 only, and the survivor's gloo error is not printed
     (the supervisor reports the failover)."""
     log = run_elastic(tmp_path, nproc=2, stages=2, fault="1:2:forward")
-    assert "failover: lost [1]" in log
+    record = launched(tmp_path)
+    assert record.summary() == [("failover", [1])] and record.grids() == [[[0, 0]]]
     assert log.count("GPU available:") == 1 and log.count("Tip:") <= 1
     assert "Connection closed by peer" not in log and "gloo" not in log
-    assert "pipe0  m0      m0" in log
     check_final(tmp_path, elastic_reference)
 
 
@@ -104,8 +107,8 @@ def test_sigkill_last_stage_two_stages(tmp_path: Path, elastic_reference: dict[s
 @pytest.mark.multiprocess
 def test_sigkill_middle_stage(tmp_path: Path, elastic_reference: dict[str, torch.Tensor]) -> None:
     """Stage 1 of 3 dies mid-step; stage 0 promotes its replica and runs stages 0-1 fused."""
-    log = run_elastic(tmp_path, nproc=3, stages=3, fault="1:2:forward")
-    assert "pipe0  m0      m0      m2" in log
+    run_elastic(tmp_path, nproc=3, stages=3, fault="1:2:forward")
+    assert launched(tmp_path).grids() == [[[0, 0, 2]]]
     check_final(tmp_path, elastic_reference)
 
 
@@ -113,9 +116,9 @@ def test_sigkill_middle_stage(tmp_path: Path, elastic_reference: dict[str, torch
 @pytest.mark.multiprocess
 def test_sigkill_rank0(tmp_path: Path, elastic_reference: dict[str, torch.Tensor]) -> None:
     """Member 0 (rank 0 of the process group, stage 0) dies: the store is on the launcher, the job goes on."""
-    log = run_elastic(tmp_path, nproc=2, stages=2, fault="0:3:forward")
-    assert "failover: lost [0]" in log
-    assert "pipe0  m1      m1" in log
+    run_elastic(tmp_path, nproc=2, stages=2, fault="0:3:forward")
+    record = launched(tmp_path)
+    assert record.summary() == [("failover", [0])] and record.grids() == [[[1, 1]]]
     check_final(tmp_path, elastic_reference)
 
 
@@ -134,8 +137,10 @@ def test_two_failures_at_two_phases_with_gradient_clipping(
         not torch.equal(value, elastic_reference[key]) for key, value in elastic_reference_clipped.items()
     ), "the clip value must change the trajectory, or this test would not see clipping"
     clip = ("--clip", str(CLIP))
-    log = run_elastic(tmp_path, nproc=3, stages=3, fault="1:1:exchange,2:3:commit", extra_args=clip)
-    assert "pipe0  m0      m0      m2" in log and "pipe0  m0      m0      m0" in log
+    run_elastic(tmp_path, nproc=3, stages=3, fault="1:1:exchange,2:3:commit", extra_args=clip)
+    record = launched(tmp_path)
+    assert record.summary() == [("failover", [1]), ("failover", [2])]
+    assert record.grids() == [[[0, 0, 2]], [[0, 0, 0]]]
     check_final(tmp_path, elastic_reference_clipped)
 
 
@@ -152,7 +157,7 @@ def test_sigkill_during_validation(tmp_path: Path) -> None:
     assert reference["val_losses"].numel() == 2
     log = run_elastic(tmp_path / "run", nproc=2, stages=2, fault="1:3:validate", extra_args=validate)
     assert "validation batch interrupted by a lost peer; re-running it" in log
-    assert "failover: lost [1]" in log
+    assert launched(tmp_path / "run").summary() == [("failover", [1])]
     check_final(tmp_path / "run", reference)
 
 
@@ -163,8 +168,10 @@ def test_two_pipelines_prepared_and_applied(
 ) -> None:
     """2 stages x 2 pipelines: member 3 dies once prepared (the step commits: all had prepared, or aborts:
     one had not — either way the survivors agree), later member 0 dies after applying its step."""
-    log = run_elastic(tmp_path, nproc=4, stages=2, fault="3:1:prepared,0:4:applied")
-    assert "pipe1  m2      m2" in log and "pipe0  m1      m1" in log
+    run_elastic(tmp_path, nproc=4, stages=2, fault="3:1:prepared,0:4:applied")
+    record = launched(tmp_path)
+    assert record.summary() == [("failover", [3]), ("failover", [0])]
+    assert record.grids() == [[[0, 1], [2, 2]], [[1, 1], [2, 2]]]
     check_final(tmp_path, elastic_reference)
 
 
@@ -174,10 +181,10 @@ def test_hung_member_detected_by_heartbeat(
     tmp_path: Path, elastic_reference: dict[str, torch.Tensor]
 ) -> None:
     """A SIGSTOPped member stops its heartbeat; the launcher kills it after --hang-timeout and fails over."""
-    log = run_elastic(
-        tmp_path, nproc=2, stages=2, fault="1:2:forward:STOP", launch_args=("--hang-timeout", "3")
-    )
-    assert "member 1 silent for" in log and "failover: lost [1]" in log
+    run_elastic(tmp_path, nproc=2, stages=2, fault="1:2:forward:STOP", launch_args=("--hang-timeout", "3"))
+    record = launched(tmp_path)
+    assert record["hung"] == [1] and record.summary() == [("failover", [1])]
+    assert record.exits[1] == -signal.SIGKILL  # fenced by PID, not exited on its own
     check_final(tmp_path, elastic_reference)
 
 
@@ -226,10 +233,10 @@ def test_failover_through_etcd(
     tmp_path: Path, elastic_reference: dict[str, torch.Tensor], etcd_endpoint: str
 ) -> None:
     """The job's membership and every generation's rendezvous live in a real etcd server."""
-    log = run_elastic(
+    run_elastic(
         tmp_path, nproc=2, stages=2, fault="1:2:forward", launch_args=("--store", f"etcd://{etcd_endpoint}")
     )
-    assert "failover: lost [1]" in log
+    assert launched(tmp_path).summary() == [("failover", [1])]
     check_final(tmp_path, elastic_reference)
 
 
@@ -242,8 +249,8 @@ def test_rank_zero_lost_after_a_commit_logs_every_step_once(
     commit of step 3, before Lightning logged that step's row. Member 1 rolls the step forward, becomes rank
     0, logs step 3's row (the store says the old rank 0 logged up to step 2) and shows the progress bar for
     the rest of the run: the CSV has every step once, and the final state equals the uninterrupted run."""
-    log = run_elastic(tmp_path, nproc=2, stages=2, fault="0:3:commit", extra_args=("--csv",))
-    assert "failover: lost [0]" in log, log[-3000:]
+    run_elastic(tmp_path, nproc=2, stages=2, fault="0:3:commit", extra_args=("--csv",))
+    assert launched(tmp_path).summary() == [("failover", [0])]
     check_final(tmp_path, elastic_reference)
     (version,) = (tmp_path / "logs").iterdir()
     rows = list(csv.DictReader((version / "metrics.csv").open()))

@@ -26,7 +26,8 @@ from lightning_bamboo.elastic import store as ms
 from lightning_bamboo.elastic.ownership import OwnershipMap, initial
 from lightning_bamboo.elastic.supervisor import Supervisor
 from tests.bamboo.fake_metadata import FakeMetadata
-from tests.process import launch_env, run_process
+from tests.bamboo.launch_record import NAME, Record, record_env
+from tests.process import run_process
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_elastic.py"
 STEPS = 6
@@ -54,14 +55,15 @@ def test_spot_notice_drains_member_with_no_step_lost(tmp_path: Path) -> None:
             sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "2", str(SCRIPT), "--out", str(out),
             *common, "--aws-endpoints", f"{warned.url},{quiet.url}", "--wait-notice", f"0:{NOTICE_AT}",
         ]
-        log = run_process(cmd, timeout=300, env=launch_env()).stdout  # exit 0: the departure is no failure
+        log = run_process(cmd, timeout=300, env=record_env(out)).stdout  # exit 0: the departure is no failure
     assert any(r[1] == "/latest/meta-data/spot/instance-action" for r in quiet.requests)  # polled: 404s
 
-    assert "[bamboo.launch] drain: lost [] left [0] joined []" in log
-    assert "[bamboo.launch] member 0 left (exit 0)" in log
-    assert "exited with" not in log and "aborted" not in log  # nothing lost, nothing replayed
+    record = Record.read(out / NAME)
+    assert [(c.kind, c.lost, c.left) for c in record.changes] == [("drain", [], [0])]
+    assert record.exits == {0: 0, 1: 0}  # member 0 left (exit 0); nothing lost
+    assert "aborted" not in log  # nothing replayed
     line = r"bamboo_drain members=0 step=(\d+) notice_s=\S+ reform_s=\S+ drain_s=(\S+) step_s=\S+"
-    match = re.search(line, log)
+    match = re.search(line, log)  # the drain's cost: only printed (DrainTimer), see below for its step
     assert match is not None, log[-3000:]
     assert int(match.group(1)) == DRAINED_AFTER and float(match.group(2)) > 0
 
@@ -121,8 +123,9 @@ def test_launcher_publishes_an_announced_departure_as_a_drain_generation() -> No
     new = departure.wait_without(worker, 0, [1, 3], timeout=1)
     assert new == OwnershipMap(1, 2, {0: {0: 0, 1: 0}, 1: {0: 2, 1: 2}})
     assert ms.get_str(worker, "gen1/kind") == "drain"
-    assert lines[0].startswith("[bamboo.launch] drain: lost [] left [1, 3] joined []")
-    assert supervisor.events[0]["left"] == [1, 3] and supervisor.events[0]["lost"] == []
+    (change,) = supervisor.record()["changes"]
+    assert (change["kind"], change["left"], change["lost"], change["joined"]) == ("drain", [1, 3], [], [])
+    assert OwnershipMap.from_json(change["new"]) == new
     assert supervisor._departures() == set()  # handled once
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import re
 import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +24,16 @@ from torch import nn
 from lightning_bamboo.checkpoint import periodic as fb
 from lightning_bamboo.elastic.reshard import gather
 from lightning_bamboo.strategy import BambooStrategy
+from tests.bamboo.launch_record import NAME, Record, record_env, worker_events
 from tests.bamboo.test_elastic import SCRIPT, STEPS, check_final
-from tests.process import launch_env, run_process
+from tests.process import run_process
+
+
+def loaded_step(fallback: dict[str, object]) -> int:
+    """The checkpoint step a fallback event's ``checkpoint_path`` (the folder it loaded) is of."""
+    name = Path(str(fallback["checkpoint_path"])).name
+    assert name.startswith(fb.PREFIX), fallback
+    return int(name.removeprefix(fb.PREFIX))
 
 
 @pytest.mark.slow
@@ -42,19 +49,15 @@ def test_two_adjacent_stages_lost_falls_back_to_checkpoint(
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "3", str(SCRIPT), "--out", str(out)]
     cmd += ["--stages", "3", "--steps", str(STEPS), "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt)]
-    log = run_process(cmd, timeout=400, env=launch_env({"BAMBOO_FAULT": "1+2:5:exchange"})).stdout
-    assert "fallback: lost [1, 2]" in log, log[-3000:]
-    assert "pipe0  m0      m0      m0" in log
-    found = re.search(
-        r"fallback: loaded checkpoint step=(\d+) .* re-ran steps (\d+)\.\.(\d+) \((\d+) steps\)", log
-    )
-    assert found, log[-3000:]
-    step, first, last, count = map(int, found.groups())
-    assert step in (2, 4) and first == step and last == 4 and count == 5 - step
-    assert re.search(r"\[bamboo\] checkpoint step=2 member=0 blocking_s=[0-9.]+ bytes=\d+", log)
-    check_final(out, elastic_reference)
+    run_process([*cmd, "--events"], timeout=400, env=record_env(out, "1+2:5:exchange"))
+    record = Record.read(out / NAME)
+    assert record.summary() == [("fallback", [1, 2])] and record.grids() == [[[0, 0, 0]]]
     (job,) = list(ckpt.iterdir())
-    assert fb.complete_steps(job) == [2, 4]  # keep_checkpoints=2
+    (fallback,) = worker_events(out, 0, "on_fallback")
+    step = loaded_step(fallback)
+    assert step in (2, 4) and fallback["step"] == 5  # re-ran steps step..4, goes on with step 5
+    check_final(out, elastic_reference)
+    assert fb.complete_steps(job) == [2, 4]  # keep_checkpoints=2: step 2's was written, then step 4's
 
 
 @pytest.mark.slow
@@ -73,18 +76,19 @@ def test_fewer_processes_than_stages_after_a_loss_after_the_commit(
 
     def launch(to: Path, fault: str, *args: str) -> str:
         cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "4", str(SCRIPT), "--out", str(to)]
-        cmd += ["--stages", "4", "--steps", str(STEPS), "--ledger", str(to / "ledger.jsonl"), *args]
-        return run_process(cmd, timeout=400, env=launch_env({"BAMBOO_FAULT": fault})).stdout
+        cmd += ["--stages", "4", "--steps", str(STEPS), "--ledger", str(to / "ledger.jsonl"), "--events"]
+        cmd += args
+        return run_process(cmd, timeout=400, env=record_env(to, fault)).stdout
 
     with ThreadPoolExecutor(2) as pool:
         plain = pool.submit(launch, tmp_path / "plain", "")
-        log = launch(out, "1+2:4:commit", "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt))
+        launch(out, "1+2:4:commit", "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt))
         plain.result()
-    assert "fallback: lost [1, 2]" in log, log[-3000:]
-    assert "pipe0  m0      m0      m3      m3" in log
-    found = re.search(r"fallback: loaded checkpoint step=(\d+) .* re-ran steps (\d+)\.\.(\d+)", log)
-    assert found, log[-3000:]
-    assert [int(v) for v in found.groups()] in ([4, 4, 4], [2, 2, 4])
+    record = Record.read(out / NAME)
+    assert record.summary() == [("fallback", [1, 2])] and record.grids() == [[[0, 0, 3, 3]]]
+    for member in (0, 3):  # re-ran steps 4..4 or 2..4 from the checkpoint, go on with step 5
+        (fallback,) = worker_events(out, member, "on_fallback")
+        assert loaded_step(fallback) in (4, 2) and fallback["step"] == 5
     check_final(out, elastic_reference)
     lines = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(STEPS))
@@ -107,8 +111,9 @@ def test_fallback_keeps_a_tie(tmp_path: Path, tied_reference: dict[str, torch.Te
     cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "3", str(SCRIPT), "--out", str(out)]
     cmd += ["--stages", "3", "--steps", str(STEPS), "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt)]
     cmd += ["--variant", "tied", "--optimizer", "adam", "--clip", str(CLIP)]
-    log = run_process(cmd, timeout=400, env=launch_env({"BAMBOO_FAULT": "1+2:5:exchange"})).stdout
-    assert "fallback: lost [1, 2]" in log and "pipe0  m0      m0      m0" in log, log[-3000:]
+    run_process(cmd, timeout=400, env=record_env(out, "1+2:5:exchange"))
+    record = Record.read(out / NAME)
+    assert record.summary() == [("fallback", [1, 2])] and record.grids() == [[[0, 0, 0]]]
     check_final(out, tied_reference)
 
 

@@ -20,13 +20,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.bamboo.launch_record import NAME, Record, record_env
 from tests.process import launch_env, run_process
 
 SCRIPTS = Path(__file__).parent / "scripts"
 WORKER = SCRIPTS / "train_rejoin.py"
 TOL = {"rtol": 1e-9, "atol": 1e-11}
 STEPS = 7  # 4 batches per epoch: the runs cross into a second epoch (the sampler's order changes)
-JOIN_LINE = re.compile(r"\[bamboo\.launch\] join members=\[([\d, ]+)\] step=(\d+) .*join_s=([\d.]+)")
+
+
+def joins(record: Record) -> list[tuple[list[int], int]]:
+    """``(members, first step at the new size)`` of every completed join, each with its cost measured."""
+    assert all(j["join_s"] > 0 and j["wait_s"] >= 0 for j in record["joins"]), record["joins"]
+    return [(j["members"], j["step"]) for j in record["joins"]]
 
 
 def _reference(out: Path, *extra: str) -> tuple[dict[str, torch.Tensor], list]:
@@ -84,14 +90,14 @@ def test_rank_joining_back(tmp_path: Path, reference: tuple[dict[str, torch.Tens
     full length, member 2 received stage 1's layers and Adam state from member 0 and reads the batches the
     reference reads from step 5 on."""
     params, ids = reference
-    env = launch_env({"BAMBOO_FAULT": "1:1:forward"})
+    env = record_env(tmp_path, "1:1:forward")
     cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "2", "--replace", "1"]
     cmd += [str(WORKER), "--out", str(tmp_path), "--stages", "2", "--steps", str(STEPS), "--hold-at", "4"]
-    log = run_process(cmd, timeout=400, env=env).stdout
-    assert "failover: lost [1]" in log and "pipe0  m0      m0" in log
-    assert "rejoin after step 4: joined [2]" in log and "pipe0  m0      m2" in log
-    match = JOIN_LINE.search(log)
-    assert match is not None and match.group(1) == "2" and match.group(2) == "5", log[-3000:]
+    run_process(cmd, timeout=400, env=env)
+    record = Record.read(tmp_path / NAME)
+    assert record.history() == [("failover", [1], []), ("rejoin", [], [2])]
+    assert record.grids() == [[[0, 0]], [[0, 2]]]
+    assert joins(record) == [([2], 5)]  # joined after step 4: step 5 is the first at full length
     check_final(tmp_path, params, {0, 2})
     per_step, per_member = consumed(tmp_path)
     # step 0's losses were computed by the killed member; from the replayed step 1 on, exactly the reference's
@@ -110,12 +116,14 @@ def test_rank_joining_back_splits_a_tie_again(
     copy of the weight and of its Adam state (the copy member 0 keeps is not shared with what it sent), and
     from then on their gradients are summed again. Equal to auto's tied run."""
     params, _ = tied_reference
-    env = launch_env({"BAMBOO_FAULT": "1:1:forward"})
+    env = record_env(tmp_path, "1:1:forward")
     cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "2", "--replace", "1"]
     cmd += [str(WORKER), "--out", str(tmp_path), "--stages", "2", "--steps", str(STEPS), "--hold-at", "4",
             "--tied"]
-    log = run_process(cmd, timeout=400, env=env).stdout
-    assert "failover: lost [1]" in log and "rejoin after step 4: joined [2]" in log
+    run_process(cmd, timeout=400, env=env)
+    record = Record.read(tmp_path / NAME)
+    assert record.history() == [("failover", [1], []), ("rejoin", [], [2])]
+    assert joins(record) == [([2], 5)]
     check_final(tmp_path, params, {0, 2})
     m0, m2 = (load_file(str(tmp_path / f"final_member{m}.safetensors")) for m in (0, 2))
     assert torch.equal(m0["own/pipeline.0.weight"], m2["own/pipeline.4.weight"])
@@ -131,10 +139,11 @@ def test_join_adds_a_pipeline(tmp_path: Path, reference: tuple[dict[str, torch.T
     params, ids = reference
     cmd = [sys.executable, str(SCRIPTS / "rejoin_driver.py"), "--nproc", "2", "--add", "2", "--"]
     cmd += [str(WORKER), "--out", str(tmp_path), "--stages", "2", "--steps", str(STEPS), "--hold-at", "2"]
-    log = run_process(cmd, timeout=400, env=launch_env()).stdout
-    assert "rejoin after step 2: joined [2, 3]" in log and "pipe1  m2      m3" in log
-    joins = json.loads(log.split("joins=", 1)[1].splitlines()[0])
-    assert [(j["members"], j["step"]) for j in joins] == [([2, 3], 3)]
+    run_process(cmd, timeout=400, env=record_env(tmp_path))
+    record = Record.read(tmp_path / NAME)
+    assert [(c.kind, c.joined) for c in record.changes] == [("rejoin", [2, 3])]
+    assert record.grids() == [[[0, 1], [2, 3]]]
+    assert joins(record) == [([2, 3], 3)]
     check_final(tmp_path, params, {0, 1, 2, 3})
     per_step, per_member = consumed(tmp_path)
     assert sorted(per_step) == list(range(STEPS))
@@ -178,12 +187,15 @@ def test_pipeline_lost_and_grown_back_with_dropout(
     """2x2 with dropout: both members of pipeline 1 are SIGKILLed in step 1 (pipeline 0 replays it alone, all
     4 global micro-batches), ``--replace`` starts two workers that form pipeline 1 again after step 4: every
     step drew the uninterrupted run's masks for each sample, so the final state equals it."""
-    env = launch_env({"BAMBOO_FAULT": "2+3:1:forward"})
+    env = record_env(tmp_path, "2+3:1:forward")
     cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "4", "--replace", "2"]
     cmd += [str(WORKER), "--out", str(tmp_path), "--stages", "2", "--steps", str(STEPS), "--hold-at", "4",
             "--dropout"]
     log = run_process(cmd, timeout=400, env=env).stdout
-    assert "failover: lost [2, 3]" in log and "rejoin after step 4: joined [4, 5]" in log, log[-3000:]
+    record = Record.read(tmp_path / NAME)
+    expected = [("failover", [2, 3], []), ("rejoin", [], [4, 5])]
+    assert record.history() == expected, log[-3000:]
+    assert joins(record) == [([4, 5], 5)]
     _assert_equal_to(_finals(tmp_path), dropout_2x2)
 
 
@@ -195,8 +207,10 @@ def test_join_adds_a_pipeline_with_dropout(tmp_path: Path, dropout_2x2: dict[str
     cmd = [sys.executable, str(SCRIPTS / "rejoin_driver.py"), "--nproc", "2", "--add", "2", "--"]
     cmd += [str(WORKER), "--out", str(tmp_path), "--stages", "2", "--steps", str(STEPS), "--hold-at", "2",
             "--microbatches", "4", "--dropout"]
-    log = run_process(cmd, timeout=400, env=launch_env()).stdout
-    assert "rejoin after step 2: joined [2, 3]" in log, log[-3000:]
+    log = run_process(cmd, timeout=400, env=record_env(tmp_path)).stdout
+    record = Record.read(tmp_path / NAME)
+    assert [(c.kind, c.joined) for c in record.changes] == [("rejoin", [2, 3])], log[-3000:]
+    assert joins(record) == [([2, 3], 3)]
     _assert_equal_to(_finals(tmp_path), dropout_2x2)
 
 

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -34,9 +34,10 @@ from lightning_bamboo.elastic import crash
 from lightning_bamboo.elastic.supervisor import Supervisor, _Worker
 from lightning_bamboo.notices.signals import SigtermNoticeSource
 from lightning_bamboo.strategy import BambooStrategy
+from tests.bamboo.launch_record import NAME, Record, record_env, wait_record, worker_events
 from tests.bamboo.pipe_mlp import PipeMLP, make_data
 from tests.bamboo.test_elastic import SCRIPT, STEPS, TOL, check_final
-from tests.process import REPO, launch_env, run_process, start
+from tests.process import REPO, run_process, start
 
 TIMEOUT_S = 300.0
 
@@ -54,12 +55,21 @@ class Job:
         ]
         self._stream = self.log_path.open("w")
         # a fresh interpreter: the supervisor installs its own SIGTERM handler, which the test signals
-        self.proc = start(cmd, REPO, launch_env(), self._stream, process_group=None, fresh=True)
+        self.proc = start(cmd, REPO, record_env(out), self._stream, process_group=None, fresh=True)
         self.deadline = time.monotonic() + TIMEOUT_S
 
     @property
     def log(self) -> str:
         return self.log_path.read_text()
+
+    @property
+    def record(self) -> Record:
+        """The supervisor's record of the job (``BAMBOO_EVENTS``) as last written."""
+        return Record.read(self.out / NAME)
+
+    def wait_record(self, what: str, until: Callable[[Record], bool]) -> Record:
+        """Wait until the supervisor's record says ``until``."""
+        return wait_record(self.out / NAME, until, lambda: self.proc.poll() is None, self.deadline, what)
 
     def wait_for(self, name: str) -> Path:
         path = self.out / name
@@ -143,10 +153,10 @@ def test_sigterm_to_a_worker_drains_it_by_default(
     job.wait_for("reached3_member1")
     os.kill(job.pid(1), signal.SIGTERM)
     assert job.wait() == 0, job.log[-4000:]
-    log = job.log
-    assert "[bamboo.launch] drain: lost [] left [1] joined []" in log
-    assert "[bamboo.launch] member 1 left (exit 0)" in log
-    assert "exited with" not in log and "aborted" not in log  # nothing lost, nothing replayed
+    record = job.record
+    assert [(c.kind, c.lost, c.left) for c in record.changes] == [("drain", [], [1])]
+    assert record.exits == {0: 0, 1: 0}  # it left (exit 0); nothing lost
+    assert "aborted" not in job.log  # nothing replayed
     assert not (job.out / "final_member1.safetensors").exists()  # it left
     check_final(job.out, elastic_reference)
     assert not any(alive(pid) for pid in job.worker_pids())
@@ -170,7 +180,9 @@ def test_a_drained_rank_zero_runs_no_code_after_fit(tmp_path: Path, jobs: list[J
     job.wait_for("reached3_member0")
     os.kill(job.pid(0), signal.SIGTERM)
     assert job.wait() == 0, job.log[-4000:]
-    assert "[bamboo.launch] member 0 left (exit 0)" in job.log
+    record = job.record
+    assert [(c.kind, c.lost, c.left) for c in record.changes] == [("drain", [], [0])]
+    assert record.exits == {0: 0, 1: 0, 2: 0}  # it left (exit 0)
     assert "Traceback" not in job.log, job.log[-4000:]
     markers = {int(p.stem.removeprefix("after_fit_member")): json.loads(p.read_text())
                for p in job.out.glob("after_fit_member*.json")}
@@ -203,15 +215,17 @@ def test_sigterm_during_the_sanity_check_drains_at_the_first_boundaries(
     run_process([sys.executable, str(SCRIPT), "--out", str(tmp_path / "reference"), "--strategy", "auto",
                  "--steps", str(STEPS), *validate], timeout=240)
     reference = load_file(str(tmp_path / "reference" / "final_reference.safetensors"))
-    job = Job(tmp_path / "run", 2, 2, "--hold", "1:0:sigterm", *validate)
+    job = Job(tmp_path / "run", 2, 2, "--hold", "1:0:sigterm", "--events", *validate)
     jobs.append(job)
     job.wait_for("reached0_member1")
     os.kill(job.pid(1), signal.SIGTERM)
     assert job.wait() == 0, job.log[-4000:]
-    log = job.log
-    assert "[bamboo.launch] drain: lost [] left [1] joined []" in log
-    assert "bamboo_drain members=1 step=2" in log
-    assert "exited with" not in log and "aborted" not in log
+    record = job.record
+    assert [(c.kind, c.lost, c.left) for c in record.changes] == [("drain", [], [1])]
+    assert record.exits == {0: 0, 1: 0}
+    (drain,) = worker_events(job.out, 0, "on_drain")  # as the survivor saw it
+    assert (drain["member"], drain["step"]) == (1, 2)
+    assert "aborted" not in job.log
     check_final(job.out, reference)
 
 
@@ -234,17 +248,12 @@ def test_sigterm_to_the_supervisor_stops_the_workers_with_a_final_checkpoint(
     job.wait_for("reached3_member0")
     pids = [job.pid(0), job.pid(1)]
     os.kill(job.proc.pid, signal.SIGTERM)
-    while "stopping the workers at the next step boundary" not in job.log:
-        assert job.proc.poll() is None and time.monotonic() < job.deadline, job.log[-4000:]
-        time.sleep(0.05)
+    job.wait_record("the stop", lambda record: record["stop"] is not None)  # the stop generation is out
     (job.out / "release").write_text("")  # member 0 goes on to its next step boundary
     assert job.wait() == 128 + signal.SIGTERM, job.log[-4000:]
-    log = job.log
-    assert "[bamboo.launch] SIGTERM received: stopping the workers at the next step boundary" in log
-    assert "[bamboo.launch] job stopped (SIGTERM received); exit code 143" in log
-    for member in (0, 1):
-        assert f"[bamboo] member {member}: the job is stopping; leaving after step 3" in log
-    assert "failover" not in log and "did not stop" not in log
+    record = job.record
+    assert record["stop"] == {"reason": "SIGTERM received", "code": 143, "killed": []}  # all left in time
+    assert record["changes"] == [] and record["returncode"] == 143  # no failover
     assert not any(alive(pid) for pid in pids)
     assert not list(job.out.glob("final_*"))  # the script did not go on as if training had finished
     assert not list(job.out.glob("after_fit_*"))
@@ -267,8 +276,7 @@ def test_sigterm_to_the_supervisor_stops_the_workers_with_a_final_checkpoint(
 
     with pytest.raises(ValueError, match="is a snapshot of BambooStrategy's checkpoint fallback"):
         consolidate_checkpoint(fb.folder(root, 3))  # layers only: not what fit(ckpt_path=...) resumes
-    stopped = root / "stop-step=3.ckpt"
-    assert f"[bamboo] stop checkpoint step=3 path={stopped}" in log
+    stopped = root / "stop-step=3.ckpt"  # both left after step 3
     merged = consolidate_checkpoint(stopped)
     assert merged.keys() == model.state_dict().keys()
     for key, value in model.state_dict().items():
@@ -370,8 +378,12 @@ def test_an_error_in_user_code_stops_the_job_without_failover(tmp_path: Path, jo
     log = job.log
     assert log.count("Traceback (most recent call last)") == 1, log[-6000:]
     assert log.count('raise ValueError("user bug")') == 1 and log.count("ValueError: user bug\n") == 1
-    assert "[bamboo.launch] member 1 failed with ValueError: user bug (an error of the training code" in log
-    assert "[bamboo.launch] job stopped (member 1 failed); exit code 1" in log
+    record = job.record
+    error = record["error"]
+    assert (error["member"], error["type"], error["message"]) == (1, "ValueError", "user bug")
+    assert 'raise ValueError("user bug")' in error["traceback"]
+    assert record["stop"] == {"reason": "member 1 failed", "code": 1, "killed": []}  # member 0 left in time
+    assert record["changes"] == [], record["changes"]  # no failover
     assert "[bamboo] member 0: the job is stopping; leaving after step 2" in log
-    assert "[bamboo.launch] failover" not in log and "replaying" not in log, log[-6000:]
+    assert "replaying" not in log, log[-6000:]
     assert not any(alive(pid) for pid in pids)

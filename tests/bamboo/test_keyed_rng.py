@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from lightning_bamboo.pipeline.layout import StageLayout
 from lightning_bamboo.pipeline.microbatch import microbatch_shares, split_microbatches
 from lightning_bamboo.schedule import build_1f1b
 from tests.bamboo.launch import snapshot
+from tests.bamboo.launch_record import worker_events
 from tests.bamboo.pipe_mlp import make_data
 from tests.bamboo.pipe_runs import STEPS
 from tests.bamboo.pipe_variants import WithDropout
@@ -296,11 +296,11 @@ def test_failover_with_dropout_equals_the_uninterrupted_run(
     fused (each layer still keyed by its index in the body) and trains on: every parameter and optimizer
     state ends bit for bit where the uninterrupted run ends. (With one key for the fused position, it does
     not.)"""
-    from tests.bamboo.test_elastic import run_elastic
+    from tests.bamboo.test_elastic import launched, run_elastic
 
-    log = run_elastic(tmp_path, nproc=3, stages=3, fault="1:2:forward", extra_args=("--variant", "dropout"))
-    assert "failover: lost [1]" in log
-    assert "pipe0  m0      m0      m2" in log
+    run_elastic(tmp_path, nproc=3, stages=3, fault="1:2:forward", extra_args=("--variant", "dropout"))
+    record = launched(tmp_path)
+    assert record.summary() == [("failover", [1])] and record.grids() == [[[0, 0, 2]]]
     assert_bitwise_equal(elastic_finals(tmp_path), uninterrupted_dropout)
     # dropout was on: the same model without it (strategy="auto") ends elsewhere
     first = "own/pipeline.0.weight"
@@ -315,15 +315,16 @@ def test_checkpoint_fallback_with_dropout_equals_the_uninterrupted_run(
     """Members 1 and 2 die together in step 5: member 0 alone loads the last checkpoint, re-runs the steps
     since it (keyed by their own step numbers) with all three stages fused, replays step 5: bit for bit the
     uninterrupted run."""
-    from tests.bamboo.test_elastic import run_elastic
+    from tests.bamboo.test_elastic import launched, run_elastic
+    from tests.bamboo.test_elastic_fallback import loaded_step
 
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    args = ("--variant", "dropout", "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt))
-    log = run_elastic(out, nproc=3, stages=3, fault="1+2:5:exchange", extra_args=args)
-    assert "pipe0  m0      m0      m0" in log
-    found = re.search(r"fallback: loaded checkpoint step=(\d+) .* re-ran steps (\d+)\.\.(\d+)", log)
-    assert found, log[-3000:]
-    assert int(found.group(1)) in (2, 4)
+    args = ("--variant", "dropout", "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt), "--events")
+    run_elastic(out, nproc=3, stages=3, fault="1+2:5:exchange", extra_args=args)
+    record = launched(out)
+    assert record.summary() == [("fallback", [1, 2])] and record.grids() == [[[0, 0, 0]]]
+    (fallback,) = worker_events(out, 0, "on_fallback")
+    assert loaded_step(fallback) in (2, 4) and fallback["step"] == 5
     assert_bitwise_equal(elastic_finals(out), uninterrupted_dropout)
 
 
@@ -379,8 +380,10 @@ def test_losing_a_whole_pipeline_with_dropout_equals_the_uninterrupted_run(
     from tests.bamboo.test_elastic import TOL
 
     reference, reference_ledger = uninterrupted_2x2
+    from tests.bamboo.test_elastic import launched
+
     got, log = _two_by_two_dropout(tmp_path, fault)
-    assert "failover: lost [2, 3]" in log, log[-3000:]
+    assert launched(tmp_path).summary() == [("failover", [2, 3])], log[-3000:]
     assert set(got) == set(reference)
     for key, value in reference.items():
         torch.testing.assert_close(got[key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}")

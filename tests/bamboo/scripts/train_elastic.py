@@ -11,6 +11,8 @@ order: ``--shuffle``, ``--epochs``, ``--no-distributed-sampler`` set it up); it 
 fixed permutation of them, the order most exactness tests were written for).
 ``--save-ckpt PATH`` saves ``trainer.save_checkpoint(PATH)`` after ``fit`` (a Bamboo folder, or auto's file).
 ``--ledger PATH`` adds a :class:`~lightning_bamboo.ledger.BambooLedger` writing there.
+``--events`` adds a :class:`~lightning_bamboo.callbacks.BambooEventLog`: each member's Bamboo events in
+``<out>/events/events-member{m}.jsonl``.
 ``--aws-endpoints U0,U1,..`` gives member ``m`` its own (fake) IMDSv2 ``U<m>`` polled by ``BambooNotices``
 (an announced departure drains it); members record their Bamboo hook calls and metrics in
 ``<out>/events_member{m}.json`` (see ``tests/bamboo/drain_callbacks.py``). A member that left writes no
@@ -99,6 +101,7 @@ def main() -> None:
     parser.add_argument("--raise-at", default="", help="MEMBER:STEP: its loss raises there")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--ledger", type=Path, default=None, help="a BambooLedger file")
+    parser.add_argument("--events", action="store_true", help="a BambooEventLog writing to <out>/events")
     parser.add_argument("--resume", type=Path, default=None, help="fit(ckpt_path=...)")
     parser.add_argument("--csv", action="store_true", help="a CSVLogger and the progress bar (see above)")
     parser.add_argument("--after-fit", action="store_true", help="record the rank, test, save (see above)")
@@ -158,6 +161,10 @@ def main() -> None:
         holds = [h.split(":") for h in args.hold.split(",") if h]
         mine = [(int(step), until) for member, step, until in holds if int(member) == strategy.member]
         callbacks.append(SignalTarget(args.out, strategy.member, mine))
+    if args.events and isinstance(strategy, BambooStrategy) and not args.aws_endpoints:  # those log already
+        from lightning_bamboo.callbacks import BambooEventLog
+
+        callbacks.append(BambooEventLog(args.out / "events"))
     if args.ledger is not None:
         from lightning_bamboo.ledger import BambooLedger
 
