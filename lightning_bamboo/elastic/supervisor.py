@@ -131,10 +131,8 @@ class Supervisor(Coordinator):
         """Block until all members formed generation 0 (for callers that run :meth:`run` in a thread)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.store.check(["gen0/map", "gen0/formed"]):
-                owners = ms.read_map(self.store, 0)
-                if int(self.store.add("gen0/formed", 0)) >= len(owners.members()):
-                    return
+            if first_formed(self.store):
+                return
             if self.returncode is not None:
                 raise RuntimeError(f"the job ended (exit code {self.returncode}) before generation 0 formed")
             time.sleep(0.05)
@@ -197,7 +195,9 @@ class Supervisor(Coordinator):
         joins with their cost), ``hung`` (members killed for a silent heartbeat), ``error`` (the error of the
         training code that stopped the job), ``stop`` (reason, exit code, members killed for not stopping in
         time: ``None`` until they are gone), ``exits`` (each worker's exit code, negative for a signal,
-        ``None`` while it runs) and ``returncode`` (``None`` while the job runs)."""
+        ``None`` while it runs), ``returncode`` (``None`` while the job runs), ``pids`` (each worker's
+        PID, from when the workers started), ``store`` and ``job`` (where the job's store is: a watcher
+        reads :func:`first_formed` there)."""
         with self._lock:
             return {
                 "changes": list(self.events),
@@ -207,6 +207,9 @@ class Supervisor(Coordinator):
                 "stop": self.stopped,
                 "exits": {str(m): code for m, code in self.local.exits().items()},
                 "returncode": self.returncode,
+                "pids": {str(m): w.proc.pid for m, w in sorted(self.workers.items())},
+                "store": self.store_url,
+                "job": self.job,
             }
 
     def _recorded(self) -> None:
@@ -256,6 +259,7 @@ class Supervisor(Coordinator):
         self.store.set("gen", "0")
         for _ in range(self.nproc):
             self.start_worker()
+        self._recorded()  # the workers' PIDs
         budget = replacements
         try:
             while True:
@@ -297,3 +301,10 @@ class Supervisor(Coordinator):
                 time.sleep(poll)
         finally:
             self.stop_all()
+
+
+def first_formed(store: dist.Store) -> bool:
+    """Whether every member of generation 0 has formed it (its process group is up: training runs)."""
+    if not store.check(["gen0/map", "gen0/formed"]):
+        return False
+    return int(store.add("gen0/formed", 0)) >= len(ms.read_map(store, 0).members())

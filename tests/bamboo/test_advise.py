@@ -23,7 +23,8 @@ from lightning_bamboo.advise.costs_file import RankReport, Run
 from lightning_bamboo.advise.timing import median_of_means, optimizer_state_bytes, step_parts
 from lightning_bamboo.simulate import Prices, load_costs, parse_trace, validate
 from lightning_bamboo.simulate.model import young_daly_interval
-from tests.process import DATA, REPO, launch_env, run_process, run_ranks
+from tests.bamboo.launch_record import NAME, Record, record_env
+from tests.process import DATA, REPO, run_process, run_ranks
 
 FIXTURE = Path(__file__).parent / "data" / "bamboo_preemption_fixture.json"
 
@@ -324,8 +325,9 @@ def test_a_failover_ends_the_probe_and_training_goes_on(tmp_path: Path, fault_st
                        "+trainer.callbacks.advisor._target_=lightning_bamboo.advise.AdvisorProbe",
                        f"+trainer.callbacks.advisor.path={costs_path}", "+trainer.callbacks.advisor.steps=6",
                        "+trainer.callbacks.advisor.warmup_steps=3"],
-                      timeout=240, env=launch_env({"BAMBOO_FAULT": f"1:{fault_step}:forward"})).stdout
-    assert f"failover at step {fault_step}" in out and "`Trainer.fit` stopped: `max_steps=30` reached" in out
+                      timeout=240, env=record_env(tmp_path, f"1:{fault_step}:forward")).stdout
+    assert Record.read(tmp_path / NAME).summary() == [("failover", [1])]
+    assert "`Trainer.fit` stopped: `max_steps=30` reached" in out
     if fault_step > 15:
         live = json.loads(costs_path.read_text())["live"]["bamboo"]
         assert live["steps"] == fault_step - 15  # steps 16..fault_step, none after the failover

@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_bamboo.elastic import store as ms
 from lightning_bamboo.elastic.script_launcher import SupervisorLauncher, script_command
+from lightning_bamboo.elastic.supervisor import first_formed
+from tests.bamboo.launch_record import NAME, Record, record_env, wait_record
 from tests.process import REPO, launch_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_plain.py"
@@ -26,7 +29,7 @@ STEPS = 24
 
 
 class Output:
-    """The lines a process prints, collected by a thread, with a bounded wait for one matching a pattern."""
+    """The lines a process prints, collected by a thread (shown when a test fails)."""
 
     def __init__(self, proc: subprocess.Popen[str]) -> None:
         self.lines: list[str] = []
@@ -38,16 +41,6 @@ class Output:
         for line in proc.stdout:
             self.lines.append(line)
 
-    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                match = re.search(pattern, line)
-                if match:
-                    return match
-            time.sleep(0.05)
-        raise AssertionError(f"no line matching {pattern!r} in {timeout}s:\n{''.join(self.lines)[-4000:]}")
-
     @property
     def text(self) -> str:
         self._thread.join(timeout=10)
@@ -58,14 +51,21 @@ def run_and_kill(out: Path, devices: int, victim: int, *extra: str) -> str:
     """Run the plain script with ``devices`` workers, SIGKILL member ``victim``'s PID from outside a few steps
     into training, and return the output once the script has exited 0."""
     cmd = [sys.executable, str(SCRIPT), str(out), str(STEPS), "0.15", str(devices), *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    path = out / NAME
+    proc = subprocess.Popen(cmd, cwd=REPO, env=record_env(out), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     output = Output(proc)
     worker_pids: list[int] = []
     try:
-        for member in range(devices):
-            worker_pids.append(int(output.wait_for(rf"started member {member} \(pid (\d+)\)", 120).group(1)))
-        output.wait_for(r"^gen 0 ", 180)  # generation 0 formed: training runs
+        # this process supervises the workers: its record names their PIDs once it started them
+        started = wait_record(path, lambda r: len(r["pids"]) == devices, lambda: proc.poll() is None,
+                              time.monotonic() + 120, f"{devices} workers")
+        worker_pids = [started["pids"][str(m)] for m in range(devices)]
+        store = ms.connect(started["store"], started["job"])
+        deadline = time.monotonic() + 180
+        while not first_formed(store):  # generation 0 formed: training runs
+            assert proc.poll() is None and time.monotonic() < deadline, output.text[-4000:]
+            time.sleep(0.1)
         time.sleep(2.0)  # a few steps in
         os.kill(worker_pids[victim], signal.SIGKILL)
         rc = proc.wait(timeout=300)
@@ -76,8 +76,7 @@ def run_and_kill(out: Path, devices: int, victim: int, *extra: str) -> str:
         proc.wait(timeout=30)
     log = output.text
     assert rc == 0, log[-4000:]
-    assert f"this process supervises {devices} workers" in log
-    assert f"failover: lost [{victim}]" in log, log[-4000:]
+    assert Record.read(path).summary() == [("failover", [victim])], log[-4000:]
     return log
 
 

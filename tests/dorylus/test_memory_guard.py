@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import json
-import re
 import time
 import weakref
 from concurrent.futures import Future
@@ -121,13 +120,12 @@ def memory_budget(n_local: int, features: int, edges: int) -> int:
 @pytest.mark.slow
 def test_graph_server_peak_memory_stays_within_budget(tmp_path: Path) -> None:
     """2 graph servers train 6 epochs; each one's peak rise must stay within :func:`memory_budget`."""
-    out = run_script("memory_run.py", ["prepare", str(tmp_path), str(NODES), str(AVG_DEGREE), str(FEATURES)],
-                     timeout=600, cwd=REPO)
-    (partition_dir,) = [line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("PARTITIONS ")]
-    out = run_script("memory_run.py", ["train", partition_dir, str(FEATURES), str(EPOCHS)], timeout=600,
-                     cwd=REPO, nprocs=2)
-    # both servers print to one pipe, so their lines may run together: find each record, not each line
-    servers = [json.loads(record) for record in re.findall(r"MEMORY (\{[^{}]*\})", out)]
+    run_script("memory_run.py", ["prepare", str(tmp_path), str(NODES), str(AVG_DEGREE), str(FEATURES)],
+               timeout=600, cwd=REPO)
+    partition_dir = json.loads((tmp_path / "prepared.json").read_text())["partition_dir"]
+    out = run_script("memory_run.py", ["train", partition_dir, str(FEATURES), str(EPOCHS), str(tmp_path)],
+                     timeout=600, cwd=REPO, nprocs=2)
+    servers = [json.loads((tmp_path / f"memory_rank{r}.json").read_text()) for r in range(2)]
     assert sorted(s["rank"] for s in servers) == [0, 1], out[-3000:]
     for s in servers:
         budget = memory_budget(s["n_local"], s["features"], s["edges"])

@@ -1,11 +1,14 @@
 """Worker script of the memory guard: a graph server's peak resident memory while it trains.
 
-    memory_run.py prepare <cache dir> <nodes> <avg degree> <features>    # partitions into 2; prints the dir
-    memory_run.py train <partition dir> <features> <epochs>               # one graph server (LOCAL_RANK)
+    memory_run.py prepare <cache dir> <nodes> <avg degree> <features>    # partitions into 2
+    memory_run.py train <partition dir> <features> <epochs> <out dir>     # one graph server (LOCAL_RANK)
+
+``prepare`` writes ``<cache dir>/prepared.json`` (``{"partition_dir": ...}``).
 
 ``train`` resets the kernel's high-water mark of resident memory (``/proc/self/clear_refs``) once torch,
 Lightning and the model are imported and built, trains ``<epochs>`` epochs of the 2-layer GCN with dropout,
-and prints ``MEMORY {json}``: how far the server's peak rose above its resident size at the reset, and the
+and writes ``<out dir>/memory_rank{r}.json`` (a file per server: two servers' lines on one shared stdout can
+run together): how far the server's peak rose above its resident size at the reset, and the
 sizes the guard's budget is stated in (its vertices, ghost vertices, edges, feature width).
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -40,7 +44,8 @@ def prepare(cache_dir: str, nodes: int, avg_degree: float, features: int) -> Non
     data = powerlaw_graph(nodes, avg_degree, features, CLASSES, seed=0)
     datamodule = DorylusDataModule(data, num_parts=2, interval_size=INTERVAL_SIZE, cache_dir=cache_dir)
     datamodule.prepare_data()
-    print(f"PARTITIONS {datamodule.resolved_partition_dir()}")
+    record = {"partition_dir": str(datamodule.resolved_partition_dir())}
+    (Path(cache_dir) / "prepared.json").write_text(json.dumps(record))
 
 
 class PeakAboveStart(pl.Callback):
@@ -63,7 +68,7 @@ class PeakAboveStart(pl.Callback):
         self.peak_rise = status_bytes("VmHWM") - self.start_rss
 
 
-def train(partition_dir: str, features: int, epochs: int) -> None:
+def train(partition_dir: str, features: int, epochs: int, out: Path) -> None:
     torch.manual_seed(0)
     datamodule = DorylusDataModule(partition_dir)
     strategy = DorylusStrategy(executor="local", executor_options={"num_workers": 1})
@@ -75,8 +80,8 @@ def train(partition_dir: str, features: int, epochs: int) -> None:
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
     trainer.fit(model, datamodule=datamodule)
-    print("MEMORY " + json.dumps({"rank": trainer.global_rank, "peak_rise": peak.peak_rise, **peak.sizes}),
-          flush=True)
+    record = {"rank": trainer.global_rank, "peak_rise": peak.peak_rise, **peak.sizes}
+    (out / f"memory_rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
 def main() -> None:
@@ -84,7 +89,7 @@ def main() -> None:
     if mode == "prepare":
         prepare(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))
     elif mode == "train":
-        train(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        train(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
     else:
         raise SystemExit(f"mode {mode!r}: expected 'prepare' or 'train'")
 
