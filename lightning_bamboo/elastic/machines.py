@@ -17,6 +17,8 @@ Keys (under the job's prefix, next to those of :mod:`lightning_bamboo.elastic.st
 * ``reports/count``, ``reports/{k}``: what agents saw happen to their workers (JSON: member, exit code), an
   append-only log every coordinator reads from the start, so a coordinator that takes over knows it all.
 * ``job/end``: the job's exit code, written by the coordinator when the job is over (every agent then stops).
+* ``placement/risks``: JSON list of the single machines (or zones) whose loss the replicas cannot cover
+  (:func:`fallback_risks`), written by the coordinator once generation 0 exists.
 
 Leases are judged by the observer's own clock (a counter that stops changing for ``lease`` seconds), so
 machines need no synchronised clocks.
@@ -43,6 +45,7 @@ RENEWALS_PER_LEASE = 6
 
 COORDINATOR = "coordinator"
 CLOSED = "rdzv/closed"
+RISKS = "placement/risks"
 END = "job/end"
 
 

@@ -11,6 +11,7 @@ learnt (exit codes, lost machines, joiners) outlives a term, as it did on the ag
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -301,6 +302,7 @@ class CoordinatorRole:
         if len(zones) > 1:
             domains.update(zones)
         risks = mc.fallback_risks(owners, domains)
+        self.store.set(mc.RISKS, json.dumps(risks))
         covered = "every single machine loss is covered by replicas"
         self.say("placement: " + ("; ".join(risks) if risks else covered))
 
