@@ -66,10 +66,9 @@ from lightning_bamboo.data_order import in_written_order
 from lightning_bamboo.elastic import store as ms
 from lightning_bamboo.elastic.drain import BambooDeparted
 from lightning_bamboo.elastic.fallback import Fallback
-from lightning_bamboo.elastic.formation import Formation, checked_body, checked_module, layer_costs
+from lightning_bamboo.elastic.formation import Formation, checked_module
 from lightning_bamboo.elastic.generation import Generation
 from lightning_bamboo.elastic.membership import LightningSide, Membership, record_exception
-from lightning_bamboo.elastic.reshard import LayerState
 from lightning_bamboo.elastic.script_launcher import SupervisorLauncher
 from lightning_bamboo.events import Events
 from lightning_bamboo.pipeline.microbatch import (
@@ -258,13 +257,9 @@ class BambooStrategy(ParallelStrategy):
                                       self._events, lightning, failure_wait, self._timeout)
         self._membership.backend = process_group_backend
         self._session.runtime = self._membership
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
 
     # ------------------------------------------------------------------ ranks and devices
     @property
@@ -434,31 +429,17 @@ class BambooStrategy(ParallelStrategy):
         wiring.check_setup(trainer, module, self.precision_plugin, self._checkpoint_every)
         fresh = gen.stage is None or module._modules.get(formation.body_attr) is not gen.stage
         if fresh:
-            if fitting:
-                self._loaded.group_names = wiring.param_group_names(module)
-            costs = self._layer_costs
-            attr, body, layout = checked_body(module, self._pipeline_attr, formation.num_stages, costs)
-            formation.prepare(module, attr, body, layout, self.precision_plugin, layer_costs(body, costs))
-            if fitting:
-                assert self._loaded.group_names is not None
-                formation.group_ties(self._loaded.group_names)
+            self._loaded.group_names = wiring.param_group_names(module) if fitting else None
+            formation.prepare(module, self._pipeline_attr, self._layer_costs, self.precision_plugin,
+                              self._loaded.group_names)
         if self._env is not None and self._env.joining and members.elastic:  # a joiner: no process group yet
             members.joining_setup = True
             self._setup_model_and_optimizer(trainer, module)
             return
         owners = members.generation_zero() if gen.owners is None else gen.owners
         members.begin(owners)
-        announce = owners.generation == 0 and self._entries == 1
-        if fresh:  # generation 0: pipeline 0's members hold their stages as built; the others receive them
-            held: dict[int, LayerState] = {}
-            if owners.pipeline_of(members.member) == owners.pipeline_ids()[0]:
-                held = {layer: LayerState(formation.layers[layer])
-                        for layer in formation.layers_of(owners.stages_of(members.member))}
-            gen.held = held
-            formation.form(gen, members.member, self.store, module, None, announce=announce)
-        else:  # a later fit/validate/test/predict with the same Trainer: the layers stay where they are
-            held = formation.holdings(gen, self.optimizers[0] if self.optimizers else None)
-            formation.form(gen, members.member, self.store, module, None, held=held, announce=announce)
+        optimizer = self.optimizers[0] if self.optimizers else None
+        formation.form_at_setup(gen, self.store, module, fresh, optimizer, announce=self._entries == 1)
         if fitting:
             self._setup_model_and_optimizer(trainer, module)
             if members.elastic:

@@ -89,14 +89,17 @@ class Formation:
         self.tie_groups: dict[str, int | None] = {}  # a later use's name -> its tie's param group under auto
 
     # ------------------------------------------------------------------ the body
-    def prepare(self, module: pl.LightningModule, attr: str, body: nn.Sequential, layout: StageLayout,
-                precision: Precision, costs: list[float]) -> None:
-        """Take the checked body (:func:`checked_body`): every layer is converted to the precision's dtype now
-        (any of them may become this member's stage or replica, and layers received from peers take their
-        template's dtype), tied parameters are untied into one copy per use."""
+    def prepare(self, module: pl.LightningModule, pipeline_attr: str | None, costs: Sequence[float] | None,
+                precision: Precision, group_names: list[list[str]] | None) -> None:
+        """Take the module's body once it passed :func:`checked_body`: every layer is converted to the
+        precision's dtype now (any of them may become this member's stage or replica, and layers received
+        from peers take their template's dtype), tied parameters are untied into one copy per use, and, when
+        fitting (``group_names``: the whole model's param groups, read before the split), each tie's later
+        uses go in its first use's param group."""
+        attr, body, layout = checked_body(module, pipeline_attr, self.num_stages, costs)
         self.body_attr = attr
         self.stage_layers = layout.stage_layers
-        rank_zero_info(f"BambooStrategy layout:\n{layout.describe(costs=costs)}")
+        rank_zero_info(f"BambooStrategy layout:\n{layout.describe(costs=layer_costs(body, costs))}")
         warn_batch_statistics(module, attr, body, self.num_microbatches)
         precision.convert_module(body)
         self.ties = find_ties(body)
@@ -108,10 +111,8 @@ class Formation:
                            "copy, their gradients are summed before every step)")
         self.layers = {i: body[i] for i in range(len(body))}
         self.body_length = len(body)
-
-    def group_ties(self, whole_group_names: list[list[str]]) -> None:
-        """Each tie's later uses go in its first use's param group (read before the split)."""
-        self.tie_groups = first_use_groups(self.ties, self.body_attr, whole_group_names)
+        if group_names is not None:
+            self.tie_groups = first_use_groups(self.ties, self.body_attr, group_names)
 
     def replica_stages(self, owners: OwnershipMap, member: int) -> list[int]:
         """The stages ``member`` holds a replica of (none without ``redundancy``: a loss then needs the
@@ -131,6 +132,23 @@ class Formation:
         return self.layers[layer]
 
     # ------------------------------------------------------------------ a generation
+    def form_at_setup(self, gen: Generation, store: dist.Store, module: pl.LightningModule, fresh: bool,
+                      optimizer: Optimizer | None, announce: bool) -> None:
+        """Form ``gen.owners`` at setup: a ``fresh`` body (generation 0) is held as built by pipeline 0's
+        members and sent to the others; a later fit/validate/test/predict with the same Trainer keeps the
+        layers where they are. ``announce``: the first entry point logs generation 0's schedule."""
+        owners, member = gen.owners, gen.member
+        assert owners is not None
+        announce = announce and owners.generation == 0
+        if not fresh:
+            self.form(gen, member, store, module, None, held=self.holdings(gen, optimizer), announce=announce)
+            return
+        gen.held = {}
+        if owners.pipeline_of(member) == owners.pipeline_ids()[0]:
+            own = self.layers_of(owners.stages_of(member))
+            gen.held = {layer: LayerState(self.layers[layer]) for layer in own}
+        self.form(gen, member, store, module, None, holdings=self.holdings(gen, optimizer), announce=announce)
+
     def form(
         self,
         gen: Generation,
