@@ -14,7 +14,6 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_bamboo.broadcast import broadcast_json
-from lightning_bamboo.events import drain_with_checkpoint, fire
+from lightning_bamboo.events import Drains, drain_with_checkpoint, fire
 from lightning_bamboo.notices.base import Notice
 from lightning_bamboo.notices.config import build_watcher
 from lightning_bamboo.notices.watcher import NoticeWatcher
@@ -211,7 +210,7 @@ class BambooNotices(Callback):
     stepped the optimizer) every rank contributes its "warned" flag to a tiny all-reduce on a dedicated
     gloo group, issued without waiting (``async_op``) and read at the following boundary, so a step never
     waits on it. When ranks are warned, every rank fires ``on_preemption_notice`` with the warned rank's
-    notice, then calls the strategy's ``_drain_all(ranks)`` once: the elastic runtime's announced departure
+    notice, then calls the strategy's public ``drain(ranks)`` once: the elastic runtime's announced departure
     (:mod:`lightning_bamboo.elastic.drain`), or, without a failover runtime,
     :func:`lightning_bamboo.events.drain_with_checkpoint` (checkpoint, then stop).
 
@@ -318,7 +317,6 @@ class BambooNotices(Callback):
 
     def _act(self, trainer: pl.Trainer, ranks: list[int], local: Notice | None) -> None:
         strategy = trainer.strategy
-        emit = getattr(strategy, "_emit", None) or partial(fire, trainer)
         notices: dict[int, Notice] = {}
         for rank in ranks:
             notice = local
@@ -327,11 +325,10 @@ class BambooNotices(Callback):
                 notice = Notice(**broadcast_json(mine, rank, torch.device("cpu"), group=self._group))
             assert notice is not None
             notices[rank] = notice
-            emit("on_preemption_notice", notice=notice, step=trainer.global_step)
+            fire(trainer, "on_preemption_notice", notice=notice, step=trainer.global_step)
         self.drained.extend(ranks)
-        drain_all = getattr(strategy, "_drain_all", None)
-        if callable(drain_all):  # a Bamboo strategy: all ranks warned at this boundary leave together
-            drain_all(ranks, self.checkpoint_dir, notices)
+        if isinstance(strategy, Drains):  # Bamboo: all ranks warned at this boundary leave together
+            strategy.drain(ranks, self.checkpoint_dir, notices)
             return
         for rank in ranks:
             drain_with_checkpoint(trainer, rank, self.checkpoint_dir)

@@ -1,15 +1,16 @@
 """Bamboo's runtime events (notice, failover, rejoin, fallback) fired on the user's callbacks.
 
-The strategy calls ``self._emit(name, **payload)`` once per event (on every rank that takes part); each
-callback of the trainer that has a method ``name`` gets ``(trainer, pl_module, **payload)``. Payloads are
-checked here so a hook never sees a half-filled event.
+The strategy fires each event once (on every rank that takes part) through its :class:`Events` object (public:
+``BambooStrategy.emit(name, **payload)``); each callback of the trainer that has a method ``name`` gets
+``(trainer, pl_module, **payload)``. Payloads are checked here so a hook never sees a half-filled event.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -82,43 +83,43 @@ def drain_with_checkpoint(trainer: pl.Trainer, rank: int, checkpoint_dir: str | 
         )
         trainer.save_checkpoint(path)
         trainer.should_stop = True
-        strategy = trainer.strategy
-        emit = getattr(strategy, "_emit", None)
-        if callable(emit):
-            emit("on_fallback", checkpoint_path=str(path))
-        else:
-            fire(trainer, "on_fallback", checkpoint_path=str(path))
+        fire(trainer, "on_fallback", checkpoint_path=str(path))
     return path
 
 
-class BambooEventsMixin:
-    """What ``BambooStrategy`` adds for events: ``_emit`` (fire a hook) and ``_drain`` (leave a rank).
+class Events:
+    """The strategy's event bus: fires an event on the trainer's callbacks, and the step's phases unless
+    they are muted (a fallback re-runs old steps whose phases already fired).
 
-    The failover runtime overrides ``_drain_all`` to hand the ranks' stages to their predecessors; this
-    default checkpoints and stops (no step lost, but the job must be resumed).
+    ``trainer`` returns the trainer whose callbacks get the events (``None`` before one is attached).
     """
 
-    def _emit(self, name: str, **payload: Any) -> int:
+    def __init__(self, trainer: Callable[[], pl.Trainer | None]) -> None:
+        self._trainer = trainer
+        self.muted = False
+
+    def emit(self, name: str, **payload: Any) -> int:
         """Fire event ``name`` on the trainer's callbacks (see :func:`fire`)."""
-        module = self.lightning_module  # type: ignore[attr-defined]
-        if module is None:
+        trainer = self._trainer()
+        if trainer is None:
             raise RuntimeError(f"cannot emit {name!r}: the strategy has no LightningModule attached")
-        return fire(module.trainer, name, **payload)
+        return fire(trainer, name, **payload)
 
-    def _drain(self, rank: int, checkpoint_dir: str | Path | None = None) -> None:
-        """Take rank ``rank`` out of training at this step boundary (called on every rank)."""
-        drain_with_checkpoint(self.lightning_module.trainer, rank, checkpoint_dir)  # type: ignore[attr-defined]
+    def phase(self, phase: str, step: int, member: int, **payload: Any) -> None:
+        """``on_step_phase`` at a point of the two-phase step (:data:`OPTIONAL` lists the phases); tests and
+        demos kill a member there (:class:`lightning_bamboo.testing.PhaseFaults`)."""
+        if not self.muted:
+            self.emit("on_step_phase", phase=phase, step=step, member=member, **payload)
 
-    def _drain_all(
+
+@runtime_checkable
+class Drains(Protocol):
+    """A strategy that takes warned ranks out itself (``BambooStrategy.drain``); for any other strategy a
+    warned rank checkpoints and stops (:func:`drain_with_checkpoint`)."""
+
+    def drain(
         self,
         ranks: list[int],
         checkpoint_dir: str | Path | None = None,
         notices: dict[int, Notice] | None = None,
-    ) -> None:
-        """Take every rank in ``ranks`` out at this step boundary (called on every rank, same list).
-
-        ``notices`` maps each rank to the notice that warned it (the failover runtime times its drain from
-        it). This default drains them one by one with :meth:`_drain`.
-        """
-        for rank in ranks:
-            self._drain(rank, checkpoint_dir)
+    ) -> None: ...

@@ -16,24 +16,29 @@ successor's; it then *prepares* in the store; when every member has prepared, th
 and
 to its replica. A failure before the commit aborts the step everywhere (nobody has changed a parameter); after
 it, every survivor applies the step. Survivors therefore always agree on one state, before or after the step;
-what happens next (failover, rejoin, fallback, drain) is :mod:`lightning_bamboo.elastic.runtime`.
+what happens next (failover, rejoin, fallback, drain) is :mod:`lightning_bamboo.elastic.membership`.
 
 Data: every member loads the GLOBAL batch (the sampler is not sharded; ``batch_size`` is the global batch) and
 takes the share of its pipeline under the current layout, so the samples of a step do not depend on how many
 pipelines exist.
+
+The strategy is Lightning's hooks and the glue between them; it holds its parts, each an object with its own
+state: the :class:`~lightning_bamboo.elastic.formation.Formation` (the body's layers, forming a generation),
+the :class:`~lightning_bamboo.elastic.generation.Generation` it formed (owners, view, engine, replica), the
+:class:`~lightning_bamboo.step_session.StepSession` (the step in progress), the
+:class:`~lightning_bamboo.elastic.membership.Membership` (generations, the one retry loop, joins, drains),
+its :class:`~lightning_bamboo.elastic.fallback.Fallback` and the :class:`~lightning_bamboo.events.Events` bus.
 """
 
 from __future__ import annotations
 
 import atexit
-import base64
+import functools
 import logging
-import math
+import operator
 import os
-import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -41,109 +46,52 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.callbacks import Checkpoint, StochasticWeightAveraging
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_bamboo import _private
-from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
-from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
+from lightning_bamboo import _private, wiring
+from lightning_bamboo.broadcast import broadcast_json
 from lightning_bamboo.checkpoint import periodic as fb
 from lightning_bamboo.checkpoint import sharded as ckpt
-from lightning_bamboo.clipping import ClipPlan
-from lightning_bamboo.contract import (
-    _STAGE_MARK,
-    check_contract,
-    check_stage_split,
-    find_pipeline_body,
-    replay_predict,
-    replay_step,
-    warn_batch_statistics,
-)
+from lightning_bamboo.checkpoint.loading import CheckpointLoad
+from lightning_bamboo.contract import find_pipeline_body, replay_step
 from lightning_bamboo.data_order import in_written_order
-from lightning_bamboo.elastic import commit as commit_protocol
 from lightning_bamboo.elastic import store as ms
-from lightning_bamboo.elastic.cutter import GenerationCutter
-from lightning_bamboo.elastic.drain import BambooDeparted, DrainTimer
-from lightning_bamboo.elastic.formation import GenerationFormation
-from lightning_bamboo.elastic.ownership import OwnershipMap
-from lightning_bamboo.elastic.reshard import LayerState
-from lightning_bamboo.elastic.runtime import ElasticRuntime
+from lightning_bamboo.elastic.drain import BambooDeparted
+from lightning_bamboo.elastic.fallback import Fallback
+from lightning_bamboo.elastic.formation import Formation, checked_module
+from lightning_bamboo.elastic.generation import Generation
+from lightning_bamboo.elastic.membership import LightningSide, Membership, record_exception
 from lightning_bamboo.elastic.script_launcher import SupervisorLauncher
-from lightning_bamboo.events import BambooEventsMixin
-from lightning_bamboo.pipeline.layout import StageLayout, estimate_layer_costs
+from lightning_bamboo.events import Events
 from lightning_bamboo.pipeline.microbatch import (
-    batch_size_of,
     check_train_batches,
-    join_microbatches,
-    split_microbatches,
 )
-from lightning_bamboo.pipeline.view import PipelineView, StageAveragingEngine
 from lightning_bamboo.precision import with_pipeline_clipping
 from lightning_bamboo.progress import resumable, skip_first_batches
-from lightning_bamboo.rank_zero import RankZeroDuties
-from lightning_bamboo.replica import ReplicaSync
-from lightning_bamboo.schedule import Action, ActionKind
-from lightning_bamboo.step import PipelinedStep
-from lightning_bamboo.ties import Tie, TiedGradient, aliases, find_ties, first_use_groups, untie
+from lightning_bamboo.step_session import StepSession
+from lightning_bamboo.ties import aliases
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
 
-_STORES: dict[str, dist.Store] = {}
-_ENTRIES: dict[int, int] = {}
+
+def _part(path: str, doc: str) -> Any:
+    """A read-only attribute of the strategy that is an attribute of one of its parts (``"_gen.owners"``):
+    the public name stays on the strategy, the state and behaviour in the part."""
+    return property(operator.attrgetter(path), doc=doc)
 
 
-def _process_store(key: str, connect: Callable[[], dist.Store]) -> dist.Store:
-    """One connection per store and process: rank 0 serves the TCPStore once (a second server on the same
-    port would fail), and every Trainer of the process uses it under its own prefix (:func:`_next_entry`)."""
-    if key not in _STORES:
-        _STORES[key] = connect()
-    return _STORES[key]
-
-
-def _next_entry(store: dist.Store) -> int:
-    """The number of this entry point (fit, validate, ...) on ``store`` in this process: every process of a
-    job runs the same sequence of Trainer calls, so they agree on it without talking."""
-    _ENTRIES[id(store)] = _ENTRIES.get(id(store), 0) + 1
-    return _ENTRIES[id(store)]
-
-
-def _refuse_whole_model_callbacks(trainer: pl.Trainer) -> None:
-    """Refuse, before any step, the callbacks that keep their own copy of the whole model."""
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, StochasticWeightAveraging):
-            raise ValueError(
-                "BambooStrategy does not support StochasticWeightAveraging: the callback copies the whole "
-                "model in its setup hook, before BambooStrategy splits it into stages, and later copies the "
-                "stage's parameters into that copy by position (it would fail with 'shape [32] doesn't "
-                "match [96, 32]' when averaging starts). Train without it, or average consolidated "
-                "checkpoints (lightning_bamboo.consolidate_checkpoint) after training"
-            )
-
-
-def _param_group_names(module: pl.LightningModule) -> list[list[str]]:
-    """The parameter names of each param group ``configure_optimizers`` builds over the whole model (read
-    before the split): an ordinary checkpoint's optimizer state is positional over exactly these groups."""
-    optimizers, _ = _private.init_optimizers(module)
-    if not optimizers:
-        return []
-    names = {id(p): n for n, p in module.named_parameters()}
-    return [[names[id(p)] for p in group["params"]] for group in optimizers[0].param_groups]
-
-
-class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooEventsMixin, ParallelStrategy):
+class BambooStrategy(ParallelStrategy):
     """Pipeline parallelism with Bamboo's redundancy that keeps training when workers are lost or join.
 
     The workers form ``num_stages`` stages x ``workers / num_stages`` data-parallel pipelines (generation 0:
@@ -196,6 +144,51 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
     """
 
     strategy_name = "bamboo"
+    is_distributed = True
+    restore_checkpoint_after_setup = True  # stages and optimizers must exist before their shards load
+
+    # the parts' public state, read-only here
+    owners = _part("_gen.owners", "The current generation's ownership map (``None`` before setup).")
+    view = _part("_gen.view", "This member's view of the current generation (groups, positions).")
+    groups = _part("_gen.view", "The same object as ``view`` (its process groups).")
+    engine = _part("_gen.engine", "The engine running this member's stages' schedule.")
+    replica = _part("_gen.replica", "The successor stage's layers this member keeps current (or ``None``).")
+    replica_sync = _part("_gen.replica_sync", "What keeps ``replica`` equal to the successor's stage.")
+    num_stages = _part("_formation.num_stages", "Pipeline length the job started with.")
+    num_microbatches = _part("_formation.num_microbatches", "Micro-batches per step and pipeline at start.")
+    redundancy = _part("_formation.redundancy", "Whether every stage holds a replica of its successor.")
+    global_microbatches = _part(
+        "_formation.global_microbatches",
+        "How many micro-batches each global batch is cut into: ``num_microbatches`` x the pipelines the job "
+        "started with, fixed for the job (each pipeline runs a consecutive share; dropout masks are keyed by "
+        "the index in the global batch, :mod:`lightning_bamboo.keyed_rng`).",
+    )
+    forward_redundancy = _part(
+        "_formation.forward_redundancy",
+        "Whether steps run the replica forwards (``FR``) now: ``redundancy`` unless "
+        ":meth:`set_forward_redundancy` switched them off.",
+    )
+    stage_layers = _part("_formation.stage_layers", "Stage -> its layers of the body (set at setup).")
+    member = _part("_gen.member", "This worker's id in the job (stable across generations).")
+    pipeline_length = _part("_gen.pipeline_length", "Positions of this member's pipeline now.")
+    num_pipelines = _part("_gen.num_pipelines", "Pipelines of the current generation.")
+    pipeline_index = _part("_gen.pipeline_index", "This member's pipeline's position among them.")
+    stage_index = _part("_gen.stage_index", "The first original stage this member holds.")
+    elastic = _part("_membership.elastic", "Whether a lost worker is survived (a Bamboo supervisor runs it).")
+    process_group_backend = _part("_membership.backend", "``gloo``, ``nccl``, ... (chosen at setup).")
+    failovers = _part("_membership.failovers", "(old map, new map) of every re-form in this fit.")
+    departed = _part("_membership.departed", "This member left by an announced departure.")
+    drain_timer = _part("_membership.drain_timer", "Timings of the drains seen here.")
+    session = _part("_session", "The step session (:class:`~lightning_bamboo.step_session.StepSession`).")
+    full_forward = _part("_session.full_forward", "The whole body's output, collective over the pipeline.")
+    set_forward_redundancy = _part("_session.set_forward_redundancy", "Switch ``FR`` at a step boundary.")
+    emit = _part("_events.emit", "Fire Bamboo event ``name`` on the trainer's callbacks (:mod:`.events`).")
+    drain = _part(
+        "_membership.drain",
+        "Take ``ranks`` out of training at this step boundary (called on every rank with the same ranks by "
+        ":class:`~lightning_bamboo.callbacks.BambooNotices`): an announced departure under a supervisor, "
+        "else checkpoint and stop (:func:`lightning_bamboo.events.drain_with_checkpoint`).",
+    )
 
     def __init__(
         self,
@@ -221,169 +214,72 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
-        if not isinstance(num_stages, int) or num_stages < 1:
-            raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}")
-        if not isinstance(num_microbatches, int) or num_microbatches < 1:
-            raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
-        if replica_device not in ("same", "cpu"):
-            raise ValueError(f"replica_device must be 'same' or 'cpu', got {replica_device!r}")
-        if redundancy and num_stages < 2:
-            raise ValueError(
-                f"redundancy=True needs num_stages >= 2 (a stage replicates its successor), got num_stages "
-                f"({num_stages}); pass redundancy=False"
-            )
+        wiring.check_options(num_stages, num_microbatches, redundancy, replica_device, keyed_rng)
         fb.check_options(checkpoint_every_n_steps, checkpoint_dir, keep_checkpoints)
-        if not isinstance(keyed_rng, bool):
-            raise TypeError(f"keyed_rng must be True or False, got {keyed_rng!r}")
-        self._keyed_rng = keyed_rng
-        self._num_stages = num_stages
-        self._num_microbatches = num_microbatches
-        # global micro-batches per step: num_microbatches x the pipelines of generation 0, fixed for the job
-        self._global_microbatches = num_microbatches
-        self._redundancy = redundancy
-        self._forward_redundancy = redundancy  # FR in the schedule (set_forward_redundancy switches it off)
         self._replica_device_option = replica_device
         self._pipeline_attr = pipeline_attr
         self._layer_costs = list(layer_costs) if layer_costs is not None else None
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
-        self._process_group_backend = process_group_backend
-        self._num_nodes = 1
-        self._checkpoint_options = (checkpoint_every_n_steps, checkpoint_dir, keep_checkpoints)
+        self._checkpoint_every = checkpoint_every_n_steps
         self._heartbeat_interval = heartbeat
         self._hang_timeout = hang_timeout
-        self._failure_wait = failure_wait
         self.drain_on_sigterm = drain_on_sigterm
+        self.num_nodes = 1  # Lightning's connector sets it
         # who this process is: a worker of a Bamboo job (its supervisor's environment), or a rank of a job
         # an outside launcher started (fixed membership, ``_env`` None)
         self._env = ms.WorkerEnv.from_env()
-        self._member = self._env.member if self._env is not None else 0
-        self._nproc = self._env.nproc if self._env is not None else 1
-        self._elastic = self._env is not None  # a supervisor publishes generations (set per fit in setup)
-        self._store: dist.Store | None = None
         self._rng_at_start = torch.get_rng_state()  # set again when an entry point starts (setup_environment)
         self._entries = 0  # fit/validate/test/predict calls in this process (each its own store prefix)
-        self._heartbeat: ms.Heartbeat | None = None
-        self._cutter: GenerationCutter | None = None
-        # the layout and this member's part of it
-        self.owners: OwnershipMap | None = None
-        self.view: PipelineView | None = None
-        self.groups: PipelineView | None = None
-        self.engine: StageAveragingEngine | None = None
-        self.replica: nn.Module | None = None
-        self.replica_sync: ReplicaSync | None = None
-        # a worker counts as its member id until generation 0 forms, so Lightning's rank-zero-only output
-        # while the Trainer is built and fit starts (tips, device summary, warnings) comes from member 0 only
-        self._rank = self._member
-        self._world = 1
-        self._body_attr: str = pipeline_attr or "pipeline"
-        self._stage_module: nn.Module | None = None
-        self._body_length = 0
-        self._layers: dict[int, nn.Module] = {}
-        self._ties: list[Tie] = []  # parameters used by several layers of the body (lightning_bamboo.ties)
-        self._tied: list[TiedGradient] = []  # this generation's reductions of their gradients
-        self._tie_groups: dict[str, int | None] = {}  # a later use's name -> its tie's param group under auto
-        self._held: dict[int, LayerState] = {}
-        self._stage_layers: tuple[range, ...] = ()
-        self._replica_optimizer: Optimizer | None = None
-        # the step in progress
-        self._step = 0
-        self._stashed_grads: list[Tensor | None] | None = None
-        self._clip_plan: ClipPlan | None = None
-        self._window: list[tuple[int, Any]] = []  # (batch_idx, batch) since the last step: accumulation
-        self._window_done = 0  # of those, how many have their gradients accumulated
-        self._window_buffers: list[tuple[Tensor, Tensor]] = []  # buffers as they were when the window began
-        # checkpoints: Lightning's (sharded folders) and the fallback's (periodic DCP)
-        self._checkpointer: fb.PeriodicCheckpointer | None = None
-        # steps since the last complete checkpoint: at most 2N-1 before the step in progress (one write in
-        # flight), plus the step in progress
-        self._ring = fb.BatchRing(2 * checkpoint_every_n_steps + 1 if checkpoint_every_n_steps else 0)
-        self._loaded_path: Path | None = None
-        self._loaded_whole: dict[str, Any] | None = None  # an ordinary .ckpt's whole model, for the replica
-        self._whole_group_names: list[list[str]] | None = None
-        # membership changes (lightning_bamboo.elastic.runtime)
-        self._in_step = 0
-        self._rerunning = False
-        self._created_during_eval: list[nn.Module] = []
-        self.failovers: list[tuple[OwnershipMap, OwnershipMap]] = []
-        self._join_adopted = False  # the last commit adopted a join: form it at the next step boundary
-        self._fallback_path = ""  # the checkpoint folder the last fallback loaded (on_fallback's payload)
-        self._lost_since: float | None = None  # a peer lost after a commit: when (formed at the boundary)
-        self._joining_setup = False  # a joiner before its first step: no collective with the running job
-        self._skip: Any = None  # a joiner's training batch sampler (progress.SkipFirstBatches)
-        self.departed = False  # this member left by an announced departure (it stops after its last step)
-        self._rank_zero = RankZeroDuties()  # rows and progress bar, when this member becomes rank 0
-        self._left = False  # a departed member's fit has ended: it is no rank of the job any more
-        self.drain_timer = DrainTimer()
+        self._loaded = CheckpointLoad()
+        # the parts (before Lightning's __init__: its precision setter hands the session's clipping on)
+        self._events = Events(lambda: self.lightning_module and self.lightning_module.trainer)
+        self._formation = Formation(
+            num_stages, num_microbatches, redundancy, keyed_rng, self._timeout,
+            device=lambda: self.root_device, replica_device=lambda: self.replica_device,
+        )
+        self._gen = Generation(num_stages=num_stages)
+        lightning = LightningSide(
+            module=lambda: self.lightning_module,  # type: ignore[arg-type,return-value]
+            optimizer=lambda: self.optimizers[0],
+            schedulers=lambda: self.lr_scheduler_configs,
+            device=lambda: self.root_device,
+            ranks_changed=self.set_world_ranks,
+        )
+        self._session = StepSession(
+            self._gen, self._formation, self._events,
+            trainer=lambda: self.lightning_module.trainer,  # type: ignore[union-attr]
+            precision=lambda: self.precision_plugin, device=lambda: self.root_device,
+        )
+        self._formation.before_action = self._session.before_action
+        self._fallback = Fallback(checkpoint_every_n_steps, checkpoint_dir, keep_checkpoints, self._formation,
+                                  self._gen, self._session, self._events, lightning)
+        self._membership = Membership(self._env, self._formation, self._gen, self._session, self._fallback,
+                                      self._events, lightning, failure_wait, self._timeout)
+        self._membership.backend = process_group_backend
+        self._session.runtime = self._membership
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
 
-    # ------------------------------------------------------------------ properties
-    @property
-    def num_stages(self) -> int:
-        return self._num_stages
-
-    @property
-    def num_microbatches(self) -> int:
-        return self._num_microbatches
-
-    @property
-    def global_microbatches(self) -> int:
-        """How many micro-batches each global batch is cut into: ``num_microbatches`` x the pipelines the
-        job started with, fixed for the job. Each pipeline runs a consecutive share of them (more each after
-        a pipeline is lost), and their dropout masks are keyed by their index in the global batch
-        (:mod:`lightning_bamboo.keyed_rng`), so they do not depend on how many pipelines share the batch."""
-        return self._global_microbatches
-
-    @property
-    def redundancy(self) -> bool:
-        return self._redundancy
-
-    @property
-    def forward_redundancy(self) -> bool:
-        """Whether steps run the replica forwards (``FR``) now: ``redundancy`` unless
-        :meth:`set_forward_redundancy` switched them off."""
-        return self._forward_redundancy
-
-    @property
-    def stage_layers(self) -> tuple[range, ...]:
-        """Stage -> its layers of the pipeline body (planned at setup; empty before)."""
-        return self._stage_layers
-
-    @property
-    def elastic(self) -> bool:
-        """Whether a lost worker is survived (a Bamboo supervisor runs the job)."""
-        return self._elastic
-
-    @property
-    def store(self) -> dist.Store:
-        """The job's store (membership, commits; the supervisor holds it)."""
-        if self._store is None:
-            raise RuntimeError("the store is connected in setup_distributed")
-        return self._store
-
+    # ------------------------------------------------------------------ ranks and devices
     @property
     @override
     def global_rank(self) -> int:
-        return self._rank
+        return self._membership.rank
 
     @property
     @override
     def is_global_zero(self) -> bool:
         """Rank 0 of the current generation; never a member that drained (it is no rank of the job any more,
         while the member that became rank 0 is)."""
-        return self._rank == 0 and not self._left
+        return self._membership.rank == 0 and not self._membership.left
 
     @property
     @override
     def world_size(self) -> int:
         # a joiner's setup and the start of its first batch run while the others are inside that step: it
         # joins no per-batch collective there (Lightning broadcasts a SIGTERM flag when world_size > 1)
-        return 1 if self._joining_setup else self._world
+        return 1 if self._membership.joining_setup else self._membership.world
 
     @property
     @override
@@ -413,47 +309,11 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         return torch.device("cpu") if self._replica_device_option == "cpu" else self.root_device
 
     @property
-    def member(self) -> int:
-        """This worker's id in the job (stable across generations; a joiner's is >= the initial count)."""
-        return self._member
-
-    @property
-    def pipeline_length(self) -> int:
-        """Positions of this member's pipeline now (shorter than ``num_stages`` after a failover)."""
-        return self.view.num_stages if self.view is not None else self._num_stages
-
-    @property
-    def num_pipelines(self) -> int:
-        return len(self.owners.pipelines) if self.owners is not None else 1
-
-    @property
-    def pipeline_index(self) -> int:
-        if self.owners is None:
-            return 0
-        return self.owners.pipeline_ids().index(self.owners.pipeline_of(self.member))
-
-    @property
-    def stage_index(self) -> int:
-        """The first original stage this member holds."""
-        if self.owners is None:
-            return self._member % self._num_stages
-        return self.owners.stages_of(self.member)[0]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def is_distributed(self) -> bool:
-        return True
+    def store(self) -> dist.Store:
+        """The job's store (membership, commits; the supervisor holds it)."""
+        if self._membership.store is None:
+            raise RuntimeError("the store is connected in setup_distributed")
+        return self._membership.store
 
     @property
     @override
@@ -462,325 +322,9 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         pipeline's share; a failover changes the shares, not the samples of a step). Prediction (no failover
         to plan for): each pipeline predicts its own shard, as DDP ranks do."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.predicting and self.owners is not None:
-            return {"num_replicas": self.num_pipelines, "rank": self.pipeline_index}
+        if trainer is not None and trainer.predicting and self._gen.owners is not None:
+            return {"num_replicas": self._gen.num_pipelines, "rank": self._gen.pipeline_index}
         return {"num_replicas": 1, "rank": 0}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
-    # ------------------------------------------------------------------ launching
-    @override
-    def _configure_launcher(self) -> None:
-        """A plain ``python train.py`` with ``devices=N`` becomes the supervisor of N workers
-        (:mod:`lightning_bamboo.elastic.script_launcher`); a worker of a Bamboo job launches nothing; under
-        an outside
-        launcher (torchrun, SLURM, ...), on several nodes or in one process the ranks are fixed."""
-        self._launcher = None
-        if self._env is not None:
-            return
-        env = self.cluster_environment
-        external = env is not None and env.creates_processes_externally
-        if external or self.num_processes * self.num_nodes <= 1:
-            return
-        if self.num_nodes > 1:
-            assert env is not None
-            self._launcher = _private.SubprocessScriptLauncher(env, self.num_processes, self.num_nodes)
-            return
-        self._launcher = SupervisorLauncher(self.num_processes, self._hang_timeout, preflight=self._preflight)
-
-    @override
-    def setup_environment(self) -> None:
-        # the global generator as fit found it, before reset_seed: what "auto"'s RandomSampler draws from
-        self._rng_at_start = torch.get_rng_state()
-        super().setup_environment()
-        self.setup_distributed()
-
-    def _agreed_rng_state(self) -> Tensor:
-        """The global generator's state at the start of ``fit`` as the first member to ask had it, so every
-        member (a joiner too) draws ``auto``'s shuffle from the same state (:mod:`.data_order`)."""
-        assert self._store is not None
-        mine = base64.b64encode(self._rng_at_start.numpy().tobytes()).decode()
-        agreed = self._store.compare_set("data/rng_at_start", "", mine).decode()
-        return torch.frombuffer(bytearray(base64.b64decode(agreed)), dtype=torch.uint8)
-
-    @override
-    def set_world_ranks(self) -> None:
-        """Lightning's rank-zero-only parts follow this member's rank (it changes with the generation)."""
-        if self._env is None and self.cluster_environment is not None and self.owners is None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-            self._rank = self._member = self.cluster_environment.global_rank()
-            self._world = self._nproc = self.cluster_environment.world_size()
-            if self._nproc > 1:  # devices=1 may be one worker of the launch CLI: checked at fit
-                self._check_world_size()
-        rank_zero_only.rank = utils_rank_zero_only.rank = self._rank  # type: ignore[attr-defined]
-
-    def _check_world_size(self) -> None:
-        if self._nproc % self._num_stages != 0:
-            hint = (
-                " (one process: set Trainer(devices=N), or start workers with python -m "
-                "lightning_bamboo.launch --nproc N)" if self._nproc == 1 else ""
-            )
-            raise ValueError(
-                f"num_stages ({self._num_stages}) does not divide world_size ({self._nproc}): "
-                f"{self._nproc} % {self._num_stages} = {self._nproc % self._num_stages}; "
-                f"world_size must be num_stages x num_pipelines{hint}"
-            )
-
-    def setup_distributed(self) -> None:
-        """Connect to the job's store (the supervisor's, or one served by rank 0 under an outside launcher),
-        start the heartbeat; the process group comes with the generation."""
-        reset_seed()
-        self._entries += 1  # entry points of this strategy object (a later one reuses the layout)
-        self._process_group_backend = self._process_group_backend or (
-            "nccl" if self.root_device.type == "cuda" else "gloo"
-        )
-        if self._env is None:
-            self.set_world_ranks()
-            self._check_world_size()
-        base = self._connect()
-        entry = _next_entry(base)
-        if self._env is None and entry == 1 and self._nproc > 1:  # once per job, at its first entry point
-            rank_zero_info(
-                "Bamboo: the ranks were started by an outside launcher (or Lightning's, on several "
-                "nodes): a lost worker ends the job. Surviving it needs Bamboo's launcher: start the "
-                "script plainly (python train.py, Trainer(devices=N)) or with python -m "
-                "lightning_bamboo.launch"
-            )
-        # the first Trainer entry point of a supervised worker is the elastic one; any later one (a test after
-        # the fit, a second Trainer) runs on the layout it finds, under its own prefix of the store
-        self._elastic = self._env is not None and entry == 1
-        self._store = base if entry == 1 else dist.PrefixStore(f"entry{entry}", base)
-        if self._elastic:
-            assert self._env is not None
-            self._heartbeat = ms.Heartbeat(self._env, self._heartbeat_interval)
-            self._cutter = GenerationCutter(self._env)
-            if not self._env.joining:
-                self._open_shared_loggers()
-            # generation 0's rank before it forms (members 0..N-1 in order; a joiner's id is >= N), so
-            # Lightning's rank-zero-only parts (progress bar, logging) start on one member only
-            self._rank = self._member
-            self.set_world_ranks()
-            self._watch_sigterm()
-
-    def _connect(self) -> dist.Store:
-        """The job's store: the supervisor's; else one TCPStore served by rank 0 (``MASTER_ADDR``/``PORT``,
-        through torch's ``tcp://`` rendezvous, which joins torchrun's agent store when it runs one); a single
-        process keeps it in memory. One connection per process, whatever the number of Trainers in it."""
-        if self._env is not None:
-            url, job = self._env.store_url, self._env.job
-            return _process_store(f"{url}/{job}", lambda: ms.connect(url, job))
-        if self._nproc == 1:
-            return _process_store("local", dist.HashStore)
-        env = self.cluster_environment
-        assert env is not None
-        url = f"tcp://{env.main_address}:{env.main_port}?rank={self._rank}&world_size={self._nproc}"
-
-        def rendezvous() -> dist.Store:
-            store, _, _ = next(dist.rendezvous(url, timeout=self._timeout))
-            return dist.PrefixStore("bamboo", store)
-
-        return _process_store(url, rendezvous)
-
-    def _watch_sigterm(self) -> None:
-        """With ``drain_on_sigterm``, make sure a :class:`BambooNotices` watches for SIGTERM (added before
-        Lightning's ``setup`` hooks). It goes before ``BambooMetrics`` (a drain is counted in its step's
-        metrics) and the checkpoint callbacks (Lightning keeps those last); other callbacks keep their order.
-        """
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if not self.drain_on_sigterm or trainer is None:
-            return
-        callbacks = trainer.callbacks
-        if not any(isinstance(callback, BambooNotices) for callback in callbacks):
-            after = [i for i, c in enumerate(callbacks) if isinstance(c, (BambooMetrics, Checkpoint))]
-            callbacks.insert(after[0] if after else len(callbacks), BambooNotices())
-
-    def _open_shared_loggers(self) -> None:
-        """Give every member of generation 0 the same logger version, opened, so whichever member is rank 0
-        after a failover logs on into the run's one folder (one version per run, every step once).
-
-        Every member reads its loggers' next free version before any creates a folder (a store barrier), then
-        opens the logger (``experiment``: CSVLogger's writer, which would delete a ``metrics.csv`` it found
-        if it were first opened after a failover) before anything is logged (a second barrier). Loggers open
-        their experiment on rank zero only, so every member counts as rank zero while it opens its own (a
-        worker otherwise counts as its member id until generation 0 forms, see ``__init__``).
-        """
-        assert self.lightning_module is not None and self._store is not None
-        loggers = self.lightning_module.trainer.loggers
-        for logger in loggers:
-            _ = logger.version  # CSV/TensorBoard: the next free version; nothing is created yet
-        timeout = self._timeout.total_seconds()
-        ms.store_barrier(self._store, "loggers/versions_read", self._nproc, timeout)
-        rank_zero_only.rank = utils_rank_zero_only.rank = 0  # type: ignore[attr-defined]
-        try:
-            for logger in loggers:
-                _ = logger.experiment
-        finally:
-            rank_zero_only.rank = utils_rank_zero_only.rank = self._rank  # type: ignore[attr-defined]
-        ms.store_barrier(self._store, "loggers/opened", self._nproc, timeout)
-
-    # ------------------------------------------------------------------ setup
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None and self.lightning_module is not None and self._store is not None
-        self.accelerator.setup(trainer)
-        module = self.lightning_module
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        self._check_setup(trainer, module)
-        fresh = self._stage_module is None or module._modules.get(self._body_attr) is not self._stage_module
-        if fresh:
-            if fitting:
-                self._whole_group_names = _param_group_names(module)
-            self._prepare_body(module)
-            if fitting:
-                assert self._whole_group_names is not None
-                self._tie_groups = first_use_groups(self._ties, self._body_attr, self._whole_group_names)
-        if self._env is not None and self._env.joining and self._elastic:
-            self._setup_joiner(trainer)
-            return
-        owners = self._generation_zero() if self.owners is None else self.owners
-        self._init_generation(owners)
-        if fresh:  # generation 0: pipeline 0's members hold their stages as built; the others receive them
-            first = owners.pipeline_ids()[0]
-            self._held = {}
-            if owners.pipeline_of(self.member) == first:
-                self._held = {
-                    layer: LayerState(self._layers[layer])
-                    for s in owners.stages_of(self.member)
-                    for layer in self._stage_layers[s]
-                }
-            self._form(owners, build_optimizers=False)
-        else:  # a later fit/validate/test/predict with the same Trainer: the layers stay where they are
-            self._form(owners, build_optimizers=False, held=self._current_holdings())
-        if fitting:
-            self._setup_model_and_optimizer(trainer, module)
-            if self._elastic:
-                self._check_groups_fit_any_layout()
-            self._build_replica_optimizer()
-            self._start_checkpointer()
-        else:
-            self.model = self.precision_plugin.convert_module(module)
-            self.model_to_device()
-            self.setup_precision_plugin()
-        self._formed(owners.generation)
-        if self._entries == 1:
-            rank_zero_only(print)(f"[bamboo] generation {owners.generation}:\n{owners.format()}", flush=True)
-
-    def _check_setup(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        """Refuse what the pipeline cannot run, before anything is split."""
-        self._check_precision()
-        _refuse_whole_model_callbacks(trainer)
-        if not module.automatic_optimization:
-            raise TypeError(
-                f"BambooStrategy runs the backward pass itself and needs automatic optimization; "
-                f"{type(module).__name__}.automatic_optimization is False"
-            )
-        if trainer.gradient_clip_val and is_overridden("configure_gradient_clipping", module):
-            raise ValueError(
-                "BambooStrategy clips gradients itself (gradient_clip_val / gradient_clip_algorithm: "
-                "each replica must clip exactly as the stage it mirrors); "
-                f"{type(module).__name__}.configure_gradient_clipping is overridden, remove the override"
-            )
-        if trainer.accumulate_grad_batches != 1 and self._checkpoint_options[0] is not None:
-            raise ValueError(
-                "BambooStrategy's checkpoint fallback re-runs whole steps of one batch each: "
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches} with checkpoint_every_n_steps="
-                f"{self._checkpoint_options[0]} is not supported; use one of them"
-            )
-
-    def _check_precision(self) -> None:
-        plugin = self.precision_plugin
-        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
-            raise ValueError(
-                "BambooStrategy does not support precision='16-mixed' (its gradient scaler needs a loss "
-                "scaled on every stage); use '32-true', '64-true' or 'bf16-mixed'"
-            )
-
-    def _prepare_body(self, module: pl.LightningModule) -> None:
-        """Find the body, check the contract, plan which layers make each stage; every layer is converted to
-        the precision's dtype now (any of them may become this member's stage or replica, and layers received
-        from peers take their template's dtype)."""
-        attr, body, layout = self._checked_body(module)
-        self._body_attr = attr
-        self._stage_layers = layout.stage_layers
-        rank_zero_info(f"BambooStrategy layout:\n{layout.describe(costs=self._costs_of(body))}")
-        warn_batch_statistics(module, attr, body, self._num_microbatches)
-        self.precision_plugin.convert_module(body)
-        self._ties = find_ties(body)
-        untie(body, self._ties)  # one copy per use, on every layout (lightning_bamboo.ties)
-        for found in self._ties:
-            stages = sorted({s for s, layers in enumerate(self._stage_layers) for layer in found.layers
-                             if layer in layers})
-            rank_zero_info(f"BambooStrategy: tied {found.describe(attr)} (stages {stages}: each holds a "
-                           "copy, their gradients are summed before every step)")
-        self._layers = {i: body[i] for i in range(len(body))}
-        self._body_length = len(body)
-
-    def _costs_of(self, body: nn.Sequential) -> list[float]:
-        return list(self._layer_costs) if self._layer_costs is not None else estimate_layer_costs(list(body))
-
-    def _plan_stages(self, body: nn.Sequential) -> StageLayout:
-        """Which layers make each stage: contiguous runs of about equal cost (``layer_costs``, estimated)."""
-        if len(body) < self._num_stages:
-            raise ValueError(
-                f"num_stages ({self._num_stages}) is more than the {len(body)} layers of the pipeline body; "
-                f"each stage needs at least one layer"
-            )
-        costs = self._costs_of(body)
-        if len(costs) != len(body):
-            raise ValueError(
-                f"layer_costs has {len(costs)} entries but the pipeline body has {len(body)} layers"
-            )
-        return StageLayout.plan(costs, self._num_stages, self._num_stages)
-
-    def _checked_body(self, module: pl.LightningModule) -> tuple[str, nn.Sequential, StageLayout]:
-        """The body's attribute, the body and its stages' layout, once the module passed every check that
-        needs the module only (the contract, enough layers, no trainable parameter outside the body, a
-        trainable parameter on every stage). Changes nothing: the supervisor of a plain ``python train.py``
-        runs it before any worker starts (:meth:`_preflight`), and every worker again at setup."""
-        attr, body = find_pipeline_body(module, self._pipeline_attr)
-        check_contract(module, attr, body)
-        if getattr(body, _STAGE_MARK, False):
-            raise RuntimeError(
-                f"{type(module).__name__}.{attr} holds only the layers of one stage, left by an earlier "
-                "BambooStrategy run; build a fresh module (e.g. load consolidate_checkpoint(path) into it)"
-            )
-        layout = self._plan_stages(body)
-        check_stage_split(module, attr, body, layout.stage_layers)
-        return attr, body, layout
-
-    def _preflight(self, module: object) -> None:
-        """The supervisor's checks of the user's module before it starts workers (one error, in the script's
-        process, instead of the same traceback from every worker seconds later)."""
-        from lightning.pytorch import LightningModule
-
-        if isinstance(module, LightningModule):
-            self._checked_body(module)
-
-    def _setup_model_and_optimizer(self, trainer: pl.Trainer, module: nn.Module) -> None:
-        """Lightning's model, device, optimizer and precision set-up, shared by members and joiners."""
-        self.model = self.precision_plugin.convert_module(module)
-        self.model_to_device()
-        self.setup_optimizers(trainer)
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"BambooStrategy supports exactly one optimizer, configure_optimizers returned "
-                f"{len(self.optimizers)}"
-            )
-        self._regroup_ties(self.optimizers[0], module._modules[self._body_attr])
-        self.setup_precision_plugin()  # its norm clipping applies the plan agreed before the commit
-        _private.optimizers_to_device(self.optimizers, self.root_device)
-
-    def _start_checkpointer(self) -> None:
-        every, directory, keep = self._checkpoint_options
-        if every is None or directory is None:
-            return
-        fb.check_schedulers(self.lr_scheduler_configs)
-        fb.settings(self.optimizers[0], self.lr_scheduler_configs)  # JSON-ready, or a clear error now
-        job = self._env.job if self._env is not None else "local"
-        self._checkpointer = fb.PeriodicCheckpointer(Path(directory) / job, every, keep, self.member)
 
     @property
     @override
@@ -795,10 +339,134 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         """Lightning's ``gradient_clip_val`` clips by the norm over ALL stages, not this stage only."""
         self._precision_plugin = (
-            None
-            if precision_plugin is None
-            else with_pipeline_clipping(precision_plugin, self._clip_grad_by_global_norm)
+            None if precision_plugin is None else with_pipeline_clipping(precision_plugin, self._session.clip)
         )
+
+    # ------------------------------------------------------------------ launching
+    @override
+    def _configure_launcher(self) -> None:
+        """A plain ``python train.py`` with ``devices=N`` becomes the supervisor of N workers
+        (:mod:`lightning_bamboo.elastic.script_launcher`); a worker of a Bamboo job launches nothing; under
+        an outside launcher (torchrun, SLURM, ...), on several nodes or in one process the ranks are fixed."""
+        self._launcher = None
+        env = self.cluster_environment
+        processes = len(self.parallel_devices or [])
+        if self._env is not None or (env is not None and env.creates_processes_externally):
+            return
+        if processes * self.num_nodes <= 1:
+            return
+        if self.num_nodes > 1:
+            assert env is not None
+            self._launcher = _private.SubprocessScriptLauncher(env, processes, self.num_nodes)
+            return
+        preflight = functools.partial(
+            checked_module, pipeline_attr=self._pipeline_attr, num_stages=self.num_stages,
+            costs=self._layer_costs,
+        )
+        self._launcher = SupervisorLauncher(processes, self._hang_timeout, preflight=preflight)
+
+    @override
+    def set_world_ranks(self) -> None:
+        """Lightning's rank-zero-only parts follow this member's rank (it changes with the generation)."""
+        members = self._membership
+        if self._env is None and self.cluster_environment is not None and self._gen.owners is None:
+            processes = len(self.parallel_devices or [])
+            self.cluster_environment.set_global_rank(self.node_rank * processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * processes)
+            members.rank = members.member = self.cluster_environment.global_rank()
+            members.world = members.nproc = self.cluster_environment.world_size()
+            if members.nproc > 1:  # devices=1 may be one worker of the launch CLI: checked at fit
+                wiring.check_world_size(members.nproc, self._formation.num_stages)
+        wiring.set_rank_zero(members.rank)
+
+    @override
+    def setup_environment(self) -> None:
+        """Connect to the job's store (the supervisor's, or one served by rank 0 under an outside launcher),
+        start the heartbeat; the process group comes with the generation."""
+        # the global generator as fit found it, before reset_seed: what "auto"'s RandomSampler draws from
+        self._rng_at_start = torch.get_rng_state()
+        super().setup_environment()
+        reset_seed()
+        members = self._membership
+        self._entries += 1  # entry points of this strategy object (a later one reuses the layout)
+        members.backend = members.backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        if self._env is None:
+            self.set_world_ranks()
+            wiring.check_world_size(members.nproc, self._formation.num_stages)
+        base = wiring.connect(self._env, self.cluster_environment, members.rank, members.nproc, self._timeout)
+        entry = wiring.next_entry(base)
+        if self._env is None and entry == 1 and members.nproc > 1:  # once per job, at its first entry point
+            rank_zero_info(
+                "Bamboo: the ranks were started by an outside launcher (or Lightning's, on several "
+                "nodes): a lost worker ends the job. Surviving it needs Bamboo's launcher: start the "
+                "script plainly (python train.py, Trainer(devices=N)) or with python -m "
+                "lightning_bamboo.launch"
+            )
+        # the first Trainer entry point of a supervised worker is the elastic one; any later one (a test after
+        # the fit, a second Trainer) runs on the layout it finds, under its own prefix of the store
+        elastic = self._env is not None and entry == 1
+        members.start(base if entry == 1 else dist.PrefixStore(f"entry{entry}", base), elastic,
+                      self._heartbeat_interval)
+        if elastic:
+            assert self._env is not None and self.lightning_module is not None
+            trainer = self.lightning_module.trainer
+            if not self._env.joining:
+                timeout = self._timeout.total_seconds() if self._timeout is not None else 30.0
+                wiring.open_shared_loggers(trainer, self.store, members.nproc, members.rank, timeout)
+            # generation 0's rank before it forms (members 0..N-1 in order; a joiner's id is >= N), so
+            # Lightning's rank-zero-only parts (progress bar, logging) start on one member only
+            members.rank = members.member
+            self.set_world_ranks()
+            wiring.watch_sigterm(trainer, self.drain_on_sigterm)
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        module, formation, members, gen = self.lightning_module, self._formation, self._membership, self._gen
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        wiring.check_setup(trainer, module, self.precision_plugin, self._checkpoint_every)
+        fresh = gen.stage is None or module._modules.get(formation.body_attr) is not gen.stage
+        if fresh:
+            self._loaded.group_names = wiring.param_group_names(module) if fitting else None
+            formation.prepare(module, self._pipeline_attr, self._layer_costs, self.precision_plugin,
+                              self._loaded.group_names)
+        if self._env is not None and self._env.joining and members.elastic:  # a joiner: no process group yet
+            members.joining_setup = True
+            self._setup_model_and_optimizer(trainer, module)
+            return
+        owners = members.generation_zero() if gen.owners is None else gen.owners
+        members.begin(owners)
+        optimizer = self.optimizers[0] if self.optimizers else None
+        formation.form_at_setup(gen, self.store, module, fresh, optimizer, announce=self._entries == 1)
+        if fitting:
+            self._setup_model_and_optimizer(trainer, module)
+            if members.elastic:
+                formation.check_groups_fit_any_layout(module, self.optimizers[0])
+            formation.build_replica_optimizer(gen, module)
+            self._fallback.start(self._env.job if self._env is not None else "local", members.member)
+        else:
+            self.model = self.precision_plugin.convert_module(module)
+            self.model_to_device()
+            self.setup_precision_plugin()
+        members.formed(owners.generation)
+        if self._entries == 1:
+            rank_zero_only(print)(f"[bamboo] generation {owners.generation}:\n{owners.format()}", flush=True)
+
+    def _setup_model_and_optimizer(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """Lightning's model, device, optimizer and precision set-up, shared by members and joiners."""
+        self.model = self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        self.setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"BambooStrategy supports exactly one optimizer, configure_optimizers returned "
+                f"{len(self.optimizers)}"
+            )
+        self._formation.regroup_ties(self.optimizers[0], module._modules[self._formation.body_attr])
+        self.setup_precision_plugin()  # its norm clipping applies the plan agreed before the commit
+        _private.optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -809,11 +477,13 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
             return dataloader
         if isinstance(dataloader, DataLoader):
             source = _private.train_loader_source(trainer)
-            dataloader = in_written_order(dataloader, source, self._agreed_rng_state)
-        if self._joining_setup and self._skip is None:
+            agreed_rng_state = functools.partial(wiring.agreed_rng_state, self.store, self._rng_at_start)
+            dataloader = in_written_order(dataloader, source, agreed_rng_state)
+        members = self._membership
+        if members.joining_setup and members.skip is None:
             # how many batches to skip is known when the joiner forms (on_train_start, before the first fetch)
             loader = skip_first_batches(dataloader, 0)  # type: ignore[arg-type]
-            self._skip = loader.batch_sampler
+            members.skip = loader.batch_sampler
             return loader
         return resumable(dataloader)
 
@@ -825,44 +495,31 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
         _private.restore_loader_states(trainer.fit_loop)  # mid-epoch position, also after an early estimate
-        if self._env is not None and self._env.joining and self.owners is None:
-            self._join(trainer)  # the job's step count comes with the joiner's progress
-        elif not self._rerunning:
-            self._step = trainer.global_step  # a resumed fit goes on counting (checkpoints, random keys)
+        if self._env is not None and self._env.joining and self._gen.owners is None:
+            members = self._membership  # the job's step count comes with the joiner's progress
+            members.joins.join(trainer, members.begin, members.formed, members.skip)
+        elif not self._events.muted:
+            self._session.step = trainer.global_step  # a resumed fit goes on counting (checkpoints, keys)
         # the job's fixed split: num_microbatches x the pipelines at its start, whatever is alive now
-        starting = self._global_microbatches // self._num_microbatches
-        check_train_batches(trainer.train_dataloader, self._num_microbatches, starting)
+        formation = self._formation
+        starting = formation.global_microbatches // formation.num_microbatches
+        check_train_batches(trainer.train_dataloader, formation.num_microbatches, starting)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Remember the batches of the step in progress (more than one with ``accumulate_grad_batches``): a
         failover mid-step runs them again on the next generation."""
-        if self._elastic and self._store is not None and self.lightning_module is not None:
-            self._rank_zero.batch_start(self.lightning_module.trainer, self._store, self.is_global_zero)
-        if not self._window:
-            self._window_buffers = self._buffer_snapshot()
-        self._window.append((batch_idx, batch))
+        members = self._membership
+        if members.elastic and members.store is not None and self.lightning_module is not None:
+            members.rank_zero.batch_start(self.lightning_module.trainer, members.store, self.is_global_zero)
+        self._session.begin_batch(batch_idx, batch)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """This pipeline's share of the global batch through the schedule, then the user's ``training_step``
-        replayed with the pipeline's loss (for logging). A peer lost mid-schedule: the next generation, and
-        the batch again."""
+        replayed with the pipeline's loss (for logging); a lost peer: the next generation, the batch again."""
         assert self.lightning_module is not None
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        while True:
-            since = time.monotonic()
-            try:
-                batch, args, kwargs = self._agreed_batch(args, kwargs)
-                if self._window:
-                    self._window[-1] = (batch_idx, batch)
-                if self._checkpointer is not None:
-                    self._ring.put(self._step, batch_idx, batch)
-                return self._run_schedule_and_replay(self._share(batch), args, kwargs)
-            except Exception as err:
-                if not self._generation_ended(err):
-                    raise
-                self._recover(since)
+        return self._session.train(self.lightning_module, args, kwargs, self._fallback.record)
 
     @override
     def backward(
@@ -872,10 +529,8 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         assert self.lightning_module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        if self._stashed_grads is None:
-            raise RuntimeError("BambooStrategy.backward called without a preceding pipelined training_step")
-        self._add_stashed_grads()
-        self._window_done += 1
+        self._session.add_stashed_grads()
+        self._session.window_done += 1
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -888,82 +543,32 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         model: pl.LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        """The two-phase step; a lost peer leads to the next generation and a replay or a roll-forward."""
-        assert self._store is not None and self.owners is not None
-        self._in_step = self._step
-        self._join_at_boundary()
-        self._maybe_checkpoint()
-        while True:
-            failed = False
-            attempt = time.monotonic()
-            try:
-                result = closure()
-                self._phase("exchange")
-                self._exchange_replica_gradients()
-                self._plan_clipping()
-                outcome = self._prepare_and_wait()
-                self._phase("prepared")
-            except Exception as err:
-                if not self._generation_ended(err):
-                    raise
-                failed = True
-                outcome = self._decide_abort()
-            committed = outcome in (commit_protocol.COMMIT, commit_protocol.COMMIT_JOIN)
-            if not committed and not failed:
-                failed = True  # a peer was lost while this member waited for the outcome
-            if committed:
-                self._phase("commit")
-                output = super().optimizer_step(optimizer, lambda result=result: result, model, **kwargs)
-                self._update_replica(optimizer)
-                self._phase("applied")
-                self._committed(outcome, attempt if failed else None)
-                return output
-            # the batch in flight runs again in ``closure``; the window's earlier ones in ``_recover``
-            self._window_done = max(self._window_done - 1, 0)
-            self._recover(attempt)
+        """The two-phase step (:meth:`StepSession.two_phase`), after forming a generation the last commit
+        adopted (a join, or a peer lost after it) and taking a periodic checkpoint when one is due."""
+        session, members = self._session, self._membership
+        session.in_step = session.step
+        members.join_at_boundary()
+        self._fallback.maybe_checkpoint(members.member)
+
+        def lightning_step(closure: Callable[[], Any]) -> Any:
+            return super(BambooStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
+
+        return session.two_phase(optimizer, closure, lightning_step)
 
     # ------------------------------------------------------------------ evaluation and prediction
-    def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
-        """Forward-only pipeline over the batch's micro-batches; replays ``hook`` with the loss. A peer lost
-        mid-batch: the next generation, and the batch again (evaluation changes no state)."""
-        assert self.lightning_module is not None
-        context = (
-            self.precision_plugin.val_step_context()
-            if hook == "validation_step"
-            else self.precision_plugin.test_step_context()
-        )
-        while True:
-            self._phase("validate")
-            since = time.monotonic()
-            try:
-                assert self.engine is not None
-                batch, args, kwargs = self._agreed_batch(args, kwargs)
-                num = math.gcd(batch_size_of(batch), self._num_microbatches)
-                with context:
-                    loss = self.engine.run_forward(split_microbatches(batch, num))
-                break
-            except Exception as err:
-                if not self._generation_ended(err):
-                    raise
-                self._stop_if_asked()
-                log.warning("Bamboo: %s batch interrupted by a lost peer; re-running it", hook.split("_")[0])
-                self._reform_during_evaluation(since)
-        with replay_step(self.lightning_module, self._body_attr, loss):
-            return getattr(self.lightning_module, hook)(*args, **kwargs)
-
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("validation_step", *args, **kwargs)
+        return _evaluate(self, "validation_step", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("test_step", *args, **kwargs)
+        return _evaluate(self, "test_step", args, kwargs)
 
     @override
     def on_validation_end(self) -> None:
-        for created in self._created_during_eval:
+        for created in self._membership.created_during_eval:
             created.training = True
-        self._created_during_eval = []
+        self._membership.created_during_eval = []
         super().on_validation_end()
 
     @override
@@ -973,75 +578,10 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         The last stage's outputs are broadcast over the pipeline, so every rank returns the predictions of
         its pipeline's batches (each pipeline predicts its own shard of the data, as every DDP rank does).
         """
-        assert self.engine is not None and self.lightning_module is not None
-        module = self.lightning_module
-        batch, args, kwargs = self._agreed_batch(args, kwargs, per_pipeline=True)
-        num = math.gcd(batch_size_of(batch), self._num_microbatches)
-        with self.precision_plugin.predict_step_context():
-            outputs = self._pipeline_outputs(split_microbatches(batch, num), None)
-            with replay_predict(module, self._body_attr, module.pipeline_inputs(batch), outputs):  # type: ignore[operator]
-                return module.predict_step(*args, **kwargs)
-
-    def full_forward(self, inputs: Any) -> Any:
-        """The whole pipeline body's output for ``inputs`` (the body's input, as ``pipeline_inputs`` returns
-        it), on every rank of this rank's pipeline: a forward-only schedule through all stages, no graph.
-
-        For callbacks that need the whole model (printing a sample, greedy generation): calling the module's
-        body on one stage raises, as it holds that stage's layers only. Collective over the pipeline: every
-        rank of the pipeline must call it (Lightning runs callback hooks on every rank); stage 0's
-        ``inputs`` are used and sent to the others. The module's train/eval mode applies (call
-        ``pl_module.eval()`` first for dropout-free outputs, as under any strategy).
-
-        Raises:
-            RuntimeError: before the strategy is set up (no stages yet).
-        """
-        if self.engine is None or self.view is None:
-            raise RuntimeError(
-                "BambooStrategy.full_forward needs the pipeline, which exists once fit/validate/test/predict "
-                "has set the strategy up; call it from a LightningModule or callback hook"
-            )
-        if self.view.num_stages > 1:
-            src = self.view.rank_of_stage(0)
-            inputs = broadcast_batch(inputs, src, self.root_device, group=self.view.pipeline_group)
-        num = math.gcd(batch_size_of(inputs), self._num_microbatches)
-        with self.precision_plugin.forward_context():
-            return self._pipeline_outputs(split_microbatches(inputs, num), _identity)
-
-    def _pipeline_outputs(self, microbatches: list[Any], inputs_fn: Callable[[Any], Any] | None) -> Any:
-        """Run the body over ``microbatches`` (forward only); the joined outputs, on every pipeline rank."""
-        assert self.engine is not None and self.view is not None
-        outputs = self.engine.run_outputs(microbatches, inputs_fn)
-        joined = join_microbatches(outputs) if outputs is not None else None
-        if self.view.num_stages == 1:
-            return joined
-        src = self.view.last_stage_rank
-        return broadcast_batch(joined, src, self.root_device, group=self.view.pipeline_group)
-
-    # ------------------------------------------------------------------ phases of a step
-    def _phase(self, phase: str, **payload: Any) -> None:
-        """Fire ``on_step_phase`` on the trainer's callbacks at a point of the two-phase step (not during a
-        fallback's re-run of old steps). Tests and demos kill a member there
-        (:class:`lightning_bamboo.testing.PhaseFaults`)."""
-        if not self._rerunning:
-            self._emit("on_step_phase", phase=phase, step=self._step, member=self.member, **payload)
-
-    def _before_action(self, action: Action) -> None:
-        if action.kind is ActionKind.FORWARD:
-            self._phase("forward", microbatch=action.microbatch)
+        assert self._gen.engine is not None and self.lightning_module is not None
+        return self._session.predict(self.lightning_module, args, kwargs)
 
     # ------------------------------------------------------------------ Lightning checkpoints
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        """Stages and optimizers must exist before their shards can be loaded."""
-        return True
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This member's stages' tensors only, under their original names (``pipeline.3.weight``)."""
-        assert self.lightning_module is not None
-        return self.lightning_module.state_dict()
-
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer state keyed by parameter NAME, so shards of all stages merge without collisions."""
@@ -1058,45 +598,23 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         # pipeline 0's members write their param groups' names; one file per member, named by its first
         # stage (a member holding several stages after a failover lists all their parameters in it)
         stage = self.stage_index if self.pipeline_index == 0 else None
-        if self._ties:
-            checkpoint[ckpt.TIED_KEY] = self._tie_aliases()
+        if self._formation.ties:
+            checkpoint[ckpt.TIED_KEY] = aliases(self._formation.ties, self._formation.body_attr)
         ckpt.save_sharded(checkpoint, filepath, self.is_global_zero, self.barrier, stage=stage)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read this member's stages (and their optimizer state) and the trainer state; nothing is unpickled.
-
-        ``checkpoint_path`` is a Bamboo checkpoint (a folder, any stage and pipeline count) or an ordinary
-        Lightning ``.ckpt`` file (``torch.load(weights_only=True)``), whose whole model and optimizer state
-        are split into this member's stages and replica by parameter name.
-        """
+        """This member's stages, their optimizer state and the trainer state, from a Bamboo checkpoint folder
+        or an ordinary Lightning ``.ckpt`` (:mod:`lightning_bamboo.checkpoint.loading`)."""
         assert self.lightning_module is not None
-        path = Path(checkpoint_path)
-        self._loaded_path = self._loaded_whole = None
-        if path.is_file():
-            checkpoint, self._loaded_whole = ckpt.load_lightning_checkpoint(
-                path, self.lightning_module, self.optimizers, self._whole_group_names, self._tie_aliases()
-            )
-            return checkpoint
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"checkpoint_path {str(path)!r} does not exist (expected a BambooStrategy checkpoint folder "
-                "or an ordinary Lightning .ckpt file)"
-            )
-        self._loaded_path = path
-        return ckpt.load_sharded(checkpoint_path, self.lightning_module, self.optimizers)
-
-    def _tie_aliases(self) -> dict[str, str]:
-        return aliases(self._ties, self._body_attr)
+        tied = aliases(self._formation.ties, self._formation.body_attr)
+        return self._loaded.load(checkpoint_path, self.lightning_module, self.optimizers, tied)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         assert self.lightning_module is not None
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
-        if self.replica is not None and self._loaded_path is not None:
-            ckpt.load_replica(self._loaded_path, self.replica, self._body_attr, None)
-        if self.replica is not None and self._loaded_whole is not None:
-            ckpt.load_replica_from_memory(self._loaded_whole, self.replica, self._body_attr, None)
+        self._loaded.load_replica(self._gen.replica, self._formation.body_attr, None)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -1104,11 +622,9 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             ckpt.load_named_optimizer_state(self.lightning_module, optimizer, state)
         # the replica of the successor stage is in the same checkpoint: load it rather than transfer it
-        optimizer = self._replica_optimizer
-        if self.replica is not None and optimizer is not None and self._loaded_path is not None:
-            ckpt.load_replica(self._loaded_path, self.replica, self._body_attr, optimizer)
-        if self.replica is not None and optimizer is not None and self._loaded_whole is not None:
-            ckpt.load_replica_from_memory(self._loaded_whole, self.replica, self._body_attr, optimizer)
+        if self._gen.replica_optimizer is not None:
+            gen = self._gen
+            self._loaded.load_replica(gen.replica, self._formation.body_attr, gen.replica_optimizer)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -1118,7 +634,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, name: str | None = None) -> None:
-        if self._joining_setup or not dist.is_initialized():
+        if self._membership.joining_setup or not dist.is_initialized():
             return  # a joiner's setup runs while the others train: nobody to meet
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
@@ -1128,13 +644,13 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         """Broadcast a JSON-representable value (paths, numbers) as bytes; nothing is pickled."""
-        if self._joining_setup or not dist.is_initialized():
+        if self._membership.joining_setup or not dist.is_initialized():
             return obj
         return broadcast_json(obj, src, self.root_device)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        if self._joining_setup or not isinstance(tensor, Tensor):
+        if self._membership.joining_setup or not isinstance(tensor, Tensor):
             return tensor
         return _private.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
@@ -1145,38 +661,31 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
 
     # ------------------------------------------------------------------ the end
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """``fit`` ends with ``exception``: unless a lost peer caused it, record it in the job's store, so the
+        supervisor stops the job with it instead of failing over (:mod:`lightning_bamboo.elastic.crash`)."""
+        super().on_exception(exception)
+        record_exception(self._membership.store, self._membership.member, exception)
+
+    @override
     def teardown(self) -> None:
         """Tell the supervisor this member is done (its heartbeat stops now), leave the process group."""
-        if self._checkpointer is not None:  # a write in flight finishes before the process exits
-            self._checkpointer.wait(strict=False)
-            fb.finalize(self._checkpointer.root)
-            fb.prune(self._checkpointer.root, self._checkpointer.keep)
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
-        if self._cutter is not None:
-            self._cutter.disarm()
-            self._cutter.stop()
-            self._cutter = None
-        if self._store is not None and self._elastic:
-            self._store.set(f"done/{self.member}", "1")
+        self._fallback.finish()  # a write in flight finishes before the process exits
+        self._membership.finish()
         # the process group stays (trainer.save_checkpoint after fit is collective) until the next entry
         # point forms its own, or the interpreter exits (a gloo group left to shutdown can abort the process)
         global _DESTROY_AT_EXIT
         if not _DESTROY_AT_EXIT:
             atexit.register(_destroy_process_group)
             _DESTROY_AT_EXIT = True
-        self._elastic = False
         ParallelStrategy.teardown(self)
-        if self.departed and not self._left:
-            self._leave()
-
-    def _leave(self) -> None:
-        """A drained member's ``fit`` has ended (teardown hooks ran, loggers were finalized): end the process
-        with exit code 0 instead of returning into the script (:class:`BambooDeparted` says why)."""
-        self._left = True
-        rank_zero_only.rank = utils_rank_zero_only.rank = -1  # type: ignore[attr-defined]
-        raise BambooDeparted(self.member, self._step)
+        members = self._membership
+        if members.departed and not members.left:
+            # a drained member's ``fit`` has ended (teardown hooks ran, loggers were finalized): end the
+            # process with exit code 0 instead of returning into the script (BambooDeparted says why)
+            members.left = True
+            wiring.set_rank_zero(-1)
+            raise BambooDeparted(members.member, self._session.step)
 
     @classmethod
     @override
@@ -1200,8 +709,15 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _identity(value: Any) -> Any:
-    return value
+def _evaluate(strategy: BambooStrategy, hook: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """A validation/test step: the forward-only pipeline over the batch's micro-batches
+    (:meth:`StepSession.evaluate`), then ``hook`` replayed with the loss."""
+    module, plugin = strategy.lightning_module, strategy.precision_plugin
+    assert module is not None
+    context = plugin.val_step_context() if hook == "validation_step" else plugin.test_step_context()
+    loss, args, kwargs = strategy.session.evaluate(args, kwargs, context, hook.split("_")[0])
+    with replay_step(module, strategy._formation.body_attr, loss):
+        return getattr(module, hook)(*args, **kwargs)
 
 
 def full_forward(pl_module: pl.LightningModule, inputs: Any, pipeline_attr: str | None = None) -> Any:

@@ -1,7 +1,7 @@
 """Announced departures: a member warned of its preemption leaves an elastic Bamboo job losing no step.
 
 A notice (cloud warning, SIGTERM, injected drain) reaches every member at the same step boundary through
-``BambooNotices`` (its all-reduced flags), and each member calls ``BambooStrategy._drain_all`` with
+``BambooNotices`` (its all-reduced flags), and each member calls ``BambooStrategy.drain`` with
 the same warned ranks, right after step ``k`` committed:
 
 1. every member writes ``gen{g}/leave`` = ``{"members": [...], "step": k}`` (``compare_set``: the first

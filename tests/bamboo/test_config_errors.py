@@ -9,7 +9,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_bamboo import BambooStrategy
+from lightning_bamboo.elastic.formation import checked_body, layer_costs, plan_stages
 from lightning_bamboo.pipeline.microbatch import split_microbatches
+from lightning_bamboo.wiring import check_precision
 
 
 @pytest.mark.parametrize(
@@ -32,17 +34,15 @@ def test_world_size_not_a_multiple_of_stages() -> None:
 
 
 def test_more_stages_than_layers() -> None:
-    strategy = BambooStrategy(num_stages=4)
     body = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"num_stages \(4\) is more than the 3 layers of the pipeline body"):
-        strategy._plan_stages(body)
+        plan_stages(body, 4, layer_costs(body, None))
 
 
 def test_layer_costs_must_cover_every_layer() -> None:
-    strategy = BambooStrategy(num_stages=2, layer_costs=[1.0])
     body = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"layer_costs has 1 entries but the pipeline body has 3 layers"):
-        strategy._plan_stages(body)
+        plan_stages(body, 2, layer_costs(body, [1.0]))
 
 
 def test_microbatches_must_divide_the_batch() -> None:
@@ -69,16 +69,15 @@ def test_sixteen_bit_mixed_precision_is_refused() -> None:
     scaler = torch.amp.GradScaler("cpu")
     strategy = BambooStrategy(precision_plugin=MixedPrecision("16-mixed", "cpu", scaler=scaler))
     with pytest.raises(ValueError, match=r"does not support precision='16-mixed'"):
-        strategy._check_precision()
+        check_precision(strategy.precision_plugin)
 
 
 def test_module_left_with_one_stage_is_refused() -> None:
-    from lightning_bamboo.contract import sub_sequential
-    from lightning_bamboo.strategy import _STAGE_MARK
+    from lightning_bamboo.contract import _STAGE_MARK, sub_sequential
     from tests.bamboo.pipe_mlp import PipeMLP
 
     model = PipeMLP()
     model.pipeline = sub_sequential(model.pipeline, range(3))
     setattr(model.pipeline, _STAGE_MARK, True)
     with pytest.raises(RuntimeError, match=r"PipeMLP.pipeline holds only the layers of one stage"):
-        BambooStrategy()._prepare_body(model)
+        checked_body(model, None, 2, None)

@@ -34,6 +34,7 @@ from lightning_bamboo.elastic import crash
 from lightning_bamboo.elastic.supervisor import Supervisor, _Worker
 from lightning_bamboo.notices.signals import SigtermNoticeSource
 from lightning_bamboo.strategy import BambooStrategy
+from lightning_bamboo.wiring import watch_sigterm
 from tests.bamboo.launch_record import NAME, Record, record_env, wait_record, worker_events
 from tests.bamboo.pipe_mlp import PipeMLP, make_data
 from tests.bamboo.test_elastic import SCRIPT, STEPS, TOL, check_final
@@ -126,9 +127,8 @@ def test_sigterm_drain_is_the_elastic_default_with_an_opt_out() -> None:
         strategy = BambooStrategy(num_stages=2, drain_on_sigterm=drain)
         user = [Callback(), BambooMetrics(), ModelCheckpoint()]
         trainer = SimpleNamespace(callbacks=list(user), strategy=strategy)
-        strategy._lightning_module = SimpleNamespace(trainer=trainer)  # type: ignore[assignment]
-        strategy._watch_sigterm()
-        strategy._watch_sigterm()
+        watch_sigterm(trainer, strategy.drain_on_sigterm)  # type: ignore[arg-type]
+        watch_sigterm(trainer, strategy.drain_on_sigterm)  # type: ignore[arg-type]
         added = [c for c in trainer.callbacks if c not in user]
         assert [type(c) for c in added] == ([BambooNotices] if drain else [])
         assert trainer.callbacks == user[:1] + added + user[1:]  # a drain shows in its step's metrics

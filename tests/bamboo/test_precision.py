@@ -44,7 +44,7 @@ def test_strategy_holds_the_clipping_plugin() -> None:
     assert isinstance(strategy.precision_plugin, PipelineNormClipping)
     strategy.precision_plugin = Precision()  # what Lightning's connector does
     assert isinstance(strategy.precision_plugin, PipelineNormClipping)
-    assert strategy.precision_plugin.pipeline_clip_by_norm == strategy._clip_grad_by_global_norm
+    assert strategy.precision_plugin.pipeline_clip_by_norm == strategy.session.clip
 
 
 @pytest.mark.parametrize(
@@ -68,7 +68,7 @@ def test_trainer_precision_becomes_the_named_bamboo_plugin(
     )
     plugin = strategy.precision_plugin
     assert type(plugin) is getattr(bamboo_precision, named) and type(plugin) in bamboo_precision.ACCEPTED
-    assert isinstance(plugin, extends) and plugin.pipeline_clip_by_norm == strategy._clip_grad_by_global_norm
+    assert isinstance(plugin, extends) and plugin.pipeline_clip_by_norm == strategy.session.clip
     assert getattr(plugin, "precision", precision) == precision
 
 
@@ -79,7 +79,7 @@ def test_a_bamboo_plugin_or_a_subclass_of_one_is_held_as_given() -> None:
     mine = Mine()
     strategy = BambooStrategy(num_stages=2, precision_plugin=mine)
     assert strategy.precision_plugin is mine
-    assert mine.pipeline_clip_by_norm == strategy._clip_grad_by_global_norm
+    assert mine.pipeline_clip_by_norm == strategy.session.clip
 
 
 def test_a_plugin_bamboo_cannot_clip_through_is_refused_naming_the_accepted_ones() -> None:

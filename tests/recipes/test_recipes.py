@@ -84,7 +84,7 @@ def test_elastic_spot_recipe_drains_through_the_elastic_strategy(tmp_path: Path)
     demo = ["notices@trainer.callbacks.notices=fault_demo"]
     cfg = compose_recipe("bamboo_gpt_elastic_spot", tmp_path, demo)
     _, _, trainer = instantiate_components(cfg)
-    assert isinstance(trainer.strategy, BambooStrategy)  # its _drain_all is the announced departure
+    assert isinstance(trainer.strategy, BambooStrategy)  # its drain is the announced departure
     ours = [c for c in trainer.callbacks if isinstance(c, (BambooNotices, BambooMetrics, BambooEventLog))]
     assert [type(c) for c in ours] == [BambooNotices, BambooMetrics, BambooEventLog]
     assert ours[0]._config["faults"] == [{"rank": 1, "at_step": 10, "action": "drain"}]

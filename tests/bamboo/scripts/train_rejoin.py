@@ -60,9 +60,9 @@ class HoldForJoin(Callback):
         strategy = trainer.strategy
         if trainer.global_step != self.step or not isinstance(strategy, BambooStrategy):
             return
-        assert strategy._store is not None and strategy.owners is not None
+        assert strategy.owners is not None
         deadline = time.monotonic() + 300
-        while joining.proposal(strategy._store, strategy.owners.generation) is None:
+        while joining.proposal(strategy.store, strategy.owners.generation) is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no join proposed for generation {strategy.owners.generation} in 300s")
             time.sleep(0.02)
