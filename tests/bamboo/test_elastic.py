@@ -196,17 +196,22 @@ def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if os.environ.get("BAMBOO_TEST_ETCD"):
         yield os.environ["BAMBOO_TEST_ETCD"]
         return
-    out = subprocess.run(
-        ["bash", str(REPO / "scripts" / "services.sh")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-        env={**os.environ, "DORYLUS_SERVICES_DIR": str(tmp_path_factory.mktemp("services"))},
-    ).stdout
+    services = tmp_path_factory.mktemp("services")
+    printed = services / "services.out"  # read even when services.sh times out: the servers it started
+    with printed.open("w") as stdout:
+        proc = subprocess.Popen(["bash", str(REPO / "scripts" / "services.sh")], stdout=stdout,
+                                stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "DORYLUS_SERVICES_DIR": str(services)})
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = printed.read_text()
     pairs = [line.split("=", 1) for line in out.splitlines() if "=" in line]
     pids = [int(value) for key, value in pairs if key == "PID"]  # one per server services.sh started
     try:
+        assert proc.returncode == 0 and "BAMBOO_TEST_ETCD" in dict(pairs), f"services.sh failed:\n{out}"
         yield dict(pairs)["BAMBOO_TEST_ETCD"]
     finally:
         for pid in pids:
