@@ -18,10 +18,7 @@ from torch.optim import Optimizer
 
 from lightning_bamboo.broadcast import broadcast_batch
 from lightning_bamboo.clipping import apply_clipping, plan_clipping
-from lightning_bamboo.contract import (
-    check_replayed_loss,
-    replay_step,
-)
+from lightning_bamboo.contract import check_replayed_loss
 from lightning_bamboo.elastic import commit as commit_protocol
 from lightning_bamboo.pipeline.microbatch import (
     split_microbatches,
@@ -64,7 +61,7 @@ class PipelinedStep:
         """Run the schedule on ``microbatches`` (gradients held aside), then replay the training_step."""
         assert self.engine is not None and self.lightning_module is not None
         loss = self._run_schedule(microbatches)
-        with replay_step(self.lightning_module, self._body_attr, loss):
+        with self._stage_module.replaying(loss):
             output = self.lightning_module.training_step(*args, **kwargs)
         check_replayed_loss(self.lightning_module, output, loss)
         return output

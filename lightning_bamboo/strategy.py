@@ -65,8 +65,6 @@ from lightning_bamboo.contract import (
     check_contract,
     check_stage_split,
     find_pipeline_body,
-    replay_predict,
-    replay_step,
     warn_batch_statistics,
 )
 from lightning_bamboo.data_order import in_written_order
@@ -93,6 +91,7 @@ from lightning_bamboo.progress import resumable, skip_first_batches
 from lightning_bamboo.rank_zero import RankZeroDuties
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import Action, ActionKind
+from lightning_bamboo.seam import StageBody
 from lightning_bamboo.step import PipelinedStep
 from lightning_bamboo.ties import Tie, TiedGradient, aliases, find_ties, first_use_groups, untie
 
@@ -283,7 +282,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         self._rank = self._member
         self._world = 1
         self._body_attr: str = pipeline_attr or "pipeline"
-        self._stage_module: nn.Module | None = None
+        self._stage_module: StageBody | None = None  # the seam in the user's body's place (.seam)
         self._body_length = 0
         self._layers: dict[int, nn.Module] = {}
         self._ties: list[Tie] = []  # parameters used by several layers of the body (lightning_bamboo.ties)
@@ -637,6 +636,8 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
             if fitting:
                 assert self._whole_group_names is not None
                 self._tie_groups = first_use_groups(self._ties, self._body_attr, self._whole_group_names)
+        assert self._stage_module is not None
+        self._stage_module.attach(module)  # the one seam: the body and the two hooks, until teardown
         if self._env is not None and self._env.joining and self._elastic:
             self._setup_joiner(trainer)
             return
@@ -717,6 +718,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
                            "copy, their gradients are summed before every step)")
         self._layers = {i: body[i] for i in range(len(body))}
         self._body_length = len(body)
+        self._stage_module = StageBody(type(module).__name__, attr, self._layers, self._body_length)
 
     def _costs_of(self, body: nn.Sequential) -> list[float]:
         return list(self._layer_costs) if self._layer_costs is not None else estimate_layer_costs(list(body))
@@ -948,7 +950,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
                 self._stop_if_asked()
                 log.warning("Bamboo: %s batch interrupted by a lost peer; re-running it", hook.split("_")[0])
                 self._reform_during_evaluation(since)
-        with replay_step(self.lightning_module, self._body_attr, loss):
+        with self._stage_module.replaying(loss):
             return getattr(self.lightning_module, hook)(*args, **kwargs)
 
     @override
@@ -979,7 +981,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         num = math.gcd(batch_size_of(batch), self._num_microbatches)
         with self.precision_plugin.predict_step_context():
             outputs = self._pipeline_outputs(split_microbatches(batch, num), None)
-            with replay_predict(module, self._body_attr, module.pipeline_inputs(batch), outputs):  # type: ignore[operator]
+            with self._stage_module.predicting(module.pipeline_inputs(batch), outputs):  # type: ignore[operator]
                 return module.predict_step(*args, **kwargs)
 
     def full_forward(self, inputs: Any) -> Any:
@@ -1167,6 +1169,8 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
             atexit.register(_destroy_process_group)
             _DESTROY_AT_EXIT = True
         self._elastic = False
+        if self._stage_module is not None and self.lightning_module is not None:
+            self._stage_module.detach(self.lightning_module)  # the user's hooks; the body keeps the stage
         ParallelStrategy.teardown(self)
         if self.departed and not self._left:
             self._leave()

@@ -17,10 +17,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_bamboo import _private
-from lightning_bamboo.contract import (
-    outside_call_message,
-    sub_sequential,
-)
+from lightning_bamboo.contract import sub_sequential
 from lightning_bamboo.elastic.ownership import OwnershipMap, initial
 from lightning_bamboo.elastic.reshard import LayerState, Resharder, gather, install
 from lightning_bamboo.elastic.store import GLOBAL_MICROBATCHES
@@ -29,11 +26,6 @@ from lightning_bamboo.pipeline.view import PipelineView, StageAveragingEngine
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import Schedule, add_forward_redundancy, build_1f1b, format_grid, rank_program
 from lightning_bamboo.ties import regroup_tied_copies, tied_gradients
-
-if TYPE_CHECKING:
-    pass
-
-from lightning_bamboo.contract import _STAGE_MARK
 
 if TYPE_CHECKING:
     pass
@@ -143,14 +135,7 @@ class GenerationFormation:
         for layer in own_layers:
             self._layers[layer].to(self.root_device)
         self._release_templates(set(own_layers) | set(replica_layers))
-        stage = sub_sequential(self._layers, own_layers)
-        setattr(stage, _STAGE_MARK, True)
-        layers = range(own_layers[0], own_layers[-1] + 1)
-        stage.outside_call_error = outside_call_message(  # type: ignore[attr-defined]
-            self.lightning_module, self._body_attr, layers, self._body_length
-        )
-        self._stage_module = stage
-        self.lightning_module._modules[self._body_attr] = stage
+        stage = self._stage_module.hold({layer: self._layers[layer] for layer in own_layers})  # the seam
         self.replica = sub_sequential(self._layers, replica_layers) if replica_layers else None
         if build_optimizers:
             grouping = self._user_optimizer(stage)
@@ -302,16 +287,13 @@ class GenerationFormation:
             )
 
     def _user_optimizer(self, body: nn.Module) -> Optimizer:
-        """The user's optimizer over ``body`` (``configure_optimizers`` with the pipeline body swapped for
-        it): its param groups, hyper-parameters and which parameter goes in which group are the user's own."""
+        """The user's optimizer over ``body`` (``configure_optimizers`` while the seam presents ``body``'s
+        layers, :meth:`~lightning_bamboo.seam.StageBody.presenting`):
+        its param groups, hyper-parameters and which parameter goes in which group are the user's own."""
         module = self.lightning_module
         assert module is not None
-        stage = module._modules[self._body_attr]
-        module._modules[self._body_attr] = body
-        try:
+        with self._stage_module.presenting(body):
             optimizers, _ = _private.init_optimizers(module)
-        finally:
-            module._modules[self._body_attr] = stage
         if len(optimizers) != 1:
             raise ValueError(f"BambooStrategy supports exactly one optimizer, got {len(optimizers)}")
         self._regroup_ties(optimizers[0], body)

@@ -102,6 +102,24 @@ def test_global_norm_clipping_cpu_replica_and_validation(
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+def test_no_step_writes_into_the_users_module(pipe_bamboo_2: dict[str, Path]) -> None:
+    """The strategy's seam is installed once at setup: from train start to train end (every training and
+    validation batch, replayed steps included) the module's body is one object and its ``__dict__`` holds the
+    same names, on every rank of every case (validation, accumulation, a replica in host memory, ties)."""
+    for case, run in pipe_bamboo_2.items():
+        for rank in range(2):
+            seen = json.loads((run / f"module_rank{rank}.json").read_text())
+            assert [hook for hook, *_ in seen].count("on_train_batch_end") >= STEPS, (case, rank)
+            _, _, body, names = seen[0]
+            assert "pipeline_loss" in names and "pipeline_inputs" in names  # wrapped once, at setup
+            for hook, batch_idx, other, others in seen:
+                where = f"{case} rank {rank} {hook} batch {batch_idx}"
+                assert other == body, f"{where}: the module's body was replaced"
+                assert others == names, f"{where}: __dict__ changed: {sorted(set(others) ^ set(names))}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_bf16_mixed_precision(pipe_references: dict[str, Path], pipe_bamboo_2: dict[str, Path]) -> None:
     """Autocast around every stage forward: close to single-process bf16-mixed, replicas still bit-exact."""
     ref, run = pipe_references["bf16-mixed"], pipe_bamboo_2["bf16-mixed"]
