@@ -41,8 +41,8 @@ class PipelinedStep:
         meet the same labels on the last stage (sent as raw buffers,
         :func:`~lightning_bamboo.broadcast.broadcast_batch`)."""
         batch = args[0] if args else kwargs["batch"]
-        if per_pipeline and self.view is not None and self.view.num_stages > 1:
-            src = self.view.rank_of_stage(0)
+        if per_pipeline and self.view is not None and self.view.num_positions > 1:
+            src = self.view.rank_of_position(0)
             batch = broadcast_batch(batch, src, self.root_device, group=self.view.pipeline_group)
         elif not per_pipeline and self._world > 1 and dist.is_initialized():
             batch = broadcast_batch(batch, 0, self.root_device)
@@ -167,7 +167,7 @@ class PipelinedStep:
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
         view = self.view
-        group = view.pipeline_group if view is not None and view.num_stages > 1 else None
+        group = view.pipeline_group if view is not None and view.num_positions > 1 else None
         clip_val, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
         self._clip_plan = plan_clipping(self._norm_gradients(), clip_val, algorithm, group, self.root_device)
 

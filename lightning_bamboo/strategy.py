@@ -78,6 +78,7 @@ from lightning_bamboo.elastic.reshard import LayerState
 from lightning_bamboo.elastic.runtime import ElasticRuntime
 from lightning_bamboo.elastic.script_launcher import SupervisorLauncher
 from lightning_bamboo.events import BambooEventsMixin
+from lightning_bamboo.pipeline.engine import PipelineEngine
 from lightning_bamboo.pipeline.layout import StageLayout, estimate_layer_costs
 from lightning_bamboo.pipeline.microbatch import (
     batch_size_of,
@@ -85,7 +86,7 @@ from lightning_bamboo.pipeline.microbatch import (
     join_microbatches,
     split_microbatches,
 )
-from lightning_bamboo.pipeline.view import PipelineView, StageAveragingEngine
+from lightning_bamboo.pipeline.view import PipelineView
 from lightning_bamboo.precision import with_pipeline_clipping
 from lightning_bamboo.progress import resumable, skip_first_batches
 from lightning_bamboo.rank_zero import RankZeroDuties
@@ -274,7 +275,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         self.owners: OwnershipMap | None = None
         self.view: PipelineView | None = None
         self.groups: PipelineView | None = None
-        self.engine: StageAveragingEngine | None = None
+        self.engine: PipelineEngine | None = None
         self.replica: nn.Module | None = None
         self.replica_sync: ReplicaSync | None = None
         # a worker counts as its member id until generation 0 forms, so Lightning's rank-zero-only output
@@ -419,7 +420,7 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
     @property
     def pipeline_length(self) -> int:
         """Positions of this member's pipeline now (shorter than ``num_stages`` after a failover)."""
-        return self.view.num_stages if self.view is not None else self._num_stages
+        return self.view.num_positions if self.view is not None else self._num_stages
 
     @property
     def num_pipelines(self) -> int:
@@ -1002,8 +1003,8 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
                 "BambooStrategy.full_forward needs the pipeline, which exists once fit/validate/test/predict "
                 "has set the strategy up; call it from a LightningModule or callback hook"
             )
-        if self.view.num_stages > 1:
-            src = self.view.rank_of_stage(0)
+        if self.view.num_positions > 1:
+            src = self.view.rank_of_position(0)
             inputs = broadcast_batch(inputs, src, self.root_device, group=self.view.pipeline_group)
         num = math.gcd(batch_size_of(inputs), self._num_microbatches)
         with self.precision_plugin.forward_context():
@@ -1014,9 +1015,9 @@ class BambooStrategy(ElasticRuntime, GenerationFormation, PipelinedStep, BambooE
         assert self.engine is not None and self.view is not None
         outputs = self.engine.run_outputs(microbatches, inputs_fn)
         joined = join_microbatches(outputs) if outputs is not None else None
-        if self.view.num_stages == 1:
+        if self.view.num_positions == 1:
             return joined
-        src = self.view.last_stage_rank
+        src = self.view.last_rank
         return broadcast_batch(joined, src, self.root_device, group=self.view.pipeline_group)
 
     # ------------------------------------------------------------------ phases of a step

@@ -21,8 +21,9 @@ from lightning_bamboo.contract import sub_sequential
 from lightning_bamboo.elastic.ownership import OwnershipMap, initial
 from lightning_bamboo.elastic.reshard import LayerState, Resharder, gather, install
 from lightning_bamboo.elastic.store import GLOBAL_MICROBATCHES
+from lightning_bamboo.pipeline.engine import PipelineEngine
 from lightning_bamboo.pipeline.microbatch import microbatch_shares
-from lightning_bamboo.pipeline.view import PipelineView, StageAveragingEngine
+from lightning_bamboo.pipeline.view import create_groups, view_of
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import Schedule, add_forward_redundancy, build_1f1b, format_grid, rank_program
 from lightning_bamboo.ties import regroup_tied_copies, tied_gradients
@@ -142,28 +143,18 @@ class GenerationFormation:
             install(self.optimizers[0], [(layer, self._held[layer]) for layer in own_layers], grouping)
         # groups: one per pipeline (loss broadcast) and one per stage (gradient all-reduce), same order
         # on every member
-        pipeline_groups: dict[int, Any] = {}
-        stage_groups: dict[int, Any] = {}
-        kwargs = {"timeout": self._timeout}
-        for pipeline in owners.pipeline_ids():
-            ranks = [owners.rank_of(m) for m, _ in owners.positions(pipeline)]
-            pipeline_groups[pipeline] = dist.new_group(ranks, **kwargs)
-        if len(owners.pipelines) > 1:
-            for s in range(owners.num_stages):
-                stage_groups[s] = dist.new_group(
-                    sorted(owners.rank_of(m) for m in owners.stage_holders(s)), **kwargs
-                )
+        pipeline_groups, stage_groups = create_groups(owners.pipelines, owners.rank_of, self._timeout)
         holders = [
             (owners.rank_of(m), owners.pipeline_of(m), set(self._layers_of(owners.stages_of(m))))
             for m in owners.members()
         ]
         own_modules = {layer: self._layers[layer] for layer in own_layers}
         self._tied = tied_gradients(self._ties, own_modules, holders, owners.rank_of(me), self._timeout)
-        self.view = PipelineView(owners, me, owners.rank_of, pipeline_groups, stage_groups)
+        self.view = view_of(owners.pipelines, me, owners.rank_of, pipeline_groups, stage_groups)
         self.groups = self.view
         if build_optimizers:
             self._build_replica_optimizer()
-        positions = self.view.num_stages
+        positions = self.view.num_positions
         share = self._microbatch_share()
         schedule = self._schedule(positions)
         if owners.generation == 0 and self._entries == 1:
@@ -173,7 +164,7 @@ class GenerationFormation:
             s: [p for layer in self._stage_layers[s] for p in self._layers[layer].parameters()]
             for s in owners.stages_of(me)
         }
-        self.engine = StageAveragingEngine(
+        self.engine = PipelineEngine(
             stage,
             self.view,
             schedule,  # type: ignore[arg-type]
@@ -226,8 +217,8 @@ class GenerationFormation:
                              "redundancy no member holds a replica to run forward")
         self._forward_redundancy = enabled
         if self.engine is not None and self.view is not None:
-            self.engine.schedule = self._schedule(self.view.num_stages)
-            self.engine.program = rank_program(self.engine.schedule, self.view.stage)
+            self.engine.schedule = self._schedule(self.view.num_positions)
+            self.engine.program = rank_program(self.engine.schedule, self.view.position)
             self.engine.lowered(self.engine.schedule)  # lowered now, not in the next step
 
     def _release_templates(self, held: set[int]) -> None:
@@ -264,7 +255,7 @@ class GenerationFormation:
         replica_layers = [int(name) for name in self.replica._modules]
         layers = [(layer, self._held[layer]) for layer in replica_layers]
         install(self._replica_optimizer, layers, self._replica_optimizer)
-        if self.view is not None and self.view.num_stages > 1:
+        if self.view is not None and self.view.num_positions > 1:
             assert self._stage_module is not None
             self.replica_sync = ReplicaSync(
                 self._stage_module, self.replica, self._replica_optimizer, self.view, self.root_device
