@@ -38,15 +38,9 @@ class BambooGroups:
                 f"layout has num_stages ({layout.num_stages}) x num_pipelines ({layout.num_pipelines}) = "
                 f"{layout.world_size} ranks but the world size is {world}"
             )
-        pipelines = generation_zero(layout)
+        pipelines = layout.generation_zero()
         pipeline_groups, stage_groups = create_groups(pipelines, _itself, timeout)
         return view_of(pipelines, rank, _itself, pipeline_groups, stage_groups)
-
-
-def generation_zero(layout: StageLayout) -> dict[int, dict[int, int]]:
-    """``layout``'s ownership map data before any failover, ranks as members: ``{p: {s: p * S + s}}``."""
-    stages = range(layout.num_stages)
-    return {p: {s: layout.rank_of(p, s) for s in stages} for p in range(layout.num_pipelines)}
 
 
 def _itself(member: int) -> int:

@@ -100,10 +100,8 @@ def test_the_engines_view_is_a_function_of_the_map() -> None:
     assert (first.position, first.num_positions, first.pipeline) == (0, 3, 0)
     assert first.stages == ((0,), (1,), (2,))
     # a fixed layout's generation 0 (BambooGroups.create) is the same function of the same data
-    from lightning_bamboo.pipeline.groups import generation_zero
-
     layout = StageLayout.plan([1.0] * 6, world_size=6, num_stages=3)
-    grid0 = generation_zero(layout)
+    grid0 = layout.generation_zero()
     assert grid0 == initial(3, range(6)).pipelines
     assert view_of(grid0, 4, lambda m: m).ranks == (3, 4, 5)
     with pytest.raises(ValueError, match=r"position 2 of a pipeline with ranks \(0, 1\)"):
