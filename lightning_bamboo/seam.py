@@ -92,9 +92,9 @@ class StageBody(StageSequential):
         if body is self:
             yield
             return
-        saved = OrderedDict(self._modules)
+        saved: dict[str, Any] = dict(self._modules)
         self._modules.clear()
-        self._modules.update(body._modules)
+        self._modules.update({name: layer for name, layer in body._modules.items() if layer is not None})
         try:
             yield
         finally:
@@ -108,7 +108,10 @@ class StageBody(StageSequential):
             setattr(module, self.attr, self)
         if self._saved_hooks:
             return
-        replayed = {"pipeline_inputs": _batch_itself, "pipeline_loss": self._replayed_loss}
+        replayed: dict[str, Callable[..., Any]] = {
+            "pipeline_inputs": _batch_itself,
+            "pipeline_loss": self._replayed_loss,
+        }
         for hook in REQUIRED_HOOKS:
             self._saved_hooks[hook] = module.__dict__.get(hook)
             module.__dict__[hook] = _Hook(self, getattr(module, hook), replayed[hook])

@@ -116,6 +116,9 @@ def test_no_step_writes_into_the_users_module(pipe_bamboo_2: dict[str, Path]) ->
                 where = f"{case} rank {rank} {hook} batch {batch_idx}"
                 assert other == body, f"{where}: the module's body was replaced"
                 assert others == names, f"{where}: __dict__ changed: {sorted(set(others) ^ set(names))}"
+            after, after_body = json.loads((run / f"module_after_fit_rank{rank}.json").read_text())
+            assert set(names) - set(after) == {"pipeline_inputs", "pipeline_loss"}, (case, rank)
+            assert set(after) <= set(names) and after_body == body, (case, rank)  # the body keeps the stage
 
 
 @pytest.mark.multiprocess

@@ -255,6 +255,8 @@ def train(args: argparse.Namespace) -> None:
                    *([ForwardRedundancyOff(set(args.fr_off_steps))] if args.fr_off_steps else [])],
     )
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val, ckpt_path=args.resume)
+    after = [sorted(model.__dict__), id(model.pipeline)]  # teardown gave the module its own hooks back
+    (args.out / f"module_after_fit_rank{trainer.global_rank}.json").write_text(json.dumps(after))
     if args.validate:
         metrics = trainer.validate(model, dataloaders=val, verbose=False)
         if trainer.global_rank == 0:
