@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_bamboo.elastic import store as ms
+from tests.bamboo.module_writes import assert_no_writes
 from tests.process import REPO, launch_env, run_process
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_elastic.py"
@@ -107,6 +108,9 @@ def test_sigkill_middle_stage(tmp_path: Path, elastic_reference: dict[str, torch
     log = run_elastic(tmp_path, nproc=3, stages=3, fault="1:2:forward")
     assert "pipe0  m0      m0      m2" in log
     check_final(tmp_path, elastic_reference)
+    for member in (0, 2):  # the failover re-formed the seam's layers, never the user's module
+        seen = json.loads((tmp_path / f"module_member{member}.json").read_text())
+        assert_no_writes(seen, f"member {member}")
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.bamboo.launch import snapshot
+from tests.bamboo.module_writes import assert_no_writes
 from tests.bamboo.pipe_runs import STEPS, bamboo_args, run_batch
 
 # float64 model: the only differences are summation orders (micro-batches, all-reduce)
@@ -110,12 +111,7 @@ def test_no_step_writes_into_the_users_module(pipe_bamboo_2: dict[str, Path]) ->
         for rank in range(2):
             seen = json.loads((run / f"module_rank{rank}.json").read_text())
             assert [hook for hook, *_ in seen].count("on_train_batch_end") >= STEPS, (case, rank)
-            _, _, body, names = seen[0]
-            assert "pipeline_loss" in names and "pipeline_inputs" in names  # wrapped once, at setup
-            for hook, batch_idx, other, others in seen:
-                where = f"{case} rank {rank} {hook} batch {batch_idx}"
-                assert other == body, f"{where}: the module's body was replaced"
-                assert others == names, f"{where}: __dict__ changed: {sorted(set(others) ^ set(names))}"
+            body, names = assert_no_writes(seen, f"{case} rank {rank}")
             after, after_body = json.loads((run / f"module_after_fit_rank{rank}.json").read_text())
             assert set(names) - set(after) == {"pipeline_inputs", "pipeline_loss"}, (case, rank)
             assert set(after) <= set(names) and after_body == body, (case, rank)  # the body keeps the stage

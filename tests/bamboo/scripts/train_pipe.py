@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_bamboo
 from lightning_bamboo import BambooStrategy
 from lightning_bamboo.checkpoint.sharded import named_optimizer_state
+from tests.bamboo.module_writes import ModuleWrites
 from tests.bamboo.pipe_mlp import make_data
 from tests.bamboo.pipe_variants import VARIANTS, RankNoise, WithState
 
@@ -67,37 +68,6 @@ class Snapshot(Callback):
             for mb, value in strategy.engine.redundant_outputs.items():
                 tensors[f"fr/{mb}"] = value.contiguous().cpu()
         save_file(tensors, str(self.out / f"step{trainer.global_step}_rank{trainer.global_rank}.safetensors"))
-
-
-class ModuleWrites(Callback):
-    """Record, from train start to train end, which object the module's body is and which names its
-    ``__dict__`` holds, at every batch's start and end (validation batches too); written at train end to
-    ``<out>/module_rank{r}.json`` as ``[[hook, batch_idx, id(body), sorted keys], ...]``."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.seen: list[list] = []
-
-    def _record(self, hook: str, pl_module: LightningModule, batch_idx: int = -1) -> None:
-        self.seen.append([hook, batch_idx, id(pl_module.pipeline), sorted(pl_module.__dict__)])
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._record("on_train_start", pl_module)
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx) -> None:
-        self._record("on_train_batch_start", pl_module, batch_idx)
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch,
-                           batch_idx) -> None:
-        self._record("on_train_batch_end", pl_module, batch_idx)
-
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx,
-                                dataloader_idx=0) -> None:
-        self._record("on_validation_batch_end", pl_module, batch_idx)
-
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._record("on_train_end", pl_module)
-        (self.out / f"module_rank{trainer.global_rank}.json").write_text(json.dumps(self.seen))
 
 
 class ForwardRedundancyOff(Callback):
@@ -251,7 +221,8 @@ def train(args: argparse.Namespace) -> None:
         limit_val_batches=1.0 if args.validate else 0,
         gradient_clip_val=args.clip,
         accumulate_grad_batches=args.accumulate,
-        callbacks=[Snapshot(args.out), ModuleWrites(args.out), *checkpointing,
+        callbacks=[Snapshot(args.out), ModuleWrites(lambda t: args.out / f"module_rank{t.global_rank}.json"),
+                   *checkpointing,
                    *([ForwardRedundancyOff(set(args.fr_off_steps))] if args.fr_off_steps else [])],
     )
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val, ckpt_path=args.resume)
