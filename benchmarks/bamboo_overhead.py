@@ -42,6 +42,7 @@ from lightning_bamboo.pipeline.engine import PipelineEngine
 from lightning_bamboo.pipeline.groups import BambooGroups
 from lightning_bamboo.pipeline.layout import StageLayout, estimate_layer_costs
 from lightning_bamboo.pipeline.microbatch import split_microbatches
+from lightning_bamboo.pipeline.view import PipelineView
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import (
     Action,
@@ -301,7 +302,7 @@ class TimedReplicaSync(ReplicaSync):
 
 
 def bamboo_step(
-    args: argparse.Namespace, groups: BambooGroups, redundancy: bool, replica_seconds: list[float]
+    args: argparse.Namespace, groups: PipelineView, redundancy: bool, replica_seconds: list[float]
 ) -> tuple[StepFn, PipelineEngine, TimedReplicaSync | None]:
     """Bamboo's ``PipelineEngine`` over the same stages, driven as ``BambooStrategy`` drives it.
 
@@ -313,14 +314,14 @@ def bamboo_step(
     successor.
     """
     device = torch.device("cpu")
-    layout = groups.layout
-    stage = stage_module(args, layout.stage_layers[groups.stage])
+    layout = plan_layout(args, dist.get_world_size())
+    stage = stage_module(args, layout.stage_layers[groups.position])
     optimizer = make_optimizer(list(stage.parameters()), args)
     schedule = build_1f1b(layout.num_stages, args.microbatches)
     replica, sync = None, None
     if redundancy:
         schedule = add_forward_redundancy(schedule, layout.num_stages, args.microbatches)
-        replica = stage_module(args, layout.stage_layers[layout.successor(groups.stage)])
+        replica = stage_module(args, layout.stage_layers[layout.successor(groups.position)])
         replica_optimizer = make_optimizer(list(replica.parameters()), args)  # the successor's settings
         sync = TimedReplicaSync(stage, replica, replica_optimizer, groups, device, seconds=replica_seconds)
         sync.sync_parameters()

@@ -11,10 +11,10 @@ The contract (the same class also trains under ``strategy="auto"``):
   ``self.pipeline_loss(self.pipeline(self.pipeline_inputs(batch)), batch)`` and log it.
 
 Under Bamboo the strategy computes the loss with the pipeline schedule and then *replays* the user's step
-method with :func:`replay_step`: for the duration of that call ``pipeline_inputs`` returns the batch
-unchanged, the body returns it unchanged and ``pipeline_loss`` returns the loss the schedule computed. So
-``self.log(...)`` calls in the step run once per step on every rank, with the pipeline's loss, and nothing
-is recomputed.
+method through the body it installed in the module's place (:class:`lightning_bamboo.seam.StageBody`): for
+the duration of that call ``pipeline_inputs`` returns the batch unchanged, the body returns it unchanged and
+``pipeline_loss`` returns the loss the schedule computed. So ``self.log(...)`` calls in the step run once per
+step on every rank, with the pipeline's loss, and nothing is recomputed.
 """
 
 from __future__ import annotations
@@ -263,10 +263,11 @@ def pipeline_execution(stage: nn.Module) -> Iterator[None]:
         stage._engine_depth -= 1
 
 
-def outside_call_message(module: LightningModule, attr: str, layers: range, body_length: int) -> str:
-    """The error for a call of a stage's body outside the pipeline, naming what to call instead."""
+def outside_call_message(owner: str, attr: str, layers: range, body_length: int) -> str:
+    """The error for a call of a stage's body outside the pipeline, naming what to call instead (``owner``:
+    the LightningModule's class name)."""
     return (
-        f"{type(module).__name__}.{attr} holds only this process's stage of the pipeline body under "
+        f"{owner}.{attr} holds only this process's stage of the pipeline body under "
         f"BambooStrategy (layers {layers.start}-{layers.stop - 1} of {body_length}); calling it outside the "
         "pipeline schedule (directly or through the module's forward) would run part of the model. To run "
         "the whole body from a callback call trainer.strategy.full_forward(inputs) on every rank of the "
@@ -284,7 +285,7 @@ def check_replayed_loss(module: LightningModule, returned: Any, loss: Tensor) ->
 
     Args:
         module: the user's LightningModule.
-        returned: what its ``training_step`` returned during :func:`replay_step` (a tensor, a mapping with
+        returned: what its ``training_step`` returned during the replay (a tensor, a mapping with
             ``"loss"``, or ``None``: Lightning skips the step).
         loss: the loss the pipeline schedule computed.
 
@@ -307,90 +308,3 @@ def check_replayed_loss(module: LightningModule, returned: Any, loss: Tensor) ->
         "so training_step must return self.pipeline_loss(self.pipeline(self.pipeline_inputs(batch)), batch) "
         "unchanged. Move any extra term (a regularizer, a scale) into pipeline_loss"
     )
-
-
-class _Passthrough(nn.Sequential):
-    """Stands in for the pipeline body during a replay: returns its input, but holds the stage's layers, so
-    ``self.parameters()`` in the step still sees them (and :func:`check_replayed_loss` sees a term added
-    from them, e.g. a regularizer)."""
-
-    def forward(self, x: Any) -> Any:
-        return x
-
-
-@contextmanager
-def replay_step(module: LightningModule, attr: str, loss: Tensor) -> Iterator[None]:
-    """Within the block, the module's pipeline hooks return ``loss`` instead of computing anything.
-
-    Args:
-        module: the user's LightningModule.
-        attr: attribute name of its pipeline body.
-        loss: the loss the pipeline schedule computed for this step.
-    """
-    body = module._modules[attr]
-    saved = {hook: module.__dict__.get(hook) for hook in REQUIRED_HOOKS}
-    module._modules[attr] = _Passthrough(OrderedDict(body._modules) if body is not None else OrderedDict())
-    module.__dict__["pipeline_inputs"] = lambda batch: batch
-    module.__dict__["pipeline_loss"] = lambda outputs, batch: loss
-    try:
-        yield
-    finally:
-        module._modules[attr] = body
-        for hook, value in saved.items():
-            if value is None:
-                module.__dict__.pop(hook, None)
-            else:
-                module.__dict__[hook] = value
-
-
-class _Precomputed(nn.Sequential):
-    """Stands in for the pipeline body while ``predict_step`` is replayed: gives the pipeline's outputs for
-    the batch's body input, and refuses any other input (it would need a forward the pipeline did not run)."""
-
-    def __init__(self, layers: OrderedDict[str, nn.Module], inputs: Any, outputs: Any, owner: str) -> None:
-        super().__init__(layers)
-        self.__dict__["_bamboo_replay"] = (inputs, outputs, owner)
-
-    def forward(self, x: Any) -> Any:
-        inputs, outputs, owner = self.__dict__["_bamboo_replay"]
-        if _same(x, inputs):
-            return outputs
-        raise ValueError(
-            f"{owner}.predict_step called the pipeline body on something other than pipeline_inputs(batch); "
-            "under BambooStrategy predict runs the whole body once over the batch's pipeline_inputs(batch) "
-            "and predict_step gets those outputs. Call the body on pipeline_inputs(batch) only, or run "
-            "another input through trainer.strategy.full_forward(inputs)"
-        )
-
-
-def _same(a: Any, b: Any) -> bool:
-    """``a`` and ``b`` are the same body input (tensors equal in dtype, shape and values; same structure)."""
-    if a is b:
-        return True
-    if isinstance(a, Tensor) and isinstance(b, Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b.to(a.device)))
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return list(a) == list(b) and all(_same(a[key], b[key]) for key in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return False
-
-
-@contextmanager
-def replay_predict(module: LightningModule, attr: str, inputs: Any, outputs: Any) -> Iterator[None]:
-    """Within the block, the module's pipeline body returns ``outputs`` for ``inputs`` (the batch's
-    ``pipeline_inputs``), so the user's ``predict_step`` (or its forward) gets the pipeline's outputs.
-
-    Args:
-        module: the user's LightningModule.
-        attr: attribute name of its pipeline body.
-        inputs: ``pipeline_inputs(batch)`` of the batch being predicted.
-        outputs: the whole body's outputs for the batch (the last stage's, on every rank of the pipeline).
-    """
-    body = module._modules[attr]
-    layers = OrderedDict(body._modules) if body is not None else OrderedDict()
-    module._modules[attr] = _Precomputed(layers, inputs, outputs, type(module).__name__)
-    try:
-        yield
-    finally:
-        module._modules[attr] = body

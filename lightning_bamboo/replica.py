@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 
 from lbd_common import codec
 from lightning_bamboo.pipeline import p2p
-from lightning_bamboo.pipeline.groups import BambooGroups
+from lightning_bamboo.pipeline.view import PipelineView
 
 _MAGIC = 7301.0
 """First value of every replica header (a message of another kind is refused, not misread)."""
@@ -68,7 +68,7 @@ class ReplicaSync:
         stage: nn.Module,
         replica: nn.Module,
         optimizer: Optimizer,
-        groups: BambooGroups,
+        groups: PipelineView,
         device: torch.device,
     ) -> None:
         self.stage = stage

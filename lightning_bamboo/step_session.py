@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_bamboo.broadcast import broadcast_batch
 from lightning_bamboo.clipping import ClipPlan, apply_clipping, plan_clipping
-from lightning_bamboo.contract import check_replayed_loss, replay_predict, replay_step
+from lightning_bamboo.contract import check_replayed_loss
 from lightning_bamboo.elastic.commit import COMMIT, COMMIT_JOIN
 from lightning_bamboo.pipeline.microbatch import batch_size_of, join_microbatches, split_microbatches
 from lightning_bamboo.schedule import Action, ActionKind
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from lightning_bamboo.elastic.formation import Formation
     from lightning_bamboo.elastic.generation import Generation
     from lightning_bamboo.events import Events
+    from lightning_bamboo.seam import StageBody
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -122,7 +123,7 @@ class StepSession:
                 self.window[-1] = (batch_idx, batch)
             record(batch_idx, batch)
             loss = self.run_schedule(self.share(batch))
-            with replay_step(module, self._formation.body_attr, loss):
+            with _seam_of(self._formation).replaying(loss):
                 output = module.training_step(*call_args, **call_kwargs)
             check_replayed_loss(module, output, loss)
             return output
@@ -195,7 +196,7 @@ class StepSession:
         num = math.gcd(batch_size_of(batch), self._formation.num_microbatches)
         with self._precision().predict_step_context():
             outputs = self._outputs(split_microbatches(batch, num), None)
-            with replay_predict(module, self._formation.body_attr, module.pipeline_inputs(batch), outputs):  # type: ignore[operator]
+            with _seam_of(self._formation).predicting(module.pipeline_inputs(batch), outputs):  # type: ignore[operator]
                 return module.predict_step(*args, **kwargs)
 
     def full_forward(self, inputs: Any) -> Any:
@@ -217,8 +218,9 @@ class StepSession:
                 "BambooStrategy.full_forward needs the pipeline, which exists once fit/validate/test/predict "
                 "has set the strategy up; call it from a LightningModule or callback hook"
             )
-        if view.num_stages > 1:
-            inputs = broadcast_batch(inputs, view.rank_of_stage(0), self._device(), group=view.pipeline_group)
+        if view.num_positions > 1:
+            src = view.rank_of_position(0)
+            inputs = broadcast_batch(inputs, src, self._device(), group=view.pipeline_group)
         num = math.gcd(batch_size_of(inputs), self._formation.num_microbatches)
         with self._precision().forward_context():
             return self._outputs(split_microbatches(inputs, num), lambda value: value)
@@ -229,9 +231,9 @@ class StepSession:
         assert engine is not None and view is not None
         outputs = engine.run_outputs(microbatches, inputs_fn)
         joined = join_microbatches(outputs) if outputs is not None else None
-        if view.num_stages == 1:
+        if view.num_positions == 1:
             return joined
-        return broadcast_batch(joined, view.last_stage_rank, self._device(), group=view.pipeline_group)
+        return broadcast_batch(joined, view.last_rank, self._device(), group=view.pipeline_group)
 
     def set_forward_redundancy(self, enabled: bool) -> None:
         """Run the following steps with (``True``, the default) or without (``False``) the eager redundant
@@ -275,8 +277,9 @@ class StepSession:
         :func:`~lightning_bamboo.broadcast.broadcast_batch`)."""
         batch = args[0] if args else kwargs["batch"]
         view = self._gen.view
-        if per_pipeline and view is not None and view.num_stages > 1:
-            batch = broadcast_batch(batch, view.rank_of_stage(0), self._device(), group=view.pipeline_group)
+        if per_pipeline and view is not None and view.num_positions > 1:
+            src = view.rank_of_position(0)
+            batch = broadcast_batch(batch, src, self._device(), group=view.pipeline_group)
         elif not per_pipeline and dist.is_initialized() and dist.get_world_size() > 1:
             batch = broadcast_batch(batch, 0, self._device())
         if args:
@@ -378,7 +381,7 @@ class StepSession:
             self._gen.replica_sync.exchange(optimizer)
         trainer = self._trainer()
         view = self._gen.view
-        group = view.pipeline_group if view is not None and view.num_stages > 1 else None
+        group = view.pipeline_group if view is not None and view.num_positions > 1 else None
         clip_val, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
         self.clip_plan = plan_clipping(self._norm_gradients(), clip_val, algorithm, group, self._device())
 
@@ -412,3 +415,9 @@ class StepSession:
             return
         sync.flush(before_step=lambda grads: apply_clipping(self.clip_plan, grads))
         sync.optimizer.zero_grad(set_to_none=True)  # its gradients are views of a receive buffer
+
+
+def _seam_of(formation: Formation) -> StageBody:
+    """The seam in the user's body's place (set when the body was prepared, before any step)."""
+    assert formation.seam is not None
+    return formation.seam

@@ -61,7 +61,7 @@ from lightning_bamboo.broadcast import broadcast_json
 from lightning_bamboo.checkpoint import periodic as fb
 from lightning_bamboo.checkpoint import sharded as ckpt
 from lightning_bamboo.checkpoint.loading import CheckpointLoad
-from lightning_bamboo.contract import find_pipeline_body, replay_step
+from lightning_bamboo.contract import find_pipeline_body
 from lightning_bamboo.data_order import in_written_order
 from lightning_bamboo.elastic import store as ms
 from lightning_bamboo.elastic.drain import BambooDeparted
@@ -427,11 +427,13 @@ class BambooStrategy(ParallelStrategy):
         module, formation, members, gen = self.lightning_module, self._formation, self._membership, self._gen
         fitting = trainer.state.fn == TrainerFn.FITTING
         wiring.check_setup(trainer, module, self.precision_plugin, self._checkpoint_every)
-        fresh = gen.stage is None or module._modules.get(formation.body_attr) is not gen.stage
+        fresh = formation.seam is None or module._modules.get(formation.body_attr) is not formation.seam
         if fresh:
             self._loaded.group_names = wiring.param_group_names(module) if fitting else None
             formation.prepare(module, self._pipeline_attr, self._layer_costs, self.precision_plugin,
                               self._loaded.group_names)
+        assert formation.seam is not None
+        formation.seam.attach(module)  # the one seam: the body and the two hooks, until teardown
         if self._env is not None and self._env.joining and members.elastic:  # a joiner: no process group yet
             members.joining_setup = True
             self._setup_model_and_optimizer(trainer, module)
@@ -464,7 +466,8 @@ class BambooStrategy(ParallelStrategy):
                 f"BambooStrategy supports exactly one optimizer, configure_optimizers returned "
                 f"{len(self.optimizers)}"
             )
-        self._formation.regroup_ties(self.optimizers[0], module._modules[self._formation.body_attr])
+        assert self._formation.seam is not None
+        self._formation.regroup_ties(self.optimizers[0], self._formation.seam)
         self.setup_precision_plugin()  # its norm clipping applies the plan agreed before the commit
         _private.optimizers_to_device(self.optimizers, self.root_device)
 
@@ -678,6 +681,8 @@ class BambooStrategy(ParallelStrategy):
         if not _DESTROY_AT_EXIT:
             atexit.register(_destroy_process_group)
             _DESTROY_AT_EXIT = True
+        if self._formation.seam is not None and self.lightning_module is not None:
+            self._formation.seam.detach(self.lightning_module)  # the user's hooks; the body keeps the stage
         ParallelStrategy.teardown(self)
         members = self._membership
         if members.departed and not members.left:
@@ -716,7 +721,9 @@ def _evaluate(strategy: BambooStrategy, hook: str, args: tuple, kwargs: dict[str
     assert module is not None
     context = plugin.val_step_context() if hook == "validation_step" else plugin.test_step_context()
     loss, args, kwargs = strategy.session.evaluate(args, kwargs, context, hook.split("_")[0])
-    with replay_step(module, strategy._formation.body_attr, loss):
+    seam = strategy._formation.seam
+    assert seam is not None
+    with seam.replaying(loss):
         return getattr(module, hook)(*args, **kwargs)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,16 +28,16 @@ from lightning_bamboo.contract import (
     check_contract,
     check_stage_split,
     find_pipeline_body,
-    outside_call_message,
     sub_sequential,
     warn_batch_statistics,
 )
 from lightning_bamboo.elastic.generation import Generation
 from lightning_bamboo.elastic.ownership import OwnershipMap
 from lightning_bamboo.elastic.reshard import LayerState, Resharder, gather, install
+from lightning_bamboo.pipeline.engine import PipelineEngine
 from lightning_bamboo.pipeline.layout import StageLayout, estimate_layer_costs
 from lightning_bamboo.pipeline.microbatch import microbatch_shares
-from lightning_bamboo.pipeline.view import PipelineView, StageAveragingEngine
+from lightning_bamboo.pipeline.view import create_groups, view_of
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import (
     Action,
@@ -47,6 +47,7 @@ from lightning_bamboo.schedule import (
     format_grid,
     rank_program,
 )
+from lightning_bamboo.seam import StageBody
 from lightning_bamboo.ties import Tie, find_ties, first_use_groups, regroup_tied_copies, tied_gradients, untie
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class Formation:
         self.stage_layers: tuple[range, ...] = ()
         self.ties: list[Tie] = []  # parameters used by several layers of the body (lightning_bamboo.ties)
         self.tie_groups: dict[str, int | None] = {}  # a later use's name -> its tie's param group under auto
+        self.seam: StageBody | None = None  # in the user's body's place from setup on (lightning_bamboo.seam)
 
     # ------------------------------------------------------------------ the body
     def prepare(self, module: pl.LightningModule, pipeline_attr: str | None, costs: Sequence[float] | None,
@@ -111,6 +113,7 @@ class Formation:
                            "copy, their gradients are summed before every step)")
         self.layers = {i: body[i] for i in range(len(body))}
         self.body_length = len(body)
+        self.seam = StageBody(type(module).__name__, attr, self.layers, self.body_length)
         if group_names is not None:
             self.tie_groups = first_use_groups(self.ties, self.body_attr, group_names)
 
@@ -183,41 +186,26 @@ class Formation:
         for layer in own_layers:
             self.layers[layer].to(device)
         self._release_templates(set(own_layers) | set(replica_layers))
-        stage = sub_sequential(self.layers, own_layers)
-        setattr(stage, _STAGE_MARK, True)
-        layers = range(own_layers[0], own_layers[-1] + 1)
-        stage.outside_call_error = outside_call_message(  # type: ignore[attr-defined]
-            module, self.body_attr, layers, self.body_length
-        )
+        assert self.seam is not None
+        stage = self.seam.hold({layer: self.layers[layer] for layer in own_layers})  # the seam's children
         gen.stage = stage
-        module._modules[self.body_attr] = stage
         gen.replica = sub_sequential(self.layers, replica_layers) if replica_layers else None
         if optimizer is not None:
             grouping = self.user_optimizer(module, stage)
             install(optimizer, [(layer, gen.held[layer]) for layer in own_layers], grouping)
         # groups: one per pipeline (loss broadcast) and one per stage (gradient all-reduce), same order
         # on every member
-        pipeline_groups: dict[int, Any] = {}
-        stage_groups: dict[int, Any] = {}
-        kwargs = {"timeout": self.timeout}
-        for pipeline in owners.pipeline_ids():
-            ranks = [owners.rank_of(m) for m, _ in owners.positions(pipeline)]
-            pipeline_groups[pipeline] = dist.new_group(ranks, **kwargs)
-        if len(owners.pipelines) > 1:
-            for s in range(owners.num_stages):
-                stage_groups[s] = dist.new_group(
-                    sorted(owners.rank_of(m) for m in owners.stage_holders(s)), **kwargs
-                )
+        pipeline_groups, stage_groups = create_groups(owners.pipelines, owners.rank_of, self.timeout)
         holders = [
             (owners.rank_of(m), owners.pipeline_of(m), set(self.layers_of(owners.stages_of(m))))
             for m in owners.members()
         ]
         own_modules = {layer: self.layers[layer] for layer in own_layers}
         gen.tied = tied_gradients(self.ties, own_modules, holders, owners.rank_of(me), self.timeout)
-        gen.view = PipelineView(owners, me, owners.rank_of, pipeline_groups, stage_groups)
+        gen.view = view_of(owners.pipelines, me, owners.rank_of, pipeline_groups, stage_groups)
         if optimizer is not None:
             self.build_replica_optimizer(gen, module)
-        positions = gen.view.num_stages
+        positions = gen.view.num_positions
         share = self.microbatch_share(owners, me)
         schedule = self.schedule(positions, len(share))
         if announce:
@@ -226,7 +214,7 @@ class Formation:
             s: [p for layer in self.stage_layers[s] for p in self.layers[layer].parameters()]
             for s in owners.stages_of(me)
         }
-        gen.engine = StageAveragingEngine(
+        gen.engine = PipelineEngine(
             stage,
             gen.view,
             schedule,  # type: ignore[arg-type]
@@ -266,8 +254,9 @@ class Formation:
         self.forward_redundancy = enabled
         engine, view = gen.engine, gen.view
         if engine is not None and view is not None and gen.owners is not None:
-            engine.schedule = self.schedule(view.num_stages, len(self.microbatch_share(gen.owners, member)))
-            engine.program = rank_program(engine.schedule, view.stage)
+            share = self.microbatch_share(gen.owners, member)
+            engine.schedule = self.schedule(view.num_positions, len(share))
+            engine.program = rank_program(engine.schedule, view.position)
             engine.lowered(engine.schedule)  # lowered now, not in the next step
 
     def _release_templates(self, held: set[int]) -> None:
@@ -301,7 +290,7 @@ class Formation:
         gen.replica_optimizer = self.user_optimizer(module, gen.replica)
         layers = [(layer, gen.held[layer]) for layer in (int(name) for name in gen.replica._modules)]
         install(gen.replica_optimizer, layers, gen.replica_optimizer)
-        if gen.view is not None and gen.view.num_stages > 1:
+        if gen.view is not None and gen.view.num_positions > 1:
             assert gen.stage is not None
             gen.replica_sync = ReplicaSync(
                 gen.stage, gen.replica, gen.replica_optimizer, gen.view, self._device()
@@ -323,14 +312,12 @@ class Formation:
             )
 
     def user_optimizer(self, module: pl.LightningModule, body: nn.Module) -> Optimizer:
-        """The user's optimizer over ``body`` (``configure_optimizers`` with the pipeline body swapped for
-        it): its param groups, hyper-parameters and which parameter goes in which group are the user's own."""
-        stage = module._modules[self.body_attr]
-        module._modules[self.body_attr] = body
-        try:
+        """The user's optimizer over ``body`` (``configure_optimizers`` while the seam presents ``body``'s
+        layers, :meth:`~lightning_bamboo.seam.StageBody.presenting`): its param groups, hyper-parameters and
+        which parameter goes in which group are the user's own."""
+        assert self.seam is not None
+        with self.seam.presenting(body):
             optimizers, _ = _private.init_optimizers(module)
-        finally:
-            module._modules[self.body_attr] = stage
         if len(optimizers) != 1:
             raise ValueError(f"BambooStrategy supports exactly one optimizer, got {len(optimizers)}")
         self.regroup_ties(optimizers[0], body)

@@ -19,7 +19,8 @@ from lightning_bamboo.elastic.ownership import OwnershipMap
 
 if TYPE_CHECKING:
     from lightning_bamboo.elastic.reshard import LayerState
-    from lightning_bamboo.pipeline.view import PipelineView, StageAveragingEngine
+    from lightning_bamboo.pipeline.engine import PipelineEngine
+    from lightning_bamboo.pipeline.view import PipelineView
     from lightning_bamboo.replica import ReplicaSync
     from lightning_bamboo.ties import TiedGradient
 
@@ -36,7 +37,7 @@ class Generation:
     member: int = 0  # this member's id (stable across generations)
     owners: OwnershipMap | None = None
     view: PipelineView | None = None
-    engine: StageAveragingEngine | None = None
+    engine: PipelineEngine | None = None
     stage: nn.Module | None = None  # this member's stages' layers, installed as the module's pipeline body
     replica: nn.Module | None = None  # the successor stage's layers it keeps current (redundancy)
     replica_sync: ReplicaSync | None = None
@@ -62,7 +63,7 @@ class Generation:
     @property
     def pipeline_length(self) -> int:
         """Positions of this member's pipeline now (shorter than ``num_stages`` after a failover)."""
-        return self.view.num_stages if self.view is not None else self.num_stages
+        return self.view.num_positions if self.view is not None else self.num_stages
 
     @property
     def stage_index(self) -> int:

@@ -23,6 +23,8 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from lightning_bamboo.pipeline.view import fused_positions
+
 
 class FallbackNeeded(RuntimeError):
     """Redundancy cannot cover the loss: the survivors must resume from the last checkpoint."""
@@ -76,15 +78,9 @@ class OwnershipMap:
         raise KeyError(f"member {member} owns no stage in generation {self.generation}")
 
     def positions(self, pipeline: int) -> list[tuple[int, list[int]]]:
-        """The pipeline's positions in order: ``(member, its consecutive stages)``."""
-        owners = self.pipelines[pipeline]
-        out: list[tuple[int, list[int]]] = []
-        for stage in range(self.num_stages):
-            if out and out[-1][0] == owners[stage]:
-                out[-1][1].append(stage)
-            else:
-                out.append((owners[stage], [stage]))
-        return out
+        """The pipeline's positions in order: ``(member, its consecutive stages)``
+        (:func:`~lightning_bamboo.pipeline.view.fused_positions`, which the engine's view reads too)."""
+        return fused_positions(self.pipelines[pipeline])
 
     def stages_of(self, member: int) -> list[int]:
         owners = self.pipelines[self.pipeline_of(member)]

@@ -39,10 +39,15 @@ and a step re-run after a failover, on a member that now runs several original s
 or more pipelines, draws what the uninterrupted run drew. The engine's micro-batch ``i`` is global
 micro-batch ``first_microbatch + i``.
 
+The engine reads its place in the layout from a :class:`~lightning_bamboo.pipeline.view.PipelineView` (a
+function of the ownership map); its gradients are averaged by
+:class:`~lightning_bamboo.pipeline.averaging.GradientAveraging` and its tuple/dict boundary values packed by
+:class:`Boundaries` (this module).
+
 Standalone use (benchmarks), on every rank after ``init_process_group``::
 
-    groups = BambooGroups.create(layout, rank)
-    engine = PipelineEngine(stage_module, groups, schedule, inputs_fn=..., loss_fn=..., device=device)
+    view = BambooGroups.create(layout, rank)
+    engine = PipelineEngine(stage_module, view, schedule, inputs_fn=..., loss_fn=..., device=device)
     loss = engine.run_step(split_microbatches(batch, num_microbatches))
     optimizer.step(); replica.step(optimizer); optimizer.zero_grad()
 """
@@ -56,13 +61,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from lbd_common import codec
 from lightning_bamboo.contract import pipeline_execution
 from lightning_bamboo.keyed_rng import Forward, KeyedForward, run_seed
-from lightning_bamboo.pipeline.groups import BambooGroups
+from lightning_bamboo.pipeline.averaging import GradientAveraging, mean_loss
 from lightning_bamboo.pipeline.transfers import (
     BoundaryLayout,
     Kind,
@@ -72,8 +75,10 @@ from lightning_bamboo.pipeline.transfers import (
     boundary_tensors,
     microbatch_signature,
 )
+from lightning_bamboo.pipeline.view import PipelineView
 from lightning_bamboo.schedule import Action, ActionKind, Schedule, rank_program
 from lightning_bamboo.schedule.lowering import Comm, LoweredAction, lower_schedule
+from lightning_bamboo.ties import TiedGradient
 
 CONTIGUOUS = torch.contiguous_format
 InputsFn = Callable[[Any], Tensor]
@@ -85,9 +90,10 @@ class PipelineEngine:
 
     Args:
         stage: this rank's layers (a module taking and returning one tensor, or a tuple/list/dict of them).
-        groups: this rank's place in the layout and its process groups.
-        schedule: the full schedule (``rank in pipeline -> actions``); this rank runs
-            ``rank_program(schedule, groups.stage)``.
+        view: this rank's place in its pipeline and its process groups
+            (:class:`~lightning_bamboo.pipeline.view.PipelineView`).
+        schedule: the full schedule (``position in pipeline -> actions``); this rank runs
+            ``rank_program(schedule, view.position)``.
         inputs_fn: ``micro-batch -> input tensor of stage 0`` (the LightningModule's ``pipeline_inputs``);
             called on the first stage, and on the last stage for the forward of its stage-0 replica.
         loss_fn: ``(output of the last stage, micro-batch) -> scalar loss`` (``pipeline_loss``); called on
@@ -103,18 +109,22 @@ class PipelineEngine:
             they stand (``FR`` then draws other dropout masks than its successor's ``F``).
         seed: the seed of the keys; ``None``: ``seed_everything``'s (``PL_GLOBAL_SEED``), else 0.
         first_microbatch: the global index (in the step's global batch) of this pipeline's first
-            micro-batch, keying its random numbers; ``None``: ``pipeline x the schedule's micro-batches``
-            (``groups.pipeline``, 0 without one: equal consecutive shares).
+            micro-batch, keying its random numbers; ``None``: ``view.pipeline x the schedule's
+            micro-batches`` (equal consecutive shares).
         loss_divisor: each micro-batch's loss is divided by it before its backward; ``None``: the
             schedule's micro-batch count. The gradients are then averaged over the pipelines, so a job whose
             ``P`` pipelines share ``G`` global micro-batches unequally passes ``G / P``: the result is the
             mean over the global batch whatever each pipeline's share.
+        stage_params: this rank's parameters by ORIGINAL stage, each averaged over that stage's group
+            (:class:`~lightning_bamboo.pipeline.averaging.GradientAveraging`); ``None``: all of ``stage``'s,
+            for a position that runs one stage.
+        tied: the tied parameters' gradient sums (:mod:`lightning_bamboo.ties`), after the averages.
     """
 
     def __init__(
         self,
         stage: nn.Module,
-        groups: BambooGroups,
+        view: PipelineView,
         schedule: Schedule,
         *,
         inputs_fn: InputsFn,
@@ -126,11 +136,13 @@ class PipelineEngine:
         seed: int | None = None,
         first_microbatch: int | None = None,
         loss_divisor: float | None = None,
+        stage_params: Mapping[int, Sequence[nn.Parameter]] | None = None,
+        tied: Sequence[TiedGradient] = (),
     ) -> None:
         self.stage = stage
-        self.groups = groups
+        self.view = view
         self.schedule = schedule
-        self.program: list[Action] = rank_program(schedule, groups.stage)
+        self.program: list[Action] = rank_program(schedule, view.position)
         self.inputs_fn = inputs_fn
         self.loss_fn = loss_fn
         self.device = device
@@ -152,7 +164,7 @@ class PipelineEngine:
         has_fr = any(action.kind is ActionKind.FORWARD_REDUNDANT for action in self.program)
         if has_fr and replica is None:
             raise ValueError(
-                f"the schedule gives stage {groups.stage} forward-redundant (FR) actions "
+                f"the schedule gives position {view.position} forward-redundant (FR) actions "
                 "but no replica was given"
             )
         self._lowered: dict[int, tuple[Schedule, list[LoweredAction]]] = {}
@@ -160,7 +172,7 @@ class PipelineEngine:
         num_mb = {action.microbatch for program in schedule.values() for action in program if action}
         self.num_microbatches = len(num_mb)
         if first_microbatch is None:
-            first_microbatch = getattr(groups, "pipeline", 0) * self.num_microbatches
+            first_microbatch = view.pipeline * self.num_microbatches
         self.first_microbatch = first_microbatch
         """Global index of this pipeline's micro-batch 0 (the key of its random numbers)."""
         if loss_divisor is not None and not loss_divisor > 0:
@@ -174,10 +186,20 @@ class PipelineEngine:
         self.keyed_replica: KeyedForward | None = None
         if keyed_rng:
             seed = run_seed() if seed is None else seed
-            self.keyed_stage = KeyedForward(stage, groups.stage, device, seed)
+            self.keyed_stage = KeyedForward(stage, view.position, device, seed)
             if replica is not None:
-                successor = (groups.stage + 1) % groups.num_stages
+                successor = (view.position + 1) % view.num_positions
                 self.keyed_replica = KeyedForward(replica, successor, self.replica_device, seed)
+        if stage_params is None:
+            if len(view.own_stages) != 1:
+                raise ValueError(
+                    f"position {view.position} runs stages {list(view.own_stages)}: pass stage_params (each "
+                    "stage's parameters are averaged over that stage's group)"
+                )
+            stage_params = {view.own_stages[0]: list(stage.parameters())}
+        self.averaging = GradientAveraging(view, stage_params, tied)
+        """Averages the gradients at the end of :meth:`run_step`."""
+        self.boundaries = Boundaries(view.position, device)
 
     def run_step(self, microbatches: Sequence[Any], step: int | None = None) -> Tensor:
         """Forward and backward of every micro-batch; leaves averaged gradients in the stage's ``.grad``.
@@ -199,8 +221,8 @@ class PipelineEngine:
         state = _StepState(count=len(microbatches), divisor=divisor)
         self._run_program(self.schedule, microbatches, state, train=True)
         start = self.clock()
-        self._average_gradients()
-        loss = self._broadcast_loss(state.losses)
+        self.averaging()
+        loss = mean_loss(state.losses, self.view, self.device)
         if self.trace is not None:
             self.trace.append(("allreduce+loss", start, self.clock()))
         return loss
@@ -209,7 +231,7 @@ class PipelineEngine:
     def run_forward(self, microbatches: Sequence[Any]) -> Tensor:
         """Forward-only pass of every micro-batch (validation); the mean loss on every rank."""
         step = self._forward_pass(microbatches, _StepState(count=len(microbatches)), "run_forward")
-        return self._broadcast_loss(step.losses)
+        return mean_loss(step.losses, self.view, self.device)
 
     @torch.no_grad()
     def run_outputs(
@@ -228,7 +250,7 @@ class PipelineEngine:
         """
         step = _StepState(count=len(microbatches), inputs_fn=inputs_fn, collect_outputs=True)
         self._forward_pass(microbatches, step, "run_outputs")
-        if not self.groups.is_last_stage:
+        if not self.view.is_last:
             return None
         return [step.collected[mb] for mb in range(len(microbatches))]
 
@@ -238,7 +260,7 @@ class PipelineEngine:
         count = len(microbatches)
         schedule = self._forward_only.get(count)
         if schedule is None:
-            schedule = self._forward_only[count] = forward_only_schedule(self.groups.num_stages, count)
+            schedule = self._forward_only[count] = forward_only_schedule(self.view.num_positions, count)
         self._run_program(schedule, microbatches, step, train=False)
         return step
 
@@ -253,7 +275,7 @@ class PipelineEngine:
         key = id(schedule)
         cached = self._lowered.get(key)
         if cached is None or cached[0] is not schedule:
-            cached = (schedule, lower_schedule(schedule)[self.groups.stage])
+            cached = (schedule, lower_schedule(schedule)[self.view.position])
             self._lowered[key] = cached
         return cached[1]
 
@@ -266,13 +288,13 @@ class PipelineEngine:
         mode: Any = train if step.inputs_fn is None else "body-inputs"
         keys = [(mode, microbatch_signature(microbatch)) for microbatch in microbatches]
         transfers = step.transfers = StepTransfers(
-            self.groups.stage,
-            self.groups.rank_of_stage,
+            self.view.position,
+            self.view.rank_of_position,
             self.device,
             keys,
             self.shapes,
             # dense: the output may be a strided view (x.transpose(1, 2)); gloo receives into dense ones
-            gradient_buffer=lambda mb: self._gradient_buffer(step, mb),
+            gradient_buffer=lambda mb: self.boundaries.gradient_buffer(step, mb),
             trace=self.trace,
             clock=self.clock,
         )
@@ -298,12 +320,12 @@ class PipelineEngine:
         if self.before_action is not None:
             self.before_action(action)
         mb = action.microbatch
-        last = self.groups.is_last_stage
+        last = self.view.is_last
         transfers = step.transfers
         assert transfers is not None
         if action.kind is ActionKind.FORWARD:
             with self._random(self.stage, self.keyed_stage, mb, train) as forward:
-                if self.groups.is_first_stage:
+                if self.view.is_first:
                     x = _model_input((step.inputs_fn or self.inputs_fn)(microbatches[mb]))
                 else:
                     x = transfers.take(Kind.ACTIVATION, mb)
@@ -316,7 +338,7 @@ class PipelineEngine:
                             step.input_layouts[mb] = layout
                 # the stage runs on a copy of a received leaf: an in-place first layer (ReLU(inplace=True))
                 # may not write into a leaf that requires grad
-                y = _boundary_output(forward(_leaf_copies(x)), self.stage, self.groups.stage)
+                y = _boundary_output(forward(_leaf_copies(x)), self.stage, self.view.position)
                 loss = None if not last or step.collect_outputs else self.loss_fn(y, microbatches[mb])
             if last and step.collect_outputs:
                 step.collected[mb] = y
@@ -330,7 +352,7 @@ class PipelineEngine:
                     step.outputs[mb] = y
                     if self.replica is not None:
                         step.kept_for_fr[mb] = _map(y, Tensor.detach)
-                step.produced[(True, mb)] = self._packed(y, mb, step, train)
+                step.produced[(True, mb)] = self.boundaries.packed(y, mb, step, train)
             if train:
                 step.inputs[mb] = x
         elif action.kind is ActionKind.BACKWARD:
@@ -346,47 +368,11 @@ class PipelineEngine:
                     with_grad = [t for t, flag in zip(_tensors(out), sent.grads, strict=True) if flag]
                     torch.autograd.backward(with_grad, sent.unpack(grad, gradients=True))
             x = step.inputs.pop(mb)
-            if not self.groups.is_first_stage:
-                step.produced[(False, mb)] = self._input_gradient(x, step.input_layouts.pop(mb, None), mb)
+            if not self.view.is_first:
+                layout = step.input_layouts.pop(mb, None)
+                step.produced[(False, mb)] = self.boundaries.input_gradient(x, layout, mb)
         else:  # ActionKind.FORWARD_REDUNDANT
             self._forward_redundant(mb, microbatches[mb], step.kept_for_fr)
-
-    def _packed(self, y: Any, mb: int, step: _StepState, train: bool) -> Tensor | Packed:
-        """What goes to the next stage: the tensor, or a tuple/list/dict packed into one byte buffer."""
-        if isinstance(y, Tensor):
-            return y
-        layout = BoundaryLayout.of(y, grads=train)
-        if train:
-            if not any(layout.grads):
-                raise RuntimeError(
-                    f"stage {self.groups.stage}'s output for micro-batch {mb} is a {layout.kind} with no "
-                    "floating tensor that requires grad, so no gradient can flow back to this stage; pass "
-                    "the hidden state on"
-                )
-            step.output_layouts[mb] = layout
-        return Packed(layout.pack(_tensors(y)), layout)
-
-    def _gradient_buffer(self, step: _StepState, mb: int) -> Tensor:
-        """Where the gradient of this rank's output of ``mb`` is received (dense, as gloo needs)."""
-        layout = step.output_layouts.get(mb)
-        if layout is not None:
-            return torch.empty(layout.nbytes(gradients=True), dtype=torch.uint8, device=self.device)
-        # dense: the output may be a strided view (x.transpose(1, 2)); gloo receives into dense ones
-        return torch.empty_like(step.outputs[mb], memory_format=CONTIGUOUS)
-
-    def _input_gradient(self, x: Any, layout: BoundaryLayout | None, mb: int) -> Tensor:
-        """The gradient of this stage's received input, to send back (packed for a tuple/list/dict)."""
-        leaves = [x] if layout is None else [t for t, f in zip(_tensors(x), layout.grads, strict=True) if f]
-        if all(leaf.grad is None for leaf in leaves):
-            raise RuntimeError(
-                f"stage {self.groups.stage} produced no gradient for its input of "
-                f"micro-batch {mb}: the stage's output does not depend on its input"
-            )
-        if layout is None:
-            return x.grad
-        # a tensor the stage did not differentiate through (e.g. a float mask) gets a zero gradient
-        grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
-        return layout.pack(grads, gradients=True)
 
     @torch.inference_mode()
     def _forward_redundant(self, mb: int, microbatch: Any, kept_for_fr: dict[int, Any]) -> None:
@@ -395,14 +381,14 @@ class PipelineEngine:
         assert self.replica is not None
         # keyed as the successor's F: stage 0's pipeline_inputs and the layers draw what they draw there
         with self._random(self.replica, self.keyed_replica, mb, True) as forward:
-            x = _model_input(self.inputs_fn(microbatch)) if self.groups.is_last_stage else kept_for_fr.pop(mb)
+            x = _model_input(self.inputs_fn(microbatch)) if self.view.is_last else kept_for_fr.pop(mb)
             # a copy: ``x`` is this rank's own output (in flight to the successor, kept for its backward) or
             # the micro-batch, and the replica's first layer may work in place (ReLU(inplace=True))
             # laid out as the successor gets it (a received activation is dense; stage 0 takes inputs_fn's as
             # is): a strided output (x.transpose) would run other kernels here and round differently
-            layout = torch.preserve_format if self.groups.is_last_stage else CONTIGUOUS
+            layout = torch.preserve_format if self.view.is_last else CONTIGUOUS
             out = forward(_map(x, lambda t: t.to(self.replica_device, copy=True, memory_format=layout)))
-        successor = (self.groups.stage + 1) % self.groups.num_stages
+        successor = (self.view.position + 1) % self.view.num_positions
         self.redundant_outputs[mb] = _map(_boundary_output(out, self.replica, successor), Tensor.detach)
 
     def _random(
@@ -414,26 +400,52 @@ class PipelineEngine:
             return nullcontext(module)
         return keyed.keyed(self.rng_step, self.first_microbatch + mb)
 
-    def _average_gradients(self) -> None:
-        """Mean of the stage's gradients over the pipelines (see :func:`average_gradients`)."""
-        num_pipelines = self.groups.layout.num_pipelines
-        if num_pipelines == 1:
-            return
-        for params, group in self._averaging_groups():
-            average_gradients(params, group, num_pipelines)
 
-    def _averaging_groups(self) -> list[tuple[list[nn.Parameter], Any]]:
-        """``(parameters, group)`` pairs averaged one after another, in the same order on every rank."""
-        return [(list(self.stage.parameters()), self.groups.stage_group)]
+class Boundaries:
+    """The values crossing this position's boundaries in training: a tuple/list/dict output packed into one
+    message (its layout kept for the gradients coming back), the buffer a gradient is received into, and
+    the gradient of the received input to send back."""
 
-    def _broadcast_loss(self, losses: list[Tensor]) -> Tensor:
-        if self.groups.is_last_stage:
-            loss = torch.stack([value.to(torch.float64) for value in losses]).mean().to(self.device)
-        else:
-            loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.groups.num_stages > 1:
-            dist.broadcast(loss, src=self.groups.last_stage_rank, group=self.groups.pipeline_group)
-        return loss
+    def __init__(self, position: int, device: torch.device) -> None:
+        self.position = position
+        self.device = device
+
+    def packed(self, y: Any, mb: int, step: _StepState, train: bool) -> Tensor | Packed:
+        """What goes to the next stage: the tensor, or a tuple/list/dict packed into one byte buffer."""
+        if isinstance(y, Tensor):
+            return y
+        layout = BoundaryLayout.of(y, grads=train)
+        if train:
+            if not any(layout.grads):
+                raise RuntimeError(
+                    f"stage {self.position}'s output for micro-batch {mb} is a {layout.kind} with no "
+                    "floating tensor that requires grad, so no gradient can flow back to this stage; pass "
+                    "the hidden state on"
+                )
+            step.output_layouts[mb] = layout
+        return Packed(layout.pack(_tensors(y)), layout)
+
+    def gradient_buffer(self, step: _StepState, mb: int) -> Tensor:
+        """Where the gradient of this rank's output of ``mb`` is received (dense, as gloo needs)."""
+        layout = step.output_layouts.get(mb)
+        if layout is not None:
+            return torch.empty(layout.nbytes(gradients=True), dtype=torch.uint8, device=self.device)
+        # dense: the output may be a strided view (x.transpose(1, 2)); gloo receives into dense ones
+        return torch.empty_like(step.outputs[mb], memory_format=CONTIGUOUS)
+
+    def input_gradient(self, x: Any, layout: BoundaryLayout | None, mb: int) -> Tensor:
+        """The gradient of this stage's received input, to send back (packed for a tuple/list/dict)."""
+        leaves = [x] if layout is None else [t for t, f in zip(_tensors(x), layout.grads, strict=True) if f]
+        if all(leaf.grad is None for leaf in leaves):
+            raise RuntimeError(
+                f"stage {self.position} produced no gradient for its input of "
+                f"micro-batch {mb}: the stage's output does not depend on its input"
+            )
+        if layout is None:
+            return x.grad
+        # a tensor the stage did not differentiate through (e.g. a float mask) gets a zero gradient
+        grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+        return layout.pack(grads, gradients=True)
 
 
 @dataclass
@@ -522,32 +534,3 @@ def _map(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
 def _leaf_copies(x: Any) -> Any:
     """Copies of the received leaves that require grad, so an in-place first layer cannot write into them."""
     return _map(x, lambda t: t.clone() if t.requires_grad else t)
-
-
-def average_gradients(params: Sequence[nn.Parameter], group: Any, count: int) -> None:
-    """Mean of ``params``' gradients over the ``count`` ranks of ``group`` (one flat all-reduce per dtype).
-
-    Each flat buffer carries, behind the gradients, one has-gradient flag per parameter: a parameter that got
-    no gradient on any rank keeps ``.grad = None`` (the optimizer skips it, as it would in one process; a
-    zero gradient would still be decayed and stepped by AdamW), and one that got a gradient on some ranks
-    only averages with zeros for the others (their samples did not use it).
-    """
-    trainable = [p for p in params if p.requires_grad]
-    for bucket in codec.by_dtype(trainable):
-        flags = torch.tensor([float(p.grad is not None) for p in bucket], dtype=bucket[0].dtype)
-        parts = [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket
-        ]
-        flat = torch.cat([*parts, flags.to(bucket[0].device)])
-        dist.all_reduce(flat, group=group)
-        flat /= count
-        offset = 0
-        for p, had_grad in zip(bucket, flat[-len(bucket) :].tolist(), strict=True):
-            values = flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
-            if had_grad == 0:
-                p.grad = None
-            elif p.grad is None:
-                p.grad = values.clone()
-            else:
-                p.grad.copy_(values)

@@ -122,7 +122,10 @@ def validate_microbatches(batch_size: int, num_microbatches: int) -> int:
 
 @dataclass(frozen=True)
 class StageLayout:
-    """Stages x pipelines over the ranks of one job, and each stage's layers.
+    """The plan of a job's pipelines: how many stages and data-parallel pipelines, and each stage's layers.
+
+    Who runs which stage is the ownership map (:meth:`generation_zero` before any failover), never
+    arithmetic here.
 
     Attributes:
         num_stages: pipeline length; stage ``s`` also holds the replica of stage ``(s + 1) % num_stages``.
@@ -165,33 +168,18 @@ class StageLayout:
         """Layers in the pipeline body."""
         return self.stage_layers[-1].stop
 
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(
-                f"rank {rank} is outside 0..{self.world_size - 1} "
-                f"(num_stages {self.num_stages} x num_pipelines {self.num_pipelines})"
-            )
+    def generation_zero(self) -> dict[int, dict[int, int]]:
+        """Who runs which stage before any failover, as the ownership map's data with ranks as members:
+        ``{pipeline: {stage: pipeline * num_stages + stage}}`` (``OwnershipMap.pipelines`` of
+        ``initial(num_stages, range(world_size))``). Every rank question (a rank's position, its pipeline's
+        ranks, a stage's group) is :func:`lightning_bamboo.pipeline.view.view_of` of it: the one layout
+        model."""
+        stages = range(self.num_stages)
+        return {p: {s: p * self.num_stages + s for s in stages} for p in range(self.num_pipelines)}
 
     def _check_stage(self, stage: int) -> None:
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"stage {stage} is outside 0..{self.num_stages - 1}")
-
-    def stage_of(self, rank: int) -> int:
-        """The stage ``rank`` runs: ``rank % num_stages``."""
-        self._check_rank(rank)
-        return rank % self.num_stages
-
-    def pipeline_of(self, rank: int) -> int:
-        """The pipeline ``rank`` belongs to: ``rank // num_stages``."""
-        self._check_rank(rank)
-        return rank // self.num_stages
-
-    def rank_of(self, pipeline: int, stage: int) -> int:
-        """The global rank running ``stage`` of ``pipeline``: ``pipeline * num_stages + stage``."""
-        self._check_stage(stage)
-        if not 0 <= pipeline < self.num_pipelines:
-            raise ValueError(f"pipeline {pipeline} is outside 0..{self.num_pipelines - 1}")
-        return pipeline * self.num_stages + stage
 
     def successor(self, stage: int) -> int:
         """``(stage + 1) % num_stages``: the stage whose replica ``stage`` holds and runs ``FR`` for."""
@@ -202,15 +190,6 @@ class StageLayout:
         """``(stage - 1) % num_stages``: holds ``stage``'s replica and takes over when it fails."""
         self._check_stage(stage)
         return (stage - 1) % self.num_stages
-
-    def stage_group_ranks(self, stage: int) -> list[int]:
-        """Ranks holding ``stage``, one per pipeline: that stage's data-parallel all-reduce group."""
-        self._check_stage(stage)
-        return [self.rank_of(pipeline, stage) for pipeline in range(self.num_pipelines)]
-
-    def pipeline_ranks(self, pipeline: int) -> list[int]:
-        """Ranks of ``pipeline`` in stage order (the point-to-point chain activations flow along)."""
-        return [self.rank_of(pipeline, stage) for stage in range(self.num_stages)]
 
     def describe(self, layer_names: Sequence[str] | None = None, costs: Sequence[float] | None = None) -> str:
         """A small table for logging: stage, ranks, layers, cost share, replica-of.
@@ -223,6 +202,7 @@ class StageLayout:
             if values is not None and len(values) != self.num_layers:
                 raise ValueError(f"{name} has {len(values)} entries, the layout has {self.num_layers} layers")
         total = sum(costs) if costs is not None else 0.0
+        grid = self.generation_zero()
         header = ["stage", "ranks", "layers", "cost", "replica-of"]
         rows = []
         for stage, layers in enumerate(self.stage_layers):
@@ -234,7 +214,7 @@ class StageLayout:
             if costs is not None:
                 share = f"{100 * sum(costs[i] for i in layers) / total:.1f}%" if total > 0 else "0.0%"
             replica = str(self.successor(stage)) if self.num_stages > 1 else "-"
-            ranks = ",".join(map(str, self.stage_group_ranks(stage)))
+            ranks = ",".join(str(owners[stage]) for owners in grid.values())
             rows.append([str(stage), ranks, span, share, replica])
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         return "\n".join(

@@ -292,8 +292,8 @@ class StepTransfers:
     queued (in order) until an action needs a tensor or the step ends.
 
     Args:
-        stage: this rank's stage (for error messages).
-        rank_of_stage: global rank of a rank position of this pipeline (``Comm.peer``).
+        position: this rank's position in its pipeline (for error messages, which call it its stage).
+        rank_of_position: global rank of a position of this pipeline (``Comm.peer``).
         device: where receive buffers are allocated.
         keys: ``ShapeKey`` of every micro-batch of the step.
         shapes: the engine's shape cache (read and updated).
@@ -304,8 +304,8 @@ class StepTransfers:
 
     def __init__(
         self,
-        stage: int,
-        rank_of_stage: Callable[[int], int],
+        position: int,
+        rank_of_position: Callable[[int], int],
         device: torch.device,
         keys: Sequence[ShapeKey],
         shapes: ShapeCache,
@@ -313,8 +313,8 @@ class StepTransfers:
         trace: list[tuple[str, float, float]] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.stage = stage
-        self.rank_of_stage = rank_of_stage
+        self.position = position
+        self.rank_of_position = rank_of_position
         self.device = device
         self.keys = keys
         self.shapes = shapes
@@ -331,7 +331,7 @@ class StepTransfers:
     def post(self, comm: Comm, tensor: Tensor | Packed | None = None) -> None:
         """Queue ``comm`` (a send with its ``tensor``, or a receive) and issue what can go without waiting."""
         if comm.kind.is_send and tensor is None:
-            raise RuntimeError(f"stage {self.stage}: {comm} has no tensor to send")
+            raise RuntimeError(f"stage {self.position}: {comm} has no tensor to send")
         if isinstance(tensor, Tensor):
             tensor = tensor.detach().contiguous()
         self._queue.append((comm, tensor))
@@ -348,7 +348,7 @@ class StepTransfers:
         while target not in self._inbox:
             if not self._queue:
                 raise RuntimeError(
-                    f"stage {self.stage} waits for the {kind.name.lower()} of micro-batch {microbatch}, "
+                    f"stage {self.position} waits for the {kind.name.lower()} of micro-batch {microbatch}, "
                     "which its lowered program never receives before this action"
                 )
             self._issue(*self._queue[0], force=True)
@@ -365,7 +365,8 @@ class StepTransfers:
         """Issue everything left and wait for this rank's sends (their tensors may be reused after)."""
         self._pump(force=True)
         if self._inbox:
-            raise RuntimeError(f"stage {self.stage} received tensors no action used: {sorted(self._inbox)}")
+            unused = sorted(self._inbox)
+            raise RuntimeError(f"stage {self.position} received tensors no action used: {unused}")
         for work in self._sends:
             work.wait()
         self._sends = []
@@ -377,7 +378,7 @@ class StepTransfers:
     # ------------------------------------------------------------------ one operation
     def _issue(self, comm: Comm, tensor: Tensor | Packed | None, force: bool) -> bool:
         """Issue the queue's head ``comm`` if it can go now (or, with ``force``, after its header)."""
-        peer = self.rank_of_stage(comm.peer)
+        peer = self.rank_of_position(comm.peer)
         mb = comm.microbatch
         if comm.kind is CommKind.SEND_F:
             assert tensor is not None
@@ -437,7 +438,7 @@ class StepTransfers:
         expected = self.shapes.sent[self.keys[mb]]
         if described != expected:
             raise RuntimeError(
-                f"stage {self.stage}'s output for micro-batch {mb} is {_shown(described)}, but an earlier "
+                f"stage {self.position}'s output for micro-batch {mb} is {_shown(described)}, but an earlier "
                 f"micro-batch with the same input shapes gave {_shown(expected)}; the engine sends an "
                 "activation's shape once per micro-batch shape, so a stage's output shapes (and which of its "
                 "tensors require grad) must follow from its input shapes"

@@ -12,11 +12,19 @@ from lightning_bamboo.contract import (
     check_replayed_loss,
     check_stage_parameters,
     find_pipeline_body,
-    replay_step,
     sub_sequential,
     warn_batch_statistics,
 )
+from lightning_bamboo.seam import StageBody
 from tests.bamboo.pipe_mlp import PipeMLP, make_data
+
+
+def install_seam(model: LightningModule) -> StageBody:
+    """The seam the strategy installs at setup, holding every layer (one process, one stage)."""
+    body = model.pipeline
+    seam = StageBody(type(model).__name__, "pipeline", dict(enumerate(body)), len(body))
+    seam.attach(model)
+    return seam
 
 
 class NoBody(LightningModule):
@@ -92,22 +100,48 @@ def test_sub_sequential_keeps_original_names() -> None:
     torch.testing.assert_close(stage(x), model.pipeline[4](model.pipeline[3](model.pipeline[2](x))))
 
 
-def test_replay_returns_the_given_loss_and_restores_the_module() -> None:
+def test_replay_returns_the_given_loss_and_writes_nothing_into_the_module() -> None:
     model = PipeMLP()
-    body = model.pipeline
+    layers = list(model.pipeline)
+    x, y = make_data(4)
+    expected = model.pipeline_loss(model.pipeline(model.pipeline_inputs((x, y))), (x, y))
     logged: dict[str, torch.Tensor] = {}
     model.log = lambda name, value, **kwargs: logged.__setitem__(name, value)  # type: ignore[method-assign]
-    x, y = make_data(4)
+    seam = install_seam(model)
+    assert model.pipeline is seam and list(model.pipeline) == layers
+    assert list(model.state_dict()) == [f"pipeline.{i}.{n}" for i in (0, 2, 4, 6) for n in ("weight", "bias")]
+    installed = dict(model.__dict__)
     loss = torch.tensor(0.125, dtype=torch.float64)
-    with replay_step(model, "pipeline", loss):
+    with seam.replaying(loss):
+        assert model.__dict__ == installed and model.pipeline is seam
         returned = model.training_step((x, y), 0)
     assert returned is loss
     assert logged["train_loss"] is loss
-    assert model.pipeline is body
-    assert "pipeline_loss" not in model.__dict__ and "pipeline_inputs" not in model.__dict__
-    # and the real hooks work again
+    assert model.__dict__ == installed and model.pipeline is seam
+    # outside a replay the seam and the hooks are the user's computation
     real = model.pipeline_loss(model.pipeline(model.pipeline_inputs((x, y))), (x, y))
     assert real.requires_grad and real.item() != pytest.approx(0.125)
+    torch.testing.assert_close(real, expected)
+    seam.detach(model)  # teardown: the user's own hooks, nothing of the seam's left in __dict__
+    assert "pipeline_loss" not in model.__dict__ and "pipeline_inputs" not in model.__dict__
+    assert model.pipeline_loss.__func__ is PipeMLP.pipeline_loss  # type: ignore[attr-defined]
+
+
+def test_the_seam_holds_a_generations_layers_and_presents_others_temporarily() -> None:
+    model = PipeMLP()  # L T L T L T L
+    layers = dict(enumerate(model.pipeline))
+    seam = install_seam(model)
+    seam.hold({i: layers[i] for i in (3, 4, 5, 6)})
+    assert model.pipeline is seam and next(iter(model.state_dict())) == "pipeline.4.weight"
+    assert model.pipeline[-1] is layers[6] and list(model.pipeline[0].parameters()) == []
+    with pytest.raises(RuntimeError,
+                       match=r"PipeMLP.pipeline holds only this process's stage .* \(layers 3-6 of 7\)"):
+        model.pipeline(torch.zeros(1, 8, dtype=torch.float64))
+    replica = sub_sequential(layers, range(0, 3))
+    with seam.presenting(replica):
+        assert [n for n, _ in model.named_parameters()] == ["pipeline.0.weight", "pipeline.0.bias",
+                                                           "pipeline.2.weight", "pipeline.2.bias"]
+    assert list(seam._modules) == ["3", "4", "5", "6"]
 
 
 def test_stage_indexes_layers_like_the_whole_body() -> None:
@@ -184,7 +218,7 @@ def test_training_step_must_return_the_pipeline_loss() -> None:
             return loss + 0.5 * sum(p.square().sum() for p in self.parameters())
 
     model, loss = Regularized(), torch.tensor(0.125, dtype=torch.float64)
-    with replay_step(model, "pipeline", loss):
+    with install_seam(model).replaying(loss):
         returned = model.training_step(make_data(4), 0)
     match = (r"Regularized.training_step returned the loss [0-9.]+, but the pipeline's loss is 0.125: under "
              r"BambooStrategy the pipeline schedule back-propagates pipeline_loss only")

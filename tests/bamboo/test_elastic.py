@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from lightning_bamboo.elastic import store as ms
 from tests.bamboo.launch_record import NAME, Record, record_env
+from tests.bamboo.module_writes import assert_no_writes
 from tests.process import REPO, run_process
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_elastic.py"
@@ -110,6 +111,9 @@ def test_sigkill_middle_stage(tmp_path: Path, elastic_reference: dict[str, torch
     run_elastic(tmp_path, nproc=3, stages=3, fault="1:2:forward")
     assert launched(tmp_path).grids() == [[[0, 0, 2]]]
     check_final(tmp_path, elastic_reference)
+    for member in (0, 2):  # the failover re-formed the seam's layers, never the user's module
+        seen = json.loads((tmp_path / f"module_member{member}.json").read_text())
+        assert_no_writes(seen, f"member {member}")
 
 
 @pytest.mark.slow

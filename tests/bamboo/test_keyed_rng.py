@@ -28,9 +28,8 @@ from torch import Tensor, nn
 from lightning_bamboo.contract import sub_sequential
 from lightning_bamboo.keyed_rng import DEFAULT_SEED, SEED_ENV, KeyedForward, forward_key, run_seed
 from lightning_bamboo.pipeline.engine import PipelineEngine
-from lightning_bamboo.pipeline.groups import BambooGroups
-from lightning_bamboo.pipeline.layout import StageLayout
 from lightning_bamboo.pipeline.microbatch import microbatch_shares, split_microbatches
+from lightning_bamboo.pipeline.view import PipelineView
 from lightning_bamboo.schedule import build_1f1b
 from tests.bamboo.launch import snapshot
 from tests.bamboo.launch_record import worker_events
@@ -160,11 +159,9 @@ def test_activation_checkpointing_recomputes_the_keyed_masks() -> None:
 def one_stage_engine(keyed_rng: bool, microbatches: int = 2, **kwargs: float) -> PipelineEngine:
     """The whole dropout body as one stage: an engine that runs without a process group."""
     body = dropout_body()
-    layout = StageLayout.plan([1.0] * len(body), 1, 1)
-    groups = BambooGroups(layout, rank=0, stage=0, pipeline=0, pipeline_group=None, stage_group=None)
     return PipelineEngine(
         sub_sequential(body, range(len(body))),
-        groups,
+        PipelineView(position=0, ranks=(0,), stages=((0,),)),  # one position, one pipeline
         build_1f1b(1, microbatches),
         inputs_fn=lambda mb: mb[0],
         loss_fn=lambda out, mb: F.mse_loss(out, mb[1]),

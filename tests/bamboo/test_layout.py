@@ -14,6 +14,7 @@ from lightning_bamboo.pipeline.layout import (
     partition_by_cost,
     validate_microbatches,
 )
+from lightning_bamboo.pipeline.view import view_of
 
 
 def brute_force_best(costs: list[float], num_stages: int) -> float:
@@ -97,13 +98,16 @@ def test_estimate_layer_costs_rejects_bad_repeats():
 
 
 def test_stage_layout_rank_mapping():
+    """Ranks come from the layout's generation-0 ownership data through the engine's view (one model)."""
     layout = StageLayout.plan([1.0, 1.0, 4.0, 1.0, 1.0, 1.0], world_size=6, num_stages=3)
     assert (layout.num_stages, layout.num_pipelines, layout.world_size, layout.num_layers) == (3, 2, 6, 6)
-    assert [layout.stage_of(r) for r in range(6)] == [0, 1, 2, 0, 1, 2]
-    assert [layout.pipeline_of(r) for r in range(6)] == [0, 0, 0, 1, 1, 1]
-    assert all(layout.rank_of(layout.pipeline_of(r), layout.stage_of(r)) == r for r in range(6))
-    assert layout.stage_group_ranks(1) == [1, 4]
-    assert layout.pipeline_ranks(1) == [3, 4, 5]
+    grid = layout.generation_zero()
+    assert grid == {0: {0: 0, 1: 1, 2: 2}, 1: {0: 3, 1: 4, 2: 5}}
+    views = [view_of(grid, r, lambda m: m) for r in range(6)]
+    assert [v.position for v in views] == [0, 1, 2, 0, 1, 2]
+    assert [v.pipeline for v in views] == [0, 0, 0, 1, 1, 1]
+    assert views[4].ranks == (3, 4, 5) and views[4].own_stages == (1,)
+    assert [grid[p][1] for p in grid] == [1, 4]  # stage 1's group
     assert [layout.successor(s) for s in range(3)] == [1, 2, 0]
     assert [layout.predecessor(s) for s in range(3)] == [2, 0, 1]
     check_partition(list(layout.stage_layers), 6, 3)
@@ -163,12 +167,10 @@ def test_stage_layout_rejects_bad_construction(kwargs, message):
 
 def test_stage_layout_rejects_out_of_range_lookups():
     layout = StageLayout(num_stages=2, num_pipelines=2, stage_layers=(range(0, 1), range(1, 2)))
-    with pytest.raises(ValueError, match=r"rank 4 is outside 0..3 \(num_stages 2 x num_pipelines 2\)"):
-        layout.stage_of(4)
     with pytest.raises(ValueError, match=r"stage 2 is outside 0..1"):
         layout.successor(2)
-    with pytest.raises(ValueError, match=r"pipeline 2 is outside 0..1"):
-        layout.rank_of(2, 0)
+    with pytest.raises(KeyError, match=r"member 4 owns no stage"):
+        view_of(layout.generation_zero(), 4, lambda m: m)
 
 
 def test_validate_microbatches():

@@ -78,3 +78,33 @@ def test_map_round_trips_and_rejects_split_runs() -> None:
     assert OwnershipMap.from_json(owners.to_json()) == owners
     with pytest.raises(ValueError, match="not adjacent"):
         OwnershipMap(0, 3, {0: {0: 1, 1: 2, 2: 1}})
+
+
+def test_the_engines_view_is_a_function_of_the_map() -> None:
+    """What the engine reads (``view_of``): positions, not stages, after a failover fuses two stages; the
+    original stages each position runs; ranks in the generation's member order; one name, one meaning."""
+    from lightning_bamboo.pipeline.layout import StageLayout
+    from lightning_bamboo.pipeline.view import PipelineView, view_of
+
+    owners = failover(initial(3, range(6)), [4])  # pipeline 1: m3 runs stages 0 and 1, m5 stage 2
+    groups = {0: "pipe0", 1: "pipe1"}
+    view = view_of(owners.pipelines, 3, owners.rank_of, groups, {0: "s0", 1: "s1", 2: "s2"})
+    assert (view.position, view.num_positions, view.ranks, view.stages) == (0, 2, (3, 4), ((0, 1), (2,)))
+    assert (view.own_stages, view.pipeline, view.num_pipelines) == ((0, 1), 1, 2)
+    assert view.pipeline_group == "pipe1" and view.stage_groups[2] == "s2"
+    assert (view.is_first, view.is_last, view.predecessor_rank, view.successor_rank) == (True, False, 4, 4)
+    assert view.rank_of_position(1) == 4 and view.last_rank == 4
+    assert owners.positions(1) == [(3, [0, 1]), (5, [2])]  # the map's own positions: the same function
+    assert not hasattr(view, "num_stages") and not hasattr(view, "layout")  # no second meaning
+    first = view_of(owners.pipelines, 0, owners.rank_of)
+    assert (first.position, first.num_positions, first.pipeline) == (0, 3, 0)
+    assert first.stages == ((0,), (1,), (2,))
+    # a fixed layout's generation 0 (BambooGroups.create) is the same function of the same data
+    layout = StageLayout.plan([1.0] * 6, world_size=6, num_stages=3)
+    grid0 = layout.generation_zero()
+    assert grid0 == initial(3, range(6)).pipelines
+    assert view_of(grid0, 4, lambda m: m).ranks == (3, 4, 5)
+    with pytest.raises(ValueError, match=r"position 2 of a pipeline with ranks \(0, 1\)"):
+        PipelineView(position=2, ranks=(0, 1), stages=((0,), (1,)))
+    with pytest.raises(KeyError, match="member 4 owns no stage"):
+        view_of(owners.pipelines, 4, owners.rank_of)

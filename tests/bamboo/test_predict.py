@@ -16,8 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lightning_bamboo.contract import pipeline_execution, replay_predict, sub_sequential
+from lightning_bamboo.contract import pipeline_execution, sub_sequential
 from lightning_bamboo.pipeline.microbatch import join_microbatches, split_microbatches
+from lightning_bamboo.seam import StageBody
 from tests.bamboo.launch import run_script
 from tests.bamboo.tiny_lm import TinyLM, make_tokens
 
@@ -102,17 +103,20 @@ def test_guarded_stage_runs_only_inside_the_engine() -> None:
 def test_predict_replay_gives_outputs_for_the_batch_input_only() -> None:
     model = TinyLM()
     body = model.pipeline
+    seam = StageBody("TinyLM", "pipeline", dict(enumerate(body)), len(body))
+    seam.attach(model)
     ids, targets, index = make_tokens(4)
     batch = (ids, targets, index)
     outputs = torch.randn(4, 5, 16, dtype=torch.float64)
-    with replay_predict(model, "pipeline", model.pipeline_inputs(batch), outputs):
+    with seam.predicting(model.pipeline_inputs(batch), outputs):
         assert model.predict_step(batch, 0) is outputs
         assert model.predict_step((ids.clone(), targets, index), 0) is outputs  # equal values
         assert list(model.parameters()) == list(body.parameters())
         with pytest.raises(ValueError, match=r"TinyLM.predict_step called the pipeline body on something "
                            r"other than pipeline_inputs\(batch\)"):
             model(ids[:2])
-    assert model.pipeline is body
+    assert model.pipeline is seam
+    torch.testing.assert_close(model(ids), body(ids))  # outside the replay: the layers' own forward
 
 
 def test_join_is_the_inverse_of_split() -> None:

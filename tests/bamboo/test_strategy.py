@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.bamboo.launch import snapshot
+from tests.bamboo.module_writes import assert_no_writes
 from tests.bamboo.pipe_runs import STEPS, bamboo_args, run_batch
 
 # float64 model: the only differences are summation orders (micro-batches, all-reduce)
@@ -98,6 +99,22 @@ def test_global_norm_clipping_cpu_replica_and_validation(
     expected = json.loads((ref / "validate.json").read_text())[0]["val_loss"]
     got = json.loads((run / "validate.json").read_text())[0]["val_loss"]
     assert got == pytest.approx(expected, rel=1e-10)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_no_step_writes_into_the_users_module(pipe_bamboo_2: dict[str, Path]) -> None:
+    """The strategy's seam is installed once at setup: from train start to train end (every training and
+    validation batch, replayed steps included) the module's body is one object and its ``__dict__`` holds the
+    same names, on every rank of every case (validation, accumulation, a replica in host memory, ties)."""
+    for case, run in pipe_bamboo_2.items():
+        for rank in range(2):
+            seen = json.loads((run / f"module_rank{rank}.json").read_text())
+            assert [hook for hook, *_ in seen].count("on_train_batch_end") >= STEPS, (case, rank)
+            body, names = assert_no_writes(seen, f"{case} rank {rank}")
+            after, after_body = json.loads((run / f"module_after_fit_rank{rank}.json").read_text())
+            assert set(names) - set(after) == {"pipeline_inputs", "pipeline_loss"}, (case, rank)
+            assert set(after) <= set(names) and after_body == body, (case, rank)  # the body keeps the stage
 
 
 @pytest.mark.multiprocess

@@ -66,8 +66,8 @@ def worker(out: Path, rank: int, stages: int) -> None:
         full = body()
         layout = StageLayout.plan([1.0] * len(full), stages, stages)
         groups = BambooGroups.create(layout, rank)
-        stage = sub_sequential(full, layout.stage_layers[groups.stage])
-        replica = sub_sequential(full, layout.stage_layers[layout.successor(groups.stage)])
+        stage = sub_sequential(full, layout.stage_layers[groups.position])
+        replica = sub_sequential(full, layout.stage_layers[layout.successor(groups.position)])
         schedule = add_forward_redundancy(build_1f1b(stages, MICROBATCHES), stages, MICROBATCHES)
         device = torch.device("cpu")
         engine = PipelineEngine(

@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_bamboo.checkpoint.sharded import named_optimizer_state
 from lightning_bamboo.strategy import BambooStrategy
 from lightning_bamboo.testing import PhaseFaults
+from tests.bamboo.module_writes import ModuleWrites
 from tests.bamboo.pipe_mlp import make_data
 from tests.bamboo.pipe_variants import VARIANTS
 
@@ -175,6 +176,10 @@ def main() -> None:
         logger = CSVLogger(args.out, name="logs")
         if isinstance(strategy, BambooStrategy):
             callbacks.append(RecordBar(args.out, strategy.member))
+
+    def module_file(trainer: Trainer) -> Path:  # what ModuleWrites saw, per member
+        return args.out / f"module_member{getattr(trainer.strategy, 'member', 0)}.json"
+
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
@@ -194,7 +199,7 @@ def main() -> None:
         num_sanity_val_steps=2 if args.validate else 0,  # Lightning's default sanity check, when validating
         limit_val_batches=2 if args.validate else 0,
         val_check_interval=args.validate or None,
-        callbacks=[*callbacks, val_losses, PhaseFaults.from_env()],
+        callbacks=[*callbacks, val_losses, PhaseFaults.from_env(), ModuleWrites(module_file)],
     )
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val if args.validate else None,
                 ckpt_path=args.resume)

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_bamboo
 from lightning_bamboo import BambooStrategy
 from lightning_bamboo.checkpoint.sharded import named_optimizer_state
+from tests.bamboo.module_writes import ModuleWrites
 from tests.bamboo.pipe_mlp import make_data
 from tests.bamboo.pipe_variants import VARIANTS, RankNoise, WithState
 
@@ -220,10 +221,13 @@ def train(args: argparse.Namespace) -> None:
         limit_val_batches=1.0 if args.validate else 0,
         gradient_clip_val=args.clip,
         accumulate_grad_batches=args.accumulate,
-        callbacks=[Snapshot(args.out), *checkpointing,
+        callbacks=[Snapshot(args.out), ModuleWrites(lambda t: args.out / f"module_rank{t.global_rank}.json"),
+                   *checkpointing,
                    *([ForwardRedundancyOff(set(args.fr_off_steps))] if args.fr_off_steps else [])],
     )
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val, ckpt_path=args.resume)
+    after = [sorted(model.__dict__), id(model.pipeline)]  # teardown gave the module its own hooks back
+    (args.out / f"module_after_fit_rank{trainer.global_rank}.json").write_text(json.dumps(after))
     if args.validate:
         metrics = trainer.validate(model, dataloaders=val, verbose=False)
         if trainer.global_rank == 0:

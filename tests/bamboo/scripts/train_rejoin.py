@@ -43,7 +43,7 @@ class IdMLP(PipeMLP):
 
     def pipeline_loss(self, outputs: Tensor, batch: Any) -> Tensor:
         view = getattr(self.trainer.strategy, "view", None)
-        if view is None or view.is_last_stage:
+        if view is None or view.is_last:
             self.seen.append((self.trainer.global_step, batch[2].tolist()))
         return super().pipeline_loss(outputs, batch)
 
