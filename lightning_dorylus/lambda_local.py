@@ -17,6 +17,11 @@ credentials). What it does, like Lambda:
 * a request body over 6 MB: HTTP 413 ``RequestEntityTooLargeException``;
 * more concurrent invocations than ``--concurrency``: HTTP 429 ``TooManyRequestsException``.
 
+* ``PUT /2015-03-31/functions/{name}/code`` (``UpdateFunctionCode`` with ``ZipFile``): later invocations,
+  of every function name, run the new zip (idle runtimes are replaced at once, busy ones when they finish);
+  ``GET /2015-03-31/functions/{name}/configuration`` (``GetFunctionConfiguration``, boto3's
+  ``function_updated`` waiter) reports its ``CodeSha256`` with ``LastUpdateStatus: Successful``.
+
 Test faults, per function name: ``POST /_control/faults`` with ``{"function": name, "throttle": n,
 "delay_s": s, "delay_count": n, "exit": n}`` makes the next ``n`` invocations answer 429 / start ``s``
 seconds late / kill their runtime; ``GET /_control/stats?function=name`` returns the counters.
@@ -25,6 +30,9 @@ seconds late / kill their runtime; ``GET /_control/stats?function=name`` returns
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
+import io
 import json
 import os
 import queue
@@ -38,6 +46,7 @@ import tempfile
 import threading
 import time
 import uuid
+import zipfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -48,12 +57,15 @@ from lightning_dorylus.ops import bundle
 
 PAYLOAD_LIMIT = 6 * 1024 * 1024  # Lambda's synchronous invoke limit, request and response
 _INVOKE = re.compile(r"^/2015-03-31/functions/([^/]+)/invocations$")
+_CODE = re.compile(r"^/2015-03-31/functions/([^/]+)/code$")
+_CONFIGURATION = re.compile(r"^/2015-03-31/functions/([^/]+)/configuration$")
 
 
 class _Runtime:
     """One runtime process (a warm Lambda sandbox)."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], startup_timeout: float) -> None:
+        self.generation = 0  # of the code it imported (LocalLambda._generation)
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         if not self._wait_readable(startup_timeout):
             self.kill()
@@ -97,19 +109,68 @@ class LocalLambda:
         self.startup_timeout = startup_timeout
         self._dir = tempfile.mkdtemp(prefix="dorylus-lambda-local-")
         shutil.copyfile(lambda_runtime.__file__, os.path.join(self._dir, "lambda_runtime.py"))
-        site = bundle.link_numpy(os.path.join(self._dir, "site"))
+        self._site = str(bundle.link_numpy(os.path.join(self._dir, "site")))
         self._env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "PYTHON"))}
-        self._env.update(PYTHONPATH=os.pathsep.join([str(Path(zip_path).resolve()), str(site)]),
-                         OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        self._env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self._cmd = [sys.executable, "-S", os.path.join(self._dir, "lambda_runtime.py"),
                      bundle.LAMBDA_HANDLER]
+        self._lock = threading.Lock()
+        self._code_lock = threading.Lock()  # one code update at a time
+        self._generation = 0  # of the code: a runtime of an older one is replaced when it comes back
+        self._use_code(Path(zip_path).resolve())
         self._slots = threading.BoundedSemaphore(concurrency)
         self._idle: queue.SimpleQueue[_Runtime] = queue.SimpleQueue()
         for _ in range(concurrency):
-            self._idle.put(_Runtime(self._cmd, self._env, startup_timeout))
-        self._lock = threading.Lock()
+            self._idle.put(self._spawn())
         self._faults: dict[str, dict[str, float]] = {}
         self._stats: dict[str, dict[str, int]] = {}
+
+    def _use_code(self, zip_path: Path) -> None:
+        """Runtimes started from now on import ``zip_path``."""
+        with self._lock:
+            self._env = {**self._env, "PYTHONPATH": os.pathsep.join([str(zip_path), self._site])}
+            self._code_sha = base64.b64encode(hashlib.sha256(zip_path.read_bytes()).digest()).decode()
+            self._generation += 1
+
+    def _spawn(self) -> _Runtime:
+        """A runtime of the current code."""
+        with self._lock:
+            env, generation = self._env, self._generation
+        runtime = _Runtime(self._cmd, env, self.startup_timeout)
+        runtime.generation = generation
+        return runtime
+
+    def update_code(self, function: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+        """``UpdateFunctionCode``: every function name runs the new zip from the next invocation on."""
+        try:
+            code = base64.b64decode(json.loads(body or b"{}")["ZipFile"], validate=True)
+            zipfile.ZipFile(io.BytesIO(code)).testzip()
+        except (ValueError, KeyError, TypeError, zipfile.BadZipFile) as err:
+            return _error(400, "InvalidParameterValueException",
+                          f"UpdateFunctionCode needs ZipFile, a zip archive: {type(err).__name__}: {err}")
+        with self._code_lock:
+            path = Path(self._dir) / f"code-{self._generation + 1}.zip"
+            path.write_bytes(code)
+            self._use_code(path)
+            stale = []
+            while True:  # idle runtimes of the old code: replaced now (busy ones when they come back)
+                try:
+                    stale.append(self._idle.get_nowait())
+                except queue.Empty:
+                    break
+            for runtime in stale:
+                runtime.kill()
+                self._idle.put(self._spawn())
+        self._count(function, "code_updates")
+        return self.configuration(function)
+
+    def configuration(self, function: str) -> tuple[int, dict[str, str], bytes]:
+        """``GetFunctionConfiguration``: what boto3's ``function_updated`` waiter reads."""
+        with self._lock:
+            sha = self._code_sha
+        body = {"FunctionName": function, "Runtime": "python3.12", "Handler": bundle.LAMBDA_HANDLER,
+                "CodeSha256": sha, "State": "Active", "LastUpdateStatus": "Successful"}
+        return 200, {}, json.dumps(body).encode()
 
     def _count(self, function: str, key: str) -> None:
         with self._lock:
@@ -174,7 +235,10 @@ class LocalLambda:
                     reply = {"ok": False, "errorType": "Runtime.ExitError",
                              "errorMessage": f"RequestId: {request_id} Error: Runtime exited with error: "
                                              f"exit status {code}"}
-                runtime = _Runtime(self._cmd, self._env, self.startup_timeout)
+                runtime = self._spawn()
+            elif runtime.generation != self._generation:  # code updated meanwhile
+                runtime.kill()
+                runtime = self._spawn()
             self._idle.put(runtime)
         headers = {"X-Amz-Executed-Version": "$LATEST", "x-amzn-RequestId": request_id}
         if reply.get("ok"):
@@ -243,11 +307,24 @@ def make_server(backend: LocalLambda, port: int = 0) -> ThreadingHTTPServer:
                 return
             self._send(*backend.invoke(unquote(match.group(1)), body))
 
+        def do_PUT(self) -> None:
+            path = urlsplit(self.path).path
+            body = self._body()
+            match = _CODE.match(path)
+            if match is None:
+                self._send(*_error(404, "UnknownOperationException", f"no such operation: PUT {path}"))
+                return
+            self._send(*backend.update_code(unquote(match.group(1)), body))
+
         def do_GET(self) -> None:
             url = urlsplit(self.path)
             if url.path == "/_control/stats":
                 function = parse_qs(url.query).get("function", [""])[0]
                 self._send(200, {}, json.dumps(backend.stats(function)).encode())
+                return
+            match = _CONFIGURATION.match(url.path)
+            if match is not None:
+                self._send(*backend.configuration(unquote(match.group(1))))
                 return
             self._send(*_error(404, "UnknownOperationException", f"no such operation: GET {url.path}"))
 

@@ -6,11 +6,16 @@
   given ``(n_local, F)`` rows indexes past them (issue 32: a bare ``IndexError``), or, on one server,
   works and then fails with more. PyG layers *inside* a ``DorylusLayer`` (run on ``self.scatter``'s rows)
   are the user's own GA and are left alone.
-* :class:`LabelRangeCheck` (first training step): a classification loss (``F.cross_entropy``,
-  ``F.nll_loss``) whose input has fewer class scores than the graph's labels need (issue 32: torch's bare
-  "Target out of bounds" 24 s in). The label count is the whole graph's (every server's ``batch.y``,
-  all-reduced once before the step), so every server raises the same error at the same call and none is
-  left waiting in a collective.
+* :func:`check_output_width` (before the first epoch): the model's last layer gives fewer class scores
+  than the graph's labels need (issue 32: torch's bare "Target out of bounds" 24 s in). Its width is read
+  without a forward pass where the last layer says it (:func:`output_width`: a Dorylus layer's
+  ``output_width``, an ``nn.Linear``'s ``out_features``).
+* :class:`LabelRangeCheck` (first training step), the fallback where the width cannot be read so (a last
+  layer of another kind, or no partition to count labels on before the step): a classification loss
+  (``F.cross_entropy``, ``F.nll_loss``) whose input has fewer class scores than the labels need.
+
+The label count is the whole graph's (every server's ``y``, all-reduced), so every server raises the same
+error at the same point and none is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -62,6 +67,49 @@ def num_labels(y: Tensor | None) -> int:
     return int(y.max().clamp(min=-1)) + 1
 
 
+def output_width(module: nn.Module) -> tuple[str, int] | None:
+    """``(name, width)`` of ``module``'s last layer (the last submodule, in registration order, that holds
+    parameters; a Dorylus layer counts as one) when its output width is known without a forward pass: a
+    Dorylus layer's ``output_width`` or an ``nn.Linear``'s ``out_features``. ``None`` otherwise (a last
+    ``LayerNorm``, a user layer without ``output_width``): the first training step's loss checks then."""
+    last: tuple[str, nn.Module] | None = None
+    pending: list[tuple[str, nn.Module]] = list(module.named_children())
+    while pending:
+        name, child = pending.pop(0)
+        nested = [] if isinstance(child, DorylusLayer) else list(child.named_children())
+        if isinstance(child, DorylusLayer) or next(child.parameters(recurse=False), None) is not None:
+            last = (name, child)
+        pending[:0] = [(f"{name}.{sub}", grandchild) for sub, grandchild in nested]  # depth first, in order
+    if last is None:
+        return None
+    name, layer = last
+    width = layer.out_features if isinstance(layer, nn.Linear) else getattr(layer, "output_width", None)
+    return (f"{type(module).__name__}.{name}", int(width)) if isinstance(width, int) else None
+
+
+def label_range_error(source: str, width: int, num_classes: int) -> LabelRangeError:
+    """The error for ``width`` class scores per vertex (given by ``source``) below ``num_classes`` labels."""
+    return LabelRangeError(
+        f"{source} got {width} class scores per vertex, but the graph's labels (batch.y on every graph "
+        f"server) go up to {num_classes - 1}: the model needs {num_classes} outputs (build it with "
+        "num_classes=datamodule.num_classes), else torch fails with 'Target out of bounds' or trains on "
+        "wrong targets"
+    )
+
+
+def check_output_width(module: nn.Module, num_classes: int) -> bool:
+    """Raises :class:`LabelRangeError` when ``module``'s last layer (:func:`output_width`) gives fewer than
+    ``num_classes`` outputs; ``True`` when the width was known (checked), ``False`` when the first step's
+    :class:`LabelRangeCheck` must check instead."""
+    last = output_width(module)
+    if last is None:
+        return False
+    name, width = last
+    if num_classes and width < num_classes:
+        raise label_range_error(f"{name} (the model's last layer)", width, num_classes)
+    return True
+
+
 class LabelRangeCheck(TorchFunctionMode):
     """Raises :class:`LabelRangeError` when a classification loss gets fewer class scores than
     ``num_classes`` (the graph's ``max(y) + 1``); changes nothing otherwise."""
@@ -77,10 +125,5 @@ class LabelRangeCheck(TorchFunctionMode):
             if isinstance(scores, Tensor) and scores.dim() >= 1:
                 width = scores.shape[1] if scores.dim() > 1 else scores.shape[0]
                 if width < self.num_classes:
-                    raise LabelRangeError(
-                        f"{func.__name__} got {width} class scores per vertex, but the graph's labels "
-                        f"(batch.y on every graph server) go up to {self.num_classes - 1}: the model needs "
-                        f"{self.num_classes} outputs (build it with num_classes=datamodule.num_classes), "
-                        "else torch fails with 'Target out of bounds' or trains on wrong targets"
-                    )
+                    raise label_range_error(func.__name__, width, self.num_classes)
         return func(*args, **kwargs)

@@ -68,7 +68,12 @@ from lightning_dorylus.dropout_check import TorchDropoutCheck
 from lightning_dorylus.executors import EXECUTORS, TensorOpExecutor, build_executor
 from lightning_dorylus.graph import GhostExchange, GraphCache
 from lightning_dorylus.graph.stale import StaleGhostExchange, StaleReads, check_stale_reads
-from lightning_dorylus.model_checks import LabelRangeCheck, check_foreign_layers, num_labels
+from lightning_dorylus.model_checks import (
+    LabelRangeCheck,
+    check_foreign_layers,
+    check_output_width,
+    num_labels,
+)
 from lightning_dorylus.nn import DorylusLayer, DorylusRuntime
 from lightning_dorylus.nn.norm import check_vertex_norms, convert_batchnorm, revert_batchnorm
 from lightning_dorylus.precision import check_precision
@@ -229,6 +234,7 @@ class DorylusStrategy(ParallelStrategy):
         self._loss_reduction: LossReduction = loss_reduction or "mean"
         self._grad_weight = 1.0  # backward's loss scale: the share of the train vertices ("mean"), per step
         self._dropout_checked = False
+        self._labels_checked = False  # the output width was checked before the first epoch
         self._timed: TimedExecutor | None = None
         self.tuned: TuneResult | None = None
         self._stale_group: Any | None = None
@@ -331,6 +337,7 @@ class DorylusStrategy(ParallelStrategy):
         self._check_datamodule(trainer)
         self._loss_reduction = self._resolve_loss_reduction()
         self._dropout_checked = False
+        self._labels_checked = False
         if self.root_device.type == "cpu":  # CUDA half/mixed precision: untested, left to the user
             check_precision(str(getattr(self.precision_plugin, "precision", "32-true")))
         assert self.model is not None
@@ -435,6 +442,33 @@ class DorylusStrategy(ParallelStrategy):
             self._runtime.stale_exchange.drain(discard)
 
     @override
+    def on_train_start(self) -> None:
+        """Before the first epoch: a last layer with fewer outputs than the graph's labels need raises
+        :class:`~lightning_dorylus.model_checks.LabelRangeError` on every server (the labels of this
+        server's partition, all-reduced), where both are known without a step; else the first step's loss
+        checks (:meth:`training_step`)."""
+        super().on_train_start()
+        partition = self._training_partition()
+        # [labels, no partition here]: every server takes part, and all fall back if any lacks one
+        count = torch.tensor([num_labels(partition.y) if partition is not None else 0, partition is None],
+                             device=self.root_device)
+        if self.world_size > 1 and _distributed_is_initialized():
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        if not count[1]:
+            assert self.lightning_module is not None
+            self._labels_checked = check_output_width(self.lightning_module, int(count[0]))
+
+    def _training_partition(self) -> GraphPartition | None:
+        """This server's partition before the first step, where it is at hand: a ``DorylusDataModule``'s,
+        or that of the train loader it gives (``PartitionLoader``); a user's own loader is not iterated."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        for holder in (getattr(trainer, "datamodule", None), getattr(trainer, "train_dataloader", None)):
+            partition = getattr(holder, "partition", None)
+            if isinstance(partition, GraphPartition):
+                return partition
+        return None
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
         if isinstance(batch, GraphPartition) and self.world_size > 1:
@@ -452,7 +486,8 @@ class DorylusStrategy(ParallelStrategy):
         else:
             self._dropout_checked = True  # the first step only: a model calling F.dropout does so every step
             with ExitStack() as checks:
-                checks.enter_context(LabelRangeCheck(self._num_labels(batch)))
+                if not self._labels_checked:  # the output width was unknown before the step
+                    checks.enter_context(LabelRangeCheck(self._num_labels(batch)))
                 if self.world_size > 1:
                     checks.enter_context(TorchDropoutCheck(self.world_size))
                 out = super().training_step(*args, **kwargs)

@@ -14,6 +14,13 @@ with jittered backoff and counted in ``stats["throttled"]``; a handler exception
 lost connection or an attempt past ``deadline_s`` is retried up to ``max_attempts``; stragglers are
 relaunched and late duplicates dropped. Credentials come from boto3's default chain and are never logged.
 
+Op versions: a function whose op is other code than this graph server's (``OpVersionError`` from the
+handler, or a response without this server's fingerprint) is refused, naming both fingerprints; with
+``redeploy_on_mismatch=True`` the executor instead uploads this server's own handler zip (the bundle and the
+op modules it imported, as ``python -m lightning_dorylus.deploy`` builds it) with ``UpdateFunctionCode``,
+waits until the function is updated, and retries the request once; a second mismatch is refused as above.
+One redeploy per executor; concurrent requests that meet the old code wait for it.
+
 Where an option is not given, the environment fills it in (:data:`ENV_DEFAULTS`), the same for a user
 script (``DorylusStrategy(executor="lambda")``) and for the recipes: e.g. ``DORYLUS_LAMBDA_ENDPOINT`` points
 every graph server at the local endpoint (``python -m lightning_dorylus.lambda_local``). An explicit option
@@ -26,10 +33,12 @@ import base64
 import json
 import logging
 import os
+import tempfile
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -76,6 +85,10 @@ class LambdaExecutor(ResilientExecutor):
         payload_limit: bytes per invoke payload, each way (Lambda: 6 MB).
         max_rows: also cut requests into pieces of at most this many rows (``None``: only the limit cuts).
         connect_timeout: seconds to open an HTTPS connection.
+        redeploy_on_mismatch: when the function runs other code for an op than this graph server, upload
+            this server's handler zip to it (``lambda:UpdateFunctionCode``, which the credentials then need)
+            and retry once, instead of refusing (see the module docstring). Off by default: a redeploy
+            changes what every other user of the function runs.
         deadline_s, max_attempts, straggler_ratio, ...: the ``FaultPolicy`` fields. ``deadline_s`` also bounds
             boto3's read timeout, so an abandoned invocation frees its thread.
     """
@@ -87,7 +100,7 @@ class LambdaExecutor(ResilientExecutor):
                  s3_bucket: str | None = None, s3_prefix: str = "dorylus/",
                  s3_endpoint_url: str | None = None,
                  payload_limit: int = wire.LAMBDA_SYNC_PAYLOAD_LIMIT, max_rows: int | None = None,
-                 connect_timeout: float = 10.0, **policy: Any) -> None:
+                 connect_timeout: float = 10.0, redeploy_on_mismatch: bool = False, **policy: Any) -> None:
         function_name, endpoint_url, s3_bucket, s3_endpoint_url = (
             _from_env(name, value) for name, value in (
                 ("function_name", function_name), ("endpoint_url", endpoint_url), ("s3_bucket", s3_bucket),
@@ -102,6 +115,8 @@ class LambdaExecutor(ResilientExecutor):
             raise ValueError(f"max_concurrency={max_concurrency!r}: expected an int >= 1")
         if not 128 <= memory_mb <= 10240:
             raise ValueError(f"memory_mb={memory_mb!r}: Lambda functions have 128..10240 MB")
+        if not isinstance(redeploy_on_mismatch, bool):
+            raise ValueError(f"redeploy_on_mismatch={redeploy_on_mismatch!r}: expected True or False")
         if not isinstance(payload_limit, int) or payload_limit < 4096:
             raise ValueError(f"payload_limit={payload_limit!r}: expected bytes >= 4096")
         unknown = sorted(set(policy) - POLICY_FIELDS)
@@ -118,6 +133,9 @@ class LambdaExecutor(ResilientExecutor):
         self.s3_prefix = s3_prefix
         self.s3_endpoint_url = s3_endpoint_url
         self.connect_timeout = connect_timeout
+        self.redeploy_on_mismatch = redeploy_on_mismatch
+        self._redeploy_lock = threading.Lock()
+        self._redeployed: str | None = None  # the CodeSha256 uploaded by this executor's one redeploy
         self.billed_gb_seconds = 0.0  # client-side durations x memory: an upper bound of Lambda's bill
         self._start_lock = threading.Lock()
         self._closed = False
@@ -125,7 +143,7 @@ class LambdaExecutor(ResilientExecutor):
         self._lambda: Any = None
         self._s3: Any = None
         self._run_id = uuid.uuid4().hex[:12]
-        self.stats.update(s3_pieces=0, s3_objects_deleted=0)
+        self.stats.update(s3_pieces=0, s3_objects_deleted=0, redeploys=0)
 
     @override
     def start(self) -> None:
@@ -166,7 +184,13 @@ class LambdaExecutor(ResilientExecutor):
             return
         start = time.monotonic()
         try:
-            outputs = self._invoke(attempt)
+            try:
+                outputs = self._invoke(attempt)
+            except FunctionVersionError:
+                if not self.redeploy_on_mismatch:
+                    raise
+                self._redeploy()
+                outputs = self._invoke(attempt)  # once: a second mismatch is refused
         except ExecutorError as err:
             self._attempt_done(attempt, error=err)
         except Exception as err:
@@ -176,6 +200,27 @@ class LambdaExecutor(ResilientExecutor):
         finally:
             with self._state_lock:
                 self.billed_gb_seconds += (time.monotonic() - start) * self.memory_mb / 1024
+
+    def _redeploy(self) -> None:
+        """Uploads this graph server's handler zip to the function and waits until it runs it (once per
+        executor: later callers find it done)."""
+        with self._redeploy_lock:
+            if self._redeployed is not None:
+                return
+            from lightning_dorylus import deploy
+            from lightning_dorylus.ops import registry
+
+            with tempfile.TemporaryDirectory(prefix="dorylus-redeploy-") as tmp:
+                path, _, _ = deploy.build_zip(Path(tmp) / "handler.zip", registry.op_modules())
+                code = path.read_bytes()
+            log.warning("LambdaExecutor: Lambda function %r runs other op code than this graph server; "
+                        "redeploying this server's handler (%d bytes, redeploy_on_mismatch=True)",
+                        self.function_name, len(code))
+            result = self._lambda.update_function_code(FunctionName=self.function_name, ZipFile=code)
+            self._lambda.get_waiter("function_updated").wait(FunctionName=self.function_name)
+            self._redeployed = str(result.get("CodeSha256"))
+            with self._state_lock:
+                self.stats["redeploys"] += 1
 
     def _classify(self, attempt: Attempt, err: Exception) -> ExecutorError:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -213,10 +258,11 @@ class LambdaExecutor(ResilientExecutor):
                                 str(header.get("error_type")))
         ours, theirs = call.header["fingerprint"], header.get("fingerprint") or "without a fingerprint"
         if theirs != ours:  # a handler that does not check (deployed before fingerprints)
-            raise ExecutorError(f"{call.describe()}: Lambda function {self.function_name!r} ran op "
-                                f"{call.request.op!r} {theirs}, "
-                                f"this graph server runs {ours}: the function's code is not the graph "
-                                "server's; redeploy it (`python -m lightning_dorylus.deploy`)")
+            raise FunctionVersionError(
+                f"{call.describe()}: Lambda function {self.function_name!r} ran op {call.request.op!r} "
+                f"{theirs}, this graph server runs {ours}: the function's code is not the graph server's; "
+                "redeploy it (`python -m lightning_dorylus.deploy`, or LambdaExecutor("
+                "redeploy_on_mismatch=True))", "OpVersionError")
         return to_tensors(arrays)
 
     def _invoke_raw(self, attempt: Attempt, event: dict[str, Any]) -> dict[str, Any]:
@@ -236,6 +282,8 @@ class LambdaExecutor(ResilientExecutor):
                     f"(attempt {attempt.number}): {kind}: {message}")
             if kind.startswith(RETRYABLE_FUNCTION_ERRORS):
                 raise RetryableError(text, "lost")
+            if kind == "OpVersionError":  # the handler refused: other code for the op than ours
+                raise FunctionVersionError(text, kind)
             raise RemoteOpError(text, kind)
         if not isinstance(body, dict):
             raise ExecutorError(f"{call.describe()}: Lambda function {self.function_name!r} answered "
@@ -290,6 +338,10 @@ class LambdaExecutor(ResilientExecutor):
         endpoint = f", endpoint_url={_where(self.endpoint_url)!r}" if self.endpoint_url else ""
         return (f"LambdaExecutor(function_name={self.function_name!r}, region={self.region!r}{endpoint}, "
                 f"max_concurrency={self.max_concurrency}, s3_bucket={self.s3_bucket!r})")
+
+
+class FunctionVersionError(RemoteOpError):
+    """The function ran (or refused to run) other code for the op than this graph server's."""
 
 
 def _from_env(option: str, value: Any) -> Any:

@@ -55,6 +55,7 @@ class GATConv(DorylusLayer):
         self.att_src = nn.Parameter(torch.empty(heads, out_channels))  # (H, C)
         self.att_dst = nn.Parameter(torch.empty(heads, out_channels))  # (H, C)
         width = heads * out_channels if concat else out_channels
+        self.output_width = width  # read before the first epoch (model_checks.output_width)
         self.bias = nn.Parameter(torch.empty(width)) if bias else None
         self.reset_parameters()
 

@@ -56,6 +56,7 @@ class GCNConv(DorylusLayer):
         if order not in ORDERS:
             raise ValueError(f"order={order!r} is not supported; expected one of {ORDERS}")
         self.in_channels, self.out_channels, self.activation = in_channels, out_channels, activation
+        self.output_width = out_channels  # read before the first epoch (model_checks.output_width)
         if order == "auto":
             order = "weight_first" if out_channels < in_channels else "gather_first"
         self.order = order

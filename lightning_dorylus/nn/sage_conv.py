@@ -34,6 +34,7 @@ class SAGEConv(DorylusLayer):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is not supported; expected one of {ACTIVATIONS}")
         self.in_channels, self.out_channels, self.activation = in_channels, out_channels, activation
+        self.output_width = out_channels  # read before the first epoch (model_checks.output_width)
         self.weight_l = nn.Parameter(torch.empty(in_channels, out_channels))  # neighbours: agg @ weight_l
         self.weight_r = nn.Parameter(torch.empty(in_channels, out_channels))  # root: x @ weight_r
         self.bias = nn.Parameter(torch.empty(out_channels)) if bias else None

@@ -1,7 +1,9 @@
 """Op versions checked end to end (issue 32): a Lambda function that kept an older zip after the user changed
 an op is refused at its first request, naming the op and both fingerprints, instead of training another
-model. Fingerprints (``lightning_dorylus/ops/fingerprint.py``) cover the wire version, the op's declaration
-and the source of its modules; every request carries the graph server's, every response the handler's."""
+model, or, asked to (``redeploy_on_mismatch=True``), redeployed with the graph server's own code and the
+request retried once. Fingerprints (``lightning_dorylus/ops/fingerprint.py``) cover the wire version, the
+op's declaration and the source of its modules; every request carries the graph server's, every response
+the handler's."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 from lightning_dorylus import deploy, wire
 from lightning_dorylus.executors import InlineExecutor, LambdaExecutor, RemoteOpError, TensorOpRequest
 from lightning_dorylus.ops import fingerprint, handlers
-from tests.dorylus.aws_services import start_lambda_local
+from tests.dorylus.aws_services import endpoint_stats, start_lambda_local
 from tests.dorylus.test_user_ops import op_state
 
 __all__ = ["op_state"]  # the fixture: the op table and registry restored after each test
@@ -118,3 +120,44 @@ def test_lambda_function_running_an_older_op_is_refused_with_both_fingerprints(
             assert executor.stats["retries"] == 0  # refused, not retried
     finally:
         server.stop()
+
+
+@pytest.mark.services  # a lambda_local of its own, started from the zip deploy builds
+@pytest.mark.timeout(300)
+def test_lambda_function_running_an_older_op_is_redeployed_when_asked(
+    fp_ops: Path, tmp_path: Path, aws_env
+) -> None:
+    """The function keeps ``h = 2 z``; the graph server now runs ``h = 3 z``. With ``redeploy_on_mismatch``
+    the executor uploads its own zip and the retried request computes ``3 z``; its one redeploy spent, a
+    further change is refused with both fingerprints."""
+    zip_path, _, _ = deploy.build_zip(tmp_path / "handler.zip", ["fp_ops"])  # deployed: h = 2 z
+    server = start_lambda_local(zip_path, concurrency=2)
+    try:
+        current = _change_op(fp_ops)
+        with LambdaExecutor(function_name="fp", region="us-east-1", endpoint_url=server.url,
+                            redeploy_on_mismatch=True) as executor:
+            outs = executor.map([_request(), _request()])  # both meet the old code; one redeploy
+            for out in outs:
+                torch.testing.assert_close(out["h"], 3 * _request().tensors["z"])
+            assert executor.stats["redeploys"] == 1 and executor.stats["retries"] == 0
+            assert endpoint_stats(server.url, "fp")["code_updates"] == 1
+            newer = fp_ops.read_text().replace("3.0", "4.0")
+            fp_ops.write_text(newer)
+            importlib.reload(sys.modules["fp_ops"])
+            latest = handlers.fingerprint("fp.scale.forward")
+            message = (rf"op 'fp.scale.forward' is different code here than on the graph server: the graph "
+                       rf"server runs {latest}, this handler runs {current}")
+            with pytest.raises(RemoteOpError, match=message):
+                executor.map([_request()])
+            assert executor.stats["redeploys"] == 1
+        # the function now runs the redeployed code for everyone (h = 3 z): this server's 4 z is refused
+        with LambdaExecutor(function_name="fp", region="us-east-1", endpoint_url=server.url) as plain, \
+                pytest.raises(RemoteOpError, match=message):
+            plain.map([_request()])
+    finally:
+        server.stop()
+
+
+def test_redeploy_option_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match=r"redeploy_on_mismatch='yes': expected True or False"):
+        LambdaExecutor(function_name="fp", redeploy_on_mismatch="yes")  # type: ignore[arg-type]
