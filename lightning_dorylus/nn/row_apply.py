@@ -5,8 +5,8 @@ made on their own (:class:`~lightning_dorylus.nn.dropout.RowSource`, hashed from
 graph server makes interval ``i``'s rows and sends its request, then makes interval ``i + 1``'s while ``i``'s
 is in flight, instead of making the whole ``(n, F_in)`` input before the first request, and keeps none of
 them for the backward, which makes them again from the kept entries' bits (1/32 of float32 rows). That is
-the synchronous engine's form of the weight-first GCN layer's first AV and GAT's ``gat.project``, and the
-pipeline engine's form of the latter (its weight-first GCN layer does the same inside ``ApplyGather``).
+GAT's ``gat.project`` on a first layer's input, in every mode (the weight-first GCN layer does the same
+inside ``ApplyGather``).
 Slicing, per-interval submission and merging go through :mod:`~lightning_dorylus.nn.functions` and the op's
 declaration.
 """
