@@ -11,8 +11,8 @@ A layer is composed from four verbs, named as in the paper, with PyG's names alo
 As PyG's ``MessagePassing.propagate`` alone picks the fused path, this class alone picks how the stages run:
 a layer declares each stage once, by op name (a numpy op declared as an ``OpSpec`` in
 ``lightning_dorylus/ops/`` or registered by the user). There is one engine: each stage has one
-implementation (one autograd node: SC ``_Scatter``; AV/AE ``TensorOp``, or ``ApplyRows`` for rows made per
-interval; GA+AV ``GatherApply``; AV+GA ``ApplyGather`` with ``column_gather``; AE+GA ``ApplyEdgeGather``),
+implementation (one autograd node: SC ``_Scatter``; AV/AE alone ``TensorOp``, its row input a tensor or made
+per interval; GA+AV ``GatherApply``; AV+GA ``ApplyGather`` with ``column_gather``; AE+GA ``ApplyEdgeGather``),
 every interval's request is submitted before any is waited for, and the mode is a parameter read in one
 place, :class:`DorylusRuntime` (its ``staleness``):
 
@@ -48,8 +48,15 @@ from lightning_dorylus.graph import GhostExchange, GraphContext
 from lightning_dorylus.graph.stale import StaleGhostExchange
 from lightning_dorylus.nn.dropout import RowSource, edge_ids
 from lightning_dorylus.nn.edge_pipeline import EdgeDropout, apply_edge_gather
-from lightning_dorylus.nn.functions import OpCall, apply_gather, column_gather, gather_apply, tensor_op
-from lightning_dorylus.nn.row_apply import apply_rows
+from lightning_dorylus.nn.functions import (
+    OpCall,
+    RowInput,
+    apply_gather,
+    column_gather,
+    gather_apply,
+    rows_op,
+    tensor_op,
+)
 from lightning_dorylus.nn.runahead import RunAhead
 
 ADJACENCIES = ("gcn", "mean")
@@ -169,7 +176,7 @@ class DorylusLayer(nn.Module):
         if sources and graph.intervals:  # rows made per interval, remade in the backward
             (name,) = sources
             shared = {n: t for n, t in tensors.items() if n != name and t is not None}
-            return apply_rows(call, tensors[name], name, self._runahead(), self.layer_index, **shared)  # type: ignore[arg-type]
+            return rows_op(call, RowInput(tensors[name], name, self._runahead(), self.layer_index), **shared)  # type: ignore[arg-type]
         full = {n: t.full() if isinstance(t, RowSource) else t for n, t in tensors.items()}
         return tensor_op(call, **full)
 

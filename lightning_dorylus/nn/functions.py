@@ -4,7 +4,7 @@ The op's :class:`~lightning_dorylus.ops.spec.OpSpec` says how it splits over the
 (row, edge and pointer inputs; concatenated and summed outputs) and which op is its backward, so this module
 is the only place that slices inputs, submits one request per interval and puts the results back together
 (:func:`submit_each`, :func:`collect`, :func:`merge_outputs`); every stage's node (``TensorOp`` here,
-``GatherApply``, ``ApplyGather``, ``ApplyRows``, ``ApplyEdgeGather``), in every mode, submits through them.
+``GatherApply``, ``ApplyGather``, ``ApplyEdgeGather``), in every mode, submits through them.
 The backward sends the mirrored op per interval with everything it needs passed explicitly (inputs, weights,
 saved outputs, output gradients); weight gradients come back per interval and are summed on the graph
 server. No autograd state crosses the executor boundary, only named arrays.
@@ -280,48 +280,109 @@ def input_grads(
     return result
 
 
+@dataclass(frozen=True)
+class RowInput:
+    """A row input made per interval: ``source`` (a ``RowSource``: a first layer's dropped-out features,
+    needing no gradient) makes interval ``i``'s rows of input ``name`` just before its request goes out,
+    and they are not kept: the backward makes them again from the kept entries' bits
+    (:meth:`RowSource.remake`, equal bit for bit). ``runahead`` (``staleness >= 1``, training): the graph
+    server's :class:`~lightning_dorylus.nn.runahead.RunAhead`, under ``layer``."""
+
+    source: Any
+    name: str
+    runahead: RunAhead | None = None
+    layer: int = 0
+
+
 class TensorOp(torch.autograd.Function):
-    """``op`` forward per interval on the executor; its declared backward op per interval in backward."""
+    """``op`` forward per interval on the executor; its declared backward op per interval in backward: AV
+    or AE alone, every interval's request in flight at once.
+
+    With a :class:`RowInput` the row input is made per interval (and made again in the backward), and with
+    its ``runahead`` (``source.next_key`` known) the backward also sends the next step's requests while its
+    own are out, with the other inputs (weights) as they are then; the next forward takes them
+    (:mod:`.runahead`). A forward made from such a prefetch keeps the version its requests carried, so its
+    backward sends that version too (``gat.project``'s backward reads ``att_src``/``att_dst``/``weight``):
+    each interval's forward and backward use one weight version.
+    """
 
     @staticmethod
-    def forward(ctx: Any, call: OpCall, names: tuple[str, ...], *values: Tensor | None) -> tuple[Tensor, ...]:
+    def forward(
+        ctx: Any, call: OpCall, names: tuple[str, ...], rows: RowInput | None, *values: Tensor | None
+    ) -> tuple[Tensor, ...]:
         spec = op_spec(call.op)
         if spec.backward is None:
             raise ValueError(f"op {call.op!r} is not a forward op (it declares no backward)")
         present = {n: to_host(v) for n, v in zip(names, values) if v is not None}
-        outs = run_intervals(call.executor, call.op, present, call.attrs, call.intervals)
+        made_by = None
+        if rows is None:
+            outs = run_intervals(call.executor, call.op, present, call.attrs, call.intervals)
+        else:
+            runahead = rows.runahead
+            prefetch = runahead.take(rows.layer, rows.source.key, list(call.intervals)) if runahead else None
+            if prefetch is not None:  # sent during the previous step's backward, with that step's weights
+                present, futures, made_by = prefetch.weights, prefetch.futures, prefetch.source
+            else:  # each interval's rows live until its request is answered; the backward makes them again
+                futures = submit_rows(call, rows.source, rows.name, present, row_spans(call.intervals))
+                made_by = rows.source
+            outs = merge_outputs(spec, call.executor.wait(futures))
         device = next(v.device for v in values if v is not None)
-        saved = kept_for_backward(spec, (*present.items(), *outs.items()))
-        ctx.call, ctx.names, ctx.device = call, names, device
+        saved = kept_for_backward(spec, (*present.items(), *outs.items()))  # the version this forward used
+        live = {n: v for n, v in zip(names, values) if v is not None} if rows is not None else {}
+        ctx.call, ctx.names, ctx.device, ctx.rows, ctx.made_by = call, names, device, rows, made_by
         ctx.has = {f"has_{n}": n in present for n in spec.optional}
-        ctx.saved_names = tuple(saved)
+        ctx.saved_names, ctx.live_names = tuple(saved), tuple(live)
         ctx.output_names = spec.outputs
         ctx.output_like = {n: (tuple(outs[n].shape), outs[n].dtype) for n in spec.outputs}
-        ctx.save_for_backward(*saved.values())
+        ctx.save_for_backward(*saved.values(), *live.values())  # then the live parameters (run-ahead)
         return tuple(outs[n].to(device) for n in spec.outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         call: OpCall = ctx.call
         bwd = op_spec(op_spec(call.op).backward)  # type: ignore[arg-type]
-        saved = dict(zip(ctx.saved_names, ctx.saved_tensors))
+        n_saved = len(ctx.saved_names)
+        saved = dict(zip(ctx.saved_names, ctx.saved_tensors[:n_saved]))
+        live = dict(zip(ctx.live_names, ctx.saved_tensors[n_saved:]))
         tensors = output_grads(bwd, ctx.output_names, grads, ctx.output_like)
         tensors.update({n: t for n, t in saved.items() if n in bwd.required or n in bwd.optional})
         attrs = {**call.attrs, **ctx.has}
-        needs = ctx.needs_input_grad[2:]
-        for name in bwd.grad_flags:
+        needs = ctx.needs_input_grad[3:]
+        for name in bwd.grad_flags:  # a RowInput's rows are not among the names: they need no gradient
             attrs[f"needs_grad_{name}"] = bool(dict(zip(ctx.names, needs)).get(name, False))
-        spans = interval_spans(bwd, tensors, call.intervals)
-        merged = interval_backward(call, tensors, attrs, spans)
+        rows: RowInput | None = ctx.rows
+        if rows is None:
+            merged = interval_backward(call, tensors, attrs, interval_spans(bwd, tensors, call.intervals))
+        else:
+            remade, answered_by = remade_rows(ctx.made_by, rows.name)
+            spans = row_spans(call.intervals)
+
+            def run_ahead() -> None:
+                if rows.runahead is not None and rows.source.next_key is not None:
+                    send_ahead(call, rows.source, rows.name, live, spans, list(call.intervals), rows.runahead,
+                               rows.layer)
+
+            merged = interval_backward(call, tensors, attrs, spans, remade, run_ahead, on_submit=answered_by)
         del tensors, saved  # the inputs are no longer needed once the results are back
-        return (None, None, *input_grads(ctx.names, needs, merged, ctx.device))
+        return (None, None, None, *input_grads(ctx.names, needs, merged, ctx.device))
 
 
 def tensor_op(call: OpCall, **tensors: Tensor | None) -> tuple[Tensor, ...]:
     """Differentiable ``call.op`` on named tensors (``None`` = an absent optional input); outputs in the
     order of the op's declared ``outputs``."""
     names = tuple(tensors)
-    return TensorOp.apply(call, names, *tensors.values())
+    return TensorOp.apply(call, names, None, *tensors.values())
+
+
+def rows_op(call: OpCall, rows: RowInput, **shared: Tensor) -> tuple[Tensor, ...]:
+    """Differentiable ``call.op`` (the same :class:`TensorOp`) whose row input ``rows.name`` is made per
+    interval of ``call.intervals`` by ``rows.source``; ``shared`` are the op's other inputs (weights, sent
+    whole). Outputs in the order of the op's declared ``outputs``."""
+    if not call.intervals:
+        raise ValueError("rows_op needs at least one interval")
+    if not shared:
+        raise ValueError("rows_op needs the op's weights (shared inputs): none were given")
+    return TensorOp.apply(call, tuple(shared), rows, *shared.values())
 
 
 class GatherApply(torch.autograd.Function):

@@ -60,6 +60,8 @@ def test_user_layer_runs_both_modes_from_one_declaration(context: GraphContext) 
         out = layer(x, context)
         out.square().sum().backward()
         results.append((out, x.grad, layer.weight.grad, layer.bias.grad, type(out.grad_fn).__name__))
+        if layer is sync:  # synchronous: no per-interval copy of the adjacency was built (the memory)
+            assert set(context._blocks) == {("gcn", torch.float64, False)}
     (out, *grads, node), (out_p, *grads_p, node_p) = results
     torch.testing.assert_close(out_p, out, rtol=0, atol=0)  # the same rows summed in the same order
     for a, b in zip(grads_p, grads):

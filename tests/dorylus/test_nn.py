@@ -19,8 +19,7 @@ from lightning_dorylus.graph.structure import TRANSPOSE_GROUPS, TransposedSum
 from lightning_dorylus.nn import DorylusRuntime, GATConv, GCNConv, SAGEConv
 from lightning_dorylus.nn.dropout import RowSource, dropout_key, feature_dropout
 from lightning_dorylus.nn.edge_pipeline import EdgeDropout, apply_edge_gather
-from lightning_dorylus.nn.functions import OpCall, gather_apply
-from lightning_dorylus.nn.row_apply import apply_rows
+from lightning_dorylus.nn.functions import OpCall, RowInput, gather_apply, rows_op
 
 N, F_IN = 60, 7
 
@@ -426,19 +425,20 @@ def test_pipelined_gat_equals_layer_by_layer(graph: Data, concat: bool) -> None:
     assert executor.calls == [(op, i) for op in ops for i in range(4)]
 
     # a first layer: the features' dropout made per interval as the AV requests go out (RowSource), in
-    # either engine; the backward makes the rows again from their masks
+    # every mode, by the same TensorOp node; the backward makes the rows again from their masks
     source = RowSource(ctx, 0.5, True, dropout_key(7, 0))
     assert piped.takes_row_source and conv.takes_row_source
     outs = []
     for module, x in ((conv, source.full()), (conv, source), (piped, source)):
         module.zero_grad()
         out = module(x, ctx, dropout_key=key)
+        rows = _row_inputs(out)
         out.square().sum().backward()
-        outs.append((out, {n: p.grad for n, p in module.named_parameters()}))
-    (out, gp), *with_source = outs
-    assert "ApplyRowsBackward" not in _autograd_nodes(out)
-    for out_s, gp_s in with_source:
-        assert "ApplyRowsBackward" in _autograd_nodes(out_s)
+        outs.append((out, rows, {n: p.grad for n, p in module.named_parameters()}))
+    (out, rows, gp), *with_source = outs
+    assert rows == []  # a tensor input
+    for out_s, rows_s, gp_s in with_source:
+        assert [(r.source, r.name) for r in rows_s] == [(source, "x")]  # the rows made per interval
         torch.testing.assert_close(out_s, out, rtol=0, atol=0)
         for name, grad in gp.items():
             torch.testing.assert_close(gp_s[name], grad, rtol=1e-9, atol=1e-12)
@@ -498,16 +498,27 @@ def test_pipelined_gat_functions_name_bad_arguments(graph: Data) -> None:
     with pytest.raises(ValueError, match=expected):
         apply_edge_gather(call, edges, h, a_dst, a_dst, bad)
     source = RowSource(ctx, 0.0, False, 0)
-    with pytest.raises(ValueError, match="apply_rows needs at least one interval"):
-        apply_rows(OpCall("gat.project.forward", InlineExecutor(), []), source, "x", weight=torch.zeros(7, 6))
+    with pytest.raises(ValueError, match="rows_op needs at least one interval"):
+        rows_op(OpCall("gat.project.forward", InlineExecutor(), []), RowInput(source, "x"),
+                weight=torch.zeros(7, 6))
 
 
-def _autograd_nodes(t: torch.Tensor) -> set[str]:
-    """Names of the autograd nodes ``t`` was computed through."""
+def _nodes(t: torch.Tensor) -> set:
+    """The autograd nodes ``t`` was computed through."""
     seen, todo = set(), [t.grad_fn]  # every node (two nodes of one type may lead to different ones)
     while todo:
         node = todo.pop()
         if node is not None and node not in seen:
             seen.add(node)
             todo.extend(fn for fn, _ in node.next_functions)
-    return {type(node).__name__ for node in seen}
+    return seen
+
+
+def _autograd_nodes(t: torch.Tensor) -> set[str]:
+    """Names of the autograd nodes ``t`` was computed through."""
+    return {type(node).__name__ for node in _nodes(t)}
+
+
+def _row_inputs(t: torch.Tensor) -> list[RowInput]:
+    """The row inputs made per interval of the ``TensorOp`` nodes ``t`` was computed through."""
+    return [n.rows for n in _nodes(t) if type(n).__name__ == "TensorOpBackward" and n.rows is not None]
