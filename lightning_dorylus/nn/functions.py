@@ -485,7 +485,8 @@ class ApplyGather(torch.autograd.Function):
     ``Â[:, a0:b1] P[a0:b1]`` is added into ``Z_local`` when its last interval is in (:class:`TransposedSum`),
     while later intervals are still in flight. Returns ``(P, Z_local)``: the caller scatters ``P`` (SC) and
     adds the remaining columns' share (:func:`column_gather`: the ghost block; without ``blocks``, the
-    synchronous granularity, the whole ``Â`` after SC and ``Z_local`` is zero). Backward: for interval ``i``,
+    synchronous granularity, the whole ``Â`` after SC, and ``Z_local`` is an empty ``(0, F_out)``
+    placeholder). Backward: for interval ``i``,
     ∇GA of its rows ``Âᵀ[a:b] ∇Z`` (per-interval blocks) plus the gradient SC brought back (``∇P``) form
     ``∇P_i``, whose ∇AV request goes out at once, so ∇GA of interval ``i + 1`` overlaps ∇AV of ``i``. With
     ``runahead`` (``staleness >= 1``, a first layer fed by a ``RowSource``) the backward also sends the next
@@ -511,15 +512,15 @@ class ApplyGather(torch.autograd.Function):
             xs = [to_host(x[a:b]) for a, b, _, _ in spans]
             futures = submit_each(call.executor, call.op, call.attrs, {"weight": w}, spans,
                                   lambda i, span: {"z": xs[i]})[1]
-        z = torch.zeros((spans[-1][1], w.size(1)), dtype=w.dtype)
-        ps: list[Tensor] = []
+        # without local column blocks (synchronous) GA runs whole after SC: Z_local stays an empty placeholder
+        z = torch.zeros((spans[-1][1] if blocks else 0, w.size(1)), dtype=w.dtype)
         columns = TransposedSum(blocks, z)
 
         def gather_columns(i: int, span: Span, out: dict[str, Tensor]) -> None:
-            ps.append(out["h"])
-            columns.add(ps[-1], span[1])  # GA share of these columns (of the group's, at its last interval)
+            columns.add(out["h"], span[1])  # GA share of these columns (of the group's, at its last interval)
 
         p = collect(call.executor, call.op, list(enumerate(spans)), futures, gather_columns)["h"]
+        ps = [p[a:b] for a, b, _, _ in spans]  # the backward reads views of P; the merged pieces are freed
         ctx.call, ctx.blocks, ctx.xs, ctx.made_by, ctx.ps, ctx.w = call, blocks, xs, made_by, ps, w
         ctx.source, ctx.runahead, ctx.layer, ctx.spans, ctx.cut = source, runahead, layer, spans, cut
         ctx.save_for_backward(weight)
