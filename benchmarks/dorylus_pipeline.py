@@ -23,8 +23,9 @@ shared-cores setting (no pinning: servers and workers on all cores, as before), 
 work competes with the servers and the pipeline has less to overlap.
 
 One round measures five configurations, each in fresh processes: with own cores,
-``DorylusStrategy(staleness=None)`` (synchronous, layer by layer), ``staleness=0`` (per-interval GA -> AV
-pipeline, GAT: AE -> GA: the server's GA of one interval overlaps the requests of others) and
+``DorylusStrategy(staleness=None)`` (synchronous: GA in one product per layer), ``staleness=0``
+(per-interval GA -> AV pipeline, GAT: AE -> GA: the server's GA of one interval overlaps the requests of
+others) and
 ``staleness=1`` (also bounded-stale ghost exchange); with shared cores, synchronous and ``staleness=1``.
 The epoch time is the median over ``--epochs`` epochs after ``--warmup``, each epoch counted as its slowest
 server's. ``--rounds R`` runs the configurations R times, interleaved (round ``r`` starts with

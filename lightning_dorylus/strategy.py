@@ -123,9 +123,11 @@ class DorylusStrategy(ParallelStrategy):
             executor's workers that may run on the server's cores (they compute while it does, and an
             OpenMP pool with more threads than free cores spins at its barriers). A BLAS library whose own
             variable (``OPENBLAS_NUM_THREADS``...) the user set keeps that count.
-        staleness: ``None`` (default): synchronous, layer by layer; exactly the single-process computation.
-            ``0``: the pipeline engine: each layer's GA and AV run per interval so the graph server's GA of
-            one interval overlaps the executor's AV of others (forward and backward); values stay exact.
+        staleness: ``None`` (default): synchronous: each GCN/GraphSAGE layer's GA in one whole-partition
+            product (no per-interval copies of the adjacency), every request of a layer in flight at once;
+            exactly the single-process computation. ``0``: the same engine with GA per interval, so the graph
+            server's GA of one interval overlaps the executor's AV of others (forward and backward); values
+            stay exact.
             ``S >= 1``: also bounded-stale SC/∇SC while training: ghost rows and ghost gradients may be up
             to ``S`` epochs old, so a graph server waits for a peer only when it is more than ``S`` epochs
             behind; and a weight-first first layer sends the next epoch's requests during this epoch's last
@@ -417,7 +419,7 @@ class DorylusStrategy(ParallelStrategy):
 
     @property
     def staleness(self) -> int | None:
-        """``None`` (synchronous) or the bound ``S`` of the pipeline engine."""
+        """``None`` (synchronous) or the bound ``S`` (GA per interval; ``S >= 1``: stale ghosts)."""
         return self._staleness
 
     @property

@@ -75,12 +75,13 @@ def pipelined_server_threads(threads: int, colocated: int) -> int:
     """A pipelined graph server's thread count: ``threads`` less the ``colocated`` worker threads that share
     its cores (at least 1).
 
-    Why: the pipeline engine's executor workers compute while the server computes, on the same cores when
-    they share them. An OpenMP pool as large as the server's share of the cores then has more threads than
-    free cores, and its threads wait at every parallel region's barrier for a thread the workers have
-    descheduled, spinning meanwhile: one graph server with 2 threads next to its worker on 2 cores spent 2.8x
-    the CPU seconds of its 1-thread twin on the same work (issue 31). The synchronous engine keeps the full
-    count: its workers are idle while the server computes.
+    Why: with GA per interval (``staleness`` set) the executor workers compute while the server computes, on
+    the same cores when they share them. An OpenMP pool as large as the server's share of the cores then has
+    more threads than free cores, and its threads wait at every parallel region's barrier for a thread the
+    workers have descheduled, spinning meanwhile: one graph server with 2 threads next to its worker on 2
+    cores spent 2.8x the CPU seconds of its 1-thread twin on the same work (issue 31). The synchronous mode
+    keeps the full count: its GA is one whole-partition product before the requests go out (and ∇GA one
+    after their results), so its workers are idle while the server's GCN/GraphSAGE work runs.
     """
     return max(1, threads - colocated)
 

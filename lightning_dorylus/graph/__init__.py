@@ -1,7 +1,7 @@
-"""Graph operations that run on the graph server: Gather (GA), Scatter (SC) and the structures they use."""
+"""Graph operations that run on the graph server: Scatter (SC) and the structures Gather (GA) uses (GA itself
+runs inside the layers' autograd nodes, ``lightning_dorylus.nn.functions``)."""
 
 from lightning_dorylus.graph.exchange import GhostExchange
-from lightning_dorylus.graph.gather import attention_gather, gcn_gather, mean_gather
 from lightning_dorylus.graph.structure import (
     AdjacencyBlock,
     GCNAdjacency,
@@ -20,10 +20,7 @@ __all__ = [
     "GraphCache",
     "GraphContext",
     "SelfLoopEdges",
-    "attention_gather",
     "gcn_adjacency",
-    "gcn_gather",
     "mean_adjacency",
-    "mean_gather",
     "self_loop_edges",
 ]

@@ -4,6 +4,12 @@ Forward sends ``h[send_index[p]]`` to every partition ``p`` and receives this pa
 slots ``recv_ptr[q]:recv_ptr[q+1]`` from each owner ``q``. Backward (∇SC) is the mirror: the gradient of every
 ghost row goes back to its owner, which adds it to the gradient of the owned row. Only tensors cross the
 process boundary (``batch_isend_irecv``: works on gloo and NCCL).
+
+SC is one autograd node, :class:`_Scatter`, whatever the staleness: it asks its exchange for the ghost rows
+(:meth:`GhostExchange.receive_ghosts`) and, in backward, to add the peers' ghost gradients
+(:meth:`GhostExchange.add_ghost_grads`). This class answers both with this epoch's rows and gradients
+(blocking: staleness 0); :class:`~lightning_dorylus.graph.stale.StaleGhostExchange` answers from buffers up
+to ``S`` epochs old.
 """
 
 from __future__ import annotations
@@ -28,10 +34,14 @@ class GhostExchange:
     def __init__(self, group: Any | None = None) -> None:
         self.group = group
 
-    def fill_ghosts(self, h_local: Tensor, partition: GraphPartition) -> Tensor:
+    def fill_ghosts(
+        self, h_local: Tensor, partition: GraphPartition, layer: int = 0, epoch: int = 0
+    ) -> Tensor:
         """SC as seen by the receiver: ``[h_local; ghost rows]`` of shape ``(n_local + n_ghost, F)``.
 
-        Differentiable: the gradient of the ghost rows is returned to their owners in backward.
+        Differentiable: the gradient of the ghost rows is returned to their owners in backward. ``layer``
+        and ``epoch`` tag the messages of an exchange that keeps them apart (the stale one); this one
+        exchanges the current rows and gradients and ignores them.
         """
         if h_local.size(0) != partition.n_local:
             raise ValueError(
@@ -40,7 +50,20 @@ class GhostExchange:
             )
         if partition.num_parts == 1:
             return h_local
-        return _Scatter.apply(h_local, self, partition)
+        return _Scatter.apply(h_local, self, partition, layer, epoch)
+
+    def receive_ghosts(
+        self, h_local: Tensor, partition: GraphPartition, out: Tensor, layer: int, epoch: int
+    ) -> None:
+        """SC's forward: writes the ghost rows into ``out`` ``(n_ghost, F)``; here this epoch's, blocking."""
+        self.send_rows(h_local, partition, out=out)
+
+    def add_ghost_grads(
+        self, grad_ghost: Tensor, partition: GraphPartition, grad_local: Tensor, layer: int, epoch: int
+    ) -> None:
+        """SC's backward: sends ``grad_ghost`` to the owners and adds the ghost gradients of this
+        partition's rows that the peers send into ``grad_local``; here this epoch's, blocking."""
+        self.return_grads(grad_ghost, partition, grad_local=grad_local)
 
     def _peer_ranks(self, partition: GraphPartition) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -135,7 +158,8 @@ class GhostExchange:
 
 
 class _Scatter(torch.autograd.Function):
-    """SC forward / ∇SC backward as one autograd node (the exchange itself is not differentiable by torch).
+    """SC forward / ∇SC backward as one autograd node (the exchange itself is not differentiable by torch),
+    for every exchange: where the ghost rows and gradients come from is the exchange's choice.
 
     Forward writes the local rows and receives the ghost rows into ONE preallocated
     ``(n_local + n_ghost, F)`` buffer (no ``torch.cat`` copy of the wide matrix); backward returns the local
@@ -143,18 +167,19 @@ class _Scatter(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, h_local: Tensor, exchange: GhostExchange, partition: GraphPartition) -> Tensor:
-        ctx.exchange = exchange
-        ctx.partition = partition
+    def forward(
+        ctx: Any, h_local: Tensor, exchange: GhostExchange, partition: GraphPartition, layer: int, epoch: int
+    ) -> Tensor:
+        ctx.exchange, ctx.partition, ctx.layer, ctx.epoch = exchange, partition, layer, epoch
         n_local = partition.n_local
         full = h_local.new_empty((n_local + partition.n_ghost, *h_local.shape[1:]))
         full[:n_local].copy_(h_local.detach())
-        exchange.send_rows(h_local.detach(), partition, out=full[n_local:])
+        exchange.receive_ghosts(h_local.detach(), partition, full[n_local:], layer, epoch)
         return full
 
     @staticmethod
-    def backward(ctx: Any, grad_full: Tensor) -> tuple[Tensor | None, None, None]:
+    def backward(ctx: Any, grad_full: Tensor) -> tuple[Tensor | None, ...]:
         n_local = ctx.partition.n_local
         grad_local = grad_full[:n_local].clone()
-        ctx.exchange.return_grads(grad_full[n_local:], ctx.partition, grad_local=grad_local)
-        return grad_local, None, None
+        ctx.exchange.add_ghost_grads(grad_full[n_local:], ctx.partition, grad_local, ctx.layer, ctx.epoch)
+        return grad_local, None, None, None, None

@@ -32,9 +32,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lightning_dorylus.graph.exchange import GhostExchange
 
 if TYPE_CHECKING:
     from lightning_dorylus.data.partition import GraphPartition
@@ -137,8 +138,10 @@ class _Completer:
             self._thread = None
 
 
-class StaleGhostExchange:
-    """Stale-capable SC/∇SC over its own process group (so it never interleaves with collectives).
+class StaleGhostExchange(GhostExchange):
+    """Stale-capable SC/∇SC over its own process group (so it never interleaves with collectives): the
+    same SC node (:class:`~lightning_dorylus.graph.exchange._Scatter`), reading ghost rows and gradients
+    from the held buffers instead of this epoch's messages.
 
     Args:
         staleness: ``S >= 1``: how many epochs old ghost rows (and ghost gradients) may be.
@@ -154,7 +157,8 @@ class StaleGhostExchange:
         if staleness < 1:
             raise ValueError(f"staleness={staleness}: the stale exchange needs S >= 1 (S = 0 is synchronous)")
         check_stale_reads(reads)
-        self.staleness, self.group, self.policy = staleness, group, reads
+        super().__init__(group)
+        self.staleness, self.policy = staleness, reads
         self._held: dict[tuple[int, str], list[_InFlight]] = {}  # the buffer read last, then newer ones
         self._completer = _Completer()
         self.waits = 0
@@ -162,9 +166,22 @@ class StaleGhostExchange:
         self.ages: Counter[int] = Counter()
         self.max_age = 0
 
-    def fill_ghosts(self, h_local: Tensor, partition: GraphPartition, layer: int, epoch: int) -> Tensor:
-        """``[h_local; ghost rows of epoch >= epoch - S]``, differentiable (stale ∇SC in backward)."""
-        return _StaleScatter.apply(h_local, self, partition, layer, epoch)
+    def receive_ghosts(
+        self, h_local: Tensor, partition: GraphPartition, out: Tensor, layer: int, epoch: int
+    ) -> None:
+        """SC's forward at ``epoch``: posts this epoch's rows, then writes the ghost rows of the buffer
+        stamped ``>= epoch - S`` that the policy picks into ``out``."""
+        self.post_rows(h_local, partition, layer, epoch)
+        out.copy_(self.take(layer, "rows", epoch).buffer)
+
+    def add_ghost_grads(
+        self, grad_ghost: Tensor, partition: GraphPartition, grad_local: Tensor, layer: int, epoch: int
+    ) -> None:
+        """SC's backward at ``epoch``: posts this epoch's ghost gradients to their owners, then adds the
+        received gradients of the buffer the policy picks (own rows exact, peers' contributions stale)."""
+        self.post_grads(grad_ghost, partition, layer, epoch)
+        for index, rows in self.take(layer, "grads", epoch).received:
+            grad_local.index_add_(0, index, rows)
 
     def _tag(self, layer: int, direction: str) -> int:
         return 2 * layer + (0 if direction == "rows" else 1)
@@ -248,34 +265,3 @@ class StaleGhostExchange:
             if discard:
                 self._held.clear()
                 self._completer.close()
-
-    def _global(self, peer: int) -> int:
-        return dist.get_global_rank(self.group, peer)
-
-
-class _StaleScatter(torch.autograd.Function):
-    """SC with stale ghost rows forward, stale ∇SC backward (own rows exact, peers' contributions stale)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        h_local: Tensor,
-        exchange: StaleGhostExchange,
-        partition: GraphPartition,
-        layer: int,
-        epoch: int,
-    ) -> Tensor:
-        ctx.exchange, ctx.partition, ctx.layer, ctx.epoch = exchange, partition, layer, epoch
-        exchange.post_rows(h_local, partition, layer, epoch)
-        ghosts = exchange.take(layer, "rows", epoch).buffer
-        return torch.cat([h_local.detach(), ghosts], dim=0)
-
-    @staticmethod
-    def backward(ctx: Any, grad_full: Tensor) -> tuple[Tensor | None, ...]:
-        exchange, partition = ctx.exchange, ctx.partition
-        n_local = partition.n_local
-        grad_local = grad_full[:n_local].clone()
-        exchange.post_grads(grad_full[n_local:], partition, ctx.layer, ctx.epoch)
-        for index, rows in exchange.take(ctx.layer, "grads", ctx.epoch).received:
-            grad_local.index_add_(0, index, rows)
-        return grad_local, None, None, None, None

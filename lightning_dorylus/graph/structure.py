@@ -245,17 +245,20 @@ TRANSPOSE_GROUPS = 8
 
 class TransposedSum:
     """``out += Σ_i block_iᵀ x_i`` as interval results arrive in interval order: each group's rows are
-    gathered and added with one product when its last interval's arrive (:class:`AdjacencyBlock`)."""
+    gathered and added with one product when the rows up to its end have arrived (:class:`AdjacencyBlock`;
+    a :func:`whole_block` is one group: one product after the last interval)."""
 
     def __init__(self, blocks: list[AdjacencyBlock], out: Tensor) -> None:
-        self.blocks, self.out = blocks, out
+        self.out = out
+        self._closing = {block.group_rows[1]: block for block in blocks if block.closes_group}
         self._pending: list[Tensor] = []
 
-    def add(self, i: int, x: Tensor) -> None:
-        """Interval ``i``'s rows ``x`` (``(b - a, F)``); intervals must come in order, none skipped."""
+    def add(self, x: Tensor, end: int) -> None:
+        """The next interval's rows ``x`` (``(b - a, F)``, ending at row ``end = b``); intervals must come
+        in order, none skipped."""
         self._pending.append(x)
-        block = self.blocks[i]
-        if block.closes_group:
+        block = self._closing.get(end)
+        if block is not None:
             rows = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending)
             self._pending.clear()
             block.add_transposed(self.out, rows)
@@ -328,6 +331,14 @@ def column_blocks(adjacency: GCNAdjacency, intervals: list[tuple[int, int]]) -> 
     return interval_blocks(transposed, intervals) + interval_blocks(transposed, [(n_local, n_total)])
 
 
+def whole_block(adjacency: GCNAdjacency) -> AdjacencyBlock:
+    """All rows of ``adjacency`` as one block (one group) sharing its two matrices, no copy: GA in one
+    product before the first request, ∇GA in one after the last result (the synchronous granularity)."""
+    n_rows = adjacency.adj.size(0)
+    return AdjacencyBlock(rows=(0, n_rows), adj=adjacency.adj, group_rows=(0, n_rows), adj_t=adjacency.adj_t,
+                          adj_t_rows=adjacency.adj_t)
+
+
 def self_loop_edges(partition: GraphPartition) -> SelfLoopEdges:
     """In-edges without self loops plus one self loop per local vertex (as PyG's GATConv)."""
     n_local = partition.n_local
@@ -355,8 +366,10 @@ class GraphContext:
     _gcn: dict[torch.dtype, GCNAdjacency] = field(default_factory=dict, repr=False)
     _mean: dict[torch.dtype, GCNAdjacency] = field(default_factory=dict, repr=False)
     _loops: SelfLoopEdges | None = field(default=None, repr=False)
-    _blocks: dict[tuple[str, torch.dtype], list[AdjacencyBlock]] = field(default_factory=dict, repr=False)
-    _column_blocks: dict[torch.dtype, list[AdjacencyBlock]] = field(default_factory=dict, repr=False)
+    _blocks: dict[tuple[str, torch.dtype, bool], list[AdjacencyBlock]] = field(
+        default_factory=dict, repr=False)
+    _column_blocks: dict[tuple[torch.dtype, bool], list[AdjacencyBlock]] = field(
+        default_factory=dict, repr=False)
     _intervals: list[tuple[int, int]] | None = field(default=None, repr=False)
     num_intervals: int | None = None  # None: the partition's own interval_ptr; k: k even intervals (autotune)
     _nonzeros: tuple[tuple, tuple[Tensor, Tensor] | None] | None = field(default=None, repr=False)
@@ -393,21 +406,30 @@ class GraphContext:
             self._mean[dtype] = mean_adjacency(self.partition, dtype)
         return self._mean[dtype]
 
-    def blocks(self, kind: str, dtype: torch.dtype) -> list[AdjacencyBlock]:
-        """Per-interval row blocks of the ``"gcn"`` or ``"mean"`` adjacency (built on first use)."""
-        key = (kind, dtype)
+    def blocks(self, kind: str, dtype: torch.dtype, per_interval: bool = True) -> list[AdjacencyBlock]:
+        """Row blocks of the ``"gcn"`` or ``"mean"`` adjacency (built on first use): one per interval
+        (:func:`interval_blocks`), or ``per_interval=False`` one :func:`whole_block` (no copy)."""
+        key = (kind, dtype, per_interval)
         if key not in self._blocks:
             if kind not in ("gcn", "mean"):
                 raise ValueError(f"kind={kind!r}: expected 'gcn' or 'mean'")
             adjacency = self.gcn(dtype) if kind == "gcn" else self.mean(dtype)
-            self._blocks[key] = interval_blocks(adjacency, self.intervals)
+            self._blocks[key] = (interval_blocks(adjacency, self.intervals) if per_interval
+                                 else [whole_block(adjacency)])
         return self._blocks[key]
 
-    def column_blocks(self, dtype: torch.dtype) -> list[AdjacencyBlock]:
-        """Per-interval column blocks of the GCN adjacency, then the ghost block (:func:`column_blocks`)."""
-        if dtype not in self._column_blocks:
-            self._column_blocks[dtype] = column_blocks(self.gcn(dtype), self.intervals)
-        return self._column_blocks[dtype]
+    def column_blocks(self, dtype: torch.dtype, per_interval: bool = True) -> list[AdjacencyBlock]:
+        """Column blocks of the GCN adjacency: one per interval, then the ghost block
+        (:func:`column_blocks`); or ``per_interval=False`` one :func:`whole_block` of ``Âᵀ``, whose
+        transposed sum is ``Â [local; ghost]`` (no copy)."""
+        key = (dtype, per_interval)
+        if key not in self._column_blocks:
+            adjacency = self.gcn(dtype)
+            self._column_blocks[key] = (
+                column_blocks(adjacency, self.intervals) if per_interval
+                else [whole_block(GCNAdjacency(adj=adjacency.adj_t, adj_t=adjacency.adj))]
+            )
+        return self._column_blocks[key]
 
     @property
     def self_loops(self) -> SelfLoopEdges:

@@ -10,10 +10,21 @@ A layer is composed from four verbs, named as in the paper, with PyG's names alo
 
 As PyG's ``MessagePassing.propagate`` alone picks the fused path, this class alone picks how the stages run:
 a layer declares each stage once, by op name (a numpy op declared as an ``OpSpec`` in
-``lightning_dorylus/ops/`` or registered by the user), and the stage methods below decide, from the
-runtime, between the synchronous engine (layer by layer: the whole GA, then every interval's AV) and the
-pipeline engine (``staleness`` 0 or S: GA and AV/AE interleaved per interval, a first layer's input rows
-made per interval, the next epoch's requests sent ahead). A layer has no mode branches:
+``lightning_dorylus/ops/`` or registered by the user). There is one engine: each stage has one
+implementation (one autograd node: SC ``_Scatter``; AV/AE alone ``TensorOp``, its row input a tensor or made
+per interval; GA+AV ``GatherApply``; AV+GA ``ApplyGather`` with ``column_gather``; AE+GA ``ApplyEdgeGather``),
+every interval's request is submitted before any is waited for, and the mode is a parameter read in one
+place, :class:`DorylusRuntime` (its ``staleness``):
+
+* the GA granularity (:attr:`DorylusRuntime.pipelined`): synchronous (``staleness=None``) runs a layer's GA
+  as one whole-partition product (no per-interval copies of the adjacency) before its requests go out;
+  ``staleness`` 0 or S per interval, so the GA of interval ``i + 1`` overlaps the request of ``i``;
+* the ghost exchange (:meth:`DorylusRuntime.ghost_exchange`): this epoch's ghosts, or (``S >= 1``,
+  training) ghosts up to ``S`` epochs old;
+* the run-ahead (:meth:`DorylusRuntime.runahead_for`): ``S >= 1``, training: a first layer's next-epoch
+  requests sent during this epoch's backward.
+
+The stage methods, with no mode branches:
 
 * :meth:`run_op` — AV/AE: ``op`` per interval on the executor, differentiable (any op);
 * :meth:`gather_apply` — GA over the ``"gcn"``/``"mean"`` adjacency, then AV ``op`` on its result;
@@ -33,12 +44,19 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dorylus.executors import TensorOpExecutor, build_executor
-from lightning_dorylus.graph import GhostExchange, GraphContext, attention_gather, gcn_gather
+from lightning_dorylus.graph import GhostExchange, GraphContext
 from lightning_dorylus.graph.stale import StaleGhostExchange
-from lightning_dorylus.nn.dropout import RowSource, edge_ids, row_dropout
+from lightning_dorylus.nn.dropout import RowSource, edge_ids
 from lightning_dorylus.nn.edge_pipeline import EdgeDropout, apply_edge_gather
-from lightning_dorylus.nn.functions import OpCall, apply_gather, gather_apply, ghost_gather, tensor_op
-from lightning_dorylus.nn.row_apply import apply_rows
+from lightning_dorylus.nn.functions import (
+    OpCall,
+    RowInput,
+    apply_gather,
+    column_gather,
+    gather_apply,
+    rows_op,
+    tensor_op,
+)
 from lightning_dorylus.nn.runahead import RunAhead
 
 ADJACENCIES = ("gcn", "mean")
@@ -51,8 +69,9 @@ class DorylusRuntime:
     Attributes:
         executor: Runs the AV/AE requests (and their backward ops).
         exchange: Moves boundary rows to ghosts (SC) and ghost gradients back (∇SC), synchronously.
-        staleness: ``None``: synchronous layer-by-layer ops; ``S >= 0``: per-interval GA -> AV pipeline, and
-            for ``S >= 1`` training SC/∇SC through ``stale_exchange`` (ghosts at most ``S`` epochs old).
+        staleness: The mode. ``None`` (synchronous): each layer's GA in one whole-partition product;
+            ``S >= 0``: GA per interval, overlapping the requests; ``S >= 1``: also, while training, SC/∇SC
+            through ``stale_exchange`` (ghosts at most ``S`` epochs old) and the run-ahead.
         stale_exchange: The bounded-stale exchange (``S >= 1`` only).
         epoch: The training epoch the next forward belongs to (set by the strategy each step).
         runahead: The next epoch's first-layer requests sent early (``S >= 1``; :mod:`~.runahead`).
@@ -67,22 +86,29 @@ class DorylusRuntime:
 
     @property
     def pipelined(self) -> bool:
-        """Whether layers run the per-interval GA -> AV pipeline (any ``staleness`` but ``None``)."""
+        """Whether GA runs per interval, overlapping the requests (any ``staleness`` but ``None``), or as one
+        whole-partition product before them (synchronous: no per-interval copies of the adjacency)."""
         return self.staleness is not None
 
-    @property
-    def runs_ahead(self) -> bool:
-        """Whether a training step may send the next epoch's first-layer requests early (``S >= 1``)."""
-        return self.staleness is not None and self.staleness >= 1
+    def ghost_exchange(self, training: bool) -> GhostExchange:
+        """Where SC reads ghost rows and ∇SC ghost gradients: up to ``S`` epochs old while training with
+        ``S >= 1``; else (evaluation, synchronous, staleness 0) this epoch's."""
+        if self.stale_exchange is not None and training and torch.is_grad_enabled():
+            return self.stale_exchange
+        return self.exchange
+
+    def runahead_for(self, training: bool) -> RunAhead | None:
+        """Where a first layer's next-epoch requests go early (``S >= 1``, training); else ``None``."""
+        return self.runahead if training and self.staleness is not None and self.staleness >= 1 else None
 
 
 class DorylusLayer(nn.Module):
-    """Base class: holds the injected runtime and runs a layer's declared SC/GA/AV/AE stages, choosing the
-    engine (synchronous or pipelined) in one place.
+    """Base class: holds the injected runtime and runs a layer's declared SC/GA/AV/AE stages, one
+    implementation each, with the mode read from the runtime.
 
     Attributes:
         applies_first: Whether the layer's first stage is AV on its input rows (set by a subclass: GAT,
-            weight-first GCN); in the pipeline engine such a layer takes a :class:`RowSource` input.
+            weight-first GCN); such a layer takes a :class:`RowSource` input.
     """
 
     applies_first: bool = False
@@ -114,17 +140,15 @@ class DorylusLayer(nn.Module):
         """Whether ``forward`` accepts a :class:`~lightning_dorylus.nn.dropout.RowSource` for its input
         (rows made per interval as their requests go out, and not kept: the backward makes them again from
         their dropout masks): a layer whose first stage is AV on its input (:attr:`applies_first`), in
-        either engine; a layer that needs its whole input at once: no."""
+        every mode; a layer that needs its whole input at once: no."""
         return self.applies_first
 
-    def _pipelines(self, graph: GraphContext) -> bool:
-        """The one engine decision: interleave graph and tensor work per interval (pipeline engine, and
-        the partition has intervals) or run stage after stage."""
+    def _per_interval(self, graph: GraphContext) -> bool:
+        """GA per interval (the runtime's mode, and the partition has intervals) or in one product."""
         return self.runtime.pipelined and bool(graph.intervals)
 
     def _runahead(self) -> RunAhead | None:
-        """Where a first layer's next-epoch requests go early (``staleness >= 1``, training); else None."""
-        return self.runtime.runahead if self.runtime.runs_ahead and self.training else None
+        return self.runtime.runahead_for(self.training)
 
     def _call(self, op: str, graph: GraphContext, attrs: dict[str, Any] | None) -> OpCall:
         return OpCall(op, self.runtime.executor, graph.intervals, dict(attrs or {}))
@@ -149,10 +173,10 @@ class DorylusLayer(nn.Module):
         if len(sources) > 1:
             raise ValueError(f"run_op({op!r}) takes at most one RowSource input; got {sources}")
         call = self._call(op, graph, attrs)
-        if sources and graph.intervals:  # either engine: rows made per interval, remade in the backward
+        if sources and graph.intervals:  # rows made per interval, remade in the backward
             (name,) = sources
             shared = {n: t for n, t in tensors.items() if n != name and t is not None}
-            return apply_rows(call, tensors[name], name, self._runahead(), self.layer_index, **shared)  # type: ignore[arg-type]
+            return rows_op(call, RowInput(tensors[name], name, self._runahead(), self.layer_index), **shared)  # type: ignore[arg-type]
         full = {n: t.full() if isinstance(t, RowSource) else t for n, t in tensors.items()}
         return tensor_op(call, **full)
 
@@ -161,38 +185,38 @@ class DorylusLayer(nn.Module):
         attrs: dict[str, Any] | None = None, **tensors: Tensor | None,
     ) -> tuple[Tensor, ...]:
         """GA ``Z = A h_full`` (``adjacency``: ``"gcn"``, PyG's ``gcn_norm``, or ``"mean"``, GraphSAGE's mean;
-        ``h_full``: local then ghost rows, after SC), then AV ``op`` with ``Z`` as its input ``gather_input``
-        and ``tensors`` as the others. Pipeline engine: interval ``i``'s GA, then its request at once, while
-        ``i + 1``'s GA runs; its backward adds each interval's ∇GA as the ∇AV results come back."""
+        ``h_full``: local then ghost rows, after SC), then AV ``op`` per interval with ``Z``'s rows as its
+        input ``gather_input`` and ``tensors`` as the others (:class:`~.functions.GatherApply`). Per interval
+        (``staleness`` set): interval ``i``'s GA, then its request at once, while ``i + 1``'s GA runs; its
+        backward adds each group's ∇GA as the ∇AV results come back."""
         if adjacency not in ADJACENCIES:
             raise ValueError(f"adjacency={adjacency!r} is not supported; expected one of {ADJACENCIES}")
         call = self._call(op, graph, attrs)
-        if self._pipelines(graph):
-            return gather_apply(call, graph.blocks(adjacency, h_full.dtype), gather_input, h_full, **tensors)
-        matrix = graph.gcn(h_full.dtype) if adjacency == "gcn" else graph.mean(h_full.dtype)
-        return tensor_op(call, **{gather_input: gcn_gather(h_full, matrix)}, **tensors)
+        blocks = graph.blocks(adjacency, h_full.dtype, self._per_interval(graph))
+        return gather_apply(call, blocks, gather_input, h_full, **tensors)
 
     def apply_gather(self, x: Tensor | RowSource, weight: Tensor, graph: GraphContext) -> Tensor:
         """AV ``P = x W`` per interval (``apply_vertex.forward``, no activation), SC ``P``, then GA ``Â P``
-        over the GCN adjacency: ``(n_local, F_out)``. Pipeline engine: as each interval's ``P_i`` comes back
-        the server adds its column block's share while later requests are out; then SC and the ghost
-        columns' share; a :class:`RowSource` ``x`` is made per interval (and runs ahead, staleness >= 1)."""
+        over the GCN adjacency: ``(n_local, F_out)`` (:class:`~.functions.ApplyGather`). Per interval
+        (``staleness`` set): as each interval's ``P_i`` comes back the server adds its column block's share
+        while later requests are out; then SC and the ghost columns' share. Synchronous: SC, then ``Â P``
+        in one product. A :class:`RowSource` ``x`` is made per interval (and runs ahead, staleness >= 1)."""
         call = self._call("apply_vertex.forward", graph, {"activation": "none"})
-        if not self._pipelines(graph):
-            (p,) = self.run_op(call.op, graph, call.attrs, z=x, weight=weight)  # AV: (n_local, F_out)
-            p_full = self.scatter(p, graph)  # SC: (n_local + n_ghost, F_out)
-            return gcn_gather(p_full, graph.gcn(p_full.dtype))  # GA
-        blocks = graph.column_blocks(weight.dtype)
-        if isinstance(x, RowSource):
-            p, z = apply_gather(call, blocks[:-1], weight, source=x, runahead=self._runahead(),
+        per_interval = self._per_interval(graph)
+        blocks = graph.column_blocks(weight.dtype, per_interval)
+        local = blocks[:-1] if per_interval else []
+        if isinstance(x, RowSource) and graph.intervals:
+            p, z = apply_gather(call, local, weight, source=x, runahead=self._runahead(),
                                 layer=self.layer_index)
         else:
-            p, z = apply_gather(call, blocks[:-1], weight, x=x)
-        if graph.partition.num_parts == 1:
+            p, z = apply_gather(call, local, weight, x=x.full() if isinstance(x, RowSource) else x)
+        if per_interval and graph.partition.num_parts == 1:
             return z
         p_full = self.scatter(p, graph)  # SC: (n_local + n_ghost, F_out)
         n_local = graph.partition.n_local
-        return z + ghost_gather(p_full[n_local:], blocks[-1], n_local)
+        if not per_interval:
+            return column_gather(p_full, blocks[0], n_local)  # GA: Â P_full
+        return z + column_gather(p_full[n_local:], blocks[-1], n_local)  # the ghost columns' share
 
     def edge_gather(
         self, op: str, h_full: Tensor, alpha_src_full: Tensor, alpha_dst: Tensor, graph: GraphContext,
@@ -201,39 +225,27 @@ class DorylusLayer(nn.Module):
         """AE ``op`` (attention of each self-loop-augmented in-edge from its source score in
         ``alpha_src_full (n_full, H)`` and destination score ``alpha_dst (n_local, H)``), attention dropout
         (training, probability ``dropout``), then GA ``out_i = Σ_j attention_ij h_j`` per head over
-        ``h_full (n_full, H, C)``: ``(n_local, H, C)``.
+        ``h_full (n_full, H, C)``: ``(n_local, H, C)`` (:class:`~.edge_pipeline.ApplyEdgeGather`).
 
         The dropout mask of an edge hashes ``dropout_key`` and the edge's global ``(src, dst)``, the same
-        whichever server owns ``dst``; ``None`` draws a key from torch's global generator. Pipeline engine:
-        interval ``i``'s AE request in flight while the server drops out and gathers the ones before it."""
+        whichever server owns ``dst``; ``None`` draws a key from torch's global generator. Interval ``i``'s
+        AE request is in flight while the server drops out and gathers the ones before it, in every mode
+        (GAT's GA needs no adjacency copy)."""
         call = self._call(op, graph, attrs)
-        key = None  # the attention dropout's key, when it drops (training)
+        drop = None  # the attention dropout, when it drops (training)
         if self.training and dropout > 0.0:
             key = dropout_key if dropout_key is not None else int(torch.randint(-(2**63), 2**63 - 1, ()))
-        edges = graph.self_loops
-        if self._pipelines(graph):
-            drop = EdgeDropout(dropout, key, edge_ids(graph)) if key is not None else None
-            return apply_edge_gather(call, edges, h_full, alpha_src_full, alpha_dst, drop)
-        alpha_src_e = alpha_src_full.index_select(0, edges.src)  # (E', H): the server gathers source scores
-        (attention,) = tensor_op(call, alpha_src_e=alpha_src_e, alpha_dst=alpha_dst, dst_ptr=edges.dst_ptr)
-        if key is not None:
-            attention = row_dropout(attention, edge_ids(graph), dropout, True, key)
-        return attention_gather(h_full, attention, edges, graph.partition.n_local)
+            drop = EdgeDropout(dropout, key, edge_ids(graph))
+        return apply_edge_gather(call, graph.self_loops, h_full, alpha_src_full, alpha_dst, drop)
 
     def scatter(self, h_local: Tensor | RowSource, graph: GraphContext) -> Tensor:
-        """SC: ``(n_local, ...) -> (n_local + n_ghost, ...)``: own rows, then ghost rows from their owners."""
+        """SC: ``(n_local, ...) -> (n_local + n_ghost, ...)``: own rows, then ghost rows from their owners
+        (this epoch's, or up to ``S`` epochs old: :meth:`DorylusRuntime.ghost_exchange`)."""
         if isinstance(h_local, RowSource):
             h_local = h_local.full()
         runtime = self.runtime
-        partition = graph.partition
-        if (
-            runtime.stale_exchange is not None
-            and partition.num_parts > 1
-            and self.training
-            and torch.is_grad_enabled()
-        ):
-            return runtime.stale_exchange.fill_ghosts(h_local, partition, self.layer_index, runtime.epoch)
-        return runtime.exchange.fill_ghosts(h_local, partition)
+        exchange = runtime.ghost_exchange(self.training)
+        return exchange.fill_ghosts(h_local, graph.partition, self.layer_index, runtime.epoch)
 
     def __getstate__(self) -> dict:
         # an executor (worker processes, sockets) must never be copied or pickled with the module

@@ -1,4 +1,4 @@
-"""AE then GA, pipelined per vertex interval: the GAT layer's unit of overlap in the pipeline engine.
+"""AE then GA, pipelined per vertex interval: the GAT layer's one implementation and unit of overlap.
 
 A GAT layer's graph work after SC is per destination: interval ``i``'s ApplyEdge (attention softmax over its
 destinations' in-edges) needs only the source scores of those edges, and its Gather (attention-weighted sum)
@@ -155,7 +155,7 @@ def apply_edge_gather(
         dropout: The attention dropout (training), or ``None``.
 
     Returns:
-        ``(n_local, H, C)``, as ``attention_gather`` of the whole layer's (dropped-out) attention.
+        ``(n_local, H, C)``: ``out_v = Σ_{u -> v} drop(attention)_uv h_u`` per head.
     """
     if h_full.dim() != 3 or alpha_src_full.shape != h_full.shape[:2]:
         raise ValueError(f"h_full {tuple(h_full.shape)} must be (n, H, C) and alpha_src_full "

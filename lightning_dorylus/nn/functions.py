@@ -3,10 +3,11 @@
 The op's :class:`~lightning_dorylus.ops.spec.OpSpec` says how it splits over the partition's vertex intervals
 (row, edge and pointer inputs; concatenated and summed outputs) and which op is its backward, so this module
 is the only place that slices inputs, submits one request per interval and puts the results back together
-(:func:`submit_intervals`, :func:`merge_outputs`); the pipeline engine submits per interval through the same
-two functions. The backward sends the mirrored op per interval with everything it needs passed explicitly
-(inputs, weights, saved outputs, output gradients); weight gradients come back per interval and are summed on
-the graph server. No autograd state crosses the executor boundary, only named arrays.
+(:func:`submit_each`, :func:`collect`, :func:`merge_outputs`); every stage's node (``TensorOp`` here,
+``GatherApply``, ``ApplyGather``, ``ApplyEdgeGather``), in every mode, submits through them.
+The backward sends the mirrored op per interval with everything it needs passed explicitly (inputs, weights,
+saved outputs, output gradients); weight gradients come back per interval and are summed on the graph
+server. No autograd state crosses the executor boundary, only named arrays.
 """
 
 from __future__ import annotations
@@ -124,17 +125,6 @@ def collect(
     return merge_outputs(op_spec(op), outs)
 
 
-def submit_intervals(
-    executor: TensorOpExecutor,
-    op: str,
-    tensors: dict[str, Tensor],
-    attrs: dict[str, Any],
-    spans: Sequence[Span],
-) -> list[Future[dict[str, Tensor]]]:
-    """One request per span, all submitted before any is waited for (so they run concurrently)."""
-    return submit_each(executor, op, attrs, tensors, spans)[1]
-
-
 def merge_outputs(spec: OpSpec, outs: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
     """Concatenate row/edge outputs and add up summed outputs, over the intervals' results (in order)."""
     merged: dict[str, Tensor] = {}
@@ -236,9 +226,10 @@ def send_ahead(
     runahead.put(layer, Prefetch(source.key, cut, source, futures, version))
 
 
-def block_spans(blocks: Sequence[Any]) -> list[Span]:
-    """The row spans of column blocks (vertex ops: no edge span)."""
-    return [(a, b, 0, 0) for a, b in (block.rows for block in blocks)]
+def row_spans(intervals: Sequence[tuple[int, int]]) -> list[Span]:
+    """The spans of a vertex op's requests (no edge span); no intervals (an empty partition): one empty
+    span, so the op still runs once and its outputs get their widths."""
+    return [(a, b, 0, 0) for a, b in intervals] or [(0, 0, 0, 0)]
 
 
 @dataclass
@@ -289,59 +280,123 @@ def input_grads(
     return result
 
 
+@dataclass(frozen=True)
+class RowInput:
+    """A row input made per interval: ``source`` (a ``RowSource``: a first layer's dropped-out features,
+    needing no gradient) makes interval ``i``'s rows of input ``name`` just before its request goes out,
+    and they are not kept: the backward makes them again from the kept entries' bits
+    (:meth:`RowSource.remake`, equal bit for bit). ``runahead`` (``staleness >= 1``, training): the graph
+    server's :class:`~lightning_dorylus.nn.runahead.RunAhead`, under ``layer``."""
+
+    source: Any
+    name: str
+    runahead: RunAhead | None = None
+    layer: int = 0
+
+
 class TensorOp(torch.autograd.Function):
-    """``op`` forward per interval on the executor; its declared backward op per interval in backward."""
+    """``op`` forward per interval on the executor; its declared backward op per interval in backward: AV
+    or AE alone, every interval's request in flight at once.
+
+    With a :class:`RowInput` the row input is made per interval (and made again in the backward), and with
+    its ``runahead`` (``source.next_key`` known) the backward also sends the next step's requests while its
+    own are out, with the other inputs (weights) as they are then; the next forward takes them
+    (:mod:`.runahead`). A forward made from such a prefetch keeps the version its requests carried, so its
+    backward sends that version too (``gat.project``'s backward reads ``att_src``/``att_dst``/``weight``):
+    each interval's forward and backward use one weight version.
+    """
 
     @staticmethod
-    def forward(ctx: Any, call: OpCall, names: tuple[str, ...], *values: Tensor | None) -> tuple[Tensor, ...]:
+    def forward(
+        ctx: Any, call: OpCall, names: tuple[str, ...], rows: RowInput | None, *values: Tensor | None
+    ) -> tuple[Tensor, ...]:
         spec = op_spec(call.op)
         if spec.backward is None:
             raise ValueError(f"op {call.op!r} is not a forward op (it declares no backward)")
         present = {n: to_host(v) for n, v in zip(names, values) if v is not None}
-        outs = run_intervals(call.executor, call.op, present, call.attrs, call.intervals)
+        made_by = None
+        if rows is None:
+            outs = run_intervals(call.executor, call.op, present, call.attrs, call.intervals)
+        else:
+            runahead = rows.runahead
+            prefetch = runahead.take(rows.layer, rows.source.key, list(call.intervals)) if runahead else None
+            if prefetch is not None:  # sent during the previous step's backward, with that step's weights
+                present, futures, made_by = prefetch.weights, prefetch.futures, prefetch.source
+            else:  # each interval's rows live until its request is answered; the backward makes them again
+                futures = submit_rows(call, rows.source, rows.name, present, row_spans(call.intervals))
+                made_by = rows.source
+            outs = merge_outputs(spec, call.executor.wait(futures))
         device = next(v.device for v in values if v is not None)
-        saved = kept_for_backward(spec, (*present.items(), *outs.items()))
-        ctx.call, ctx.names, ctx.device = call, names, device
+        saved = kept_for_backward(spec, (*present.items(), *outs.items()))  # the version this forward used
+        live = {n: v for n, v in zip(names, values) if v is not None} if rows is not None else {}
+        ctx.call, ctx.names, ctx.device, ctx.rows, ctx.made_by = call, names, device, rows, made_by
         ctx.has = {f"has_{n}": n in present for n in spec.optional}
-        ctx.saved_names = tuple(saved)
+        ctx.saved_names, ctx.live_names = tuple(saved), tuple(live)
         ctx.output_names = spec.outputs
         ctx.output_like = {n: (tuple(outs[n].shape), outs[n].dtype) for n in spec.outputs}
-        ctx.save_for_backward(*saved.values())
+        ctx.save_for_backward(*saved.values(), *live.values())  # then the live parameters (run-ahead)
         return tuple(outs[n].to(device) for n in spec.outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         call: OpCall = ctx.call
         bwd = op_spec(op_spec(call.op).backward)  # type: ignore[arg-type]
-        saved = dict(zip(ctx.saved_names, ctx.saved_tensors))
+        n_saved = len(ctx.saved_names)
+        saved = dict(zip(ctx.saved_names, ctx.saved_tensors[:n_saved]))
+        live = dict(zip(ctx.live_names, ctx.saved_tensors[n_saved:]))
         tensors = output_grads(bwd, ctx.output_names, grads, ctx.output_like)
         tensors.update({n: t for n, t in saved.items() if n in bwd.required or n in bwd.optional})
         attrs = {**call.attrs, **ctx.has}
-        needs = ctx.needs_input_grad[2:]
-        for name in bwd.grad_flags:
+        needs = ctx.needs_input_grad[3:]
+        for name in bwd.grad_flags:  # a RowInput's rows are not among the names: they need no gradient
             attrs[f"needs_grad_{name}"] = bool(dict(zip(ctx.names, needs)).get(name, False))
-        spans = interval_spans(bwd, tensors, call.intervals)
-        merged = interval_backward(call, tensors, attrs, spans)
+        rows: RowInput | None = ctx.rows
+        if rows is None:
+            merged = interval_backward(call, tensors, attrs, interval_spans(bwd, tensors, call.intervals))
+        else:
+            remade, answered_by = remade_rows(ctx.made_by, rows.name)
+            spans = row_spans(call.intervals)
+
+            def run_ahead() -> None:
+                if rows.runahead is not None and rows.source.next_key is not None:
+                    send_ahead(call, rows.source, rows.name, live, spans, list(call.intervals), rows.runahead,
+                               rows.layer)
+
+            merged = interval_backward(call, tensors, attrs, spans, remade, run_ahead, on_submit=answered_by)
         del tensors, saved  # the inputs are no longer needed once the results are back
-        return (None, None, *input_grads(ctx.names, needs, merged, ctx.device))
+        return (None, None, None, *input_grads(ctx.names, needs, merged, ctx.device))
 
 
 def tensor_op(call: OpCall, **tensors: Tensor | None) -> tuple[Tensor, ...]:
     """Differentiable ``call.op`` on named tensors (``None`` = an absent optional input); outputs in the
     order of the op's declared ``outputs``."""
     names = tuple(tensors)
-    return TensorOp.apply(call, names, *tensors.values())
+    return TensorOp.apply(call, names, None, *tensors.values())
+
+
+def rows_op(call: OpCall, rows: RowInput, **shared: Tensor) -> tuple[Tensor, ...]:
+    """Differentiable ``call.op`` (the same :class:`TensorOp`) whose row input ``rows.name`` is made per
+    interval of ``call.intervals`` by ``rows.source``; ``shared`` are the op's other inputs (weights, sent
+    whole). Outputs in the order of the op's declared ``outputs``."""
+    if not call.intervals:
+        raise ValueError("rows_op needs at least one interval")
+    if not shared:
+        raise ValueError("rows_op needs the op's weights (shared inputs): none were given")
+    return TensorOp.apply(call, tuple(shared), rows, *shared.values())
 
 
 class GatherApply(torch.autograd.Function):
-    """GA then AV, pipelined per interval: the engine's unit of overlap between graph and tensor work.
+    """GA then AV: the engine's unit of overlap between graph and tensor work, at the GA granularity of
+    ``blocks`` (:meth:`~lightning_dorylus.graph.GraphContext.blocks`), with one request per interval.
 
-    Forward: for interval ``i``, GA ``z_i = Â[a:b] h_full`` on the server, then submit AV ``op`` on it at
-    once, then go on with interval ``i + 1``'s GA while ``i``'s request is in flight. Backward: every
-    interval's ``*.backward`` request is submitted at once; results are taken in interval order (so sums
-    are deterministic) and each group's ∇GA ``Â[a0:b1]ᵀ grad_z`` is added into ``grad_h_full`` when its
-    last interval is in (:class:`TransposedSum`), while later intervals are still in flight. Same values as
-    GA then :class:`TensorOp` (the backward's sum runs per group).
+    Forward: at interval ``i`` the server runs the GA of the block holding its rows if not done yet
+    (``z = Â[block] h_full``), then submits AV ``op`` on rows ``z[a:b]`` at once, and goes on with the next
+    interval while ``i``'s request is in flight. Per-interval blocks: GA of ``i + 1`` overlaps AV of ``i``
+    (the pipeline); one whole block: the whole GA, then every request in flight at once (synchronous).
+    Backward: every interval's ``*.backward`` request is submitted at once; results are taken in interval
+    order (so sums are deterministic) and each group's ∇GA ``Â[a0:b1]ᵀ grad_z`` is added into
+    ``grad_h_full`` when its last interval is in (:class:`TransposedSum`), while later intervals are still
+    in flight. The values do not depend on the granularity (the backward's sum runs per group).
     """
 
     @staticmethod
@@ -358,20 +413,23 @@ class GatherApply(torch.autograd.Function):
         assert spec.backward is not None
         present = {n: to_host(v) for n, v in zip(names, values) if v is not None}
         h_cpu = to_host(h_full)
-        zs: list[Tensor] = []
+        zs: list[Tensor] = []  # the GA of each block, in order
 
         def gather_rows(i: int, span: Span) -> dict[str, Tensor]:
-            zs.append(torch.sparse.mm(blocks[i].adj, h_cpu))  # GA of this interval
-            return {gather_input: zs[-1]}
+            a, b = span[0], span[1]
+            while not zs or b > blocks[len(zs) - 1].rows[1]:  # GA of the block holding these rows
+                zs.append(torch.sparse.mm(blocks[len(zs)].adj, h_cpu))
+            a0 = blocks[len(zs) - 1].rows[0]
+            return {gather_input: zs[-1][a - a0 : b - a0]}
 
-        sent, futures = submit_each(call.executor, call.op, call.attrs, present, block_spans(blocks),
-                                    gather_rows)
+        spans = row_spans(call.intervals)
+        sent, futures = submit_each(call.executor, call.op, call.attrs, present, spans, gather_rows)
         outs = collect(call.executor, call.op, sent, futures)
         z = torch.cat(zs) if len(zs) > 1 else zs[0]
         saved = kept_for_backward(spec, [*present.items(), (gather_input, z), *outs.items()])
         ctx.call, ctx.blocks, ctx.gather_input, ctx.names = call, blocks, gather_input, names
         ctx.device, ctx.n_full, ctx.width = h_full.device, h_full.size(0), h_full.size(1)
-        ctx.dtype = h_cpu.dtype
+        ctx.dtype, ctx.spans = h_cpu.dtype, spans
         ctx.has = {f"has_{n}": n in present for n in spec.optional}
         ctx.saved_names, ctx.output_names = tuple(saved), spec.outputs
         ctx.save_for_backward(*saved.values())
@@ -399,10 +457,9 @@ class GatherApply(torch.autograd.Function):
 
         def add_gather_grad(i: int, span: Span, out: dict[str, Tensor]) -> None:
             if gather_grads is not None:  # ∇GA of this interval's group, over the rows it touches
-                gather_grads.add(i, out.pop(f"grad_{ctx.gather_input}"))
+                gather_grads.add(out.pop(f"grad_{ctx.gather_input}"), span[1])
 
-        spans = block_spans(ctx.blocks)
-        merged = interval_backward(call, tensors, attrs, spans, on_result=add_gather_grad)
+        merged = interval_backward(call, tensors, attrs, ctx.spans, on_result=add_gather_grad)
         grad_h_out = grad_h.to(ctx.device) if grad_h is not None else None
         return (None, None, None, grad_h_out, None, *input_grads(ctx.names, needs, merged, ctx.device))
 
@@ -410,24 +467,28 @@ class GatherApply(torch.autograd.Function):
 def gather_apply(
     call: OpCall, blocks: list, gather_input: str, h_full: Tensor, **tensors: Tensor | None
 ) -> tuple[Tensor, ...]:
-    """Differentiable per-interval-pipelined GA (``blocks``) + AV ``call.op``; the GA result feeds input
-    ``gather_input``; other row inputs and the weights are ``tensors``."""
+    """Differentiable GA (``blocks``: per interval, or one whole block) + AV ``call.op`` per interval of
+    ``call.intervals``; the GA result feeds input ``gather_input``; other row inputs and the weights are
+    ``tensors``."""
     if not blocks:
-        raise ValueError("gather_apply needs at least one interval")
+        raise ValueError("gather_apply needs at least one adjacency block")
     return GatherApply.apply(call, blocks, gather_input, h_full, tuple(tensors), *tensors.values())
 
 
 class ApplyGather(torch.autograd.Function):
-    """AV then the local part of GA, pipelined per interval: the weight-first GCN layer's unit of overlap.
+    """AV ``P = x W`` per interval, and the local columns' part of GA as the results come back: the
+    weight-first GCN layer's unit of overlap.
 
     Forward: interval ``i``'s rows ``x[a:b]`` (or ``source.rows(a, b)``, made just before its request goes
     out) are submitted as AV ``P_i = x_i W`` at once; results are taken in interval order (so sums are
-    deterministic) and each group's column block ``Â[:, a0:b1] P[a0:b1]`` is added into ``Z_local`` when its
-    last interval is in (:class:`TransposedSum`), while later intervals are still in flight. Returns
-    ``(P, Z_local)``: the caller scatters ``P`` (SC) and adds the ghost columns' share
-    (:func:`ghost_gather`). Backward: for interval ``i``, ∇GA of its rows ``Âᵀ[a:b] ∇Z`` plus the ghost
-    gradients its owners sent back (``∇P``) form ``∇P_i``, whose ∇AV request goes out at once, so ∇GA of
-    interval ``i + 1`` overlaps ∇AV of ``i``. Same values as AV -> SC -> GA (sums in another order). With
+    deterministic) and, with per-interval column ``blocks``, each group's column block
+    ``Â[:, a0:b1] P[a0:b1]`` is added into ``Z_local`` when its last interval is in (:class:`TransposedSum`),
+    while later intervals are still in flight. Returns ``(P, Z_local)``: the caller scatters ``P`` (SC) and
+    adds the remaining columns' share (:func:`column_gather`: the ghost block; without ``blocks``, the
+    synchronous granularity, the whole ``Â`` after SC, and ``Z_local`` is an empty ``(0, F_out)``
+    placeholder). Backward: for interval ``i``,
+    ∇GA of its rows ``Âᵀ[a:b] ∇Z`` (per-interval blocks) plus the gradient SC brought back (``∇P``) form
+    ``∇P_i``, whose ∇AV request goes out at once, so ∇GA of interval ``i + 1`` overlaps ∇AV of ``i``. With
     ``runahead`` (``staleness >= 1``, a first layer fed by a ``RowSource``) the backward also sends the next
     epoch's AV requests while its own ∇AV requests are out (:mod:`.runahead`).
     """
@@ -437,31 +498,31 @@ class ApplyGather(torch.autograd.Function):
         ctx: Any, call: OpCall, blocks: list, source: Any, runahead: Any, layer: int, x: Tensor | None,
         weight: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        prefetch = runahead.take(layer, source.key, blocks) if runahead is not None else None
+        spans = row_spans(call.intervals)
+        cut = list(call.intervals)
+        prefetch = runahead.take(layer, source.key, cut) if runahead is not None else None
         xs: list[Tensor] | None = None  # the rows of an input tensor (views); a source's are made again
         if prefetch is not None:  # sent during the previous epoch's backward, with that epoch's weights
             w, futures, made_by = prefetch.weights["weight"], prefetch.futures, prefetch.source
         elif x is None:
             w, made_by = to_host(weight), source
-            futures = submit_rows(call, source, "z", {"weight": w}, block_spans(blocks))
+            futures = submit_rows(call, source, "z", {"weight": w}, spans)
         else:
             w, made_by = to_host(weight), None
-            xs = [to_host(x[a:b]) for a, b in (block.rows for block in blocks)]
-            futures = submit_each(call.executor, call.op, call.attrs, {"weight": w}, block_spans(blocks),
+            xs = [to_host(x[a:b]) for a, b, _, _ in spans]
+            futures = submit_each(call.executor, call.op, call.attrs, {"weight": w}, spans,
                                   lambda i, span: {"z": xs[i]})[1]
-        n_local = blocks[-1].rows[1]
-        z = torch.zeros((n_local, w.size(1)), dtype=w.dtype)
-        ps: list[Tensor] = []
+        # without local column blocks (synchronous) GA runs whole after SC: Z_local stays an empty placeholder
+        z = torch.zeros((spans[-1][1] if blocks else 0, w.size(1)), dtype=w.dtype)
         columns = TransposedSum(blocks, z)
 
         def gather_columns(i: int, span: Span, out: dict[str, Tensor]) -> None:
-            ps.append(out["h"])
-            columns.add(i, ps[-1])  # GA share of these columns (of the group's, at its last interval)
+            columns.add(out["h"], span[1])  # GA share of these columns (of the group's, at its last interval)
 
-        spans = block_spans(blocks)
         p = collect(call.executor, call.op, list(enumerate(spans)), futures, gather_columns)["h"]
+        ps = [p[a:b] for a, b, _, _ in spans]  # the backward reads views of P; the merged pieces are freed
         ctx.call, ctx.blocks, ctx.xs, ctx.made_by, ctx.ps, ctx.w = call, blocks, xs, made_by, ps, w
-        ctx.source, ctx.runahead, ctx.layer = source, runahead, layer
+        ctx.source, ctx.runahead, ctx.layer, ctx.spans, ctx.cut = source, runahead, layer, spans, cut
         ctx.save_for_backward(weight)
         ctx.device = weight.device
         return p.to(weight.device), z.to(weight.device)
@@ -472,15 +533,14 @@ class ApplyGather(torch.autograd.Function):
         needs_x = bool(ctx.needs_input_grad[5])
         attrs = {**call.attrs, "has_bias": False, "needs_grad_z": needs_x}
         width = ctx.w.size(1)
-        grad_z = to_host(grad_z) if grad_z is not None else None
+        grad_z = to_host(grad_z) if grad_z is not None and ctx.blocks else None
         grad_p = to_host(grad_p) if grad_p is not None else None
 
         remade, answered_by = remade_rows(ctx.made_by, "z") if ctx.xs is None else (None, None)
 
         def grad_rows(i: int, span: Span) -> dict[str, Tensor]:
             a, b = span[0], span[1]
-            block = ctx.blocks[i]
-            g_i = (torch.sparse.mm(block.adj, grad_z) if grad_z is not None  # ∇GA of this interval's rows
+            g_i = (torch.sparse.mm(ctx.blocks[i].adj, grad_z) if grad_z is not None  # ∇GA of these rows
                    else torch.zeros((b - a, width), dtype=ctx.w.dtype))
             if grad_p is not None:
                 g_i += grad_p[a:b]
@@ -490,24 +550,24 @@ class ApplyGather(torch.autograd.Function):
         def run_ahead() -> None:
             del ctx.xs, ctx.ps
             if ctx.runahead is not None and ctx.source.next_key is not None:
-                send_ahead(call, ctx.source, "z", {"weight": ctx.saved_tensors[0]}, block_spans(ctx.blocks),
-                           ctx.blocks, ctx.runahead, ctx.layer)
+                send_ahead(call, ctx.source, "z", {"weight": ctx.saved_tensors[0]}, ctx.spans, ctx.cut,
+                           ctx.runahead, ctx.layer)
 
-        spans = block_spans(ctx.blocks)
-        merged = interval_backward(call, {"weight": ctx.w}, attrs, spans, grad_rows, run_ahead,
+        merged = interval_backward(call, {"weight": ctx.w}, attrs, ctx.spans, grad_rows, run_ahead,
                                    on_submit=answered_by)
         grad_x = merged["grad_z"].to(ctx.device) if needs_x else None
         return None, None, None, None, None, grad_x, merged["grad_weight"].to(ctx.device)
 
 
-class _GhostGather(torch.autograd.Function):
-    """``Z_ghost = Â[:, ghost] P_ghost`` with the ghost column block; backward ``Âᵀ[ghost] ∇Z``."""
+class _ColumnGather(torch.autograd.Function):
+    """``Z = Â[:, cols] P_cols`` with a column block (the ghost block, or the whole ``Â``); backward
+    ``Âᵀ[cols] ∇Z``."""
 
     @staticmethod
-    def forward(ctx: Any, p_ghost: Tensor, block: Any, n_local: int) -> Tensor:
+    def forward(ctx: Any, p_cols: Tensor, block: Any, n_local: int) -> Tensor:
         ctx.block = block
-        z = p_ghost.new_zeros((n_local, p_ghost.size(1)))
-        return block.add_transposed(z, p_ghost.contiguous())
+        z = p_cols.new_zeros((n_local, p_cols.size(1)))
+        return block.add_transposed(z, p_cols.contiguous())
 
     @staticmethod
     def backward(ctx: Any, grad_z: Tensor) -> tuple[Tensor | None, None, None]:
@@ -523,13 +583,14 @@ def apply_gather(
     runahead: Any = None,
     layer: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    """Differentiable per-interval-pipelined AV ``x W`` + GA over the local columns (``blocks``: the local
-    intervals' column blocks); a ``RowSource`` ``source`` stands in for ``x`` when the input needs no
-    gradient and is cheaper made per interval (first-layer dropout). ``runahead`` (with ``source``): the
-    graph server's :class:`~lightning_dorylus.nn.runahead.RunAhead`, under ``layer``. Returns
-    ``(P, Z_local)``."""
-    if not blocks:
-        raise ValueError("apply_gather needs at least one interval")
+    """Differentiable AV ``x W`` per interval of ``call.intervals`` + GA over the local columns
+    (``blocks``: the local intervals' column blocks; ``[]``: none, GA runs whole after SC); a
+    ``RowSource`` ``source`` stands in for ``x`` when the input needs no gradient and is cheaper made per
+    interval (first-layer dropout). ``runahead`` (with ``source``): the graph server's
+    :class:`~lightning_dorylus.nn.runahead.RunAhead`, under ``layer``. Returns ``(P, Z_local)``."""
+    if blocks and len(blocks) != len(call.intervals):
+        raise ValueError(f"apply_gather got {len(blocks)} column blocks for {len(call.intervals)} intervals; "
+                         "expected one per interval, or none")
     if (x is None) == (source is None):
         raise ValueError("apply_gather takes exactly one of x (a tensor) and source (rows a:b on demand)")
     if runahead is not None and source is None:
@@ -537,6 +598,7 @@ def apply_gather(
     return ApplyGather.apply(call, blocks, source, runahead, layer, x, weight)
 
 
-def ghost_gather(p_ghost: Tensor, block: Any, n_local: int) -> Tensor:
-    """Differentiable share of the ghost columns in ``Z = Â P`` (``block``: the ghost column block)."""
-    return _GhostGather.apply(p_ghost, block, n_local)
+def column_gather(p_cols: Tensor, block: Any, n_local: int) -> Tensor:
+    """Differentiable share of a column block's columns in ``Z = Â P`` (``block``: the ghost column block,
+    or a whole-``Âᵀ`` block for all of ``Â P_full``)."""
+    return _ColumnGather.apply(p_cols, block, n_local)

@@ -1,8 +1,8 @@
 """Row buffers for a first layer's per-interval input rows, lent to requests and reused once answered.
 
 Used wherever a :class:`~lightning_dorylus.nn.dropout.RowSource` makes an interval's rows just before
-its request goes out: the synchronous engine's first layers (:mod:`.row_apply`), the pipeline engine's
-weight-first GCN layer and the run-ahead (:mod:`.functions`), forward and backward.
+its request goes out: GAT's first layer (``TensorOp`` with a ``RowInput``), the weight-first GCN layer and
+the run-ahead (:mod:`.functions`), forward and backward, in every mode.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Running ahead across the epoch boundary (``staleness >= 1``): the next epoch's first-layer AV, sent early.
 
 An epoch of a first layer whose first op is AV on the features (weight-first GCN: ``ApplyGather``; GAT's
-``gat.project``: ``ApplyRows``) starts with server work (the features' dropout, per interval) and an AV
-request per interval whose round trip nothing overlaps, and it ends with the ∇AV requests of the same
-layer, during which the server has nothing left to do. With bounded staleness ``S >= 1`` the pipeline
-engine starts epoch ``e + 1``'s first-layer AV during epoch ``e``'s last wait: while epoch ``e``'s ∇AV
-requests are out, the server makes epoch ``e + 1``'s dropped-out rows interval by interval and sends their
-AV requests with the parameters as they are then, ``W_e`` (epoch ``e``'s update is not applied yet). Epoch
-``e + 1`` then finds its first-layer results back (or on their way) and goes on at once.
+``gat.project``: ``TensorOp`` with a ``RowInput``) starts with server work (the features' dropout, per
+interval) and an AV request per interval whose round trip nothing overlaps, and it ends with the ∇AV
+requests of the same layer, during which the server has nothing left to do. With bounded staleness
+``S >= 1`` the pipeline starts epoch ``e + 1``'s first-layer AV during epoch ``e``'s last wait: while epoch
+``e``'s ∇AV requests are out, the server makes epoch ``e + 1``'s dropped-out rows interval by interval and
+sends their AV requests with the parameters as they are then, ``W_e`` (epoch ``e``'s update is not applied
+yet). Epoch ``e + 1`` then finds its first-layer results back (or on their way) and goes on at once.
 
 Weight versions: the request carries the parameters, as a Lambda fetches one version from a weight server,
 so each interval's forward of epoch ``e + 1`` reads one version, ``W_e``, one update behind the optimizer's

@@ -169,7 +169,7 @@ def test_bad_model_arguments_are_named(build, match: str) -> None:
 class NoPeerExchange(GhostExchange):
     """SC of a partition with no ghosts: its own rows only (the real exchange would still call its peers)."""
 
-    def fill_ghosts(self, h_local: torch.Tensor, partition) -> torch.Tensor:
+    def fill_ghosts(self, h_local: torch.Tensor, partition, layer: int = 0, epoch: int = 0) -> torch.Tensor:
         assert partition.n_ghost == 0
         return h_local
 

@@ -1,5 +1,6 @@
-"""``DorylusLayer``'s stage methods: a layer declares its stages once and the base class alone picks the
-engine (layer by layer under ``staleness=None``, per interval under ``staleness >= 0``)."""
+"""``DorylusLayer``'s stage methods: a layer declares its stages once, each stage has one implementation, and
+the base class alone reads the mode (GA in one whole-partition product under ``staleness=None``, per
+interval under ``staleness >= 0``)."""
 
 from __future__ import annotations
 
@@ -46,9 +47,10 @@ def context() -> GraphContext:
     return GraphCache().context(part)
 
 
-def test_user_layer_runs_both_engines_from_one_declaration(context: GraphContext) -> None:
-    """The same class gives the same values and gradients synchronously and pipelined (float64), and the
-    base class took the pipelined path only under ``staleness=0``."""
+def test_user_layer_runs_both_modes_from_one_declaration(context: GraphContext) -> None:
+    """The same class gives the same values and gradients synchronously and pipelined (float64), through
+    the one GA -> AV node; the mode only sets its GA granularity: one block that is the adjacency itself
+    under ``staleness=None``, one per interval under ``staleness=0``."""
     sync = UserGCN()
     piped = copy.deepcopy(sync)
     piped.attach(DorylusRuntime(executor=InlineExecutor(), exchange=GhostExchange(), staleness=0))
@@ -58,11 +60,15 @@ def test_user_layer_runs_both_engines_from_one_declaration(context: GraphContext
         out = layer(x, context)
         out.square().sum().backward()
         results.append((out, x.grad, layer.weight.grad, layer.bias.grad, type(out.grad_fn).__name__))
+        if layer is sync:  # synchronous: no per-interval copy of the adjacency was built (the memory)
+            assert set(context._blocks) == {("gcn", torch.float64, False)}
     (out, *grads, node), (out_p, *grads_p, node_p) = results
     torch.testing.assert_close(out_p, out, rtol=0, atol=0)  # the same rows summed in the same order
     for a, b in zip(grads_p, grads):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)  # ∇GA adds per interval
-    assert (node, node_p) == ("TensorOpBackward", "GatherApplyBackward")  # GA then AV / per interval
+    assert node == node_p == "GatherApplyBackward"  # one implementation
+    whole, per_interval = (context.blocks("gcn", torch.float64, p) for p in (False, True))
+    assert len(whole) == 1 and whole[0].adj is context.gcn(torch.float64).adj and len(per_interval) == 4
     assert not sync.takes_row_source and not piped.takes_row_source  # its first stage is not AV
 
 

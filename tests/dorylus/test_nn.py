@@ -14,13 +14,12 @@ from torch_geometric.utils import to_undirected
 
 from lightning_dorylus.data import partition_graph
 from lightning_dorylus.executors import InlineExecutor, TensorOpExecutor, TensorOpRequest
-from lightning_dorylus.graph import GhostExchange, GraphCache, gcn_adjacency, gcn_gather, structure
+from lightning_dorylus.graph import GhostExchange, GraphCache, structure
 from lightning_dorylus.graph.structure import TRANSPOSE_GROUPS, TransposedSum
 from lightning_dorylus.nn import DorylusRuntime, GATConv, GCNConv, SAGEConv
 from lightning_dorylus.nn.dropout import RowSource, dropout_key, feature_dropout
 from lightning_dorylus.nn.edge_pipeline import EdgeDropout, apply_edge_gather
-from lightning_dorylus.nn.functions import OpCall
-from lightning_dorylus.nn.row_apply import apply_rows
+from lightning_dorylus.nn.functions import OpCall, RowInput, gather_apply, rows_op
 
 N, F_IN = 60, 7
 
@@ -121,13 +120,23 @@ def test_gat_conv_matches_pyg(graph: Data, concat: bool) -> None:
     torch.testing.assert_close(conv.bias.grad, ref.bias.grad)
 
 
-def test_gcn_gather_backward_is_the_transposed_adjacency(graph: Data) -> None:
+@pytest.mark.parametrize("per_interval", [False, True])
+def test_gather_apply_backward_is_the_transposed_adjacency(graph: Data, per_interval: bool) -> None:
+    """GA -> AV (``GatherApply``) is differentiable at both GA granularities: one whole-partition block
+    (synchronous; it is the adjacency itself, no copy) and per-interval blocks (staleness set)."""
     [part] = partition_graph(graph, 1, interval_size=16)
-    adjacency = gcn_adjacency(part, torch.float64)
+    ctx = GraphCache().context(part)
+    adjacency = ctx.gcn(torch.float64)
     for matrix in (adjacency.adj, adjacency.adj_t):  # int32 indices: half the resident index memory
         assert matrix.crow_indices().dtype == matrix.col_indices().dtype == torch.int32
+    blocks = ctx.blocks("gcn", torch.float64, per_interval)
+    assert len(blocks) == (4 if per_interval else 1)
+    if not per_interval:
+        assert blocks[0].adj is adjacency.adj and blocks[0].adj_t_rows is adjacency.adj_t
+    call = OpCall("apply_vertex.forward", InlineExecutor(), ctx.intervals, {"activation": "none"})
     h = torch.randn(N, 3, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: gcn_gather(t, adjacency), (h,))
+    w = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t, v: gather_apply(call, blocks, "z", t, weight=v)[0], (h, w))
     dense = adjacency.adj.to_dense()
     torch.testing.assert_close(adjacency.adj_t.to_dense(), dense.T)
     torch.testing.assert_close(dense.sum(), dense.T.sum())
@@ -292,9 +301,9 @@ def test_block_add_transposed_equals_the_compact_product_scattered(graph: Data) 
             expected.index_add_(0, block.cols, torch.sparse.mm(block.adj_t, x))
             assert block.add_transposed(got, x) is got
             a0 = block.group_rows[0]
-            for i, b in enumerate(blocks):  # the same rows, interval by interval
+            for b in blocks:  # the same rows, interval by interval
                 if a0 <= b.rows[0] and b.rows[1] <= block.group_rows[1]:
-                    adder.add(i, x[b.rows[0] - a0 : b.rows[1] - a0])
+                    adder.add(x[b.rows[0] - a0 : b.rows[1] - a0], b.rows[1])
         assert torch.equal(got, expected) and torch.equal(summed, expected)
         with pytest.raises(ValueError, match="does not close its group"):
             next(b for b in blocks if not b.closes_group).add_transposed(got, x)
@@ -377,12 +386,16 @@ def test_pipelined_gather_apply_equals_layer_by_layer(graph: Data, layer: str) -
 
 @pytest.mark.parametrize("concat", [True, False])
 def test_pipelined_gat_equals_layer_by_layer(graph: Data, concat: bool) -> None:
-    """The engine's per-interval AE -> attention dropout -> GA (staleness 0) gives the synchronous layer's
-    values and gradients (2 heads, dropout 0.5: masks hashed from global edge ids, so per-interval masks are
-    the whole layer's; 4 intervals, the last one shorter), with one request per interval and op."""
+    """The one AE -> attention dropout -> GA node (``ApplyEdgeGather``) cut in 4 intervals (staleness 0)
+    gives the values and gradients of the whole layer at once (one interval, synchronous) (2 heads,
+    dropout 0.5: masks hashed from global edge ids, so per-interval masks are the whole layer's; the last
+    interval shorter), with one request per interval and op."""
     [part] = partition_graph(graph, 1, interval_size=16)
     ctx = GraphCache().context(part)
     assert [b - a for a, b in ctx.intervals] == [16, 16, 16, 12]
+    [whole_part] = partition_graph(graph, 1, interval_size=N)
+    whole = GraphCache().context(whole_part)
+    assert whole.intervals == [(0, N)] and torch.equal(whole_part.local_nodes, part.local_nodes)
     torch.manual_seed(0)
     conv = GATConv(F_IN, 3, heads=2, concat=concat, dropout=0.5).double()
     with torch.no_grad():
@@ -392,15 +405,14 @@ def test_pipelined_gat_equals_layer_by_layer(graph: Data, concat: bool) -> None:
     piped.attach(DorylusRuntime(executor=executor, exchange=GhostExchange(), staleness=0))
     key = dropout_key(7, 1)
     results = []
-    for module in (conv, piped):
+    for module, context in ((conv, whole), (piped, ctx)):
         x = graph.x[part.local_nodes].clone().requires_grad_()
-        out = module(x, ctx, dropout_key=key)
+        out = module(x, context, dropout_key=key)
         out.square().sum().backward()
         results.append((out, x.grad, {n: p.grad for n, p in module.named_parameters()}))
     (out, gx, gp), (out_p, gx_p, gp_p) = results
     assert out.shape == (N, 6 if concat else 3)
-    assert "ApplyEdgeGatherBackward" in _autograd_nodes(out_p)  # the pipelined path ran ...
-    assert "ApplyEdgeGatherBackward" not in _autograd_nodes(out)  # ... and only there
+    assert "ApplyEdgeGatherBackward" in _autograd_nodes(out_p) & _autograd_nodes(out)  # one implementation
     without = GATConv(F_IN, 3, heads=2, concat=concat, dropout=0.0).double()
     without.load_state_dict(conv.state_dict())
     assert not torch.allclose(without(graph.x[part.local_nodes], ctx), out)  # the dropout really drops
@@ -413,19 +425,20 @@ def test_pipelined_gat_equals_layer_by_layer(graph: Data, concat: bool) -> None:
     assert executor.calls == [(op, i) for op in ops for i in range(4)]
 
     # a first layer: the features' dropout made per interval as the AV requests go out (RowSource), in
-    # either engine; the backward makes the rows again from their masks
+    # every mode, by the same TensorOp node; the backward makes the rows again from their masks
     source = RowSource(ctx, 0.5, True, dropout_key(7, 0))
     assert piped.takes_row_source and conv.takes_row_source
     outs = []
     for module, x in ((conv, source.full()), (conv, source), (piped, source)):
         module.zero_grad()
         out = module(x, ctx, dropout_key=key)
+        rows = _row_inputs(out)
         out.square().sum().backward()
-        outs.append((out, {n: p.grad for n, p in module.named_parameters()}))
-    (out, gp), *with_source = outs
-    assert "ApplyRowsBackward" not in _autograd_nodes(out)
-    for out_s, gp_s in with_source:
-        assert "ApplyRowsBackward" in _autograd_nodes(out_s)
+        outs.append((out, rows, {n: p.grad for n, p in module.named_parameters()}))
+    (out, rows, gp), *with_source = outs
+    assert rows == []  # a tensor input
+    for out_s, rows_s, gp_s in with_source:
+        assert [(r.source, r.name) for r in rows_s] == [(source, "x")]  # the rows made per interval
         torch.testing.assert_close(out_s, out, rtol=0, atol=0)
         for name, grad in gp.items():
             torch.testing.assert_close(gp_s[name], grad, rtol=1e-9, atol=1e-12)
@@ -485,16 +498,27 @@ def test_pipelined_gat_functions_name_bad_arguments(graph: Data) -> None:
     with pytest.raises(ValueError, match=expected):
         apply_edge_gather(call, edges, h, a_dst, a_dst, bad)
     source = RowSource(ctx, 0.0, False, 0)
-    with pytest.raises(ValueError, match="apply_rows needs at least one interval"):
-        apply_rows(OpCall("gat.project.forward", InlineExecutor(), []), source, "x", weight=torch.zeros(7, 6))
+    with pytest.raises(ValueError, match="rows_op needs at least one interval"):
+        rows_op(OpCall("gat.project.forward", InlineExecutor(), []), RowInput(source, "x"),
+                weight=torch.zeros(7, 6))
 
 
-def _autograd_nodes(t: torch.Tensor) -> set[str]:
-    """Names of the autograd nodes ``t`` was computed through."""
+def _nodes(t: torch.Tensor) -> set:
+    """The autograd nodes ``t`` was computed through."""
     seen, todo = set(), [t.grad_fn]  # every node (two nodes of one type may lead to different ones)
     while todo:
         node = todo.pop()
         if node is not None and node not in seen:
             seen.add(node)
             todo.extend(fn for fn, _ in node.next_functions)
-    return {type(node).__name__ for node in seen}
+    return seen
+
+
+def _autograd_nodes(t: torch.Tensor) -> set[str]:
+    """Names of the autograd nodes ``t`` was computed through."""
+    return {type(node).__name__ for node in _nodes(t)}
+
+
+def _row_inputs(t: torch.Tensor) -> list[RowInput]:
+    """The row inputs made per interval of the ``TensorOp`` nodes ``t`` was computed through."""
+    return [n.rows for n in _nodes(t) if type(n).__name__ == "TensorOpBackward" and n.rows is not None]
