@@ -246,7 +246,10 @@ def test_a_partitioned_machine_fences_its_workers_and_comes_back_as_a_new_machin
     finally:
         job.close()
     print(f"partitioned machine fenced {fenced_s:.1f}s after its link went down (lease {LEASE_S}s)")
-    assert kinds(job) == ["failover", "rejoin"], job.logs_tail()
+    # one failover, then the new machine's members adopted in one rejoin or, when the coordinator proposed
+    # while only one of them had registered, in two
+    failover, *rejoins = kinds(job)
+    assert failover == "failover" and rejoins and set(rejoins) == {"rejoin"}, job.logs_tail()
     assert ms.read_map(job.store, 1).members() == [0, 2, 3, 5]  # machine 1's members, in one generation
     assert mc.members_of(job.store, 3) == [6, 7]  # the machine came back as machine 3, with fresh ids
     last = ms.read_map(job.store, ms.current_generation(job.store))
