@@ -318,9 +318,9 @@ class StepSession:
         position = max(len(self.window) - 1, 0) if position is None else position
         return self.step * accumulate + position
 
-    def add_stashed_grads(self) -> None:
+    def add_stashed_grads(self, done: bool = False) -> None:
         """Add the schedule's gradients to the stage's, divided by ``accumulate_grad_batches`` as Lightning
-        divides the loss before its backward."""
+        divides the loss before its backward (``done``: Lightning's backward of a batch of the window)."""
         if self.stashed_grads is None:
             raise RuntimeError("BambooStrategy.backward called without a preceding pipelined training_step")
         accumulate = self._trainer().accumulate_grad_batches
@@ -331,6 +331,7 @@ class StepSession:
                 grad = grad / accumulate
             p.grad = grad if p.grad is None else p.grad + grad
         self.stashed_grads = None
+        self.window_done += int(done)
 
     # ------------------------------------------------------------------ undo and replay
     def replay_window(self) -> None:

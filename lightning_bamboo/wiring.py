@@ -6,7 +6,9 @@ module made before anything is split.
 
 from __future__ import annotations
 
+import atexit
 import base64
+import functools
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -17,15 +19,26 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.callbacks import Checkpoint, StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 
 from lightning_bamboo import _private
 from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
+from lightning_bamboo.data_order import in_written_order
 from lightning_bamboo.elastic import store as ms
+from lightning_bamboo.elastic.drain import BambooDeparted
+from lightning_bamboo.elastic.formation import checked_module
+from lightning_bamboo.elastic.script_launcher import SupervisorLauncher
+from lightning_bamboo.progress import resumable, skip_first_batches
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.strategies.launchers.launcher import _Launcher
+
+    from lightning_bamboo.elastic.membership import Membership
+    from lightning_bamboo.parts import Options
 
 _STORES: dict[str, dist.Store] = {}
 _ENTRIES: dict[int, int] = {}
@@ -71,6 +84,71 @@ def connect(
     return _process_store(url, rendezvous)
 
 
+def launcher(
+    env: ms.WorkerEnv | None,
+    cluster: ClusterEnvironment | None,
+    processes: int,
+    num_nodes: int,
+    options: Options,
+) -> _Launcher | None:
+    """What starts the processes: a plain ``python train.py`` with ``devices=N`` becomes the supervisor of
+    N workers (:mod:`lightning_bamboo.elastic.script_launcher`); a worker of a Bamboo job launches nothing;
+    under an outside launcher (torchrun, SLURM, ...) or in one process nothing either; on several nodes
+    Lightning's script launcher (the ranks are then fixed)."""
+    if env is not None or (cluster is not None and cluster.creates_processes_externally):
+        return None
+    if processes * num_nodes <= 1:
+        return None
+    if num_nodes > 1:
+        assert cluster is not None
+        return _private.SubprocessScriptLauncher(cluster, processes, num_nodes)
+    preflight = functools.partial(checked_module, pipeline_attr=options.pipeline_attr,
+                                  num_stages=options.num_stages, costs=options.layer_costs)
+    return SupervisorLauncher(processes, options.hang_timeout, preflight=preflight)
+
+
+def enter(
+    members: Membership,
+    env: ms.WorkerEnv | None,
+    cluster: ClusterEnvironment | None,
+    options: Options,
+    trainer: pl.Trainer | None,
+    drain_on_sigterm: bool,
+    set_world_ranks: Callable[[], None],
+    cuda: bool,
+) -> None:
+    """Connect a Trainer entry point (fit, validate, ...) to the job's store (the supervisor's, or one served
+    by rank 0 under an outside launcher) and start its membership (heartbeat); the process group comes with
+    the generation. The first entry point of a supervised worker is the elastic one; any later one (a test
+    after the fit, a second Trainer) runs on the layout it finds, under its own prefix of the store."""
+    timeout = options.timeout
+    members.backend = members.backend or ("nccl" if cuda else "gloo")
+    if env is None:
+        set_world_ranks()
+        check_world_size(members.nproc, options.num_stages)
+    base = connect(env, cluster, members.rank, members.nproc, timeout)
+    entry = next_entry(base)
+    if env is None and entry == 1 and members.nproc > 1:  # once per job, at its first entry point
+        rank_zero_info(
+            "Bamboo: the ranks were started by an outside launcher (or Lightning's, on several nodes): a "
+            "lost worker ends the job. Surviving it needs Bamboo's launcher: start the script plainly "
+            "(python train.py, Trainer(devices=N)) or with python -m lightning_bamboo.launch"
+        )
+    elastic = env is not None and entry == 1
+    members.start(base if entry == 1 else dist.PrefixStore(f"entry{entry}", base), elastic, options.heartbeat)
+    if not elastic:
+        return
+    assert env is not None and trainer is not None and members.store is not None
+    if not env.joining:
+        seconds = timeout.total_seconds() if timeout is not None else 30.0
+        open_shared_loggers(trainer, members.store, members.nproc, members.rank, seconds)
+    # generation 0's rank before it forms (members 0..N-1 in order; a joiner's id is >= N), so Lightning's
+    # rank-zero-only parts (progress bar, logging) start on one member only
+    members.rank = members.member
+    set_world_ranks()
+    watch_sigterm(trainer, drain_on_sigterm)
+
+
 def set_rank_zero(rank: int) -> None:
     """Lightning's rank-zero-only parts follow ``rank`` (-1: none of them runs here)."""
     rank_zero_only.rank = utils_rank_zero_only.rank = rank  # type: ignore[attr-defined]
@@ -112,24 +190,6 @@ def watch_sigterm(trainer: pl.Trainer | None, drain_on_sigterm: bool) -> None:
     if not any(isinstance(callback, BambooNotices) for callback in callbacks):
         after = [i for i, c in enumerate(callbacks) if isinstance(c, (BambooMetrics, Checkpoint))]
         callbacks.insert(after[0] if after else len(callbacks), BambooNotices())
-
-
-def check_options(num_stages: int, num_microbatches: int, redundancy: bool, replica_device: str,
-                  keyed_rng: bool) -> None:
-    """The strategy's constructor arguments, each with what was expected."""
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}")
-    if not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
-    if replica_device not in ("same", "cpu"):
-        raise ValueError(f"replica_device must be 'same' or 'cpu', got {replica_device!r}")
-    if redundancy and num_stages < 2:
-        raise ValueError(
-            f"redundancy=True needs num_stages >= 2 (a stage replicates its successor), got num_stages "
-            f"({num_stages}); pass redundancy=False"
-        )
-    if not isinstance(keyed_rng, bool):
-        raise TypeError(f"keyed_rng must be True or False, got {keyed_rng!r}")
 
 
 def agreed_rng_state(store: dist.Store, state: torch.Tensor) -> torch.Tensor:
@@ -202,3 +262,67 @@ def param_group_names(module: pl.LightningModule) -> list[list[str]]:
         return []
     names = {id(p): n for n, p in module.named_parameters()}
     return [[names[id(p)] for p in group["params"]] for group in optimizers[0].param_groups]
+
+
+def fixed_ranks(
+    members: Membership, cluster: ClusterEnvironment, rank: int, world: int, num_stages: int
+) -> None:
+    """The ranks of a job an outside launcher started (torchrun, SLURM, Lightning's on several nodes): fixed
+    for the job, from the cluster environment."""
+    cluster.set_global_rank(rank)
+    cluster.set_world_size(world)
+    members.rank = members.member = cluster.global_rank()
+    members.world = members.nproc = cluster.world_size()
+    if members.nproc > 1:  # devices=1 may be one worker of the launch CLI: checked at fit
+        check_world_size(members.nproc, num_stages)
+
+
+def check_one_optimizer(optimizers: list[Optimizer]) -> None:
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"BambooStrategy supports exactly one optimizer, configure_optimizers returned {len(optimizers)}"
+        )
+
+
+def training_loader(
+    dataloader: object, trainer: pl.Trainer, agreed_rng_state: Callable[[], torch.Tensor], members: Membership
+) -> object:
+    """The training loader as the strategy iterates it: an ordinary ``DataLoader`` in the order the sampler
+    wrote (:mod:`lightning_bamboo.data_order`, one order agreed by every member), its position in the
+    epoch checkpoint state (:mod:`lightning_bamboo.progress`), and a joiner's loader starting at the batch
+    the job is at (how many to skip is known when the joiner forms, on_train_start, before the first fetch).
+    """
+    if isinstance(dataloader, DataLoader):
+        dataloader = in_written_order(dataloader, _private.train_loader_source(trainer), agreed_rng_state)
+    if members.joining_setup and members.skip is None:
+        loader = skip_first_batches(dataloader, 0)  # type: ignore[arg-type]
+        members.skip = loader.batch_sampler
+        return loader
+    return resumable(dataloader)
+
+
+_DESTROY_AT_EXIT = False  # _destroy_process_group is registered with atexit (once per process)
+
+
+def destroy_process_group_at_exit() -> None:
+    """The process group stays after ``fit`` (``trainer.save_checkpoint`` afterwards is collective) until the
+    next entry point forms its own, or the interpreter exits (a gloo group left to interpreter shutdown can
+    abort the process)."""
+    global _DESTROY_AT_EXIT
+    if not _DESTROY_AT_EXIT:
+        atexit.register(_destroy_process_group)
+        _DESTROY_AT_EXIT = True
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def end_if_departed(members: Membership, step: int) -> None:
+    """A drained member's ``fit`` has ended (teardown hooks ran, loggers were finalized): end the process with
+    exit code 0 instead of returning into the script (:class:`BambooDeparted` says why)."""
+    if members.departed and not members.left:
+        members.left = True
+        set_rank_zero(-1)
+        raise BambooDeparted(members.member, step)

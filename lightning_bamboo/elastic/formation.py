@@ -36,7 +36,7 @@ from lightning_bamboo.elastic.ownership import OwnershipMap
 from lightning_bamboo.elastic.reshard import LayerState, Resharder, gather, install
 from lightning_bamboo.pipeline.engine import PipelineEngine
 from lightning_bamboo.pipeline.layout import StageLayout, estimate_layer_costs
-from lightning_bamboo.pipeline.microbatch import microbatch_shares
+from lightning_bamboo.pipeline.microbatch import check_train_batches, microbatch_shares
 from lightning_bamboo.pipeline.view import create_groups, view_of
 from lightning_bamboo.replica import ReplicaSync
 from lightning_bamboo.schedule import (
@@ -116,6 +116,12 @@ class Formation:
         self.seam = StageBody(type(module).__name__, attr, self.layers, self.body_length)
         if group_names is not None:
             self.tie_groups = first_use_groups(self.ties, self.body_attr, group_names)
+
+    def check_train_batches(self, loader: object) -> None:
+        """Refuse at the start of training a last batch the job's fixed split cannot cut evenly
+        (``num_microbatches`` x the pipelines at its start, whatever is alive now), not at the epoch's end."""
+        starting = self.global_microbatches // self.num_microbatches
+        check_train_batches(loader, self.num_microbatches, starting)
 
     def replica_stages(self, owners: OwnershipMap, member: int) -> list[int]:
         """The stages ``member`` holds a replica of (none without ``redundancy``: a loss then needs the

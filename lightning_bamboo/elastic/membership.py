@@ -409,6 +409,11 @@ class Membership:
             module.eval()
         self.created_during_eval += [m for m in module.modules() if id(m) not in before]
 
+    def evaluation_ended(self) -> None:
+        for created in self.created_during_eval:
+            created.training = True
+        self.created_during_eval = []
+
     # ------------------------------------------------------------------ the end
     def finish(self) -> None:
         """Tell the supervisor this member is done (its heartbeat stops now)."""
