@@ -37,13 +37,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_bamboo.layout.groups import BambooGroups
+from lightning_bamboo.layout.plan import StageLayout, estimate_layer_costs
+from lightning_bamboo.layout.view import PipelineView
 from lightning_bamboo.models.gpt import build_pipeline
 from lightning_bamboo.pipeline.engine import PipelineEngine
-from lightning_bamboo.pipeline.groups import BambooGroups
-from lightning_bamboo.pipeline.layout import StageLayout, estimate_layer_costs
 from lightning_bamboo.pipeline.microbatch import split_microbatches
-from lightning_bamboo.pipeline.view import PipelineView
-from lightning_bamboo.replica import ReplicaSync
+from lightning_bamboo.pipeline.replica import ReplicaSync
 from lightning_bamboo.schedule import (
     Action,
     ActionKind,

@@ -10,7 +10,7 @@ by ``--compression``, preempts them:
 * **Mapping of the fleet onto 4 workers**: the segment starts with the p3 fleet at ``F0`` nodes; the
   benchmark's worker count is ``fleet - (F0 - 4)``, so each trace removal kills one worker (SIGKILL by PID;
   which one is drawn with ``--seed`` among the live ones) and each add starts one (never above 4).
-* **Bamboo**: ``lightning_bamboo.elastic.supervisor.Supervisor`` over ``BambooStrategy`` workers; kills fail
+* **Bamboo**: ``lightning_bamboo.control.supervisor.Supervisor`` over ``BambooStrategy`` workers; kills fail
   over inside the same ``fit``; an add starts a replacement that joins the running job
   (``Supervisor.add_worker``,
   when the runtime has it; otherwise the add is not applied and the JSON says ``rejoins: 0``).
@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_bamboo.elastic import store as ms
-from lightning_bamboo.elastic.supervisor import Supervisor
+from lightning_bamboo.control import store as ms
+from lightning_bamboo.control.supervisor import Supervisor
 from lightning_bamboo.simulate.traces import parse_trace
 
 try:  # imported as ``benchmarks.bamboo_preemption`` (the tests, bamboo_nodes.py: the checkout on sys.path)

@@ -5,7 +5,7 @@ until the benchmark kills them; every completed step is appended to ``<run-dir>/
 ``global_step wall_time layout`` (one line, flushed), which is all the benchmark measures from.
 
 * ``--system bamboo``: ``BambooStrategy`` under the benchmark's
-  ``lightning_bamboo.elastic.supervisor.Supervisor``
+  ``lightning_bamboo.control.supervisor.Supervisor``
   (failover inside the same ``fit``). The layout is the current ownership map's shape.
 * ``--system checkpoint_restart``: the plain ``BambooStrategy`` without redundancy, ranks given by the
   benchmark through ``LOCAL_RANK``/``WORLD_SIZE`` (as torchrun would). It resumes from the last complete

@@ -15,27 +15,41 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from lightning_bamboo._lightning.precision import (
+        BambooDoublePrecision,
+        BambooHalfPrecision,
+        BambooMixedPrecision,
+        BambooPrecision,
+    )
     from lightning_bamboo.checkpoint.sharded import consolidate_checkpoint
-    from lightning_bamboo.elastic.drain import BambooDeparted
+    from lightning_bamboo.control.drain import BambooDeparted
+    from lightning_bamboo.layout.groups import BambooGroups
     from lightning_bamboo.pipeline.engine import PipelineEngine
-    from lightning_bamboo.pipeline.groups import BambooGroups
     from lightning_bamboo.pipeline.microbatch import split_microbatches
-    from lightning_bamboo.replica import ReplicaSync
+    from lightning_bamboo.pipeline.replica import ReplicaSync
     from lightning_bamboo.strategy import BambooStrategy, ElasticBambooStrategy
 
 _EXPORTS = {
-    "BambooDeparted": "lightning_bamboo.elastic.drain",
-    "BambooGroups": "lightning_bamboo.pipeline.groups",
+    "BambooDoublePrecision": "lightning_bamboo._lightning.precision",
+    "BambooHalfPrecision": "lightning_bamboo._lightning.precision",
+    "BambooMixedPrecision": "lightning_bamboo._lightning.precision",
+    "BambooPrecision": "lightning_bamboo._lightning.precision",
+    "BambooDeparted": "lightning_bamboo.control.drain",
+    "BambooGroups": "lightning_bamboo.layout.groups",
     "BambooStrategy": "lightning_bamboo.strategy",
     "ElasticBambooStrategy": "lightning_bamboo.strategy",
     "PipelineEngine": "lightning_bamboo.pipeline.engine",
-    "ReplicaSync": "lightning_bamboo.replica",
+    "ReplicaSync": "lightning_bamboo.pipeline.replica",
     "consolidate_checkpoint": "lightning_bamboo.checkpoint.sharded",
     "split_microbatches": "lightning_bamboo.pipeline.microbatch",
 }
 __all__ = [
     "BambooDeparted",
+    "BambooDoublePrecision",
     "BambooGroups",
+    "BambooHalfPrecision",
+    "BambooMixedPrecision",
+    "BambooPrecision",
     "BambooStrategy",
     "ElasticBambooStrategy",
     "PipelineEngine",

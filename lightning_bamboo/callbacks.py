@@ -23,11 +23,11 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_bamboo.broadcast import broadcast_json
-from lightning_bamboo.events import Drains, drain_with_checkpoint, fire
 from lightning_bamboo.notices.base import Notice
 from lightning_bamboo.notices.config import build_watcher
 from lightning_bamboo.notices.watcher import NoticeWatcher
+from lightning_bamboo.runtime.events import Drains, drain_with_checkpoint, fire
+from lightning_bamboo.step.broadcast import broadcast_json
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class BambooCallback(Callback):
     seconds in which no counted step ran because of the event), ``pipeline_length`` (positions of this
     rank's pipeline after it), ``step`` (the global step training goes on from), ``cause`` and ``members``.
     ``old_map``/``new_map`` are the failover runtime's
-    :class:`~lightning_bamboo.elastic.ownership.OwnershipMap`
+    :class:`~lightning_bamboo.layout.ownership.OwnershipMap`
     (``{pipeline: {stage: member}}`` and the generation) before and after the event.
     """
 
@@ -211,8 +211,8 @@ class BambooNotices(Callback):
     gloo group, issued without waiting (``async_op``) and read at the following boundary, so a step never
     waits on it. When ranks are warned, every rank fires ``on_preemption_notice`` with the warned rank's
     notice, then calls the strategy's public ``drain(ranks)`` once: the elastic runtime's announced departure
-    (:mod:`lightning_bamboo.elastic.drain`), or, without a failover runtime,
-    :func:`lightning_bamboo.events.drain_with_checkpoint` (checkpoint, then stop).
+    (:mod:`lightning_bamboo.control.drain`), or, without a failover runtime,
+    :func:`lightning_bamboo.runtime.events.drain_with_checkpoint` (checkpoint, then stop).
 
     Args:
         watcher: a ready ``NoticeWatcher``; else one is built from ``aws``, ``gce``, ``sigterm``, ``faults``

@@ -11,7 +11,8 @@ The contract (the same class also trains under ``strategy="auto"``):
   ``self.pipeline_loss(self.pipeline(self.pipeline_inputs(batch)), batch)`` and log it.
 
 Under Bamboo the strategy computes the loss with the pipeline schedule and then *replays* the user's step
-method through the body it installed in the module's place (:class:`lightning_bamboo.seam.StageBody`): for
+method through the body it installed in the module's place
+(:class:`lightning_bamboo._lightning.seam.StageBody`): for
 the duration of that call ``pipeline_inputs`` returns the batch unchanged, the body returns it unchanged and
 ``pipeline_loss`` returns the loss the schedule computed. So ``self.log(...)`` calls in the step run once per
 step on every rank, with the pipeline's loss, and nothing is recomputed.
@@ -132,7 +133,7 @@ def check_stage_split(
 ) -> None:
     """What a split of ``body`` into ``stages`` must satisfy, whichever strategy made it: a trainable
     parameter on every stage (:func:`check_stage_parameters`; a parameter tied across stages is one,
-    :mod:`lightning_bamboo.ties`)."""
+    :mod:`lightning_bamboo.pipeline.ties`)."""
     check_stage_parameters(module, attr, body, stages)
 
 
@@ -215,7 +216,8 @@ class StageSequential(nn.Sequential):
         it would run one stage of the model, never the whole. ``None`` (standalone use): no check."""
         self._engine_depth = 0
         self.before_layer: Callable[[int], None] | None = None
-        """Set by the engine for the length of one training forward (:mod:`lightning_bamboo.keyed_rng`):
+        """Set by the engine for the length of one training forward
+        (:mod:`lightning_bamboo.pipeline.keyed_rng`):
         called with each layer's index in the body just before that layer runs. ``None``: nothing."""
 
     def forward(self, input: Any) -> Any:

@@ -1,10 +1,10 @@
 """``python -m lightning_bamboo.launch --nproc N script.py args``: start an elastic Bamboo job's supervisor
-(:class:`lightning_bamboo.elastic.supervisor.Supervisor`, which serves the store, starts and watches the
+(:class:`lightning_bamboo.control.supervisor.Supervisor`, which serves the store, starts and watches the
 workers and decides every membership change; see its module for what it does on a loss, a join or SIGTERM).
 
 Several machines: on each, ``python -m lightning_bamboo.launch --nnodes MIN:MAX --nproc-per-node K
 --rdzv-endpoint etcd://HOST:PORT --job-id ID script.py args`` starts that machine's agent
-(:mod:`lightning_bamboo.elastic.agent`: its K workers, its lease in the store; one agent, elected through
+(:mod:`lightning_bamboo.control.agent`: its K workers, its lease in the store; one agent, elected through
 the store, decides membership).
 
 A script started this way is a worker (``Trainer(devices=1, strategy="bamboo")``); a plain ``python train.py``
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_bamboo.elastic.supervisor import Supervisor
+from lightning_bamboo.control.supervisor import Supervisor
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,8 +110,8 @@ def _nnodes(parser: argparse.ArgumentParser, text: str) -> tuple[int, int]:
 
 
 def _agent(parser: argparse.ArgumentParser, args: argparse.Namespace, command: list[str]) -> int:
-    """This machine's agent of a multi-machine job (:mod:`lightning_bamboo.elastic.agent`)."""
-    from lightning_bamboo.elastic.agent import Agent
+    """This machine's agent of a multi-machine job (:mod:`lightning_bamboo.control.agent`)."""
+    from lightning_bamboo.control.agent import Agent
 
     min_nodes, max_nodes = _nnodes(parser, args.nnodes)
     missing = [f"--{n.replace('_', '-')}" for n in ("nproc_per_node", "rdzv_endpoint", "job_id")

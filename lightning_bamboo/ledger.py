@@ -27,7 +27,8 @@ elastic job)::
   another number of pipelines after one was lost) from a different model.
 
 A one-process run (``strategy="auto"`` on one device) is recorded too, as one pipeline: its samples are
-worked out from the loader's sampler as ``fit`` draws them (:class:`~lightning_bamboo.data_order.AutoBatches`;
+worked out from the loader's sampler as ``fit`` draws them
+(:class:`~lightning_bamboo.runtime.data_order.AutoBatches`;
 a ``DataLoader`` with a ``batch_size``), and it has no stage digests (``verify`` then compares samples only),
 so a Bamboo run can be checked against the same script run in one process.
 
@@ -55,12 +56,12 @@ from lightning.pytorch import Callback
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from lightning_bamboo import _private
-from lightning_bamboo.broadcast import all_gather_json
+from lightning_bamboo._lightning import private as _private
 from lightning_bamboo.contract import StageSequential
-from lightning_bamboo.data_order import AutoBatches
 from lightning_bamboo.pipeline.microbatch import microbatch_shares, split_microbatches
-from lightning_bamboo.progress import ResumableDataLoader
+from lightning_bamboo.runtime.data_order import AutoBatches
+from lightning_bamboo.step.broadcast import all_gather_json
+from lightning_bamboo.step.progress import ResumableDataLoader
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

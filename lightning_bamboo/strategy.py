@@ -1,7 +1,7 @@
 """``BambooStrategy``: pipeline-parallel training that survives preemption, as a Lightning strategy.
 
 One runtime, three ways to start it (the layout is always an
-:class:`~lightning_bamboo.elastic.ownership.OwnershipMap`; the first one is its generation 0)::
+:class:`~lightning_bamboo.layout.ownership.OwnershipMap`; the first one is its generation 0)::
 
     import lightning_bamboo  # registers "bamboo"
     # python train.py: this process supervises 4 workers; any of them may be lost
@@ -12,22 +12,23 @@ One runtime, three ways to start it (the layout is always an
 How a step runs (the *two-phase step*): the pipeline schedule runs (forwards, backwards, gradient all-reduce
 over pipelines); every member sends its stages' gradients to the member holding their replica and receives its
 successor's; it then *prepares* in the store; when every member has prepared, the step is *committed*
-(:class:`lightning_bamboo.elastic.commit.StepCommit`) and every member applies the optimizer to its own stages
+(:class:`lightning_bamboo.control.commit.StepCommit`) and every member applies the optimizer to its own stages
 and
 to its replica. A failure before the commit aborts the step everywhere (nobody has changed a parameter); after
 it, every survivor applies the step. Survivors therefore always agree on one state, before or after the step;
-what happens next (failover, rejoin, fallback, drain) is :mod:`lightning_bamboo.elastic.membership`.
+what happens next (failover, rejoin, fallback, drain) is :mod:`lightning_bamboo.runtime.membership`.
 
 Data: every member loads the GLOBAL batch (the sampler is not sharded; ``batch_size`` is the global batch) and
 takes the share of its pipeline under the current layout, so the samples of a step do not depend on how many
 pipelines exist.
 
 The strategy is Lightning's hooks and the glue between them; it holds its parts, each an object with its own
-state: the :class:`~lightning_bamboo.elastic.formation.Formation` (the body's layers, forming a generation),
-the :class:`~lightning_bamboo.elastic.generation.Generation` it formed (owners, view, engine, replica), the
-:class:`~lightning_bamboo.step_session.StepSession` (the step in progress), the
-:class:`~lightning_bamboo.elastic.membership.Membership` (generations, the one retry loop, joins, drains),
-its :class:`~lightning_bamboo.elastic.fallback.Fallback` and the :class:`~lightning_bamboo.events.Events` bus.
+state: the :class:`~lightning_bamboo.runtime.formation.Formation` (the body's layers, forming a generation),
+the :class:`~lightning_bamboo.runtime.generation.Generation` it formed (owners, view, engine, replica), the
+:class:`~lightning_bamboo.step.session.StepSession` (the step in progress), the
+:class:`~lightning_bamboo.runtime.membership.Membership` (generations, the one retry loop, joins, drains),
+its :class:`~lightning_bamboo.runtime.fallback.Fallback` and the
+:class:`~lightning_bamboo.runtime.events.Events` bus.
 """
 
 from __future__ import annotations
@@ -54,14 +55,15 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_bamboo import _private, wiring
-from lightning_bamboo.broadcast import broadcast_json
+from lightning_bamboo import wiring
+from lightning_bamboo._lightning import private as _private
+from lightning_bamboo._lightning.precision import with_pipeline_clipping
 from lightning_bamboo.checkpoint import sharded as ckpt
 from lightning_bamboo.contract import find_pipeline_body
-from lightning_bamboo.elastic import store as ms
-from lightning_bamboo.elastic.membership import LightningSide, record_exception
-from lightning_bamboo.parts import Options, assemble
-from lightning_bamboo.precision import with_pipeline_clipping
+from lightning_bamboo.control import store as ms
+from lightning_bamboo.runtime.membership import LightningSide, record_exception
+from lightning_bamboo.runtime.parts import Options, assemble
+from lightning_bamboo.step.broadcast import broadcast_json
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -109,7 +111,9 @@ class BambooStrategy(ParallelStrategy):
             next step boundary (a :class:`~lightning_bamboo.callbacks.BambooNotices` is added when missing);
             ``False``: Lightning's own handling ends the worker.
         keyed_rng: ``True`` (default): every training forward draws dropout from generators keyed by (seed,
-            step, pipeline, micro-batch, layer) (:mod:`lightning_bamboo.keyed_rng`), so FR, a replay and a
+            step, pipeline, micro-batch, layer) (:mod:`lightning_bamboo.pipeline.keyed_rng`), so FR, a replay
+            and
+            a
             re-run draw what the first run drew; ``False``: each process's global generators.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for every
             Lightning ``ParallelStrategy`` (normally set by the Trainer).
@@ -138,7 +142,7 @@ class BambooStrategy(ParallelStrategy):
     elastic = _part("_membership.elastic", "Whether a lost worker is survived (a Bamboo supervisor runs it).")
     process_group_backend = _part("_membership.backend", "``gloo``, ``nccl``, ... (chosen at setup).")
     failovers = _part("_membership.failovers", "(old map, new map) of every re-form in this fit.")
-    session = _part("_session", "The step session (:class:`~lightning_bamboo.step_session.StepSession`).")
+    session = _part("_session", "The step session (:class:`~lightning_bamboo.step.session.StepSession`).")
     full_forward = _part("_session.full_forward", "The whole body's output, collective over the pipeline.")
     set_forward_redundancy = _part("_session.set_forward_redundancy", "Switch ``FR`` at a step boundary.")
     emit = _part("_events.emit", "Fire Bamboo event ``name`` on the trainer's callbacks (:mod:`.events`).")

@@ -24,21 +24,21 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from lightning_bamboo import _private
+from lightning_bamboo._lightning import private as _private
 from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
-from lightning_bamboo.data_order import in_written_order
-from lightning_bamboo.elastic import store as ms
-from lightning_bamboo.elastic.drain import BambooDeparted
-from lightning_bamboo.elastic.formation import checked_module
-from lightning_bamboo.elastic.script_launcher import SupervisorLauncher
-from lightning_bamboo.progress import resumable, skip_first_batches
+from lightning_bamboo.control import store as ms
+from lightning_bamboo.control.drain import BambooDeparted
+from lightning_bamboo.runtime.data_order import in_written_order
+from lightning_bamboo.runtime.formation import checked_module
+from lightning_bamboo.runtime.launcher import SupervisorLauncher
+from lightning_bamboo.step.progress import resumable, skip_first_batches
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
-    from lightning_bamboo.elastic.membership import Membership
-    from lightning_bamboo.parts import Options
+    from lightning_bamboo.runtime.membership import Membership
+    from lightning_bamboo.runtime.parts import Options
 
 _STORES: dict[str, dist.Store] = {}
 _ENTRIES: dict[int, int] = {}
@@ -92,7 +92,7 @@ def launcher(
     options: Options,
 ) -> _Launcher | None:
     """What starts the processes: a plain ``python train.py`` with ``devices=N`` becomes the supervisor of
-    N workers (:mod:`lightning_bamboo.elastic.script_launcher`); a worker of a Bamboo job launches nothing;
+    N workers (:mod:`lightning_bamboo.runtime.launcher`); a worker of a Bamboo job launches nothing;
     under an outside launcher (torchrun, SLURM, ...) or in one process nothing either; on several nodes
     Lightning's script launcher (the ranks are then fixed)."""
     if env is not None or (cluster is not None and cluster.creates_processes_externally):
@@ -288,8 +288,9 @@ def training_loader(
     dataloader: object, trainer: pl.Trainer, agreed_rng_state: Callable[[], torch.Tensor], members: Membership
 ) -> object:
     """The training loader as the strategy iterates it: an ordinary ``DataLoader`` in the order the sampler
-    wrote (:mod:`lightning_bamboo.data_order`, one order agreed by every member), its position in the
-    epoch checkpoint state (:mod:`lightning_bamboo.progress`), and a joiner's loader starting at the batch
+    wrote (:mod:`lightning_bamboo.runtime.data_order`, one order agreed by every member), its position in the
+    epoch checkpoint state (:mod:`lightning_bamboo.step.progress`), and a joiner's loader starting at the
+    batch
     the job is at (how many to skip is known when the joiner forms, on_train_start, before the first fetch).
     """
     if isinstance(dataloader, DataLoader):

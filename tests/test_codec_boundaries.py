@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from lbd_common import codec
-from lightning_bamboo.broadcast import _describe, _encode, _rebuild, _specs
 from lightning_bamboo.checkpoint.layers import describe, gather, materialize
+from lightning_bamboo.pipeline.replica import follow_schema, hyperparameter_schema
 from lightning_bamboo.pipeline.transfers import BoundaryLayout
-from lightning_bamboo.replica import follow_schema, hyperparameter_schema
+from lightning_bamboo.step.broadcast import _describe, _encode, _rebuild, _specs
 from lightning_dorylus.predict import _check_headers, _header
 from lightning_dorylus.strategy import _encode_broadcast_header
 from tests.process import REPO, run_ranks

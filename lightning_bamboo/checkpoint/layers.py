@@ -4,7 +4,7 @@ what moves between members.
 A layer (``pipeline.3`` of the body) is described by JSON (names, :mod:`lbd_common.codec` specs, the
 optimizer state's non-tensor values) beside its tensors in one fixed order, so a reader holding a template of
 the layer (on the meta device, or stale) can rebuild it without unpickling anything, from a peer
-(:mod:`lightning_bamboo.elastic.reshard`) or from a checkpoint (:mod:`lightning_bamboo.checkpoint.periodic`).
+(:mod:`lightning_bamboo.runtime.reshard`) or from a checkpoint (:mod:`lightning_bamboo.checkpoint.periodic`).
 Below both: the elastic runtime imports the checkpoint floor, never the other way round.
 """
 

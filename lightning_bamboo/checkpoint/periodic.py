@@ -45,9 +45,9 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_bamboo import _private
-from lightning_bamboo.broadcast import broadcast_batch, broadcast_json
+from lightning_bamboo._lightning import private as _private
 from lightning_bamboo.checkpoint.layers import LayerState, describe, materialize, spec_of
+from lightning_bamboo.step.broadcast import broadcast_batch, broadcast_json
 
 log = logging.getLogger(__name__)
 

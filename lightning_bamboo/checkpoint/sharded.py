@@ -44,8 +44,8 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.optim import Optimizer
 
-from lightning_bamboo import _private
-from lightning_bamboo.progress import drop_loader_position
+from lightning_bamboo._lightning import private as _private
+from lightning_bamboo.step.progress import drop_loader_position
 
 META_FILE = "meta.pt"
 _MODEL = "model/"
@@ -266,7 +266,9 @@ def _load_tensors(path: Path, keys: list[str], no_dist: bool) -> dict[str, Tenso
 
 TIED_KEY = "bamboo_tied_parameters"
 """Checkpoint entry (``meta.pt``): ``later use's name -> first use's name`` of every tied parameter
-(:func:`lightning_bamboo.ties.aliases`). Bamboo saves every use's copy (and its optimizer state) under the
+(:func:`lightning_bamboo.pipeline.ties.aliases`). Bamboo saves every use's copy (and its optimizer state)
+under
+the
 use's own name; :func:`consolidate_checkpoint` keeps the first use's, as the single-process model holds it."""
 
 

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_bamboo.checkpoint import sharded as ckpt
-from lightning_bamboo.elastic.formation import Formation
-from lightning_bamboo.elastic.generation import Generation
-from lightning_bamboo.ties import aliases
+from lightning_bamboo.pipeline.ties import aliases
+
+if TYPE_CHECKING:  # the runtime floor is above this one: only its types are named here
+    from lightning_bamboo.runtime.formation import Formation
+    from lightning_bamboo.runtime.generation import Generation
 
 
 class StageCheckpoints:

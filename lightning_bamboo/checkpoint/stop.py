@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_bamboo import _private
-from lightning_bamboo import progress as trainer_progress
+from lightning_bamboo._lightning import private as _private
+from lightning_bamboo.step import progress as trainer_progress
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lbd_common import codec
-from lightning_bamboo.pipeline.view import PipelineView
-from lightning_bamboo.ties import TiedGradient
+from lightning_bamboo.layout.view import PipelineView
+from lightning_bamboo.pipeline.ties import TiedGradient
 
 
 class GradientAveraging:
@@ -22,7 +22,7 @@ class GradientAveraging:
     ``stage_params[s]``: this member's parameters of original stage ``s``; each is all-reduced over the
     members holding ``s`` in every pipeline (``view.stage_groups[s]``), stages in increasing order on every
     member (no cycle between groups). ``tied``: the tied parameters' sums over their uses
-    (:mod:`lightning_bamboo.ties`), after the averages, in the same order on every member.
+    (:mod:`lightning_bamboo.pipeline.ties`), after the averages, in the same order on every member.
     """
 
     def __init__(

@@ -34,12 +34,14 @@ loss of the step is broadcast from the last stage to every rank of the pipeline.
 
 Random numbers (dropout): in each ``F`` and ``FR`` of a training step, every layer draws from generators
 keyed by (seed, step, global micro-batch, the layer's index in the body), restored afterwards
-(:mod:`lightning_bamboo.keyed_rng`), so an ``FR`` equals its successor's ``F`` bit for bit with dropout on,
+(:mod:`lightning_bamboo.pipeline.keyed_rng`), so an ``FR`` equals its successor's ``F`` bit for bit with
+dropout
+on,
 and a step re-run after a failover, on a member that now runs several original stages fused, or on fewer
 or more pipelines, draws what the uninterrupted run drew. The engine's micro-batch ``i`` is global
 micro-batch ``first_microbatch + i``.
 
-The engine reads its place in the layout from a :class:`~lightning_bamboo.pipeline.view.PipelineView` (a
+The engine reads its place in the layout from a :class:`~lightning_bamboo.layout.view.PipelineView` (a
 function of the ownership map); its gradients are averaged by
 :class:`~lightning_bamboo.pipeline.averaging.GradientAveraging` and its tuple/dict boundary values packed by
 :class:`Boundaries` (this module).
@@ -64,8 +66,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_bamboo.contract import pipeline_execution
-from lightning_bamboo.keyed_rng import Forward, KeyedForward, run_seed
+from lightning_bamboo.layout.view import PipelineView
 from lightning_bamboo.pipeline.averaging import GradientAveraging, mean_loss
+from lightning_bamboo.pipeline.keyed_rng import Forward, KeyedForward, run_seed
+from lightning_bamboo.pipeline.ties import TiedGradient
 from lightning_bamboo.pipeline.transfers import (
     BoundaryLayout,
     Kind,
@@ -75,10 +79,8 @@ from lightning_bamboo.pipeline.transfers import (
     boundary_tensors,
     microbatch_signature,
 )
-from lightning_bamboo.pipeline.view import PipelineView
 from lightning_bamboo.schedule import Action, ActionKind, Schedule, rank_program
 from lightning_bamboo.schedule.lowering import Comm, LoweredAction, lower_schedule
-from lightning_bamboo.ties import TiedGradient
 
 CONTIGUOUS = torch.contiguous_format
 InputsFn = Callable[[Any], Tensor]
@@ -91,7 +93,7 @@ class PipelineEngine:
     Args:
         stage: this rank's layers (a module taking and returning one tensor, or a tuple/list/dict of them).
         view: this rank's place in its pipeline and its process groups
-            (:class:`~lightning_bamboo.pipeline.view.PipelineView`).
+            (:class:`~lightning_bamboo.layout.view.PipelineView`).
         schedule: the full schedule (``position in pipeline -> actions``); this rank runs
             ``rank_program(schedule, view.position)``.
         inputs_fn: ``micro-batch -> input tensor of stage 0`` (the LightningModule's ``pipeline_inputs``);
@@ -104,7 +106,8 @@ class PipelineEngine:
             outputs are kept there.
         keyed_rng: ``True`` (default): in every forward of a training step each layer draws its random
             numbers from generators keyed by (seed, step, global micro-batch, its index in the body),
-            restored afterwards (:mod:`lightning_bamboo.keyed_rng`; a stage that is not a ``StageSequential``
+            restored afterwards (:mod:`lightning_bamboo.pipeline.keyed_rng`; a stage that is not a
+            ``StageSequential``
             is keyed as a whole by its stage index); ``False``: from the process's global generators, as
             they stand (``FR`` then draws other dropout masks than its successor's ``F``).
         seed: the seed of the keys; ``None``: ``seed_everything``'s (``PL_GLOBAL_SEED``), else 0.
@@ -118,7 +121,7 @@ class PipelineEngine:
         stage_params: this rank's parameters by ORIGINAL stage, each averaged over that stage's group
             (:class:`~lightning_bamboo.pipeline.averaging.GradientAveraging`); ``None``: all of ``stage``'s,
             for a position that runs one stage.
-        tied: the tied parameters' gradient sums (:mod:`lightning_bamboo.ties`), after the averages.
+        tied: the tied parameters' gradient sums (:mod:`lightning_bamboo.pipeline.ties`), after the averages.
     """
 
     def __init__(

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_bamboo.pipeline.layout import validate_microbatches
+from lightning_bamboo.layout.plan import validate_microbatches
 
 
 def batch_size_of(batch: Any) -> int:
@@ -48,7 +48,7 @@ def microbatch_shares(total: int, pipelines: int) -> list[range]:
 
     The global batch is cut into ``total`` micro-batches whatever the number of pipelines (the job's
     ``num_microbatches`` x its pipelines at the start), so a sample is in the same micro-batch, drawing the
-    same dropout masks (:mod:`lightning_bamboo.keyed_rng`), however many pipelines share the batch.
+    same dropout masks (:mod:`lightning_bamboo.pipeline.keyed_rng`), however many pipelines share the batch.
 
     Raises:
         ValueError: more pipelines than micro-batches (a pipeline would have nothing to run).

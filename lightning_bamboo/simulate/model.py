@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 
-from lightning_bamboo.elastic.ownership import FallbackNeeded, OwnershipMap, failover, initial, rejoin
-from lightning_bamboo.elastic.supervisor import fallback_map
+from lightning_bamboo.control.supervisor import fallback_map
+from lightning_bamboo.layout.ownership import FallbackNeeded, OwnershipMap, failover, initial, rejoin
 from lightning_bamboo.simulate.costs import Costs, rate
 from lightning_bamboo.simulate.traces import Event, Trace
 
@@ -207,16 +207,16 @@ def simulate_bamboo(
     points: int = 400,
 ) -> Result:
     """Bamboo as its runtime re-forms: the replay keeps the job's ownership map and changes it with the
-    runtime's own rules (:mod:`lightning_bamboo.elastic.ownership`). A loss of a member costs ``failover_s``
-    (:func:`~lightning_bamboo.elastic.ownership.failover`: a replica takes over and the member before it runs
+    runtime's own rules (:mod:`lightning_bamboo.layout.ownership`). A loss of a member costs ``failover_s``
+    (:func:`~lightning_bamboo.layout.ownership.failover`: a replica takes over and the member before it runs
     the
     lost stages fused; a pipeline that lost two adjacent positions is dropped and its survivors wait as
     spares); a loss no pipeline survives falls back to the last checkpoint (``fallback_s``, else
     ``restart_s``, plus the lost work) on the survivors
-    (:func:`~lightning_bamboo.elastic.supervisor.fallback_map`).
+    (:func:`~lightning_bamboo.control.supervisor.fallback_map`).
     A node added after the start is paid for at once but joins ``rejoin_delay_s`` later (its process starts
     and waits for a step boundary while the job trains on; a node removed before that never joins), through
-    :func:`~lightning_bamboo.elastic.ownership.rejoin` (splitting fused positions first, then new pipelines,
+    :func:`~lightning_bamboo.layout.ownership.rejoin` (splitting fused positions first, then new pipelines,
     with the
     spares), pausing ``rejoin_s`` when the map changes; when the benchmark measured no rejoin (``rejoin_s``
     null: the runtime could not), new nodes stay spares. Nodes are members in join order."""

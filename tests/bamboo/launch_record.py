@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_bamboo.elastic.ownership import OwnershipMap
+from lightning_bamboo.layout.ownership import OwnershipMap
 from tests.process import launch_env
 
 NAME = "launch_record.json"

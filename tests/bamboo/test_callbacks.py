@@ -17,8 +17,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_bamboo.callbacks import BambooCallback, BambooMetrics, BambooNotices
-from lightning_bamboo.events import fire
 from lightning_bamboo.notices import Notice
+from lightning_bamboo.runtime.events import fire
 
 
 class Recorder(BambooCallback):
@@ -74,7 +74,7 @@ def test_fire_calls_each_hook_once_with_its_payload() -> None:
 
 def test_event_log_writes_one_json_line_per_event(tmp_path: Path) -> None:
     from lightning_bamboo.callbacks import BambooEventLog
-    from lightning_bamboo.elastic.ownership import initial
+    from lightning_bamboo.layout.ownership import initial
 
     log = BambooEventLog(tmp_path / "events")
     trainer = SimpleNamespace(callbacks=[log], lightning_module="module", strategy=SimpleNamespace(member=3),

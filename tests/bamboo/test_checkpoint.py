@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_bamboo import _private, consolidate_checkpoint
+from lightning_bamboo import consolidate_checkpoint
+from lightning_bamboo._lightning import private as _private
 from lightning_bamboo.checkpoint import sharded as ckpt
 from tests.bamboo.launch import run_script, snapshot
 from tests.bamboo.pipe_mlp import PipeMLP

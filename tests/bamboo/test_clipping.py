@@ -6,7 +6,7 @@ import pytest
 import torch
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
-from lightning_bamboo.clipping import apply_clipping, plan_clipping
+from lightning_bamboo.step.clipping import apply_clipping, plan_clipping
 
 
 def _grads(scale: float) -> list[torch.Tensor]:

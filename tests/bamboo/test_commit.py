@@ -24,11 +24,11 @@ from typing import TypeVar
 import pytest
 import torch.distributed as dist
 
-from lightning_bamboo.elastic import join as joining
-from lightning_bamboo.elastic import store as ms
-from lightning_bamboo.elastic.commit import ABORT, COMMIT, COMMIT_JOIN, StepCommit
-from lightning_bamboo.elastic.ownership import initial, rejoin
-from lightning_bamboo.elastic.supervisor import Supervisor
+from lightning_bamboo.control import join as joining
+from lightning_bamboo.control import store as ms
+from lightning_bamboo.control.commit import ABORT, COMMIT, COMMIT_JOIN, StepCommit
+from lightning_bamboo.control.supervisor import Supervisor
+from lightning_bamboo.layout.ownership import initial, rejoin
 
 TIMEOUT = 20.0
 """Seconds a member (or a wait of the test) may take before the test fails instead of hanging."""

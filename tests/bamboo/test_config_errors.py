@@ -9,8 +9,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_bamboo import BambooStrategy
-from lightning_bamboo.elastic.formation import checked_body, layer_costs, plan_stages
 from lightning_bamboo.pipeline.microbatch import split_microbatches
+from lightning_bamboo.runtime.formation import checked_body, layer_costs, plan_stages
 from lightning_bamboo.wiring import check_precision
 
 

@@ -7,6 +7,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
+from lightning_bamboo._lightning.seam import StageBody
 from lightning_bamboo.contract import (
     check_contract,
     check_replayed_loss,
@@ -15,7 +16,6 @@ from lightning_bamboo.contract import (
     sub_sequential,
     warn_batch_statistics,
 )
-from lightning_bamboo.seam import StageBody
 from tests.bamboo.pipe_mlp import PipeMLP, make_data
 
 

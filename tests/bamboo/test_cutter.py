@@ -1,4 +1,4 @@
-"""The generation cutter (``lightning_bamboo/elastic/cutter.py``) in one process, over a real ``TCPStore``: on
+"""The generation cutter (``lightning_bamboo/runtime/cutter.py``) in one process, over a real ``TCPStore``: on
 a failover generation it shuts down the connections the superseded generation opened, those opened after it
 formed included, and nothing else."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from lightning_bamboo.elastic import store as ms
-from lightning_bamboo.elastic.cutter import GenerationCutter
+from lightning_bamboo.control import store as ms
+from lightning_bamboo.runtime.cutter import GenerationCutter
 from tests.process import REPO, launch_env, run_ranks
 
 SCRIPT = REPO / "tests" / "bamboo" / "scripts" / "abandoned_broadcast.py"

@@ -16,7 +16,7 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler, TensorDataset
 
-from lightning_bamboo.data_order import AutoOrderSampler, in_written_order, written_sampler
+from lightning_bamboo.runtime.data_order import AutoOrderSampler, in_written_order, written_sampler
 from tests.bamboo.conftest import _elastic_reference
 from tests.bamboo.test_elastic import check_final, launched, run_elastic
 

@@ -21,10 +21,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lightning_bamboo.elastic import drain as departure
-from lightning_bamboo.elastic import store as ms
-from lightning_bamboo.elastic.ownership import OwnershipMap, initial
-from lightning_bamboo.elastic.supervisor import Supervisor
+from lightning_bamboo.control import drain as departure
+from lightning_bamboo.control import store as ms
+from lightning_bamboo.control.supervisor import Supervisor
+from lightning_bamboo.layout.ownership import OwnershipMap, initial
 from tests.bamboo.fake_metadata import FakeMetadata
 from tests.bamboo.launch_record import NAME, Record, record_env
 from tests.process import run_process

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from lightning_bamboo.checkpoint import periodic as fb
-from lightning_bamboo.elastic.reshard import gather
+from lightning_bamboo.runtime.reshard import gather
 from lightning_bamboo.strategy import BambooStrategy
 from tests.bamboo.launch_record import NAME, Record, record_env, worker_events
 from tests.bamboo.test_elastic import SCRIPT, STEPS, check_final

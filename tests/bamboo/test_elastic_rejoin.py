@@ -218,7 +218,7 @@ def test_join_adds_a_pipeline_with_dropout(tmp_path: Path, dropout_2x2: dict[str
 def test_skip_first_batches_skips_once_and_follows_the_epoch() -> None:
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from lightning_bamboo.progress import skip_first_batches
+    from lightning_bamboo.step.progress import skip_first_batches
 
     data = TensorDataset(torch.arange(12))
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
@@ -238,7 +238,7 @@ def test_skip_first_batches_skips_once_and_follows_the_epoch() -> None:
 def test_skip_first_batches_refuses_what_it_cannot_position() -> None:
     from torch.utils.data import DataLoader, IterableDataset
 
-    from lightning_bamboo.progress import skip_first_batches
+    from lightning_bamboo.step.progress import skip_first_batches
 
     class Stream(IterableDataset):
         def __iter__(self):  # type: ignore[no-untyped-def]
@@ -249,7 +249,7 @@ def test_skip_first_batches_refuses_what_it_cannot_position() -> None:
 
 
 def test_progress_refuses_what_json_cannot_carry() -> None:
-    from lightning_bamboo.progress import _check_json
+    from lightning_bamboo.step.progress import _check_json
 
     _check_json({"a": [1, 2.5, "x", None, {"b": True}]}, "progress")
     with pytest.raises(TypeError, match=r"progress\.schedulers\[0\]\.t is a Tensor; .* never pickled"):
@@ -261,9 +261,9 @@ def test_join_claim_and_failover_first_writer_wins() -> None:
 
     import torch.distributed as dist
 
-    from lightning_bamboo.elastic import join as joining
-    from lightning_bamboo.elastic.commit import COMMIT_JOIN, decide
-    from lightning_bamboo.elastic.ownership import initial, rejoin
+    from lightning_bamboo.control import join as joining
+    from lightning_bamboo.control.commit import COMMIT_JOIN, decide
+    from lightning_bamboo.layout.ownership import initial, rejoin
 
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=5))
@@ -285,7 +285,7 @@ def test_join_claim_and_failover_first_writer_wins() -> None:
 
 
 def test_replace_delay_must_not_be_negative() -> None:
-    from lightning_bamboo.elastic.supervisor import Supervisor
+    from lightning_bamboo.control.supervisor import Supervisor
 
     with pytest.raises(ValueError, match=re.escape("--replace-delay must be >= 0 seconds, got -1")):
         Supervisor(["true"], 1, replace=True, replace_delay=-1)

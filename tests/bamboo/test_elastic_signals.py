@@ -30,8 +30,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
 from lightning_bamboo.checkpoint import periodic as fb
 from lightning_bamboo.checkpoint.sharded import consolidate_checkpoint
-from lightning_bamboo.elastic import crash
-from lightning_bamboo.elastic.supervisor import Supervisor, _Worker
+from lightning_bamboo.control import crash
+from lightning_bamboo.control.supervisor import Supervisor, _Worker
 from lightning_bamboo.notices.signals import SigtermNoticeSource
 from lightning_bamboo.strategy import BambooStrategy
 from lightning_bamboo.wiring import watch_sigterm

@@ -1,4 +1,4 @@
-"""Dropout that survives failover (lightning_bamboo.keyed_rng): keys, keyed forwards, the engine.
+"""Dropout that survives failover (lightning_bamboo.pipeline.keyed_rng): keys, keyed forwards, the engine.
 
 In one process: the key is stable and depends on each of its parts; a replica's keyed forward draws its
 stage's masks; a fused position (several original stages, as after a failover) and any other split of the
@@ -26,10 +26,10 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from lightning_bamboo.contract import sub_sequential
-from lightning_bamboo.keyed_rng import DEFAULT_SEED, SEED_ENV, KeyedForward, forward_key, run_seed
+from lightning_bamboo.layout.view import PipelineView
 from lightning_bamboo.pipeline.engine import PipelineEngine
+from lightning_bamboo.pipeline.keyed_rng import DEFAULT_SEED, SEED_ENV, KeyedForward, forward_key, run_seed
 from lightning_bamboo.pipeline.microbatch import microbatch_shares, split_microbatches
-from lightning_bamboo.pipeline.view import PipelineView
 from lightning_bamboo.schedule import build_1f1b
 from tests.bamboo.launch import snapshot
 from tests.bamboo.launch_record import worker_events

@@ -8,13 +8,13 @@ import random
 import pytest
 import torch
 
-from lightning_bamboo.pipeline.layout import (
+from lightning_bamboo.layout.plan import (
     StageLayout,
     estimate_layer_costs,
     partition_by_cost,
     validate_microbatches,
 )
-from lightning_bamboo.pipeline.view import view_of
+from lightning_bamboo.layout.view import view_of
 
 
 def brute_force_best(costs: list[float], num_stages: int) -> float:

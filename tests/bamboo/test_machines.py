@@ -1,4 +1,4 @@
-"""The store protocol of a multi-machine job (``lightning_bamboo/elastic/machines.py``) and the agent CLI's
+"""The store protocol of a multi-machine job (``lightning_bamboo/control/machines.py``) and the agent CLI's
 argument checks, in one process over a ``HashStore``."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from lightning_bamboo.elastic import machines as mc
-from lightning_bamboo.elastic import store as ms
-from lightning_bamboo.elastic.agent import Agent
-from lightning_bamboo.elastic.coordinator import Coordinator, Superseded
-from lightning_bamboo.elastic.ownership import failover, initial
+from lightning_bamboo.control import machines as mc
+from lightning_bamboo.control import store as ms
+from lightning_bamboo.control.agent import Agent
+from lightning_bamboo.control.coordinator import Coordinator, Superseded
 from lightning_bamboo.launch import build_parser, main
+from lightning_bamboo.layout.ownership import failover, initial
 from lightning_bamboo.strategy import BambooStrategy
 
 

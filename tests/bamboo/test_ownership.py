@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_bamboo.elastic.ownership import FallbackNeeded, OwnershipMap, failover, initial, rejoin
-from lightning_bamboo.elastic.supervisor import fallback_map
+from lightning_bamboo.control.supervisor import fallback_map
+from lightning_bamboo.layout.ownership import FallbackNeeded, OwnershipMap, failover, initial, rejoin
 
 
 def grid(owners: OwnershipMap) -> str:
@@ -83,8 +83,8 @@ def test_map_round_trips_and_rejects_split_runs() -> None:
 def test_the_engines_view_is_a_function_of_the_map() -> None:
     """What the engine reads (``view_of``): positions, not stages, after a failover fuses two stages; the
     original stages each position runs; ranks in the generation's member order; one name, one meaning."""
-    from lightning_bamboo.pipeline.layout import StageLayout
-    from lightning_bamboo.pipeline.view import PipelineView, view_of
+    from lightning_bamboo.layout.plan import StageLayout
+    from lightning_bamboo.layout.view import PipelineView, view_of
 
     owners = failover(initial(3, range(6)), [4])  # pipeline 1: m3 runs stages 0 and 1, m5 stage 2
     groups = {0: "pipe0", 1: "pipe1"}

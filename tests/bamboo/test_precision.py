@@ -10,8 +10,12 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 
 from lightning_bamboo import BambooStrategy
-from lightning_bamboo import precision as bamboo_precision
-from lightning_bamboo.precision import BambooDoublePrecision, PipelineNormClipping, with_pipeline_clipping
+from lightning_bamboo._lightning import precision as bamboo_precision
+from lightning_bamboo._lightning.precision import (
+    BambooDoublePrecision,
+    PipelineNormClipping,
+    with_pipeline_clipping,
+)
 
 
 def test_keeps_class_and_settings_and_routes_norm_clipping() -> None:

@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lightning_bamboo._lightning.seam import StageBody
 from lightning_bamboo.contract import pipeline_execution, sub_sequential
 from lightning_bamboo.pipeline.microbatch import join_microbatches, split_microbatches
-from lightning_bamboo.seam import StageBody
 from tests.bamboo.launch import run_script
 from tests.bamboo.tiny_lm import TinyLM, make_tokens
 

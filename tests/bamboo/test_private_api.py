@@ -1,4 +1,5 @@
-"""The private Lightning and torch names the runtime relies on (``lightning_bamboo._private``) still exist and
+"""The private Lightning and torch names the runtime relies on (``lightning_bamboo._lightning.private``) still
+exist and
 behave as it expects: a version that changes one fails here, not inside a failover."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 
-from lightning_bamboo import _private
+from lightning_bamboo._lightning import private as _private
 
 
 class _TwoGroups(LightningModule):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_bamboo.progress import ResumableDataLoader, resumable
+from lightning_bamboo.step.progress import ResumableDataLoader, resumable
 
 
 def _loader(

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_bamboo.elastic import store as ms
-from lightning_bamboo.elastic.script_launcher import SupervisorLauncher, script_command
-from lightning_bamboo.elastic.supervisor import first_formed
+from lightning_bamboo.control import store as ms
+from lightning_bamboo.control.supervisor import first_formed
+from lightning_bamboo.runtime.launcher import SupervisorLauncher, script_command
 from tests.bamboo.launch_record import NAME, Record, record_env, wait_record
 from tests.process import REPO, launch_env
 

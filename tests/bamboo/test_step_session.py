@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_bamboo.elastic.formation import Formation
-from lightning_bamboo.elastic.generation import Generation
-from lightning_bamboo.events import Events
-from lightning_bamboo.step_session import Retry, StepSession
+from lightning_bamboo.runtime.events import Events
+from lightning_bamboo.runtime.formation import Formation
+from lightning_bamboo.runtime.generation import Generation
+from lightning_bamboo.step.session import Retry, StepSession
 
 
 class FakeRuntime:

@@ -1,4 +1,6 @@
-"""Tied weights across layers (:mod:`lightning_bamboo.ties`), in one process: which uses are found, the body
+"""Tied weights across layers (:mod:`lightning_bamboo.pipeline.ties`), in one process: which uses are found,
+the
+body
 untied into one copy per use, and a member's sum over the uses it holds. The multi-process exactness
 against ``strategy="auto"`` is in ``test_elastic_user_model.py`` (and rejoin, fallback, checkpoints)."""
 
@@ -7,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_bamboo.ties import (
+from lightning_bamboo.pipeline.ties import (
     Tie,
     TiedGradient,
     aliases,

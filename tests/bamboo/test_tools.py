@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from lightning_bamboo.replica import (
+from lightning_bamboo.pipeline.replica import (
     ReplicaSync,
     decode_hyperparameters,
     encode_hyperparameters,

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_bamboo.broadcast import _decode, _encode
 from lightning_bamboo.pipeline.p2p import HEADER_LEN, decode_header, encode_header
+from lightning_bamboo.step.broadcast import _decode, _encode
 
 
 @pytest.mark.parametrize(
@@ -45,7 +45,7 @@ def test_batch_header_and_bytes_round_trip() -> None:
     import json
     from collections import namedtuple
 
-    from lightning_bamboo.broadcast import _describe, _rebuild
+    from lightning_bamboo.step.broadcast import _describe, _rebuild
 
     Pair = namedtuple("Pair", ["x", "mask"])
     batch = {

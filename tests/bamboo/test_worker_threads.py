@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from lightning_bamboo.elastic import workers
-from lightning_bamboo.elastic.workers import LocalWorkers, available_cores, thread_env
+from lightning_bamboo.control import workers
+from lightning_bamboo.control.workers import LocalWorkers, available_cores, thread_env
 
 
 def test_thread_env_shares_the_cores_among_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_bamboo.broadcast import all_gather_json, broadcast_batch, broadcast_json
+from lightning_bamboo.step.broadcast import all_gather_json, broadcast_batch, broadcast_json
 from tests.test_codec_boundaries import assert_same_batch, nested_batch
 
 

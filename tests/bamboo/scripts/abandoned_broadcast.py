@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_bamboo.elastic import store as ms
-from lightning_bamboo.elastic.cutter import GenerationCutter
+from lightning_bamboo.control import store as ms
+from lightning_bamboo.runtime.cutter import GenerationCutter
 
 WORLD = 3
 TIMEOUT_S = 10.0

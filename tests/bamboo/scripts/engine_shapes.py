@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from lightning_bamboo import BambooGroups, PipelineEngine, ReplicaSync, split_microbatches
 from lightning_bamboo.contract import sub_sequential
-from lightning_bamboo.pipeline.layout import StageLayout
+from lightning_bamboo.layout.plan import StageLayout
 from lightning_bamboo.schedule import add_forward_redundancy, build_1f1b
 from tests.bamboo.pipe_mlp import PipeMLP, make_data
 

@@ -12,7 +12,7 @@ import json
 import sys
 import threading
 
-from lightning_bamboo.elastic.supervisor import Supervisor
+from lightning_bamboo.control.supervisor import Supervisor
 
 
 def main() -> int:

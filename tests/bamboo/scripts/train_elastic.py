@@ -129,7 +129,7 @@ def main() -> None:
     data = getattr(model, "make_data", make_data)  # a model on other inputs (token ids) brings its own
     x, y = data(args.steps * args.accumulate * args.batch_size // args.epochs)
     # the samples in a fixed shuffled order (the one these tests were written for; both strategies train the
-    # DataLoader's order, lightning_bamboo.data_order)
+    # DataLoader's order, lightning_bamboo.runtime.data_order)
     if args.order == "permuted":
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
         x, y = x[order], y[order]

@@ -177,7 +177,7 @@ def train(args: argparse.Namespace) -> None:
     # the global batch (Bamboo splits it over the pipelines)
     batch_size = args.batch_size * args.pipelines
     # the samples in a fixed shuffled order (the one these tests were written for; both strategies train
-    # the DataLoader's order, lightning_bamboo.data_order)
+    # the DataLoader's order, lightning_bamboo.runtime.data_order)
     permutation = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
     dataset = TensorDataset(x[permutation], y[permutation])
     if args.data == "rank-noise":

@@ -1,0 +1,327 @@
+"""The coordinator's part of a machine's agent (:mod:`lightning_bamboo.control.agent`): what the one elected
+agent decides for the whole job, apart from watching its own machine.
+
+Held by every agent as a :class:`CoordinatorRole` whose :attr:`~CoordinatorRole.coordinator` is set while
+this agent holds the ``coordinator`` key: it closes the rendezvous, collects the exits the agents report and
+the machines whose lease expired or whose agent refuses connections (:class:`PeerWatch`), and has the
+:class:`~lightning_bamboo.control.coordinator.Coordinator` decide every next generation from them. What it
+learnt (exit codes, lost machines, joiners) outlives a term, as it did on the agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from lightning_bamboo.control import machines as mc
+from lightning_bamboo.control import store as ms
+from lightning_bamboo.control.coordinator import Coordinator
+from lightning_bamboo.control.workers import LocalWorkers
+
+
+class NodeCoordinator(Coordinator):
+    """The coordinator role of an agent: a :class:`Coordinator` fed by the store's reports and leases."""
+
+    def __init__(self, store, log, codes: dict[int, int | None]) -> None:
+        super().__init__(store, log)
+        self.codes = codes
+
+    def exit_codes(self, members: set[int]) -> dict[int, int | None]:
+        return {m: self.codes.get(m) for m in members}
+
+
+class PeerWatch:
+    """The other machines as this agent sees them: their leases, the machines counted lost (:attr:`dead`)
+    and those whose agent refuses a connection (:attr:`refusing`, found by :meth:`probe`)."""
+
+    def __init__(self, store: dist.Store, machine: int, lease: float, poll: float) -> None:
+        self.store, self.machine, self.lease, self.poll = store, machine, lease, poll
+        self.leases = mc.LeaseWatch(store, lease)
+        self.dead: set[int] = set()
+        self.refusing: set[int] = set()
+        self._probed: tuple[int, int] = (-1, 0)  # (generation, lost-peer reports) of the last probe
+        self._late_probed: dict[int, int | None] = {}  # machine -> its lease counter when last probed
+
+    def observe(self) -> None:
+        """Read every live machine's lease counter (once per tick, before the election)."""
+        self.leases.observe([m for m in range(mc.count(self.store)) if m not in self.dead])
+
+    def vacant(self, holder: tuple[int, int] | None) -> bool:
+        """Whether the coordinator ``holder`` (term, machine) is gone: none, its lease expired, counted lost
+        or its agent refuses connections."""
+        if holder is None:
+            return True
+        machine = holder[1]
+        return (self.leases.expired(machine) or mc.is_dead(self.store, machine)) or machine in self.refusing
+
+    def probe(self) -> None:
+        """Add the machines whose agent refuses a connection (:class:`~lightning_bamboo.control.machines.
+        Liveness`) to :attr:`refusing`, so that a machine whose processes died is lost at once, not a lease
+        later. Probed: every machine once per new lost-peer report of the current generation's workers (a
+        worker whose peer's connection was reset or closed), and a machine whose lease is late once per
+        renewal it missed (its loss is found by no worker when none was talking to it: the survivors were
+        waiting at the step's commit, say). Once per tick, before the election and the decisions."""
+        generation = ms.current_generation(self.store)
+        reports = ms.lost_peer_reports(self.store, generation) if generation >= 0 else 0
+        suspects = set()
+        if reports and (generation, reports) != self._probed:
+            self._probed = (generation, reports)
+            suspects.update(range(mc.count(self.store)))
+        for machine in self.leases.observed():  # no store read: the last tick's observation
+            if self.leases.late(machine) and self._late_probed.get(machine) != self.leases.beat(machine):
+                self._late_probed[machine] = self.leases.beat(machine)
+                suspects.add(machine)
+        suspects -= self.dead | {self.machine}
+        timeout = min(0.2, self.lease / 5)
+        self.refusing |= {m for m in sorted(suspects) if mc.refuses(self.store, m, timeout)}
+
+    def await_suspects(self) -> None:
+        """Machines lost together (a zone, a rack) stop renewing at the same moment, but their last renewals
+        are up to a renewal period apart: wait (at most lease/2) until every machine silent for more than
+        half a lease has renewed or expired, so that they are lost in ONE generation."""
+        deadline = time.monotonic() + self.lease / 2
+        while True:
+            machines = [m for m in range(mc.count(self.store)) if m != self.machine and m not in self.dead]
+            self.leases.observe(machines)
+            silent = [m for m in machines if self.leases.silent_for(m) > self.lease / 2]
+            suspects = [m for m in silent if not self.leases.expired(m)]
+            if not suspects or time.monotonic() > deadline:
+                return
+            time.sleep(self.poll)
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """What every agent of the job is given: its machine count bounds and workers per machine."""
+
+    nproc_per_node: int
+    min_nodes: int
+    max_nodes: int
+    rdzv_last_call: float
+
+
+class CoordinatorRole:
+    """The decisions of the elected agent (see the module docstring); :attr:`coordinator` is ``None`` while
+    another agent coordinates.
+
+    Args:
+        store: the job's store.
+        machine: this agent's machine.
+        shape: the job's machine bounds and workers per machine.
+        peers: the other machines' leases and liveness.
+        local: this machine's workers (stopped when the job ends).
+        settle: seconds to wait for losses that arrive together.
+        stop_timeout: seconds the members of a ``stop`` generation have to exit.
+        log: the agent's ``print``; ``say``: a line prefixed with the agent's name.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        machine: int,
+        shape: JobShape,
+        peers: PeerWatch,
+        local: LocalWorkers,
+        settle: float,
+        stop_timeout: float,
+        log: Callable[..., None],
+        say: Callable[[str], None],
+    ) -> None:
+        self.store, self.machine, self.shape, self.peers, self.local = store, machine, shape, peers, local
+        self.settle, self.stop_timeout, self.log, self.say = settle, stop_timeout, log, say
+        self.coordinator: NodeCoordinator | None = None
+        self.codes: dict[int, int | None] = {}
+        self._reports = mc.Reports(store)
+        self._joiner_machines: set[int] = set()
+        self._risks_told = False
+        self._ending: tuple[int, float] | None = None
+        self._min_reached_at: float | None = None
+
+    # ------------------------------------------------------------------ terms
+    def become(self, holder: tuple[int, int] | None) -> None:
+        """Take the role for the term of ``holder`` (read back after taking the key)."""
+        term = holder[0] if holder else 0
+        self.coordinator = NodeCoordinator(self.store, self.log, self.codes)
+        self._reports = mc.Reports(self.store)
+        if term > 0:
+            self.say(f"took over as the coordinator (term {term}): the previous one's machine is lost "
+                     "(its lease expired or its agent refuses connections)")
+        else:
+            self.say("is the coordinator")
+
+    # ------------------------------------------------------------------ the rendezvous
+    def close_rendezvous(self) -> None:
+        """Close the rendezvous once ``min_nodes`` registered (at ``max_nodes``, or ``rdzv_last_call`` s
+        later): deal generation 0's members over the machines (:func:`~lightning_bamboo.control.machines.
+        placement`)."""
+        shape = self.shape
+        registered = mc.count(self.store)
+        if registered < shape.min_nodes or self.store.check([mc.CLOSED]):
+            return
+        now = time.monotonic()
+        if self._min_reached_at is None:
+            self._min_reached_at = now
+        if registered < shape.max_nodes and now - self._min_reached_at < shape.rdzv_last_call:
+            return
+        chosen = [m for m in range(min(registered, shape.max_nodes)) if not self.peers.leases.expired(m)]
+        zones = {}
+        for machine in chosen:
+            info = mc.describe(self.store, machine) or {}
+            if int(info.get("nproc", shape.nproc_per_node)) != shape.nproc_per_node:  # type: ignore[arg-type]
+                raise ValueError(
+                    f"machine {machine} runs {info.get('nproc')} workers but this one "
+                    f"{shape.nproc_per_node}: give every agent the same --nproc-per-node"
+                )
+            zones[machine] = str(info.get("zone", ""))
+        rendezvous = mc.placement(chosen, zones, shape.nproc_per_node)
+        self.store.set("members/next", str(rendezvous.nproc))
+        self.store.set("gen", "0")
+        if self.store.compare_set(mc.CLOSED, "", rendezvous.to_json()).decode() == rendezvous.to_json():
+            self.say(
+                f"rendezvous closed: machines {rendezvous.order}, members "
+                f"{ {m: rendezvous.members[m] for m in rendezvous.order} }"
+            )
+
+    # ------------------------------------------------------------------ every tick
+    def coordinate(self) -> int | None:
+        """One round of decisions; the job's exit code once it is over."""
+        coordinator = self.coordinator
+        assert coordinator is not None
+        if self._ending is not None:
+            return self._end_when_stopped()
+        self._tell_risks()
+        lost = self._collect()
+        leaving = coordinator._departures()
+        if lost or leaving:
+            if lost:
+                proven = {m for machine in self.peers.refusing for m in mc.members_of(self.store, machine)}
+                if not lost <= proven:  # machines found gone by one probe need no wait to be grouped
+                    time.sleep(self.settle)  # losses that arrive together are handled together
+                    self.peers.await_suspects()
+                lost |= self._collect()
+                coordinator.lost |= lost
+                leaving |= coordinator._departures()
+            if coordinator._failure_in_code(lost) is not None:
+                coordinator._stop_generation()
+                self._ending = (1, time.monotonic() + self.stop_timeout)
+                return None
+            coordinator.departed |= leaving
+            if not coordinator._reform(lost, [], leaving):
+                return self._end(1)
+        self._find_joiners()
+        coordinator._advance_joins()
+        if coordinator._job_done():
+            return self._end(0)
+        return None
+
+    def _collect(self) -> set[int]:
+        """Members newly lost: reported exits (non-zero) and every member of a machine whose lease expired
+        or whose agent is gone (:meth:`PeerWatch.probe`)."""
+        coordinator = self.coordinator
+        assert coordinator is not None
+        lost: set[int] = set()
+        for entry in self._reports.new():
+            member, code = int(entry["member"]), int(entry["code"])
+            if code == 0:
+                coordinator.finished.add(member)
+            else:
+                self.codes.setdefault(member, code)
+                lost.add(member)
+        dead = self.peers.dead
+        for machine in range(mc.count(self.store)):
+            if machine == self.machine:
+                continue
+            marked = mc.is_dead(self.store, machine)  # by an earlier coordinator
+            expired = self.peers.leases.expired(machine)
+            gone = machine in self.peers.refusing
+            if machine not in dead and (marked or expired or gone):
+                dead.add(machine)
+                members = mc.members_of(self.store, machine)
+                if marked:
+                    self.say(f"machine {machine} was counted lost before; its members {members}")
+                else:
+                    self.store.set(f"node/{machine}/dead", "1")
+                    why = (f"lease not renewed for {self.peers.leases.silent_for(machine):.1f}s" if expired
+                           else "its agent refuses connections (its processes are gone)")
+                    self.say(f"machine {machine} lost: {why}; its members {members}")
+            if machine in dead:
+                for member in mc.members_of(self.store, machine):
+                    if member not in coordinator.finished:
+                        self.codes[member] = None  # lost with its machine: preempted, not a failure of code
+                        lost.add(member)
+        return (lost & self._placed()) - coordinator.lost
+
+    def _placed(self) -> set[int]:
+        """Members a loss concerns: those of the current generation (owners and spares), of a proposed join
+        and the joiners waiting (a member lost and handled before, e.g. by an earlier coordinator, is not)."""
+        coordinator = self.coordinator
+        assert coordinator is not None
+        _, current = coordinator._current()
+        placed = set(current.members()) | set(current.spares) if current is not None else set()
+        if coordinator._proposal is not None:
+            placed |= set(coordinator._proposal[1].members())
+        with coordinator._lock:
+            return placed | set(coordinator._pending_joins)
+
+    def _find_joiners(self) -> None:
+        """Members of machines that registered after the rendezvous: proposed to join once registered."""
+        coordinator = self.coordinator
+        assert coordinator is not None
+        rendezvous = mc.Rendezvous.from_json(self.store.get(mc.CLOSED))
+        for machine in range(mc.count(self.store)):
+            known = machine in rendezvous.members or machine in self._joiner_machines
+            if known or machine in self.peers.dead:
+                continue
+            members = mc.members_of(self.store, machine)
+            if members:
+                self._joiner_machines.add(machine)
+                with coordinator._lock:
+                    coordinator._pending_joins += [m for m in members if m not in coordinator._pending_joins]
+                    for member in members:
+                        coordinator._added_at[member] = time.monotonic()
+                self.say(f"machine {machine} joins with members {members}")
+
+    def _tell_risks(self) -> None:
+        """Once generation 0 exists: which single machine (or zone) the replicas cannot cover."""
+        if self._risks_told or not self.store.check(["gen0/map"]):
+            return
+        self._risks_told = True
+        owners = ms.read_map(self.store, 0)
+        rendezvous = mc.Rendezvous.from_json(self.store.get(mc.CLOSED))
+        domains = {f"machine {m}": rendezvous.members[m] for m in rendezvous.order}
+        zones: dict[str, list[int]] = {}
+        for machine in rendezvous.order:
+            zone = str((mc.describe(self.store, machine) or {}).get("zone", ""))
+            if zone:
+                zones.setdefault(f"zone {zone}", []).extend(rendezvous.members[machine])
+        if len(zones) > 1:
+            domains.update(zones)
+        risks = mc.fallback_risks(owners, domains)
+        self.store.set(mc.RISKS, json.dumps(risks))
+        covered = "every single machine loss is covered by replicas"
+        self.say("placement: " + ("; ".join(risks) if risks else covered))
+
+    # ------------------------------------------------------------------ the end
+    def _end_when_stopped(self) -> int | None:
+        """After a ``stop`` generation: end the job once its members have exited (or the time is up)."""
+        assert self._ending is not None and self.coordinator is not None
+        code, deadline = self._ending
+        self._collect()
+        _, current = self.coordinator._current()
+        members = set(current.members()) if current is not None else set()
+        if time.monotonic() > deadline or members <= set(self.codes) | self.coordinator.finished:
+            return self._end(code)
+        return None
+
+    def _end(self, code: int) -> int:
+        self.store.compare_set(mc.END, "", str(code))
+        code = int(ms.get_str(self.store, mc.END))
+        self.say(f"the job is over: exit code {code}")
+        with contextlib.suppress(Exception):
+            self.local.kill_all()
+        return code

@@ -1,0 +1,177 @@
+"""The store an elastic Bamboo job keeps its membership in, and what workers read and write there.
+
+The store lives outside every training process (a ``TCPStore`` served by the launcher for one machine, an
+etcd server for several; see :mod:`lightning_bamboo.control.supervisor` and
+:mod:`lightning_bamboo.control.etcd_store`), so losing any rank, rank 0 included, loses nothing of it. Keys
+(all under the job's prefix):
+
+* ``gen``: the current generation number; ``gen{g}/map``: its :class:`OwnershipMap` as JSON (written by
+  the launcher, which is the only one to decide membership); ``gen{g}/formed``: members that formed it.
+* ``hb/{member}``: a heartbeat counter, bumped by a thread of every worker (a hung process stops bumping).
+* ``g{g}/prep/{step}`` and ``g{g}/outcome/{step}``: the two-phase commit of a training step
+  (:class:`lightning_bamboo.control.commit.StepCommit`).
+* ``config/num_stages``: the pipeline length the workers were started with (the launcher needs it).
+* ``config/global_microbatches``: :data:`GLOBAL_MICROBATCHES`.
+* ``join/{member}``, ``gen{g}/join``, ``gen{g}/next``, ``gen{g}/progress``: a worker joining the running job
+  (:mod:`lightning_bamboo.control.join`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch.distributed as dist
+
+from lightning_bamboo.layout.ownership import OwnershipMap
+
+GLOBAL_MICROBATCHES = "config/global_microbatches"
+"""The job's count of global micro-batches per step (``num_microbatches`` x the pipelines of generation 0),
+written by the members forming generation 0 and fixed for the whole job, so the split of a global batch
+never depends on the pipelines alive (a joiner reads it; the coordinator forms no more pipelines than it)."""
+ENV_STORE = "BAMBOO_STORE"
+"""``tcp://host:port`` (the launcher's TCPStore) or ``etcd://host:port`` (an etcd v3 HTTP endpoint)."""
+ENV_JOB = "BAMBOO_JOB"
+ENV_MEMBER = "BAMBOO_MEMBER"
+ENV_NPROC = "BAMBOO_NPROC"
+ENV_HEARTBEAT = "BAMBOO_HEARTBEAT_S"
+ENV_JOINING = "BAMBOO_JOINING"
+"""``1`` for a worker the launcher started while the job runs (it joins instead of forming gen 0)."""
+ENV_LOCAL_RANK = "BAMBOO_LOCAL_RANK"
+"""The worker's index among the running workers of its machine (its device: ``cuda:<local rank>``)."""
+
+
+def connect(url: str, job: str, timeout: float = 60.0, request_timeout: float = 30.0) -> dist.Store:
+    """A client of the job's store: ``tcp://host:port`` or ``etcd://host:port``, under the job's prefix.
+
+    ``timeout``: seconds a ``get``/``wait`` waits for a key; ``request_timeout``: seconds one request to an
+    etcd server may take."""
+    parsed = urlparse(url)
+    if parsed.scheme == "tcp":
+        if parsed.hostname is None or parsed.port is None:
+            raise ValueError(f"{ENV_STORE} must look like tcp://host:port, got {url!r}")
+        base: dist.Store = dist.TCPStore(
+            parsed.hostname, parsed.port, is_master=False, timeout=timedelta(seconds=timeout)
+        )
+    elif parsed.scheme == "etcd":
+        from lightning_bamboo.control.etcd_store import EtcdStore
+
+        if parsed.hostname is None or parsed.port is None:
+            raise ValueError(f"{ENV_STORE} must look like etcd://host:port, got {url!r}")
+        # its own key prefix, not a PrefixStore: a PrefixStore keeps only the C++ side of a Python store
+        return EtcdStore(
+            parsed.hostname,
+            parsed.port,
+            timeout=timeout,
+            prefix=f"/bamboo/{job}/",
+            request_timeout=request_timeout,
+        )
+    else:
+        raise ValueError(f"{ENV_STORE} must start with tcp:// or etcd://, got {url!r}")
+    return dist.PrefixStore(f"bamboo/{job}", base)
+
+
+def get_str(store: dist.Store, key: str) -> str:
+    return store.get(key).decode()
+
+
+def current_generation(store: dist.Store) -> int:
+    return int(get_str(store, "gen")) if store.check(["gen"]) else -1
+
+
+def report_lost_peer(store: dist.Store, generation: int) -> None:
+    """A worker of ``generation`` lost a peer (a connection reset or closed): the multi-machine coordinator
+    then probes the machines' agents at once instead of waiting for a lease to expire
+    (:class:`lightning_bamboo.control.machines.Liveness`)."""
+    store.add(f"gen{generation}/lost_peer", 1)
+
+
+def lost_peer_reports(store: dist.Store, generation: int) -> int:
+    """How many lost-peer reports ``generation`` has (a read only: agents ask at every tick)."""
+    key = f"gen{generation}/lost_peer"
+    return int(get_str(store, key)) if store.check([key]) else 0
+
+
+def read_map(store: dist.Store, generation: int) -> OwnershipMap:
+    return OwnershipMap.from_json(store.get(f"gen{generation}/map"))
+
+
+@dataclass
+class WorkerEnv:
+    """What the launcher tells a worker through its environment."""
+
+    store_url: str
+    job: str
+    member: int
+    nproc: int
+    joining: bool = False
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> WorkerEnv | None:
+        """``None`` when the process was not started by ``python -m lightning_bamboo.launch``."""
+        if ENV_STORE not in os.environ:
+            return None
+        missing = [key for key in (ENV_JOB, ENV_MEMBER, ENV_NPROC) if key not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"{ENV_STORE} is set but {', '.join(missing)} not: start workers with "
+                "python -m lightning_bamboo.launch"
+            )
+        return cls(
+            os.environ[ENV_STORE],
+            os.environ[ENV_JOB],
+            int(os.environ[ENV_MEMBER]),
+            int(os.environ[ENV_NPROC]),
+            os.environ.get(ENV_JOINING) == "1",
+            int(os.environ.get(ENV_LOCAL_RANK, "0")),
+        )
+
+
+class Heartbeat:
+    """A daemon thread bumping ``hb/{member}`` every ``interval`` seconds on its own store connection.
+
+    A SIGSTOPped (or otherwise frozen) process stops bumping; the launcher notices after its hang timeout.
+    """
+
+    def __init__(self, env: WorkerEnv, interval: float) -> None:
+        self._store = connect(env.store_url, env.job)
+        self._key = f"hb/{env.member}"
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bamboo-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._store.add(self._key, 1)
+            except Exception:  # the launcher is gone: the job is over, nothing to report to
+                return
+            self._stop.wait(self._interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def store_barrier(
+    store: dist.Store, key: str, count: int, timeout: float | None = None, poll: float = 0.01
+) -> None:
+    """Count this process in at ``key`` and wait until ``count`` processes have (``timeout`` seconds at most;
+    ``None``: no bound).
+
+    Raises:
+        TimeoutError: naming the key, how many arrived and the timeout.
+    """
+    store.add(key, 1)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while (arrived := int(store.add(key, 0))) < count:
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(
+                f"Bamboo: {arrived} of {count} workers reached {key!r} within timeout={timeout:.0f}s"
+            )
+        time.sleep(poll)

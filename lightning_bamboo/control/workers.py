@@ -1,0 +1,188 @@
+"""The workers one machine runs for an elastic Bamboo job: start them, watch them, stop them by PID.
+
+Used by the one-machine :class:`~lightning_bamboo.control.supervisor.Supervisor` and by each machine's agent
+(:mod:`lightning_bamboo.control.agent`); neither decides membership here (that is
+:class:`~lightning_bamboo.control.coordinator.Coordinator`'s job). A worker that exits non-zero (SIGKILL
+included) is lost; a worker whose heartbeat (``hb/{member}`` in the store) stops for ``hang_timeout`` seconds
+(SIGSTOP, a deadlock) is SIGKILLed by PID and lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from lightning_bamboo.control import store as ms
+
+
+@dataclass
+class _Worker:
+    member: int
+    proc: subprocess.Popen[bytes]
+    local_rank: int = 0
+    last_beat: int = -1
+    beat_seen_at: float = field(default_factory=time.monotonic)
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS tells it, else all cores)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def thread_env(workers_on_machine: int) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for each worker: this machine's cores shared among its workers (at least 1), as
+    Lightning's own launchers and torchrun set it; nothing when the user set it.
+
+    Why: left alone, torch starts one intra-op thread per core in every worker, and K workers on one machine
+    oversubscribe it K-fold. Measured: the GPT recipe, 2 workers on 2 cores, a step of 75 ms with stalls of
+    0.3-1.2 s, against 20 ms without stalls at one thread each (docs/bamboo-advise.md).
+    """
+    if os.environ.get("OMP_NUM_THREADS", "").strip():
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, available_cores() // max(1, workers_on_machine)))}
+
+
+class LocalWorkers:
+    """The worker processes of this machine, by member id (each in its own session); ``workers_on_machine``
+    of them at a time share its cores (:func:`thread_env`)."""
+
+    def __init__(
+        self,
+        command: list[str],
+        store: dist.Store,
+        hang_timeout: float,
+        log=print,
+        workers_on_machine: int = 1,
+    ) -> None:
+        self.command = command
+        self.store = store
+        self.hang_timeout = hang_timeout
+        self.log = log
+        self.threads = thread_env(workers_on_machine)
+        self.workers: dict[int, _Worker] = {}
+        self.hung: list[int] = []
+        """Members SIGKILLed for a silent heartbeat, in order (the supervisor's record of the job)."""
+        self.lock = threading.RLock()  # kill / start may come from another thread
+
+    def start(self, member: int, env: Mapping[str, str]) -> int:
+        """Start the worker ``member`` with ``env`` added to this process's environment; returns its local
+        rank (``BAMBOO_LOCAL_RANK``: the lowest no running worker of this machine has, its device index)."""
+        with self.lock:
+            taken = {w.local_rank for w in self.workers.values() if w.proc.poll() is None}
+            local_rank = min(set(range(len(taken) + 1)) - taken)
+            env = {**os.environ, **self.threads, **env, ms.ENV_LOCAL_RANK: str(local_rank)}
+            proc = subprocess.Popen(self.command, env=env, start_new_session=True)
+            self.workers[member] = _Worker(member, proc, local_rank)
+        threads = f" with OMP_NUM_THREADS={self.threads['OMP_NUM_THREADS']}" if self.threads else ""
+        self.log(f"[bamboo.launch] started member {member} (pid {proc.pid}){threads}", flush=True)
+        return local_rank
+
+    def kill(self, member: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to one worker, by PID (the tests and the benchmark preempt workers this way)."""
+        with self.lock:
+            worker = self.workers[member]
+            if worker.proc.poll() is None:
+                os.kill(worker.proc.pid, sig)
+
+    def live_members(self) -> list[int]:
+        """Member ids of the workers whose process is running."""
+        with self.lock:
+            return sorted(m for m, w in self.workers.items() if w.proc.poll() is None)
+
+    def all_exited(self) -> bool:
+        with self.lock:
+            return all(w.proc.poll() is not None for w in self.workers.values())
+
+    def exits(self) -> dict[int, int | None]:
+        """Each worker's exit code by member (negative: killed by that signal; ``None``: still running)."""
+        with self.lock:
+            return {m: w.proc.poll() for m, w in sorted(self.workers.items())}
+
+    def returncode(self, member: int) -> int | None:
+        with self.lock:
+            worker = self.workers.get(member)
+        return None if worker is None else worker.proc.returncode
+
+    def kill_all(self, members: set[int] | None = None) -> list[int]:
+        """SIGKILL (by PID) and reap every running worker (or those of ``members``); returns the killed."""
+        with self.lock:
+            workers = [w for m, w in self.workers.items() if members is None or m in members]
+        killed = []
+        for worker in workers:
+            if worker.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.proc.pid, signal.SIGKILL)
+                worker.proc.wait()
+                killed.append(worker.member)
+        return killed
+
+    def check(self, lost: set[int], finished: set[int], departed: set[int]) -> set[int]:
+        """Newly lost members: exited non-zero, or heartbeat silent for ``hang_timeout`` (then SIGKILLed).
+
+        Members that exited 0 (and leavers that exited) are added to ``finished``; members already in
+        ``lost`` or ``finished`` are not looked at again.
+        """
+        newly: set[int] = set()
+        now = time.monotonic()
+        with self.lock:
+            workers = list(self.workers.items())
+        for member, worker in workers:
+            if member in departed and member not in finished and worker.proc.poll() is not None:
+                finished.add(member)
+                self.log(f"[bamboo.launch] member {member} left (exit {worker.proc.returncode})", flush=True)
+            if member in lost or member in finished or member in departed:
+                continue
+            code = worker.proc.poll()
+            if code is not None:
+                if code == 0:
+                    finished.add(member)
+                else:
+                    self.log(f"[bamboo.launch] member {member} exited with {code}", flush=True)
+                    newly.add(member)
+                continue
+            key = f"hb/{member}"
+            if self.store.check([f"done/{member}"]):
+                continue  # training is over for it; it is writing its results and exiting
+            if self.store.check([key]):
+                beat = int(self.store.get(key).decode())  # add() stores the counter as text
+                if beat != worker.last_beat:
+                    worker.last_beat, worker.beat_seen_at = beat, now
+                elif now - worker.beat_seen_at > self.hang_timeout:
+                    self.log(
+                        f"[bamboo.launch] member {member} silent for {now - worker.beat_seen_at:.1f}s: "
+                        "killing it",
+                        flush=True,
+                    )
+                    os.kill(worker.proc.pid, signal.SIGKILL)
+                    worker.proc.wait()
+                    self.hung.append(member)
+                    newly.add(member)
+            elif now - worker.beat_seen_at > max(self.hang_timeout, 300.0):  # never started beating
+                self.log(f"[bamboo.launch] member {member} sent no heartbeat in 300s: killing it", flush=True)
+                os.kill(worker.proc.pid, signal.SIGKILL)
+                worker.proc.wait()
+                self.hung.append(member)
+                newly.add(member)
+        return newly
+
+
+def worker_env(store_url: str, job: str, member: int, nproc: int, joining: bool) -> dict[str, str]:
+    """What a worker is told through its environment (read back by :class:`~.store.WorkerEnv`; the local
+    rank is added by :meth:`LocalWorkers.start`)."""
+    return {
+        ms.ENV_JOINING: "1" if joining else "0",
+        ms.ENV_STORE: store_url,
+        ms.ENV_JOB: job,
+        ms.ENV_MEMBER: str(member),
+        ms.ENV_NPROC: str(nproc),
+    }

@@ -1,0 +1,112 @@
+"""The parts :class:`~lightning_bamboo.strategy.BambooStrategy` holds, built and linked in one place.
+
+Each part is an object with its own state and a small interface (see the strategy's module docstring); the
+strategy's hooks call them. They never hold the strategy: what they need of Lightning comes as callables
+(:class:`~lightning_bamboo.runtime.membership.LightningSide`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+
+from lightning_bamboo.checkpoint import periodic
+from lightning_bamboo.checkpoint.stages import StageCheckpoints
+from lightning_bamboo.control import store as ms
+from lightning_bamboo.runtime.events import Events
+from lightning_bamboo.runtime.fallback import Fallback
+from lightning_bamboo.runtime.formation import Formation
+from lightning_bamboo.runtime.generation import Generation
+from lightning_bamboo.runtime.membership import LightningSide, Membership
+from lightning_bamboo.step.session import StepSession
+
+
+@dataclass(frozen=True)
+class Parts:
+    events: Events  # Bamboo's events on the trainer's callbacks
+    formation: Formation  # the body's layers and how a generation forms
+    gen: Generation  # the generation formed now: owners, view, engine, replica
+    checkpoints: StageCheckpoints  # Lightning's checkpoint hooks for this member's stages
+    session: StepSession  # the step in progress: two-phase step, exchange, commit, the one retry loop
+    fallback: Fallback  # periodic checkpoints and the fallback to them
+    membership: Membership  # generations, failover, joins, drains
+
+
+@dataclass(frozen=True)
+class Options:
+    """The strategy's constructor arguments (documented on the strategy), checked when built: each bad one
+    is named with what was expected before any process starts."""
+
+    num_stages: int
+    num_microbatches: int
+    redundancy: bool
+    replica_device: str
+    pipeline_attr: str | None
+    layer_costs: Sequence[float] | None
+    timeout: float | timedelta | None
+    process_group_backend: str | None
+    heartbeat: float
+    hang_timeout: float
+    failure_wait: float
+    checkpoint_every_n_steps: int | None
+    checkpoint_dir: str | os.PathLike | None
+    keep_checkpoints: int
+    keyed_rng: bool
+
+    def __post_init__(self) -> None:
+        check_options(self.num_stages, self.num_microbatches, self.redundancy, self.replica_device,
+                      self.keyed_rng)
+        periodic.check_options(self.checkpoint_every_n_steps, self.checkpoint_dir, self.keep_checkpoints)
+        if self.layer_costs is not None:
+            object.__setattr__(self, "layer_costs", list(self.layer_costs))
+        if isinstance(self.timeout, (int, float)):
+            object.__setattr__(self, "timeout", timedelta(seconds=self.timeout))
+
+
+def check_options(num_stages: int, num_microbatches: int, redundancy: bool, replica_device: str,
+                  keyed_rng: bool) -> None:
+    """The strategy's constructor arguments, each with what was expected."""
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}")
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
+    if replica_device not in ("same", "cpu"):
+        raise ValueError(f"replica_device must be 'same' or 'cpu', got {replica_device!r}")
+    if redundancy and num_stages < 2:
+        raise ValueError(
+            f"redundancy=True needs num_stages >= 2 (a stage replicates its successor), got num_stages "
+            f"({num_stages}); pass redundancy=False"
+        )
+    if not isinstance(keyed_rng, bool):
+        raise TypeError(f"keyed_rng must be True or False, got {keyed_rng!r}")
+
+
+def assemble(
+    options: Options,
+    env: ms.WorkerEnv | None,
+    lightning: LightningSide,
+    precision: Callable[[], Precision],
+    replica_device: Callable[[], torch.device],
+) -> Parts:
+    """Build the parts and link the two that call each other back (the formation asks the session before each
+    schedule action; the session asks the membership for the next generation when a peer is lost)."""
+    o = options
+    events = Events(lambda: lightning.module() and lightning.module().trainer)
+    formation = Formation(o.num_stages, o.num_microbatches, o.redundancy, o.keyed_rng, o.timeout,
+                          device=lightning.device, replica_device=replica_device)
+    gen = Generation(num_stages=o.num_stages)
+    session = StepSession(gen, formation, events, trainer=lambda: lightning.module().trainer,
+                          precision=precision, device=lightning.device)
+    formation.before_action = session.before_action
+    fallback = Fallback(o.checkpoint_every_n_steps, o.checkpoint_dir, o.keep_checkpoints, formation, gen,
+                        session, events, lightning)
+    membership = Membership(env, formation, gen, session, fallback, events, lightning, o.failure_wait,
+                            o.timeout)
+    membership.backend = o.process_group_backend
+    session.runtime = membership
+    return Parts(events, formation, gen, StageCheckpoints(formation, gen), session, fallback, membership)

@@ -1,0 +1,73 @@
+"""The package's folders are floors (docs/architecture.md, "The package"): a module imports only from its own
+floor or the floors below, so each floor can be read, tested and reused without the ones above it; and the
+floors under the runtime's processes (the layout and the control plane) import no Lightning, so the
+supervisor and the agents start without it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_bamboo"
+FLOORS = {  # bottom (0) to top; a top-level module or folder not named here is on the top floor
+    "contract": 0, "layout": 0,
+    "_lightning": 1,
+    "control": 2,
+    "schedule": 3,
+    "pipeline": 4,
+    "step": 5,
+    "checkpoint": 6,
+    "runtime": 7,
+}
+TOP = max(FLOORS.values()) + 1
+WITHOUT_LIGHTNING = ("layout", "control", "schedule")
+
+
+def floor(module: str) -> int:
+    """``lightning_bamboo.<first>...`` -> the floor of ``<first>`` (a top-level module or a folder)."""
+    parts = module.split(".")
+    return FLOORS.get(parts[1], TOP) if len(parts) > 1 else TOP
+
+
+def runtime_imports(path: Path) -> list[str]:
+    """The modules ``path`` imports when it runs (imports under ``if TYPE_CHECKING:`` name types only)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(node) for branch in ast.walk(tree)
+                   if isinstance(branch, ast.If) and "TYPE_CHECKING" in ast.unparse(branch.test)
+                   for node in ast.walk(branch)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+    return found
+
+
+def modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_a_module_imports_no_floor_above_its_own(path: Path) -> None:
+    name = ".".join(("lightning_bamboo", *path.relative_to(PACKAGE).with_suffix("").parts))
+    own = floor(name)
+    above = sorted({m for m in runtime_imports(path) if m.startswith("lightning_bamboo.") and floor(m) > own})
+    assert not above, f"{name} (floor {own}) imports from floors above it: {above}"
+
+
+@pytest.mark.parametrize("folder", WITHOUT_LIGHTNING)
+def test_the_floors_below_the_runtime_import_no_lightning(folder: str) -> None:
+    for path in sorted((PACKAGE / folder).rglob("*.py")):
+        lightning = [m for m in runtime_imports(path) if m == "lightning" or m.startswith("lightning.")]
+        assert not lightning, f"{path.relative_to(PACKAGE)} imports {lightning}"
+
+
+def test_every_folder_of_the_package_has_a_floor() -> None:
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    tools = {"advise", "simulate", "models", "notices"}  # the top floor: commands, example models, notices
+    assert folders - tools == set(FLOORS) - {"contract"}
