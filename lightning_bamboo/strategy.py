@@ -111,10 +111,8 @@ class BambooStrategy(ParallelStrategy):
             next step boundary (a :class:`~lightning_bamboo.callbacks.BambooNotices` is added when missing);
             ``False``: Lightning's own handling ends the worker.
         keyed_rng: ``True`` (default): every training forward draws dropout from generators keyed by (seed,
-            step, pipeline, micro-batch, layer) (:mod:`lightning_bamboo.pipeline.keyed_rng`), so FR, a replay
-            and
-            a
-            re-run draw what the first run drew; ``False``: each process's global generators.
+            step, pipeline, micro-batch, layer) (:mod:`.pipeline.keyed_rng`), so FR, a replay and a re-run
+            draw what the first run drew; ``False``: each process's global generators.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for every
             Lightning ``ParallelStrategy`` (normally set by the Trainer).
     """

@@ -290,9 +290,8 @@ def training_loader(
     """The training loader as the strategy iterates it: an ordinary ``DataLoader`` in the order the sampler
     wrote (:mod:`lightning_bamboo.runtime.data_order`, one order agreed by every member), its position in the
     epoch checkpoint state (:mod:`lightning_bamboo.step.progress`), and a joiner's loader starting at the
-    batch
-    the job is at (how many to skip is known when the joiner forms, on_train_start, before the first fetch).
-    """
+    batch the job is at (how many to skip is known when the joiner forms, on_train_start, before the first
+    fetch)."""
     if isinstance(dataloader, DataLoader):
         dataloader = in_written_order(dataloader, _private.train_loader_source(trainer), agreed_rng_state)
     if members.joining_setup and members.skip is None:

@@ -253,8 +253,7 @@ class StepSession:
 
     # ------------------------------------------------------------------ phases
     def phase(self, phase: str, **payload: Any) -> None:
-        """``on_step_phase`` at a point of the two-phase step
-        (:class:`~lightning_bamboo.runtime.events.Events`)."""
+        """``on_step_phase`` at a point of the two-phase step (:class:`~.runtime.events.Events`)."""
         self._events.phase(phase, self.step, self._gen.member, **payload)
 
     def before_action(self, action: Action) -> None:
@@ -312,8 +311,7 @@ class StepSession:
         return loss
 
     def _forward_key_step(self, position: int | None = None) -> int:
-        """The index keying a batch's forwards' random numbers (:mod:`lightning_bamboo.pipeline.keyed_rng`):
-        the
+        """The index keying a batch's forwards' random numbers (:mod:`.pipeline.keyed_rng`): the
         committed step count, times the batches of a step, plus the batch's ``position`` in the step (default:
         the batch in flight). A replayed or re-run batch draws the random numbers it drew first."""
         accumulate = self._trainer().accumulate_grad_batches

@@ -220,13 +220,10 @@ def test_a_failover_with_tied_weights_is_bit_exact(tmp_path: Path, order: str) -
     """2 stages x 2 pipelines, one weight used on stage 0 and stage 1 (``pipe_variants.Tied``), Adam,
     clipping: member 3 (stage 1 of pipeline 1) is SIGKILLed in step 2 and member 2 then holds both uses. Its
     two copies are summed in the same order as two members' (lightning_bamboo.pipeline.ties) and its clipping
-    norm
-    adds
-    the stages' sums as the two members' all-reduce does (lightning_bamboo.step.clipping), so the ledgers,
-    samples
-    and parameter digests, equal the uninterrupted run's. Both sample orders: with the dataset's own
-    (``sequential``) order, a running sum of the norm over both stages made pipeline 1's coefficient of step
-    3 one ulp off pipeline 0's, and the digests differed from step 4 on."""
+    norm adds the stages' sums as the two members' all-reduce does (lightning_bamboo.step.clipping), so the
+    ledgers, samples and parameter digests, equal the uninterrupted run's. Both sample orders: with the
+    dataset's own (``sequential``) order, a running sum of the norm over both stages made pipeline 1's
+    coefficient of step 3 one ulp off pipeline 0's, and the digests differed from step 4 on."""
     from tests.bamboo.test_elastic import CLIP
 
     tied = ("--variant", "tied", "--optimizer", "adam", "--clip", str(CLIP), "--order", order)
