@@ -123,6 +123,8 @@ class BambooStrategy(ParallelStrategy):
 
     # the parts' public state, read-only here
     owners = _part("_gen.owners", "The current generation's ownership map (``None`` before setup).")
+    view = _part("_gen.view", "This member's view of the current generation (groups, positions).")
+    replica = _part("_gen.replica", "The successor stage's layers this member keeps current (or ``None``).")
     engine = _part("_gen.engine", "The engine running this member's stages' schedule.")
     replica_sync = _part("_gen.replica_sync", "What keeps ``replica`` equal to the successor's stage.")
     num_stages = _part("_formation.num_stages", "Pipeline length the job started with.")
@@ -462,12 +464,10 @@ class BambooStrategy(ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        assert self.lightning_module is not None
         self._checkpoints.load_model(self.lightning_module, checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        assert self.lightning_module is not None
         self._checkpoints.load_optimizers(self.lightning_module, self.optimizers, checkpoint)
 
     @override

@@ -64,15 +64,17 @@ class StageCheckpoints:
         self.path = path
         return ckpt.load_sharded(checkpoint_path, module, optimizers)
 
-    def load_model(self, module: nn.Module, checkpoint: dict[str, Any], strict: bool) -> None:
+    def load_model(self, module: nn.Module | None, checkpoint: dict[str, Any], strict: bool) -> None:
         """The stages' weights Lightning hands back from :meth:`load`, then the replica's (same read)."""
+        assert module is not None, "the strategy has no LightningModule attached"
         module.load_state_dict(checkpoint["state_dict"], strict=strict)
         self._load_replica(None)
 
     def load_optimizers(
-        self, module: nn.Module, optimizers: list[Optimizer], checkpoint: dict[str, Any]
+        self, module: nn.Module | None, optimizers: list[Optimizer], checkpoint: dict[str, Any]
     ) -> None:
         """The stages' optimizer state (keyed by parameter name), then the replica's from the same read."""
+        assert module is not None, "the strategy has no LightningModule attached"
         for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
             ckpt.load_named_optimizer_state(module, optimizer, state)
         if self.gen.replica_optimizer is not None:
