@@ -71,3 +71,24 @@ def test_every_folder_of_the_package_has_a_floor() -> None:
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     tools = {"advise", "simulate", "models", "notices"}  # the top floor: commands, example models, notices
     assert folders - tools == set(FLOORS) - {"contract"}
+
+
+def test_every_strategy_attribute_the_package_reads_by_name_exists() -> None:
+    """The ledger, the advisor's probe and the callbacks read the strategy's state with ``getattr(strategy,
+    "name", default)`` so they also run under other strategies; a name the strategy stops providing would
+    make them fall back silently (the ledger's replica digests and the probe's replica bytes once went empty
+    that way). Every such name must exist on a ``BambooStrategy``."""
+    from lightning_bamboo import BambooStrategy
+
+    strategy = BambooStrategy(num_stages=2)
+    read = set()
+    for path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
+                    and ast.unparse(node.args[0]).endswith("strategy")
+                    and isinstance(node.args[1], ast.Constant)):
+                read.add(node.args[1].value)
+    assert read, "found no getattr(strategy, ...) in the package"
+    missing = sorted(name for name in read if not hasattr(strategy, name))
+    assert not missing, f"the package reads BambooStrategy attributes that do not exist: {missing}"
