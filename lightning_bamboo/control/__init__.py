@@ -1,0 +1,1 @@
+"""Processes and store protocols outside training (no Lightning)."""
