@@ -86,6 +86,12 @@ def stands_in_for(argv: Sequence[str], env: Mapping[str, str], server_env: Mappi
 def serve(path: str, modules: Sequence[str]) -> Request | None:
     """Import ``modules``, listen on ``path`` and fork per request; returns only in a forked process (its
     request)."""
+    # ``-m lightning_bamboo.control.preload`` imported this package to locate the server; a fresh interpreter
+    # has not imported it (``import lightning_bamboo`` registers the "bamboo" strategy with Lightning, which
+    # must happen in the worker): forget it, the running code keeps its globals
+    package = __spec__.name.split(".")[0] if __spec__ is not None else "lightning_bamboo"
+    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        del sys.modules[name]
     for module in modules:
         __import__(module)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

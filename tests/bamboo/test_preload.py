@@ -29,6 +29,7 @@ with open(sys.argv[1] + ".tmp", "w") as f:
                "env": {k: v for k, v in os.environ.items()
                        if k.startswith("BAMBOO_") or k == "OMP_NUM_THREADS"},
                "session_leader": os.getsid(0) == os.getpid(), "torch_preloaded": "torch" in sys.modules,
+               "bamboo_imported": "lightning_bamboo" in sys.modules,
                "cwd": os.getcwd()}, f)
 os.rename(sys.argv[1] + ".tmp", sys.argv[1])
 if sys.argv[2] == "wait":
@@ -71,7 +72,8 @@ def test_a_preloaded_worker_is_the_fresh_interpreter_the_supervisor_would_start(
         "argv": [str(tmp_path / "probe.py"), str(seen), "3"], "name": "__main__", "spec": None,
         "env": {ms.ENV_JOINING: "1", ms.ENV_STORE: "tcp://127.0.0.1:1", ms.ENV_JOB: "job1",
                 ms.ENV_MEMBER: "5", ms.ENV_NPROC: "2", ms.ENV_LOCAL_RANK: "0", "OMP_NUM_THREADS": threads},
-        "session_leader": True, "torch_preloaded": True, "cwd": str(tmp_path),
+        # the server imported lightning_bamboo to start; the worker imports it (and registers "bamboo") itself
+        "session_leader": True, "torch_preloaded": True, "bamboo_imported": False, "cwd": str(tmp_path),
     }
     assert workers.exits() == {5: 3}
 
