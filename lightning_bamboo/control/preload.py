@@ -282,12 +282,15 @@ class PreloadedProcess:
         else:
             out = 1 if stdout is None else stdout.fileno()
         err = out if stderr is subprocess.STDOUT else 2
+        stdin = _stdin()
+        if stdin != 0:
+            close.append(stdin)
         request = {"argv": self.args, "cwd": os.fspath(cwd), "env": dict(env), "process_group": process_group}
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._received = b""
         try:
             self._conn.connect(server_path)
-            socket.send_fds(self._conn, [json.dumps(request).encode() + b"\n"], [_stdin(), out, err])
+            socket.send_fds(self._conn, [json.dumps(request).encode() + b"\n"], [stdin, out, err])
             line = self._line().split()  # "pid <pid>"
             if len(line) != 2 or line[0] != "pid":
                 raise ConnectionError(f"the preload server answered {' '.join(line)!r} instead of a pid")
@@ -375,7 +378,7 @@ def _stdin() -> int:
         os.fstat(0)
         return 0
     except OSError:
-        return os.open(os.devnull, os.O_RDONLY)  # leaks one descriptor once per closed-stdin process: rare
+        return os.open(os.devnull, os.O_RDONLY)  # the caller closes it once sent
 
 
 class Preloader:

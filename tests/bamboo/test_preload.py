@@ -110,9 +110,7 @@ def test_without_preload_workers_start_as_fresh_interpreters(
 
 
 @pytest.mark.multiprocess
-def test_a_server_that_cannot_start_falls_back_to_fresh_interpreters(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_server_that_cannot_start_falls_back_to_fresh_interpreters(tmp_path: Path) -> None:
     (tmp_path / "probe.py").write_text(PROBE)
     said: list[str] = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
