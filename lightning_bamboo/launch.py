@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM: seconds the workers get to stop at a step boundary before they are killed",
     )
+    parser.add_argument(
+        "--no-preload", dest="preload", action="store_false",
+        help="start every worker as a fresh interpreter, not forked from a server that imported torch and "
+        "Lightning once (also: BAMBOO_PRELOAD=0)",
+    )
     parser.add_argument("-m", dest="module", action="store_true", help="the script is a module (python -m)")
     parser.add_argument("script", help="the training script (or module, with -m)")
     parser.add_argument("args", nargs=argparse.REMAINDER)
@@ -91,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             replace=args.replace != 0,
             replace_delay=args.replace_delay,
             stop_timeout=args.stop_timeout,
+            preload=args.preload,
         )
     except ConnectionError as err:  # the store named by --store cannot be reached
         print(f"python -m lightning_bamboo.launch: {err}", file=sys.stderr)
@@ -126,7 +132,7 @@ def _agent(parser: argparse.ArgumentParser, args: argparse.Namespace, command: l
         agent = Agent(
             command, args.nproc_per_node, args.rdzv_endpoint, args.job_id, min_nodes, max_nodes,
             node_lease=args.node_lease, zone=args.zone, hang_timeout=args.hang_timeout,
-            rdzv_last_call=args.rdzv_last_call, stop_timeout=args.stop_timeout,
+            rdzv_last_call=args.rdzv_last_call, stop_timeout=args.stop_timeout, preload=args.preload,
         )
     except ConnectionError as err:
         print(f"python -m lightning_bamboo.launch: {err}", file=sys.stderr)

@@ -12,32 +12,24 @@ rank 0 is done, under :func:`run_ranks` the imports overlap. The recipe and READ
 path covered for both strategies.
 
 Both start ``python script.py`` / ``python -m module`` commands as forks of a preloaded test zygote
-(:mod:`tests.zygote`: torch, Lightning and PyG imported once per pytest session) when a fork reproduces the
-fresh interpreter exactly; ``fresh=True`` or ``TEST_ZYGOTE=0`` start fresh interpreters. What the launched
-processes start themselves (Lightning's popen ranks, the Bamboo supervisor's workers) is always fresh.
+(:func:`zygote`: the product's preload server with torch, Lightning and PyG imported once per pytest
+session) when a fork reproduces the fresh interpreter exactly; ``fresh=True`` or ``TEST_ZYGOTE=0`` start fresh
+interpreters. What the launched processes start themselves (Lightning's popen ranks) is fresh; the Bamboo
+supervisor forks its workers from its own preload server, as in production (``BAMBOO_PRELOAD=0``: fresh).
 """
 
 from __future__ import annotations
 
-import atexit
-import json
 import os
-import select
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
-import threading
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks._harness import free_port, kill_groups, rank_env, watch
-from tests.zygote import stands_in_for
+from lightning_bamboo.control.preload import ENDED_CPU_SECONDS, PreloadedProcess, PreloadServer, stands_in_for
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data"  # the data the project carries (data/README.md)
@@ -63,135 +55,39 @@ def launch_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 def start(
     cmd: Sequence[str], cwd: Path, env: dict[str, str], stdout: Any, process_group: int | None,
     fresh: bool = False,
-) -> subprocess.Popen[str] | ForkedProcess:
+) -> subprocess.Popen[str] | PreloadedProcess:
     """Start ``cmd`` with stderr into ``stdout`` (``subprocess.PIPE`` or a file) in a new session
     (``process_group=None``), a new process group (``0``) or the group ``process_group``: forked from the
-    test zygote (:mod:`tests.zygote`) when it can stand in for a fresh interpreter (and not ``fresh``), else
+    test zygote (:func:`zygote`) when it can stand in for a fresh interpreter (and not ``fresh``), else
     a fresh one."""
-    zygote = None if fresh else _zygote()
-    if zygote is not None and stands_in_for(list(cmd), env, zygote.env):
-        return ForkedProcess(zygote.path, cmd, cwd, env, stdout, process_group)
+    server = None if fresh else zygote()
+    if server is not None and stands_in_for(list(cmd), env, server.env):
+        return PreloadedProcess(server.path, cmd, cwd, env, stdout, subprocess.STDOUT, process_group)
     group = {"start_new_session": True} if process_group is None else {"process_group": process_group}
     return subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True,
                             **group)
 
 
-@dataclass
-class _Zygote:
-    proc: subprocess.Popen[bytes]
-    path: str  # its Unix socket
-    env: dict[str, str]
-
-
-_ZYGOTE: list[_Zygote] = []
+# what the launched training processes import first (more than a Bamboo worker: the Dorylus tests' PyG too)
+ZYGOTE_MODULES = ("torch", "numpy", "lightning.pytorch", "torch_geometric", "safetensors.torch")
+_ZYGOTE: list[PreloadServer] = []
 # CPU seconds of the forked processes that have ended (not this process's children: ``--cpu-times`` adds it)
-FORKED_CPU_SECONDS = [0.0]
+FORKED_CPU_SECONDS = ENDED_CPU_SECONDS
 
 
-def _zygote() -> _Zygote | None:
-    """The test zygote of this pytest process, started on first use (``TEST_ZYGOTE=0``: none)."""
+def zygote() -> PreloadServer | None:
+    """The test zygote of this pytest process, started on first use (``TEST_ZYGOTE=0``: none): the product's
+    preload server (:mod:`lightning_bamboo.control.preload`) with :data:`ZYGOTE_MODULES`."""
     if os.environ.get("TEST_ZYGOTE", "1") == "0":
         return None
-    if _ZYGOTE and _ZYGOTE[0].proc.poll() is None:
+    if _ZYGOTE and _ZYGOTE[0].alive():
         return _ZYGOTE[0]
-    folder = tempfile.mkdtemp(prefix="lbd-zygote-")
-    path = os.path.join(folder, "socket")
-    env = launch_env()
-    proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", path], cwd=REPO, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
-
-    def stop() -> None:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
-
-    atexit.register(stop)
-    deadline = time.monotonic() + 180
-    while not os.path.exists(path):  # bound once the imports are done
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop()
-            raise RuntimeError(f"the test zygote did not start (exit {proc.poll()}); TEST_ZYGOTE=0 skips it")
-        time.sleep(0.05)
-    _ZYGOTE[:] = [_Zygote(proc, path, env)]
-    return _ZYGOTE[0]
-
-
-class ForkedProcess:
-    """A process forked by the test zygote, with the parts of :class:`subprocess.Popen` the tests use."""
-
-    def __init__(self, socket_path: str, cmd: Sequence[str], cwd: Path, env: dict[str, str], stdout: Any,
-                 process_group: int | None) -> None:
-        self.args, self.returncode = list(cmd), None
-        self._pipe: int | None = None
-        self._chunks: list[bytes] = []
-        if stdout is subprocess.PIPE:
-            self._pipe, write = os.pipe()
-        else:
-            write = stdout.fileno()
-        request = {"argv": self.args, "cwd": str(cwd), "env": env, "process_group": process_group}
-        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self._conn.connect(socket_path)
-            socket.send_fds(self._conn, [json.dumps(request).encode() + b"\n"], [write, write])
-        finally:
-            if self._pipe is not None:
-                os.close(write)
-        self._received = b""
-        self.pid = int(self._line().split()[1])  # "pid <pid>"
-        self._reader: threading.Thread | None = None
-        if self._pipe is not None:
-            self._reader = threading.Thread(target=self._read_pipe, daemon=True)
-            self._reader.start()
-
-    def _read_pipe(self) -> None:
-        assert self._pipe is not None
-        while chunk := os.read(self._pipe, 1 << 16):
-            self._chunks.append(chunk)
-        os.close(self._pipe)
-
-    def _line(self) -> str:
-        """The next line from the zygote's waiter ("" if it closed the connection)."""
-        while b"\n" not in self._received:
-            chunk = self._conn.recv(4096)
-            if not chunk:
-                return ""
-            self._received += chunk
-        line, self._received = self._received.split(b"\n", 1)
-        return line.decode()
-
-    def _ready(self, timeout: float | None) -> bool:
-        return b"\n" in self._received or bool(select.select([self._conn], [], [], timeout)[0])
-
-    def poll(self) -> int | None:
-        if self.returncode is None and self._ready(0):
-            self._finish()
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            if timeout is not None and not self._ready(timeout):
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            self._finish()
-        assert self.returncode is not None
-        return self.returncode
-
-    def _finish(self) -> None:
-        line = self._line().split()  # "status <raw wait status> <CPU seconds>"; [] if the waiter was killed
-        self.returncode = os.waitstatus_to_exitcode(int(line[1])) if line else -signal.SIGKILL
-        FORKED_CPU_SECONDS[0] += float(line[2]) if line else 0.0
-        self._conn.close()
-
-    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
-        """Output until every holder of the pipe has closed it, as :meth:`subprocess.Popen.communicate`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self._reader is not None:
-            self._reader.join(timeout)
-            if self._reader.is_alive():
-                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        text = b"".join(self._chunks).decode(errors="replace")  # newlines as Popen's text mode reads them
-        return text.replace("\r\n", "\n").replace("\r", "\n"), None
+    try:
+        server = PreloadServer.start(launch_env(), REPO, ZYGOTE_MODULES)
+    except RuntimeError as err:
+        raise RuntimeError(f"the test zygote did not start ({err}); TEST_ZYGOTE=0 skips it") from None
+    _ZYGOTE[:] = [server]
+    return server
 
 
 def run_process(
@@ -240,7 +136,7 @@ def run_ranks(
     if nprocs < 1:
         raise ValueError(f"nprocs={nprocs}: expected at least 1 process")
     base = dict(env) if env is not None else launch_env()
-    procs: list[subprocess.Popen[str] | ForkedProcess] = []
+    procs: list[subprocess.Popen[str] | PreloadedProcess] = []
     failure = ""
     with tempfile.TemporaryFile("w+") as log:
         try:

@@ -1,5 +1,6 @@
-"""The test zygote stands in for a fresh interpreter: argv, ``__main__``, environment, directory, process
-group, output and exit status are those of ``python script.py`` / ``python -m module``."""
+"""The test zygote (the product's preload server, :mod:`lightning_bamboo.control.preload`, with the tests'
+modules) stands in for a fresh interpreter: argv, ``__main__``, environment, directory, process group, output
+and exit status are those of ``python script.py`` / ``python -m module``."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.process import ForkedProcess, launch_env, start
-from tests.zygote import stands_in_for
+from lightning_bamboo.control.preload import PreloadedProcess, stands_in_for
+from tests.process import launch_env, start
 
 PROBE = """
 import json, os, signal, sys
@@ -28,7 +29,7 @@ sys.exit(int(sys.argv[-1]))
 """
 
 
-def run(cmd: list[str], cwd: Path) -> tuple[subprocess.Popen[str] | ForkedProcess, dict, str]:
+def run(cmd: list[str], cwd: Path) -> tuple[subprocess.Popen[str] | PreloadedProcess, dict, str]:
     proc = start(cmd, cwd, launch_env({"PROBE": "yes"}), subprocess.PIPE, process_group=None)
     out, _ = proc.communicate(timeout=120)
     first, _, rest = out.partition("\n")
@@ -40,14 +41,14 @@ def run(cmd: list[str], cwd: Path) -> tuple[subprocess.Popen[str] | ForkedProces
 def test_forked_script_and_module_behave_as_fresh_interpreters(tmp_path: Path) -> None:
     (tmp_path / "probe.py").write_text(PROBE)
     proc, seen, rest = run([sys.executable, str(tmp_path / "probe.py"), "a", "3"], cwd=tmp_path.parent)
-    assert isinstance(proc, ForkedProcess) and proc.returncode == 3
+    assert isinstance(proc, PreloadedProcess) and proc.returncode == 3
     assert seen == {"argv": [str(tmp_path / "probe.py"), "a", "3"], "name": "__main__", "spec": None,
                     "cwd": str(tmp_path.parent), "probe": "yes", "path0": str(tmp_path), "leader": True,
                     "torch": True}
     assert rest == "to stderr\n"
 
     proc, seen, _ = run([sys.executable, "-m", "probe", "0"], cwd=tmp_path)
-    assert isinstance(proc, ForkedProcess) and proc.returncode == 0
+    assert isinstance(proc, PreloadedProcess) and proc.returncode == 0
     assert (seen["argv"], seen["spec"], seen["path0"]) == ([str(tmp_path / "probe.py"), "0"], "probe",
                                                            str(tmp_path))
 
@@ -64,3 +65,6 @@ def test_only_what_a_fork_reproduces_is_forked() -> None:
     assert not stands_in_for(["/usr/bin/python3", "train.py"], env, env)
     assert not stands_in_for([sys.executable, "train.py"], {**env, "OMP_NUM_THREADS": "7"}, env)
     assert not stands_in_for([sys.executable, "train.py"], {**env, "PYTHONPATH": "/elsewhere"}, env)
+    assert not stands_in_for([sys.executable, "train.py"], {**env, "PYTHONIOENCODING": "latin-1"}, env)
+    assert not stands_in_for([sys.executable, "train.py"], {**env, "MKL_NUM_THREADS": "3"}, env)
+    assert stands_in_for([sys.executable, "train.py"], {**env, "BAMBOO_MEMBER": "4", "MASTER_PORT": "1"}, env)

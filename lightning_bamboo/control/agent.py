@@ -113,6 +113,7 @@ class Agent:
         node_lease: seconds without a lease renewal after which a machine is lost.
         zone: a coarser failure domain (machines of one zone can be lost together).
         rdzv_last_call: seconds to wait for more machines once ``min_nodes`` registered.
+        preload: fork the workers from a preload server (:mod:`lightning_bamboo.control.preload`).
     """
 
     def __init__(
@@ -132,6 +133,7 @@ class Agent:
         stop_timeout: float = 30.0,
         poll: float = 0.1,
         log=print,
+        preload: bool = True,
     ) -> None:
         if nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
@@ -154,7 +156,8 @@ class Agent:
         self.log = log
         request_s = max(node_lease / 3, 0.5)  # a cut-off store answers nothing: notice within the lease
         self.store = ms.connect(store_url, job, request_timeout=max(request_s, 2.0))
-        self.local = LocalWorkers(command, self.store, hang_timeout, log, workers_on_machine=nproc_per_node)
+        self.local = LocalWorkers(command, self.store, hang_timeout, log, workers_on_machine=nproc_per_node,
+                                  preload=preload)
         endpoint = urlparse(store_url)
         self.liveness = mc.Liveness((endpoint.hostname or "127.0.0.1", endpoint.port or 0))
         self.machine = mc.register(

@@ -67,6 +67,7 @@ class Supervisor(Coordinator):
         log=print,
         replace_delay: float = 0.0,
         stop_timeout: float = 30.0,
+        preload: bool = True,
     ) -> None:
         if nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {nproc}")
@@ -91,7 +92,8 @@ class Supervisor(Coordinator):
             store_url = f"tcp://127.0.0.1:{self._server.port}"
         self.store_url = store_url
         super().__init__(ms.connect(store_url, self.job), log)
-        self.local = LocalWorkers(command, self.store, hang_timeout, log, workers_on_machine=nproc)
+        self.local = LocalWorkers(command, self.store, hang_timeout, log, workers_on_machine=nproc,
+                                  preload=preload)
         self.next_member = 0
         self._due: list[float] = []  # when the next replacements start
         self.returncode: int | None = None

@@ -4,7 +4,9 @@ Used by the one-machine :class:`~lightning_bamboo.control.supervisor.Supervisor`
 (:mod:`lightning_bamboo.control.agent`); neither decides membership here (that is
 :class:`~lightning_bamboo.control.coordinator.Coordinator`'s job). A worker that exits non-zero (SIGKILL
 included) is lost; a worker whose heartbeat (``hb/{member}`` in the store) stops for ``hang_timeout`` seconds
-(SIGSTOP, a deadlock) is SIGKILLed by PID and lost.
+(SIGSTOP, a deadlock) is SIGKILLed by PID and lost. Workers are forked from a preload server that has imported
+torch and Lightning once (:mod:`lightning_bamboo.control.preload`) unless ``preload=False`` or
+``BAMBOO_PRELOAD=0``; each is exactly what ``python train.py`` would be, in its own session.
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from lightning_bamboo.control import store as ms
+from lightning_bamboo.control.preload import PreloadedProcess, Preloader
+
+PRELOAD_ENV = "BAMBOO_PRELOAD"
+"""``BAMBOO_PRELOAD=0``: start every worker as a fresh interpreter (as ``--no-preload`` does)."""
 
 
 @dataclass
 class _Worker:
     member: int
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | PreloadedProcess
     local_rank: int = 0
     last_beat: int = -1
     beat_seen_at: float = field(default_factory=time.monotonic)
@@ -54,7 +60,9 @@ def thread_env(workers_on_machine: int) -> dict[str, str]:
 
 class LocalWorkers:
     """The worker processes of this machine, by member id (each in its own session); ``workers_on_machine``
-    of them at a time share its cores (:func:`thread_env`)."""
+    of them at a time share its cores (:func:`thread_env`). ``preload``: fork them from a preload server
+    (started with the environment the workers get, less their own variables, so that they qualify)
+    unless ``BAMBOO_PRELOAD=0``."""
 
     def __init__(
         self,
@@ -63,12 +71,16 @@ class LocalWorkers:
         hang_timeout: float,
         log=print,
         workers_on_machine: int = 1,
+        preload: bool = True,
     ) -> None:
         self.command = command
         self.store = store
         self.hang_timeout = hang_timeout
         self.log = log
         self.threads = thread_env(workers_on_machine)
+        self.preloader: Preloader | None = None
+        if preload and os.environ.get(PRELOAD_ENV, "1") != "0":
+            self.preloader = Preloader({**os.environ, **self.threads}, log)
         self.workers: dict[int, _Worker] = {}
         self.hung: list[int] = []
         """Members SIGKILLed for a silent heartbeat, in order (the supervisor's record of the job)."""
@@ -81,7 +93,10 @@ class LocalWorkers:
             taken = {w.local_rank for w in self.workers.values() if w.proc.poll() is None}
             local_rank = min(set(range(len(taken) + 1)) - taken)
             env = {**os.environ, **self.threads, **env, ms.ENV_LOCAL_RANK: str(local_rank)}
-            proc = subprocess.Popen(self.command, env=env, start_new_session=True)
+            if self.preloader is not None:
+                proc = self.preloader.start(self.command, env)
+            else:
+                proc = subprocess.Popen(self.command, env=env, start_new_session=True)
             self.workers[member] = _Worker(member, proc, local_rank)
         threads = f" with OMP_NUM_THREADS={self.threads['OMP_NUM_THREADS']}" if self.threads else ""
         self.log(f"[bamboo.launch] started member {member} (pid {proc.pid}){threads}", flush=True)
