@@ -267,9 +267,8 @@ def _load_tensors(path: Path, keys: list[str], no_dist: bool) -> dict[str, Tenso
 TIED_KEY = "bamboo_tied_parameters"
 """Checkpoint entry (``meta.pt``): ``later use's name -> first use's name`` of every tied parameter
 (:func:`lightning_bamboo.pipeline.ties.aliases`). Bamboo saves every use's copy (and its optimizer state)
-under
-the
-use's own name; :func:`consolidate_checkpoint` keeps the first use's, as the single-process model holds it."""
+under the use's own name; :func:`consolidate_checkpoint` keeps the first use's, as the single-process
+model holds it."""
 
 
 def _saved_optimizer_state(

@@ -35,10 +35,8 @@ loss of the step is broadcast from the last stage to every rank of the pipeline.
 Random numbers (dropout): in each ``F`` and ``FR`` of a training step, every layer draws from generators
 keyed by (seed, step, global micro-batch, the layer's index in the body), restored afterwards
 (:mod:`lightning_bamboo.pipeline.keyed_rng`), so an ``FR`` equals its successor's ``F`` bit for bit with
-dropout
-on,
-and a step re-run after a failover, on a member that now runs several original stages fused, or on fewer
-or more pipelines, draws what the uninterrupted run drew. The engine's micro-batch ``i`` is global
+dropout on, and a step re-run after a failover, on a member that now runs several original stages fused,
+or on fewer or more pipelines, draws what the uninterrupted run drew. The engine's micro-batch ``i`` is global
 micro-batch ``first_microbatch + i``.
 
 The engine reads its place in the layout from a :class:`~lightning_bamboo.layout.view.PipelineView` (a

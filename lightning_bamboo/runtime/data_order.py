@@ -1,9 +1,9 @@
 """The training data in the order the user's ``DataLoader`` gives it under ``strategy="auto"``.
 
 Why this module: every Bamboo member loads the global batch and rank 0's is broadcast
-(:mod:`lightning_bamboo.step.broadcast`), so the members' loaders must agree on one order, and a member that
-takes
-over as rank 0 mid-epoch must continue it. Two things stood in the way of that order being the user's:
+(:mod:`lightning_bamboo.step.broadcast`), so the members' loaders must agree on one order, and a member
+that takes over as rank 0 mid-epoch must continue it. Two things stood in the way of that order being the
+user's:
 
 * With Lightning's default ``use_distributed_sampler=True``, Lightning replaces a distributed strategy's
   training sampler by a ``DistributedSampler`` that always shuffles (seeded by ``seed_everything``), whatever

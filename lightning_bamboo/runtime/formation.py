@@ -327,8 +327,7 @@ class Formation:
     def user_optimizer(self, module: pl.LightningModule, body: nn.Module) -> Optimizer:
         """The user's optimizer over ``body`` (``configure_optimizers`` while the seam presents ``body``'s
         layers, :meth:`~lightning_bamboo._lightning.seam.StageBody.presenting`): its param groups,
-        hyper-parameters and
-        which parameter goes in which group are the user's own."""
+        hyper-parameters and which parameter goes in which group are the user's own."""
         assert self.seam is not None
         with self.seam.presenting(body):
             optimizers, _ = _private.init_optimizers(module)

@@ -1,6 +1,5 @@
 """The private Lightning and torch names the runtime relies on (``lightning_bamboo._lightning.private``) still
-exist and
-behave as it expects: a version that changes one fails here, not inside a failover."""
+exist and behave as it expects: a version that changes one fails here, not inside a failover."""
 
 from __future__ import annotations
 

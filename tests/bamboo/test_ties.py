@@ -1,7 +1,5 @@
 """Tied weights across layers (:mod:`lightning_bamboo.pipeline.ties`), in one process: which uses are found,
-the
-body
-untied into one copy per use, and a member's sum over the uses it holds. The multi-process exactness
+the body untied into one copy per use, and a member's sum over the uses it holds. The multi-process exactness
 against ``strategy="auto"`` is in ``test_elastic_user_model.py`` (and rejoin, fallback, checkpoints)."""
 
 from __future__ import annotations
