@@ -26,8 +26,7 @@ import json, os, sys, time
 import __main__
 with open(sys.argv[1] + ".tmp", "w") as f:
     json.dump({"argv": sys.argv, "name": __name__, "spec": getattr(__main__.__spec__, "name", None),
-               "env": {k: v for k, v in os.environ.items()
-                       if k.startswith("BAMBOO_") or k == "OMP_NUM_THREADS"},
+               "env": {k: v for k, v in os.environ.items() if k in sys.argv[3].split(",")},
                "session_leader": os.getsid(0) == os.getpid(), "torch_preloaded": "torch" in sys.modules,
                "bamboo_imported": "lightning_bamboo" in sys.modules,
                "cwd": os.getcwd()}, f)
@@ -38,6 +37,12 @@ sys.exit(int(sys.argv[2]))
 """
 
 
+# the variables a supervisor gives its workers: the probe reports these (the test environment may hold other
+# BAMBOO_* variables, e.g. the services' BAMBOO_TEST_ETCD, which a worker inherits as any variable)
+TOLD = ",".join([ms.ENV_JOINING, ms.ENV_STORE, ms.ENV_JOB, ms.ENV_MEMBER, ms.ENV_NPROC, ms.ENV_LOCAL_RANK,
+                 "OMP_NUM_THREADS"])
+
+
 def _workers(
     tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch, **kwargs: bool
 ) -> tuple[LocalWorkers, Path]:
@@ -45,7 +50,7 @@ def _workers(
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the supervisor's share: cores // workers
     monkeypatch.chdir(tmp_path)
     seen = tmp_path / "seen.json"
-    command = [sys.executable, str(tmp_path / "probe.py"), str(seen), how]
+    command = [sys.executable, str(tmp_path / "probe.py"), str(seen), how, TOLD]
     return LocalWorkers(command, dist.HashStore(), hang_timeout=5.0, workers_on_machine=2, **kwargs), seen
 
 
@@ -69,7 +74,7 @@ def test_a_preloaded_worker_is_the_fresh_interpreter_the_supervisor_would_start(
     assert proc.wait(timeout=120) == 3
     threads = str(max(1, len(os.sched_getaffinity(0)) // 2))
     assert _read(seen) == {
-        "argv": [str(tmp_path / "probe.py"), str(seen), "3"], "name": "__main__", "spec": None,
+        "argv": [str(tmp_path / "probe.py"), str(seen), "3", TOLD], "name": "__main__", "spec": None,
         "env": {ms.ENV_JOINING: "1", ms.ENV_STORE: "tcp://127.0.0.1:1", ms.ENV_JOB: "job1",
                 ms.ENV_MEMBER: "5", ms.ENV_NPROC: "2", ms.ENV_LOCAL_RANK: "0", "OMP_NUM_THREADS": threads},
         # the server imported lightning_bamboo to start; the worker imports it (and registers "bamboo") itself
@@ -117,7 +122,7 @@ def test_a_server_that_cannot_start_falls_back_to_fresh_interpreters(tmp_path: P
     preloader = Preloader(env, log=lambda text, **_: said.append(text),
                           modules=("lightning_bamboo_no_such_module",))
     probe = [sys.executable, str(tmp_path / "probe.py")]
-    procs = [preloader.start([*probe, str(tmp_path / f"{i}.json"), "0"], env) for i in range(2)]
+    procs = [preloader.start([*probe, str(tmp_path / f"{i}.json"), "0", TOLD], env) for i in range(2)]
     assert all(isinstance(p, subprocess.Popen) and p.wait(timeout=120) == 0 for p in procs)
     assert [_read(tmp_path / f"{i}.json")["name"] for i in range(2)] == ["__main__", "__main__"]
     assert len(said) == 1 and preloader.failed  # said once; no second try per worker

@@ -107,7 +107,7 @@ def test_a_stop_inside_a_step_checkpoints_the_previous_steps_batch_end(tmp_path)
     from lightning.pytorch import Callback, Trainer
     from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 
-    from lightning_bamboo import _private
+    from lightning_bamboo._lightning import private as _private
     from lightning_bamboo.checkpoint import stop
 
     seen: dict[str, dict] = {}
