@@ -68,6 +68,21 @@ class BambooCallback(Callback):
                     **info: Any) -> None:
         """Redundancy could not cover a loss (or no failover runtime): training goes back to a checkpoint."""
 
+    def on_step_aborted(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int,
+                        **info: Any) -> None:
+        """Step ``step`` was cut by a lost peer before it committed: nothing of it was applied, and the next
+        generation runs it again (``info["cause"]``: ``"lost"``). Fired on each survivor, then it re-forms."""
+
+    def on_evaluation_rerun(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loop: str,
+                            **info: Any) -> None:
+        """A ``loop`` (``"validation"``/``"test"``) batch was cut by a lost peer; the next generation runs it
+        again (evaluation changes no state). Fired on every survivor, before it re-forms."""
+
+    def on_job_stop(self, trainer: pl.Trainer, pl_module: pl.LightningModule, member: int, step: int,
+                    **info: Any) -> None:
+        """The supervisor stops the job (it got SIGTERM, or a worker failed): member ``member`` leaves after
+        the committed step ``step``, its stop checkpoint written; ``fit`` then ends as on SIGTERM."""
+
 
 _PROG_BAR = ("bamboo/preemptions", "bamboo/failovers", "bamboo/pipeline_length")
 
@@ -192,6 +207,21 @@ class BambooEventLog(BambooCallback):
     def on_fallback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint_path: str,
                     **info: Any) -> None:
         self._write(trainer, "on_fallback", {"checkpoint_path": checkpoint_path, **info})
+
+    @override
+    def on_step_aborted(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int,
+                        **info: Any) -> None:
+        self._write(trainer, "on_step_aborted", {"step": step, **info})
+
+    @override
+    def on_evaluation_rerun(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loop: str,
+                            **info: Any) -> None:
+        self._write(trainer, "on_evaluation_rerun", {"loop": loop, **info})
+
+    @override
+    def on_job_stop(self, trainer: pl.Trainer, pl_module: pl.LightningModule, member: int, step: int,
+                    **info: Any) -> None:
+        self._write(trainer, "on_job_stop", {"member": member, "step": step, **info})
 
 
 def _plain(value: Any) -> Any:

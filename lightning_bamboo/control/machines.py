@@ -33,6 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -125,6 +126,23 @@ def members_of(store: dist.Store, index: int) -> list[int]:
 
 def is_dead(store: dist.Store, index: int) -> bool:
     return store.check([f"node/{index}/dead"])
+
+
+LOSS_HOW = ("lease", "refused")
+"""How a coordinator finds a machine lost: its lease not renewed, or its agent refusing connections."""
+
+
+def mark_dead(store: dist.Store, index: int, by: int, how: str) -> None:
+    """Count machine ``index`` lost, found by the coordinator on machine ``by`` (``how``: see LOSS_HOW)."""
+    if how not in LOSS_HOW:
+        raise ValueError(f"how must be one of {LOSS_HOW}, got {how!r}")
+    store.set(f"node/{index}/dead", json.dumps({"by": by, "how": how}))
+
+
+def loss_of(store: dist.Store, index: int) -> dict[str, Any] | None:
+    """Who found machine ``index`` lost and how (:func:`mark_dead`), or ``None`` while it is not."""
+    key = f"node/{index}/dead"
+    return json.loads(ms.get_str(store, key)) if store.check([key]) else None
 
 
 @dataclass(frozen=True)

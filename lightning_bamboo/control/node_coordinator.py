@@ -245,7 +245,7 @@ class CoordinatorRole:
                 if marked:
                     self.say(f"machine {machine} was counted lost before; its members {members}")
                 else:
-                    self.store.set(f"node/{machine}/dead", "1")
+                    mc.mark_dead(self.store, machine, by=self.machine, how="lease" if expired else "refused")
                     why = (f"lease not renewed for {self.peers.leases.silent_for(machine):.1f}s" if expired
                            else "its agent refuses connections (its processes are gone)")
                     self.say(f"machine {machine} lost: {why}; its members {members}")

@@ -28,6 +28,9 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "on_rejoin": ("old_map", "new_map"),
     "on_fallback": ("checkpoint_path",),
     "on_step_phase": ("phase", "step", "member"),
+    "on_step_aborted": ("step",),
+    "on_evaluation_rerun": ("loop",),
+    "on_job_stop": ("member", "step"),
 }
 """Event name -> its required payload keys (see ``lightning_bamboo.callbacks.BambooCallback``)."""
 
@@ -104,6 +107,11 @@ class Events:
         if trainer is None:
             raise RuntimeError(f"cannot emit {name!r}: the strategy has no LightningModule attached")
         return fire(trainer, name, **payload)
+
+    def announce(self, name: str, message: str, **payload: Any) -> int:
+        """Warn the user with ``message`` and fire ``name``: the same fact, once read, once as data."""
+        log.warning(message)
+        return self.emit(name, **payload)
 
     def phase(self, phase: str, step: int, member: int, **payload: Any) -> None:
         """``on_step_phase`` at a point of the two-phase step (:data:`OPTIONAL` lists the phases); tests and

@@ -192,6 +192,7 @@ class Fallback:
         self._write_stop_checkpoint(member, store, is_global_zero, self._gen.stage_index, timeout)
         print(f"[bamboo] member {member}: the job is stopping; leaving after step {self._session.step} "
               f"(generation {owners.generation})", flush=True)
+        self._events.emit("on_job_stop", member=member, step=self._session.step)
         raise SIGTERMException(128 + signal.SIGTERM)
 
     def _write_stop_checkpoint(

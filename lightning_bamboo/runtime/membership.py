@@ -204,8 +204,8 @@ class Membership:
         step's earlier batches again), and let the caller run the batch in flight again."""
         self._session.undo()
         self.stop_if_asked()
-        log.warning("Bamboo: step %d aborted by a lost peer; replaying it on the next generation",
-                    self._session.step)
+        self._events.announce("on_step_aborted", f"Bamboo: step {self._session.step} aborted by a lost peer; "
+                              "replaying it on the next generation", step=self._session.step, cause="lost")
         self.next_generation(since=since)
 
     def generation_ended(self, err: BaseException) -> bool:

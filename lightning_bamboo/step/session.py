@@ -16,7 +16,6 @@ Lightning it needs the trainer and the precision plugin, passed as callables.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable
@@ -44,7 +43,6 @@ if TYPE_CHECKING:
     from lightning_bamboo.runtime.formation import Formation
     from lightning_bamboo.runtime.generation import Generation
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 _COMMITTED = (COMMIT, COMMIT_JOIN)
 
@@ -166,9 +164,8 @@ class StepSession:
         runtime.committed(outcome, lost_since)
         return output
 
-    def evaluate(
-        self, args: tuple, kwargs: dict[str, Any], context: Any, what: str
-    ) -> tuple[Tensor, tuple, dict]:
+    def evaluate(self, args: tuple, kwargs: dict[str, Any], context: Any,
+                 what: str) -> tuple[Tensor, tuple, dict]:
         """A validation/test batch forward through the pipeline: the loss and the agreed hook arguments. A
         peer lost mid-batch: the next generation, and the batch again (evaluation changes no state)."""
         runtime, agreed = self.runtime, []
@@ -184,7 +181,8 @@ class StepSession:
 
         def lost(err: BaseException, since: float) -> None:
             runtime.stop_if_asked()
-            log.warning("Bamboo: %s batch interrupted by a lost peer; re-running it", what)
+            self._events.announce("on_evaluation_rerun", f"Bamboo: {what} batch interrupted by a lost peer; "
+                                  "re-running it", loop=what, step=self.step)
             runtime.reform_during_evaluation(since)
 
         loss = self.retrying(attempt, lost)

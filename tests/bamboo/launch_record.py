@@ -96,7 +96,7 @@ def wait_record(path: Path, until: Callable[[Record], bool], alive: Callable[[],
 
 def worker_events(out: Path, member: int, event: str | None = None) -> list[dict[str, Any]]:
     """The Bamboo events member ``member`` logged (``train_elastic.py --events``: ``BambooEventLog``), all or
-    those named ``event``."""
+    those named ``event``; none when it logged none (the log's file is made by the first event)."""
     path = out / "events" / f"events-member{member}.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines()]
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     return [r for r in records if event is None or r["event"] == event]

@@ -27,7 +27,7 @@ REPLAY = re.compile(
     r"rc_overhead \d+\.\d{3} \(\d+\.\d{3} without the replica update\)"
 )
 SPEEDUP = re.compile(r"pipeline speed-up \(a\)/\(c\) \d+\.\d\d, ideal S\*M/\(M\+S-1\) 1\.60")
-ROW = re.compile(r"^\((?P<part>[abcd])\) .*?\s(?P<sec>\d+\.\d+)\s+(?P<first>\d+\.\d+)\s+(?P<last>\d+\.\d+)$")
+ROW = re.compile(r"^\((?P<part>[abcde])\) .*?\s(?P<sec>\d+\.\d+)\s+(?P<first>\d+\.\d+)\s+(?P<last>\d+\.\d+)$")
 
 
 def run_script(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -57,13 +57,14 @@ def test_benchmark_runs_all_parts_and_prints_the_summary_line() -> None:
     assert sum(line.startswith("CPU ms per action, ") for line in lines) == 4, lines
     assert len([line for line in lines if REPLAY.fullmatch(line)]) == 1, lines
     assert re.fullmatch(r"rc_overhead=\d+\.\d\d vs_torch_1f1b=\d+\.\d\d", lines[-1]), lines[-1]
+    assert re.fullmatch(r"replica_only_overhead=\d+\.\d\d", lines[-2]), lines[-2]
     rows = {m["part"]: m for m in map(ROW.match, lines) if m}
-    assert sorted(rows) == ["a", "b", "c", "d"], result.stdout
-    # Same initial weights and batch: the first step's loss is the same in all four parts ...
-    firsts = [float(rows[p]["first"]) for p in "abcd"]
+    assert sorted(rows) == ["a", "b", "c", "d", "e"], result.stdout
+    # Same initial weights and batch: the first step's loss is the same in all five parts ...
+    firsts = [float(rows[p]["first"]) for p in "abcde"]
     assert max(firsts) - min(firsts) < 1e-3, firsts
     # ... and the same gradients through the same AdamW keep them together after 3 steps.
-    lasts = [float(rows[p]["last"]) for p in "abcd"]
+    lasts = [float(rows[p]["last"]) for p in "abcde"]
     assert max(lasts) - min(lasts) < 1e-3, lasts
     assert lasts[0] < firsts[0]
     check_timelines(lines)

@@ -81,6 +81,15 @@ def test_reports_are_read_once_each_in_order() -> None:
     assert reader.new(wait=0.1) == [{"machine": 2, "member": 5, "code": 1}]
 
 
+def test_a_lost_machine_records_who_found_it_and_how() -> None:
+    store = dist.HashStore()
+    assert not mc.is_dead(store, 1) and mc.loss_of(store, 1) is None
+    mc.mark_dead(store, 1, by=0, how="refused")
+    assert mc.is_dead(store, 1) and mc.loss_of(store, 1) == {"by": 0, "how": "refused"}
+    with pytest.raises(ValueError, match=r"how must be one of \('lease', 'refused'\), got 'timeout'"):
+        mc.mark_dead(store, 2, by=0, how="timeout")
+
+
 AGENT = ["--nproc-per-node", "1", "--job-id", "j"]
 
 
