@@ -1,20 +1,23 @@
 """What Bamboo's redundancy costs, and how its pipeline compares with PyTorch's own 1F1B.
 
-One run times an optimizer step of the same GPT on the same batch four ways:
+One run times an optimizer step of the same GPT on the same batch five ways:
 
     (a) plain       one process, gradient accumulation over the same micro-batches
     (b) torch_1f1b  torch.distributed.pipelining.Schedule1F1B over the same stages
     (c) bamboo      the Bamboo pipeline engine, redundancy off
     (d) bamboo_rc   the Bamboo pipeline engine, redundant computation on
+    (e) bamboo_replica  the replica kept current (its update every step) without the FR forwards: what
+                    ``BambooStrategy.set_forward_redundancy(False)`` runs, the failover then replays the step
 
     python benchmarks/bamboo_overhead.py                      # 2 stages, one process per stage
     python benchmarks/bamboo_overhead.py --stages 2 --microbatches 8 --steps 20
 
-(a) runs in this process; (b)-(d) run in one set of worker processes, one per stage (this file re-run
-with ``--worker``; gloo; one thread each), interleaved step by step so that all three see the same
+(a) runs in this process; (b)-(e) run in one set of worker processes, one per stage (this file re-run
+with ``--worker``; gloo; one thread each), interleaved step by step so that all four see the same
 machine load. Every step is bracketed by barriers so all ranks time the same interval, fill and drain
 included; the figure is the median over ``--steps`` steps after ``--warmup`` steps. Workers report JSON
-through a file. The last line printed is ``rc_overhead=<(d)/(c)> vs_torch_1f1b=<(c)/(b)>``.
+through a file. The line before the last is ``replica_only_overhead=<(e)/(c)>``; the last line printed is
+``rc_overhead=<(d)/(c)> vs_torch_1f1b=<(c)/(b)>``.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ except ImportError:  # run as a script: its own directory is first on sys.path
 
 ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "loop")
 """``--adamw`` choices: PyTorch's AdamW implementations (``fused=True``, ``foreach=True``, the for-loop)."""
-MODES = ("plain", "torch_1f1b", "bamboo", "bamboo_rc")
+MODES = ("plain", "torch_1f1b", "bamboo", "bamboo_rc", "bamboo_replica")
 StepFn = Callable[[], float | None]
 """One optimizer step; returns the step's mean loss where this process knows it."""
 
@@ -72,6 +75,7 @@ LABELS = {
     "torch_1f1b": "(b) torch.distributed.pipelining 1F1B",
     "bamboo": "(c) bamboo, redundancy off",
     "bamboo_rc": "(d) bamboo, redundancy on",
+    "bamboo_replica": "(e) bamboo, replica update, no FR",
 }
 
 
@@ -302,7 +306,8 @@ class TimedReplicaSync(ReplicaSync):
 
 
 def bamboo_step(
-    args: argparse.Namespace, groups: PipelineView, redundancy: bool, replica_seconds: list[float]
+    args: argparse.Namespace, groups: PipelineView, redundancy: bool, replica_seconds: list[float],
+    forward_redundancy: bool = True,
 ) -> tuple[StepFn, PipelineEngine, TimedReplicaSync | None]:
     """Bamboo's ``PipelineEngine`` over the same stages, driven as ``BambooStrategy`` drives it.
 
@@ -311,7 +316,8 @@ def bamboo_step(
     predecessor, which applies them to its replica with its own AdamW (when the replica is next used, at
     the first ``FR`` of the next step); ``replica_seconds`` gets one entry per step: posting that exchange
     plus applying the previous one. Both are the per-step price of being able to take over a preempted
-    successor.
+    successor. ``forward_redundancy=False`` keeps the replica and its update but no ``FR``: the update is
+    then applied when the next one is posted (in the step's tail), as the strategy does with ``FR`` off.
     """
     device = torch.device("cpu")
     layout = plan_layout(args, dist.get_world_size())
@@ -320,7 +326,8 @@ def bamboo_step(
     schedule = build_1f1b(layout.num_stages, args.microbatches)
     replica, sync = None, None
     if redundancy:
-        schedule = add_forward_redundancy(schedule, layout.num_stages, args.microbatches)
+        if forward_redundancy:
+            schedule = add_forward_redundancy(schedule, layout.num_stages, args.microbatches)
         replica = stage_module(args, layout.stage_layers[layout.successor(groups.position)])
         replica_optimizer = make_optimizer(list(replica.parameters()), args)  # the successor's settings
         sync = TimedReplicaSync(stage, replica, replica_optimizer, groups, device, seconds=replica_seconds)
@@ -366,8 +373,12 @@ def worker_main(args: argparse.Namespace) -> None:
         bamboo_rc, engine_rc, sync = bamboo_step(
             args, groups, redundancy=True, replica_seconds=replica_seconds
         )
+        bamboo_replica, _, sync_only = bamboo_step(
+            args, groups, redundancy=True, replica_seconds=[], forward_redundancy=False
+        )
         torch_1f1b = torch_1f1b_step(args, rank, world_size)
-        steps = {"torch_1f1b": torch_1f1b, "bamboo": bamboo, "bamboo_rc": bamboo_rc}
+        steps = {"torch_1f1b": torch_1f1b, "bamboo": bamboo, "bamboo_rc": bamboo_rc,
+                 "bamboo_replica": bamboo_replica}
         results = time_interleaved(steps, args)
         assert sync is not None
         if args.trace:
@@ -380,6 +391,8 @@ def worker_main(args: argparse.Namespace) -> None:
             parts = {"bamboo": (bamboo, engine, None), "bamboo_rc": (bamboo_rc, engine_rc, sync)}
             results["cpu_profile"] = cpu_profile(parts, args)  # type: ignore[assignment]
         sync.flush()  # the last step's exchange, before the process group goes
+        assert sync_only is not None
+        sync_only.flush()
         results["bamboo_rc"]["replica_update_seconds"] = replica_seconds[args.warmup :]
         for result in results.values():
             for key in ("step_seconds", "replica_update_seconds"):
@@ -588,6 +601,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"CPU-time replay ({args.cpu_profile} steps, a free core per rank, free transfers): (c) "
               f"{1e3 * plain_s:.1f} ms, (d) {1e3 * rc_s:.1f} ms, rc_overhead {rc_s / plain_s:.3f} "
               f"({bare_s / plain_s:.3f} without the replica update)")
+    print(f"replica_only_overhead={medians['bamboo_replica'] / medians['bamboo']:.2f}")
     rc_overhead = medians["bamboo_rc"] / medians["bamboo"]
     vs_torch = medians["bamboo"] / medians["torch_1f1b"]
     print(f"rc_overhead={rc_overhead:.2f} vs_torch_1f1b={vs_torch:.2f}")
