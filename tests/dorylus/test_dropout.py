@@ -155,9 +155,9 @@ def test_model_keys_fold_seed_epoch_and_site(model_cls: type) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_row_source_remakes_its_rows_bit_for_bit(sparse: bool, dtype: torch.dtype,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """A first layer keeps 1 bit per entry of its dropped-out rows, not the rows: the backward's remade rows
-    are the forward's bit for bit (-0, inf, nan included), without hashing again for dense features; into a
-    reused buffer when given one."""
+    """A first layer keeps 1 bit per entry of its dropped-out rows (1 byte per nonzero of sparse features),
+    not the rows: the backward's remade rows are the forward's bit for bit (-0, inf, nan included), without
+    hashing again; into a reused buffer when given one."""
     monkeypatch.setattr(D, "CHUNK_ENTRIES", 64)  # several chunks per interval
     [part] = _partitions(1, sparse)
     part.x = part.x.to(dtype)
@@ -169,8 +169,9 @@ def test_row_source_remakes_its_rows_bit_for_bit(sparse: bool, dtype: torch.dtyp
     made = [source.rows(a, b) for a, b in spans]
     with pytest.raises(ValueError, match=r"out has shape \(2, 30\)"):
         source.rows(0, 3, torch.empty(2, 30, dtype=dtype))
-    if not sparse:  # no hash in the backward: the kept bits make the rows
-        monkeypatch.setattr(D, "_grid_keep", lambda *args: pytest.fail("remake hashed again"))
+    # no hash in the backward: the kept bits (dense) or the kept nonzeros (sparse) make the rows
+    monkeypatch.setattr(D, "_grid_keep", lambda *args: pytest.fail("remake hashed again"))
+    monkeypatch.setattr(D, "entry_hashes", lambda *args: pytest.fail("remake hashed again"))
     for (a, b), rows in zip(spans, made):
         buffer = torch.full((b - a, part.x.shape[1]), 7.0, dtype=dtype)
         for again in (source.remake(a, b), source.remake(a, b, buffer)):
