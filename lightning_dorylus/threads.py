@@ -12,10 +12,11 @@ run time, through ``threadpoolctl`` (every BLAS/OpenMP library loaded in the pro
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import torch
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController, threadpool_limits
 
 # Per-library variables: a user who sets one has chosen that library's threads; it is then left alone.
 BLAS_ENV_VARS = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
@@ -99,3 +100,45 @@ def limit_server_threads(num_threads: int | None, local_servers: int) -> int:
     if not user_set_blas:
         threadpool_limits(limits=threads, user_api="blas")
     return threads
+
+
+
+class OneBlasThread:
+    """A context in which numpy's BLAS runs one thread: around the numpy handlers that run in this process
+    (the ``inline`` executor; the package's layers under ``strategy="auto"``).
+
+    Why: those handlers run between this process's own torch work. numpy's OpenBLAS and torch's OpenMP pool
+    then both keep threads spinning on the same cores after their calls, and each takes the cores the other
+    needs. Quiet 2-core machine: Cora, GCN, one graph server, 100 epochs: 14.6-15.0 s before, 4.8-6.5 s
+    with this; under ``strategy="auto"`` 0.112-0.147 s/epoch before, 0.028 with this, as with every pool at
+    one thread (``benchmarks/dorylus_auto_threads.py``). Scoped, not process-wide: the
+    user's own numpy keeps its threads. Contexts may nest and overlap across threads (an inline pool): the
+    first one in sets 1, the last one out restores the count. A user who set a BLAS variable
+    (:data:`BLAS_ENV_VARS`) chose the count: nothing is changed then. Local-pool and Lambda workers run their
+    handlers in processes of their own and are not concerned.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._restore: Any = None
+        self._controller: Any = None
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self._depth += 1
+            if self._depth == 1 and not any(os.environ.get(var, "").strip() for var in BLAS_ENV_VARS):
+                if self._controller is None:  # inspecting the loaded libraries is slow: once per process
+                    self._controller = ThreadpoolController()
+                self._restore = self._controller.limit(limits=1, user_api="blas")
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0 and self._restore is not None:
+                self._restore.restore_original_limits()
+                self._restore = None
+
+
+one_blas_thread = OneBlasThread()
+"""The process's :class:`OneBlasThread` (one per process: its counter spans every inline executor)."""

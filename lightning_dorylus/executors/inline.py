@@ -12,6 +12,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from ..ops.handlers import run_op
+from ..threads import one_blas_thread
 from .base import ExecutorError, TensorOpExecutor, TensorOpRequest, to_tensors
 
 
@@ -51,7 +52,8 @@ class InlineExecutor(TensorOpExecutor):
 
     @staticmethod
     def _run(request: TensorOpRequest) -> dict[str, Tensor]:
-        return to_tensors(run_op(request.op, request.numpy_inputs(), request.attrs))
+        with one_blas_thread:  # beside this process's torch pool (lightning_dorylus.threads.OneBlasThread)
+            return to_tensors(run_op(request.op, request.numpy_inputs(), request.attrs))
 
     @override
     def close(self) -> None:
