@@ -111,7 +111,8 @@ class OneBlasThread:
     then both keep threads spinning on the same cores after their calls, and each takes the cores the other
     needs. Quiet 2-core machine: Cora, GCN, one graph server, 100 epochs: 14.6-15.0 s before, 4.8-6.5 s
     with this; under ``strategy="auto"`` 0.112-0.147 s/epoch before, 0.028 with this, as with every pool at
-    one thread (``benchmarks/dorylus_auto_threads.py``). Scoped, not process-wide: the
+    one thread (``benchmarks/dorylus_auto_threads.py``); the price, on a 200k-vertex, 128-feature graph on one
+    server: 14.1 s against 12.3 (medians of 4 noisy runs). Scoped, not process-wide: the
     user's own numpy keeps its threads. Contexts may nest and overlap across threads (an inline pool): the
     first one in sets 1, the last one out restores the count. A user who set a BLAS variable
     (:data:`BLAS_ENV_VARS`) chose the count: nothing is changed then. Local-pool and Lambda workers run their
