@@ -26,7 +26,8 @@ fi
 # (at most one launch of training processes at a time; one user of the local services at a time), and the
 # in-process tests (one core) beside them, filling the launches' idle time. Exit status 5 (no test selected,
 # e.g. a file of one kind passed as an argument) counts as success unless both sessions selected nothing.
-# TEST_SPLIT=0 (or a -m selection of the caller's): one session.
+# TEST_SPLIT=0 (or a -m selection of the caller's): one session. Each session lists its slowest tests
+# (--durations): where the suite's time goes, in every CI log.
 split=${TEST_SPLIT:-1}
 for arg in "$@"; do
     if [[ "$arg" == -m* ]]; then split=0; fi  # the caller selects by marker: one session, theirs
@@ -40,10 +41,10 @@ if [[ "$split" == 0 ]]; then
 fi
 inproc_log="$services_dir/inprocess.log"
 set +e
-"$PY" -m pytest -m "not multiprocess and not services" "$@" >"$inproc_log" 2>&1 &
+"$PY" -m pytest -m "not multiprocess and not services" --durations=15 "$@" >"$inproc_log" 2>&1 &
 inproc_pid=$!
 pids+=("$inproc_pid")
-"$PY" -m pytest -m "multiprocess or services" "$@"
+"$PY" -m pytest -m "multiprocess or services" --durations=40 "$@"
 rc_launch=$?
 wait "$inproc_pid"
 rc_inproc=$?
