@@ -95,12 +95,15 @@ def limit_server_threads(num_threads: int | None, local_servers: int) -> int:
     """
     threads = server_threads(num_threads, local_servers)
     torch.set_num_threads(threads)
-    user_set_blas = any(os.environ.get(var, "").strip() for var in BLAS_ENV_VARS)
     threadpool_limits(limits=threads, user_api="openmp")
-    if not user_set_blas:
+    if not user_set_blas():
         threadpool_limits(limits=threads, user_api="blas")
     return threads
 
+
+def user_set_blas() -> bool:
+    """Whether the user chose the BLAS threads (one of :data:`BLAS_ENV_VARS` is set): then left alone."""
+    return any(os.environ.get(var, "").strip() for var in BLAS_ENV_VARS)
 
 
 class OneBlasThread:
@@ -128,7 +131,7 @@ class OneBlasThread:
     def __enter__(self) -> None:
         with self._lock:
             self._depth += 1
-            if self._depth == 1 and not any(os.environ.get(var, "").strip() for var in BLAS_ENV_VARS):
+            if self._depth == 1 and not user_set_blas():
                 if self._controller is None:  # inspecting the loaded libraries is slow: once per process
                     self._controller = ThreadpoolController()
                 self._restore = self._controller.limit(limits=1, user_api="blas")

@@ -300,7 +300,7 @@ class RowSource:
     ever held. Entries are the same as :func:`feature_dropout`'s (each is hashed from its global
     coordinates), whatever the cut. A dense dropout on the CPU records which entries it kept, 1 bit each
     (1/32 of float32 rows), and a sparse one which nonzeros it kept, 1 byte each, so the backward can
-    :meth:`remake` the rows its requests need without hashing (the hash was about a third of a Cora epoch's
+    :meth:`remake` the rows its requests need without hashing (the hash was about a sixth of a Cora epoch's
     server time, half of it spent again in the backward).
     """
 
