@@ -30,12 +30,16 @@ class RowBuffers:
         self._unanswered: Tensor | None = None  # lent, its request not submitted yet
 
     def take(self, source: RowSource, span: tuple[int, ...]) -> Tensor | None:
-        """A buffer for rows ``span`` of ``source`` whose request was answered; ``None``: make a new one."""
+        """A buffer for rows ``span`` of ``source`` whose request was answered; ``None``: make a new one.
+
+        Only a buffer on the features' device: a graph server on a GPU makes its rows there and lends the
+        requests their host copies, which cannot take the next rows (the first CUDA run failed on it).
+        """
         x = source.graph.partition.x
         shape = (span[1] - span[0], *x.shape[1:])
         for k, (buffer, future) in enumerate(self._lent):
             if (future.done() and buffer.shape == shape and buffer.dtype == x.dtype
-                    and not _shares_memory(future, buffer)):
+                    and buffer.device == x.device and not _shares_memory(future, buffer)):
                 del self._lent[k]
                 return buffer
         return None
