@@ -10,7 +10,11 @@ channels in its first layer, one averaged head in its second), ``--servers`` gra
 ``local`` executor (worker processes running the numpy Lambda handler) behind :class:`DelayedExecutor`,
 which adds ``--latency-ms`` (20 ms) of round trip to every request before it reaches a worker, the way an
 AWS Lambda invocation would. The delay is this benchmark's, not the executor's. Concurrent requests are
-not capped (Lambda's 1,000 per region), the executor's workers are (``--executor-workers``).
+not capped (Lambda's 1,000 per region), the executor's workers are (``--executor-workers``; default: the
+worker cores divided among the servers, so every worker core runs one, as concurrent Lambdas would). The
+servers start with ``OMP_WAIT_POLICY=PASSIVE`` (``--omp-wait-policy``): several servers share the server
+cores, and OpenMP threads that spin between a server's many small operations take the cores the other
+servers need (on 16 cores, 2 servers: 3.8 -> 2.4 server CPU-s per epoch; docs/dorylus-benchmark.md).
 
 Where the tensor work runs (the pipeline's premise): on AWS the executors' tensor ops run on Lambda's CPUs,
 not the graph servers'; here the executor workers are processes on the same machine. So by default the
@@ -302,6 +306,8 @@ def launch(
     procs = []
     for rank in range(num_procs):
         env = rank_env(dict(os.environ, PYTHONUNBUFFERED="1"), rank, num_procs, port)
+        if args.omp_wait_policy != "inherit":  # read by OpenMP when the process loads it: set at launch
+            env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
         name = f"{worker}{mode}{cores}{tag}-{rank}"
         result, log = workdir / f"{name}.json", workdir / f"{name}.log"
         command = [sys.executable, str(Path(__file__).resolve()), f"--worker={worker}", f"--result={result}",
@@ -347,12 +353,15 @@ def report(
     results) a configuration's epoch time is the median of its per-round epoch times.
     """
     rounds = rounds or [results]
+    omp_policy = (os.environ.get("OMP_WAIT_POLICY", "unset") if args.omp_wait_policy == "inherit"
+                  else args.omp_wait_policy)
     print(
         f"graph: {graph['nodes']:,} vertices, {graph['edges']:,} directed edges; "
         f"{args.model.upper()}{f' ({args.heads} heads)' if args.model == 'gat' else ''}, "
         f"{args.servers} graph servers, "
         f"{args.executor_workers} executor worker(s) each, {args.latency_ms:g} ms per request, "
-        f"interval size {args.interval_size}; load average {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)"
+        f"interval size {args.interval_size}, OMP_WAIT_POLICY {omp_policy}; "
+        f"load average {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)"
     )
     own = results.get("sync/own", [{}])[0]
     print(f"own cores: graph servers on {own.get('affinity')}, executor workers on "
@@ -459,7 +468,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the 3 configurations N times, interleaved; median per configuration")
     parser.add_argument("--servers", type=int, default=2)
-    parser.add_argument("--executor-workers", type=int, default=1, help="local executor workers per server")
+    parser.add_argument("--executor-workers", type=int, default=0,
+                        help="local executor workers per server (0: worker cores // servers, at least 1)")
     parser.add_argument("--threads-per-server", type=int, default=0, help="default: cores // servers")
     parser.add_argument("--interval-size", type=int, default=8192)
     parser.add_argument("--latency-ms", type=float, default=20.0, help="injected round trip per request")
@@ -467,6 +477,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=str(REPO_ROOT / ".cache" / "dorylus"))
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
+    parser.add_argument("--omp-wait-policy", choices=["passive", "active", "inherit"], default="passive",
+                        help="OMP_WAIT_POLICY of the graph servers (passive: idle OpenMP threads sleep "
+                             "rather than spin, so servers sharing cores do not burn each other's; inherit: "
+                             "this process's environment)")
     parser.add_argument("--profile", action="store_true",
                         help="also print, per configuration and server, the seconds blocked on the executor")
     parser.add_argument("--worker", choices=["prepare", "server"], help=argparse.SUPPRESS)
@@ -490,7 +504,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "epochs",
         "rounds",
         "servers",
-        "executor_workers",
         "interval_size",
     ):
         if getattr(args, name) < 1:
@@ -510,6 +523,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if outside or not getattr(args, name):
             flag = f"--{name.replace('_', '-')}"
             parser.error(f"{flag}={getattr(args, name)}: expected cores among {available}")
+    if args.executor_workers < 0:
+        parser.error(f"--executor-workers must be >= 1 (0: one per worker core and server), got "
+                     f"{args.executor_workers}")
+    if args.executor_workers == 0:  # Lambda's many concurrent functions: every worker core busy
+        args.executor_workers = max(1, len(args.worker_cores) // args.servers)
     if args.threads_per_server == 0 and args.worker == "server":  # its share of the cores it runs on
         cores = len(args.server_cores) if args.cores == "own" else len(available)
         args.threads_per_server = max(1, cores // args.servers)
