@@ -62,7 +62,7 @@ from lightning_bamboo.checkpoint import sharded as ckpt
 from lightning_bamboo.contract import find_pipeline_body
 from lightning_bamboo.control import store as ms
 from lightning_bamboo.runtime.membership import LightningSide, record_exception
-from lightning_bamboo.runtime.parts import Options, assemble
+from lightning_bamboo.runtime.parts import Options, assemble, resolve_recovery
 from lightning_bamboo.step.broadcast import broadcast_json
 
 if TYPE_CHECKING:
@@ -89,10 +89,18 @@ class BambooStrategy(ParallelStrategy):
 
     Args:
         num_stages: pipeline length, >= 1, dividing the number of workers, <= the body's layers; 1 is plain
-            data parallelism (with ``redundancy=False``).
+            data parallelism (with ``recovery="peers"``).
         num_microbatches: micro-batches per step and pipeline, >= 1, dividing each pipeline's share.
-        redundancy: ``True`` (default): every stage holds a replica of its successor and runs the eager
-            redundant forwards (``FR``); ``False``: plain 1F1B (a lost worker needs the checkpoint fallback).
+        recovery: how a lost worker's stages are recovered inside the same ``fit``
+            (docs/bamboo-elastic.md, "Recovery modes"). ``"replica"`` (default): every stage holds a replica
+            of its successor, kept exactly current, and its predecessor takes over. ``"replica+forward"``:
+            the same, with the replica's eager redundant forwards (``FR``) in the schedule's bubbles, Bamboo's
+            paper schedule (today a failover replays the step, so FR is unused: about 9% of a step for
+            nothing). ``"peers"``: no redundancy (plain 1F1B); a lost stage is restored peer to peer from
+            the same stage of another data-parallel pipeline. With one pipeline a loss then needs the
+            checkpoint fallback (warned at start).
+        redundancy: the older spelling: ``True`` is ``recovery="replica+forward"``, ``False`` is
+            ``recovery="peers"``.
         replica_device: ``"same"`` (default) as the stage, or ``"cpu"`` (Bamboo's lazy mode).
         pipeline_attr: the module's ``nn.Sequential`` body; ``None``: ``pipeline`` or the only one.
         layer_costs: relative cost of each layer of the body, to split it into stages; ``None``: estimated.
@@ -130,6 +138,7 @@ class BambooStrategy(ParallelStrategy):
     num_stages = _part("_formation.num_stages", "Pipeline length the job started with.")
     num_microbatches = _part("_formation.num_microbatches", "Micro-batches per step and pipeline at start.")
     redundancy = _part("_formation.redundancy", "Whether every stage holds a replica of its successor.")
+    recovery = _part("_options.recovery", "How a lost stage is recovered: replica, replica+forward or peers.")
     global_microbatches = _part("_formation.global_microbatches",
                                 "Micro-batches per global batch, fixed for the job (:mod:`.keyed_rng`).")
     forward_redundancy = _part("_formation.forward_redundancy", "Whether steps run the replica forwards now.")
@@ -152,7 +161,7 @@ class BambooStrategy(ParallelStrategy):
         self,
         num_stages: int = 2,
         num_microbatches: int = 4,
-        redundancy: bool = True,
+        redundancy: bool | None = None,
         replica_device: Literal["same", "cpu"] = "same",
         pipeline_attr: str | None = None,
         layer_costs: Sequence[float] | None = None,
@@ -166,6 +175,7 @@ class BambooStrategy(ParallelStrategy):
         keep_checkpoints: int = 2,
         drain_on_sigterm: bool = True,
         keyed_rng: bool = True,
+        recovery: Literal["replica", "replica+forward", "peers"] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -173,9 +183,9 @@ class BambooStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         self._options = options = Options(  # checked here, before any process starts
-            num_stages, num_microbatches, redundancy, replica_device, pipeline_attr, layer_costs, timeout,
-            process_group_backend, heartbeat, hang_timeout, failure_wait, checkpoint_every_n_steps,
-            checkpoint_dir, keep_checkpoints, keyed_rng,
+            num_stages, num_microbatches, resolve_recovery(recovery, redundancy), replica_device,
+            pipeline_attr, layer_costs, timeout, process_group_backend, heartbeat, hang_timeout, failure_wait,
+            checkpoint_every_n_steps, checkpoint_dir, keep_checkpoints, keyed_rng,
         )
         self.drain_on_sigterm = drain_on_sigterm
         self.num_nodes = 1  # Lightning's connector sets it

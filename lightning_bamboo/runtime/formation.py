@@ -78,13 +78,16 @@ class Formation:
         timeout: timedelta | None,
         device: Callable[[], torch.device],
         replica_device: Callable[[], torch.device],
+        forward_redundancy: bool | None = None,
     ) -> None:
         self.num_stages = num_stages
         self.num_microbatches = num_microbatches
         # global micro-batches per step: num_microbatches x the pipelines of generation 0, fixed for the job
         self.global_microbatches = num_microbatches
         self.redundancy = redundancy
-        self.forward_redundancy = redundancy  # FR in the schedule (set_forward_redundancy switches it off)
+        # FR in the schedule: the mode's (recovery="replica+forward"); set_forward_redundancy switches it
+        self.default_forward_redundancy = redundancy if forward_redundancy is None else forward_redundancy
+        self.forward_redundancy = self.default_forward_redundancy
         self.keyed_rng = keyed_rng
         self.timeout = timeout
         self._device, self._replica_device = device, replica_device

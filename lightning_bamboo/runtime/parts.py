@@ -44,7 +44,7 @@ class Options:
 
     num_stages: int
     num_microbatches: int
-    redundancy: bool
+    recovery: str  # resolved from the constructor's recovery and redundancy (resolve_recovery)
     replica_device: str
     pipeline_attr: str | None
     layer_costs: Sequence[float] | None
@@ -59,7 +59,7 @@ class Options:
     keyed_rng: bool
 
     def __post_init__(self) -> None:
-        check_options(self.num_stages, self.num_microbatches, self.redundancy, self.replica_device,
+        check_options(self.num_stages, self.num_microbatches, self.recovery, self.replica_device,
                       self.keyed_rng)
         periodic.check_options(self.checkpoint_every_n_steps, self.checkpoint_dir, self.keep_checkpoints)
         if self.layer_costs is not None:
@@ -68,7 +68,33 @@ class Options:
             object.__setattr__(self, "timeout", timedelta(seconds=self.timeout))
 
 
-def check_options(num_stages: int, num_microbatches: int, redundancy: bool, replica_device: str,
+#: How a lost worker's stages are recovered (``BambooStrategy(recovery=...)``): from the replica its
+#: predecessor keeps current, the same with the replica's eager forwards in the bubbles (Bamboo's paper
+#: schedule), or from a data-parallel peer pipeline's copy of the stage (no redundancy at all).
+RECOVERY_MODES = ("replica", "replica+forward", "peers")
+
+
+def resolve_recovery(recovery: str | None, redundancy: bool | None) -> str:
+    """The recovery mode of the constructor's ``recovery`` and its older spelling ``redundancy``
+    (``True``: ``"replica+forward"``, what it always meant; ``False``: ``"peers"``); default ``"replica"``.
+
+    Why "replica" by default: the replica's eager forwards are not used at a failover (the interrupted step
+    is replayed), so they cost 9% of a step for nothing (docs/bamboo-benchmark.md, part (e)).
+    """
+    if recovery is not None and recovery not in RECOVERY_MODES:
+        raise ValueError(f"recovery must be one of {', '.join(map(repr, RECOVERY_MODES))}, got {recovery!r}")
+    if redundancy is not None and not isinstance(redundancy, bool):
+        raise TypeError(f"redundancy must be True or False, got {redundancy!r}")
+    if recovery is None:
+        return "replica" if redundancy is None else ("replica+forward" if redundancy else "peers")
+    if redundancy is not None and redundancy != (recovery != "peers"):
+        why = "peers hold no replica" if recovery == "peers" else "this mode holds a replica"
+        raise ValueError(f"recovery={recovery!r} and redundancy={redundancy!r} disagree: {why}; "
+                         "pass recovery alone")
+    return recovery
+
+
+def check_options(num_stages: int, num_microbatches: int, recovery: str, replica_device: str,
                   keyed_rng: bool) -> None:
     """The strategy's constructor arguments, each with what was expected."""
     if not isinstance(num_stages, int) or num_stages < 1:
@@ -77,10 +103,10 @@ def check_options(num_stages: int, num_microbatches: int, redundancy: bool, repl
         raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
     if replica_device not in ("same", "cpu"):
         raise ValueError(f"replica_device must be 'same' or 'cpu', got {replica_device!r}")
-    if redundancy and num_stages < 2:
+    if recovery != "peers" and num_stages < 2:
         raise ValueError(
-            f"redundancy=True needs num_stages >= 2 (a stage replicates its successor), got num_stages "
-            f"({num_stages}); pass redundancy=False"
+            f"recovery={recovery!r} needs num_stages >= 2 (a stage replicates its successor), got "
+            f"num_stages ({num_stages}); pass recovery='peers' (or redundancy=False)"
         )
     if not isinstance(keyed_rng, bool):
         raise TypeError(f"keyed_rng must be True or False, got {keyed_rng!r}")
@@ -97,8 +123,9 @@ def assemble(
     schedule action; the session asks the membership for the next generation when a peer is lost)."""
     o = options
     events = Events(lambda: lightning.module() and lightning.module().trainer)
-    formation = Formation(o.num_stages, o.num_microbatches, o.redundancy, o.keyed_rng, o.timeout,
-                          device=lightning.device, replica_device=replica_device)
+    formation = Formation(o.num_stages, o.num_microbatches, o.recovery != "peers", o.keyed_rng, o.timeout,
+                          device=lightning.device, replica_device=replica_device,
+                          forward_redundancy=o.recovery == "replica+forward")
     gen = Generation(num_stages=o.num_stages)
     session = StepSession(gen, formation, events, trainer=lambda: lightning.module().trainer,
                           precision=precision, device=lightning.device)

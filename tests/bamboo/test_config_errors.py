@@ -20,7 +20,9 @@ from lightning_bamboo.wiring import check_precision
         ({"num_stages": 0}, r"num_stages must be an integer >= 1, got 0"),
         ({"num_microbatches": 0}, r"num_microbatches must be an integer >= 1, got 0"),
         ({"replica_device": "gpu"}, r"replica_device must be 'same' or 'cpu', got 'gpu'"),
-        ({"num_stages": 1}, r"redundancy=True needs num_stages >= 2 .* got num_stages \(1\)"),
+        ({"num_stages": 1}, r"recovery='replica' needs num_stages >= 2 .* got num_stages \(1\)"),
+        ({"recovery": "mirror"}, r"recovery must be one of 'replica', 'replica\+forward', 'peers', got 'mir"),
+        ({"recovery": "peers", "redundancy": True}, r"recovery=.peers. and redundancy=True disagree"),
     ],
 )
 def test_bad_arguments(kwargs: dict, match: str) -> None:

@@ -89,6 +89,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float64", help="the model's parameter dtype as built")
     parser.add_argument("--precision", default=None, help="Trainer(precision=...)")
     parser.add_argument("--no-redundancy", action="store_true")
+    parser.add_argument("--recovery", choices=["replica", "replica+forward", "peers"], default=None,
+                        help="BambooStrategy(recovery=...); default: redundancy=not --no-redundancy")
     parser.add_argument("--aws-endpoints", default="", help="comma-separated IMDS URL per member ('' = none)")
     parser.add_argument("--wait-notice", default="", help="MEMBER:STEP: that member waits for its notice")
     parser.add_argument("--checkpoint-every", type=int, default=None, help="fallback checkpoints")
@@ -142,7 +144,7 @@ def main() -> None:
         strategy: BambooStrategy | str = BambooStrategy(
             num_stages=args.stages,
             num_microbatches=args.microbatches,
-            redundancy=not args.no_redundancy,
+            **({"recovery": args.recovery} if args.recovery else {"redundancy": not args.no_redundancy}),
             timeout=20,
             checkpoint_every_n_steps=args.checkpoint_every,
             checkpoint_dir=args.checkpoint_dir,

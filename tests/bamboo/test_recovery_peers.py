@@ -1,0 +1,82 @@
+"""``recovery="peers"``: no replica, no redundant forwards; a lost stage is restored peer to peer from the
+same stage of another data-parallel pipeline (``runtime/reshard.py`` takes each missing layer, with its
+optimizer state, from the lowest member holding it), its pipeline's survivor runs it fused, and the step is
+replayed.
+
+Float64 ``WithDropout`` runs of ``scripts/train_elastic.py`` (dropout keyed by step, layer and global
+micro-batch), a worker SIGKILLed in step 2's forward: the final parameters and Adam state equal the
+uninterrupted run's (to rounding: a fused position sums in another order).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from tests.bamboo.test_elastic import TOL, launched, run_elastic
+from tests.bamboo.test_keyed_rng import elastic_finals
+
+PEERS = ("--variant", "dropout", "--recovery", "peers")
+
+
+def _run(out: Path, nproc: int, stages: int, fault: str = "") -> tuple[dict[str, Tensor], str]:
+    """``nproc / stages`` pipelines of 2 micro-batches each, the global batch 2 samples per micro-batch."""
+    batch = ("--batch-size", str(2 * 2 * nproc // stages))
+    log = run_elastic(out, nproc=nproc, stages=stages, fault=fault, extra_args=(*PEERS, *batch))
+    return elastic_finals(out), log
+
+
+def _assert_close(got: dict[str, Tensor], reference: dict[str, Tensor]) -> None:
+    assert set(got) == set(reference)
+    for key, value in reference.items():
+        torch.testing.assert_close(got[key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.fixture(scope="module")
+def three_stages_two_pipelines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tensor]:
+    return _run(tmp_path_factory.mktemp("peers-3x2"), nproc=6, stages=3)[0]
+
+
+@pytest.fixture(scope="module")
+def two_stages_three_pipelines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tensor]:
+    return _run(tmp_path_factory.mktemp("peers-2x3"), nproc=6, stages=2)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("lost", "grid"), [(0, [[1, 1, 2], [3, 4, 5]]), (1, [[0, 0, 2], [3, 4, 5]]),
+                                            (2, [[0, 1, 1], [3, 4, 5]])], ids=["first", "middle", "last"])
+def test_a_stage_lost_in_each_position_of_three_is_restored_from_the_peer_pipeline(
+    tmp_path: Path, three_stages_two_pipelines: dict[str, Tensor], lost: int, grid: list[list[int]]
+) -> None:
+    """3 stages x 2 pipelines, no replica anywhere: member ``lost`` (stage ``lost`` of pipeline 0) dies; its
+    layers and Adam state come from member ``lost + 3`` (the same stage of pipeline 1) to the neighbour that
+    runs them fused. Equal to the uninterrupted run."""
+    got, log = _run(tmp_path, nproc=6, stages=3, fault=f"{lost}:2:forward")
+    record = launched(tmp_path)
+    assert record.summary() == [("failover", [lost])], log[-3000:]
+    assert record.grids() == [grid]
+    _assert_close(got, three_stages_two_pipelines)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("fault", "lost", "grid"), [
+    ("2:2:forward", [2], [[0, 1], [3, 3], [4, 5]]),  # the first position of pipeline 1
+    ("3:2:forward", [3], [[0, 1], [2, 2], [4, 5]]),  # the last position of pipeline 1
+    ("1+4:2:forward", [1, 4], [[0, 0], [2, 3], [5, 5]]),  # two pipelines lose a worker at once
+], ids=["first", "last", "two-pipelines-at-once"])
+def test_losses_in_two_stages_by_three_pipelines_are_restored_from_peers(
+    tmp_path: Path, two_stages_three_pipelines: dict[str, Tensor], fault: str, lost: list[int],
+    grid: list[list[int]],
+) -> None:
+    """2 stages x 3 pipelines: a stage lost in each position, and two pipelines each losing a worker in the
+    same step (every lost stage still has a holder in a third pipeline). Equal to the uninterrupted run."""
+    got, log = _run(tmp_path, nproc=6, stages=2, fault=fault)
+    record = launched(tmp_path)
+    assert record.summary() == [("failover", lost)], log[-3000:]
+    assert record.grids() == [grid]
+    _assert_close(got, two_stages_three_pipelines)
