@@ -91,16 +91,8 @@ class BambooStrategy(ParallelStrategy):
         num_stages: pipeline length, >= 1, dividing the number of workers, <= the body's layers; 1 is plain
             data parallelism (with ``recovery="peers"``).
         num_microbatches: micro-batches per step and pipeline, >= 1, dividing each pipeline's share.
-        recovery: how a lost worker's stages are recovered inside the same ``fit``
-            (docs/bamboo-elastic.md, "Recovery modes"). ``"replica"`` (default): every stage holds a replica
-            of its successor, kept exactly current, and its predecessor takes over. ``"replica+forward"``:
-            the same, with the replica's eager redundant forwards (``FR``) in the schedule's bubbles, Bamboo's
-            paper schedule (today a failover replays the step, so FR is unused: about 9% of a step for
-            nothing). ``"peers"``: no redundancy (plain 1F1B); a lost stage is restored peer to peer from
-            the same stage of another data-parallel pipeline. With one pipeline a loss then needs the
-            checkpoint fallback (warned at start).
-        redundancy: the older spelling: ``True`` is ``recovery="replica+forward"``, ``False`` is
-            ``recovery="peers"``.
+        recovery: ``"replica"`` (default), ``"replica+forward"`` (with the replica's forwards ``FR``) or
+            ``"peers"`` (no replica); docs/bamboo-elastic.md. ``redundancy=True/False``: the older spelling.
         replica_device: ``"same"`` (default) as the stage, or ``"cpu"`` (Bamboo's lazy mode).
         pipeline_attr: the module's ``nn.Sequential`` body; ``None``: ``pipeline`` or the only one.
         layer_costs: relative cost of each layer of the body, to split it into stages; ``None``: estimated.
@@ -138,7 +130,6 @@ class BambooStrategy(ParallelStrategy):
     num_stages = _part("_formation.num_stages", "Pipeline length the job started with.")
     num_microbatches = _part("_formation.num_microbatches", "Micro-batches per step and pipeline at start.")
     redundancy = _part("_formation.redundancy", "Whether every stage holds a replica of its successor.")
-    recovery = _part("_options.recovery", "How a lost stage is recovered: replica, replica+forward or peers.")
     global_microbatches = _part("_formation.global_microbatches",
                                 "Micro-batches per global batch, fixed for the job (:mod:`.keyed_rng`).")
     forward_redundancy = _part("_formation.forward_redundancy", "Whether steps run the replica forwards now.")

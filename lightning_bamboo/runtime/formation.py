@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -259,6 +259,15 @@ class Formation:
         lost, fewer after one joins."""
         shares = microbatch_shares(self.global_microbatches, len(owners.pipelines))
         return shares[owners.pipeline_ids().index(owners.pipeline_of(member))]
+
+    def warn_if_unrecoverable(self, owners: OwnershipMap) -> None:
+        """Say at start what ``recovery="peers"`` with one pipeline means: no peer holds a lost stage."""
+        if not self.redundancy and len(owners.pipelines) == 1:
+            rank_zero_warn(
+                "Bamboo recovery='peers' (redundancy=False) with one pipeline: no data-parallel peer holds "
+                "a copy of a lost stage, so a lost worker resumes from the last checkpoint "
+                "(checkpoint_every_n_steps) or ends the job; use recovery='replica' or more pipelines"
+            )
 
     def set_forward_redundancy(self, enabled: bool, gen: Generation, member: int) -> None:
         """Switch ``FR`` for the following steps (see ``BambooStrategy.set_forward_redundancy``)."""

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.optim import Optimizer
 
 from lightning_bamboo._lightning import private as _private
@@ -152,12 +152,7 @@ class Membership:
                 f"member {self.member} has no stage in generation 0 (spare workers are not "
                 "supported at start: use a multiple of num_stages)"
             )
-        if not formation.redundancy and len(owners.pipelines) == 1 and self.elastic:
-            rank_zero_warn(
-                "Bamboo recovery='peers' (redundancy=False) with one pipeline: no data-parallel peer holds "
-                "a copy of a lost stage, so a lost worker resumes from the last checkpoint "
-                "(checkpoint_every_n_steps) or ends the job; use recovery='replica' or more pipelines"
-            )
+        formation.warn_if_unrecoverable(owners)
         return owners
 
     def begin(self, owners: OwnershipMap) -> None:
@@ -318,8 +313,7 @@ class Membership:
             raise Spare(f"Bamboo member {self.member} is a spare in generation {generation}")
         start = time.monotonic()
         self._session.restore_window_buffers()
-        # every member of the new generation runs the same schedule: a member new to the job (a join, or a
-        # fallback's newcomer) starts with the mode's FR, so a survivor that switched it goes back to that
+        # one schedule for all: a newcomer starts with the mode's FR, a survivor that switched it goes back
         self._formation.forward_redundancy = self._formation.default_forward_redundancy
         self.joins.send_progress(old, new)
         self.begin(new)
