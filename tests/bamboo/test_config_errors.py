@@ -83,3 +83,21 @@ def test_module_left_with_one_stage_is_refused() -> None:
     setattr(model.pipeline, _STAGE_MARK, True)
     with pytest.raises(RuntimeError, match=r"PipeMLP.pipeline holds only the layers of one stage"):
         checked_body(model, None, 2, None)
+
+
+def test_peers_with_one_pipeline_is_warned_at_start() -> None:
+    """``recovery="peers"`` recovers a lost stage from another pipeline: with one pipeline there is none."""
+    import warnings
+
+    from lightning_bamboo.layout.ownership import initial
+    from lightning_bamboo.runtime.formation import Formation
+
+    cpu = torch.device("cpu")
+    peers = Formation(2, 2, False, True, None, device=lambda: cpu, replica_device=lambda: cpu)
+    with pytest.warns(UserWarning, match=r"recovery='peers' \(redundancy=False\) with one pipeline"):
+        peers.warn_if_unrecoverable(initial(2, range(2)))
+    replica = Formation(2, 2, True, True, None, device=lambda: cpu, replica_device=lambda: cpu)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        peers.warn_if_unrecoverable(initial(2, range(4)))  # two pipelines: each is the other's peer
+        replica.warn_if_unrecoverable(initial(2, range(2)))
