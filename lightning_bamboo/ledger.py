@@ -282,7 +282,8 @@ def _pipeline_samples(trainer: pl.Trainer) -> tuple[int, dict[int, list[int]]]:
         # every member loads the global batch; each pipeline trains on its share of the job's fixed split
         total = int(strategy.global_microbatches)
         parts = split_microbatches(torch.tensor(indices), total)
-        shares = microbatch_shares(total, pipelines)
+        owners = getattr(strategy, "owners", None)
+        shares = microbatch_shares(total, pipelines, owners.shapes() if owners is not None else None)
         return pipeline, {p: torch.cat(parts[s.start : s.stop]).tolist() for p, s in enumerate(shares)}
     return pipeline, {pipeline: indices}
 

@@ -12,9 +12,13 @@ data-flow order, which runs them fused with its own (the pipeline gets one posit
 position's go to the second one. Usually the heir is the replica holder itself (a promotion, no transfer);
 when the first position is lost, the second position receives the layers peer to peer from the replica
 holder (the last position), so every member's stages stay one contiguous run.
-A pipeline whose consecutive positions are both lost, or whose only position is lost, cannot be covered by
-its own redundancy and is dropped (its survivors become spares); when no pipeline is left,
-:class:`FallbackNeeded` says the job must resume from a checkpoint.
+Without a replica (``recovery="peers"``), or with two consecutive positions lost, the lost stages can still
+come from another pipeline, whose members own the same stages (data-parallel copies, exactly current): a
+pipeline that keeps a survivor is kept when every stage it lost is owned by a survivor elsewhere; the
+layers then move peer to peer (``runtime/reshard.py``) and the pipeline, shorter and wider, runs fewer
+micro-batches (``pipeline/microbatch.py``). A pipeline with no survivor, or whose lost stages no survivor
+holds, is dropped (its survivors become spares); when no pipeline is left, :class:`FallbackNeeded` says the
+job must resume from a checkpoint.
 """
 
 from __future__ import annotations
@@ -94,6 +98,12 @@ class OwnershipMap:
         index = next(i for i, (m, _) in enumerate(positions) if m == member)
         return positions[(index + 1) % len(positions)][1]
 
+    def shapes(self) -> list[tuple[int, int]]:
+        """Per pipeline, by id: ``(positions, widest)``, its positions and the most stages one of them runs:
+        what its step takes (:func:`~lightning_bamboo.pipeline.microbatch.microbatch_shares`)."""
+        return [(len(self.positions(p)), max(len(stages) for _, stages in self.positions(p)))
+                for p in self.pipeline_ids()]
+
     def stage_holders(self, stage: int) -> list[int]:
         """Owner of ``stage`` in every pipeline, by pipeline id (its gradient all-reduce group)."""
         return [self.pipelines[p][stage] for p in self.pipeline_ids()]
@@ -155,6 +165,9 @@ def failover(old: OwnershipMap, lost: Iterable[int]) -> OwnershipMap:
     lost_set = set(lost)
     pipelines: dict[int, dict[int, int]] = {}
     spares = [m for m in old.spares if m not in lost_set]
+    held_by_peers = {  # stages a surviving member of some pipeline owns: a data-parallel copy survives
+        stage for owners in old.pipelines.values() for stage, m in owners.items() if m not in lost_set
+    }
     for pipeline in old.pipeline_ids():
         positions = old.positions(pipeline)
         alive = [m not in lost_set for m, _ in positions]
@@ -162,19 +175,21 @@ def failover(old: OwnershipMap, lost: Iterable[int]) -> OwnershipMap:
             pipelines[pipeline] = dict(old.pipelines[pipeline])
             continue
         n = len(positions)
-        coverable = n > 1 and all(alive[i] or alive[(i - 1) % n] for i in range(n))
-        if not coverable:
+        by_replicas = n > 1 and all(alive[i] or alive[(i - 1) % n] for i in range(n))
+        by_peers = any(alive) and all(
+            alive[i] or set(stages) <= held_by_peers for i, (_, stages) in enumerate(positions)
+        )
+        if not (by_replicas or by_peers):
             spares += [m for m, _ in positions if m not in lost_set]
             continue
         owners = dict(old.pipelines[pipeline])
         for i, (_, stages) in enumerate(positions):
             if not alive[i]:
-                # the previous position in data-flow order runs the stages fused (the first position's go to
-                # the second, whose layers follow them); with every lost position's ring predecessor alive,
-                # that heir is alive too
-                heir_index = i - 1 if i > 0 else 1
-                while not alive[heir_index]:
-                    heir_index = heir_index - 1 if i > 0 else heir_index + 1
+                # the nearest surviving position before it in data-flow order runs the stages fused (its
+                # replica holder when the ring predecessor lives); a lost run at the start goes to the first
+                # survivor after it (the first position's to the second, whose layers follow them)
+                before = [j for j in range(i - 1, -1, -1) if alive[j]]
+                heir_index = before[0] if before else next(j for j in range(i + 1, n) if alive[j])
                 for stage in stages:
                     owners[stage] = positions[heir_index][0]
         pipelines[pipeline] = owners

@@ -6,7 +6,8 @@ full-batch mean (and its gradient the full-batch gradient) only when every micro
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import itertools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,13 +43,22 @@ def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
     return [_take(batch, index, num_microbatches, size) for index in range(num_microbatches)]
 
 
-def microbatch_shares(total: int, pipelines: int) -> list[range]:
+def microbatch_shares(total: int, pipelines: int, shapes: Sequence[tuple[int, int]] | None = None
+                      ) -> list[range]:
     """Which of a job's ``total`` global micro-batches each of ``pipelines`` pipelines runs: consecutive
-    runs, the first ``total % pipelines`` pipelines one more than the others.
+    runs, as even as the pipelines' speeds allow.
 
     The global batch is cut into ``total`` micro-batches whatever the number of pipelines (the job's
     ``num_microbatches`` x its pipelines at the start), so a sample is in the same micro-batch, drawing the
     same dropout masks (:mod:`lightning_bamboo.pipeline.keyed_rng`), however many pipelines share the batch.
+
+    ``shapes``: per pipeline ``(positions, widest)``, its positions and the most stages one of them runs
+    (fused after a failover; :meth:`~lightning_bamboo.layout.ownership.OwnershipMap.shapes`). A 1F1B step
+    of ``m`` micro-batches then takes about ``(m + positions - 1) x widest`` stage-times, and every pipeline
+    waits for the slowest at the gradient all-reduce: each micro-batch goes, one at a time, where it ends
+    soonest (ties to the lower pipeline). So a pipeline running two stages fused gets fewer micro-batches
+    instead of holding the whole job back (Oobleck's batch distribution over pipelines of unequal lengths);
+    equal pipelines get the even split: the first ``total % pipelines`` one more than the others.
 
     Raises:
         ValueError: more pipelines than micro-batches (a pipeline would have nothing to run).
@@ -60,8 +70,16 @@ def microbatch_shares(total: int, pipelines: int) -> list[range]:
             f"{pipelines!r} pipelines cannot share {total} global micro-batches: each pipeline needs at "
             "least one (the job's global micro-batches are num_microbatches x its pipelines at the start)"
         )
-    base, extra = divmod(total, pipelines)
-    starts = [p * base + min(p, extra) for p in range(pipelines + 1)]
+    if shapes is None:
+        shapes = [(1, 1)] * pipelines
+    if len(shapes) != pipelines or any(positions < 1 or widest < 1 for positions, widest in shapes):
+        raise ValueError(f"shapes must give (positions >= 1, widest >= 1) for each of {pipelines} pipelines, "
+                         f"got {list(shapes)!r}")
+    counts = [1] * pipelines
+    for _ in range(total - pipelines):
+        ends = [(counts[p] + shapes[p][0]) * shapes[p][1] for p in range(pipelines)]  # with one more
+        counts[ends.index(min(ends))] += 1
+    starts = list(itertools.accumulate(counts, initial=0))
     return [range(starts[p], starts[p + 1]) for p in range(pipelines)]
 
 

@@ -256,8 +256,8 @@ class Formation:
         """The job's global micro-batches ``member``'s pipeline runs in ``owners`` (its consecutive share of
         the fixed split, :func:`~lightning_bamboo.pipeline.microbatch.microbatch_shares`):
         ``num_microbatches`` each while the pipelines are those of the start, more each after a pipeline is
-        lost, fewer after one joins."""
-        shares = microbatch_shares(self.global_microbatches, len(owners.pipelines))
+        lost, fewer after one joins, and fewer for a pipeline running stages fused than for full ones."""
+        shares = microbatch_shares(self.global_microbatches, len(owners.pipelines), owners.shapes())
         return shares[owners.pipeline_ids().index(owners.pipeline_of(member))]
 
     def warn_if_unrecoverable(self, owners: OwnershipMap) -> None:

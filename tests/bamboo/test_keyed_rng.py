@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from lightning_bamboo.contract import sub_sequential
+from lightning_bamboo.layout.ownership import failover, initial
 from lightning_bamboo.layout.view import PipelineView
 from lightning_bamboo.pipeline.engine import PipelineEngine
 from lightning_bamboo.pipeline.keyed_rng import DEFAULT_SEED, SEED_ENV, KeyedForward, forward_key, run_seed
@@ -180,7 +181,24 @@ def test_shares_of_the_global_microbatches() -> None:
         microbatch_shares(4, 5)
 
 
-@pytest.mark.parametrize("pipelines", [2, 3])
+def test_a_pipeline_running_stages_fused_runs_fewer_microbatches() -> None:
+    """Equal pipelines split evenly, as before shapes existed; a pipeline whose survivor runs two stages fused
+    (one position two stages wide, after a failover) gets fewer, so it does not hold the job back."""
+    fused = failover(initial(2, range(6)), [3])  # pipeline 1: m2 runs stages 0-1
+    assert fused.shapes() == [(2, 1), (1, 2), (2, 1)]
+    assert microbatch_shares(6, 3, initial(2, range(6)).shapes()) == microbatch_shares(6, 3)
+    shares = microbatch_shares(12, 3, fused.shapes())
+    assert shares == [range(0, 5), range(5, 8), range(8, 12)]
+
+    def step(counts: list[int]) -> int:  # stage-times of the slowest pipeline's 1F1B step
+        return max((m + n - 1) * w for m, (n, w) in zip(counts, fused.shapes()))
+
+    assert step([len(r) for r in shares]) == 6 < step([4, 4, 4]) == 8
+    with pytest.raises(ValueError, match=r"shapes must give \(positions >= 1, widest >= 1\) for each of 3"):
+        microbatch_shares(6, 3, [(1, 1)] * 2)
+
+
+@pytest.mark.parametrize("pipelines", [1, 2, 4])
 def test_any_number_of_pipelines_draws_the_masks_and_gradient_of_one(pipelines: int) -> None:
     """The global batch cut into 4 micro-batches: one pipeline running all 4, or ``pipelines`` pipelines
     each running its share (3: unequal, 2 + 1 + 1, each loss divided by 4/3) with their gradients averaged as

@@ -45,11 +45,18 @@ def test_failover_in_one_pipeline_of_two_and_then_the_whole_pipeline() -> None:
     assert grid(failover(once, [2])) == "gen 2  stage0  stage1\npipe0  m0      m1"
 
 
-def test_adjacent_losses_drop_the_pipeline_or_need_the_checkpoint() -> None:
+def test_adjacent_losses_are_covered_by_a_peer_pipeline_or_drop_the_pipeline() -> None:
+    """Two consecutive positions lost: no replica covers them, but pipeline 1 owns the same stages, so the
+    survivor runs all three (their layers come peer to peer); when a stage it lost is lost in every pipeline,
+    the pipeline is dropped; with one pipeline, the checkpoint."""
     two = initial(3, range(6))
-    assert (
-        grid(failover(two, [0, 1])) == "gen 1  stage0  stage1  stage2\npipe1  m3      m4      m5\nspares m2"
-    )
+    header, full = "gen 1  stage0  stage1  stage2", "pipe1  m3      m4      m5"
+    assert grid(failover(two, [0, 1])) == f"{header}\npipe0  m2      m2      m2\n{full}"
+    assert grid(failover(two, [1, 2])) == f"{header}\npipe0  m0      m0      m0\n{full}"
+    # stage 1 is lost in both pipelines: pipeline 0 (stages 0-1 lost) has no holder of it, pipeline 1's
+    # replica holder m3 covers it
+    assert grid(failover(two, [0, 1, 4])) == (
+        "gen 1  stage0  stage1  stage2\npipe1  m3      m3      m5\nspares m2")
     with pytest.raises(FallbackNeeded, match=r"losing members \[0, 1\] leaves no pipeline"):
         failover(initial(3, range(3)), [0, 1])
 
