@@ -201,6 +201,30 @@ def test_pipeline_lost_and_grown_back_with_dropout(
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_a_loss_during_a_join_under_peers_recovery_with_dropout(
+    tmp_path: Path, dropout_2x2: dict[str, torch.Tensor]
+) -> None:
+    """2x2 with dropout and ``recovery="peers"`` (no replica): member 3 is SIGKILLed in step 1 (member 2
+    runs pipeline 1 fused, stage 1's layers from member 1), ``--replace`` starts a worker whose join is
+    proposed before step 4, and member 1 is SIGKILLed in step 4's forward, while that join is pending. Seen
+    here: the failover first (generation 2: both pipelines fused, member 0's stage 1 from member 2), then
+    the join (generation 3: member 4 takes stage 1 back, its layers peer to peer). The test accepts either
+    order; every lost stage comes from a peer and the final state equals the uninterrupted run's."""
+    env = record_env(tmp_path, "3:1:forward,1:4:forward")
+    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "4", "--replace", "1"]
+    cmd += [str(WORKER), "--out", str(tmp_path), "--stages", "2", "--steps", str(STEPS), "--hold-at", "4",
+            "--dropout", "--recovery", "peers"]
+    log = run_process(cmd, timeout=400, env=env).stdout
+    record = Record.read(tmp_path / NAME)
+    history = record.history()
+    assert history[0] == ("failover", [3], []), log[-3000:]
+    assert sorted(m for _, lost, _ in history for m in lost) == [1, 3], history
+    assert [m for _, _, joined in history for m in joined] == [4], history
+    _assert_equal_to(_finals(tmp_path), dropout_2x2)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_join_adds_a_pipeline_with_dropout(tmp_path: Path, dropout_2x2: dict[str, torch.Tensor]) -> None:
     """One pipeline of 4 micro-batches, joined by a second after step 2 (each then runs 2 of the 4 global
     micro-batches): equal to the 2x2 run of 2 micro-batches each, which cuts the batch the same way."""
