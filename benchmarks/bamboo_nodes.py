@@ -137,6 +137,11 @@ def main() -> None:
     parser.add_argument("--compression", type=float, default=FULL["compression"])
     parser.add_argument("--seed", type=int, default=0, help="which machine each removal takes")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds the whole run may take")
+    parser.add_argument("--stages", type=int, choices=[2, 3], default=2,
+                        help="2: 2 stages x 3 pipelines (a machine holds a whole pipeline); 3: 3 x 2 (a "
+                             "machine holds stages of both pipelines, so recovery modes differ)")
+    parser.add_argument("--recovery", choices=["replica", "replica+forward", "peers"], default=None,
+                        help="BambooStrategy(recovery=...) (default: the script's redundancy=True)")
     args = parser.parse_args()
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -148,7 +153,10 @@ def main() -> None:
 
 def run(args: argparse.Namespace, work: Path) -> None:
     plan = make_plan(REPO / TRACE, *args.segment_ms, args.compression, args.seed, units=MACHINES)
-    train = ["--stages", "2", "--steps", str(args.steps), "--batch-size", "12"]
+    pipelines = MACHINES * 2 // args.stages
+    train = ["--stages", str(args.stages), "--steps", str(args.steps), "--batch-size", str(4 * pipelines)]
+    if args.recovery is not None:
+        train += ["--recovery", args.recovery]
     run_process([sys.executable, str(SCRIPT), "--out", str(work / "reference"), "--strategy", "auto", *train],
                 timeout=args.timeout)
     reference = load_file(str(work / "reference" / "final_reference.safetensors"))
@@ -228,6 +236,14 @@ def run(args: argparse.Namespace, work: Path) -> None:
     ]
     spans = [b - a for a, b in itertools.pairwise(times) if not any(a < k < b for _, k, _, _ in kills)]
     step_s = statistics.median(spans) if spans else float("nan")
+    first_kill = min((k for _, k, _, _ in kills), default=float("inf"))
+    full = [b - a for a, b in itertools.pairwise(t for t in times if t < first_kill)][WARMUP_STEPS:]
+    full_layout_step_s = statistics.median(full) if full else float("nan")
+    # committed samples per second while the segment's events are applied (its compressed length)
+    segment_s = (args.segment_ms[1] - args.segment_ms[0]) / 1000.0 / args.compression
+    start = window_start if window_start is not None else float("inf")
+    in_segment = [t for t in times if start <= t <= start + segment_s]
+    segment_rate = len(in_segment) * 4 * pipelines / segment_s
     final_equal = exact(reference, out, args.steps)
     is_exact = all(code == 0 for code in codes) and final_equal
     after_end = sum(1 for _, t, _, _ in kills if len(times) >= args.steps and t >= times[-1])
@@ -238,7 +254,9 @@ def run(args: argparse.Namespace, work: Path) -> None:
     result = {"steps_committed": len(times), "kills": [m for m, _, _, _ in kills], "replacements": added,
               "events_not_applied": len(events), "kills_after_last_step": after_end, "failover_s": failovers,
               "not_training_lost_to_next_step_s": idle,
-              "step_s": step_s, "exit_codes": codes, "final_state_equal": final_equal, "exact": is_exact,
+              "step_s": step_s, "full_layout_step_s": full_layout_step_s, "stages": args.stages,
+              "recovery": args.recovery, "segment_samples_per_s": segment_rate,
+              "exit_codes": codes, "final_state_equal": final_equal, "exact": is_exact,
               "lease_s": args.lease,
               "segment_ms": args.segment_ms, "compression": args.compression, "work": str(work)}
     (work / "commits.json").write_text(json.dumps({"commits": commits.seen, "kills": kills}))
