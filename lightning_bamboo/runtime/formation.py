@@ -192,9 +192,11 @@ class Formation:
             resharder = Resharder(store, owners.generation, me, owners.rank_of, self.template, device)
             current = self.holdings(gen, optimizer) if holdings is None else holdings
             held = resharder.run(current, self.needs(owners))
-        gen.held = held
         own_layers = self.layers_of(owners.stages_of(me))
         replica_layers = self.layers_of(self.replica_stages(owners, me))
+        # what it holds from now on: the layers it gave up go to the meta device below, and a member that
+        # still listed them would be chosen as their source (or take its meta copy) in a later generation
+        gen.held = {layer: held[layer] for layer in own_layers + replica_layers}
         for layer in own_layers + replica_layers:
             self.layers[layer] = gen.held[layer].module
         for layer in replica_layers:

@@ -225,6 +225,32 @@ def test_a_loss_during_a_join_under_peers_recovery_with_dropout(
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_a_member_that_gave_layers_to_a_joiner_is_no_source_of_them_later(
+    tmp_path: Path, dropout_2x2: dict[str, torch.Tensor]
+) -> None:
+    """2x2, ``recovery="peers"``, dropout. Member 1 is SIGKILLed in step 1, so member 0 runs pipeline 0
+    fused. A replacement, member 4, joins after step 4 and takes stage 1 back from member 0, which then holds
+    stage 0 only: its copy of stage 1's layers goes to the meta device. Member 3 is SIGKILLed in step 6, and
+    member 2 needs stage 1 from a peer. The lowest member that lists it must really hold it (member 4, not
+    member 0).
+
+    Before the fix, member 0 still listed the released layers. It was chosen as their source: its receiver
+    timed out waiting for the layer's description, or a member formed with a layer on the meta device. The
+    3x2 multi-machine run of ``bamboo_nodes.py`` stopped that way."""
+    env = record_env(tmp_path, "1:1:forward,3:6:forward")
+    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "4", "--replace", "1"]
+    cmd += [str(WORKER), "--out", str(tmp_path), "--stages", "2", "--steps", str(STEPS), "--hold-at", "4",
+            "--dropout", "--recovery", "peers"]
+    log = run_process(cmd, timeout=400, env=env).stdout
+    record = Record.read(tmp_path / NAME)
+    expected = [("failover", [1], []), ("rejoin", [], [4]), ("failover", [3], [])]
+    assert record.history() == expected, log[-3000:]
+    assert record.grids()[-1] == [[0, 4], [2, 2]]
+    _assert_equal_to(_finals(tmp_path), dropout_2x2)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_join_adds_a_pipeline_with_dropout(tmp_path: Path, dropout_2x2: dict[str, torch.Tensor]) -> None:
     """One pipeline of 4 micro-batches, joined by a second after step 2 (each then runs 2 of the 4 global
     micro-batches): equal to the 2x2 run of 2 micro-batches each, which cuts the batch the same way."""
