@@ -209,10 +209,10 @@ def simulate_bamboo(
     """Bamboo as its runtime re-forms: the replay keeps the job's ownership map and changes it with the
     runtime's own rules (:mod:`lightning_bamboo.layout.ownership`). A loss of a member costs ``failover_s``
     (:func:`~lightning_bamboo.layout.ownership.failover`: a replica takes over and the member before it runs
-    the
-    lost stages fused; a pipeline that lost two adjacent positions is dropped and its survivors wait as
-    spares); a loss no pipeline survives falls back to the last checkpoint (``fallback_s``, else
-    ``restart_s``, plus the lost work) on the survivors
+    the lost stages fused; a pipeline that lost two adjacent positions is kept when other pipelines'
+    survivors own the stages it lost, else dropped and its survivors wait as spares); a loss no pipeline
+    survives falls back to the last checkpoint (``fallback_s``, else ``restart_s``, plus the lost work) on
+    the survivors
     (:func:`~lightning_bamboo.control.supervisor.fallback_map`).
     A node added after the start is paid for at once but joins ``rejoin_delay_s`` later (its process starts
     and waits for a step boundary while the job trains on; a node removed before that never joins), through
