@@ -56,9 +56,10 @@ def microbatch_shares(total: int, pipelines: int, shapes: Sequence[tuple[int, in
     (fused after a failover; :meth:`~lightning_bamboo.layout.ownership.OwnershipMap.shapes`). A 1F1B step
     of ``m`` micro-batches then takes about ``(m + positions - 1) x widest`` stage-times, and every pipeline
     waits for the slowest at the gradient all-reduce: each micro-batch goes, one at a time, where it ends
-    soonest (ties to the lower pipeline). So a pipeline running two stages fused gets fewer micro-batches
-    instead of holding the whole job back (Oobleck's batch distribution over pipelines of unequal lengths);
-    equal pipelines get the even split: the first ``total % pipelines`` one more than the others.
+    soonest (ties to the lower pipeline), when that makes the step shorter than the even split (the first
+    ``total % pipelines`` one more than the others; a tie keeps it, and with it the gradient sums of the
+    uninterrupted layout, bit for bit). So a pipeline running two stages fused gets fewer micro-batches
+    instead of holding the whole job back (Oobleck's batch distribution over pipelines of unequal lengths).
 
     Raises:
         ValueError: more pipelines than micro-batches (a pipeline would have nothing to run).
@@ -75,10 +76,18 @@ def microbatch_shares(total: int, pipelines: int, shapes: Sequence[tuple[int, in
     if len(shapes) != pipelines or any(positions < 1 or widest < 1 for positions, widest in shapes):
         raise ValueError(f"shapes must give (positions >= 1, widest >= 1) for each of {pipelines} pipelines, "
                          f"got {list(shapes)!r}")
+    base, extra = divmod(total, pipelines)
+    even = [base + (p < extra) for p in range(pipelines)]
     counts = [1] * pipelines
     for _ in range(total - pipelines):
         ends = [(counts[p] + shapes[p][0]) * shapes[p][1] for p in range(pipelines)]  # with one more
         counts[ends.index(min(ends))] += 1
+
+    def step(split: list[int]) -> int:
+        return max((m + n - 1) * w for m, (n, w) in zip(split, shapes))
+
+    if step(counts) >= step(even):  # no faster: the even split (which also sums gradients as before)
+        counts = even
     starts = list(itertools.accumulate(counts, initial=0))
     return [range(starts[p], starts[p + 1]) for p in range(pipelines)]
 
