@@ -153,8 +153,8 @@ def main() -> None:
 
 def run(args: argparse.Namespace, work: Path) -> None:
     plan = make_plan(REPO / TRACE, *args.segment_ms, args.compression, args.seed, units=MACHINES)
-    pipelines = MACHINES * 2 // args.stages
-    train = ["--stages", str(args.stages), "--steps", str(args.steps), "--batch-size", str(4 * pipelines)]
+    batch = 4 * (MACHINES * 2 // args.stages)  # 2 micro-batches of 2 samples per pipeline
+    train = ["--stages", str(args.stages), "--steps", str(args.steps), "--batch-size", str(batch)]
     if args.recovery is not None:
         train += ["--recovery", args.recovery]
     run_process([sys.executable, str(SCRIPT), "--out", str(work / "reference"), "--strategy", "auto", *train],
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
     segment_s = (args.segment_ms[1] - args.segment_ms[0]) / 1000.0 / args.compression
     start = window_start if window_start is not None else float("inf")
     in_segment = [t for t in times if start <= t <= start + segment_s]
-    segment_rate = len(in_segment) * 4 * pipelines / segment_s
+    segment_rate = len(in_segment) * batch / segment_s
     final_equal = exact(reference, out, args.steps)
     is_exact = all(code == 0 for code in codes) and final_equal
     after_end = sum(1 for _, t, _, _ in kills if len(times) >= args.steps and t >= times[-1])

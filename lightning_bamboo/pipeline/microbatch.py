@@ -76,16 +76,19 @@ def microbatch_shares(total: int, pipelines: int, shapes: Sequence[tuple[int, in
     if len(shapes) != pipelines or any(positions < 1 or widest < 1 for positions, widest in shapes):
         raise ValueError(f"shapes must give (positions >= 1, widest >= 1) for each of {pipelines} pipelines, "
                          f"got {list(shapes)!r}")
+    def end(m: int, shape: tuple[int, int]) -> int:  # stage-times of m micro-batches through one pipeline
+        positions, widest = shape
+        return (m + positions - 1) * widest
+
+    def step(split: list[int]) -> int:
+        return max(end(m, shape) for m, shape in zip(split, shapes))
+
     base, extra = divmod(total, pipelines)
     even = [base + (p < extra) for p in range(pipelines)]
     counts = [1] * pipelines
     for _ in range(total - pipelines):
-        ends = [(counts[p] + shapes[p][0]) * shapes[p][1] for p in range(pipelines)]  # with one more
+        ends = [end(counts[p] + 1, shapes[p]) for p in range(pipelines)]  # with one more
         counts[ends.index(min(ends))] += 1
-
-    def step(split: list[int]) -> int:
-        return max((m + n - 1) * w for m, (n, w) in zip(split, shapes))
-
     if step(counts) >= step(even):  # no faster: the even split (which also sums gradients as before)
         counts = even
     starts = list(itertools.accumulate(counts, initial=0))

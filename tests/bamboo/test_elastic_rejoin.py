@@ -199,6 +199,16 @@ def test_pipeline_lost_and_grown_back_with_dropout(
     _assert_equal_to(_finals(tmp_path), dropout_2x2)
 
 
+def _peers_with_a_replacement(out: Path, faults: str) -> tuple[Record, str]:
+    """2x2 with dropout, ``recovery="peers"``, ``faults`` injected, one replacement started by the launcher
+    whose join is proposed before step 4 (``--hold-at 4``): the supervisor's record and the output."""
+    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "4", "--replace", "1"]
+    cmd += [str(WORKER), "--out", str(out), "--stages", "2", "--steps", str(STEPS), "--hold-at", "4",
+            "--dropout", "--recovery", "peers"]
+    log = run_process(cmd, timeout=400, env=record_env(out, faults)).stdout
+    return Record.read(out / NAME), log
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_loss_during_a_join_under_peers_recovery_with_dropout(
@@ -210,12 +220,7 @@ def test_a_loss_during_a_join_under_peers_recovery_with_dropout(
     here: the failover first (generation 2: both pipelines fused, member 0's stage 1 from member 2), then
     the join (generation 3: member 4 takes stage 1 back, its layers peer to peer). The test accepts either
     order; every lost stage comes from a peer and the final state equals the uninterrupted run's."""
-    env = record_env(tmp_path, "3:1:forward,1:4:forward")
-    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "4", "--replace", "1"]
-    cmd += [str(WORKER), "--out", str(tmp_path), "--stages", "2", "--steps", str(STEPS), "--hold-at", "4",
-            "--dropout", "--recovery", "peers"]
-    log = run_process(cmd, timeout=400, env=env).stdout
-    record = Record.read(tmp_path / NAME)
+    record, log = _peers_with_a_replacement(tmp_path, "3:1:forward,1:4:forward")
     history = record.history()
     assert history[0] == ("failover", [3], []), log[-3000:]
     assert sorted(m for _, lost, _ in history for m in lost) == [1, 3], history
@@ -237,12 +242,7 @@ def test_a_member_that_gave_layers_to_a_joiner_is_no_source_of_them_later(
     Before the fix, member 0 still listed the released layers. It was chosen as their source: its receiver
     timed out waiting for the layer's description, or a member formed with a layer on the meta device. The
     3x2 multi-machine run of ``bamboo_nodes.py`` stopped that way."""
-    env = record_env(tmp_path, "1:1:forward,3:6:forward")
-    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "4", "--replace", "1"]
-    cmd += [str(WORKER), "--out", str(tmp_path), "--stages", "2", "--steps", str(STEPS), "--hold-at", "4",
-            "--dropout", "--recovery", "peers"]
-    log = run_process(cmd, timeout=400, env=env).stdout
-    record = Record.read(tmp_path / NAME)
+    record, log = _peers_with_a_replacement(tmp_path, "1:1:forward,3:6:forward")
     expected = [("failover", [1], []), ("rejoin", [], [4]), ("failover", [3], [])]
     assert record.history() == expected, log[-3000:]
     assert record.grids()[-1] == [[0, 4], [2, 2]]
