@@ -360,7 +360,12 @@ class Network:
 
     def kill_host(self, host: Host) -> list[int]:
         """SIGKILLs every process inside ``host`` at once (a machine lost); returns their PIDs."""
-        pids = _namespace_pids(host.namespace)
+        return self.kill_hosts([host])
+
+    def kill_hosts(self, hosts: list[Host]) -> list[int]:
+        """SIGKILLs every process of every host in ``hosts`` in one sweep (machines lost together, a rack or
+        a zone): all PIDs are listed first, so no host outlives another by a listing; returns the PIDs."""
+        pids = [pid for host in hosts for pid in _namespace_pids(host.namespace)]
         _kill_pids(pids)
         return pids
 

@@ -65,7 +65,8 @@ class PeerWatch:
         later. Probed: every machine once per new lost-peer report of the current generation's workers (a
         worker whose peer's connection was reset or closed), and a machine whose lease is late once per
         renewal it missed (its loss is found by no worker when none was talking to it: the survivors were
-        waiting at the step's commit, say). Once per tick, before the election and the decisions."""
+        waiting at the step's commit, say); and once one machine is found gone, every other. Once per tick,
+        before the election and the decisions."""
         generation = ms.current_generation(self.store)
         reports = ms.lost_peer_reports(self.store, generation) if generation >= 0 else 0
         suspects = set()
@@ -76,9 +77,21 @@ class PeerWatch:
             if self.leases.late(machine) and self._late_probed.get(machine) != self.leases.beat(machine):
                 self._late_probed[machine] = self.leases.beat(machine)
                 suspects.add(machine)
-        suspects -= self.dead | {self.machine}
+        if self._probe(suspects):  # machines are lost together (a zone, a rack): one found gone makes every
+            # other a suspect, so that those whose lease is not late yet are lost in the same generation
+            self._probe(set(range(mc.count(self.store))) - suspects)
+
+    def probe_everyone(self) -> None:
+        """Probe every machine not counted lost yet (see :meth:`probe`)."""
+        self._probe(set(range(mc.count(self.store))))
+
+    def _probe(self, suspects: set[int]) -> set[int]:
+        """Adds those of ``suspects`` whose agent refuses a connection to :attr:`refusing`; returns them."""
         timeout = min(0.2, self.lease / 5)
-        self.refusing |= {m for m in sorted(suspects) if mc.refuses(self.store, m, timeout)}
+        suspects = suspects - self.dead - self.refusing - {self.machine}
+        found = {m for m in sorted(suspects) if mc.refuses(self.store, m, timeout)}
+        self.refusing |= found
+        return found
 
     def await_suspects(self) -> None:
         """Machines lost together (a zone, a rack) stop renewing at the same moment, but their last renewals
@@ -200,8 +213,11 @@ class CoordinatorRole:
         if lost or leaving:
             if lost:
                 proven = {m for machine in self.peers.refusing for m in mc.members_of(self.store, machine)}
-                if not lost <= proven:  # machines found gone by one probe need no wait to be grouped
-                    time.sleep(self.settle)  # losses that arrive together are handled together
+                time.sleep(self.settle)  # losses that arrive together are handled together: the processes of
+                # machines SIGKILLed together release their sockets up to a few hundred ms apart under load
+                if lost <= proven:
+                    self.peers.probe_everyone()
+                else:  # a lease expired: others may expire up to a renewal period later
                     self.peers.await_suspects()
                 lost |= self._collect()
                 coordinator.lost |= lost

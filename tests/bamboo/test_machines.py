@@ -250,6 +250,35 @@ def test_a_machine_gone_while_nobody_talked_to_it_is_found_by_its_late_lease_not
             agent.liveness.close()
 
 
+def test_one_machine_found_gone_makes_every_other_a_suspect() -> None:
+    """Machines lost together stop renewing up to a renewal period apart: when the probe of a late machine
+    finds its agent gone, every other machine is probed in the same round, so one whose lease is not late yet
+    is lost in the same generation; a live one is probed and not counted."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    url = f"tcp://127.0.0.1:{server.port}"
+    quiet = {"log": lambda *args, **kwargs: None}
+    lease = 3.0
+    agents = [Agent(["true"], 1, url, "rack", 4, 4, node_lease=lease, **quiet) for _ in range(4)]
+    watcher, late, not_late_yet, alive = agents
+    try:
+        others = [late.machine, not_late_yet.machine, alive.machine]
+        watcher.peers.leases.observe(others)
+        late.own_lease.done.set()
+        late.liveness.close()
+        late_by = time.monotonic() + mc.renewal_period(lease) * 1.25 + 0.2
+        while time.monotonic() < late_by:
+            watcher.peers.leases.observe(others)
+            time.sleep(0.05)
+        not_late_yet.liveness.close()  # gone a moment ago: its last renewal is still fresh
+        assert watcher.peers.leases.late(late.machine) and not watcher.peers.leases.late(not_late_yet.machine)
+        watcher.peers.probe()
+        assert watcher.peers.refusing == {late.machine, not_late_yet.machine}
+    finally:
+        for agent in agents:
+            agent.own_lease.done.set()
+            agent.liveness.close()
+
+
 class _OneSlowAnswer:
     """A store whose first lease renewal hangs ``hang`` seconds and then fails (an overloaded etcd)."""
 

@@ -306,8 +306,7 @@ def lose_two_at_once(
     job, host_of = start_job(net, out, tmp_path, hold="0:3:file", per_node=1, train=train)
     try:
         job.wait_for("step 3 of member 0", lambda: (out / "reached3_member0").exists())
-        for machine in lost:
-            net.kill_host(host_of[machine])
+        net.kill_hosts([host_of[machine] for machine in lost])
         (out / "release3").write_text("")
         survivor = job.procs[host_of[0].index]
         job.wait_for("the job's end", lambda: survivor.poll() is not None)  # type: ignore[attr-defined]
