@@ -68,17 +68,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WARNING: {', '.join(estimated)} ESTIMATED from the FR time only (the replica's optimizer "
               "step and sync are not in it: the step without redundancy is priced too slow, against "
               "checkpoint-restart and on-demand); measure it: the probe with redundancy=False")
+    if costs.peers_failover_s is None and any(c.recovery == "peers" for c in advice.candidates):
+        print("WARNING: recovery='peers' failovers PRICED AS THE REPLICA'S (costs.failover_s): these costs "
+              "hold no measured peers failover (costs.peers_failover_s: state moved from a peer pipeline)")
     print(f"PROJECTED (the replay of the trace with these costs; checkpoint-restart at "
           f"{', '.join(f'{f:g}' for f in INTERVAL_FACTORS)} x Young/Daly); per {PER:,} samples:")
-    print(f"{'configuration':<54}{'FR':>4}{'samples/s':>11}{'$/hour':>9}{'hours':>9}{'dollars':>10}"
+    print(f"{'configuration':<54}{'recovery':>16}{'samples/s':>11}{'$/hour':>9}{'hours':>9}{'dollars':>10}"
           f"{'samples/$':>12}")
     for c in sorted(advice.candidates, key=lambda c: -c.result.value):
         r = c.result
         mark = "  <- recommended" if c is advice.recommended else ""
         note = f"  ({c.note})" if c.note else ""
-        fr = "on" if c.name.startswith("bamboo") else "off"
-        print(f"{c.name:<54}{fr:>4}{r.samples_per_s:>11.3f}{r.dollars_per_hour:>9.2f}{hours(r):>9.2f}"
-              f"{dollars(r):>10.2f}{r.value:>12.1f}{mark}{note}")
+        print(f"{c.name:<54}{c.recovery or '-':>16}{r.samples_per_s:>11.3f}{r.dollars_per_hour:>9.2f}"
+              f"{hours(r):>9.2f}{dollars(r):>10.2f}{r.value:>12.1f}{mark}{note}")
     if advice.validation is None:
         print("WARNING: NOT VALIDATED: the costs hold no live run to check the replay against (the probe's "
               "validation window: train more steps after the measured ones)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lightning_bamboo.layout.ownership import RECOVERY_MODES
 from lightning_bamboo.simulate.costs import Costs
 from lightning_bamboo.simulate.model import (
     Prices,
@@ -12,7 +13,7 @@ from lightning_bamboo.simulate.model import (
     simulate_checkpoint_restart,
     young_daly_interval,
 )
-from lightning_bamboo.simulate.run import Validation, replay, validate
+from lightning_bamboo.simulate.run import Validation, replay, replay_bamboo, validate
 from lightning_bamboo.simulate.traces import Trace
 
 INTERVAL_FACTORS = (0.5, 1.0, 2.0)
@@ -21,12 +22,14 @@ INTERVAL_FACTORS = (0.5, 1.0, 2.0)
 
 @dataclass(frozen=True)
 class Candidate:
-    """One configuration (``system:stages=S[:key=value]``) and its replay."""
+    """One configuration (``system:stages=S[:key=value]``) and its replay; ``recovery``: Bamboo's mode
+    (``BambooStrategy(recovery=...)``), ``None`` for the other systems."""
 
     name: str
     stages: int
     result: Result
     note: str = ""
+    recovery: str | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,13 @@ def measured_stages(costs: Costs) -> list[int]:
     return sorted(s for s in both if s >= 2)
 
 
+def priced_recoveries(costs: Costs, stages: int) -> list[str]:
+    """The recovery modes whose failure-free step the costs measured at ``stages`` stages
+    (``"replica+forward"`` always: the measured stage counts have it)."""
+    return [mode for mode in RECOVERY_MODES
+            if any(int(k.split("x")[0]) == stages for k in costs.recovery_steps(mode))]
+
+
 def advise(
     trace: Trace,
     costs: Costs,
@@ -66,9 +76,10 @@ def advise(
     compression: float,
     max_pipelines: int | None = None,
 ) -> Advice:
-    """Replay every candidate: per measured stage count, Bamboo (redundancy on, checkpoints only if it falls
-    back), checkpoint-restart at the Young/Daly interval times each of :data:`INTERVAL_FACTORS`, and
-    on-demand machines; recommend the most samples per dollar (on-demand included).
+    """Replay every candidate: per measured stage count, Bamboo under every recovery mode the costs price
+    (:func:`priced_recoveries`; checkpoints only if it falls back), checkpoint-restart at the Young/Daly
+    interval times each of :data:`INTERVAL_FACTORS`, and on-demand machines; recommend the most samples per
+    dollar (on-demand included).
 
     Raises:
         ValueError: when the costs measured no stage count for both systems, or their live results are
@@ -85,10 +96,14 @@ def advise(
     on_demand: dict[int, Candidate] = {}
     for stages in stages_measured:
         comparison = replay(trace, costs, stages, prices, compression, max_pipelines=max_pipelines)
-        checkpoints = comparison.bamboo.checkpoint_interval_s
-        candidates.append(Candidate(f"bamboo:stages={stages}", stages, comparison.bamboo,
-                                    "no checkpoints" if checkpoints is None else
-                                    f"falls back: checkpoints every {checkpoints:.3g} s (Young/Daly)"))
+        for recovery in priced_recoveries(costs, stages):
+            bamboo = comparison.bamboo if recovery == "replica+forward" else replay_bamboo(
+                trace, costs, stages, prices.spot, recovery, compression=compression, cap=max_pipelines)
+            checkpoints = bamboo.checkpoint_interval_s
+            candidates.append(Candidate(f"bamboo:stages={stages}:recovery={recovery}", stages, bamboo,
+                                        "no checkpoints" if checkpoints is None else
+                                        f"falls back: checkpoints every {checkpoints:.3g} s (Young/Daly)",
+                                        recovery))
         duration = trace.duration_s / compression
         groups = trace.removal_groups()
         mtbf = duration / groups if groups else math.inf

@@ -166,7 +166,8 @@ def build(run: Run, ranks: Sequence[RankReport], reference: Costs, reference_pat
     measured = f"measured: {run.measured_steps} of this run"
     ref = f"reference: {reference_path}"
     sources: dict[str, str] = {}
-    costs: dict[str, Any] = {"step_s_by_layout": {}, "checkpoint_restart_step_s_by_layout": {}}
+    costs: dict[str, Any] = {"step_s_by_layout": {}, "checkpoint_restart_step_s_by_layout": {},
+                             "replica_step_s_by_layout": {}}
     own, other = ("step_s_by_layout", "checkpoint_restart_step_s_by_layout") if run.redundancy else \
         ("checkpoint_restart_step_s_by_layout", "step_s_by_layout")
     costs[own][run.layout] = step_s
@@ -178,6 +179,10 @@ def build(run: Run, ranks: Sequence[RankReport], reference: Costs, reference_pat
         sources[f"{other}[{run.layout}]"] = (
             f"{WITHOUT_FR}: {run.without_fr_measured_steps} of this run ({step}, the replica forwards "
             "switched off; the replica's exchange and optimizer step still ran)")
+        costs["replica_step_s_by_layout"][run.layout] = costs[other][run.layout]  # recovery="replica"'s step
+        sources[f"replica_step_s_by_layout[{run.layout}]"] = (
+            f"measured: {run.without_fr_measured_steps} of this run ({step}, recovery='replica': the replica "
+            "kept current, its forwards switched off)")
     elif run.redundancy:
         costs[other][run.layout] = plain_step_estimate(step_s, stages)
         sources[f"{other}[{run.layout}]"] = (
@@ -245,8 +250,9 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     if old.get("producer") != PRODUCER or old.get("fingerprint") != new["fingerprint"]:
         return new
     out = json.loads(json.dumps(new))
-    for key in ("step_s_by_layout", "checkpoint_restart_step_s_by_layout", "relaunch_s_by_layout",
-                "relaunch_warmup_s_by_layout"):
+    for key in ("step_s_by_layout", "checkpoint_restart_step_s_by_layout", "replica_step_s_by_layout",
+                "relaunch_s_by_layout", "relaunch_warmup_s_by_layout"):
+        out["costs"].setdefault(key, {})
         for layout, value in old["costs"].get(key, {}).items():
             name = f"{key}[{layout}]"
             old_source = old["sources"].get(name, "")

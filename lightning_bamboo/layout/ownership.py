@@ -29,6 +29,11 @@ from dataclasses import dataclass, field
 
 from lightning_bamboo.layout.view import fused_positions
 
+#: How a lost worker's stages are recovered (``BambooStrategy(recovery=...)``): from the replica its
+#: predecessor keeps current, the same with the replica's eager forwards in the bubbles (Bamboo's paper
+#: schedule), or from a data-parallel peer pipeline's copy of the stage (no redundancy at all).
+RECOVERY_MODES = ("replica", "replica+forward", "peers")
+
 
 class FallbackNeeded(RuntimeError):
     """Redundancy cannot cover the loss: the survivors must resume from the last checkpoint."""
@@ -156,8 +161,11 @@ def initial(num_stages: int, members: Iterable[int]) -> OwnershipMap:
     return OwnershipMap(0, num_stages, pipelines, tuple(ordered[count * num_stages :]))
 
 
-def failover(old: OwnershipMap, lost: Iterable[int]) -> OwnershipMap:
+def failover(old: OwnershipMap, lost: Iterable[int], replicas: bool = True) -> OwnershipMap:
     """The next generation after ``lost`` members disappeared (see the module docstring for the rules).
+    ``replicas=False`` (``recovery="peers"``: no member holds a replica) keeps only the pipelines that peers
+    cover; the runtime reaches the same outcome either way (a stage no survivor owns is held by nobody, and
+    then no pipeline is kept), the replay and the risk report decide it here, up front.
 
     Raises:
         FallbackNeeded: no pipeline can be kept.
@@ -175,7 +183,7 @@ def failover(old: OwnershipMap, lost: Iterable[int]) -> OwnershipMap:
             pipelines[pipeline] = dict(old.pipelines[pipeline])
             continue
         n = len(positions)
-        by_replicas = n > 1 and all(alive[i] or alive[(i - 1) % n] for i in range(n))
+        by_replicas = replicas and n > 1 and all(alive[i] or alive[(i - 1) % n] for i in range(n))
         by_peers = any(alive) and all(
             alive[i] or set(stages) <= held_by_peers for i, (_, stages) in enumerate(positions)
         )

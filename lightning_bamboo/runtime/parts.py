@@ -18,6 +18,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning_bamboo.checkpoint import periodic
 from lightning_bamboo.checkpoint.stages import StageCheckpoints
 from lightning_bamboo.control import store as ms
+from lightning_bamboo.layout.ownership import RECOVERY_MODES
 from lightning_bamboo.runtime.events import Events
 from lightning_bamboo.runtime.fallback import Fallback
 from lightning_bamboo.runtime.formation import Formation
@@ -67,11 +68,6 @@ class Options:
         if isinstance(self.timeout, (int, float)):
             object.__setattr__(self, "timeout", timedelta(seconds=self.timeout))
 
-
-#: How a lost worker's stages are recovered (``BambooStrategy(recovery=...)``): from the replica its
-#: predecessor keeps current, the same with the replica's eager forwards in the bubbles (Bamboo's paper
-#: schedule), or from a data-parallel peer pipeline's copy of the stage (no redundancy at all).
-RECOVERY_MODES = ("replica", "replica+forward", "peers")
 
 
 def resolve_recovery(recovery: str | None, redundancy: bool | None) -> str:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_bamboo.layout.ownership import RECOVERY_MODES
+
 DEFAULT_COSTS = Path("benchmarks/results/bamboo_preemption.json")
 PRODUCER = "python benchmarks/bamboo_preemption.py --out benchmarks/results/bamboo_preemption.json"
 SCHEMA = 2
@@ -40,10 +42,30 @@ class Costs:
     relaunch_warmup_s_by_layout: dict[str, float] = field(default_factory=dict)
     failover_warmup_s: float = 0.0
     rejoin_warmup_s: float = 0.0
+    replica_step_s_by_layout: dict[str, float] = field(default_factory=dict)
+    """The failure-free step of ``recovery="replica"`` (the replica kept current, no ``FR``) per layout;
+    ``step_s_by_layout`` is ``"replica+forward"``'s and ``cr_step_s_by_layout`` the step without a replica,
+    ``"peers"``'s. Empty: not measured (the mode is not priced)."""
+    peers_failover_s: float | None = None
+    """A failover under ``recovery="peers"`` (the lost stages' state fetched from a peer pipeline); None:
+    priced as ``failover_s`` (the same control path, the state moved instead of promoted)."""
     fused_slowdown: float | None = None
     """A step of a map with fused positions takes this many times the full layout's step (a projection's
     published figure, lightning_bamboo/simulate/scenarios); None: the shortest pipeline's rule (map_rate)."""
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def recovery_steps(self, recovery: str) -> dict[str, float]:
+        """The failure-free step per layout of Bamboo under ``recovery`` (``{}``: not measured)."""
+        if recovery not in RECOVERY_MODES:
+            modes = ", ".join(map(repr, RECOVERY_MODES))
+            raise ValueError(f"recovery must be one of {modes}, got {recovery!r}")
+        return {"replica+forward": self.step_s_by_layout, "replica": self.replica_step_s_by_layout,
+                "peers": self.cr_step_s_by_layout}[recovery]
+
+    def recovery_failover_s(self, recovery: str) -> float:
+        """What a failover pauses the job under ``recovery``."""
+        return self.peers_failover_s if recovery == "peers" and self.peers_failover_s is not None \
+            else self.failover_s
 
     def restart_parts(self, stop: str | None, stages: int, pipelines: int) -> tuple[float, float, float]:
         """Checkpoint-restart's pause for one restart as its three measured parts ``(stop, relaunch,
@@ -119,6 +141,9 @@ def load_costs(path: str | Path) -> Costs:
         fallback_s=_seconds(costs.get("fallback_s"), "costs.fallback_s", path, allow_none=True),
         cr_step_s_by_layout={k: float(v) for k, v in cr_layout.items()},
         step_s_by_shape={k: float(v) for k, v in (costs.get("step_s_by_shape") or {}).items()},
+        replica_step_s_by_layout=_durations(costs, "replica_step_s_by_layout", path, required=False),
+        peers_failover_s=_seconds(costs.get("peers_failover_s"), "costs.peers_failover_s", path,
+                                  allow_none=True),
         rejoin_delay_s=_seconds(  # type: ignore[arg-type]
             costs.get("rejoin_delay_s") or 0.0, "costs.rejoin_delay_s", path
         ),
@@ -135,8 +160,12 @@ def load_costs(path: str | Path) -> Costs:
     )
 
 
-def _durations(costs: dict[str, Any], key: str, path: Path, layouts: bool = True) -> dict[str, float]:
-    """A required object of durations (keyed by layout ``'SxP'`` when ``layouts``)."""
+def _durations(costs: dict[str, Any], key: str, path: Path, layouts: bool = True,
+               required: bool = True) -> dict[str, float]:
+    """An object of durations (keyed by layout ``'SxP'`` when ``layouts``); ``{}`` when not ``required``
+    and absent."""
+    if not required and costs.get(key) is None:
+        return {}
     value = _need(costs, key, "costs.", path)
     if not isinstance(value, dict):
         raise ValueError(f"{path}: costs.{key} must be an object of seconds, got {value!r}")

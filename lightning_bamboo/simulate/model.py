@@ -159,8 +159,13 @@ def shape_key(owners: OwnershipMap) -> str:
     return "+".join(str(n) for n in lengths)
 
 
-def map_rate(owners: OwnershipMap, costs: Costs) -> float:
-    """Samples/s of the job laid out as ``owners``.
+def map_rate(owners: OwnershipMap, costs: Costs, recovery: str = "replica+forward") -> float:
+    """Samples/s of the job laid out as ``owners`` under ``recovery``: the rate below for
+    ``"replica+forward"`` (the mode the live benchmark and the probe run), times the full layout's
+    measured speed-up of the mode over it at the same ``S x P`` (``Costs.recovery_steps``): a map with
+    fused positions is assumed to gain from dropping the replica's work what its full layout gains.
+
+    The ``"replica+forward"`` rate:
 
     The measured step time of its shape when the benchmark saw it (``step_s_by_layout``/``step_s_by_shape``).
     Otherwise a step waits for its slowest pipeline, the one with the fewest positions ``L`` (its members run
@@ -169,6 +174,15 @@ def map_rate(owners: OwnershipMap, costs: Costs) -> float:
     :func:`rate`); if no ``L``-position layout was measured, ``S x P``'s rate times ``L / S`` (the busiest
     member runs ``S / L`` times the layers). Stated in docs/bamboo-replay.md.
     """
+    base = _replica_forward_rate(owners, costs)
+    if recovery == "replica+forward":
+        return base
+    stages, pipelines = owners.num_stages, len(owners.pipelines)
+    mode = rate(costs.recovery_steps(recovery), stages, pipelines, costs.samples_per_step)
+    return base * mode / rate(costs.step_s_by_layout, stages, pipelines, costs.samples_per_step)
+
+
+def _replica_forward_rate(owners: OwnershipMap, costs: Costs) -> float:
     key = shape_key(owners)
     if key in costs.step_s_by_shape:
         return costs.samples_per_step / costs.step_s_by_shape[key]
@@ -205,9 +219,14 @@ def simulate_bamboo(
     cap: int | None = None,
     checkpoint_interval_s: float | None = None,
     points: int = 400,
+    recovery: str = "replica+forward",
 ) -> Result:
     """Bamboo as its runtime re-forms: the replay keeps the job's ownership map and changes it with the
-    runtime's own rules (:mod:`lightning_bamboo.layout.ownership`). A loss of a member costs ``failover_s``
+    runtime's own rules (:mod:`lightning_bamboo.layout.ownership`), under ``recovery``
+    (``BambooStrategy(recovery=...)``: its failure-free step, :func:`map_rate`; its failover cost,
+    ``Costs.recovery_failover_s``; under ``"peers"`` a stage is recovered only from another pipeline, so a
+    stage lost in every pipeline, or any loss of a one-pipeline job, falls back). A loss of a member costs
+    ``failover_s``
     (:func:`~lightning_bamboo.layout.ownership.failover`: a replica takes over and the member before it runs
     the lost stages fused; a pipeline that lost two adjacent positions is kept when other pipelines'
     survivors own the stages it lost, else dropped and its survivors wait as spares); a loss no pipeline
@@ -249,8 +268,8 @@ def simulate_bamboo(
         else:
             if lost & set(owners.members()):
                 try:
-                    owners = failover(owners, lost)
-                    clock.pause(costs.failover_s + costs.failover_warmup_s)
+                    owners = failover(owners, lost, replicas=recovery != "peers")
+                    clock.pause(costs.recovery_failover_s(recovery) + costs.failover_warmup_s)
                     _count(result, "failovers")
                 except FallbackNeeded:
                     survivors = [m for m in owners.members() + list(owners.spares) if m not in lost]
@@ -274,7 +293,7 @@ def simulate_bamboo(
                 owners = grown
         state["map"] = owners
         clock.nodes = len(alive)
-        clock.rate = map_rate(owners, costs) if owners is not None else 0.0
+        clock.rate = map_rate(owners, costs, recovery) if owners is not None else 0.0
 
     return _replay(result, timeline, compression, clock, on_events)
 

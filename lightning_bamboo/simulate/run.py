@@ -50,28 +50,38 @@ def replay(
     on_demand_nodes: int | None = None,
     max_pipelines: int | None = None,
     points: int = 400,
+    recovery: str = "replica+forward",
 ) -> Comparison:
-    """Replay ``trace`` (its times divided by ``compression``) against Bamboo, checkpoint-restart, on-demand.
+    """Replay ``trace`` (its times divided by ``compression``) against Bamboo (under ``recovery``),
+    checkpoint-restart, on-demand.
 
     ``stages`` defaults to the benchmark's; ``on_demand_nodes`` to the trace's mean node count rounded to
-    a multiple of ``stages``. Bamboo checkpoints only if its replay has fallbacks (then at the Young/Daly
-    interval of its fallback rate).
+    a multiple of ``stages``.
     """
     if compression <= 0:
         raise ValueError(f"compression must be > 0, got {compression}")
     prices = prices or Prices()
     stages = stages or costs.num_stages
     kwargs: dict[str, Any] = {"compression": compression, "cap": max_pipelines, "points": points}
-    bamboo = simulate_bamboo(trace, costs, stages, prices.spot, **kwargs)
-    fallbacks = bamboo.counts.get("fallbacks", 0)
-    if fallbacks:
-        interval = young_daly_interval(costs.checkpoint_s, bamboo.duration_s / fallbacks)
-        bamboo = simulate_bamboo(trace, costs, stages, prices.spot, checkpoint_interval_s=interval, **kwargs)
+    bamboo = replay_bamboo(trace, costs, stages, prices.spot, recovery, **kwargs)
     cr = simulate_checkpoint_restart(trace, costs, stages, prices.spot, **kwargs)
     if on_demand_nodes is None:
         on_demand_nodes = stages * max(1, round(trace.mean_nodes() / stages))
     od = simulate_on_demand(trace, costs, stages, prices.on_demand, on_demand_nodes, compression, points)
     return Comparison(bamboo, cr, od)
+
+
+def replay_bamboo(trace: Trace, costs: Costs, stages: int, price: float, recovery: str,
+                  **kwargs: Any) -> Result:
+    """Bamboo under ``recovery`` (:func:`~lightning_bamboo.simulate.model.simulate_bamboo`), checkpointing
+    only if its replay has fallbacks (then at the Young/Daly interval of its fallback rate)."""
+    bamboo = simulate_bamboo(trace, costs, stages, price, recovery=recovery, **kwargs)
+    fallbacks = bamboo.counts.get("fallbacks", 0)
+    if fallbacks:
+        interval = young_daly_interval(costs.checkpoint_s, bamboo.duration_s / fallbacks)
+        bamboo = simulate_bamboo(trace, costs, stages, price, checkpoint_interval_s=interval,
+                                 recovery=recovery, **kwargs)
+    return bamboo
 
 
 @dataclass
@@ -126,7 +136,8 @@ def validate(costs: Costs) -> Validation:
         trace = parse_events(applied, run["wall_s"], start, stages * pipelines)
         interval = run.get("checkpoint_interval_s") or None
         if system == "bamboo":
-            result = simulate_bamboo(trace, costs, stages, 1.0, cap=pipelines, checkpoint_interval_s=interval)
+            result = simulate_bamboo(trace, costs, stages, 1.0, cap=pipelines, checkpoint_interval_s=interval,
+                                     recovery=str(run.get("recovery", "replica+forward")))
         else:
             result = simulate_checkpoint_restart(
                 trace, costs, stages, 1.0, cap=pipelines, checkpoint_interval_s=interval,

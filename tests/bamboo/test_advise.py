@@ -43,7 +43,7 @@ def test_every_candidate_is_replayed_and_the_best_value_recommended(tmp_path: Pa
     interval = young_daly_interval(costs.checkpoint_s, 40.0 / trace.removal_groups())
     names = [c.name for c in advice.candidates]
     assert names == [
-        "bamboo:stages=2",
+        "bamboo:stages=2:recovery=replica+forward",
         f"checkpoint_restart:stages=2:checkpoint_every={interval * 0.5:.3g}s",
         f"checkpoint_restart:stages=2:checkpoint_every={interval:.3g}s",
         f"checkpoint_restart:stages=2:checkpoint_every={interval * 2:.3g}s",
@@ -55,6 +55,29 @@ def test_every_candidate_is_replayed_and_the_best_value_recommended(tmp_path: Pa
     assert advice.value_vs_on_demand == pytest.approx(
         advice.recommended.result.value / advice.on_demand.result.value)
     assert advice.validation.sim_error == pytest.approx(1.6 / 48.0)  # the fixture's worked-out validation
+
+
+def test_every_priced_recovery_mode_is_a_candidate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Costs that measured the step of ``recovery="replica"`` and of a run without a replica make each mode
+    a candidate of its own; the fixture's trace loses one stage of one pipeline, which every mode covers,
+    so the cheapest failure-free step (peers) trains the most and is recommended."""
+    data = json.loads(FIXTURE.read_text())
+    data["costs"]["replica_step_s_by_layout"] = {"2x2": 0.45}
+    data["costs"]["checkpoint_restart_step_s_by_layout"] = {"2x2": 0.4, "2x1": 0.8}
+    (tmp_path / "modes.json").write_text(json.dumps(data))
+    costs = load_costs(tmp_path / "modes.json")
+    advice = advise(parse_trace(trace_file(tmp_path)), costs, Prices(spot=1.0, on_demand=3.0), 1.0, 2)
+    bamboo = {c.recovery: c.result.samples_per_s for c in advice.candidates if c.name.startswith("bamboo")}
+    assert list(bamboo) == ["replica", "replica+forward", "peers"]
+    assert bamboo["peers"] > bamboo["replica"] > bamboo["replica+forward"]
+    assert advice.recommended.name == "bamboo:stages=2:recovery=peers"
+    assert main(["--costs", str(tmp_path / "modes.json"), "--trace", str(trace_file(tmp_path)),
+                 "--compression", "1", "--max-pipelines", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: recovery='peers' failovers PRICED AS THE REPLICA'S" in out  # assumed, and said so
+    assert out.splitlines()[-1].startswith("advice=bamboo:stages=2:recovery=peers ")
 
 
 def test_cli_prints_the_table_and_its_last_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -152,6 +175,7 @@ def test_steps_measured_with_fr_switched_off_are_the_step_without_redundancy(tmp
     costs = load_costs(tmp_path / "c.json")
     assert costs.step_s_by_layout == {"2x1": pytest.approx(0.1)}
     assert costs.cr_step_s_by_layout == {"2x1": pytest.approx(0.075)}  # the mean over ranks, not estimated
+    assert costs.replica_step_s_by_layout == {"2x1": pytest.approx(0.075)}  # recovery="replica"'s own step
     source = data["sources"]["checkpoint_restart_step_s_by_layout[2x1]"]
     # blocks of 2 in turn: with FR (3-4, 9-10, 15), without (5-6, 11-12, 17), validation (7-8, 13-14, 16)
     assert source.startswith("measured with FR switched off: 5 of steps 5-17 (one block in 3 of 2) of this")
@@ -161,6 +185,7 @@ def test_steps_measured_with_fr_switched_off_are_the_step_without_redundancy(tmp
     for merged in (costs_file.merge(off, data), costs_file.merge(data, off)):
         assert merged["costs"]["checkpoint_restart_step_s_by_layout"] == {"2x1": pytest.approx(0.06)}
         assert merged["costs"]["step_s_by_layout"] == {"2x1": pytest.approx(0.1)}
+        assert merged["costs"]["replica_step_s_by_layout"] == {"2x1": pytest.approx(0.075)}  # three modes
     estimated = costs_file.build(run_of(True), [rank(0, 0.1, 0.01), rank(1, 0.1, 0.02)], load_costs(FIXTURE),
                                  "r")
     merged = costs_file.merge(data, estimated)  # and the measured one is kept over a later estimate
@@ -264,6 +289,7 @@ def test_probe_on_the_gpt_recipe_writes_sane_costs_and_the_advisor_validates_aga
     assert data["sources"]["checkpoint_restart_step_s_by_layout[2x1]"].startswith(
         f"measured with FR switched off: {PROBE_STEPS} of steps {WARMUP + 2}-{WARMUP + 3 * PROBE_STEPS - 1} ")
     assert costs.cr_step_s_by_layout["2x1"] > 0  # the mean over ranks (rank 0's steps are listed above)
+    assert costs.replica_step_s_by_layout == {"2x1": costs.cr_step_s_by_layout["2x1"]}  # recovery="replica"
     assert costs.checkpoint_s > 0 and costs.relaunch_s_by_layout["2x1"] > costs.checkpoint_s
     stages = data["stages"]["2x1"]
     assert [s["stage"] for s in stages] == [0, 1]

@@ -239,3 +239,51 @@ def test_unmeasured_stage_count_is_a_clear_error(capsys: pytest.CaptureFixture[s
         "error: no measured step time for a layout with 4 stages (for 4x4, stages x pipelines); "
         "measured layouts: ['1x1', '2x1', '2x2'] (choose --stages among them)"
     )
+
+
+def _with_recovery_costs(tmp_path: Path) -> Path:
+    """The fixture with the other two modes' steps: ``recovery="replica"`` 0.45 s at 2x2 (the replica kept
+    current without its forwards), ``"peers"`` (no replica: checkpoint-restart's step) 0.4 s, and a peers
+    failover of 2 s."""
+    data = json.loads(FIXTURE.read_text())
+    data["costs"]["replica_step_s_by_layout"] = {"2x2": 0.45, "2x1": 0.9}
+    data["costs"]["checkpoint_restart_step_s_by_layout"] = {"2x2": 0.4, "2x1": 0.8}
+    data["costs"]["peers_failover_s"] = 2.0
+    path = tmp_path / "modes.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_each_recovery_mode_by_hand(tmp_path: Path) -> None:
+    """The fixture's trace (2x2 at 32 samples a step; node4 lost at 10 s, node5 joins at 20 s) under each
+    mode: its full layout's rate, the degraded map (one pipeline fused, FR's 32/s) scaled by the same
+    speed-up, and its failover's pause (+ the 0.5 s warm-up); the rejoin pauses 3 s in every mode."""
+    costs = load_costs(_with_recovery_costs(tmp_path))
+    trace, _ = fixture_trace()
+    samples = {mode: simulate_bamboo(trace, costs, 2, price=0.91, cap=2, recovery=mode).samples
+               for mode in ("replica+forward", "replica", "peers")}
+    full, degraded = 32 / 0.45, 32 * 0.5 / 0.45
+    assert samples == pytest.approx({
+        "replica+forward": 10 * 64 + 8 * 32 + 17 * 64,
+        "replica": 10 * full + 8 * degraded + 17 * full,
+        "peers": 10 * 80 + 7.5 * 40 + 17 * 80,  # failover 2 + 0.5 s: degraded from 12.5 s
+    })
+
+
+def test_peers_fall_back_where_only_a_replica_covers(tmp_path: Path) -> None:
+    """Without a replica a stage is recovered only from another pipeline: the same stage lost in both
+    pipelines at once, and any loss of a one-pipeline job, fall back to the checkpoint under ``"peers"``
+    where the replica modes fail over."""
+    costs = load_costs(_with_recovery_costs(tmp_path))
+    same_stage = tmp_path / "same.csv"  # members 1 and 3: stage 1 of both pipelines
+    same_stage.write_text("0,add,a\n0,add,b\n0,add,c\n0,add,d\n10000,remove,b\n10000,remove,d\n")
+    one_pipeline = tmp_path / "one.csv"
+    one_pipeline.write_text("0,add,a\n0,add,b\n10000,remove,b\n")
+    for path, cap in ((same_stage, 2), (one_pipeline, 1)):
+        trace = parse_trace(path, duration_s=20.0)
+        kinds = {"replica": "failovers", "replica+forward": "failovers", "peers": "fallbacks"}
+        for mode, kind in kinds.items():
+            result = simulate_bamboo(trace, costs, 2, price=0.91, cap=cap, recovery=mode)
+            assert result.counts == {kind: 1}, (path.name, mode)
+    with pytest.raises(ValueError, match="recovery must be one of 'replica', 'replica\\+forward', 'peers'"):
+        costs.recovery_steps("none")
