@@ -1,0 +1,123 @@
+"""Bamboo's recovery modes side by side: one spot-trace segment applied to each mode on the same machines.
+
+    sudo python benchmarks/bamboo_modes.py [--rounds 3] [--steps 1200] [--seed 0] [--out DIR]
+
+Each round runs ``benchmarks/bamboo_nodes.py`` once per mode of ``BambooStrategy(recovery=...)``
+(``"peers"``, ``"replica"``, ``"replica+forward"``): 3 machines as network namespaces, 2 workers each,
+2 stages x 3 pipelines of the float64 ``PipeMLP``; the p3 segment of ``bamboo_nodes.py``, its machine losses
+and replacements drawn with ``--seed``, the same for every mode. The modes' order rotates from round to round
+(interleaved: a slow spell of the machine does not fall on one mode). Under this placement a machine holds
+different stages of different pipelines (members ``m``, ``m + 3``), so every single machine loss is covered
+by the replicas and by the peers alike: the modes differ in what they pay failure-free and at a failover.
+
+Per mode, medians over the rounds of: the failure-free step of the full layout (before the first loss), the
+committed samples/s while the segment's events are applied, every failover (a machine loss to the first step
+committed by the next generation), and whether the final parameters and optimizer state equal the
+uninterrupted single-process run's (``exact``). The line before the last is JSON (per mode and per run);
+the last line, exactly::
+
+    peers_overhead=<failure-free step, peers / no fault tolerance> replica_overhead=<failure-free step,
+    replica / no fault tolerance> peers_vs_replica=<committed samples/s under the trace, peers / replica>
+    best_vs_checkpoint_restart=<samples/s, best mode / checkpoint-restart> failover_s=<median, worst mode>
+    exact=<true if every mode's final state equals the uninterrupted run>
+
+(one line). NOT BUILT YET: the run without fault tolerance (the same pipeline under torchrun, no agent, no
+commit protocol) and checkpoint-restart on these machines: ``peers_overhead``, ``replica_overhead`` and
+``best_vs_checkpoint_restart`` print ``nan``; the JSON gives the modes' steps relative to ``"peers"``, the
+cheapest mode, instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+NODES = REPO / "benchmarks" / "bamboo_nodes.py"
+MODES = ("peers", "replica", "replica+forward")
+
+
+def median(values: list[float]) -> float:
+    values = [v for v in values if not math.isnan(v)]
+    return statistics.median(values) if values else float("nan")
+
+
+def run_mode(mode: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """One ``bamboo_nodes.py`` run of ``mode``; its JSON result (the line before its last)."""
+    command = [sys.executable, str(NODES), "--recovery", mode, "--steps", str(args.steps), "--seed",
+               str(args.seed), "--lease", str(args.lease), "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
+    (out / "bench.log").write_text(done.stdout + done.stderr)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or len(lines) < 2:
+        raise RuntimeError(f"{mode}: bamboo_nodes.py exited {done.returncode}; see {out / 'bench.log'}")
+    return json.loads(lines[-2])
+
+
+def summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per mode: medians over its runs, every failover, and whether every run was exact."""
+    out = {}
+    for mode, results in runs.items():
+        out[mode] = {
+            "full_layout_step_s": median([r["full_layout_step_s"] for r in results]),
+            "segment_samples_per_s": median([r["segment_samples_per_s"] for r in results]),
+            "failover_s": [f for r in results for f in r["failover_s"]],
+            "failover_median_s": median([f for r in results for f in r["failover_s"]]),
+            "exact": all(r["exact"] for r in results),
+            "events_not_applied": sum(r["events_not_applied"] for r in results),
+        }
+    peers_step = out["peers"]["full_layout_step_s"]
+    for mode in out:
+        out[mode]["step_vs_peers"] = out[mode]["full_layout_step_s"] / peers_step
+    return out
+
+
+def last_line(modes: dict[str, dict[str, Any]]) -> str:
+    rates = {m: s["segment_samples_per_s"] for m, s in modes.items()}
+    worst_failover = max((s["failover_median_s"] for s in modes.values()), default=float("nan"))
+    exact = all(s["exact"] for s in modes.values())
+    nan = float("nan")
+    return (f"peers_overhead={nan:.3f} replica_overhead={nan:.3f} "
+            f"peers_vs_replica={rates['peers'] / rates['replica']:.3f} best_vs_checkpoint_restart={nan:.3f} "
+            f"failover_s={worst_failover:.3f} exact={'true' if exact else 'false'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3, help="runs per mode, interleaved")
+    parser.add_argument("--steps", type=int, default=1200, help="steps per run (to outlast the segment)")
+    parser.add_argument("--seed", type=int, default=0, help="which machine each removal takes (every mode)")
+    parser.add_argument("--lease", type=float, default=3.0, help="--node-lease of the agents (seconds)")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds one run may take")
+    parser.add_argument("--out", type=Path, default=None, help="keep every run's files here")
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    with tempfile.TemporaryDirectory(prefix="bamboo-modes-") as tmp:
+        root = args.out or Path(tmp)
+        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+        for round_ in range(args.rounds):
+            order = MODES[round_ % len(MODES):] + MODES[:round_ % len(MODES)]
+            for mode in order:
+                out = root / f"round{round_}-{mode}"
+                out.mkdir(parents=True, exist_ok=True)
+                result = run_mode(mode, args, out)
+                runs[mode].append(result)
+                print(f"[modes] round {round_} {mode}: full-layout step {result['full_layout_step_s']:.3f} "
+                      f"s, {result['segment_samples_per_s']:.1f} samples/s under the segment, failovers "
+                      f"{[round(f, 2) for f in result['failover_s']]} s, exact {result['exact']}", flush=True)
+        modes = summary(runs)
+    print(json.dumps({"modes": modes, "runs": runs, "rounds": args.rounds, "steps": args.steps,
+                      "seed": args.seed}))
+    print(last_line(modes))
+
+
+if __name__ == "__main__":
+    main()

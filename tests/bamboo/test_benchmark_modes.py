@@ -1,0 +1,36 @@
+"""``benchmarks/bamboo_modes.py``'s summary of its runs and its last line (the runs themselves need root and
+network namespaces: ``bamboo_nodes.py``, exercised by ``test_nodes.py``)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from benchmarks.bamboo_modes import last_line, summary
+
+LINE = re.compile(
+    r"peers_overhead=(nan|\d+\.\d{3}) replica_overhead=(nan|\d+\.\d{3}) peers_vs_replica=\d+\.\d{3} "
+    r"best_vs_checkpoint_restart=(nan|\d+\.\d{3}) failover_s=\d+\.\d{3} exact=(true|false)"
+)
+
+
+def run(step: float, rate: float, failovers: list[float], exact: bool = True) -> dict[str, object]:
+    return {"full_layout_step_s": step, "segment_samples_per_s": rate, "failover_s": failovers,
+            "exact": exact, "events_not_applied": 0}
+
+
+def test_medians_per_mode_and_the_worst_modes_failover() -> None:
+    runs = {
+        "peers": [run(0.30, 30.0, [1.0, 1.2]), run(0.32, 28.0, [1.4])],
+        "replica": [run(0.33, 27.0, [1.1]), run(0.35, 25.0, [1.3, float("nan")])],
+        "replica+forward": [run(0.40, 24.0, [2.0, 2.2]), run(0.42, 22.0, [1.8], exact=False)],
+    }
+    modes = summary(runs)
+    assert math.isclose(modes["peers"]["full_layout_step_s"], 0.31)
+    assert math.isclose(modes["peers"]["failover_median_s"], 1.2)
+    # a failover the run could not time (nan) is left out
+    assert math.isclose(modes["replica"]["failover_median_s"], 1.2)
+    assert math.isclose(modes["replica+forward"]["step_vs_peers"], 0.41 / 0.31)
+    line = last_line(modes)
+    assert LINE.fullmatch(line), line
+    assert "peers_vs_replica=1.115 " in line and "failover_s=2.000 " in line and line.endswith("exact=false")
