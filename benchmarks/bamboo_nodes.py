@@ -151,9 +151,14 @@ def main() -> None:
         run(args, Path(work))
 
 
+def global_batch(stages: int) -> int:
+    """The job's global batch: 2 micro-batches of 2 samples per pipeline of ``MACHINES`` x 2 workers."""
+    return 4 * (MACHINES * 2 // stages)
+
+
 def run(args: argparse.Namespace, work: Path) -> None:
     plan = make_plan(REPO / TRACE, *args.segment_ms, args.compression, args.seed, units=MACHINES)
-    batch = 4 * (MACHINES * 2 // args.stages)  # 2 micro-batches of 2 samples per pipeline
+    batch = global_batch(args.stages)
     train = ["--stages", str(args.stages), "--steps", str(args.steps), "--batch-size", str(batch)]
     if args.recovery is not None:
         train += ["--recovery", args.recovery]

@@ -213,11 +213,11 @@ class CoordinatorRole:
         if lost or leaving:
             if lost:
                 proven = {m for machine in self.peers.refusing for m in mc.members_of(self.store, machine)}
-                time.sleep(self.settle)  # losses that arrive together are handled together: the processes of
-                # machines SIGKILLed together release their sockets up to a few hundred ms apart under load
-                if lost <= proven:
+                if lost <= proven:  # found gone: no wait (a failover's time is the job's), one more probe
+                    # of every machine groups the losses that are already visible
                     self.peers.probe_everyone()
                 else:  # a lease expired: others may expire up to a renewal period later
+                    time.sleep(self.settle)  # losses that arrive together are handled together
                     self.peers.await_suspects()
                 lost |= self._collect()
                 coordinator.lost |= lost

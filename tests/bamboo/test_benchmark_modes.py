@@ -34,3 +34,5 @@ def test_medians_per_mode_and_the_worst_modes_failover() -> None:
     line = last_line(modes)
     assert LINE.fullmatch(line), line
     assert "peers_vs_replica=1.115 " in line and "failover_s=2.000 " in line and line.endswith("exact=false")
+    with_baseline = last_line(modes, no_fault_tolerance_step_s=0.25)
+    assert with_baseline.startswith("peers_overhead=1.240 replica_overhead=1.360 "), with_baseline

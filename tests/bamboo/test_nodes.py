@@ -325,16 +325,18 @@ def test_two_machines_lost_at_once_fall_back_to_the_checkpoint(
 ) -> None:
     """One pipeline of 3 stages, one worker per machine, checkpoints every 2 steps in a folder every machine
     sees: machines 1 and 2 (two adjacent stages, whose replicas are each other's) are SIGKILLed together
-    while member 0 waits at the end of step 3. They are lost in ONE generation, of kind ``fallback``:
-    member 0 loads the last complete checkpoint, re-runs the steps since, runs all three stages and ends
-    equal to the uninterrupted run."""
+    while member 0 waits at the end of step 3. Member 0 loads the last complete checkpoint, re-runs the
+    steps since, runs all three stages and ends equal to the uninterrupted run. The coordinator groups the
+    losses it sees in one probe of every machine (one generation, of kind ``fallback``); a machine whose
+    processes are still being torn down by the kernel when the first is found is lost one generation later
+    (``failover`` then ``failover``, the second one's workers falling back), with the same result."""
     reference = reference_run(tmp_path)
     train = ["--stages", "3", "--steps", str(STEPS), "--batch-size", str(BATCH), "--checkpoint-every", "2",
              "--checkpoint-dir", str(tmp_path / "checkpoints")]
     job, out = lose_two_at_once(make_network(3), tmp_path, [*train, "--events"], lost=(1, 2))
     assert json.loads(job.store.get(mc.RISKS)) == []  # any single machine is covered by the replicas
-    assert kinds(job) == ["fallback"], job.logs_tail()
-    assert ms.read_map(job.store, 1).members() == [0]
+    assert kinds(job) in (["fallback"], ["failover", "failover"]), job.logs_tail()
+    assert ms.read_map(job.store, len(kinds(job))).members() == [0]
     (fallback,) = worker_events(out, 0, "on_fallback")  # member 0 loaded the checkpoint
     assert Path(fallback["checkpoint_path"]).parent.parent == tmp_path / "checkpoints"
     assert sorted(final_states(out)) == ["final_member0.safetensors"]
@@ -350,12 +352,13 @@ def test_two_non_adjacent_machines_lost_at_once_are_covered_by_the_replicas(
 ) -> None:
     """One pipeline of 4 stages, one worker per machine: machines 1 and 3 (stages 1 and 3, not adjacent: the
     replica of each is on a survivor, machines 0 and 2) are SIGKILLed together while member 0 waits at the
-    end of step 3. ONE failover generation drops both; members 0 and 2 promote their replicas, run two
-    stages each and end equal to the uninterrupted run, with no checkpoint."""
+    end of step 3. Failover drops both (in one generation, or two when the kernel tears the second machine's
+    processes down after the coordinator's probe, as in the test above); members 0 and 2 promote their
+    replicas, run two stages each and end equal to the uninterrupted run, with no checkpoint."""
     reference = reference_run(tmp_path)
     train = ["--stages", "4", "--steps", str(STEPS), "--batch-size", str(BATCH)]
     job, out = lose_two_at_once(make_network(4), tmp_path, train, lost=(1, 3))
-    assert kinds(job) == ["failover"], job.logs_tail()
-    assert ms.read_map(job.store, 1).members() == [0, 2]
+    assert kinds(job) in (["failover"], ["failover", "failover"]), job.logs_tail()
+    assert ms.read_map(job.store, len(kinds(job))).members() == [0, 2]
     assert sorted(final_states(out)) == ["final_member0.safetensors", "final_member2.safetensors"]
     assert_equal_to(reference, out)

@@ -31,6 +31,7 @@ import argparse
 import faulthandler
 import json
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -57,6 +58,19 @@ class ValLosses(Callback):
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking:
             self.losses.append(float(trainer.callback_metrics["val_loss"]))
+
+
+class StepTimes(Callback):
+    """Appends ``<global step> <wall time>`` to ``path`` at every step end of global rank 0 (a benchmark's
+    clock where no agent writes commits: a run under torchrun)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: Trainer, *args: object) -> None:
+        if trainer.is_global_zero:
+            with self.path.open("a") as f:
+                f.write(f"{trainer.global_step} {time.time():.6f}\n")
 
 
 class RecordBar(Callback):
@@ -104,6 +118,7 @@ def main() -> None:
     parser.add_argument("--raise-at", default="", help="MEMBER:STEP: its loss raises there")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--ledger", type=Path, default=None, help="a BambooLedger file")
+    parser.add_argument("--step-times", type=Path, default=None, help="rank 0 appends 'step time' lines")
     parser.add_argument("--events", action="store_true", help="a BambooEventLog writing to <out>/events")
     parser.add_argument("--resume", type=Path, default=None, help="fit(ckpt_path=...)")
     parser.add_argument("--csv", action="store_true", help="a CSVLogger and the progress bar (see above)")
@@ -172,6 +187,8 @@ def main() -> None:
         from lightning_bamboo.ledger import BambooLedger
 
         callbacks.append(BambooLedger(args.ledger))
+    if args.step_times is not None:
+        callbacks.append(StepTimes(args.step_times))
     val_losses = ValLosses()
     logger: CSVLogger | bool = False
     if args.csv:
