@@ -41,6 +41,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+# kept: the run without fault tolerance uses bamboo_nodes.py's shape and the test suite's network namespaces
+# (``tests.netns``), which no install provides; ``python benchmarks/bamboo_modes.py`` puts only benchmarks/
+# on sys.path
+sys.path.insert(0, str(REPO))
 NODES = REPO / "benchmarks" / "bamboo_nodes.py"
 MODES = ("peers", "replica", "replica+forward")
 WARMUP_STEPS = 5  # steps of a run without fault tolerance left out of its step time
