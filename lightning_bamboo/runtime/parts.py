@@ -69,7 +69,6 @@ class Options:
             object.__setattr__(self, "timeout", timedelta(seconds=self.timeout))
 
 
-
 def resolve_recovery(recovery: str | None, redundancy: bool | None) -> str:
     """The recovery mode of the constructor's ``recovery`` and its older spelling ``redundancy``
     (``True``: ``"replica+forward"``, what it always meant; ``False``: ``"peers"``); default ``"replica"``.
