@@ -51,22 +51,23 @@ class Advice:
         return self.recommended.result.value / od if od > 0 else math.inf
 
 
+def _stage_counts(layouts: dict[str, float]) -> set[int]:
+    """The stage counts of layouts keyed ``'SxP'``."""
+    return {int(k.split("x")[0]) for k in layouts}
+
+
 def measured_stages(costs: Costs) -> list[int]:
     """Stage counts (>= 2: a replica needs a neighbour) with a measured step time for Bamboo (redundancy on),
     one without it, and a measured relaunch for checkpoint-restart."""
-    def stages(layouts: dict[str, float]) -> set[int]:
-        return {int(k.split("x")[0]) for k in layouts}
-
-    plain = stages(costs.cr_step_s_by_layout or costs.step_s_by_layout)
-    both = stages(costs.step_s_by_layout) & plain & stages(costs.relaunch_s_by_layout)
+    plain = _stage_counts(costs.cr_step_s_by_layout or costs.step_s_by_layout)
+    both = _stage_counts(costs.step_s_by_layout) & plain & _stage_counts(costs.relaunch_s_by_layout)
     return sorted(s for s in both if s >= 2)
 
 
 def priced_recoveries(costs: Costs, stages: int) -> list[str]:
     """The recovery modes whose failure-free step the costs measured at ``stages`` stages
     (``"replica+forward"`` always: the measured stage counts have it)."""
-    return [mode for mode in RECOVERY_MODES
-            if any(int(k.split("x")[0]) == stages for k in costs.recovery_steps(mode))]
+    return [mode for mode in RECOVERY_MODES if stages in _stage_counts(costs.recovery_steps(mode))]
 
 
 def advise(

@@ -165,7 +165,7 @@ def failover(old: OwnershipMap, lost: Iterable[int], replicas: bool = True) -> O
     """The next generation after ``lost`` members disappeared (see the module docstring for the rules).
     ``replicas=False`` (``recovery="peers"``: no member holds a replica) keeps only the pipelines that peers
     cover; the runtime reaches the same outcome either way (a stage no survivor owns is held by nobody, and
-    then no pipeline is kept), the replay and the risk report decide it here, up front.
+    then no pipeline is kept); the replay (:mod:`lightning_bamboo.simulate`) decides it here, up front.
 
     Raises:
         FallbackNeeded: no pipeline can be kept.
