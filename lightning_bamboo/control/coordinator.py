@@ -45,6 +45,7 @@ class Coordinator:
         self.departed: set[int] = set()
         self.events: list[dict[str, object]] = []
         self._pending_joins: list[int] = []
+        self._maps: dict[int, OwnershipMap] = {}  # a generation's map never changes once written
         self.start_time = time.monotonic()
         self._lock = threading.RLock()  # add_worker / kill may come from another thread while run() runs
         self._added_at: dict[int, float] = {}
@@ -85,10 +86,17 @@ class Coordinator:
         return None
 
     def _current(self) -> tuple[int, OwnershipMap | None]:
+        """The current generation and its map (read once per generation: the coordinator asks every tick,
+        and across machines each read is a round trip to etcd)."""
         generation = ms.current_generation(self.store)
-        if generation < 0 or not self.store.check([f"gen{generation}/map"]):
+        if generation < 0:
             return generation, None
-        return generation, ms.read_map(self.store, generation)
+        if generation not in self._maps:
+            text = ms.read_if_set(self.store, f"gen{generation}/map")
+            if text is None:
+                return generation, None
+            self._maps[generation] = OwnershipMap.from_json(text)
+        return generation, self._maps[generation]
 
     def _publish(self, new: OwnershipMap, kind: str) -> None:
         """Write ``new`` as the next generation; the first writer of its map wins.

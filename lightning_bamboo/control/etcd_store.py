@@ -1,21 +1,39 @@
 """A ``torch.distributed.Store`` kept in an etcd v3 server, for a job whose workers span several machines.
 
 Spoken through etcd's v3 HTTP/JSON gateway with ``etcd3gw`` (no gRPC or protobuf pin). Every operation the
-job and ``init_process_group`` need maps onto one etcd operation or a short compare-and-swap loop:
-``set`` = put, ``get``/``wait`` = poll until the key exists, ``add`` and ``compare_set`` = transactions
-comparing the value read (so concurrent adders never lose an increment), except ``add(key, 0)``, a read.
+job and ``init_process_group`` need maps onto one etcd request or a short compare-and-swap loop:
+``set`` = put; ``get``/``wait`` = a read, then, while the key is absent, sleeping until the process's one
+watch stream on the job's keys reports its put (:class:`~lightning_bamboo.control.etcd_watch.PutWatch`;
+polling made the step's commit hundreds of reads a second across machines);
+``compare_set`` = one transaction; ``add`` = a transaction comparing the value read (so concurrent adders
+never lose an increment), except ``add(key, 0)``, a read. :meth:`EtcdStore.vote` counts a key's voters in one
+transaction, where concurrent ``add`` calls on one counter would retry against each other.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
+
+from lightning_bamboo.control.etcd_watch import PutWatch, prefix_end
+
+_Op = dict[str, Any]
+"""One compare or request of an etcd transaction, as the JSON gateway takes it."""
 
 
 def _bytes(value: str | bytes) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _encode(value: str | bytes) -> str:
+    """etcd's JSON gateway carries keys and values as base64."""
+    return base64.b64encode(_bytes(value)).decode()
 
 
 class EtcdStore(dist.Store):
@@ -52,7 +70,7 @@ class EtcdStore(dist.Store):
             ) from err
         self._prefix = prefix
         self._timeout = timedelta(seconds=timeout)
-        self._poll = 0.002
+        self._puts = PutWatch.shared(self._client.get_url("/watch"), prefix.encode())
 
     @property
     def timeout(self) -> timedelta:  # type: ignore[override]
@@ -64,16 +82,23 @@ class EtcdStore(dist.Store):
     def _key(self, key: str) -> str:
         return self._prefix + key
 
-    def _read(self, key: str) -> bytes | None:
+    def read(self, key: str) -> bytes | None:
+        """``key``'s value, ``None`` when absent: one request (``check`` then ``get`` would be two)."""
         values = self._client.get(self._key(key))
         return _bytes(values[0]) if values else None
+
+    def _txn(self, compare: list[_Op], success: list[_Op], failure: list[_Op]) -> dict[str, Any]:
+        """One etcd transaction (the JSON gateway's ``/kv/txn``), its reply as etcd gives it."""
+        return self._client.transaction({"compare": compare, "success": success, "failure": failure})
 
     def set(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
         self._client.put(self._key(key), _bytes(value))
 
     def get(self, key: str) -> bytes:  # type: ignore[override]
-        self.wait([key])
-        value = self._read(key)
+        value = self.read(key)
+        if value is None:
+            self.wait([key])
+            value = self.read(key)
         assert value is not None
         return value
 
@@ -82,7 +107,7 @@ class EtcdStore(dist.Store):
         counter: here it is one read, not a write (every etcd write is a consensus round and a disk sync, and
         agents read every machine's lease counter at every tick)."""
         while True:
-            current = self._read(key)
+            current = self.read(key)
             count = int(current) if current is not None else 0
             if amount == 0:
                 return count
@@ -95,28 +120,72 @@ class EtcdStore(dist.Store):
                 return int(new)
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:  # type: ignore[override]
-        expected_b, desired_b = _bytes(expected), _bytes(desired)
-        current = self._read(key)
-        if current is None:
-            if expected_b:
-                return expected_b  # as TCPStore: nothing to compare with, nothing set
-            if self._client.create(self._key(key), desired_b):
-                return desired_b
-        elif current == expected_b and self._client.replace(self._key(key), current, desired_b):
+        """One transaction: put ``desired`` if the key holds ``expected`` (is absent, for ``""``), else read
+        it. As ``TCPStore``: an absent key and a non-empty ``expected``: nothing set, ``expected`` back."""
+        expected_b, desired_b, etcd_key = _bytes(expected), _bytes(desired), _encode(self._key(key))
+        if expected_b:
+            holds = {"key": etcd_key, "result": "EQUAL", "target": "VALUE", "value": _encode(expected_b)}
+        else:
+            holds = {"key": etcd_key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+        reply = self._txn(
+            [holds],
+            [{"request_put": {"key": etcd_key, "value": _encode(desired_b)}}],
+            [{"request_range": {"key": etcd_key}}],
+        )
+        if reply.get("succeeded"):
             return desired_b
-        value = self._read(key)
-        return value if value is not None else b""
+        kvs = reply["responses"][0]["response_range"].get("kvs") or []
+        if not kvs:
+            return expected_b
+        return base64.b64decode(kvs[0].get("value", ""))
+
+    def vote(self, key: str, voter: str) -> int:
+        """Record ``voter`` under ``key``; return how many voters it holds with this one. One transaction.
+
+        What ``add(key, 1)`` returns to concurrent members, without their compare-and-swap retries against
+        each other: transactions are serialised, so exactly one voter sees the full count. A vote repeated
+        (a request retried) counts once."""
+        prefix = _bytes(self._key(key) + "/")
+        reply = self._txn(
+            [],
+            [
+                {"request_put": {"key": _encode(prefix + voter.encode()), "value": _encode(b"1")}},
+                {
+                    "request_range": {
+                        "key": _encode(prefix),
+                        "range_end": _encode(prefix_end(prefix)),
+                        "count_only": True,
+                    }
+                },
+            ],
+            [],
+        )
+        return int(reply["responses"][1]["response_range"].get("count", 0))
 
     def check(self, keys: list[str]) -> bool:  # type: ignore[override]
-        return all(self._read(key) is not None for key in keys)
+        return all(self.read(key) is not None for key in keys)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:  # type: ignore[override]
+        """Return once every key exists; ``TimeoutError`` after ``timeout``. Each key is read, and while
+        absent the caller sleeps until the watch stream reports its put (or re-reads now and then)."""
         limit = (timeout or self._timeout).total_seconds()
         deadline = time.monotonic() + limit
-        while not self.check(keys):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"EtcdStore: keys {keys} not set within {limit:.1f}s")
-            time.sleep(self._poll)
+        for key in keys:
+            with self.watching([key]) as sleep:
+                while self.read(key) is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"EtcdStore: keys {keys} not set within {limit:.1f}s")
+                    sleep(left)
+
+    @contextlib.contextmanager
+    def watching(self, keys: list[str]) -> Iterator[Callable[[float], None]]:
+        """Within the block, ``sleep(seconds)`` returns when one of ``keys`` was put since the block began
+        or the last ``sleep`` (or after ``seconds``, at most the watch's re-read interval): a caller reads
+        the keys it waits on, then sleeps, and reads again. What waits on two keys at once uses it (a step's
+        outcome, or the next generation: :class:`~lightning_bamboo.control.commit.StepCommit`)."""
+        with self._puts.registered([self._key(key).encode() for key in keys]) as sleep:
+            yield sleep
 
     def delete_key(self, key: str) -> bool:  # type: ignore[override]
         return bool(self._client.delete(self._key(key)))

@@ -18,11 +18,14 @@ etcd server for several; see :mod:`lightning_bamboo.control.supervisor` and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol, runtime_checkable
 from urllib.parse import urlparse
 
 import torch.distributed as dist
@@ -79,8 +82,30 @@ def get_str(store: dist.Store, key: str) -> str:
     return store.get(key).decode()
 
 
+@runtime_checkable
+class RoundTripStore(Protocol):
+    """A store across machines (:class:`~lightning_bamboo.control.etcd_store.EtcdStore`) where every request
+    is a network round trip, and what it offers so that the per-step paths poll nothing: a key :meth:`read`
+    in one request, a step's preparation as one :meth:`vote` each, and sleeps :meth:`watching` keys, woken
+    when one of them is written."""
+
+    def read(self, key: str) -> bytes | None: ...
+
+    def vote(self, key: str, voter: str) -> int: ...
+
+    def watching(self, keys: list[str]) -> contextlib.AbstractContextManager[Callable[[float], None]]: ...
+
+
+def read_if_set(store: dist.Store, key: str) -> bytes | None:
+    """``key``'s value, ``None`` while it is not set: one read on a :class:`RoundTripStore`."""
+    if isinstance(store, RoundTripStore):
+        return store.read(key)
+    return store.get(key) if store.check([key]) else None
+
+
 def current_generation(store: dist.Store) -> int:
-    return int(get_str(store, "gen")) if store.check(["gen"]) else -1
+    value = read_if_set(store, "gen")
+    return int(value) if value is not None else -1
 
 
 def report_lost_peer(store: dist.Store, generation: int) -> None:

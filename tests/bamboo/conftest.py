@@ -3,7 +3,12 @@ the uninterrupted reference the elastic tests compare with."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.bamboo.pipe_runs import run_bamboo, run_references
-from tests.process import run_process
+from tests.process import REPO, run_process
 
 
 @pytest.fixture(scope="session")
@@ -114,3 +119,34 @@ def tied_gpt_named_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
     out = tmp_path_factory.mktemp("elastic-reference-tied-gpt-named")
     return _elastic_reference(out, "--variant", "tied-gpt-named", "--clip", str(CLIP))
+
+
+@pytest.fixture(scope="session")
+def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``host:port`` of an etcd server: ``BAMBOO_TEST_ETCD`` (scripts/test.sh starts one through
+    scripts/services.sh), else one started here with scripts/services.sh (its logs and data in a pytest temp
+    folder) and stopped by its PID."""
+    if os.environ.get("BAMBOO_TEST_ETCD"):
+        yield os.environ["BAMBOO_TEST_ETCD"]
+        return
+    services = tmp_path_factory.mktemp("services")
+    printed = services / "services.out"  # read even when services.sh times out: the servers it started
+    with printed.open("w") as stdout:
+        proc = subprocess.Popen(["bash", str(REPO / "scripts" / "services.sh")], stdout=stdout,
+                                stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "DORYLUS_SERVICES_DIR": str(services)})
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = printed.read_text()
+    pairs = [line.split("=", 1) for line in out.splitlines() if "=" in line]
+    pids = [int(value) for key, value in pairs if key == "PID"]  # one per server services.sh started
+    try:
+        assert proc.returncode == 0 and "BAMBOO_TEST_ETCD" in dict(pairs), f"services.sh failed:\n{out}"
+        yield dict(pairs)["BAMBOO_TEST_ETCD"]
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)

@@ -11,6 +11,7 @@ that the thread ends).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 import threading
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from lightning_bamboo.control import join as joining
 from lightning_bamboo.control import store as ms
 from lightning_bamboo.control.commit import ABORT, COMMIT, COMMIT_JOIN, StepCommit
+from lightning_bamboo.control.etcd_store import EtcdStore
 from lightning_bamboo.control.supervisor import Supervisor
 from lightning_bamboo.layout.ownership import initial, rejoin
 
@@ -94,6 +96,20 @@ class MemberStore(dist.Store):
         return self._do("check", ",".join(keys), lambda: self._base.check(keys))
 
 
+class VotingMemberStore(MemberStore):
+    """A member's connection to an etcd store: it prepares with a vote (lost as at the ``add`` it replaces)
+    and sleeps on the store's watch between its reads."""
+
+    def read(self, key: str) -> bytes | None:
+        return self._do("check", key, lambda: self._base.read(key))
+
+    def vote(self, key: str, voter: str) -> int:
+        return self._do("add", key, lambda: self._base.vote(key, voter))
+
+    def watching(self, keys: list[str]) -> contextlib.AbstractContextManager[Callable[[float], None]]:
+        return self._base.watching(keys)
+
+
 @dataclass
 class Member:
     name: str
@@ -116,7 +132,8 @@ class Job:
     def member_store(self, name: str, lose: Lose | None = None) -> MemberStore:
         if name not in self.connections:
             self.connections[name] = self.connect(name)
-        return MemberStore(self.connections[name], lose, self.decided)
+        kind = VotingMemberStore if isinstance(self.connections[name], ms.RoundTripStore) else MemberStore
+        return kind(self.connections[name], lose, self.decided)
 
     def prepare(
         self,
@@ -140,7 +157,10 @@ class Job:
         return ms.get_str(self.store, f"g{generation}/outcome/{step}")
 
     def prepared(self, generation: int, step: int = STEP) -> int:
-        return int(self.store.add(f"g{generation}/prep/{step}", 0))
+        key = f"g{generation}/prep/{step}"
+        if isinstance(self.store, EtcdStore):  # one key per vote
+            return len(self.store._client.get_prefix(self.store._key(key + "/")))
+        return int(self.store.add(key, 0))
 
 
 def start(name: str, call: Callable[[], str]) -> Member:
@@ -203,13 +223,20 @@ def tcp_clients() -> Iterator[Callable[[str], dist.Store]]:
     clients.clear()  # then the server goes with this frame
 
 
-@pytest.fixture(params=["hash", "tcp"])
+@pytest.fixture(params=["hash", "tcp", pytest.param("etcd", marks=pytest.mark.services)])
 def job(request: pytest.FixtureRequest, tcp_clients: Callable[[str], dist.Store]) -> Job:
-    """Generation 0 of a job, in a ``HashStore`` or in a ``TCPStore`` served here (one client per member)."""
+    """Generation 0 of a job, in a ``HashStore``, in a ``TCPStore`` served here (one client per member), or in
+    an etcd server (``scripts/services.sh``'s; one ``EtcdStore`` per member: votes and watches)."""
     if request.param == "hash":
         shared = dist.HashStore()
         shared.set("gen", "0")
         return Job(lambda name: shared, shared, "hash")
+    if request.param == "etcd":
+        endpoint = request.getfixturevalue("etcd_endpoint")
+        job_name = f"commit-{uuid.uuid4().hex[:8]}"
+        client = ms.connect(f"etcd://{endpoint}", job_name, timeout=TIMEOUT)
+        client.set("gen", "0")
+        return Job(lambda name: ms.connect(f"etcd://{endpoint}", job_name, timeout=TIMEOUT), client, "etcd")
     prefix = f"job-{uuid.uuid4().hex[:8]}"  # the module's clients, a job of this test's own
     client = dist.PrefixStore(prefix, tcp_clients("test"))
     client.set("gen", "0")

@@ -8,14 +8,11 @@ timeout, killed by process group if it outlives it).
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import os
 import signal
-import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,7 @@ from safetensors.torch import load_file
 from lightning_bamboo.control import store as ms
 from tests.bamboo.launch_record import NAME, Record, record_env, worker_events
 from tests.bamboo.module_writes import assert_no_writes
-from tests.process import REPO, run_process
+from tests.process import run_process
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_elastic.py"
 TOL = {"rtol": 1e-9, "atol": 1e-11}
@@ -191,37 +188,6 @@ def test_hung_member_detected_by_heartbeat(
     assert record["hung"] == [1] and record.summary() == [("failover", [1])]
     assert record.exits[1] == -signal.SIGKILL  # fenced by PID, not exited on its own
     check_final(tmp_path, elastic_reference)
-
-
-@pytest.fixture(scope="module")
-def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``host:port`` of an etcd server: ``BAMBOO_TEST_ETCD`` (scripts/test.sh starts one through
-    scripts/services.sh), else one started here with scripts/services.sh (its logs and data in a pytest temp
-    folder) and stopped by its PID."""
-    if os.environ.get("BAMBOO_TEST_ETCD"):
-        yield os.environ["BAMBOO_TEST_ETCD"]
-        return
-    services = tmp_path_factory.mktemp("services")
-    printed = services / "services.out"  # read even when services.sh times out: the servers it started
-    with printed.open("w") as stdout:
-        proc = subprocess.Popen(["bash", str(REPO / "scripts" / "services.sh")], stdout=stdout,
-                                stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "DORYLUS_SERVICES_DIR": str(services)})
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=60)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    out = printed.read_text()
-    pairs = [line.split("=", 1) for line in out.splitlines() if "=" in line]
-    pids = [int(value) for key, value in pairs if key == "PID"]  # one per server services.sh started
-    try:
-        assert proc.returncode == 0 and "BAMBOO_TEST_ETCD" in dict(pairs), f"services.sh failed:\n{out}"
-        yield dict(pairs)["BAMBOO_TEST_ETCD"]
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
 
 
 @pytest.mark.services
