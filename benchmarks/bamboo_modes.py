@@ -113,6 +113,8 @@ def summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
             "failover_median_s": median(failovers),
             "exact": all(r["exact"] for r in results),
             "events_not_applied": sum(r["events_not_applied"] for r in results),
+            # a run that ended before the segment did counted only part of it: its rate is too low
+            "ended_before_segment": any(r.get("ended_before_segment", False) for r in results),
         }
     peers_step = out["peers"]["full_layout_step_s"]
     for mode in out:
