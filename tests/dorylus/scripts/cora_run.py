@@ -11,7 +11,8 @@ the process group is reused, the imports are paid once).
 Rank 0 writes ``cora.json``: per model its runs and mean (``{"models": {"gcn": {...}, ...}}``; with one
 model, that model's summary at the top level too).
 
-Usage: python cora_run.py OUT_DIR --model gcn|gat|gcn,gat [--seeds 5] [--epochs 200] [override ...]
+Usage: python cora_run.py OUT_DIR --model gcn|gat|gcn,gat [--seeds 5] [--first-seed 0] [--epochs 200]
+[override ...]
 The 5-seed figures of the docs: ``python benchmarks/cora_accuracy.py``.
 """
 
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--model", default="gcn", help="gcn, gat or both comma-separated (gcn,gat)")
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first..first+seeds-1")
     parser.add_argument("--epochs", type=int, default=200)
     parser.add_argument("overrides", nargs="*", help="more recipe overrides, e.g. paths.data=/datasets")
     args = parser.parse_args()
@@ -45,7 +47,7 @@ def main() -> None:
     summaries = {}
     for model in models:
         results = []
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             out = args.out / model / f"seed{seed}"
             cfg = compose_recipe(
                 f"dorylus_{model}_cora",
