@@ -253,14 +253,11 @@ def run(args: argparse.Namespace, work: Path) -> None:
     is_exact = all(code == 0 for code in codes) and final_equal
     after_end = sum(1 for _, t, _, _ in kills if len(times) >= args.steps and t >= times[-1])
     ended_early = bool(times) and times[-1] < start + segment_s  # the rate would count a part of the segment
-    if ended_early:
-        print(f"[bench] the job's {args.steps} steps ended {start + segment_s - times[-1]:.1f} s before the "
-              "trace segment did (segment_samples_per_s counts only the steps before): give more --steps",
-              flush=True)
-    if events or after_end:
-        print(f"[bench] the job's {args.steps} steps ended before the trace segment did ({len(events)} "
-              f"events not applied, {after_end} machine(s) lost after the last step): give more --steps",
-              flush=True)
+    if events or after_end or ended_early:
+        how_early = f"{start + segment_s - times[-1]:.1f} s " if ended_early else ""
+        print(f"[bench] the job's {args.steps} steps ended {how_early}before the trace segment did "
+              f"({len(events)} events not applied, {after_end} machine(s) lost after the last step; "
+              "segment_samples_per_s counts only the steps before): give more --steps", flush=True)
     result = {"steps_committed": len(times), "kills": [m for m, _, _, _ in kills], "replacements": added,
               "events_not_applied": len(events), "kills_after_last_step": after_end,
               "ended_before_segment": ended_early, "failover_s": failovers,
