@@ -215,11 +215,13 @@ class Agent:
                 code = int(ms.get_str(self.store, mc.END))
                 self.say(f"the job is already over (exit code {code}): nothing to join")
                 return code
-            self._elect()
-            if self.role.coordinator is not None:
-                self.role.close_rendezvous()
-            if self.store.check([mc.CLOSED]):
-                rendezvous = mc.Rendezvous.from_json(self.store.get(mc.CLOSED))
+            with ms.one_pass(self.store):
+                self._elect()
+                if self.role.coordinator is not None:
+                    self.role.close_rendezvous()
+                closed = ms.read_if_set(self.store, mc.CLOSED)
+            if closed is not None:
+                rendezvous = mc.Rendezvous.from_json(closed)
             else:
                 time.sleep(self.poll)
         self._start_workers(rendezvous)
@@ -227,7 +229,8 @@ class Agent:
             if self.own_lease.fenced.is_set():
                 return FENCED
             try:
-                code = self._tick()
+                with ms.one_pass(self.store):
+                    code = self._tick()
             except Superseded as err:  # deposed while deciding: the other coordinator's map stands
                 self.say(f"{err}: no longer the coordinator")
                 self.role.coordinator = None
@@ -260,8 +263,9 @@ class Agent:
     def _tick(self) -> int | None:
         """One pass: the job's end, this machine declared lost, the local workers, the election, and (as the
         coordinator) the decisions. Returns an exit code when this agent is done."""
-        if self.store.check([mc.END]):
-            code = int(ms.get_str(self.store, mc.END))
+        end = ms.read_if_set(self.store, mc.END)
+        if end is not None:
+            code = int(end)
             self.local.kill_all()
             self.say(f"job ended with exit code {code}")
             return code

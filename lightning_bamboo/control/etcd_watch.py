@@ -54,10 +54,11 @@ class PutWatch:
         self._owner: int | None = None
 
     @contextlib.contextmanager
-    def registered(self, keys: list[bytes]) -> Iterator[Callable[[float], None]]:
+    def registered(self, keys: list[bytes]) -> Iterator[Callable[[float], bool]]:
         """Note the keys' puts while the block runs; it gets ``sleep(seconds)``, which returns once one of
         them was put since the block began or since this block's last ``sleep`` (or after ``seconds``, at
-        most :data:`REREAD_S`). Each block counts for itself: two threads waiting on one key both wake."""
+        most :data:`REREAD_S`), and says whether one was (``sleep(0)``: a look, no wait). Each block counts
+        for itself: two threads waiting on one key both wake."""
         self._start()
         with self._changed:
             for key in keys:
@@ -65,12 +66,13 @@ class PutWatch:
                 self._puts.setdefault(key, 0)
             seen = {key: self._puts[key] for key in keys}
 
-        def sleep(seconds: float) -> None:
+        def sleep(seconds: float) -> bool:
             with self._changed:
-                self._changed.wait_for(
+                put = self._changed.wait_for(
                     lambda: any(self._puts[key] != seen[key] for key in keys), timeout=min(seconds, REREAD_S)
                 )
                 seen.update((key, self._puts[key]) for key in keys)
+                return put
 
         try:
             yield sleep

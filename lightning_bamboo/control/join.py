@@ -39,18 +39,23 @@ def registered(store: dist.Store, member: int) -> bool:
     return store.check([f"join/{member}"])
 
 
+def proposal_key(generation: int) -> str:
+    """Where the launcher proposes a join to ``generation`` (absent: no proposal, nothing to claim)."""
+    return f"gen{generation}/join"
+
+
 def propose(store: dist.Store, generation: int, proposal: OwnershipMap) -> None:
-    store.set(f"gen{generation}/join", proposal.to_json())
+    store.set(proposal_key(generation), proposal.to_json())
 
 
 def proposal(store: dist.Store, generation: int) -> OwnershipMap | None:
-    key = f"gen{generation}/join"
+    key = proposal_key(generation)
     return OwnershipMap.from_json(store.get(key)) if store.check([key]) else None
 
 
 def claim(store: dist.Store, generation: int, step: int) -> bool:
     """Adopt ``generation``'s proposal after ``step``; ``False`` when none, or a failover came first."""
-    if not store.check([f"gen{generation}/join"]):
+    if not store.check([proposal_key(generation)]):
         return False
     mine = f"join@{step}"
     return store.compare_set(f"gen{generation}/next", "", mine).decode() == mine

@@ -115,13 +115,13 @@ def count(store: dist.Store) -> int:
 
 
 def describe(store: dist.Store, index: int) -> dict[str, object] | None:
-    key = f"node/{index}"
-    return json.loads(ms.get_str(store, key)) if store.check([key]) else None
+    value = ms.read_if_set(store, f"node/{index}")
+    return json.loads(value) if value is not None else None
 
 
 def members_of(store: dist.Store, index: int) -> list[int]:
-    key = f"node/{index}/members"
-    return [int(m) for m in json.loads(ms.get_str(store, key))] if store.check([key]) else []
+    value = ms.read_if_set(store, f"node/{index}/members")
+    return [int(m) for m in json.loads(value)] if value is not None else []
 
 
 def is_dead(store: dist.Store, index: int) -> bool:
@@ -141,8 +141,8 @@ def mark_dead(store: dist.Store, index: int, by: int, how: str) -> None:
 
 def loss_of(store: dist.Store, index: int) -> dict[str, Any] | None:
     """Who found machine ``index`` lost and how (:func:`mark_dead`), or ``None`` while it is not."""
-    key = f"node/{index}/dead"
-    return json.loads(ms.get_str(store, key)) if store.check([key]) else None
+    value = ms.read_if_set(store, f"node/{index}/dead")
+    return json.loads(value) if value is not None else None
 
 
 @dataclass(frozen=True)
@@ -192,16 +192,18 @@ def placement(machines: list[int], zones: dict[int, str], nproc_per_node: int) -
     return Rendezvous(order, members, n * nproc_per_node)
 
 
-def fallback_risks(owners: OwnershipMap, domains: dict[str, list[int]]) -> list[str]:
-    """Which single failure domains (a machine, a zone: name -> its members) the replicas cannot cover
-    (their loss falls back to the checkpoint), and which drop a whole pipeline; one line each."""
+def fallback_risks(owners: OwnershipMap, domains: dict[str, list[int]], replicas: bool = True) -> list[str]:
+    """Which single failure domains (a machine, a zone: name -> its members) the job's redundancy cannot
+    cover (their loss falls back to the checkpoint), and which drop a whole pipeline; one line each.
+    ``replicas=False`` (``recovery="peers"``): only data-parallel peers cover a loss, so a machine holding
+    one stage of every pipeline is a fallback there and covered by the replicas otherwise."""
     lines = []
     for name, members in sorted(domains.items()):
         lost = set(members) & set(owners.members())
         if not lost:
             continue
         try:
-            new = failover(owners, lost)
+            new = failover(owners, lost, replicas=replicas)
         except FallbackNeeded:
             lines.append(f"losing {name} (members {sorted(lost)}) falls back to the last checkpoint")
             continue
@@ -281,9 +283,10 @@ class LeaseWatch:
 
 def coordinator(store: dist.Store) -> tuple[int, int] | None:
     """``(term, machine)`` of the current coordinator, ``None`` before the first."""
-    if not store.check([COORDINATOR]):
+    value = ms.read_if_set(store, COORDINATOR)
+    if value is None:
         return None
-    term, machine = ms.get_str(store, COORDINATOR).split(":")
+    term, machine = value.decode().split(":")
     return int(term), int(machine)
 
 

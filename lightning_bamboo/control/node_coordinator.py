@@ -303,8 +303,12 @@ class CoordinatorRole:
                 self.say(f"machine {machine} joins with members {members}")
 
     def _tell_risks(self) -> None:
-        """Once generation 0 exists: which single machine (or zone) the replicas cannot cover."""
+        """Once generation 0 has formed: which single machine (or zone) its redundancy cannot cover (the
+        members say at forming whether they hold replicas)."""
         if self._risks_told or not self.store.check(["gen0/map"]):
+            return
+        replicas = ms.read_if_set(self.store, ms.REPLICAS)
+        if replicas is None:
             return
         self._risks_told = True
         owners = ms.read_map(self.store, 0)
@@ -317,9 +321,9 @@ class CoordinatorRole:
                 zones.setdefault(f"zone {zone}", []).extend(rendezvous.members[machine])
         if len(zones) > 1:
             domains.update(zones)
-        risks = mc.fallback_risks(owners, domains)
+        risks = mc.fallback_risks(owners, domains, replicas=replicas == b"1")
         self.store.set(mc.RISKS, json.dumps(risks))
-        covered = "every single machine loss is covered by replicas"
+        covered = "every single machine loss is covered by " + ("replicas" if replicas == b"1" else "peers")
         self.say("placement: " + ("; ".join(risks) if risks else covered))
 
     # ------------------------------------------------------------------ the end

@@ -12,6 +12,7 @@ etcd server for several; see :mod:`lightning_bamboo.control.supervisor` and
   (:class:`lightning_bamboo.control.commit.StepCommit`).
 * ``config/num_stages``: the pipeline length the workers were started with (the launcher needs it).
 * ``config/global_microbatches``: :data:`GLOBAL_MICROBATCHES`.
+* ``config/replicas``: :data:`REPLICAS`.
 * ``join/{member}``, ``gen{g}/join``, ``gen{g}/next``, ``gen{g}/progress``: a worker joining the running job
   (:mod:`lightning_bamboo.control.join`).
 """
@@ -36,6 +37,10 @@ GLOBAL_MICROBATCHES = "config/global_microbatches"
 """The job's count of global micro-batches per step (``num_microbatches`` x the pipelines of generation 0),
 written by the members forming generation 0 and fixed for the whole job, so the split of a global batch
 never depends on the pipelines alive (a joiner reads it; the coordinator forms no more pipelines than it)."""
+REPLICAS = "config/replicas"
+"""``1`` when the members hold their successor's replica (``recovery="replica"`` or ``"replica+forward"``),
+``0`` under ``recovery="peers"``; written when generation 0 forms. The coordinator's placement report reads
+it: which losses a job can cover depends on it (:func:`lightning_bamboo.control.machines.fallback_risks`)."""
 ENV_STORE = "BAMBOO_STORE"
 """``tcp://host:port`` (the launcher's TCPStore) or ``etcd://host:port`` (an etcd v3 HTTP endpoint)."""
 ENV_JOB = "BAMBOO_JOB"
@@ -86,14 +91,29 @@ def get_str(store: dist.Store, key: str) -> str:
 class RoundTripStore(Protocol):
     """A store across machines (:class:`~lightning_bamboo.control.etcd_store.EtcdStore`) where every request
     is a network round trip, and what it offers so that the per-step paths poll nothing: a key :meth:`read`
-    in one request, a step's preparation as one :meth:`vote` each, and sleeps :meth:`watching` keys, woken
-    when one of them is written."""
+    in one request (several keys: :meth:`read_many`), a step's preparation as one :meth:`vote_and_read` each
+    (the outcome and the generation read with it), and sleeps :meth:`watching` keys, woken when one of them
+    is written."""
 
     def read(self, key: str) -> bytes | None: ...
 
+    def read_many(self, keys: list[str]) -> dict[str, bytes | None]: ...
+
     def vote(self, key: str, voter: str) -> int: ...
 
-    def watching(self, keys: list[str]) -> contextlib.AbstractContextManager[Callable[[float], None]]: ...
+    def vote_and_read(
+        self, key: str, voter: str, reads: list[str]
+    ) -> tuple[int, dict[str, bytes | None]]: ...
+
+    def watching(self, keys: list[str]) -> contextlib.AbstractContextManager[Callable[[float], bool]]: ...
+
+
+def one_pass(store: dist.Store) -> contextlib.AbstractContextManager[None]:
+    """A block of a polling loop that reads many keys: on etcd, the keys the previous pass read are fetched
+    in one transaction (:meth:`~lightning_bamboo.control.etcd_store.EtcdStore.tick`); a local store reads as
+    before (each read is a local round trip there)."""
+    tick = getattr(store, "tick", None)
+    return tick() if callable(tick) else contextlib.nullcontext()
 
 
 def read_if_set(store: dist.Store, key: str) -> bytes | None:
@@ -108,6 +128,39 @@ def current_generation(store: dist.Store) -> int:
     return int(value) if value is not None else -1
 
 
+class GenerationWatch:
+    """Whether the job's generation is newer than a member's, read only when it may have changed.
+
+    A member asks at every step boundary (a generation published without a failure seen here, e.g. a drain,
+    is formed there). On a :class:`RoundTripStore` that read was one of a step's few round trips, so the
+    member keeps a watch on ``gen`` for its whole life and reads the key only after a put of it, or when its
+    last read is older than the watch's re-read interval (a broken stream is not trusted for longer). A put
+    after the read is counted by the watch, so no generation is missed, only seen at most that much later,
+    as if the boundary had read a moment earlier. Other stores are read every time (a local round trip)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        from lightning_bamboo.control.etcd_watch import REREAD_S
+
+        self._store = store
+        self._reread_s = REREAD_S
+        self._stack = contextlib.ExitStack()
+        self._puts = (
+            self._stack.enter_context(store.watching(["gen"])) if isinstance(store, RoundTripStore) else None
+        )
+        self._known = -1
+        self._read_at = -float("inf")
+
+    def newer_than(self, generation: int) -> bool:
+        now = time.monotonic()
+        if self._puts is None or self._puts(0.0) or now - self._read_at >= self._reread_s:
+            self._read_at = now
+            self._known = current_generation(self._store)
+        return self._known > generation
+
+    def close(self) -> None:
+        self._stack.close()
+
+
 def report_lost_peer(store: dist.Store, generation: int) -> None:
     """A worker of ``generation`` lost a peer (a connection reset or closed): the multi-machine coordinator
     then probes the machines' agents at once instead of waiting for a lease to expire
@@ -117,8 +170,8 @@ def report_lost_peer(store: dist.Store, generation: int) -> None:
 
 def lost_peer_reports(store: dist.Store, generation: int) -> int:
     """How many lost-peer reports ``generation`` has (a read only: agents ask at every tick)."""
-    key = f"gen{generation}/lost_peer"
-    return int(get_str(store, key)) if store.check([key]) else 0
+    value = read_if_set(store, f"gen{generation}/lost_peer")
+    return int(value) if value is not None else 0
 
 
 def read_map(store: dist.Store, generation: int) -> OwnershipMap:

@@ -168,8 +168,9 @@ class LocalWorkers:
             key = f"hb/{member}"
             if self.store.check([f"done/{member}"]):
                 continue  # training is over for it; it is writing its results and exiting
-            if self.store.check([key]):
-                beat = int(self.store.get(key).decode())  # add() stores the counter as text
+            value = ms.read_if_set(self.store, key)
+            if value is not None:
+                beat = int(value.decode())  # add() stores the counter as text
                 if beat != worker.last_beat:
                     worker.last_beat, worker.beat_seen_at = beat, now
                 elif now - worker.beat_seen_at > self.hang_timeout:

@@ -42,6 +42,7 @@ from lightning_bamboo._lightning import private as _private
 from lightning_bamboo.control import commit as commit_protocol
 from lightning_bamboo.control import crash
 from lightning_bamboo.control import drain as departure
+from lightning_bamboo.control import join as joining
 from lightning_bamboo.control import store as ms
 from lightning_bamboo.control.drain import DrainTimer
 from lightning_bamboo.layout.ownership import FallbackNeeded, OwnershipMap, initial
@@ -101,6 +102,7 @@ class Membership:
         self._failure_wait, self._timeout = failure_wait, timeout
         self._heartbeat: ms.Heartbeat | None = None
         self._cutter: GenerationCutter | None = None
+        self._generations: ms.GenerationWatch | None = None  # the boundary's look at the generation
         self.failovers: list[tuple[OwnershipMap, OwnershipMap]] = []
         self.join_adopted = False  # the last commit adopted a join: form it at the next step boundary
         self.lost_since: float | None = None  # a peer lost after a commit: when (formed at the boundary)
@@ -129,6 +131,7 @@ class Membership:
             assert self.env is not None
             self._heartbeat = ms.Heartbeat(self.env, heartbeat)
             self._cutter = GenerationCutter(self.env)
+            self._generations = ms.GenerationWatch(store)
 
     # ------------------------------------------------------------------ generations
     def generation_zero(self) -> OwnershipMap:
@@ -144,6 +147,7 @@ class Membership:
                 f"generation 0 is {OwnershipMap.from_json(stored).format()}"
             )
         self.store.compare_set("config/num_stages", "", str(formation.num_stages))
+        self.store.compare_set(ms.REPLICAS, "", "1" if formation.redundancy else "0")
         total = str(formation.num_microbatches * len(owners.pipelines))
         agreed = self.store.compare_set(ms.GLOBAL_MICROBATCHES, "", total).decode()
         formation.global_microbatches = int(agreed)
@@ -197,7 +201,7 @@ class Membership:
         assert self.store is not None and owners is not None
         commit = commit_protocol.StepCommit(self.store, owners.generation, len(owners.members()))
         if prepare:
-            return commit.prepare_and_wait(step, self.joins.claim)
+            return commit.prepare_and_wait(step, self.joins.claim, joining.proposal_key(owners.generation))
         return commit.decide(step, commit_protocol.ABORT)
 
     def recover(self, since: float) -> None:
@@ -360,7 +364,8 @@ class Membership:
         the same outcome, so all switch here) or when a generation came without a failure seen here."""
         assert self.store is not None and self._gen.owners is not None
         self.joining_setup = False
-        if self.join_adopted or ms.current_generation(self.store) > self._gen.owners.generation:
+        generations = self._generations or ms.GenerationWatch(self.store)
+        if self.join_adopted or generations.newer_than(self._gen.owners.generation):
             self.join_adopted = False
             since, self.lost_since = self.lost_since, None
             self.next_generation(since=since)
@@ -425,6 +430,9 @@ class Membership:
             self._cutter.disarm()
             self._cutter.stop()
             self._cutter = None
+        if self._generations is not None:
+            self._generations.close()
+            self._generations = None
         if self.store is not None and self.elastic:
             self.store.set(f"done/{self.member}", "1")
         self.elastic = False

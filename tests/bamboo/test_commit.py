@@ -103,10 +103,16 @@ class VotingMemberStore(MemberStore):
     def read(self, key: str) -> bytes | None:
         return self._do("check", key, lambda: self._base.read(key))
 
+    def read_many(self, keys: list[str]) -> dict[str, bytes | None]:
+        return self._do("check", ",".join(keys), lambda: self._base.read_many(keys))
+
     def vote(self, key: str, voter: str) -> int:
         return self._do("add", key, lambda: self._base.vote(key, voter))
 
-    def watching(self, keys: list[str]) -> contextlib.AbstractContextManager[Callable[[float], None]]:
+    def vote_and_read(self, key: str, voter: str, reads: list[str]) -> tuple[int, dict[str, bytes | None]]:
+        return self._do("add", key, lambda: self._base.vote_and_read(key, voter, reads))
+
+    def watching(self, keys: list[str]) -> contextlib.AbstractContextManager[Callable[[float], bool]]:
         return self._base.watching(keys)
 
 

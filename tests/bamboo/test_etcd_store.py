@@ -116,3 +116,147 @@ def test_a_waiter_without_the_stream_still_sees_the_put(
 def test_a_wait_for_a_key_never_put_times_out_naming_it(store: EtcdStore) -> None:
     with pytest.raises(TimeoutError, match=r"keys \['never'\] not set within 0.3s"):
         store.wait(["never"], timedelta(seconds=0.3))
+
+
+class CountedRequests:
+    """Counts the etcd requests ``store`` sends: single reads and transactions."""
+
+    def __init__(self, store: EtcdStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.gets = self.txns = 0
+        client = store._client
+        get, transaction = client.get, client.transaction
+
+        def counted_get(*args, **kwargs):
+            self.gets += 1
+            return get(*args, **kwargs)
+
+        def counted_transaction(*args, **kwargs):
+            self.txns += 1
+            return transaction(*args, **kwargs)
+
+        monkeypatch.setattr(client, "get", counted_get)
+        monkeypatch.setattr(client, "transaction", counted_transaction)
+
+
+def test_a_tick_reads_what_the_last_one_read_in_one_request(
+    store: EtcdStore, etcd_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent's tick reads a dozen keys: after the first tick, each tick fetches them in one transaction,
+    at the tick's start (another process's write before it is seen), absent keys included."""
+    other = EtcdStore(*etcd_endpoint.split(":"), prefix=store._prefix)  # type: ignore[arg-type]
+    for key in ("a", "b"):
+        store.set(key, f"{key}0")
+    counted = CountedRequests(store, monkeypatch)
+
+    def one_tick() -> tuple:
+        with ms.one_pass(store):
+            return store.read("a"), ms.read_if_set(store, "b"), store.check(["c"]), store.add("n", 0)
+
+    assert one_tick() == (b"a0", b"b0", False, 0)
+    assert (counted.gets, counted.txns) == (4, 0)
+    other.set("b", "b1")
+    other.set("c", "c1")
+    other.add("n", 5)
+    assert one_tick() == (b"a0", b"b1", True, 5)
+    assert (counted.gets, counted.txns) == (4, 1)
+
+
+def test_a_tick_reads_live_after_its_first_read_and_after_its_own_write(
+    store: EtcdStore, etcd_endpoint: str
+) -> None:
+    """Within a tick, only the first read of a key is the prefetched one: a loop waiting in the tick for a
+    change sees it, and a key the tick writes (set, add, compare_set, delete) reads as written."""
+    other = EtcdStore(*etcd_endpoint.split(":"), prefix=store._prefix)  # type: ignore[arg-type]
+    for key in ("a", "b", "c", "d", "e"):
+        store.set(key, "0")
+    with ms.one_pass(store):
+        for key in ("a", "b", "c", "d", "e"):
+            store.read(key)
+    with ms.one_pass(store):
+        assert store.read("a") == b"0"
+        other.set("a", "1")
+        assert store.read("a") == b"1"
+        store.set("b", "2")
+        assert store.read("b") == b"2"
+        assert store.add("c", 3) == 3
+        assert store.read("c") == b"3"
+        store.compare_set("d", "0", "4")
+        assert store.read("d") == b"4"
+        store.delete_key("e")
+        assert store.read("e") is None
+
+
+def test_a_tick_serves_only_the_thread_that_opened_it(store: EtcdStore, etcd_endpoint: str) -> None:
+    """The agent's other threads (its lease renewals) share the store object: they read live."""
+    other = EtcdStore(*etcd_endpoint.split(":"), prefix=store._prefix)  # type: ignore[arg-type]
+    store.set("a", "0")
+    with ms.one_pass(store):
+        store.read("a")
+    with ms.one_pass(store):
+        other.set("a", "1")
+        seen: list[bytes | None] = []
+        thread = threading.Thread(target=lambda: seen.append(store.read("a")))
+        thread.start()
+        thread.join()
+        assert seen == [b"1"]
+        assert store.read("a") == b"0"  # this thread's prefetch, taken when the tick began
+
+
+def test_read_many_reads_more_keys_than_one_transaction_takes(store: EtcdStore) -> None:
+    keys = [f"k{i}" for i in range(250)]
+    for i, key in enumerate(keys[::2]):
+        store.set(key, str(i))
+    values = store.read_many(keys)
+    assert values == {key: (str(i // 2).encode() if i % 2 == 0 else None) for i, key in enumerate(keys)}
+
+
+def test_a_vote_reads_the_keys_it_is_given_in_its_transaction(store: EtcdStore) -> None:
+    store.set("outcome", "commit")
+    assert store.vote_and_read("prep/1", "m0", ["outcome", "gen"]) == (1, {"outcome": b"commit", "gen": None})
+    assert store.vote_and_read("prep/1", "m1", []) == (2, {})
+
+
+def test_the_boundary_reads_the_generation_only_after_a_put_of_it(
+    store: EtcdStore, etcd_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member asks at every step boundary whether a newer generation exists: it reads ``gen`` once, then
+    not again until the watch reports a put of it (or the re-read interval passed), and a put is seen."""
+    other = EtcdStore(*etcd_endpoint.split(":"), prefix=store._prefix)  # type: ignore[arg-type]
+    store.set("gen", "3")
+    generations = ms.GenerationWatch(store)
+    counted = CountedRequests(store, monkeypatch)
+    try:
+        assert not generations.newer_than(3)
+        assert not generations.newer_than(3)
+        assert counted.gets == 1  # the second look read nothing
+        other.set("gen", "4")
+        deadline = time.monotonic() + etcd_watch.REREAD_S + 1.0
+        while not generations.newer_than(3):
+            assert time.monotonic() < deadline, "the put of gen was never seen"
+            time.sleep(0.01)
+        assert counted.gets <= 3  # read after the put, not at every look
+    finally:
+        generations.close()
+    local = dist.HashStore()
+    local.set("gen", "1")
+    assert ms.GenerationWatch(local).newer_than(0)  # a local store is read every time
+
+
+def test_the_committing_member_asks_for_a_join_only_when_one_is_proposed(store: EtcdStore) -> None:
+    """The vote reads the join proposal's key: while it is absent the member that commits does not look for a
+    proposal (a round trip every member's outcome waited for); once it is there, it does."""
+    from lightning_bamboo.control.commit import COMMIT, COMMIT_JOIN, StepCommit
+
+    asked: list[int] = []
+
+    def claim(step: int) -> bool:
+        asked.append(step)
+        return True
+
+    commit = StepCommit(store, 0, 1)
+    assert commit.prepare_and_wait(1, claim, proposal_key="gen0/join") == COMMIT
+    store.set("gen0/join", "{}")
+    assert commit.prepare_and_wait(2, claim, proposal_key="gen0/join") == COMMIT_JOIN
+    assert asked == [2]
+    assert commit.prepare_and_wait(3, claim) == COMMIT_JOIN  # no key given: asked every time
+    assert asked == [2, 3]

@@ -50,6 +50,21 @@ def test_placement_alternates_zones_and_names_the_losses_it_cannot_cover() -> No
     ]
 
 
+def test_the_placement_report_follows_the_recovery_mode() -> None:
+    """3 stages x 2 pipelines on 3 machines of 2 workers: each machine holds one stage of both pipelines. The
+    replicas cover any machine; under recovery="peers" no peer holds that stage, so each is a fallback."""
+    rendezvous = mc.placement([0, 1, 2], {}, 2)
+    owners = initial(3, range(rendezvous.nproc))
+    domains = {f"machine {k}": v for k, v in rendezvous.members.items()}
+    assert mc.fallback_risks(owners, domains) == []
+    assert mc.fallback_risks(owners, domains, replicas=False) == [
+        f"losing {name} (members {members}) falls back to the last checkpoint"
+        for name, members in domains.items()
+    ]
+    two_stages = initial(2, range(rendezvous.nproc))  # each machine: one stage of two different pipelines
+    assert mc.fallback_risks(two_stages, domains, replicas=False) == []
+
+
 def test_one_coordinator_per_term_and_leases_by_the_observers_clock() -> None:
     store = dist.HashStore()
     first, second = mc.register(store, 2, "", "h0", 10), mc.register(store, 2, "", "h1", 11)
