@@ -1,6 +1,6 @@
 """Bamboo's recovery modes side by side: one spot-trace segment applied to each mode on the same machines.
 
-    sudo python benchmarks/bamboo_modes.py [--rounds 3] [--steps 1200] [--seed 0] [--out DIR]
+    sudo python benchmarks/bamboo_modes.py [--rounds 3] [--steps 2000] [--seed 0] [--out DIR]
 
 Each round runs ``benchmarks/bamboo_nodes.py`` once per mode of ``BambooStrategy(recovery=...)``
 (``"peers"``, ``"replica"``, ``"replica+forward"``): 3 machines as network namespaces, 2 workers each,
@@ -137,7 +137,7 @@ def last_line(modes: dict[str, dict[str, Any]], no_fault_tolerance_step_s: float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="runs per mode, interleaved")
-    parser.add_argument("--steps", type=int, default=1200, help="steps per run (to outlast the segment)")
+    parser.add_argument("--steps", type=int, default=2000, help="steps per run (to outlast the segment)")
     parser.add_argument("--seed", type=int, default=0, help="which machine each removal takes (every mode)")
     parser.add_argument("--lease", type=float, default=3.0, help="--node-lease of the agents (seconds)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds one run may take")

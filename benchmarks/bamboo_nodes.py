@@ -19,7 +19,7 @@ not in ``node_failover_s`` (its time to the next step is the JSON line's
 The lease (``--lease``) bounds a failover from above: a machine lost silently is found when its agent is
 probed after a missed renewal (its processes died) or when its lease expires (it is gone whole).
 
-    sudo python benchmarks/bamboo_nodes.py [--steps 1200] [--lease 3] [--compression 10] [--seed 0] \
+    sudo python benchmarks/bamboo_nodes.py [--steps 2000] [--lease 3] [--compression 10] [--seed 0] \
         [--out DIR]
 
 ``--out DIR`` keeps the agents' logs and ``commits.json`` (each step's commit time and generation, the
@@ -129,7 +129,7 @@ def exact(reference: dict[str, torch.Tensor], out: Path, steps: int) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="keep the run's files here (default: removed)")
-    parser.add_argument("--steps", type=int, default=1200,
+    parser.add_argument("--steps", type=int, default=2000,
                         help="training steps (to outlast the segment, also on a loaded machine)")
     parser.add_argument("--lease", type=float, default=3.0, help="--node-lease of the agents (seconds)")
     parser.add_argument("--segment-ms", type=int, nargs=2, default=FULL["segment_ms"],
