@@ -121,8 +121,7 @@ class EtcdStore(dist.Store):
         values: dict[str, bytes | None] = {}
         for start in range(0, len(keys), _TXN_OPS):
             chunk = keys[start:start + _TXN_OPS]
-            reads = [{"request_range": {"key": _encode(self._key(key))}} for key in chunk]
-            reply = self._txn([], reads, [])
+            reply = self._txn([], [self._range_op(key) for key in chunk], [])
             for key, response in zip(chunk, reply.get("responses", []), strict=True):
                 values[key] = _range_value(response)
         return values
@@ -150,6 +149,10 @@ class EtcdStore(dist.Store):
         """A write of ``key`` in a :meth:`tick` block: its prefetched value is stale."""
         if self._tick.values is not None:
             self._tick.values.pop(key, None)
+
+    def _range_op(self, key: str) -> _Op:
+        """A transaction's read of ``key`` (:func:`_range_value` takes its answer)."""
+        return {"request_range": {"key": _encode(self._key(key))}}
 
     def _txn(self, compare: list[_Op], success: list[_Op], failure: list[_Op]) -> dict[str, Any]:
         """One etcd transaction (the JSON gateway's ``/kv/txn``), its reply as etcd gives it."""
@@ -228,7 +231,7 @@ class EtcdStore(dist.Store):
                         "count_only": True,
                     }
                 },
-                *({"request_range": {"key": _encode(self._key(read))}} for read in reads),
+                *(self._range_op(read) for read in reads),
             ],
             [],
         )

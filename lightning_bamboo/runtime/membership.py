@@ -364,11 +364,18 @@ class Membership:
         the same outcome, so all switch here) or when a generation came without a failure seen here."""
         assert self.store is not None and self._gen.owners is not None
         self.joining_setup = False
-        generations = self._generations or ms.GenerationWatch(self.store)
-        if self.join_adopted or generations.newer_than(self._gen.owners.generation):
+        if self.join_adopted or self._generation_newer(self._gen.owners.generation):
             self.join_adopted = False
             since, self.lost_since = self.lost_since, None
             self.next_generation(since=since)
+
+    def _generation_newer(self, generation: int) -> bool:
+        """Whether the store holds a generation after ``generation``: through the member's watch while it
+        trains elastically, else one read."""
+        assert self.store is not None
+        if self._generations is not None:
+            return self._generations.newer_than(generation)
+        return ms.current_generation(self.store) > generation
 
     def drain(
         self,
