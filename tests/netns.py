@@ -66,6 +66,7 @@ class Host:
     address: str
     veth: str  # the root-namespace end of its link, a port of the bridge
     interface: str = "eth0"  # inside the namespace (every host's is called the same, as on real machines)
+    tmpdir: str = ""  # its processes' TMPDIR: a machine's own /tmp, removed with the network
 
     def inode(self) -> int:
         """The namespace's inode: what ``/proc/<pid>/ns/net`` of a process inside it links to
@@ -208,6 +209,7 @@ class Network:
     subnet: ipaddress.IPv4Network | None = field(default=None, init=False)
     _procs: list[subprocess.Popen[Any]] = field(default_factory=list, init=False)
     _bridge_made: bool = field(default=False, init=False)
+    _tmp_root: str | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.size <= MAX_HOSTS:
@@ -265,11 +267,18 @@ class Network:
         index = len(self.hosts)
         if index >= MAX_HOSTS:
             raise ValueError(f"a network holds at most {MAX_HOSTS} hosts")
+        # each machine its own temporary folder: what its processes leave there (a preload server's socket
+        # folder, say) when the machine is killed is removed by close(), as a lost machine's disk goes
+        if self._tmp_root is None:
+            self._tmp_root = tempfile.mkdtemp(prefix=f"{self.prefix}-tmp-")
+        tmpdir = os.path.join(self._tmp_root, f"h{index}")
+        os.makedirs(tmpdir, exist_ok=True)
         host = Host(
             index=index,
             namespace=f"{self.prefix}h{index}",
             address=str(self.subnet.network_address + HOST_OFFSET + index),
             veth=f"{self.prefix}v{index}",
+            tmpdir=tmpdir,
         )
         self.hosts.append(host)  # before making it: close() then removes whatever part of it exists
         ip("netns", "add", host.namespace)
@@ -288,10 +297,11 @@ class Network:
         self, host: Host, cmd: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None,
         stdout: Any = subprocess.PIPE,
     ) -> subprocess.Popen[str]:
-        """Starts ``cmd`` inside ``host`` (``ip netns exec``) in a new session, stderr into ``stdout``;
-        :meth:`close` kills its process group if it still runs."""
+        """Starts ``cmd`` inside ``host`` (``ip netns exec``) in a new session, stderr into ``stdout``, with
+        ``TMPDIR`` the host's own folder; :meth:`close` kills its process group if it still runs."""
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", host.namespace, *cmd], env=dict(env) if env is not None else None,
+            ["ip", "netns", "exec", host.namespace, *cmd],
+            env={**(env if env is not None else os.environ), "TMPDIR": host.tmpdir},
             cwd=cwd, stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
             start_new_session=True,
         )
@@ -455,6 +465,8 @@ class Network:
             ip("netns", "del", host.namespace, check=False)
         if self._bridge_made:
             ip("link", "del", self.bridge, check=False)
+        if self._tmp_root is not None:
+            shutil.rmtree(self._tmp_root, ignore_errors=True)
         deadline = time.monotonic() + IP_TIMEOUT_S
         while (left := self.leftovers()) and time.monotonic() < deadline:
             time.sleep(0.1)  # a namespace's last process may still be exiting

@@ -140,6 +140,19 @@ def test_kill_host_kills_every_process_inside_it(make_network: MakeNetwork) -> N
     assert connect(net, b, b.address) == f"received hello {b.address}"
 
 
+def test_each_host_has_its_own_temporary_folder_removed_with_the_network() -> None:
+    """What a killed machine's processes left in their temporary folder (a preload server's socket folder)
+    goes with the network, not into the test machine's /tmp."""
+    make = "import tempfile; print(tempfile.mkdtemp(prefix='left-'))"
+    with Network(2) as net:
+        a, b = net.hosts
+        left = [Path(net.run(h, [sys.executable, "-c", make], timeout=20).stdout.strip()) for h in (a, b)]
+        assert left[0].parent == Path(a.tmpdir) and left[1].parent == Path(b.tmpdir) and a.tmpdir != b.tmpdir
+        net.kill_host(a)
+        assert left[0].is_dir()
+    assert not any(path.exists() for path in left) and not Path(a.tmpdir).exists()
+
+
 def test_shape_rate_limits_and_netem_says_when_the_kernel_cannot(make_network: MakeNetwork) -> None:
     net = make_network(2)
     a, b = net.hosts
