@@ -22,9 +22,10 @@ the last line, exactly::
     exact=<true if every mode's final state equals the uninterrupted run>
 
 (one line). No fault tolerance: each round also trains the same pipeline under torchrun on the same
-machines, no trace applied (:func:`run_without_fault_tolerance`). NOT BUILT YET: checkpoint-restart on these
-machines: ``best_vs_checkpoint_restart`` prints ``nan`` (``benchmarks/bamboo_preemption.py`` compares
-Bamboo with it on one machine's workers).
+machines, no trace applied (:func:`run_without_fault_tolerance`). Checkpoint-restart: each round also runs
+it under the same segment on the same machines (:class:`CheckpointRestartJob`: torchrun relaunched on the
+live machines at every loss and replacement, Young/Daly checkpoints, the steps since the last checkpoint
+lost); ``--no-checkpoint-restart`` leaves it out (``best_vs_checkpoint_restart`` then prints ``nan``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,7 @@ sys.path.insert(0, str(REPO))
 NODES = REPO / "benchmarks" / "bamboo_nodes.py"
 MODES = ("peers", "replica", "replica+forward")
 WARMUP_STEPS = 5  # steps of a run without fault tolerance left out of its step time
+CHECKPOINT_RESTART_STEPS = 10_000  # more than its window holds: the job is stopped when the window ends
 
 
 def median(values: list[float]) -> float:
@@ -101,6 +104,132 @@ def run_without_fault_tolerance(args: argparse.Namespace, out: Path) -> dict[str
     return {"step_s": statistics.median(spans), "steps": len(times)}
 
 
+def surviving_steps(completions: list[tuple[int, float]], start: float, end: float) -> int:
+    """How many steps the job kept that it completed in ``[start, end]``: ``completions`` are ``(global
+    step, wall time)`` in the order written, over every launch; a step lost to a kill and trained again
+    after a reload counts once, at its last completion (the one that survived)."""
+    last: dict[int, float] = {}
+    for step, wall in completions:
+        last[step] = wall
+    return sum(1 for wall in last.values() if start <= wall <= end)
+
+
+class CheckpointRestartJob:
+    """The same pipeline under torchrun on the live machines (a machine holds one pipeline: 2 ranks, 2
+    stages), checkpointing every Young/Daly interval (``benchmarks/_young_daly.py``) and resuming from the
+    newest checkpoint at each launch. Losing a machine stops every rank of the job (SIGKILL, whole
+    machines, by PID) and relaunches it on the survivors: the steps since the last checkpoint are lost. A
+    replacement machine grows the job: a checkpoint now, a clean exit, a relaunch on all (nothing lost)."""
+
+    def __init__(self, net: Any, out: Path, train: list[str], steps_file: Path) -> None:
+        self.net, self.out, self.train, self.steps_file = net, out, train, steps_file
+        self.hosts = {f"m{i}": host for i, host in enumerate(net.hosts)}  # the plan's names, live ones
+        self.procs: list[subprocess.Popen[str]] = []
+        self.launches = 0
+        self.lines_at_launch = 0
+
+    def steps_written(self) -> list[str]:
+        return self.steps_file.read_text().splitlines() if self.steps_file.exists() else []
+
+    def launch(self) -> None:
+        from tests.process import launch_env
+
+        hosts = list(self.hosts.values())
+        self.lines_at_launch = len(self.steps_written())
+        for node_rank, host in enumerate(hosts):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)),
+                   "--node-rank", str(node_rank), "--nproc-per-node", "2", "--master-addr", hosts[0].address,
+                   "--master-port", str(29500 + self.launches), *self.train]
+            with (self.out / f"launch{self.launches}_h{host.index}.log").open("w") as log:
+                env = launch_env({"GLOO_SOCKET_IFNAME": host.interface})
+                self.procs.append(self.net.popen(host, cmd, env=env, stdout=log))
+        self.launches += 1
+
+    def training(self) -> bool:
+        """Whether the current launch has completed a step (it is past start-up and the reload)."""
+        return len(self.steps_written()) > self.lines_at_launch
+
+    def stop(self, lost: Any = None) -> None:
+        """Every process of the job's machines SIGKILLed (``lost`` with them, taken off the job)."""
+        hosts = list(self.hosts.values()) + ([lost] if lost is not None else [])
+        self.net.kill_hosts(hosts)
+        for proc in self.procs:
+            proc.wait(timeout=30)
+        self.procs = []
+
+    def drain(self, timeout: float = 60.0) -> bool:
+        """A checkpoint now and a clean exit; a launch still starting has trained nothing since the
+        checkpoint it loads and is stopped at once. Returns whether it drained."""
+        if not self.training():
+            self.stop()
+            return False
+        flag = self.out / "drain"
+        flag.write_text("1")
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        flag.unlink()
+        self.stop()
+        return True
+
+
+def run_checkpoint_restart(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Checkpoint-restart (:class:`CheckpointRestartJob`) under the modes' trace segment, on the same
+    machines. Progress is what survives: a step counts at its last completion (one completed, lost to a
+    kill and trained again counts once, when it was trained again), as the committed steps of the modes
+    do. The window starts at the first launch's step ``WARMUP_STEPS`` of bamboo_nodes.py, as theirs."""
+    from benchmarks.bamboo_nodes import MACHINES, SCRIPT, global_batch
+    from benchmarks.bamboo_nodes import WARMUP_STEPS as WINDOW_AFTER
+    from benchmarks.bamboo_preemption import FULL, TRACE, make_plan
+    from tests.netns import Network
+
+    plan = make_plan(REPO / TRACE, *FULL["segment_ms"], FULL["compression"], args.seed, units=MACHINES)
+    batch = global_batch(2)
+    steps_file = out / "steps.txt"
+    mtbf_s = plan.window_s / max(plan.removals, 1)
+    train = [str(SCRIPT), "--out", str(out / "job"), "--stages", "2",
+             "--steps", str(CHECKPOINT_RESTART_STEPS), "--batch-size", str(batch), "--recovery", "peers",
+             "--step-times", str(steps_file), "--young-daly", str(out), "--mtbf-s", f"{mtbf_s:.6f}"]
+    restarts: list[dict[str, Any]] = []
+    with Network(MACHINES) as net:
+        job = CheckpointRestartJob(net, out, train, steps_file)
+        job.launch()
+        deadline = time.monotonic() + args.timeout
+        while len(job.steps_written()) < WINDOW_AFTER:
+            if time.monotonic() > deadline or all(p.poll() is not None for p in job.procs):
+                raise RuntimeError(f"checkpoint-restart: no step {WINDOW_AFTER}; see {out}/launch0_h*.log")
+            time.sleep(0.02)
+        start = time.time()
+        try:
+            for t, kind, node in plan.events:
+                time.sleep(max(0.0, start + t - time.time()))
+                at = time.time()
+                if kind == "remove":
+                    job.stop(lost=job.hosts.pop(node))
+                    drained = False
+                else:
+                    job.hosts[node] = net.add_host()
+                    drained = job.drain()
+                lines = len(job.steps_written())
+                job.launch()
+                restarts.append({"t_s": at - start, "why": "kill" if kind == "remove" else "grow",
+                                 "drained": drained, "lines_before": lines, "machines": len(job.hosts)})
+                print(f"[modes] checkpoint-restart t={at - start:6.2f}s {kind} {node}: relaunched on "
+                      f"{len(job.hosts)} machine(s)", flush=True)
+            time.sleep(max(0.0, start + plan.window_s - time.time()))
+        finally:
+            job.stop()
+    rows = [line.split() for line in job.steps_written()]
+    done = surviving_steps([(int(step), float(wall)) for step, wall in rows], start, start + plan.window_s)
+    for restart in restarts:  # a restart costs until the relaunched job's first step
+        after = [float(w) for _, w in rows[restart["lines_before"]:] if float(w) > start + restart["t_s"]]
+        restart["to_next_step_s"] = (after[0] - start - restart["t_s"]) if after else float("nan")
+    interval = json.loads((out / "interval.json").read_text()) if (out / "interval.json").exists() else {}
+    return {"segment_samples_per_s": done * batch / plan.window_s, "steps_in_segment": done,
+            "restarts": restarts, "launches": job.launches, "work": str(out),
+            "checkpoint_interval_s": interval.get("interval_s"), "checkpoint_s": interval.get("checkpoint_s")}
+
+
 def summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Per mode: medians over its runs, every failover, and whether every run was exact."""
     out = {}
@@ -122,15 +251,17 @@ def summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def last_line(modes: dict[str, dict[str, Any]], no_fault_tolerance_step_s: float = float("nan")) -> str:
+def last_line(modes: dict[str, dict[str, Any]], no_fault_tolerance_step_s: float = float("nan"),
+              checkpoint_restart_samples_per_s: float = float("nan")) -> str:
     rates = {m: s["segment_samples_per_s"] for m, s in modes.items()}
+    best_vs_cr = max(rates.values()) / checkpoint_restart_samples_per_s
     worst_failover = max((s["failover_median_s"] for s in modes.values()), default=float("nan"))
     exact = all(s["exact"] for s in modes.values())
-    nan = float("nan")
     peers, replica = (modes[m]["full_layout_step_s"] / no_fault_tolerance_step_s
                       for m in ("peers", "replica"))
     return (f"peers_overhead={peers:.3f} replica_overhead={replica:.3f} "
-            f"peers_vs_replica={rates['peers'] / rates['replica']:.3f} best_vs_checkpoint_restart={nan:.3f} "
+            f"peers_vs_replica={rates['peers'] / rates['replica']:.3f} "
+            f"best_vs_checkpoint_restart={best_vs_cr:.3f} "
             f"failover_s={worst_failover:.3f} exact={'true' if exact else 'false'}")
 
 
@@ -143,6 +274,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds one run may take")
     parser.add_argument("--baseline-steps", type=int, default=300,
                         help="steps of the run without fault tolerance per round (0: none, nan overheads)")
+    parser.add_argument("--no-checkpoint-restart", action="store_true",
+                        help="leave checkpoint-restart out (best_vs_checkpoint_restart prints nan)")
     parser.add_argument("--out", type=Path, default=None, help="keep every run's files here")
     args = parser.parse_args()
     if args.rounds < 1:
@@ -151,6 +284,7 @@ def main() -> None:
         root = args.out or Path(tmp)
         runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
         baselines: list[dict[str, Any]] = []
+        restarts: list[dict[str, Any]] = []
         for round_ in range(args.rounds):
             if args.baseline_steps:
                 out = root / f"round{round_}-no-fault-tolerance"
@@ -158,6 +292,13 @@ def main() -> None:
                 baselines.append(run_without_fault_tolerance(args, out))
                 print(f"[modes] round {round_} no fault tolerance: step {baselines[-1]['step_s']:.3f} s",
                       flush=True)
+            if not args.no_checkpoint_restart:
+                out = root / f"round{round_}-checkpoint-restart"
+                out.mkdir(parents=True, exist_ok=True)
+                restarts.append(cr := run_checkpoint_restart(args, out))
+                costs = [round(r["to_next_step_s"], 2) for r in cr["restarts"]]
+                print(f"[modes] round {round_} checkpoint-restart: {cr['segment_samples_per_s']:.1f} "
+                      f"samples/s under the segment, restarts {costs} s", flush=True)
             order = MODES[round_ % len(MODES):] + MODES[:round_ % len(MODES)]
             for mode in order:
                 out = root / f"round{round_}-{mode}"
@@ -171,10 +312,12 @@ def main() -> None:
     no_ft = median([b["step_s"] for b in baselines])
     for mode in modes.values():
         mode["step_vs_no_fault_tolerance"] = mode["full_layout_step_s"] / no_ft
+    checkpoint_restart = median([r["segment_samples_per_s"] for r in restarts])
     print(json.dumps({"modes": modes, "runs": runs, "no_fault_tolerance": baselines,
-                      "no_fault_tolerance_step_s": no_ft, "rounds": args.rounds, "steps": args.steps,
-                      "seed": args.seed}))
-    print(last_line(modes, no_ft))
+                      "no_fault_tolerance_step_s": no_ft, "checkpoint_restart": restarts,
+                      "checkpoint_restart_samples_per_s": checkpoint_restart, "rounds": args.rounds,
+                      "steps": args.steps, "seed": args.seed}))
+    print(last_line(modes, no_ft, checkpoint_restart))
 
 
 if __name__ == "__main__":

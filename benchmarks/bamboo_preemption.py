@@ -16,10 +16,11 @@ by ``--compression``, preempts them:
   when the runtime has it; otherwise the add is not applied and the JSON says ``rejoins: 0``).
 * **Checkpoint-restart** (the strongest baseline: torchrun-style restarts + Young/Daly checkpoints): the plain
   ``BambooStrategy`` without redundancy, ``floor(n/2)`` pipelines on the ``n`` live workers. It checkpoints
-  (sharded, atomic) every ``sqrt(2 * C * MTBF)`` seconds of training, ``C`` measured by its first checkpoint
-  in this run and ``MTBF`` = window / removals of the segment. A removal of an active worker stops every
-  process, relaunches at the new size and reloads the last checkpoint (the steps since are lost); an add that
-  grows the layout checkpoints, stops and relaunches (nothing lost); losing an idle worker costs nothing.
+  (sharded, atomic) every ``sqrt(2 * C * MTBF)`` seconds of training, ``C`` the median cost of its checkpoints
+  so far in this run (the first right after the warm-up) and ``MTBF`` = window / removals of the segment. A
+  removal of an active worker stops every process, relaunches at the new size and reloads the last
+  checkpoint (the steps since are lost); an add that grows the layout checkpoints, stops and relaunches
+  (nothing lost); losing an idle worker costs nothing.
 
 Both systems run for the same window (the compressed segment), timed from their second completed step (so
 neither pays its first start-up; every later restart is paid). Progress is the global step reached, so work

@@ -9,34 +9,31 @@ until the benchmark kills them; every completed step is appended to ``<run-dir>/
   (failover inside the same ``fit``). The layout is the current ownership map's shape.
 * ``--system checkpoint_restart``: the plain ``BambooStrategy`` without redundancy, ranks given by the
   benchmark through ``LOCAL_RANK``/``WORLD_SIZE`` (as torchrun would). It resumes from the last complete
-  checkpoint in ``<run-dir>/ckpt`` and checkpoints every Young/Daly interval: the first checkpoint (taken
-  right after the warm-up step of the first launch) measures the cost ``C``; the interval is
-  ``sqrt(2 * C * MTBF)`` with ``--mtbf-s`` from the trace segment, written to ``interval.json`` and reused by
-  later launches. ``<run-dir>/drain`` asks for a checkpoint now and a clean exit (a grow restart).
+  checkpoint in ``<run-dir>/ckpt`` and checkpoints every Young/Daly interval ``sqrt(2 * C * MTBF)``
+  (``benchmarks/_young_daly.py``: ``C`` the median cost of its checkpoints so far, the first taken right
+  after the warm-up steps of the first launch; ``--mtbf-s`` from the trace segment).
+  ``<run-dir>/drain`` asks for a checkpoint now and a clean exit (a grow restart).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import hydra
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 
+from benchmarks._young_daly import YoungDalyCheckpoint, latest_checkpoint
 from lightning_bamboo.simulate.model import shape_key
 from lightning_bamboo.strategy import BambooStrategy
 from recipes.compose import compose_recipe
 
 EXPERIMENT = "bamboo_gpt_elastic"
-WARMUP_STEPS = 2
 T_IMPORTED = time.time()
 
 
@@ -78,73 +75,6 @@ class Phases(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.times["train_start"] = time.time()
         self.path.write_text(json.dumps(self.times))
-
-
-class YoungDalyCheckpoint(Callback):
-    """Checkpoint-restart's checkpoints: every Young/Daly interval, and on a drain request.
-
-    Every rank must take the same decision at the same step: the flags (interval elapsed, drain requested)
-    are max-all-reduced as one small tensor after each step.
-    """
-
-    def __init__(self, run_dir: Path, mtbf_s: float) -> None:
-        self.run_dir = run_dir
-        self.mtbf_s = mtbf_s
-        self.ckpt_dir = run_dir / "ckpt"
-        self.interval_file = run_dir / "interval.json"
-        self.interval_s: float | None = (
-            json.loads(self.interval_file.read_text())["interval_s"] if self.interval_file.exists() else None
-        )
-        self.last = time.monotonic()
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.last = time.monotonic()  # the interval counts training time, not start-up and reload
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        first = self.interval_s is None and trainer.global_step >= WARMUP_STEPS
-        due = self.interval_s is not None and time.monotonic() - self.last >= self.interval_s
-        drain = (self.run_dir / "drain").exists()
-        flags = torch.tensor([float(first or due), float(drain)])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[0] or flags[1]:
-            cost = self._save(trainer)
-            if self.interval_s is None:
-                self.interval_s = math.sqrt(2.0 * cost * self.mtbf_s)
-                if trainer.is_global_zero:
-                    tmp = self.interval_file.with_suffix(".tmp")
-                    tmp.write_text(json.dumps({"interval_s": self.interval_s, "checkpoint_s": cost}))
-                    tmp.rename(self.interval_file)
-        if flags[1]:
-            trainer.should_stop = True
-
-    def _save(self, trainer: Trainer) -> float:
-        """Save, point ``latest`` at it (atomic rename), drop the older one; returns the cost (s)."""
-        start = time.monotonic()
-        path = self.ckpt_dir / f"step={trainer.global_step}.ckpt"
-        trainer.save_checkpoint(path, weights_only=False)
-        if trainer.is_global_zero:
-            previous = latest_checkpoint(self.ckpt_dir)
-            tmp = self.ckpt_dir / "latest.tmp"
-            tmp.write_text(path.name)
-            tmp.rename(self.ckpt_dir / "latest")
-            if previous is not None and previous != path:
-                shutil.rmtree(previous, ignore_errors=True)
-        trainer.strategy.barrier()
-        cost = torch.tensor([time.monotonic() - start])
-        dist.all_reduce(cost, op=dist.ReduceOp.MAX)
-        self.last = time.monotonic()
-        if trainer.is_global_zero:
-            with (self.run_dir / "checkpoints.txt").open("a") as f:
-                f.write(f"{trainer.global_step} {time.time():.6f} {float(cost):.6f}\n")
-        return float(cost)
-
-
-def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    pointer = ckpt_dir / "latest"
-    if not pointer.exists():
-        return None
-    path = ckpt_dir / pointer.read_text().strip()
-    return path if path.exists() else None
 
 
 def main() -> None:

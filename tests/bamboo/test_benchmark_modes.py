@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 
-from benchmarks.bamboo_modes import last_line, summary
+from benchmarks.bamboo_modes import last_line, summary, surviving_steps
 
 LINE = re.compile(
     r"peers_overhead=(nan|\d+\.\d{3}) replica_overhead=(nan|\d+\.\d{3}) peers_vs_replica=\d+\.\d{3} "
@@ -36,3 +36,15 @@ def test_medians_per_mode_and_the_worst_modes_failover() -> None:
     assert "peers_vs_replica=1.115 " in line and "failover_s=2.000 " in line and line.endswith("exact=false")
     with_baseline = last_line(modes, no_fault_tolerance_step_s=0.25)
     assert with_baseline.startswith("peers_overhead=1.240 replica_overhead=1.360 "), with_baseline
+    assert "best_vs_checkpoint_restart=nan " in with_baseline  # not measured
+    # the best mode's committed samples/s (peers: 29.0) over checkpoint-restart's
+    with_restarts = last_line(modes, 0.25, checkpoint_restart_samples_per_s=14.5)
+    assert LINE.fullmatch(with_restarts) and "best_vs_checkpoint_restart=2.000 " in with_restarts
+
+
+def test_checkpoint_restart_progress_counts_what_survived() -> None:
+    # steps 1-4 trained, a kill, the reload from step 2's checkpoint trains 3-5 again
+    completions = [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (3, 9.0), (4, 10.0), (5, 11.0)]
+    assert surviving_steps(completions, 0.0, 20.0) == 5
+    assert surviving_steps(completions, 0.0, 5.0) == 2  # 3 and 4 as first trained were lost
+    assert surviving_steps(completions, 2.0, 10.0) == 3  # 2, 3 and 4 (again)

@@ -21,6 +21,9 @@ fixed permutation of them, the order most exactness tests were written for).
 ``is_global_zero``, world size, global step), then runs ``trainer.test`` on the validation data and
 ``trainer.save_checkpoint(<out>/after_fit_ckpt)`` (both collective) and adds the test loss to that file: what
 a user's "after training, rank 0 saves the result" code does. A drained member never gets there.
+``--young-daly DIR``: checkpoint-restart's checkpoints (``benchmarks/_young_daly.py``: every Young/Daly
+interval for ``--mtbf-s``, and on ``DIR/drain``), and ``fit`` resumes from the newest complete one in
+``DIR/ckpt`` (``benchmarks/bamboo_modes.py`` relaunches the job with it under torchrun).
 ``--csv``: a ``CSVLogger`` under ``<out>/logs`` logging every step, and Lightning's progress bar; each member
 that ends training writes ``<out>/bar_member{m}.json`` (whether its bar is shown, the batch it shows).
 """
@@ -121,6 +124,8 @@ def main() -> None:
     parser.add_argument("--step-times", type=Path, default=None, help="rank 0 appends 'step time' lines")
     parser.add_argument("--events", action="store_true", help="a BambooEventLog writing to <out>/events")
     parser.add_argument("--resume", type=Path, default=None, help="fit(ckpt_path=...)")
+    parser.add_argument("--young-daly", type=Path, default=None, help="checkpoint-restart (see above)")
+    parser.add_argument("--mtbf-s", type=float, default=0.0, help="--young-daly: the trace's MTBF (s)")
     parser.add_argument("--csv", action="store_true", help="a CSVLogger and the progress bar (see above)")
     parser.add_argument("--after-fit", action="store_true", help="record the rank, test, save (see above)")
     parser.add_argument("--shuffle", choices=["no", "yes", "generator"], default="no",
@@ -189,6 +194,11 @@ def main() -> None:
         callbacks.append(BambooLedger(args.ledger))
     if args.step_times is not None:
         callbacks.append(StepTimes(args.step_times))
+    if args.young_daly is not None:
+        from benchmarks._young_daly import YoungDalyCheckpoint, latest_checkpoint
+
+        callbacks.append(YoungDalyCheckpoint(args.young_daly, args.mtbf_s))
+        args.resume = latest_checkpoint(args.young_daly / "ckpt") or args.resume
     val_losses = ValLosses()
     logger: CSVLogger | bool = False
     if args.csv:
