@@ -221,9 +221,15 @@ def run_checkpoint_restart(args: argparse.Namespace, out: Path) -> dict[str, Any
             job.stop()
     rows = [line.split() for line in job.steps_written()]
     done = surviving_steps([(int(step), float(wall)) for step, wall in rows], start, start + plan.window_s)
-    for restart in restarts:  # a restart costs until the relaunched job's first step
-        after = [float(w) for _, w in rows[restart["lines_before"]:] if float(w) > start + restart["t_s"]]
-        restart["to_next_step_s"] = (after[0] - start - restart["t_s"]) if after else float("nan")
+    ends = [r["lines_before"] for r in restarts[1:]] + [len(rows)]
+    for restart, end in zip(restarts, ends, strict=True):
+        # from the event to the next step the job made (by this launch or, when it was stopped before its
+        # first step, a later one), and to this launch's own first step (None: it never made one)
+        at = start + restart["t_s"]
+        after = [float(w) for _, w in rows[restart["lines_before"]:] if float(w) > at]
+        restart["to_next_step_s"] = (after[0] - at) if after else float("nan")
+        own = rows[restart["lines_before"]:end]
+        restart["launch_to_first_step_s"] = (float(own[0][1]) - at) if own else None
     interval = json.loads((out / "interval.json").read_text()) if (out / "interval.json").exists() else {}
     return {"segment_samples_per_s": done * batch / plan.window_s, "steps_in_segment": done,
             "restarts": restarts, "launches": job.launches, "work": str(out),
@@ -296,9 +302,11 @@ def main() -> None:
                 out = root / f"round{round_}-checkpoint-restart"
                 out.mkdir(parents=True, exist_ok=True)
                 restarts.append(cr := run_checkpoint_restart(args, out))
-                costs = [round(r["to_next_step_s"], 2) for r in cr["restarts"]]
+                firsts = [r["launch_to_first_step_s"] for r in cr["restarts"]]
+                firsts = [None if f is None else round(f, 2) for f in firsts]
                 print(f"[modes] round {round_} checkpoint-restart: {cr['segment_samples_per_s']:.1f} "
-                      f"samples/s under the segment, restarts {costs} s", flush=True)
+                      f"samples/s under the segment, each relaunch's first step after {firsts} s (None: "
+                      "stopped by the next event first)", flush=True)
             order = MODES[round_ % len(MODES):] + MODES[:round_ % len(MODES)]
             for mode in order:
                 out = root / f"round{round_}-{mode}"
