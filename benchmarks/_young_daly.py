@@ -17,7 +17,9 @@ import json
 import math
 import shutil
 import statistics
+import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 WARMUP_STEPS = 2
+DRAIN_FLAG = "drain"  # <run-dir>/drain: checkpoint now and end fit (request_drain)
 
 
 class YoungDalyCheckpoint(Callback):
@@ -51,7 +54,7 @@ class YoungDalyCheckpoint(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         first = self.interval_s is None and trainer.global_step >= WARMUP_STEPS
         due = self.interval_s is not None and time.monotonic() - self.last >= self.interval_s
-        drain = (self.run_dir / "drain").exists()
+        drain = (self.run_dir / DRAIN_FLAG).exists()
         flags = torch.tensor([float(first or due), float(drain)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0] or flags[1]:
@@ -94,3 +97,17 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
         return None
     path = ckpt_dir / pointer.read_text().strip()
     return path if path.exists() else None
+
+
+def request_drain(run_dir: Path, procs: Sequence[subprocess.Popen[Any]], timeout: float) -> None:
+    """Asks the job writing to ``run_dir`` to checkpoint now and end ``fit`` (the flag every rank's
+    :class:`YoungDalyCheckpoint` reads after each step) and waits up to ``timeout`` seconds for ``procs`` to
+    exit. The flag is removed before returning, so the next launch does not drain at its first step."""
+    flag = run_dir / DRAIN_FLAG
+    flag.write_text("1")
+    try:
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        flag.unlink()

@@ -163,12 +163,9 @@ class CheckpointRestartJob:
         if not self.training():
             self.stop()
             return False
-        flag = self.out / "drain"
-        flag.write_text("1")
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        flag.unlink()
+        from benchmarks._young_daly import request_drain
+
+        request_drain(self.out, self.procs, timeout)
         self.stop()
         return True
 
@@ -210,10 +207,10 @@ def run_checkpoint_restart(args: argparse.Namespace, out: Path) -> dict[str, Any
                 else:
                     job.hosts[node] = net.add_host()
                     drained = job.drain()
-                lines = len(job.steps_written())
                 job.launch()
                 restarts.append({"t_s": at - start, "why": "kill" if kind == "remove" else "grow",
-                                 "drained": drained, "lines_before": lines, "machines": len(job.hosts)})
+                                 "drained": drained, "lines_before": job.lines_at_launch,
+                                 "machines": len(job.hosts)})
                 print(f"[modes] checkpoint-restart t={at - start:6.2f}s {kind} {node}: relaunched on "
                       f"{len(job.hosts)} machine(s)", flush=True)
             time.sleep(max(0.0, start + plan.window_s - time.time()))

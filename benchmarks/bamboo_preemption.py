@@ -59,9 +59,11 @@ from lightning_bamboo.simulate.traces import parse_trace
 try:  # imported as ``benchmarks.bamboo_preemption`` (the tests, bamboo_nodes.py: the checkout on sys.path)
     from benchmarks import _harness
     from benchmarks import preemption_timeline as timeline
+    from benchmarks._young_daly import request_drain
 except ImportError:  # run as a script: its own directory is first on sys.path
     import _harness  # type: ignore[no-redef]
     import preemption_timeline as timeline  # type: ignore[no-redef]
+    from _young_daly import request_drain  # type: ignore[no-redef]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -333,14 +335,7 @@ class CheckpointRestart:
         if not self.training():
             self.kill_all()
             return False
-        flag = self.run_dir / "drain"
-        flag.write_text("1")
-        try:
-            deadline = time.monotonic() + timeout
-            while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
-                time.sleep(0.02)
-        finally:
-            flag.unlink()
+        request_drain(self.run_dir, self.procs, timeout)
         self.kill_all()
         return True
 

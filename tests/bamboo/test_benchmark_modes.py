@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
+import sys
+from pathlib import Path
 
+from benchmarks._young_daly import DRAIN_FLAG, request_drain
 from benchmarks.bamboo_modes import last_line, summary, surviving_steps
 
 LINE = re.compile(
@@ -48,3 +52,18 @@ def test_checkpoint_restart_progress_counts_what_survived() -> None:
     assert surviving_steps(completions, 0.0, 20.0) == 5
     assert surviving_steps(completions, 0.0, 5.0) == 2  # 3 and 4 as first trained were lost
     assert surviving_steps(completions, 2.0, 10.0) == 3  # 2, 3 and 4 (again)
+
+
+def test_a_drain_request_ends_the_job_and_is_taken_back(tmp_path: Path) -> None:
+    """``request_drain`` (both benchmarks' checkpoint-restart grow): the flag a job's ranks read, waited on
+    until they exit, and removed, so the relaunch does not drain at its first step."""
+    waits_for_flag = (f"import os, time\nwhile not os.path.exists({str(tmp_path / DRAIN_FLAG)!r}): "
+                      "time.sleep(0.01)")
+    ranks = [subprocess.Popen([sys.executable, "-c", waits_for_flag]) for _ in range(2)]
+    try:
+        request_drain(tmp_path, ranks, timeout=60)
+        assert [rank.poll() for rank in ranks] == [0, 0]
+        assert not (tmp_path / DRAIN_FLAG).exists()
+    finally:
+        for rank in ranks:
+            rank.kill()
