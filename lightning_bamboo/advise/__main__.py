@@ -11,12 +11,15 @@ validation of the replay against the run's own validation window, and last, exac
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from lightning_bamboo.advise.advisor import INTERVAL_FACTORS, Advice, advise
 from lightning_bamboo.advise.costs_file import PRODUCER as PROBE
+from lightning_bamboo.advise.costs_file import default_modes_reference, peers_failover
 from lightning_bamboo.simulate.costs import DEFAULT_COSTS, PRODUCER, load_costs
 from lightning_bamboo.simulate.model import Prices
 from lightning_bamboo.simulate.plot import save_plot
@@ -38,6 +41,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--spot", type=float, default=Prices.spot, help="spot $ per node-hour (0.91)")
     p.add_argument("--on-demand", type=float, default=Prices.on_demand, help="on-demand $/node-hour (3.06)")
     p.add_argument("--max-pipelines", type=int, default=None, help="cap on data-parallel pipelines")
+    p.add_argument("--modes", type=Path, default=None,
+                   help="the recovery modes benchmark's results (benchmarks/bamboo_modes.py), pricing a "
+                        "peers failover the costs lack (default: this checkout's "
+                        "benchmarks/results/bamboo_modes.json if present)")
     p.add_argument("--plot", type=Path, default=None,
                    help="nodes/throughput of the best Bamboo, the best checkpoint-restart and on-demand "
                         "configurations (PNG)")
@@ -48,6 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         costs = load_costs(args.costs)
+        peers_source = costs.raw.get("sources", {}).get("peers_failover_s")
+        modes_path = args.modes or default_modes_reference()
+        if args.modes is not None and not args.modes.is_file():
+            raise FileNotFoundError(f"--modes {str(args.modes)!r} does not exist; it prices a failover under "
+                                    "recovery='peers'; measure it with: python benchmarks/bamboo_modes.py")
+        if costs.peers_failover_s is None and modes_path is not None:
+            derived = peers_failover(costs, json.loads(modes_path.read_text()), str(modes_path))
+            if derived is not None:
+                costs = dataclasses.replace(costs, peers_failover_s=derived[0])
+                peers_source = derived[1]
         compression = args.compression
         if compression is None:  # the time scale at which the costs were measured and validated
             compression = float(costs.raw.get("compression", 1.0))
@@ -71,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     if costs.peers_failover_s is None and any(c.recovery == "peers" for c in advice.candidates):
         print("WARNING: recovery='peers' failovers PRICED AS THE REPLICA'S (costs.failover_s): these costs "
               "hold no measured peers failover (costs.peers_failover_s: state moved from a peer pipeline)")
+    elif peers_source and costs.raw.get("producer") != PROBE:  # a probe's file lists it among its sources
+        print(f"peers_failover_s {costs.peers_failover_s:.3f} s: {peers_source}")
     print(f"PROJECTED (the replay of the trace with these costs; checkpoint-restart at "
           f"{', '.join(f'{f:g}' for f in INTERVAL_FACTORS)} x Young/Daly); per {PER:,} samples:")
     print(f"{'configuration':<54}{'recovery':>16}{'samples/s':>11}{'$/hour':>9}{'hours':>9}{'dollars':>10}"

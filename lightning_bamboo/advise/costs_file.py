@@ -17,6 +17,8 @@ from typing import Any
 from lightning_bamboo.simulate.costs import SCHEMA, Costs
 
 PRODUCER = "lightning_bamboo.advise.AdvisorProbe"
+MODES_REFERENCE = Path("benchmarks/results/bamboo_modes.json")
+"""The recovery modes benchmark's results (``benchmarks/bamboo_modes.py``), which price a peers failover."""
 FROM_REFERENCE = ("failover_s", "rejoin_s", "rejoin_delay_s", "failover_warmup_s", "rejoin_warmup_s")
 """Costs of events a probe's steps do not contain: the runtime's failover and rejoin on the reference job."""
 
@@ -152,11 +154,37 @@ def _reference_value(reference: Costs, key: str) -> Any:
     return reference.raw["costs"].get(key)
 
 
-def build(run: Run, ranks: Sequence[RankReport], reference: Costs, reference_path: str) -> dict[str, Any]:
+def default_modes_reference() -> Path | None:
+    """This checkout's committed recovery modes results, if it has them."""
+    packaged = Path(__file__).resolve().parents[2] / MODES_REFERENCE
+    return packaged if packaged.is_file() else None
+
+
+def peers_failover(reference: Costs, modes: dict[str, Any], modes_path: str) -> tuple[float, str] | None:
+    """A failover under ``recovery="peers"`` on the reference job, with its source: the reference's failover
+    (``"replica+forward"``, the mode the preemption benchmark runs) times the ratio of the two modes'
+    failover medians that ``benchmarks/bamboo_modes.py`` measured on the same machines under the same
+    segment. None when the modes file lacks either median."""
+    try:
+        medians = {m: float(modes["modes"][m]["failover_median_s"]) for m in ("peers", "replica+forward")}
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not all(value > 0 for value in medians.values()):  # also false for nan
+        return None
+    ratio = medians["peers"] / medians["replica+forward"]
+    return reference.failover_s * ratio, (
+        f"reference: failover_s x {ratio:.3f}, the peers / replica+forward ratio of the failover medians "
+        f"({medians['peers']:.3f} / {medians['replica+forward']:.3f} s) measured by "
+        f"benchmarks/bamboo_modes.py ({modes_path})")
+
+
+def build(run: Run, ranks: Sequence[RankReport], reference: Costs, reference_path: str,
+          modes: dict[str, Any] | None = None, modes_path: str = "") -> dict[str, Any]:
     """The costs file of one run: its measured layout's step (under ``step_s_by_layout`` when it ran with
     redundancy, else ``checkpoint_restart_step_s_by_layout``), the other one measured with the replica
     forwards switched off when the run took such steps (else estimated from its ``FR`` times), checkpoint
-    and relaunch costs measured, the rest from ``reference``."""
+    and relaunch costs measured, the rest from ``reference``; a peers failover from ``modes`` (the recovery
+    modes benchmark's results) when given (:func:`peers_failover`)."""
     stages = per_stage(ranks)
     step_s = statistics.fmean(r.step_s for r in ranks)
     checkpoint_s = max(r.checkpoint_s for r in ranks)
@@ -214,6 +242,9 @@ def build(run: Run, ranks: Sequence[RankReport], reference: Costs, reference_pat
         sources[key] = ref
     costs["fallback_s"] = None
     sources["fallback_s"] = "none: a fallback is priced as restart_s"
+    peers = peers_failover(reference, modes, modes_path) if modes is not None else None
+    if peers is not None:
+        costs["peers_failover_s"], sources["peers_failover_s"] = peers
     return {
         "schema": SCHEMA,
         "producer": PRODUCER,

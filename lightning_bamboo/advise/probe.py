@@ -109,6 +109,11 @@ class AdvisorProbe(Callback):
         reference: costs file of the live preemption benchmark (``benchmarks/bamboo_preemption.py``), for
             the costs the first steps cannot show (failover, rejoin, killing a job); default: this
             checkout's ``benchmarks/results/bamboo_preemption.json``.
+        modes_reference: results of the recovery modes benchmark (``benchmarks/bamboo_modes.py``), which
+            price a failover under ``recovery="peers"`` against the reference's (the ratio of the two modes'
+            failover medians on the same machines); default: this checkout's
+            ``benchmarks/results/bamboo_modes.json`` if present, else the advisor prices a peers failover
+            as the reference's and says so.
         samples_per_step: samples of one global step; default: the batch's first dimension times the
             data-parallel shards of the sampler.
         model: how the costs file names the job (default: the LightningModule's class and the parameters its
@@ -125,6 +130,7 @@ class AdvisorProbe(Callback):
         measure_without_fr: bool = True,
         block_steps: int | None = None,
         reference: str | Path | None = None,
+        modes_reference: str | Path | None = None,
         samples_per_step: float | None = None,
         model: str | None = None,
         checkpoint_dir: str | Path | None = None,
@@ -152,6 +158,9 @@ class AdvisorProbe(Callback):
         self._cycle = ("measure", "without_fr", "validate") if measure_without_fr else ("measure", "validate")
         self._interleaved = self.block_steps < steps
         self.reference_path = Path(reference) if reference is not None else default_reference()
+        self.modes_path = (Path(modes_reference) if modes_reference is not None
+                           else costs_file.default_modes_reference())
+        self._modes: dict[str, Any] | None = None
         self.samples_per_step = samples_per_step
         self.model = model
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -189,6 +198,11 @@ class AdvisorProbe(Callback):
                 f"run's first steps cannot show (failover, rejoin, killing a job); measure it with: "
                 f"{PRODUCER}")
         self._reference = load_costs(self.reference_path)
+        if self.modes_path is not None and not self.modes_path.is_file():
+            raise FileNotFoundError(
+                f"AdvisorProbe(modes_reference=...): {str(self.modes_path)!r} does not exist; it prices a "
+                "failover under recovery='peers'; measure it with: python benchmarks/bamboo_modes.py")
+        self._modes = json.loads(self.modes_path.read_text()) if self.modes_path is not None else None
         if not strategy.redundancy:  # nothing to switch off: the measured steps are already without it
             self._cycle = ("measure", "validate")
 
@@ -343,7 +357,8 @@ class AdvisorProbe(Callback):
             warmup_steps=self.warmup_steps, steps=self.steps, checkpoint_bytes=checkpoint_bytes,
             block_steps=self.block_steps, without_fr_steps=len(self._without_fr),
         )
-        data = costs_file.build(run, reports, self._reference, str(self.reference_path))
+        data = costs_file.build(run, reports, self._reference, str(self.reference_path), self._modes,
+                                str(self.modes_path))
         data["probe"][run.layout]["step_s_each_rank0"] = self._intervals
         if self._without_fr:
             data["probe"][run.layout]["without_fr_step_s_each_rank0"] = self._without_fr

@@ -73,11 +73,22 @@ def test_every_priced_recovery_mode_is_a_candidate(
     assert list(bamboo) == ["replica", "replica+forward", "peers"]
     assert bamboo["peers"] > bamboo["replica"] > bamboo["replica+forward"]
     assert advice.recommended.name == "bamboo:stages=2:recovery=peers"
-    assert main(["--costs", str(tmp_path / "modes.json"), "--trace", str(trace_file(tmp_path)),
-                 "--compression", "1", "--max-pipelines", "2"]) == 0
+    command = ["--costs", str(tmp_path / "modes.json"), "--trace", str(trace_file(tmp_path)),
+               "--compression", "1", "--max-pipelines", "2"]
+    (tmp_path / "no_medians.json").write_text(json.dumps({"modes": {}}))
+    assert main([*command, "--modes", str(tmp_path / "no_medians.json")]) == 0
     out = capsys.readouterr().out
     assert "WARNING: recovery='peers' failovers PRICED AS THE REPLICA'S" in out  # assumed, and said so
     assert out.splitlines()[-1].startswith("advice=bamboo:stages=2:recovery=peers ")
+    # the recovery modes benchmark's medians price it instead: the reference's failover x their ratio
+    bench = {"modes": {"peers": {"failover_median_s": 0.6}, "replica+forward": {"failover_median_s": 0.8}}}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    assert main([*command, "--modes", str(tmp_path / "bench.json")]) == 0
+    out = capsys.readouterr().out
+    assert "PRICED AS THE REPLICA'S" not in out
+    assert f"peers_failover_s {costs.failover_s * 0.75:.3f} s: reference: failover_s x 0.750" in out
+    assert main([*command, "--modes", str(tmp_path / "none.json")]) == 2
+    assert "--modes" in capsys.readouterr().err
 
 
 def test_cli_prints_the_table_and_its_last_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -165,6 +176,31 @@ def test_costs_file_is_the_replays_format_with_every_costs_source(tmp_path: Path
     assert costs.failover_s == reference.failover_s and data["sources"]["failover_s"] == "reference: ref.json"
     assert set(data["sources"]) >= {"step_s", "checkpoint_s", "failover_s", "rejoin_s", "restart_s"}
     assert [s["bubble_share"] for s in data["stages"]["2x1"]] == [pytest.approx(0.1), pytest.approx(0.1)]
+
+
+def test_a_peers_failover_is_priced_from_the_recovery_modes_benchmark(tmp_path: Path) -> None:
+    """With the modes benchmark's results, a peers failover is the reference's failover times the ratio of
+    the two modes' medians measured on the same machines, and its source says so; without them (or with a
+    median missing) none is written and the advisor warns that it prices the replica's."""
+    modes = {"modes": {"peers": {"failover_median_s": 0.6}, "replica+forward": {"failover_median_s": 0.8}}}
+    reports = [rank(0, 0.1, 0.01), rank(1, 0.1, 0.02)]
+    data = costs_file.build(run_of(True), reports, load_costs(FIXTURE), "ref.json", modes, "modes.json")
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    costs = load_costs(tmp_path / "c.json")
+    assert costs.peers_failover_s == pytest.approx(load_costs(FIXTURE).failover_s * 0.75)
+    assert data["sources"]["peers_failover_s"].startswith("reference: failover_s x 0.750, the peers / ")
+    assert "modes.json" in data["sources"]["peers_failover_s"]
+    for broken in ({}, {"modes": {"peers": {"failover_median_s": float("nan")},
+                                  "replica+forward": {"failover_median_s": 0.8}}}):
+        data = costs_file.build(run_of(True), reports, load_costs(FIXTURE), "ref.json", broken, "m.json")
+        assert "peers_failover_s" not in data["costs"]
+
+
+def test_the_probes_modes_reference_must_exist_when_named(tmp_path: Path) -> None:
+    probe = AdvisorProbe(tmp_path / "c.json", modes_reference=tmp_path / "none.json")
+    strategy = SimpleNamespace(num_stages=2, redundancy=True)
+    with pytest.raises(FileNotFoundError, match=r"AdvisorProbe\(modes_reference=...\): .*none.json"):
+        probe.setup(SimpleNamespace(strategy=strategy), None, "fit")  # type: ignore[arg-type]
 
 
 def test_steps_measured_with_fr_switched_off_are_the_step_without_redundancy(tmp_path: Path) -> None:
