@@ -26,6 +26,13 @@ machines, no trace applied (:func:`run_without_fault_tolerance`). Checkpoint-res
 it under the same segment on the same machines (:class:`CheckpointRestartJob`: torchrun relaunched on the
 live machines at every loss and replacement, Young/Daly checkpoints, the steps since the last checkpoint
 lost); ``--no-checkpoint-restart`` leaves it out (``best_vs_checkpoint_restart`` then prints ``nan``).
+
+The advisor's model against these runs: each mode's run also writes its timeline as the replay's costs file
+(``benchmarks/_nodes_replay.py``: the same events worker by worker, each layout's step, the failovers and
+joins as that run measured them; kept as ``replay_costs.json`` with ``--out``), which
+``lightning_bamboo.simulate.validate`` replays. Printed before the JSON: per mode, the median predicted and
+measured samples/s and their error, the mode the replay recommends and the mode measured fastest (JSON
+``advice``).
 """
 
 from __future__ import annotations
@@ -67,7 +74,34 @@ def run_mode(mode: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or len(lines) < 2:
         raise RuntimeError(f"{mode}: bamboo_nodes.py exited {done.returncode}; see {out / 'bench.log'}")
-    return json.loads(lines[-2])
+    result = json.loads(lines[-2])
+    if "replay" in result:
+        result["replay_predicted_samples_per_s"] = replay_prediction(result.pop("replay"), out)
+    return result
+
+
+def replay_prediction(costs_file: dict[str, Any], out: Path) -> float:
+    """The replay of one run's own segment with its own measured costs (``simulate.validate``, as for the
+    preemption benchmark): the samples/s the advisor's model predicts for that run. The costs file is kept
+    beside the run's logs (``replay_costs.json``)."""
+    from lightning_bamboo.simulate.costs import load_costs
+    from lightning_bamboo.simulate.run import validate
+
+    path = out / "replay_costs.json"
+    path.write_text(json.dumps(costs_file, indent=1))
+    return validate(load_costs(path)).predicted["bamboo"]
+
+
+def advice(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The mode the replay recommends (the most samples/s predicted: every mode runs on the same machines,
+    so samples per dollar orders them alike) against the mode the runs measured fastest, and each mode's
+    relative error (median predicted over median measured samples/s)."""
+    predicted = {m: s["replay_predicted_samples_per_s"] for m, s in modes.items()}
+    measured = {m: s["segment_samples_per_s"] for m, s in modes.items()}
+    errors = {m: abs(predicted[m] - measured[m]) / measured[m] for m in modes}
+    return {"predicted_samples_per_s": predicted, "measured_samples_per_s": measured, "errors": errors,
+            "sim_error": max(errors.values()), "recommended": max(predicted, key=predicted.__getitem__),
+            "fastest_measured": max(measured, key=measured.__getitem__)}
 
 
 def run_without_fault_tolerance(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -241,6 +275,8 @@ def summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
         out[mode] = {
             "full_layout_step_s": median([r["full_layout_step_s"] for r in results]),
             "segment_samples_per_s": median([r["segment_samples_per_s"] for r in results]),
+            "replay_predicted_samples_per_s": median([r.get("replay_predicted_samples_per_s", math.nan)
+                                                      for r in results]),
             "failover_s": failovers,
             "failover_median_s": median(failovers),
             "exact": all(r["exact"] for r in results),
@@ -311,16 +347,23 @@ def main() -> None:
                 result = run_mode(mode, args, out)
                 runs[mode].append(result)
                 print(f"[modes] round {round_} {mode}: full-layout step {result['full_layout_step_s']:.3f} "
-                      f"s, {result['segment_samples_per_s']:.1f} samples/s under the segment, failovers "
+                      f"s, {result['segment_samples_per_s']:.1f} samples/s under the segment (replayed: "
+                      f"{result.get('replay_predicted_samples_per_s', math.nan):.1f}), failovers "
                       f"{[round(f, 2) for f in result['failover_s']]} s, exact {result['exact']}", flush=True)
         modes = summary(runs)
+    advised = advice(modes)
+    print("[modes] the replay of each run's own segment with its own costs, medians per mode: " + ", ".join(
+        f"{m} predicted {advised['predicted_samples_per_s'][m]:.1f} / measured "
+        f"{advised['measured_samples_per_s'][m]:.1f} samples/s ({advised['errors'][m]:.1%})" for m in modes
+    ) + f"; recommends {advised['recommended']}, measured fastest {advised['fastest_measured']}", flush=True)
     no_ft = median([b["step_s"] for b in baselines])
     for mode in modes.values():
         mode["step_vs_no_fault_tolerance"] = mode["full_layout_step_s"] / no_ft
     checkpoint_restart = median([r["segment_samples_per_s"] for r in restarts])
     print(json.dumps({"modes": modes, "runs": runs, "no_fault_tolerance": baselines,
                       "no_fault_tolerance_step_s": no_ft, "checkpoint_restart": restarts,
-                      "checkpoint_restart_samples_per_s": checkpoint_restart, "rounds": args.rounds,
+                      "checkpoint_restart_samples_per_s": checkpoint_restart, "advice": advised,
+                      "rounds": args.rounds,
                       "steps": args.steps, "seed": args.seed}))
     print(last_line(modes, no_ft, checkpoint_restart))
 

@@ -52,9 +52,11 @@ import etcd3gw  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from benchmarks._nodes_replay import Applied, generations, replay_costs  # noqa: E402
 from benchmarks.bamboo_preemption import FULL, TRACE, make_plan  # noqa: E402
 from lightning_bamboo.control import machines as mc  # noqa: E402
 from lightning_bamboo.control import store as ms  # noqa: E402
+from lightning_bamboo.simulate.model import shape_key  # noqa: E402
 from tests.netns import Network  # noqa: E402
 from tests.process import launch_env, run_process  # noqa: E402
 
@@ -103,13 +105,19 @@ class Commits(threading.Thread):
         return out
 
 
+def machine_members(store, agent_pid: int) -> tuple[int, ...]:
+    """The members of the machine whose agent is ``agent_pid`` (none while it has not registered)."""
+    machine = next((m for m in range(mc.count(store))
+                    if (mc.describe(store, m) or {}).get("pid") == agent_pid), None)
+    return tuple(mc.members_of(store, machine)) if machine is not None else ()
+
+
 def trains(store, agent_pid: int, generation: int) -> bool:
     """Whether the machine whose agent is ``agent_pid`` has a member training in ``generation`` (a
     replacement whose workers have not joined yet has none)."""
     if generation < 0:
         return False
-    machine = next(m for m in range(mc.count(store)) if (mc.describe(store, m) or {}).get("pid") == agent_pid)
-    return bool(set(mc.members_of(store, machine)) & set(ms.read_map(store, generation).members()))
+    return bool(set(machine_members(store, agent_pid)) & set(ms.read_map(store, generation).members()))
 
 
 def exact(reference: dict[str, torch.Tensor], out: Path, steps: int) -> bool:
@@ -197,6 +205,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
         commits = Commits(etcd, "bench")
         commits.start()
         events = list(plan.events)
+        applied: list[tuple[float, str, str, bool]] = []  # (monotonic time, kind, plan name, training)
         deadline = time.monotonic() + args.timeout
         window_start: float | None = None
         killed: set[int] = set()
@@ -213,6 +222,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
                     generation = ms.current_generation(store)
                     training = trains(store, procs[host.index].pid, generation)
                     net.kill_host(host)
+                    applied.append((time.monotonic(), kind, node, training))
                     killed.add(host.index)
                     kills.append((host.index, time.monotonic(), generation, training))
                     print(f"[bench] step {len(commits.seen)}: machine {node} (host {host.index}) killed",
@@ -220,11 +230,14 @@ def run(args: argparse.Namespace, work: Path) -> None:
                 else:
                     host_of[node] = net.add_host()
                     start_agent(host_of[node])
+                    applied.append((time.monotonic(), kind, node, True))
                     added += 1
                     print(f"[bench] step {len(commits.seen)}: replacement machine {node} started", flush=True)
             time.sleep(0.005)
         commits.stop()
         codes = [procs[i].poll() for i in procs if i not in killed]
+        members = {node: machine_members(store, procs[host.index].pid) for node, host in host_of.items()}
+        maps = {g: ms.read_map(store, g) for g in sorted({g for _, _, g in commits.seen})}
         for log in logs:
             log.close()
     times = [t for _, t, _ in commits.seen]
@@ -267,6 +280,15 @@ def run(args: argparse.Namespace, work: Path) -> None:
               "exit_codes": codes, "final_state_equal": final_equal, "exact": is_exact,
               "lease_s": args.lease,
               "segment_ms": args.segment_ms, "compression": args.compression, "work": str(work)}
+    if window_start is not None:
+        result["replay"] = replay_costs(
+            generations(commits.seen, {g: shape_key(m) for g, m in maps.items()},
+                        {g: len(m.members()) for g, m in maps.items()}),
+            [Applied(t - window_start, kind, node, members[node], training)
+             for t, kind, node, training in applied],
+            {node: members[node] for node in plan.initial}, failovers, window_start, segment_s, segment_rate,
+            batch, args.stages, args.recovery or "replica+forward",
+            json.loads((REPO / "benchmarks" / "results" / "bamboo_preemption.json").read_text()))
     (work / "commits.json").write_text(json.dumps({"commits": commits.seen, "kills": kills}))
     print(json.dumps(result), flush=True)
     print(f"node_failover_s={statistics.median(failovers) if failovers else float('nan'):.3f} "

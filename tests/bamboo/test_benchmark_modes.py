@@ -3,11 +3,14 @@ network namespaces: ``bamboo_nodes.py``, exercised by ``test_nodes.py``)."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from benchmarks._young_daly import DRAIN_FLAG, request_drain
 from benchmarks.bamboo_modes import last_line, summary, surviving_steps
@@ -67,3 +70,73 @@ def test_a_drain_request_ends_the_job_and_is_taken_back(tmp_path: Path) -> None:
     finally:
         for rank in ranks:
             rank.kill()
+
+
+REFERENCE = {"costs": {"checkpoint_s": 0.2, "restart_s": 9.0}}
+MACHINES = {"m0": (0, 3), "m1": (1, 4), "m2": (2, 5)}  # the coordinator's round-robin placement
+
+
+def commit_times(start: float, end: float, step: float) -> list[float]:
+    count = round((end - start) / step)
+    return [start + i * step for i in range(count + 1)]
+
+
+def test_a_runs_timeline_replays_to_its_own_samples_per_second(tmp_path: Path) -> None:
+    """A synthetic multi-machine run: 2 x 3 at 0.1 s a step, machine m0 (members 0 and 3) lost at 5.05 s,
+    the first step of the next generation 1.0 s later, then 0.2 s a step on the fused map (2+1+1: the
+    replicas of members 1 and 2 cover 0 and 3). The costs file carries those figures, names the workers so
+    that the replay's member ids are the runtime's, and the replay predicts what the run committed."""
+    from benchmarks._nodes_replay import Applied, generations, replay_costs
+    from lightning_bamboo.simulate.costs import load_costs
+    from lightning_bamboo.simulate.run import validate
+
+    full, fused = commit_times(0.1, 5.0, 0.1), commit_times(6.05, 9.85, 0.2)
+    commits = [(i, t, 0) for i, t in enumerate(full)] + [(len(full) + i, t, 1) for i, t in enumerate(fused)]
+    gens = generations(commits, {0: "2x3", 1: "2+1+1"}, {0: 6, 1: 4})
+    live = len(commits) * 12 / 10.0
+    data = replay_costs(gens, [Applied(5.05, "remove", "m0", (0, 3))], MACHINES, [1.0], 0.0, 10.0, live,
+                        12, 2, "replica", REFERENCE)
+    costs = data["costs"]
+    assert costs["step_s_by_layout"] == {"2x3": pytest.approx(0.1)}
+    assert costs["step_s_by_shape"] == {"2+1+1": pytest.approx(0.2)}
+    assert costs["failover_s"] == 1.0 and costs["failover_warmup_s"] == pytest.approx(0.0, abs=1e-9)
+    assert costs["rejoin_s"] is None  # no replacement joined
+    assert data["initial_nodes"] == ["m0/0", "m1/1", "m2/2", "m0/3", "m1/4", "m2/5"]  # member order
+    assert data["events"] == [{"t_s": 5.05, "kind": "remove", "node": "m0/0"},
+                              {"t_s": 5.05, "kind": "remove", "node": "m0/3"}]
+    path = tmp_path / "replay_costs.json"
+    path.write_text(json.dumps(data))
+    check = validate(load_costs(path))
+    # 5.05 s at 120 samples/s, the 1.0 s failover, then 3.95 s at 60 samples/s, over 10 s
+    assert check.predicted["bamboo"] == pytest.approx((5.05 * 120 + 3.95 * 60) / 10.0)
+    assert check.sim_error < 0.02  # the run's own commits: 70 steps of 12 samples
+
+
+def test_a_replacement_joining_is_priced_by_its_delay_and_its_pause() -> None:
+    """m3 (members 6 and 7) starts at 7.0 s while the fused map trains; the job's last step without it is at
+    9.0 s, its first with it at 9.5 s: a rejoin delay of 2.0 s and a pause of 0.5 s less a 0.1 s step."""
+    from benchmarks._nodes_replay import Applied, generations, replay_costs
+
+    full, fused, grown = (commit_times(0.1, 5.0, 0.1), commit_times(6.0, 9.0, 0.2),
+                          commit_times(9.5, 12.0, 0.1))
+    times = [(t, 0) for t in full] + [(t, 1) for t in fused] + [(t, 2) for t in grown]
+    commits = [(i, t, g) for i, (t, g) in enumerate(times)]
+    gens = generations(commits, {0: "2x3", 1: "2+1+1", 2: "2x3"}, {0: 6, 1: 4, 2: 6})
+    applied = [Applied(5.05, "remove", "m0", (0, 3)), Applied(7.0, "add", "m3", (6, 7))]
+    data = replay_costs(gens, applied, MACHINES, [0.95], 0.0, 12.0, 100.0, 12, 2, "peers", REFERENCE)
+    costs = data["costs"]
+    assert costs["rejoin_delay_s"] == pytest.approx(2.0)
+    assert costs["rejoin_s"] == pytest.approx(0.4)
+    assert costs["peers_failover_s"] == costs["failover_s"] == 0.95
+    assert [e["node"] for e in data["events"]] == ["m0/0", "m0/3", "m3/6", "m3/7"]
+    assert data["live"]["bamboo"]["recovery"] == "peers"
+
+
+def test_the_advice_is_the_mode_with_the_most_samples_predicted() -> None:
+    from benchmarks.bamboo_modes import advice
+
+    modes = {"peers": {"replay_predicted_samples_per_s": 90.0, "segment_samples_per_s": 93.0},
+             "replica": {"replay_predicted_samples_per_s": 99.0, "segment_samples_per_s": 101.0}}
+    advised = advice(modes)
+    assert advised["recommended"] == advised["fastest_measured"] == "replica"
+    assert advised["sim_error"] == pytest.approx(3.0 / 93.0)
