@@ -129,13 +129,14 @@ def replay_costs(
             started = [segment_start + a.t_s for a in adds if segment_start + a.t_s <= prev.commits[-1]]
             if started:
                 rejoin_delays.append(prev.commits[-1] - max(started))
-    nodes = sorted(((m, f"{machine}/{m}") for machine, members in initial.items() for m in members))
+    starters = [name for _, name in sorted((m, f"{machine}/{m}") for machine, members in initial.items()
+                                           for m in members)]
+    workers_per_machine = len(next(iter(initial.values())))
     events = []
     for event in sorted(applied, key=lambda a: a.t_s):
-        members = event.members or tuple(-1 - j for j in range(len(next(iter(initial.values())))))
-        for member in sorted(members):
-            name = f"{event.machine}/{member}" if member >= 0 else f"{event.machine}/unregistered{-member}"
-            events.append({"t_s": round(event.t_s, 6), "kind": event.kind, "node": name})
+        names = [f"{event.machine}/{m}" for m in sorted(event.members)] or \
+            [f"{event.machine}/unregistered{j}" for j in range(workers_per_machine)]
+        events += [{"t_s": round(event.t_s, 6), "kind": event.kind, "node": name} for name in names]
     costs = {
         "step_s": steps[full_key],
         "step_s_by_layout": {full_key: steps[full_key]},
@@ -164,9 +165,9 @@ def replay_costs(
         "samples_per_step": samples_per_step,
         "costs": costs,
         "events": events,
-        "initial_nodes": [name for _, name in nodes],
+        "initial_nodes": starters,
         "live": {"bamboo": {"wall_s": segment_s, "samples_per_s": live_samples_per_s, "recovery": recovery,
-                            "layout": full_key, "initial_nodes": [name for _, name in nodes]}},
+                            "layout": full_key, "initial_nodes": starters}},
         "sources": {
             "step_s_by_layout, step_s_by_shape": f"measured: median commit interval per map shape after "
                                                  f"each generation's first {WARMUP_SPANS}",

@@ -222,9 +222,10 @@ def run(args: argparse.Namespace, work: Path) -> None:
                     generation = ms.current_generation(store)
                     training = trains(store, procs[host.index].pid, generation)
                     net.kill_host(host)
-                    applied.append((time.monotonic(), kind, node, training))
+                    now = time.monotonic()
+                    applied.append((now, kind, node, training))
                     killed.add(host.index)
-                    kills.append((host.index, time.monotonic(), generation, training))
+                    kills.append((host.index, now, generation, training))
                     print(f"[bench] step {len(commits.seen)}: machine {node} (host {host.index}) killed",
                           flush=True)
                 else:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from lightning_bamboo.advise.advisor import INTERVAL_FACTORS, Advice, advise
 from lightning_bamboo.advise.costs_file import PRODUCER as PROBE
-from lightning_bamboo.advise.costs_file import default_modes_reference, peers_failover
+from lightning_bamboo.advise.costs_file import load_modes_reference, peers_failover
 from lightning_bamboo.simulate.costs import DEFAULT_COSTS, PRODUCER, load_costs
 from lightning_bamboo.simulate.model import Prices
 from lightning_bamboo.simulate.plot import save_plot
@@ -55,16 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         costs = load_costs(args.costs)
-        peers_source = costs.raw.get("sources", {}).get("peers_failover_s")
-        modes_path = args.modes or default_modes_reference()
-        if args.modes is not None and not args.modes.is_file():
-            raise FileNotFoundError(f"--modes {str(args.modes)!r} does not exist; it prices a failover under "
-                                    "recovery='peers'; measure it with: python benchmarks/bamboo_modes.py")
-        if costs.peers_failover_s is None and modes_path is not None:
-            derived = peers_failover(costs, json.loads(modes_path.read_text()), str(modes_path))
-            if derived is not None:
-                costs = dataclasses.replace(costs, peers_failover_s=derived[0])
-                peers_source = derived[1]
+        modes, modes_path = load_modes_reference(args.modes, "--modes")
+        derived = peers_failover(costs, modes, str(modes_path)) \
+            if costs.peers_failover_s is None and modes is not None else None
+        if derived is not None:  # a probe's file that has one lists its source among its sources
+            costs = dataclasses.replace(costs, peers_failover_s=derived[0])
         compression = args.compression
         if compression is None:  # the time scale at which the costs were measured and validated
             compression = float(costs.raw.get("compression", 1.0))
@@ -88,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     if costs.peers_failover_s is None and any(c.recovery == "peers" for c in advice.candidates):
         print("WARNING: recovery='peers' failovers PRICED AS THE REPLICA'S (costs.failover_s): these costs "
               "hold no measured peers failover (costs.peers_failover_s: state moved from a peer pipeline)")
-    elif peers_source and costs.raw.get("producer") != PROBE:  # a probe's file lists it among its sources
-        print(f"peers_failover_s {costs.peers_failover_s:.3f} s: {peers_source}")
+    elif derived is not None:
+        print(f"peers_failover_s {derived[0]:.3f} s: {derived[1]}")
     print(f"PROJECTED (the replay of the trace with these costs; checkpoint-restart at "
           f"{', '.join(f'{f:g}' for f in INTERVAL_FACTORS)} x Young/Daly); per {PER:,} samples:")
     print(f"{'configuration':<54}{'recovery':>16}{'samples/s':>11}{'$/hour':>9}{'hours':>9}{'dollars':>10}"

@@ -154,10 +154,17 @@ def _reference_value(reference: Costs, key: str) -> Any:
     return reference.raw["costs"].get(key)
 
 
-def default_modes_reference() -> Path | None:
-    """This checkout's committed recovery modes results, if it has them."""
-    packaged = Path(__file__).resolve().parents[2] / MODES_REFERENCE
-    return packaged if packaged.is_file() else None
+def load_modes_reference(path: Path | None, option: str) -> tuple[dict[str, Any] | None, Path | None]:
+    """The recovery modes benchmark's results and where they came from: ``path`` (named by the user as
+    ``option``; it must exist), else this checkout's committed results if it has them, else ``(None,
+    None)``."""
+    if path is None:
+        packaged = Path(__file__).resolve().parents[2] / MODES_REFERENCE
+        path = packaged if packaged.is_file() else None
+    elif not path.is_file():
+        raise FileNotFoundError(f"{option}: {str(path)!r} does not exist; it prices a failover under "
+                                "recovery='peers'; measure it with: python benchmarks/bamboo_modes.py")
+    return (json.loads(path.read_text()), path) if path is not None else (None, None)
 
 
 def peers_failover(reference: Costs, modes: dict[str, Any], modes_path: str) -> tuple[float, str] | None:

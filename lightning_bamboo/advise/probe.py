@@ -158,8 +158,7 @@ class AdvisorProbe(Callback):
         self._cycle = ("measure", "without_fr", "validate") if measure_without_fr else ("measure", "validate")
         self._interleaved = self.block_steps < steps
         self.reference_path = Path(reference) if reference is not None else default_reference()
-        self.modes_path = (Path(modes_reference) if modes_reference is not None
-                           else costs_file.default_modes_reference())
+        self.modes_path = Path(modes_reference) if modes_reference is not None else None
         self._modes: dict[str, Any] | None = None
         self.samples_per_step = samples_per_step
         self.model = model
@@ -198,11 +197,8 @@ class AdvisorProbe(Callback):
                 f"run's first steps cannot show (failover, rejoin, killing a job); measure it with: "
                 f"{PRODUCER}")
         self._reference = load_costs(self.reference_path)
-        if self.modes_path is not None and not self.modes_path.is_file():
-            raise FileNotFoundError(
-                f"AdvisorProbe(modes_reference=...): {str(self.modes_path)!r} does not exist; it prices a "
-                "failover under recovery='peers'; measure it with: python benchmarks/bamboo_modes.py")
-        self._modes = json.loads(self.modes_path.read_text()) if self.modes_path is not None else None
+        self._modes, self.modes_path = costs_file.load_modes_reference(self.modes_path,
+                                                                      "AdvisorProbe(modes_reference=...)")
         if not strategy.redundancy:  # nothing to switch off: the measured steps are already without it
             self._cycle = ("measure", "validate")
 
