@@ -98,7 +98,9 @@ class BambooStrategy(ParallelStrategy):
         layer_costs: relative cost of each layer of the body, to split it into stages; ``None``: estimated.
         timeout: of collectives and point-to-point operations, seconds or ``timedelta`` (default 30 s).
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None``: NCCL on CUDA, else gloo.
-        heartbeat: seconds between heartbeats written to the store.
+        heartbeat: seconds between heartbeats written to the store; ``None``: 0.25 on one machine's store,
+            1.0 on etcd (every beat is a network request there; keep it well under the launcher's
+            ``--hang-timeout``, 5 s by default).
         hang_timeout: seconds without a heartbeat after which the supervisor of a plain ``python train.py``
             kills a worker as lost (``--hang-timeout`` of ``python -m lightning_bamboo.launch``).
         failure_wait: seconds a member that saw a communication error waits for the next generation before
@@ -158,7 +160,7 @@ class BambooStrategy(ParallelStrategy):
         layer_costs: Sequence[float] | None = None,
         timeout: float | timedelta | None = 30.0,
         process_group_backend: str | None = None,
-        heartbeat: float = 0.25,
+        heartbeat: float | None = None,
         hang_timeout: float = 5.0,
         failure_wait: float = 30.0,
         checkpoint_every_n_steps: int | None = None,

@@ -13,8 +13,10 @@ has not noticed yet cannot publish a second generation ``g``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import torch.distributed as dist
 
@@ -46,6 +48,8 @@ class Coordinator:
         self.events: list[dict[str, object]] = []
         self._pending_joins: list[int] = []
         self._maps: dict[int, OwnershipMap] = {}  # a generation's map never changes once written
+        self._pass_generation: int | None = None  # the generation read in this pass (:meth:`one_pass`)
+        self._in_pass = False
         self.start_time = time.monotonic()
         self._lock = threading.RLock()  # add_worker / kill may come from another thread while run() runs
         self._added_at: dict[int, float] = {}
@@ -85,10 +89,29 @@ class Coordinator:
                 return failure
         return None
 
+    @contextlib.contextmanager
+    def one_pass(self) -> Iterator[None]:
+        """A round of decisions (an agent's tick): the current generation is read once in it, where each of
+        the round's questions (who is placed, who leaves, the joins, the end) read it again, four round
+        trips to etcd per tick. Only this coordinator publishes a generation in the round (a rival's
+        publication fails its own, :class:`Superseded`), and :meth:`_publish` updates what was read."""
+        self._pass_generation, self._in_pass = None, True
+        try:
+            yield
+        finally:
+            self._pass_generation, self._in_pass = None, False
+
+    def _generation(self) -> int:
+        if not self._in_pass:
+            return ms.current_generation(self.store)
+        if self._pass_generation is None:
+            self._pass_generation = ms.current_generation(self.store)
+        return self._pass_generation
+
     def _current(self) -> tuple[int, OwnershipMap | None]:
         """The current generation and its map (read once per generation: the coordinator asks every tick,
         and across machines each read is a round trip to etcd)."""
-        generation = ms.current_generation(self.store)
+        generation = self._generation()
         if generation < 0:
             return generation, None
         if generation not in self._maps:
@@ -112,6 +135,8 @@ class Coordinator:
             self.store.set(key, text)
         self.store.set(f"gen{new.generation}/kind", kind)
         self.store.set("gen", str(new.generation))
+        if self._in_pass:
+            self._pass_generation = new.generation
 
     def _departures(self) -> set[int]:
         """Members of the current generation announced as leaving (in it or in an earlier generation)."""

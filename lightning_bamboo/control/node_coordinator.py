@@ -205,6 +205,10 @@ class CoordinatorRole:
         """One round of decisions; the job's exit code once it is over."""
         coordinator = self.coordinator
         assert coordinator is not None
+        with coordinator.one_pass():
+            return self._decide(coordinator)
+
+    def _decide(self, coordinator: NodeCoordinator) -> int | None:
         if self._ending is not None:
             return self._end_when_stopped()
         self._tell_risks()

@@ -170,7 +170,7 @@ class LocalWorkers:
                 continue  # training is over for it; it is writing its results and exiting
             value = ms.read_if_set(self.store, key)
             if value is not None:
-                beat = int(value.decode())  # add() stores the counter as text
+                beat = int(value.decode())  # the worker writes its count as text
                 if beat != worker.last_beat:
                     worker.last_beat, worker.beat_seen_at = beat, now
                 elif now - worker.beat_seen_at > self.hang_timeout:

@@ -79,14 +79,14 @@ class GenerationCutter:
         self._stop.set()
 
     def _run(self) -> None:
-        """Check the generation every ``interval``; on a store across machines (etcd), when it is written
-        (each check is a round trip there, and six members checking every 50 ms were a third of the job's
-        reads)."""
+        """Check the generation every ``interval``; on a store across machines (etcd), when it is written or
+        at the watch's re-read interval (:data:`~lightning_bamboo.control.etcd_watch.REREAD_S`; each check
+        is a round trip there, and six members checking every 50 ms were a third of the job's reads)."""
         watched = isinstance(self._store, ms.RoundTripStore)
         with self._store.watching(["gen"]) if watched else contextlib.nullcontext() as sleep:
             while not self._stop.is_set():
                 if sleep is not None:
-                    sleep(1.0)
+                    sleep(60.0)  # woken by a put of ``gen``, else after the re-read interval
                 elif self._stop.wait(self._interval):
                     return
                 try:

@@ -124,12 +124,14 @@ class Membership:
     def member(self, member: int) -> None:
         self._gen.member = member
 
-    def start(self, store: dist.Store, elastic: bool, heartbeat: float) -> None:
-        """An entry point connected ``store``; the elastic one starts the heartbeat and the cutter."""
+    def start(self, store: dist.Store, elastic: bool, heartbeat: float | None) -> None:
+        """An entry point connected ``store``; the elastic one starts the heartbeat (every ``heartbeat``
+        seconds; ``None``: :func:`~lightning_bamboo.control.store.default_heartbeat`) and the cutter."""
         self.store, self.elastic = store, elastic
         if elastic:
             assert self.env is not None
-            self._heartbeat = ms.Heartbeat(self.env, heartbeat)
+            interval = heartbeat if heartbeat is not None else ms.default_heartbeat(store)
+            self._heartbeat = ms.Heartbeat(self.env, interval)
             self._cutter = GenerationCutter(self.env)
             self._generations = ms.GenerationWatch(store)
 

@@ -51,7 +51,7 @@ class Options:
     layer_costs: Sequence[float] | None
     timeout: float | timedelta | None
     process_group_backend: str | None
-    heartbeat: float
+    heartbeat: float | None
     hang_timeout: float
     failure_wait: float
     checkpoint_every_n_steps: int | None
@@ -65,6 +65,8 @@ class Options:
         periodic.check_options(self.checkpoint_every_n_steps, self.checkpoint_dir, self.keep_checkpoints)
         if self.layer_costs is not None:
             object.__setattr__(self, "layer_costs", list(self.layer_costs))
+        if self.heartbeat is not None and (isinstance(self.heartbeat, bool) or not self.heartbeat > 0):
+            raise ValueError(f"heartbeat={self.heartbeat!r}: expected seconds > 0, or None for the default")
         if isinstance(self.timeout, (int, float)):
             object.__setattr__(self, "timeout", timedelta(seconds=self.timeout))
 

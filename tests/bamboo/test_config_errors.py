@@ -23,6 +23,7 @@ from lightning_bamboo.wiring import check_precision
         ({"num_stages": 1}, r"recovery='replica' needs num_stages >= 2 .* got num_stages \(1\)"),
         ({"recovery": "mirror"}, r"recovery must be one of 'replica', 'replica\+forward', 'peers', got 'mir"),
         ({"recovery": "peers", "redundancy": True}, r"recovery=.peers. and redundancy=True disagree"),
+        ({"heartbeat": 0}, r"heartbeat=0: expected seconds > 0, or None for the default"),
     ],
 )
 def test_bad_arguments(kwargs: dict, match: str) -> None:
