@@ -9,7 +9,9 @@ etcd server for several; see :mod:`lightning_bamboo.control.supervisor` and
   the launcher, which is the only one to decide membership); ``gen{g}/formed``: members that formed it.
 * ``hb/{member}``: a heartbeat counter, written by a thread of every worker (a hung process stops writing).
 * ``g{g}/prep/{step}`` and ``g{g}/outcome/{step}``: the two-phase commit of a training step
-  (:class:`lightning_bamboo.control.commit.StepCommit`).
+  (:class:`lightning_bamboo.control.commit.StepCommit`); across machines the step commits by all-reduce and
+  ``g{g}/applied/{member}`` (steps a member applied when it left the generation) settles a step a loss cut
+  (:mod:`lightning_bamboo.runtime.collective_commit`).
 * ``config/num_stages``: the pipeline length the workers were started with (the launcher needs it).
 * ``config/global_microbatches``: :data:`GLOBAL_MICROBATCHES`.
 * ``config/replicas``: :data:`REPLICAS`.

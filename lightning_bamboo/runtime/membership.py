@@ -46,6 +46,7 @@ from lightning_bamboo.control import join as joining
 from lightning_bamboo.control import store as ms
 from lightning_bamboo.control.drain import DrainTimer
 from lightning_bamboo.layout.ownership import FallbackNeeded, OwnershipMap, initial
+from lightning_bamboo.runtime.collective_commit import CollectiveCommit, report_applied, settle
 from lightning_bamboo.runtime.cutter import GenerationCutter
 from lightning_bamboo.runtime.events import drain_with_checkpoint
 from lightning_bamboo.runtime.joins import Joins
@@ -103,6 +104,7 @@ class Membership:
         self._heartbeat: ms.Heartbeat | None = None
         self._cutter: GenerationCutter | None = None
         self._generations: ms.GenerationWatch | None = None  # the boundary's look at the generation
+        self._collective: CollectiveCommit | None = None  # the commit by all-reduce (a store across machines)
         self.failovers: list[tuple[OwnershipMap, OwnershipMap]] = []
         self.join_adopted = False  # the last commit adopted a join: form it at the next step boundary
         self.lost_since: float | None = None  # a peer lost after a commit: when (formed at the boundary)
@@ -134,6 +136,10 @@ class Membership:
             self._heartbeat = ms.Heartbeat(self.env, interval)
             self._cutter = GenerationCutter(self.env)
             self._generations = ms.GenerationWatch(store)
+            if isinstance(store, ms.RoundTripStore):
+                env = self.env
+                self._collective = CollectiveCommit(store, lambda: ms.connect(env.store_url, env.job),
+                                                    self._lightning.device)
 
     # ------------------------------------------------------------------ generations
     def generation_zero(self) -> OwnershipMap:
@@ -194,17 +200,35 @@ class Membership:
 
     # ------------------------------------------------------------------ around a step (the session's Runtime)
     def vote(self, step: int, prepare: bool) -> str:
-        """The commit's outcome of ``step``: prepare and wait for it (``prepare``), or decide abort after an
-        error (:class:`~lightning_bamboo.control.commit.StepCommit`). A job with fixed membership has no one
-        to wait for."""
+        """The commit's outcome of ``step``: prepare and wait for it (``prepare``), or settle it after an
+        error. On a store across machines the members commit by all-reduce and settle a cut step from what
+        each survivor applied (:mod:`~lightning_bamboo.runtime.collective_commit`); else, and for a step
+        that adopts a join, through the store (:class:`~lightning_bamboo.control.commit.StepCommit`: abort
+        unless decided). A job with fixed membership has no one to wait for."""
         owners = self._gen.owners
         if prepare and not self.elastic:
             return commit_protocol.COMMIT
         assert self.store is not None and owners is not None
+        collective = self._collective
+        if not prepare and collective is not None:
+            return settle(self.store, owners.generation, owners.members(), step, self._failure_wait)
+        if collective is not None:
+            outcome = collective.prepare_and_wait(owners.generation, step, self.rank)
+            if outcome is not None:
+                return outcome
         commit = commit_protocol.StepCommit(self.store, owners.generation, len(owners.members()))
         if prepare:
             return commit.prepare_and_wait(step, self.joins.claim, joining.proposal_key(owners.generation))
         return commit.decide(step, commit_protocol.ABORT)
+
+    def _report_applied(self) -> None:
+        """Leaving this generation: say how many steps this member applied in it (what a settlement of a
+        step cut by a loss reads, :func:`~lightning_bamboo.runtime.collective_commit.settle`)."""
+        owners = self._gen.owners
+        if self._collective is None or owners is None or self.store is None:
+            return
+        with contextlib.suppress(Exception):  # the store may be what failed; a settlement then waits it out
+            report_applied(self.store, owners.generation, self.member, self._session.step)
 
     def recover(self, since: float) -> None:
         """The step in progress was cut by a lost peer: undo it, form the next generation (which runs the
@@ -237,6 +261,7 @@ class Membership:
         # failover; a failover that does not come raises the error below (INFO: shown with logging at INFO)
         log.info("Bamboo member %d: %s: %s", self.member, type(err).__name__,
                  str(err).splitlines()[0] if str(err) else "")
+        self._report_applied()
         with contextlib.suppress(Exception):  # a hint for the coordinator; the store may be what failed
             ms.report_lost_peer(self.store, owners.generation)
         self._abort_groups()
@@ -278,6 +303,7 @@ class Membership:
         since = time.monotonic() if since is None else since
         old = self._gen.owners
         assert old is not None
+        self._report_applied()
         kind, new, start = self._session.retrying(lambda: self._form_next(old), lambda err, since: None)
         if self.rank == 0 and self.member in old.members() and old.rank_of(self.member) != 0:
             self.rank_zero.take_over(self._lightning.module().trainer, self.store)
@@ -442,6 +468,10 @@ class Membership:
         if self._generations is not None:
             self._generations.close()
             self._generations = None
+        if self._collective is not None:
+            self._report_applied()
+            self._collective.close()
+            self._collective = None
         if self.store is not None and self.elastic:
             self.store.set(f"done/{self.member}", "1")
         self.elastic = False

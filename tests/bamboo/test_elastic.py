@@ -205,15 +205,34 @@ def test_the_etcd_store_counts_and_reads_a_counter_without_writing(etcd_endpoint
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.services
+@pytest.mark.parametrize(
+    ("nproc", "fault", "failovers"),
+    [(2, "1:2:forward", [[1]]), (4, "3:1:prepared,0:4:applied,2:5:exchange", [[3], [0], [2]])],
+    ids=["one-pipeline", "2x2-after-and-before-the-all-reduce"],
+)
 def test_failover_through_etcd(
-    tmp_path: Path, elastic_reference: dict[str, torch.Tensor], etcd_endpoint: str
+    tmp_path: Path, elastic_reference: dict[str, torch.Tensor], etcd_endpoint: str, nproc: int, fault: str,
+    failovers: list[list[int]],
 ) -> None:
-    """The job's membership and every generation's rendezvous live in a real etcd server."""
+    """The job's membership and every generation's rendezvous live in a real etcd server, and the members
+    commit each step by all-reduce (:mod:`lightning_bamboo.runtime.collective_commit`). 2 x 2: member 3 dies
+    once the all-reduce of step 1 completed on it (the others applied the step or roll it forward), member 0
+    after applying step 4 (rank 0, which records the outcomes), member 2 before the all-reduce of step 5
+    (no one applied it: aborted and replayed). Each time the survivors agree, and the run ends equal to the
+    uninterrupted one."""
     run_elastic(
-        tmp_path, nproc=2, stages=2, fault="1:2:forward", launch_args=("--store", f"etcd://{etcd_endpoint}")
+        tmp_path, nproc=nproc, stages=2, fault=fault, launch_args=("--store", f"etcd://{etcd_endpoint}")
     )
-    assert launched(tmp_path).summary() == [("failover", [1])]
+    record = launched(tmp_path)
+    assert record.summary() == [("failover", lost) for lost in failovers]
     check_final(tmp_path, elastic_reference)
+    # the steps committed by all-reduce (no member voted in etcd), and each survivor of generation 0 said
+    # how many steps it had applied there when it left it
+    store = ms.connect(record.data["store"], record.data["job"])
+    assert ms.get_str(store, "g0/outcome/0") == "commit"
+    assert not store.check(["g0/prep/0"])
+    survivors = [m for m in range(nproc) if m != failovers[0][0]]
+    assert all(store.check([f"g0/applied/{m}"]) for m in survivors)
 
 
 @pytest.mark.slow
