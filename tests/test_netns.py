@@ -3,7 +3,9 @@ else, a partition that cuts a host off, shaping, and a teardown that leaves no p
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import json
 import os
 import re
 import socket
@@ -127,6 +129,45 @@ def test_a_host_added_later_joins_the_network(make_network: MakeNetwork) -> None
     c = net.add_host()
     assert c.index == 1 and c.address == str(ipaddress.ip_address(a.address) + 1)
     assert connect(net, c, a.address) == f"received hello {a.address}"
+
+
+def test_hosts_added_later_leave_the_others_reaching_the_bridge(make_network: MakeNetwork) -> None:
+    """A replacement machine's link on the bridge must not change the bridge's own address: a bridge whose
+    address was never set takes its ports' lowest, and the hosts' cached address of the bridge (where etcd
+    listens) then led nowhere for many seconds (a multi-machine benchmark lost its store and fenced)."""
+    net = make_network(2)
+    a = net.hosts[0]
+    server = socket.create_server((net.bridge_address, 0))
+    port = server.getsockname()[1]
+    stop = threading.Event()
+
+    def answer() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                conn, _ = server.accept()
+                conn.sendall(b"hello bridge")
+                conn.close()
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        assert connect(net, a, net.bridge_address, port) == "received hello bridge"  # a's entry cached
+        mac = links_address(net.bridge)
+        for _ in range(6):  # random port addresses: unpinned, one of the six would be the lowest 3 times in 4
+            net.add_host()
+            assert links_address(net.bridge) == mac
+            assert connect(net, a, net.bridge_address, port, timeout_s=2.0) == "received hello bridge"
+    finally:
+        stop.set()
+        with contextlib.suppress(OSError):
+            socket.create_connection((net.bridge_address, port), timeout=1).close()  # wakes accept
+        thread.join(10)
+        server.close()
+
+
+def links_address(link: str) -> str:
+    shown = subprocess.run(["ip", "-j", "link", "show", link], capture_output=True, text=True, check=True)
+    return str(json.loads(shown.stdout)[0]["address"])
 
 
 def test_kill_host_kills_every_process_inside_it(make_network: MakeNetwork) -> None:
