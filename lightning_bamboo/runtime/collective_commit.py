@@ -30,9 +30,10 @@ are where the step needs them), and every survivor of a loss ends on the same si
   A member lost after applying a step matters to no one: its stages come from a replica or a peer, which
   applied the step or roll it forward.
 
-Settling costs a failover a few requests (a report, the reads of the others'); the failure-free step costs
-one small all-reduce. On one machine the store is local (a ``TCPStore``: a round trip of well under a
-millisecond), and the store commit stays (:meth:`Membership.vote`).
+Settling costs a failover a few requests (a report; the others' read in one request each time the watch
+sees one written); the failure-free step costs one small all-reduce. On one machine the store is local (a
+``TCPStore``: a round trip of well under a millisecond), and the store commit stays
+(:meth:`Membership.vote`).
 """
 
 from __future__ import annotations
@@ -71,28 +72,44 @@ def settle(store: dist.Store, generation: int, members: list[int], step: int, wa
 
     Waits for the reports of the members still in the job (the newest generation's members and spares; one
     whose error is recorded is not waited for, it stopped the job), at most ``wait_s`` seconds, after which
-    the reports present decide (a member silent that long is stuck; the warning names it).
+    the reports present decide (a member silent that long is stuck; the warning names it). On a
+    :class:`~lightning_bamboo.control.store.RoundTripStore` it sleeps on the watch of the reports and the
+    generation and reads them in one request per wake (every settling member polling every member's key
+    would be a burst of requests on etcd at the moment the failover needs it); other stores are polled every
+    ``poll_s`` seconds.
     """
     deadline = time.monotonic() + wait_s
-    old = set(members)
-    while True:
-        newest = ms.current_generation(store)
-        waiting = old
-        if newest > generation:
-            new = ms.read_map(store, newest)
-            waiting = (set(new.members()) | set(new.spares)) & old
-        waiting = {m for m in waiting if crash.recorded(store, m) is None}
-        reports = {m: ms.read_if_set(store, applied_key(generation, m)) for m in sorted(waiting)}
-        missing = [m for m, value in reports.items() if value is None]
-        if not missing:
-            break
-        if time.monotonic() > deadline:
-            log.warning(
-                "Bamboo: settling step %d of generation %d without the reports of members %s (silent for "
-                "%.0f s); deciding from the others'", step, generation, missing, wait_s,
-            )
-            break
-        time.sleep(poll_s)
+    old = sorted(members)
+    keys = ["gen"] + [applied_key(generation, m) for m in old]
+    maps: dict[int, set[int]] = {}  # a generation's members and spares (a map never changes once written)
+    crashed: set[int] = set()
+    watched = isinstance(store, ms.RoundTripStore)
+    with store.watching(keys) if watched else contextlib.nullcontext() as sleep:  # type: ignore[attr-defined]
+        while True:
+            values = store.read_many(keys) if watched else {key: ms.read_if_set(store, key) for key in keys}
+            newest = int(values["gen"]) if values["gen"] is not None else -1
+            waiting = set(old)
+            if newest > generation:
+                if newest not in maps:
+                    new = ms.read_map(store, newest)
+                    maps[newest] = set(new.members()) | set(new.spares)
+                waiting &= maps[newest]
+            reports = {m: values[applied_key(generation, m)] for m in sorted(waiting - crashed)}
+            missing = [m for m, value in reports.items() if value is None]
+            crashed |= {m for m in missing if crash.recorded(store, m) is not None}
+            missing = [m for m in missing if m not in crashed]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                log.warning(
+                    "Bamboo: settling step %d of generation %d without the reports of members %s (silent "
+                    "for %.0f s); deciding from the others'", step, generation, missing, wait_s,
+                )
+                break
+            if sleep is not None:
+                sleep(max(deadline - time.monotonic(), 0.0))
+            else:
+                time.sleep(poll_s)
     applied = any(value is not None and int(value) > step for value in reports.values())
     return decide(store, generation, step, COMMIT if applied else ABORT)
 

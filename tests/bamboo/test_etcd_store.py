@@ -260,3 +260,29 @@ def test_the_committing_member_asks_for_a_join_only_when_one_is_proposed(store: 
     assert asked == [2]
     assert commit.prepare_and_wait(3, claim) == COMMIT_JOIN  # no key given: asked every time
     assert asked == [2, 3]
+
+
+def test_settling_a_cut_step_sleeps_on_the_watch_and_reads_once_per_wake(store: EtcdStore) -> None:
+    """A member settling a step a loss cut (:func:`~lightning_bamboo.runtime.collective_commit.settle`) waits
+    for a survivor's late report on the watch stream, one read of every key per wake: polling every member's
+    key every 10 ms would be a burst of requests on etcd at the moment the failover needs it."""
+    from lightning_bamboo.control.commit import COMMIT
+    from lightning_bamboo.layout.ownership import failover, initial
+    from lightning_bamboo.runtime.collective_commit import report_applied, settle
+
+    zero = initial(2, [0, 1, 2, 3])
+    for owners in (zero, failover(zero, [1])):
+        store.set(f"gen{owners.generation}/map", owners.to_json())
+        store.set("gen", str(owners.generation))
+    report_applied(store, 0, 0, 5)
+    report_applied(store, 0, 2, 5)
+    reads = []
+    read_many = store.read_many
+    store.read_many = lambda keys: reads.append(keys) or read_many(keys)  # type: ignore[method-assign]
+    late = threading.Timer(0.5, report_applied, (store, 0, 3, 6))  # member 3 applied the step
+    late.start()
+    began = time.monotonic()
+    assert settle(store, 0, [0, 1, 2, 3], 5, wait_s=20.0) == COMMIT
+    assert time.monotonic() - began >= 0.45
+    assert 2 <= len(reads) <= 4, len(reads)
+    late.join()
