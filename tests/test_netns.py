@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -66,6 +66,33 @@ def connect(net: Network, host: Host, address: str, port: int = PORT, timeout_s:
     return net.run(host, cmd, timeout=timeout_s + 20).stdout.strip()
 
 
+@contextlib.contextmanager
+def bridge_service(net: Network) -> Iterator[int]:
+    """A service in the root namespace on the bridge's address (where etcd listens): it answers every
+    connection with ``hello bridge`` until the block ends; yields its port."""
+    server = socket.create_server((net.bridge_address, 0))
+    port = server.getsockname()[1]
+    stop = threading.Event()
+
+    def answer() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                conn, _ = server.accept()
+                conn.sendall(b"hello bridge")
+                conn.close()
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        yield port
+    finally:
+        stop.set()
+        with contextlib.suppress(OSError):
+            socket.create_connection((net.bridge_address, port), timeout=1).close()  # wakes the accept
+        thread.join(10)
+        server.close()
+
+
 def ours(prefix: str) -> list[str]:
     return [name for name in namespaces() + links() if name.startswith(prefix)]
 
@@ -83,21 +110,8 @@ def test_hosts_reach_each_other_and_the_bridge_and_nothing_else(make_network: Ma
     listen(net, a)
     assert connect(net, b, a.address) == f"received hello {a.address}"
     # a service in the root namespace on the bridge's address (etcd, say) is reachable from every host
-    server = socket.create_server((net.bridge_address, 0))
-    port = server.getsockname()[1]
-
-    def answer() -> None:
-        conn, _ = server.accept()
-        conn.sendall(b"hello bridge")
-        conn.close()
-
-    thread = threading.Thread(target=answer, daemon=True)
-    thread.start()
-    try:
+    with bridge_service(net) as port:
         assert connect(net, b, net.bridge_address, port) == "received hello bridge"
-    finally:
-        thread.join(10)
-        server.close()
     # an address of this machine's own network is not routed from a host: refused at once
     outside = next(u for u in used_networks() if not u.overlaps(net.subnet) and not u.is_loopback)
     answer_outside = connect(net, b, str(next(outside.hosts(), outside.network_address)))
@@ -137,32 +151,13 @@ def test_hosts_added_later_leave_the_others_reaching_the_bridge(make_network: Ma
     listens) then led nowhere for many seconds (a multi-machine benchmark lost its store and fenced)."""
     net = make_network(2)
     a = net.hosts[0]
-    server = socket.create_server((net.bridge_address, 0))
-    port = server.getsockname()[1]
-    stop = threading.Event()
-
-    def answer() -> None:
-        while not stop.is_set():
-            with contextlib.suppress(OSError):
-                conn, _ = server.accept()
-                conn.sendall(b"hello bridge")
-                conn.close()
-
-    thread = threading.Thread(target=answer, daemon=True)
-    thread.start()
-    try:
+    with bridge_service(net) as port:
         assert connect(net, a, net.bridge_address, port) == "received hello bridge"  # a's entry cached
         mac = links_address(net.bridge)
         for _ in range(6):  # random port addresses: unpinned, one of the six would be the lowest 3 times in 4
             net.add_host()
             assert links_address(net.bridge) == mac
             assert connect(net, a, net.bridge_address, port, timeout_s=2.0) == "received hello bridge"
-    finally:
-        stop.set()
-        with contextlib.suppress(OSError):
-            socket.create_connection((net.bridge_address, port), timeout=1).close()  # wakes accept
-        thread.join(10)
-        server.close()
 
 
 def links_address(link: str) -> str:
