@@ -8,9 +8,12 @@ applied. :func:`replay_costs` turns that into a schema-2 costs file (docs/bamboo
 costs, each measured as the preemption benchmark measures it on one machine:
 
 * the step of every layout the run trained on (``step_s_by_layout`` for the full ``SxP``,
-  ``step_s_by_shape`` for maps with fused positions, e.g. ``2+1+1``): the median interval between
+  ``step_s_by_shape`` for maps with fused positions, e.g. ``2+1+1``): the mean interval between
   consecutive commits of the generations with that shape, after each generation's first
-  :data:`WARMUP_SPANS` intervals;
+  :data:`WARMUP_SPANS` intervals. A mean, not a median: the replay turns it into samples per second, and
+  the occasional slow step inside a generation (a replacement starting on the same cores, a collection) is
+  part of what the generation trained. The median left those out, and the replay over-predicted every
+  mode by 8-10 % (docs/bamboo-elastic.md, "The replay's step: a mean");
 * ``failover_s``: a machine lost to the first step a later generation committed (``bamboo_nodes.py``'s own
   figure); ``failover_warmup_s``: the excess of a failover generation's first intervals over its steady step;
 * ``rejoin_delay_s``: a replacement machine started to the last step the job committed without it (its
@@ -25,9 +28,12 @@ and join in member order, so the replay's ownership rules see the ids the coordi
 from __future__ import annotations
 
 import itertools
+import json
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 WARMUP_SPANS = 10
@@ -72,14 +78,14 @@ def generations(commits: Sequence[tuple[int, float, int]], shapes: dict[int, str
 
 
 def steady_steps(gens: dict[int, Generation]) -> dict[str, float]:
-    """The median commit interval per shape, pooled over its generations after their warm-up (a generation
-    too short for a warm-up contributes its intervals but the first)."""
+    """The mean commit interval per shape (its rate: see the module docstring), pooled over its generations
+    after their warm-up (a generation too short for a warm-up contributes its intervals but the first)."""
     pooled: dict[str, list[float]] = {}
     for gen in gens.values():
         spans = gen.spans
         steady = spans[WARMUP_SPANS:] if len(spans) > WARMUP_SPANS + 2 else spans[1:]
         pooled.setdefault(gen.shape, []).extend(steady)
-    return {shape: statistics.median(spans) for shape, spans in pooled.items() if spans}
+    return {shape: statistics.fmean(spans) for shape, spans in pooled.items() if spans}
 
 
 def _warmup_excess(gen: Generation, step: float) -> float:
@@ -169,7 +175,7 @@ def replay_costs(
         "live": {"bamboo": {"wall_s": segment_s, "samples_per_s": live_samples_per_s, "recovery": recovery,
                             "layout": full_key, "initial_nodes": starters}},
         "sources": {
-            "step_s_by_layout, step_s_by_shape": f"measured: median commit interval per map shape after "
+            "step_s_by_layout, step_s_by_shape": f"measured: mean commit interval per map shape after "
                                                  f"each generation's first {WARMUP_SPANS}",
             "failover_s": "measured: machine lost -> first step committed by a later generation (median)",
             "failover_warmup_s, rejoin_warmup_s": f"measured: excess of a generation's first {WARMUP_SPANS} "
@@ -182,3 +188,47 @@ def replay_costs(
         "generations": {str(g): {"shape": gen.shape, "members": gen.members, "steps": len(gen.commits)}
                         for g, gen in gens.items()},
     }
+
+
+def failover_times(commits: Sequence[tuple[int, float, int]],
+                   kills: Sequence[tuple[int, float, int, bool]]) -> list[float]:
+    """Each loss of a training machine to the first step committed by a generation after the one it was
+    lost in (``nan`` when none came): ``commits`` are ``(step, time, generation)``, ``kills`` ``(host, time,
+    generation, training)``. A step the survivors commit before that, which the lost members had prepared,
+    is not the failover; a machine none of whose members trained interrupts nothing and is left out."""
+    return [next((t - lost for _, t, g in commits if t > lost and g > generation), math.nan)
+            for _, lost, generation, training in kills if training]
+
+
+def replay_kept_run(run: Path) -> dict[str, Any]:
+    """The costs file of a run that ``bamboo_nodes.py --out`` kept, built again from what it recorded
+    (``commits.json`` and the ``replay_costs.json`` it wrote): the replay's model applied anew to old runs
+    after a change of how a cost is measured, without running them again."""
+    written = json.loads((run / "replay_costs.json").read_text())
+    kept = json.loads((run / "commits.json").read_text())
+    commits = [(int(step), float(t), int(g)) for step, t, g in kept["commits"]]
+    kills = [(int(h), float(t), int(g), bool(training)) for h, t, g, training in kept["kills"]]
+    recorded = written["generations"]
+    gens = generations(commits, {int(g): v["shape"] for g, v in recorded.items()},
+                       {int(g): int(v["members"]) for g, v in recorded.items()})
+    applied: list[Applied] = []
+    for event in written["events"]:  # a machine's workers, one event each, back into one event per machine
+        machine, _, worker = event["node"].partition("/")
+        members = () if worker.startswith("unregistered") else (int(worker),)
+        last = applied[-1] if applied else None
+        if last is not None and (last.t_s, last.kind, last.machine) == (event["t_s"], event["kind"], machine):
+            applied[-1] = Applied(last.t_s, last.kind, machine, last.members + members)
+        else:
+            applied.append(Applied(event["t_s"], event["kind"], machine, members))
+    initial: dict[str, tuple[int, ...]] = {}
+    for node in written["initial_nodes"]:
+        machine, _, member = node.partition("/")
+        initial[machine] = (*initial.get(machine, ()), int(member))
+    removes = [a for a in applied if a.kind == "remove"]
+    # the segment's clock: kept since it was recorded, else a kill's time less its event's offset
+    start = kept.get("segment_start", kills[0][1] - removes[0].t_s if kills and removes else 0.0)
+    live, costs = written["live"]["bamboo"], written["costs"]
+    reference = {"costs": {"checkpoint_s": costs["checkpoint_s"], "restart_s": costs["restart_s"]}}
+    return replay_costs(gens, applied, initial, failover_times(commits, kills), start, live["wall_s"],
+                        live["samples_per_s"], written["samples_per_step"], written["num_stages"],
+                        live["recovery"], reference)

@@ -32,7 +32,9 @@ The advisor's model against these runs: each mode's run also writes its timeline
 joins as that run measured them; kept as ``replay_costs.json`` with ``--out``), which
 ``lightning_bamboo.simulate.validate`` replays. Printed before the JSON: per mode, the median predicted and
 measured samples/s and their error, the mode the replay recommends and the mode measured fastest (JSON
-``advice``).
+``advice``). ``--replay-kept DIR`` runs nothing: it replays the runs an earlier ``--out DIR`` kept with the
+replay's model as it is now (their costs built again from what each run recorded), so a change of how a
+cost is measured is checked on the same runs.
 """
 
 from __future__ import annotations
@@ -102,6 +104,37 @@ def advice(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {"predicted_samples_per_s": predicted, "measured_samples_per_s": measured, "errors": errors,
             "sim_error": max(errors.values()), "recommended": max(predicted, key=predicted.__getitem__),
             "fastest_measured": max(measured, key=measured.__getitem__)}
+
+
+def replay_kept(root: Path) -> dict[str, Any]:
+    """The advice for the runs an earlier ``--out root`` kept (``round{r}-{mode}``), each run's costs built
+    again from its recorded commits (``_nodes_replay.replay_kept_run``) and replayed: how a change of the
+    replay's model moves its error, on the same runs."""
+    from benchmarks._nodes_replay import replay_kept_run
+
+    modes: dict[str, dict[str, Any]] = {}
+    for mode in MODES:
+        runs = sorted(path for path in root.glob(f"round*-{mode}") if (path / "commits.json").is_file())
+        if not runs:
+            continue
+        predicted, measured = [], []
+        for run in runs:
+            costs_file = replay_kept_run(run)
+            out = run / "replayed_again"
+            out.mkdir(exist_ok=True)
+            predicted.append(replay_prediction(costs_file, out))
+            measured.append(costs_file["live"]["bamboo"]["samples_per_s"])
+        modes[mode] = {"replay_predicted_samples_per_s": median(predicted),
+                       "segment_samples_per_s": median(measured), "runs": [str(r) for r in runs]}
+    if not modes:
+        raise SystemExit(f"--replay-kept: no run kept under {root} (round*-<mode>/commits.json)")
+    advised = advice(modes)
+    print("[modes] kept runs replayed again, medians per mode: " + ", ".join(
+        f"{m} predicted {advised['predicted_samples_per_s'][m]:.1f} / measured "
+        f"{advised['measured_samples_per_s'][m]:.1f} samples/s ({advised['errors'][m]:.1%})" for m in modes
+    ) + f"; recommends {advised['recommended']}, measured fastest {advised['fastest_measured']}", flush=True)
+    print(json.dumps({"modes": modes, "advice": advised}))
+    return advised
 
 
 def run_without_fault_tolerance(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -316,9 +349,15 @@ def main() -> None:
     parser.add_argument("--no-checkpoint-restart", action="store_true",
                         help="leave checkpoint-restart out (best_vs_checkpoint_restart prints nan)")
     parser.add_argument("--out", type=Path, default=None, help="keep every run's files here")
+    parser.add_argument("--replay-kept", type=Path, default=None, metavar="DIR",
+                        help="run nothing: replay the runs an earlier --out DIR kept with the replay's model "
+                             "as it is now (print the advice and its JSON)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.replay_kept is not None:
+        replay_kept(args.replay_kept)
+        return
     with tempfile.TemporaryDirectory(prefix="bamboo-modes-") as tmp:
         root = args.out or Path(tmp)
         runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}

@@ -20,7 +20,7 @@ The lease (``--lease``) bounds a failover from above: a machine lost silently is
 probed after a missed renewal (its processes died) or when its lease expires (it is gone whole).
 
     sudo python benchmarks/bamboo_nodes.py [--steps 2000] [--lease 3] [--compression 10] [--seed 0] \
-        [--out DIR]
+        [--no-trace] [--out DIR]
 
 ``--out DIR`` keeps the agents' logs and ``commits.json`` (each step's commit time and generation, the
 kills). The line before the last is JSON (``final_state_equal`` and ``exit_codes`` apart: ``exact`` needs
@@ -52,7 +52,7 @@ import etcd3gw  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from benchmarks._nodes_replay import Applied, generations, replay_costs  # noqa: E402
+from benchmarks._nodes_replay import Applied, failover_times, generations, replay_costs  # noqa: E402
 from benchmarks.bamboo_preemption import FULL, TRACE, make_plan  # noqa: E402
 from lightning_bamboo.control import machines as mc  # noqa: E402
 from lightning_bamboo.control import store as ms  # noqa: E402
@@ -150,6 +150,9 @@ def main() -> None:
                              "machine holds stages of both pipelines, so recovery modes differ)")
     parser.add_argument("--recovery", choices=["replica", "replica+forward", "peers"], default=None,
                         help="BambooStrategy(recovery=...) (default: the script's redundancy=True)")
+    parser.add_argument("--no-trace", action="store_true",
+                        help="apply none of the segment's events: a failure-free run, whose full-layout step "
+                             "is the median over all its steps (the step without the trace's noise)")
     args = parser.parse_args()
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -204,7 +207,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
             host_of[f"m{machine}"] = next(h for h in net.hosts if procs[h.index].pid == pid)
         commits = Commits(etcd, "bench")
         commits.start()
-        events = list(plan.events)
+        events = [] if args.no_trace else list(plan.events)
         applied: list[tuple[float, str, str, bool]] = []  # (monotonic time, kind, plan name, training)
         deadline = time.monotonic() + args.timeout
         window_start: float | None = None
@@ -242,13 +245,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
         for log in logs:
             log.close()
     times = [t for _, t, _ in commits.seen]
-    # to the first step committed by the generation that replaced the lost machine (a step the survivors
-    # commit before that, which the lost members had prepared, is not the failover); a machine none of whose
-    # members trained (a replacement lost before its workers joined) interrupts nothing: not a failover
-    failovers = [
-        next((t - lost for _, t, g in commits.seen if t > lost and g > generation), float("nan"))
-        for _, lost, generation, training in kills if training
-    ]
+    failovers = failover_times(commits.seen, kills)
     idle = [
         next((t - lost for _, t, _ in commits.seen if t > lost), float("nan"))
         for _, lost, _, training in kills if not training
@@ -290,7 +287,10 @@ def run(args: argparse.Namespace, work: Path) -> None:
             {node: members[node] for node in plan.initial}, failovers, window_start, segment_s, segment_rate,
             batch, args.stages, args.recovery or "replica+forward",
             json.loads((REPO / "benchmarks" / "results" / "bamboo_preemption.json").read_text()))
-    (work / "commits.json").write_text(json.dumps({"commits": commits.seen, "kills": kills}))
+    kept = {"commits": commits.seen, "kills": kills}
+    if window_start is not None:
+        kept["segment_start"] = window_start  # the replay's clock (``_nodes_replay.replay_kept_run``)
+    (work / "commits.json").write_text(json.dumps(kept))
     print(json.dumps(result), flush=True)
     print(f"node_failover_s={statistics.median(failovers) if failovers else float('nan'):.3f} "
           f"step_s={step_s:.3f} nodes_lost={len(kills)} exact={'true' if is_exact else 'false'}")

@@ -112,6 +112,19 @@ def test_a_runs_timeline_replays_to_its_own_samples_per_second(tmp_path: Path) -
     assert check.sim_error < 0.02  # the run's own commits: 70 steps of 12 samples
 
 
+def test_a_layouts_step_is_its_mean_interval_stalls_included() -> None:
+    """A generation of 0.1 s steps with one 1.0 s stall after its warm-up: its step for the replay is the
+    mean interval (what it trained per second), not the median, which would drop the stall."""
+    from benchmarks._nodes_replay import WARMUP_SPANS, generations, steady_steps
+
+    times = commit_times(0.0, 3.0, 0.1)
+    stalled = times[: WARMUP_SPANS + 5] + [t + 0.9 for t in times[WARMUP_SPANS + 5:]]
+    gens = generations([(i, t, 0) for i, t in enumerate(stalled)], {0: "2x3"}, {0: 6})
+    steady = gens[0].spans[WARMUP_SPANS:]
+    assert sorted(steady)[len(steady) // 2] == pytest.approx(0.1)  # the median would say 0.1 s
+    assert steady_steps(gens) == {"2x3": pytest.approx((0.1 * (len(steady) - 1) + 1.0) / len(steady))}
+
+
 def test_a_replacement_joining_is_priced_by_its_delay_and_its_pause() -> None:
     """m3 (members 6 and 7) starts at 7.0 s while the fused map trains; the job's last step without it is at
     9.0 s, its first with it at 9.5 s: a rejoin delay of 2.0 s and a pause of 0.5 s less a 0.1 s step."""
@@ -130,6 +143,35 @@ def test_a_replacement_joining_is_priced_by_its_delay_and_its_pause() -> None:
     assert costs["peers_failover_s"] == costs["failover_s"] == 0.95
     assert [e["node"] for e in data["events"]] == ["m0/0", "m0/3", "m3/6", "m3/7"]
     assert data["live"]["bamboo"]["recovery"] == "peers"
+
+
+@pytest.mark.parametrize("clock_kept", [True, False], ids=["segment-start-kept", "from-the-kill"])
+def test_a_kept_run_is_built_again_into_the_costs_it_wrote(tmp_path: Path, clock_kept: bool) -> None:
+    """``--replay-kept``: a run's costs file rebuilt from what ``bamboo_nodes.py --out`` kept (its commits,
+    kills and the file it wrote) equals the one it wrote; runs kept before the segment's start was recorded
+    take it from a kill's time less its event's offset."""
+    from benchmarks._nodes_replay import Applied, failover_times, generations, replay_costs, replay_kept_run
+
+    start = 100.0
+    full, fused = commit_times(0.1, 5.0, 0.1), commit_times(6.0, 9.0, 0.2)
+    grown = commit_times(9.5, 12.0, 0.1)
+    times = [(start + t, 0) for t in full] + [(start + t, 1) for t in fused] + [(start + t, 2) for t in grown]
+    commits = [(i, t, g) for i, (t, g) in enumerate(times)]
+    kills = [(0, start + 5.05, 0, True)]
+    gens = generations(commits, {0: "2x3", 1: "2+1+1", 2: "2x3"}, {0: 6, 1: 4, 2: 6})
+    applied = [Applied(5.05, "remove", "m0", (0, 3)), Applied(7.0, "add", "m3", (6, 7))]
+    written = replay_costs(gens, applied, MACHINES, failover_times(commits, kills), start, 12.0, 100.0, 12, 2,
+                           "peers", REFERENCE)
+    kept = {"commits": commits, "kills": kills, **({"segment_start": start} if clock_kept else {})}
+    (tmp_path / "commits.json").write_text(json.dumps(kept))
+    (tmp_path / "replay_costs.json").write_text(json.dumps(written))
+    again = replay_kept_run(tmp_path)
+    assert again["costs"].keys() == written["costs"].keys()
+    for key, value in written["costs"].items():  # flat values and flat dicts of seconds
+        assert again["costs"][key] == (value if value is None else pytest.approx(value)), key
+    assert again["costs"]["rejoin_delay_s"] == pytest.approx(2.0)  # the clock: m3 started at 107 s
+    rest = {k: v for k, v in written.items() if k != "costs"}
+    assert {k: v for k, v in again.items() if k != "costs"} == rest
 
 
 def test_the_advice_is_the_mode_with_the_most_samples_predicted() -> None:
