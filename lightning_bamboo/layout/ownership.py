@@ -19,11 +19,20 @@ layers then move peer to peer (``runtime/reshard.py``) and the pipeline, shorter
 micro-batches (``pipeline/microbatch.py``). A pipeline with no survivor, or whose lost stages no survivor
 holds, is dropped (its survivors become spares); when no pipeline is left, :class:`FallbackNeeded` says the
 job must resume from a checkpoint.
+
+A pipeline that lost positions is then *rebalanced* when that shortens its widest position (Oobleck's
+templates, at the grain of stages): its surviving positions, in their order, take the pipeline's stages in
+contiguous runs of at most ``ceil(stages / survivors)``, chosen to keep as many stages where they already
+are as possible (the fewest layers moved). A step takes about ``(micro-batches + positions - 1) x widest``
+stage-times, so e.g. 4 stages whose first two positions are lost run as 2 + 2 on the survivors, not 3 + 1.
+When fusing already gives the shortest widest position (one loss in a pipeline of one stage per member),
+the map is the fused one: a replica holder's promotion moves nothing, and rebalancing would.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -200,13 +209,47 @@ def failover(old: OwnershipMap, lost: Iterable[int], replicas: bool = True) -> O
                 heir_index = before[0] if before else next(j for j in range(i + 1, n) if alive[j])
                 for stage in stages:
                     owners[stage] = positions[heir_index][0]
-        pipelines[pipeline] = owners
+        pipelines[pipeline] = rebalanced(owners)
     if not pipelines:
         raise FallbackNeeded(
             f"generation {old.generation}: losing members {sorted(lost_set)} leaves no pipeline whose "
             f"redundancy covers it:\n{old.format()}"
         )
     return OwnershipMap(old.generation + 1, old.num_stages, pipelines, tuple(sorted(spares)))
+
+
+def rebalanced(owners: dict[int, int]) -> dict[int, int]:
+    """One pipeline's ``stage -> member`` with its positions' runs of stages evened out (see the module
+    docstring): unchanged when its widest position is already as short as its member count allows; else
+    every position, in order, takes a run of at most ``ceil(stages / positions)`` stages, the cut keeping
+    the most stages with the member that owns them now (a dynamic programme over the cuts)."""
+    positions = fused_positions(owners)
+    count, members = len(owners), [m for m, _ in positions]
+    width = math.ceil(count / len(members))
+    if max(len(stages) for _, stages in positions) <= width:
+        return owners
+    # kept[i][j]: the most stages kept in place when members[:i] take stages[:j] (None: impossible)
+    kept: list[list[int | None]] = [[None] * (count + 1) for _ in range(len(members) + 1)]
+    cut: dict[tuple[int, int], int] = {}
+    kept[0][0] = 0
+    for i, member in enumerate(members):
+        for j in range(count):
+            base = kept[i][j]
+            if base is None:
+                continue
+            stays = 0
+            for end in range(j + 1, min(j + width, count) + 1):
+                stays += owners[end - 1] == member
+                if kept[i + 1][end] is None or base + stays > kept[i + 1][end]:  # type: ignore[operator]
+                    kept[i + 1][end] = base + stays
+                    cut[(i + 1, end)] = j
+    out: dict[int, int] = {}
+    end = count
+    for i in range(len(members), 0, -1):
+        start = cut[(i, end)]
+        out.update({stage: members[i - 1] for stage in range(start, end)})
+        end = start
+    return dict(sorted(out.items()))
 
 
 def rejoin(old: OwnershipMap, new: Iterable[int], max_pipelines: int | None = None) -> OwnershipMap:

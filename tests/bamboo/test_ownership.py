@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+import random
+
 import pytest
 
 from lightning_bamboo.control.supervisor import fallback_map
-from lightning_bamboo.layout.ownership import FallbackNeeded, OwnershipMap, failover, initial, rejoin
+from lightning_bamboo.layout.ownership import (
+    FallbackNeeded,
+    OwnershipMap,
+    failover,
+    initial,
+    rebalanced,
+    rejoin,
+)
 
 
 def grid(owners: OwnershipMap) -> str:
@@ -59,6 +70,58 @@ def test_adjacent_losses_are_covered_by_a_peer_pipeline_or_drop_the_pipeline() -
         "gen 1  stage0  stage1  stage2\npipe1  m3      m3      m5\nspares m2")
     with pytest.raises(FallbackNeeded, match=r"losing members \[0, 1\] leaves no pipeline"):
         failover(initial(3, range(3)), [0, 1])
+
+
+def test_a_pipeline_that_lost_two_positions_is_rebalanced_over_its_survivors() -> None:
+    """Oobleck's templates at the grain of stages: 4 stages whose first two positions are lost run 2 + 2 on
+    the survivors (fusing would give 3 + 1); 6 stages that lost three run 2 + 2 + 2 (fusing: 4 + 1 + 1)."""
+    four = failover(initial(4, range(8)), [0, 1], replicas=False)
+    assert [four.pipelines[0][s] for s in range(4)] == [2, 2, 3, 3]
+    assert four.shapes() == [(2, 2), (4, 1)]
+    six = failover(initial(6, range(12)), [1, 2, 3], replicas=False)
+    assert [six.pipelines[0][s] for s in range(6)] == [0, 0, 4, 4, 5, 5]
+
+
+def test_a_fused_pipeline_already_as_short_as_it_can_be_is_left_as_fused() -> None:
+    """One loss in a pipeline of one stage per member: fusing already gives the shortest widest position, so
+    the replica holder's promotion stands (no layer moves); the same for two non-adjacent losses."""
+    assert [failover(initial(4, range(4)), [1]).pipelines[0][s] for s in range(4)] == [0, 0, 2, 3]
+    assert [failover(initial(4, range(4)), [1, 3]).pipelines[0][s] for s in range(4)] == [0, 0, 2, 2]
+
+
+def test_rebalancing_keeps_the_most_stages_in_place() -> None:
+    """5 stages on 2 survivors (at most 3 each): 3 + 2 keeps four stages where they are, 2 + 3 three."""
+    assert rebalanced({0: 7, 1: 7, 2: 7, 3: 7, 4: 9}) == {0: 7, 1: 7, 2: 7, 3: 9, 4: 9}
+
+
+def test_rebalancing_is_the_best_cut_of_every_small_pipeline() -> None:
+    """Against every cut, on random pipelines: the runs keep the members' order, none is wider than
+    ``ceil(stages / members)`` (or the map was that already and is unchanged), and no cut of that width
+    keeps more stages in place."""
+    rng = random.Random(0)
+    for _ in range(300):
+        stages = rng.randint(2, 9)
+        members = rng.randint(1, stages)
+        sizes = [1] * members
+        for _ in range(stages - members):
+            sizes[rng.randrange(members)] += 1
+        ids = rng.sample(range(20), members)
+        owners = {s: m for s, m in enumerate(m for m, n in zip(ids, sizes) for _ in range(n))}
+        width = math.ceil(stages / members)
+        got = rebalanced(owners)
+        if max(sizes) <= width:
+            assert got == owners
+            continue
+        runs = [list(g) for _, g in itertools.groupby(got[s] for s in range(stages))]
+        assert [r[0] for r in runs] == ids and max(map(len, runs)) <= width
+        best = 0
+        for cuts in itertools.combinations(range(1, stages), members - 1):
+            bounds = [0, *cuts, stages]
+            if max(b - a for a, b in itertools.pairwise(bounds)) > width:
+                continue
+            best = max(best, sum(owners[s] == ids[i] for i, (a, b) in enumerate(itertools.pairwise(bounds))
+                                 for s in range(a, b)))
+        assert sum(got[s] == owners[s] for s in range(stages)) == best, owners
 
 
 def test_rejoin_splits_fused_stages_then_adds_pipelines() -> None:

@@ -84,3 +84,20 @@ def test_losses_in_two_stages_by_three_pipelines_are_restored_from_peers(
     assert record.summary() == [("failover", lost)], log[-3000:]
     assert record.grids() == [grid]
     _assert_close(got, two_stages_three_pipelines)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_pipeline_that_lost_two_positions_is_rebalanced_over_its_survivors(
+    tmp_path: Path, three_stages_two_pipelines: dict[str, Tensor]
+) -> None:
+    """4 stages x 2 pipelines: members 0 and 1 (stages 0 and 1 of pipeline 0) die together. Fusing would
+    leave member 2 running stages 0-2 and member 3 stage 3 (3 + 1); the failover rebalances the pipeline
+    over its survivors instead (2 + 2, Oobleck's templates at the grain of stages): member 2 takes stages 0-1
+    from pipeline 1's members 4 and 5 and gives its own stage 2 to member 3, peer to peer. The same
+    ``WithDropout`` body, global batch and keyed masks as the 3 x 2 run: equal to that uninterrupted run."""
+    got, log = _run(tmp_path, nproc=8, stages=4, fault="0+1:2:forward")
+    record = launched(tmp_path)
+    assert record.summary() == [("failover", [0, 1])], log[-3000:]
+    assert record.grids() == [[[2, 2, 3, 3], [4, 5, 6, 7]]]
+    _assert_close(got, three_stages_two_pipelines)
