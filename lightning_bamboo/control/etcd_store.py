@@ -57,6 +57,19 @@ def _encode(value: str | bytes) -> str:
     return base64.b64encode(_bytes(value)).decode()
 
 
+def _once_more(read: Callable[[], Any]) -> Any:
+    """A read (nothing it does changes the store, so it is safe to send twice) sent again once when its
+    connection was dropped: the HTTP client reuses a kept-alive connection, and one etcd closed while it was
+    idle fails the next request without an answer (``RemoteDisconnected``; seen after a test's client idled
+    through a machine's fencing). A second failure is the store's: it is raised."""
+    import etcd3gw.exceptions
+
+    try:
+        return read()
+    except etcd3gw.exceptions.ConnectionFailedError:
+        return read()
+
+
 class EtcdStore(dist.Store):
     """Keys live under ``prefix`` in the etcd server at ``host:port`` (its client URL).
 
@@ -112,7 +125,7 @@ class EtcdStore(dist.Store):
             tick.seen.add(key)
             if key in tick.values:
                 return tick.values.pop(key)  # served once: a loop re-reading the key reads it live
-        values = self._client.get(self._key(key))
+        values = _once_more(lambda: self._client.get(self._key(key)))
         return _bytes(values[0]) if values else None
 
     def read_many(self, keys: list[str]) -> dict[str, bytes | None]:
@@ -121,7 +134,8 @@ class EtcdStore(dist.Store):
         values: dict[str, bytes | None] = {}
         for start in range(0, len(keys), _TXN_OPS):
             chunk = keys[start:start + _TXN_OPS]
-            reply = self._txn([], [self._range_op(key) for key in chunk], [])
+            ops = [self._range_op(key) for key in chunk]
+            reply = _once_more(lambda ops=ops: self._txn([], ops, []))
             for key, response in zip(chunk, reply.get("responses", []), strict=True):
                 values[key] = _range_value(response)
         return values

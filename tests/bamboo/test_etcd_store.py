@@ -286,3 +286,35 @@ def test_settling_a_cut_step_sleeps_on_the_watch_and_reads_once_per_wake(store: 
     assert time.monotonic() - began >= 0.45
     assert 2 <= len(reads) <= 4, len(reads)
     late.join()
+
+
+
+def test_a_read_on_a_dropped_connection_is_sent_once_more(
+    store: EtcdStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd closing a kept-alive connection while the client idled fails the next request without an answer;
+    a read (``read``, ``read_many``: they change nothing) is sent once more, a second failure is raised."""
+    import etcd3gw.exceptions
+
+    store.set("dropped", "1")
+    client = store._client
+    real_post = client.post
+    failures = [0]
+
+    def drops_once(*args: object, **kwargs: object) -> object:
+        failures[0] += 1
+        if failures[0] == 1:
+            raise etcd3gw.exceptions.ConnectionFailedError("Remote end closed connection without response")
+        return real_post(*args, **kwargs)
+
+    monkeypatch.setattr(client, "post", drops_once)  # every request of the client goes through post
+    assert store.read("dropped") == b"1" and failures[0] == 2
+    failures[0] = 0
+    assert store.read_many(["dropped", "absent"]) == {"dropped": b"1", "absent": None} and failures[0] == 2
+
+    def always(*args: object, **kwargs: object) -> object:
+        raise etcd3gw.exceptions.ConnectionFailedError("down")
+
+    monkeypatch.setattr(client, "post", always)
+    with pytest.raises(etcd3gw.exceptions.ConnectionFailedError):
+        store.read("dropped")

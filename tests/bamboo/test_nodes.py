@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+import etcd3gw.exceptions
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -80,8 +81,17 @@ class Job:
         )
 
     def wait_for(self, what: str, ready: Callable[[], bool], timeout: float = TIMEOUT_S) -> None:
+        """Poll ``ready`` until it holds; a store that does not answer one poll (the test's own reads, not
+        the job's) is polled again until the deadline."""
         deadline = time.monotonic() + timeout
-        while not ready():
+
+        def ready_now() -> bool:
+            try:
+                return ready()
+            except (etcd3gw.exceptions.ConnectionFailedError, etcd3gw.exceptions.ConnectionTimeoutError):
+                return False
+
+        while not ready_now():
             if time.monotonic() > deadline:
                 raise AssertionError(f"no {what} in {timeout:.0f}s:\n{self.logs_tail()}")
             time.sleep(0.1)
