@@ -106,6 +106,14 @@ def advice(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "fastest_measured": max(measured, key=measured.__getitem__)}
 
 
+def print_advice(what: str, advised: dict[str, Any]) -> None:
+    """One line: per mode the median predicted and measured samples/s and the error, then the advice."""
+    print(f"[modes] {what}, medians per mode: " + ", ".join(
+        f"{m} predicted {predicted:.1f} / measured {advised['measured_samples_per_s'][m]:.1f} samples/s "
+        f"({advised['errors'][m]:.1%})" for m, predicted in advised["predicted_samples_per_s"].items()
+    ) + f"; recommends {advised['recommended']}, measured fastest {advised['fastest_measured']}", flush=True)
+
+
 def replay_kept(root: Path) -> dict[str, Any]:
     """The advice for the runs an earlier ``--out root`` kept (``round{r}-{mode}``), each run's costs built
     again from its recorded commits (``_nodes_replay.replay_kept_run``) and replayed: how a change of the
@@ -129,10 +137,7 @@ def replay_kept(root: Path) -> dict[str, Any]:
     if not modes:
         raise SystemExit(f"--replay-kept: no run kept under {root} (round*-<mode>/commits.json)")
     advised = advice(modes)
-    print("[modes] kept runs replayed again, medians per mode: " + ", ".join(
-        f"{m} predicted {advised['predicted_samples_per_s'][m]:.1f} / measured "
-        f"{advised['measured_samples_per_s'][m]:.1f} samples/s ({advised['errors'][m]:.1%})" for m in modes
-    ) + f"; recommends {advised['recommended']}, measured fastest {advised['fastest_measured']}", flush=True)
+    print_advice("kept runs replayed again", advised)
     print(json.dumps({"modes": modes, "advice": advised}))
     return advised
 
@@ -391,10 +396,7 @@ def main() -> None:
                       f"{[round(f, 2) for f in result['failover_s']]} s, exact {result['exact']}", flush=True)
         modes = summary(runs)
     advised = advice(modes)
-    print("[modes] the replay of each run's own segment with its own costs, medians per mode: " + ", ".join(
-        f"{m} predicted {advised['predicted_samples_per_s'][m]:.1f} / measured "
-        f"{advised['measured_samples_per_s'][m]:.1f} samples/s ({advised['errors'][m]:.1%})" for m in modes
-    ) + f"; recommends {advised['recommended']}, measured fastest {advised['fastest_measured']}", flush=True)
+    print_advice("the replay of each run's own segment with its own costs", advised)
     no_ft = median([b["step_s"] for b in baselines])
     for mode in modes.values():
         mode["step_vs_no_fault_tolerance"] = mode["full_layout_step_s"] / no_ft

@@ -288,7 +288,6 @@ def test_settling_a_cut_step_sleeps_on_the_watch_and_reads_once_per_wake(store: 
     late.join()
 
 
-
 def test_a_read_on_a_dropped_connection_is_sent_once_more(
     store: EtcdStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
