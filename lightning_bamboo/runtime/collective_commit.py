@@ -130,6 +130,7 @@ class CollectiveCommit:
         self._recorded = threading.Condition()
         self._record_store = record_store
         self._recorder: threading.Thread | None = None
+        self._closing = False
 
     def prepare_and_wait(self, generation: int, step: int, rank: int) -> str | None:
         """This member prepared ``step``: ``commit`` once every member has, or ``None`` when a member has seen
@@ -167,13 +168,30 @@ class CollectiveCommit:
         store = self._record_store()
         while True:
             with self._recorded:
-                self._recorded.wait_for(lambda: bool(self._records))
+                self._recorded.wait_for(lambda: bool(self._records) or self._closing)
                 records, self._records = self._records, []
+                closing = self._closing
             for generation, step in records:
                 with contextlib.suppress(Exception):  # the store gone: the job is over
                     decide(store, generation, step, COMMIT)
+            if closing:
+                return
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop watching for join proposals, and stop the recorder once the outcomes it holds are written:
+        the last steps' records are the job's timeline (a member's ``fit`` ending must not drop them), and
+        the thread ends with the member's membership instead of lingering in code after ``fit``. A store
+        that does not answer within ``timeout_s`` is left behind (the thread is a daemon)."""
         if self._proposal is not None:
             self._proposal[1].close()
             self._proposal = None
+        recorder, self._recorder = self._recorder, None
+        if recorder is None:
+            return
+        with self._recorded:
+            self._closing = True
+            self._recorded.notify()
+        recorder.join(timeout_s)
+        if recorder.is_alive():
+            log.warning("Bamboo: the record of the last committed steps did not finish within %.0f s",
+                        timeout_s)

@@ -131,6 +131,18 @@ def test_a_prepared_step_commits_and_rank_zero_records_it() -> None:
         commit.close()
 
 
+def test_close_writes_every_pending_record_and_ends_the_recorder() -> None:
+    """The steps committed just before ``fit`` ends are in the timeline once ``close`` returns, and the
+    recorder thread is gone (it does not linger into the user's code after ``fit``)."""
+    with one_process_group() as store:
+        commit = CollectiveCommit(store, lambda: store, lambda: torch.device("cpu"))
+        for step in range(20):
+            assert commit.prepare_and_wait(0, step, rank=0) == COMMIT
+        commit.close()
+        assert all(ms.get_str(store, outcome_key(0, step)) == COMMIT for step in range(20))
+        assert "bamboo-commit-record" not in [thread.name for thread in threading.enumerate()]
+
+
 def test_a_join_proposal_hands_the_step_to_the_stores_commit() -> None:
     """A member that saw generation 0's join proposal makes the all-reduce say so: the step is not
     committed here (the store's commit claims the join), and nothing is recorded for it."""
