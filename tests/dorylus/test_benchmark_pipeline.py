@@ -164,3 +164,30 @@ def test_benchmark_tiny_size_prints_the_summary_line(tmp_path: Path) -> None:
     assert lines[-3].startswith("own-cores bound: a staleness-1 epoch needs at least"), lines
     assert lines[-2].startswith("time to the synchronous run's final loss"), lines
     assert "sync/own " in lines[-2] and "s0/own " in lines[-2] and "s1/own " in lines[-2], lines
+
+
+@pytest.mark.parametrize("huge_pages", [False, True])
+def test_huge_pages_start_the_servers_with_glibcs_tunable(
+    huge_pages: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--huge-pages`` must reach the servers at exec (glibc reads its tunables once, at start-up); without
+    it the servers keep this process's environment."""
+    bench = load_benchmark()
+    started: list[dict[str, str]] = []
+
+    class Started:
+        returncode = 0
+
+        def __init__(self, command: list[str], env: dict[str, str], **_: object) -> None:
+            started.append(env)
+            result = next(arg.split("=", 1)[1] for arg in command if arg.startswith("--result="))
+            Path(result).write_text("{}")
+
+    monkeypatch.setattr(bench.subprocess, "Popen", Started)
+    monkeypatch.setattr(bench, "watch", lambda *_args, **_kwargs: False)
+    monkeypatch.setattr(bench, "kill_groups", lambda _procs: None)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    args = bench.parse_args(["--servers", "2", *(["--huge-pages"] if huge_pages else [])])
+    assert bench.launch(args, "server", tmp_path, num_procs=2) == [{}, {}]
+    assert [env.get("GLIBC_TUNABLES") for env in started] == (
+        [bench.HUGE_PAGES_TUNABLE] * 2 if huge_pages else [None, None])
