@@ -116,7 +116,10 @@ class DorylusStrategy(ParallelStrategy):
             default threshold grows after the first large free, after which an epoch's many 1-32 MiB
             buffers (per-interval pieces, 16-wide layer outputs) fragment the heap and a server's peak
             creeps up epoch after epoch (+500 MiB over 4 epochs on the 1M-vertex benchmark). ``None``
-            leaves the allocator alone. A C library without ``mallopt`` logs a warning.
+            leaves the allocator alone. A C library without ``mallopt`` logs a warning. Such buffers are
+            faulted in 4 KiB at a time: ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` in the environment that
+            starts training backs them with huge pages (synchronous server CPU -15 % on the 1M-vertex
+            benchmark, same peak memory; docs/dorylus-benchmark.md).
         num_threads: BLAS/OpenMP (and torch intra-op) threads of each graph server; ``None``: the
             environment's ``OMP_NUM_THREADS`` if set, else available cores / graph servers on this machine
             (``lightning_dorylus.threads``); with ``staleness`` set, less the threads of the ``local``
