@@ -5,9 +5,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -183,7 +185,8 @@ def test_huge_pages_start_the_servers_with_glibcs_tunable(
             result = next(arg.split("=", 1)[1] for arg in command if arg.startswith("--result="))
             Path(result).write_text("{}")
 
-    monkeypatch.setattr(bench.subprocess, "Popen", Started)
+    # the benchmark's own reference to the module, not subprocess.Popen itself (other threads may start one)
+    monkeypatch.setattr(bench, "subprocess", SimpleNamespace(Popen=Started, STDOUT=subprocess.STDOUT))
     monkeypatch.setattr(bench, "watch", lambda *_args, **_kwargs: False)
     monkeypatch.setattr(bench, "kill_groups", lambda _procs: None)
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
