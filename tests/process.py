@@ -35,6 +35,14 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data"  # the data the project carries (data/README.md)
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so a test polling for ``path`` never reads it half-written: the text goes to
+    a hidden sibling first (no ``glob`` of the name matches it), then is renamed over ``path``."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 def launch_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a fresh single-node launch: loopback rendezvous on a free port, one thread.
 

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from lightning_bamboo.callbacks import BambooNotices
 from tests.bamboo.pipe_mlp import PipeMLP
+from tests.process import write_atomically
 
 HOLD_S = 120.0
 
@@ -32,7 +33,7 @@ class SignalTarget(Callback):
         self.holds = [hold] if isinstance(hold, tuple) else list(hold or [])
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        (self.out / f"pid_member{self.member}").write_text(str(os.getpid()))
+        write_atomically(self.out / f"pid_member{self.member}", str(os.getpid()))
 
     def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Step 0: hold at the end of Lightning's sanity check."""
