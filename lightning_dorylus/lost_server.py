@@ -49,10 +49,10 @@ class GraphServerLostError(RuntimeError):
 class ServerDirectory:
     """Who every graph server is, and a heartbeat per server in the process group's store."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, where: Callable[[], str],
-                 resume: Callable[[], str], timeout_s: float = 60.0) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, trainer: Callable[[], Any],
+                 timeout_s: float = 60.0) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
-        self.where, self.resume = where, resume
+        self.trainer = trainer  # the Trainer now (for where training was and its checkpoints), or None
         me = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid()}
         store.set(f"{_PREFIX}/{rank}", json.dumps(me))
         keys = [f"{_PREFIX}/{r}" for r in range(world_size)]
@@ -105,12 +105,12 @@ class ServerDirectory:
 _directory: ServerDirectory | None = None
 
 
-def start(store: Any, rank: int, world_size: int, where: Callable[[], str], resume: Callable[[], str]) -> None:
+def start(store: Any, rank: int, world_size: int, trainer: Callable[[], Any]) -> None:
     """Registers this graph server and starts its heartbeat (one directory per process; a new one replaces
-    the last)."""
+    the last). ``trainer``: returns the Trainer running now (or None)."""
     global _directory
     stop()
-    _directory = ServerDirectory(store, rank, world_size, where, resume)
+    _directory = ServerDirectory(store, rank, world_size, trainer)
 
 
 def stop() -> None:
@@ -121,9 +121,16 @@ def stop() -> None:
 
 
 def is_peer_failure(err: BaseException) -> bool:
-    """Whether ``err`` is a collective failing because a peer went away or stopped answering."""
+    """Whether ``err`` is a collective failing because a peer went away or stopped answering: torch's
+    ``DistError`` (backend, network, store), or a backend's RuntimeError saying so. An executor's or a
+    user's own error is never taken for one."""
+    import torch.distributed as dist
+
+    if isinstance(err, dist.DistError):
+        return True
     text = str(err).lower()
-    return type(err).__name__ == "DistBackendError" or any(marker in text for marker in PEER_FAILURES)
+    from_backend = any(name in text for name in ("gloo", "nccl", "processgroup"))
+    return from_backend and any(marker in text for marker in PEER_FAILURES)
 
 
 @contextmanager
@@ -151,8 +158,9 @@ def lost_error(directory: ServerDirectory, name: str, err: BaseException) -> Gra
         head = (f"a graph server stopped answering during {name}, but every heartbeat is still beating "
                 f"(a server hung, or the network between servers failed)")
     backend = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-    message = (f"{head} ({how}), {directory.where()}; this is graph server "
-               f"{directory.describe(directory.rank)}. {directory.resume()} The backend said: {backend}")
+    trainer = directory.trainer()
+    message = (f"{head} ({how}), {where(trainer)}; this is graph server "
+               f"{directory.describe(directory.rank)}. {resume_hint(trainer)} The backend said: {backend}")
     log.error("%s", message)
     return GraphServerLostError(message, lost, name)
 
@@ -161,3 +169,32 @@ def _timedelta(seconds: float) -> Any:
     from datetime import timedelta
 
     return timedelta(seconds=seconds)
+
+
+def where(trainer: Any) -> str:
+    """Where training was, for the error."""
+    if trainer is None:
+        return "outside fit"
+    stage = getattr(trainer.state.fn, "value", None) or "fit"
+    return f"at epoch {trainer.current_epoch}, global step {trainer.global_step} ({stage})"
+
+
+def resume_hint(trainer: Any) -> str:
+    """How to resume exactly, from the checkpoints this run has (Lightning's ``ModelCheckpoint``)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callbacks = [c for c in getattr(trainer, "checkpoint_callbacks", []) if isinstance(c, ModelCheckpoint)]
+    with_last = [c for c in callbacks if c.save_last]
+    latest = next((c.best_model_path for c in callbacks if c.best_model_path), "")
+    if with_last:
+        path = 'ckpt_path="last"'
+        saved = f"ModelCheckpoint(save_last=True) saved {with_last[0].last_model_path or 'nothing yet'}"
+    elif latest:
+        path = f"ckpt_path={latest!r}"
+        saved = "ModelCheckpoint(save_last=True) would keep the last epoch's for ckpt_path=\"last\""
+    else:
+        return ("No checkpoint was saved, so the run starts over: with ModelCheckpoint(save_last=True) "
+                "such a run resumes exactly with trainer.fit(model, datamodule=..., ckpt_path=\"last\").")
+    return (f"Start every graph server again (the same command, with the lost server's machine back or "
+            f"replaced) and resume with trainer.fit(model, datamodule=..., {path}): it restores the last "
+            f"checkpointed epoch exactly (weights, optimizer, epoch; {saved}).")
