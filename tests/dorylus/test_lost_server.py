@@ -76,3 +76,18 @@ def test_killed_graph_server_is_named_and_the_named_resume_is_exact(tmp_path: Pa
         assert resumed.keys() == reference.keys()
         for key, value in reference.items():
             assert torch.equal(resumed[key], value), (rank, key)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_killed_rank_zero_is_named_though_its_store_is_gone(tmp_path: Path) -> None:
+    """Rank 0 hosts the process group's store (Lightning's launch): its heartbeat cannot be read once it is
+    gone, and the store failing names it."""
+    codes = launch(tmp_path, "--kill-rank", "0", "--kill-epoch", "2")
+    assert codes[0] == -9 and codes[1] not in (0, None), (tmp_path / "ranks.log").read_text()[-4000:]
+    error = json.loads((tmp_path / "error_rank1.json").read_text())
+    assert error["type"] == "GraphServerLostError" and error["lost"] == [0], error
+    assert error["message"].startswith(f"graph server rank 0 of 2 (host {socket.gethostname()}, pid "), error
+    assert "(the store rank 0 hosts no longer answers" in error["message"], error
+    assert 'ckpt_path="last"' in error["message"], error
