@@ -561,7 +561,8 @@ class DorylusStrategy(ParallelStrategy):
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         self.drain()
-        return super().test_step(*args, **kwargs)
+        with collective("test_step"):
+            return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -569,11 +570,12 @@ class DorylusStrategy(ParallelStrategy):
         order), gathered from every graph server into global vertex order: ``(num_global_nodes, ...)`` on
         every rank, what one process computes on the whole graph. Any other output passes through as is."""
         self.drain()
-        out = super().predict_step(*args, **kwargs)
-        batch = args[0] if args else kwargs.get("batch")
-        if not isinstance(out, Tensor) or not isinstance(batch, GraphPartition):
-            return out
-        return gather_vertex_rows(out, batch.local_nodes, batch.num_global_nodes)
+        with collective("predict_step"):
+            out = super().predict_step(*args, **kwargs)
+            batch = args[0] if args else kwargs.get("batch")
+            if not isinstance(out, Tensor) or not isinstance(batch, GraphPartition):
+                return out
+            return gather_vertex_rows(out, batch.local_nodes, batch.num_global_nodes)
 
     @override
     def save_checkpoint(
