@@ -105,11 +105,27 @@ class ServerDirectory:
 _directory: ServerDirectory | None = None
 
 
-def start(store: Any, rank: int, world_size: int, trainer: Callable[[], Any]) -> None:
+def process_group_store() -> Any | None:
+    """The default process group's store (the rendezvous TCPStore: rank 0's under Lightning's launcher,
+    torchrun's agent's under torchrun). torch has no public accessor: None where this torch lacks the
+    private one, and lost servers are then reported by the backend's error alone."""
+    import torch.distributed as dist
+
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return getter() if getter is not None else None
+    except Exception:  # no default group
+        return None
+
+
+def start(store: Any | None, rank: int, world_size: int, trainer: Callable[[], Any]) -> None:
     """Registers this graph server and starts its heartbeat (one directory per process; a new one replaces
-    the last). ``trainer``: returns the Trainer running now (or None)."""
+    the last). ``trainer``: returns the Trainer running now (or None). ``store`` None: nothing to do."""
     global _directory
     stop()
+    if store is None:
+        log.debug("no process-group store: a lost graph server is reported by the backend's error alone")
+        return
     _directory = ServerDirectory(store, rank, world_size, trainer)
 
 

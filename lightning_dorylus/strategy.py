@@ -331,7 +331,7 @@ class DorylusStrategy(ParallelStrategy):
         # process ("terminate called without an active exception") after training has finished
         atexit.register(_destroy_dist_connection)
         if self.world_size > 1:  # a server lost mid-fit is then named (lightning_dorylus.lost_server)
-            lost_server.start(dist.distributed_c10d._get_default_store(), self.global_rank, self.world_size,
+            lost_server.start(lost_server.process_group_store(), self.global_rank, self.world_size,
                               lambda: getattr(self.lightning_module, "trainer", None))
 
     def set_world_ranks(self) -> None:
