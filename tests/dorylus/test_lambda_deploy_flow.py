@@ -151,6 +151,7 @@ class StopEndpoint(Callback):
         self.back_at = time.monotonic()
 
 
+@pytest.mark.slow  # about a minute: 10 s down, a restart, 4 epochs
 def test_fit_survives_the_endpoint_stopped_for_10_s(
         aws_env: dict[str, str], handler_zip: Path, reference: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
