@@ -13,8 +13,20 @@ from the AWS-managed "AWS SDK for pandas" layer (numpy is one of its packages; i
 Python version is listed at https://aws-sdk-pandas.readthedocs.io/en/stable/layers.html and in SSM under
 ``/aws/service/aws-sdk-pandas/<version>/<region>/py3.12/x86_64/layer-arn``), which keeps function plus
 layers far under Lambda's 250 MB unzipped limit (the layer is about 150 MB unzipped). The function is
-created if missing, else its code and configuration are updated. Credentials come from boto3's chain
-(environment, ``~/.aws``, instance role) and are never printed. ``--print-iam`` prints the role and policies.
+created if missing, else its code and configuration are updated; each step waits until Lambda reports the
+function active / updated. Credentials come from boto3's chain (environment, ``~/.aws``, instance role) and
+are never printed. ``--print-iam`` prints the role and policies.
+
+Without AWS, the same command deploys to the package's local endpoint (``python -m
+lightning_dorylus.lambda_local``, started without ``--zip``; it prints ``READY port=N``), which serves the
+calls made here and then runs the zip for the Lambda executor (any dummy credentials, any role and layer
+ARN: the local runtime has numpy)::
+
+    python -m lightning_dorylus.deploy --endpoint-url http://127.0.0.1:N --region us-east-1 \
+        --role-arn arn:aws:iam::000000000000:role/local \
+        --layer-arn arn:aws:lambda:us-east-1:000000000000:layer:numpy:1
+
+A call that fails ends with one line naming it and Lambda's error (exit status 1), not a traceback.
 """
 
 from __future__ import annotations
@@ -95,9 +107,11 @@ def deploy(zip_bytes: bytes, function_name: str, role_arn: str, layer_arns: list
         client.update_function_code(FunctionName=function_name, ZipFile=zip_bytes)
         client.get_waiter("function_updated").wait(FunctionName=function_name)
         result = client.update_function_configuration(FunctionName=function_name, **config)
+        client.get_waiter("function_updated").wait(FunctionName=function_name)
     else:
         result = client.create_function(FunctionName=function_name, Code={"ZipFile": zip_bytes},
                                         Architectures=["x86_64"], **config)
+        client.get_waiter("function_active_v2").wait(FunctionName=function_name)  # State Pending -> Active
     if reserved_concurrency is not None:
         client.put_function_concurrency(FunctionName=function_name,
                                         ReservedConcurrentExecutions=reserved_concurrency)
@@ -153,8 +167,22 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--timeout {args.timeout}: Lambda allows 1..900 seconds")
     zip_bytes = path.read_bytes()
     tmp.cleanup()  # type: ignore[union-attr]
-    result = deploy(zip_bytes, args.function_name, args.role_arn, args.layer_arn, args.region,
-                    args.memory, args.timeout, args.endpoint_url, args.reserved_concurrency)
+    from botocore.exceptions import BotoCoreError, ClientError, WaiterError
+
+    from lightning_dorylus.executors.aws_lambda import _where
+
+    try:
+        result = deploy(zip_bytes, args.function_name, args.role_arn, args.layer_arn, args.region,
+                        args.memory, args.timeout, args.endpoint_url, args.reserved_concurrency)
+    except ClientError as err:  # the operation and Lambda's error code and message; no request, no keys
+        where = f" at {_where(args.endpoint_url)}" if args.endpoint_url else ""
+        error = err.response.get("Error", {})
+        print(f"deploy: {err.operation_name} on function {args.function_name!r}{where} failed: "
+              f"{error.get('Code')}: {error.get('Message')}", file=sys.stderr)
+        return 1
+    except (BotoCoreError, WaiterError) as err:
+        print(f"deploy: function {args.function_name!r}: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
     print(f"deployed {result.get('FunctionArn')} (CodeSha256 {result.get('CodeSha256')}, "
           f"{result.get('MemorySize')} MB, timeout {result.get('Timeout')} s)")
     return 0

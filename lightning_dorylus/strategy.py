@@ -61,6 +61,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from typing_extensions import override
 
 from lbd_common import codec
+from lightning_dorylus import lost_server
 from lightning_dorylus.autotune import TimedExecutor, TuneResult, autotune
 from lightning_dorylus.data.partition import GraphPartition
 from lightning_dorylus.data.validation import check_world_size
@@ -68,6 +69,7 @@ from lightning_dorylus.dropout_check import TorchDropoutCheck
 from lightning_dorylus.executors import EXECUTORS, TensorOpExecutor, build_executor
 from lightning_dorylus.graph import GhostExchange, GraphCache
 from lightning_dorylus.graph.stale import StaleGhostExchange, StaleReads, check_stale_reads
+from lightning_dorylus.lost_server import collective
 from lightning_dorylus.model_checks import (
     LabelRangeCheck,
     check_foreign_layers,
@@ -328,6 +330,9 @@ class DorylusStrategy(ParallelStrategy):
         # Lightning registers this only for NCCL; a gloo group left to interpreter shutdown can abort the
         # process ("terminate called without an active exception") after training has finished
         atexit.register(_destroy_dist_connection)
+        if self.world_size > 1:  # a server lost mid-fit is then named (lightning_dorylus.lost_server)
+            lost_server.start(lost_server.process_group_store(), self.global_rank, self.world_size,
+                              lambda: getattr(self.lightning_module, "trainer", None))
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -487,10 +492,12 @@ class DorylusStrategy(ParallelStrategy):
                 else:
                     self._autotune(batch)
         if self._dropout_checked:
-            out = super().training_step(*args, **kwargs)
+            with collective("training_step (the forward pass)"):
+                out = super().training_step(*args, **kwargs)
         else:
             self._dropout_checked = True  # the first step only: a model calling F.dropout does so every step
             with ExitStack() as checks:
+                checks.enter_context(collective("training_step (the forward pass)"))
                 if not self._labels_checked:  # the output width was unknown before the step
                     checks.enter_context(LabelRangeCheck(self._num_labels(batch)))
                 if self.world_size > 1:
@@ -548,12 +555,14 @@ class DorylusStrategy(ParallelStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self.drain()
-        return super().validation_step(*args, **kwargs)
+        with collective("validation_step"):
+            return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         self.drain()
-        return super().test_step(*args, **kwargs)
+        with collective("test_step"):
+            return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -561,11 +570,12 @@ class DorylusStrategy(ParallelStrategy):
         order), gathered from every graph server into global vertex order: ``(num_global_nodes, ...)`` on
         every rank, what one process computes on the whole graph. Any other output passes through as is."""
         self.drain()
-        out = super().predict_step(*args, **kwargs)
-        batch = args[0] if args else kwargs.get("batch")
-        if not isinstance(out, Tensor) or not isinstance(batch, GraphPartition):
-            return out
-        return gather_vertex_rows(out, batch.local_nodes, batch.num_global_nodes)
+        with collective("predict_step"):
+            out = super().predict_step(*args, **kwargs)
+            batch = args[0] if args else kwargs.get("batch")
+            if not isinstance(out, Tensor) or not isinstance(batch, GraphPartition):
+                return out
+            return gather_vertex_rows(out, batch.local_nodes, batch.num_global_nodes)
 
     @override
     def save_checkpoint(
@@ -601,7 +611,8 @@ class DorylusStrategy(ParallelStrategy):
         the owner's. The logged and returned loss stays the user's."""
         if self._grad_weight != 1.0:
             closure_loss = closure_loss * self._grad_weight
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        with collective("backward"):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -611,7 +622,8 @@ class DorylusStrategy(ParallelStrategy):
         if not grads or not _distributed_is_initialized() or self.world_size == 1:
             return
         bucket = _flatten_dense_tensors(grads)
-        dist.all_reduce(bucket, op=dist.ReduceOp.SUM)
+        with collective("the all_reduce of the weight gradients (post_backward)"):
+            dist.all_reduce(bucket, op=dist.ReduceOp.SUM)
         for grad, reduced in zip(grads, _unflatten_dense_tensors(bucket, grads)):
             grad.copy_(reduced)
 
@@ -628,17 +640,19 @@ class DorylusStrategy(ParallelStrategy):
         ``reduce(t, "sum")`` (the op passed as ``group``) raises on any number of servers, naming the fix."""
         check_group(group)
         if isinstance(tensor, Tensor) and _distributed_is_initialized():
-            return all_reduce(tensor, group, reduce_op=reduce_op)
+            with collective("the all_reduce of strategy.reduce (a logged metric)"):
+                return all_reduce(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        with collective(f"barrier({args[0] if args else kwargs.get('name', '')!r})"):
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
@@ -685,6 +699,7 @@ class DorylusStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        lost_server.stop()
         self.drain(discard=True)
         for layer in self._dorylus_layers():
             layer.attach(None)

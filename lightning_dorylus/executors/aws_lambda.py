@@ -11,7 +11,10 @@ both objects are deleted afterwards, also when the invocation fails.
 Faults (``ResilientExecutor``, shared with the local pool): HTTP 429 ``TooManyRequestsException`` is retried
 with jittered backoff and counted in ``stats["throttled"]``; a handler exception (``FunctionError``) raises
 ``RemoteOpError`` with the function's ``errorType: errorMessage``; a runtime crash or sandbox timeout, a
-lost connection or an attempt past ``deadline_s`` is retried up to ``max_attempts``; stragglers are
+read timeout or an attempt past ``deadline_s`` is retried up to ``max_attempts``; a connection that cannot
+be made or is dropped (the endpoint down, restarted, unreachable) is retried with backoff for
+``max(outage_s, deadline_s)`` seconds (default 120) without using up ``max_attempts``, logged (op, interval
+and endpoint host; never credentials); stragglers are
 relaunched and late duplicates dropped. Credentials come from boto3's default chain and are never logged.
 
 Op versions: a function whose op is other code than this graph server's (``OpVersionError`` from the
@@ -223,7 +226,8 @@ class LambdaExecutor(ResilientExecutor):
                 self.stats["redeploys"] += 1
 
     def _classify(self, attempt: Attempt, err: Exception) -> ExecutorError:
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError, ConnectionClosedError
+        from botocore.exceptions import ConnectionError as BotoConnectionError
 
         what = f"{attempt.call.describe()} attempt {attempt.number} on Lambda function {self.function_name!r}"
         if isinstance(err, ClientError):
@@ -235,7 +239,10 @@ class LambdaExecutor(ResilientExecutor):
             if code in RETRYABLE_API_ERRORS:
                 return RetryableError(f"{what}: {code}: {message}", "lost")
             return ExecutorError(f"{what} failed: {code}: {message}")
-        if isinstance(err, BotoCoreError):  # connection refused/reset, read timeout, ...
+        if isinstance(err, (BotoConnectionError, ConnectionClosedError)):  # refused, unreachable, reset
+            where = _where(self.endpoint_url) if self.endpoint_url else "AWS Lambda"
+            return RetryableError(f"{what}: {type(err).__name__}: could not reach {where}", "connection")
+        if isinstance(err, BotoCoreError):  # read timeout, ...
             return RetryableError(f"{what}: {type(err).__name__}: {err}", "lost")
         return ExecutorError(f"{what} failed: {type(err).__name__}: {err}")
 

@@ -42,7 +42,9 @@ class RetryableError(ExecutorError):
     """A failure worth another attempt of the same request.
 
     ``kind``: ``"throttled"`` (Lambda's HTTP 429; does not use up ``max_attempts``), ``"lost"`` (a worker
-    process or a connection went away), ``"deadline"`` (no result within the per-request deadline).
+    process went away, a read timed out), ``"connection"`` (the endpoint could not be reached or dropped the
+    connection: retried for ``outage_s`` without using up ``max_attempts``), ``"deadline"`` (no result within
+    the per-request deadline).
     """
 
     def __init__(self, message: str, kind: str) -> None:

@@ -8,10 +8,16 @@ pool and Lambda behave the same:
   their outputs are merged by ``planning.merge_outputs`` (one future per request, as before);
 * **deadline** — an attempt running longer than ``deadline_s`` (counted from when it starts, not while it
   waits for a free worker) is abandoned (``_cancel``: the local pool kills the stuck worker) and retried;
-* **retries** — ``RetryableError`` (429 throttling, a lost worker or connection, a deadline) is retried
+* **retries** — ``RetryableError`` (429 throttling, a lost worker, a deadline) is retried
   after a jittered exponential backoff ("full jitter"), at most ``max_attempts`` launches per piece (throttled
   launches do not count; at most ``max_throttles`` of those); then the request fails with an
   ``ExecutorError`` naming the op, interval, attempts and the last error — training stops there;
+* **outages** — a lost connection (kind ``"connection"``: the endpoint refuses, resets or cannot be reached)
+  does not use up ``max_attempts``: it is retried with backoff (at most ``outage_backoff_max_s`` apart) until
+  the piece has been unreachable for ``max(outage_s, deadline_s)`` seconds (default 120 s), so an endpoint
+  restarted or a network blip of a minute costs that minute, not the run. The first connection failure of
+  an outage and the recovery (with the requests retried) are logged as warnings, each retry at INFO; the
+  messages name the op, interval and endpoint host, never credentials;
 * **stragglers** — an attempt running past ``straggler_ratio`` x the moving median duration of its op is
   launched again; the first result wins and a late one is dropped (matched by request id and attempt) and
   counted in ``stats["duplicates_dropped"]``;
@@ -23,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
+import logging
 import random
 import statistics
 import threading
@@ -40,6 +47,8 @@ from ..ops.handlers import request_header
 from .base import ExecutorError, RetryableError, TensorOpExecutor, TensorOpRequest
 from .planning import Piece, merge_outputs, plan_request
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class FaultPolicy:
@@ -56,6 +65,13 @@ class FaultPolicy:
         straggler_min_s: never call an attempt a straggler before this many seconds.
         straggler_samples: finished attempts of an op needed before its median is trusted.
         window: durations kept per op for the moving median.
+        outage_s: seconds a piece whose attempts fail to connect (the endpoint down or unreachable) keeps
+            being retried before its request fails; at least ``deadline_s`` (a piece is never given up on a
+            connection failure before its deadline would have passed). Connection failures do not count
+            towards ``max_attempts``. Keep the strategy's collective ``timeout`` above it: the other graph
+            servers wait in a collective meanwhile.
+        outage_backoff_max_s: the longest wait between two such retries (the backoff doubles from
+            ``backoff_base_s`` up to this, jittered): how soon after the endpoint is back training resumes.
     """
 
     deadline_s: float | None = 300.0
@@ -67,6 +83,8 @@ class FaultPolicy:
     straggler_min_s: float = 0.2
     straggler_samples: int = 5
     window: int = 64
+    outage_s: float = 120.0
+    outage_backoff_max_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.deadline_s is not None and not self.deadline_s > 0:
@@ -80,7 +98,10 @@ class FaultPolicy:
             raise ValueError(f"max_throttles={self.max_throttles!r}: expected an int >= 0")
         if self.straggler_ratio is not None and not self.straggler_ratio > 1:
             raise ValueError(f"straggler_ratio={self.straggler_ratio!r}: expected a ratio > 1 or None")
-        for name in ("backoff_base_s", "backoff_max_s", "straggler_min_s"):
+        if not self.outage_s >= 0:
+            raise ValueError(f"outage_s={self.outage_s!r}: expected seconds >= 0 (0: fail at the first lost "
+                             f"connection once deadline_s has passed)")
+        for name in ("backoff_base_s", "backoff_max_s", "straggler_min_s", "outage_backoff_max_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected seconds >= 0")
 
@@ -111,6 +132,8 @@ class _Call:
     future: Future
     attempts: list[Attempt] = field(default_factory=list)
     throttles: int = 0
+    connection_failures: int = 0
+    unreachable_since: float | None = None  # monotonic time of the first connection failure in a row
     cut: bool = False  # one of several pieces of its request
     running: bool = False
     done: bool = False
@@ -160,7 +183,8 @@ class ResilientExecutor(TensorOpExecutor):
         self._stopping = False
         self.stats: dict[str, int] = dict.fromkeys(
             ("requests", "pieces", "attempts", "retries", "throttled", "timeouts", "relaunched",
-             "duplicates_dropped", "failed"), 0)
+             "duplicates_dropped", "failed", "connection_retries"), 0)
+        self._outage: _Outage | None = None  # the connection failures since the last success
 
     # ---- backend hooks -------------------------------------------------------------------------------------
     @abstractmethod
@@ -270,6 +294,7 @@ class ResilientExecutor(TensorOpExecutor):
             if outputs is not None:
                 call.done = True
                 self._active.pop(call.request_id, None)
+                recovered, self._outage = self._outage, None
                 if attempt.started is not None:
                     durations = self._durations.setdefault(call.request.op, deque(maxlen=self.policy.window))
                     durations.append(time.monotonic() - attempt.started)
@@ -284,6 +309,8 @@ class ResilientExecutor(TensorOpExecutor):
                 call.done = True
                 self._active.pop(call.request_id, None)
         if outputs is not None:
+            if recovered is not None:
+                recovered.log_recovery(type(self).__name__)
             self._resolve(call, outputs=outputs)
         else:
             self._resolve(call, error=error)
@@ -291,30 +318,77 @@ class ResilientExecutor(TensorOpExecutor):
     # ---- internals -----------------------------------------------------------------------------------------
     def _retry_or_fail_locked(self, call: _Call, error: RetryableError) -> bool:
         """Schedule a retry (True) or mark the call failed (False). Holds the lock."""
+        now = time.monotonic()
         if error.kind == "throttled":
             call.throttles += 1
             self.stats["throttled"] += 1
+        if error.kind == "connection":
+            call.connection_failures += 1
+            if call.unreachable_since is None:
+                call.unreachable_since = now
+        else:
+            call.unreachable_since = None
         if any(not a.finished and not a.abandoned for a in call.attempts):
             return True  # a straggler copy is still running; let it answer
-        launches = len(call.attempts) - call.throttles
-        over = call.throttles > self.policy.max_throttles if error.kind == "throttled" \
-            else launches >= self.policy.max_attempts
+        launches = len(call.attempts) - call.throttles - call.connection_failures
+        if error.kind == "throttled":
+            over = call.throttles > self.policy.max_throttles
+        elif error.kind == "connection":
+            assert call.unreachable_since is not None
+            over = now - call.unreachable_since >= self._outage_window()
+        else:
+            over = launches >= self.policy.max_attempts
         if over or self._stopping:
             call.done = True
             self._active.pop(call.request_id, None)
             return False
         self.stats["retries"] += 1
-        cap = min(self.policy.backoff_max_s, self.policy.backoff_base_s * 2 ** (len(call.attempts) - 1))
-        heapq.heappush(self._retries, (time.monotonic() + random.uniform(0, cap), call.request_id, call))
+        if error.kind == "connection":
+            due = self._connection_retry_due_locked(call, error, now)
+        else:
+            cap = min(self.policy.backoff_max_s, self.policy.backoff_base_s * 2 ** (len(call.attempts) - 1))
+            due = now + random.uniform(0, cap)
+        heapq.heappush(self._retries, (due, call.request_id, call))
         self._wake.notify_all()
         return True
 
+    def _outage_window(self) -> float:
+        """Seconds a piece is retried while it cannot connect: ``outage_s``, never less than its deadline."""
+        return max(self.policy.outage_s, self.policy.deadline_s or 0.0)
+
+    def _connection_retry_due_locked(self, call: _Call, error: RetryableError, now: float) -> float:
+        """When to retry a piece that could not connect (jittered backoff, the last try at the window's
+        end); logs the outage's first failure as a warning and each retry at INFO. Holds the lock."""
+        assert call.unreachable_since is not None
+        self.stats["connection_retries"] += 1
+        policy = self.policy
+        cap = min(policy.outage_backoff_max_s, policy.backoff_base_s * 2 ** call.connection_failures)
+        window = self._outage_window()
+        due = min(now + random.uniform(0, cap), call.unreachable_since + window)
+        if self._outage is None:
+            self._outage = _Outage(now)
+            log.warning("%s: connection lost: %s; retrying every request that meets it with backoff for up "
+                        "to %.0f s (outage_s=%s, deadline_s=%s) before it fails", type(self).__name__, error,
+                        window, self.policy.outage_s, self.policy.deadline_s)
+        self._outage.retried(call.describe())
+        log.info("%s: retrying %s in %.2f s (connection failure %d, unreachable for %.1f s of %.0f s)",
+                 type(self).__name__, call.describe(), due - now, call.connection_failures,
+                 now - call.unreachable_since, window)
+        return due
+
     def _final_error(self, call: _Call) -> ExecutorError:
-        launches = len(call.attempts) - call.throttles
+        launches = len(call.attempts) - call.throttles - call.connection_failures
+        unreachable = ""
+        if call.connection_failures:
+            since = call.unreachable_since
+            spent = f" over {time.monotonic() - since:.1f} s" if since is not None else ""
+            unreachable = (f", {call.connection_failures} failed connection(s){spent} "
+                           f"(outage_s={self.policy.outage_s})")
         return ExecutorError(
-            f"{call.describe()} failed after {launches} attempt(s) and {call.throttles} throttled call(s) "
-            f"(max_attempts={self.policy.max_attempts}, max_throttles={self.policy.max_throttles}, "
-            f"deadline_s={self.policy.deadline_s}) on {type(self).__name__}: {call.last_error}")
+            f"{call.describe()} failed after {launches} attempt(s) and {call.throttles} throttled call(s)"
+            f"{unreachable} (max_attempts={self.policy.max_attempts}, "
+            f"max_throttles={self.policy.max_throttles}, deadline_s={self.policy.deadline_s}) on "
+            f"{type(self).__name__}: {call.last_error}")
 
     def _resolve(self, call: _Call, outputs: dict[str, Tensor] | None = None,
                  error: BaseException | None = None) -> None:
@@ -403,6 +477,29 @@ class ResilientExecutor(TensorOpExecutor):
             self._resolve(call, error=self._final_error(call))
         for call in to_launch:
             self._launch_attempt(call)
+
+
+class _Outage:
+    """The connection failures since the executor's last success: what was retried, for the recovery log."""
+
+    SHOWN = 8  # requests named in the recovery line
+
+    def __init__(self, since: float) -> None:
+        self.since = since
+        self.retries = 0
+        self.requests: dict[str, None] = {}  # insertion-ordered set
+
+    def retried(self, what: str) -> None:
+        self.retries += 1
+        self.requests.setdefault(what, None)
+
+    def log_recovery(self, executor: str) -> None:
+        names = list(self.requests)
+        shown = ", ".join(names[: self.SHOWN]) + (f" and {len(names) - self.SHOWN} more"
+                                                   if len(names) > self.SHOWN else "")
+        log.warning("%s: connection back after %.1f s; %d connection retr%s of %d request piece(s): %s",
+                    executor, time.monotonic() - self.since, self.retries,
+                    "y" if self.retries == 1 else "ies", len(names), shown)
 
 
 def _combine(op: str, parts: list[Future], out: Future) -> None:

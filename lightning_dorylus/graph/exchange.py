@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_dorylus.lost_server import collective
+
 if TYPE_CHECKING:
     from lightning_dorylus.data.partition import GraphPartition
 
@@ -110,7 +112,8 @@ class GhostExchange:
             start, end = recv_ptr[peer], recv_ptr[peer + 1]
             if end > start:
                 ops.append(dist.P2POp(dist.irecv, out[start:end], self._global(peer), self.group))
-        self._run(ops)
+        with collective("the ghost-row exchange with the other graph servers (SC, forward)"):
+            self._run(ops)
         return out
 
     def return_grads(
@@ -141,7 +144,8 @@ class GhostExchange:
                 buf = grad_ghost.new_empty((index.numel(), *grad_ghost.shape[1:]))
                 ops.append(dist.P2POp(dist.irecv, buf, self._global(peer), self.group))
                 received.append((index, buf))
-        self._run(ops)
+        with collective("the ghost-gradient exchange with the other graph servers (SC, backward)"):
+            self._run(ops)
         for index, buf in received:
             grad_local.index_add_(0, index, buf)
         return grad_local

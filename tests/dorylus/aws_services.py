@@ -82,11 +82,14 @@ def build_handler_zip(path: Path) -> Path:
     return path
 
 
-def start_lambda_local(zip_path: Path, concurrency: int = 4, timeout: float = 120.0) -> Server:
-    """``python -m lightning_dorylus.lambda_local`` on a free port (it prints ``READY port=N``)."""
+def start_lambda_local(zip_path: Path | None, concurrency: int = 4, timeout: float = 120.0,
+                       port: int = 0) -> Server:
+    """``python -m lightning_dorylus.lambda_local`` on ``port`` (0: a free one; it prints ``READY port=N``);
+    ``zip_path`` None: it starts with no function (``deploy --endpoint-url`` creates it)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "lightning_dorylus.lambda_local", "--zip", str(zip_path),
-                             "--port", "0", "--concurrency", str(concurrency)],
+    code = ["--zip", str(zip_path)] if zip_path is not None else []
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_dorylus.lambda_local", *code,
+                             "--port", str(port), "--concurrency", str(concurrency)],
                             stdout=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True)
     assert proc.stdout is not None
     try:
