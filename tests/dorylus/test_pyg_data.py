@@ -30,7 +30,7 @@ from lightning_dorylus.data import (
     partition_to_cache,
 )
 from lightning_dorylus.graph import GraphCache, structure
-from lightning_dorylus.nn import GCNConv
+from lightning_dorylus.nn import GATConv, GCNConv, SAGEConv
 from tests.dorylus.scripts.exact_run import INTERVAL_SIZE, NUM_FEATURES, loader, make_graph
 from tests.dorylus.scripts.launch import run_script
 from tests.dorylus.scripts.pyg_data_run import CASES, NUM_LABELS, fit, make_case_graph, make_case_model
@@ -288,3 +288,42 @@ def test_multi_label_targets_are_checked_and_counted(tmp_path: Path) -> None:
     tp = (pred[mask] & target[mask]).sum()
     f1 = 2 * tp / (2 * tp + (pred[mask] & ~target[mask]).sum() + (~pred[mask] & target[mask]).sum())
     assert 0 < float(f1) < 1 and metrics["val_f1"] == pytest.approx(float(f1), rel=1e-6)  # logged as float32
+
+
+@pytest.mark.parametrize("layer", ["sage", "gat"])
+def test_sage_and_gat_count_duplicates_as_pyg_and_ignore_edge_weight(layer: str) -> None:
+    """Duplicate edges (and their weights): PyG's ``SAGEConv`` averages over every copy and its ``GATConv``
+    softmaxes over every copy, and neither takes ``edge_weight``; the Dorylus layers' forward and gradients
+    equal them on one partition of 4 intervals."""
+    data = make_case_graph("weighted-duplicates")
+    [part] = partition_graph(data, 1, interval_size=64)
+    ctx = GraphCache().context(part)
+    if layer == "sage":
+        conv = SAGEConv(NUM_FEATURES, 5, activation="none").double()
+        ref = pyg_nn.SAGEConv(NUM_FEATURES, 5, aggr="mean").double()
+        with torch.no_grad():
+            ref.lin_l.weight.copy_(conv.weight_l.T)
+            ref.lin_l.bias.copy_(conv.bias)
+            ref.lin_r.weight.copy_(conv.weight_r.T)
+        pairs = [(conv.weight_l, ref.lin_l.weight), (conv.weight_r, ref.lin_r.weight)]
+    else:
+        conv = GATConv(NUM_FEATURES, 4, heads=2).double()
+        ref = pyg_nn.GATConv(NUM_FEATURES, 4, heads=2).double()
+        with torch.no_grad():
+            ref.lin.weight.copy_(conv.weight.T)
+            ref.att_src.copy_(conv.att_src[None])
+            ref.att_dst.copy_(conv.att_dst[None])
+            ref.bias.copy_(conv.bias)
+        pairs = [(conv.weight, ref.lin.weight)]
+    x = data.x[part.local_nodes].clone().requires_grad_()
+    x_ref = data.x.clone().requires_grad_()
+    out, out_ref = conv(x, ctx), ref(x_ref, data.edge_index)[part.local_nodes]
+    torch.testing.assert_close(out, out_ref)
+    out.square().sum().backward()
+    out_ref.square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad[part.local_nodes])
+    for ours, theirs in pairs:
+        torch.testing.assert_close(ours.grad, theirs.grad.T)
+    with torch.no_grad():  # and the copies matter: PyG on the coalesced graph differs
+        merged = torch.unique(data.edge_index, dim=1)
+        assert not torch.allclose(ref(data.x, merged)[part.local_nodes], out_ref)
