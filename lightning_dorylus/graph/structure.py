@@ -117,19 +117,40 @@ def _adjacency(
     within a row), which remains the path for an edge list in any other order, or whose copies of an edge
     are not next to each other.
     """
-    n_local, n_total = partition.n_local, partition.n_local + partition.n_ghost
-    src, dst = partition.edge_index
+    dst = partition.edge_index[1]
     if dst.numel() > 1 and not bool((dst[1:] >= dst[:-1]).all()):
         return _adjacency_by_sort(partition, weight, self_loops, values)
+    for copies in (False, True):  # first as if every edge came once (no pass to find copies)
+        built = _adjacency_in_place(partition, weight, dtype, self_loops, values, copies)
+        if built is not None:
+            return built
+    return _adjacency_by_sort(partition, weight, self_loops, values)  # copies apart in the list
+
+
+def _adjacency_in_place(
+    partition: GraphPartition, weight: Weight, dtype: torch.dtype, self_loops: bool, values: Tensor | None,
+    copies: bool,
+) -> GCNAdjacency | None:
+    """:func:`_adjacency` of an edge list sorted by ``dst``; ``None`` when an edge has copies and
+    ``copies`` is False (each column counted as an entry), or when ``copies`` is True but the copies of an
+    edge are not next to each other (entries counted per run of equal columns)."""
+    n_local, n_total = partition.n_local, partition.n_local + partition.n_ghost
+    src, dst = partition.edge_index
     in_edges = torch.bincount(dst, minlength=n_local)  # (n_local,) edges per destination row as stored
-    first = torch.ones(src.numel(), dtype=torch.bool, device=src.device)  # first copy of its edge
-    if src.numel() > 1:
-        torch.logical_or(src[1:] != src[:-1], dst[1:] != dst[:-1], out=first[1:])
-    copies = not bool(first.all())
-    counted = first & (src != dst) if self_loops else first
-    row_counts = torch.bincount(dst[counted], minlength=n_local)
-    col_counts = torch.bincount(src[counted], minlength=n_total)
-    del first, counted
+    if copies:
+        first = torch.ones(src.numel(), dtype=torch.bool, device=src.device)  # first copy of its edge
+        if src.numel() > 1:
+            torch.logical_or(src[1:] != src[:-1], dst[1:] != dst[:-1], out=first[1:])
+        counted = first & (src != dst) if self_loops else first
+        row_counts = torch.bincount(dst[counted], minlength=n_local)
+        col_counts = torch.bincount(src[counted], minlength=n_total)
+        del first, counted
+    else:
+        row_counts, col_counts = in_edges.clone(), torch.bincount(src, minlength=n_total)
+        if self_loops:
+            loops = (src == dst).nonzero().squeeze(1)
+            row_counts -= torch.bincount(dst[loops], minlength=n_local)
+            col_counts -= torch.bincount(src[loops], minlength=n_total)
     if self_loops:
         row_counts += 1
         col_counts[:n_local] += 1
@@ -168,7 +189,7 @@ def _adjacency(
         elif m is not None:
             m = m[perm]
         if key.numel() != b - a or (key.numel() > 1 and bool((key[1:] == key[:-1]).any())):
-            return _adjacency_by_sort(partition, weight, self_loops, values)  # copies apart in the list
+            return None  # copies (not counted, or not next to each other)
         row, column = _split(key, n_total)
         col[a:b] = column
         value[a:b] = weight(column, row, m)
