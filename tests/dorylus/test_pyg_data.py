@@ -256,7 +256,8 @@ def test_edge_weight_is_checked_cached_and_hashed(tmp_path: Path) -> None:
     [part] = partition_graph(data, 1)
     plain = dataclasses.replace(part, edge_weight=None, weighted_in_degree=None)
     gat = GAT(NUM_FEATURES, 4, 4, heads=2, dropout=0.0).double().eval()
-    with torch.no_grad():
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"GATConv does not read data.edge_weight \(PyG's "
+                                                          r"GATConv takes none\)"):
         torch.testing.assert_close(gat(gat.graph(part)), gat(gat.graph(plain)))
     with pytest.raises(ValueError, match="edge_weight and weighted_in_degree go together"):
         dataclasses.replace(part, weighted_in_degree=None)
