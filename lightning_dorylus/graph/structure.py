@@ -423,6 +423,18 @@ def self_loop_edges(partition: GraphPartition) -> SelfLoopEdges:
     return SelfLoopEdges(src=src, dst=dst, dst_ptr=dst_ptr)
 
 
+def warn_edge_weight_unread(partition: GraphPartition, layer: str) -> None:
+    """Warns, when the structure ``layer`` aggregates over is built, that a weighted partition's
+    ``edge_weight`` is not read: only ``GCNConv`` reads it, as in PyG, whose ``GATConv`` and ``SAGEConv``
+    take none (a PyG user would not pass it to them; here the partition carries it)."""
+    if partition.edge_weight is not None:
+        warnings.warn(
+            f"{layer} does not read data.edge_weight (PyG's {layer} takes none): it aggregates over the "
+            "edges unweighted, each copy of a duplicate edge counted; only GCNConv weights them",
+            stacklevel=3,
+        )
+
+
 @dataclass
 class GraphContext:
     """What a Dorylus layer needs about the graph in one forward: the partition and derived structures.
@@ -471,6 +483,7 @@ class GraphContext:
     def mean(self, dtype: torch.dtype) -> GCNAdjacency:
         """The mean-aggregation matrix (GraphSAGE) with values of ``dtype`` (built on first use)."""
         if dtype not in self._mean:
+            warn_edge_weight_unread(self.partition, "SAGEConv")
             self._mean[dtype] = mean_adjacency(self.partition, dtype)
         return self._mean[dtype]
 
@@ -503,6 +516,7 @@ class GraphContext:
     def self_loops(self) -> SelfLoopEdges:
         """The self-loop-augmented in-edge list (built on first use)."""
         if self._loops is None:
+            warn_edge_weight_unread(self.partition, "GATConv")
             self._loops = self_loop_edges(self.partition)
         return self._loops
 

@@ -37,7 +37,6 @@ The runtime (executor + ghost exchange) is injected by :class:`~lightning_dorylu
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,19 +100,6 @@ class DorylusRuntime:
     def runahead_for(self, training: bool) -> RunAhead | None:
         """Where a first layer's next-epoch requests go early (``S >= 1``, training); else ``None``."""
         return self.runahead if training and self.staleness is not None and self.staleness >= 1 else None
-
-
-def warn_edge_weight_unread(layer: nn.Module, graph: GraphContext) -> None:
-    """Warns (once per call site, Python's default filter) that ``layer`` aggregates over a weighted graph
-    without its weights: only ``GCNConv`` reads ``edge_weight``, as in PyG, whose ``GATConv`` and
-    ``SAGEConv`` take none; a PyG user would not pass it to them, here the partition carries it."""
-    if graph.partition.edge_weight is not None:
-        name = type(layer).__name__
-        warnings.warn(
-            f"{name} does not read data.edge_weight (PyG's {name} takes none): it aggregates over the "
-            "edges unweighted, each copy of a duplicate edge counted; only GCNConv weights them",
-            stacklevel=3,
-        )
 
 
 class DorylusLayer(nn.Module):

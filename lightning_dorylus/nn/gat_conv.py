@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dorylus.graph import GraphContext
-from lightning_dorylus.nn.base import DorylusLayer, warn_edge_weight_unread
+from lightning_dorylus.nn.base import DorylusLayer
 from lightning_dorylus.nn.dropout import RowSource
 
 
@@ -79,7 +79,6 @@ class GATConv(DorylusLayer):
             dropout_key: Key of the attention dropout (see :func:`lightning_dorylus.nn.dropout.dropout_key`);
                 ``None`` draws one from torch's global generator, like ``F.dropout``.
         """
-        warn_edge_weight_unread(self, graph)
         h, alpha_src, alpha_dst = self.run_op(  # AV (PyG lin + attention scores): (n, H*C), (n, H), (n, H)
             "gat.project.forward", graph, x=x, weight=self.weight, att_src=self.att_src, att_dst=self.att_dst
         )

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dorylus.graph import GraphContext
-from lightning_dorylus.nn.base import DorylusLayer, warn_edge_weight_unread
+from lightning_dorylus.nn.base import DorylusLayer
 from lightning_dorylus.ops.vertex import ACTIVATIONS
 
 
@@ -50,7 +50,6 @@ class SAGEConv(DorylusLayer):
 
     def forward(self, x: Tensor, graph: GraphContext) -> Tensor:
         """``(n_local, F_in) -> (n_local, F_out)``: SC, GA (mean), AV (``sage.update``)."""
-        warn_edge_weight_unread(self, graph)
         x_full = self.scatter(x, graph)  # SC: (n_local + n_ghost, F_in)
         attrs = {"activation": self.activation}
         return self.gather_apply("mean", x_full, "sage.update.forward", "agg", graph, attrs, x=x,
