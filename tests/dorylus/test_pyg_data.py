@@ -291,6 +291,8 @@ def test_multi_label_targets_are_checked_and_counted(tmp_path: Path) -> None:
     target, mask = part.y > 0.5, part.val_mask
     tp = (pred[mask] & target[mask]).sum()
     f1 = 2 * tp / (2 * tp + (pred[mask] & ~target[mask]).sum() + (~pred[mask] & target[mask]).sum())
+    predicted = model.predict_step(part, 0)  # 0/1 per vertex and label, as the strategy gathers rows
+    assert predicted.dtype == torch.long and torch.equal(predicted, pred.long())
     assert 0 < float(f1) < 1 and metrics["val_f1"] == pytest.approx(float(f1), rel=1e-6)  # logged as float32
 
 
