@@ -34,8 +34,9 @@ class GraphPartition:
             ``p``'s ghost-slot order for this owner; ``send_index[part_id]`` is empty.
         edge_index: ``(2, E_local)`` int64 ``[src, dst]`` in local ids; ``dst < n_local``, ``src`` may be a
             ghost. Every global edge is stored once, by the partition owning its ``dst``, sorted by ``dst``.
-            Duplicate edges are kept, one column per copy (PyG's layers count each copy); the layers'
-            adjacency builds sum the copies of an edge into one entry.
+            Duplicate edges are kept, one column per copy (PyG's layers count each copy), the copies next to
+            each other (as ``build_partitions`` stores them; the adjacency builds, which sum the copies of an
+            edge into one entry, take a whole-list sort otherwise).
         dst_ptr: ``(n_local + 1,)`` int64 CSR pointer of ``edge_index`` over ``dst``.
         in_degree: ``(n_local + n_ghost,)`` int64 global in-degree (self loops removed, every copy of a
             duplicate edge counted).
