@@ -54,7 +54,7 @@ def partition_graph(
     check_partitioner(partitioner)
     interval_size = check_interval_size(interval_size)
     graph = graph_tensors(data)
-    warn_ignored_attributes(data)
+    warn_ignored_attributes(data)  # edge_attr; edge_weight is carried (graph.edge_weight)
     num_parts = check_num_parts(num_parts, graph.num_nodes)
     assignment = partition_nodes(graph.edge_index, graph.num_nodes, num_parts, partitioner, seed)
     return build_partitions(graph, assignment, num_parts, interval_size)
@@ -83,11 +83,13 @@ def build_partitions(
     if empty:
         warnings.warn(f"partitions {empty} own no vertices ({p_count} parts, {n} vertices)", stacklevel=2)
 
-    # Edges: owned by the partition of dst; grouped by owner, keeping the (dst, src) order.
+    # Edges: owned by the partition of dst; grouped by owner, keeping the (dst, src) order (so the copies
+    # of a duplicate edge stay next to each other).
     src, dst = graph.edge_index
     e_owner = asg[dst]
     eperm = torch.sort(e_owner, stable=True).indices
     src, dst, e_owner = src[eperm], dst[eperm], e_owner[eperm]
+    weight = None if graph.edge_weight is None else graph.edge_weight[eperm]
     edge_ptr = _ptr(torch.bincount(e_owner, minlength=p_count))
     cross = asg[src] != e_owner  # edges whose source is a ghost on the owner
 
@@ -110,7 +112,11 @@ def build_partitions(
     send_local = local_id[g_node[sperm]]
     send_ptr = _ptr(pair_counts.t().reshape(-1))  # flattened over (owner, holder)
 
-    in_degree = torch.bincount(graph.edge_index[1], minlength=n)
+    in_degree = torch.bincount(graph.edge_index[1], minlength=n)  # every copy of a duplicate edge counts
+    weighted_degree = None
+    if graph.edge_weight is not None:  # PyG's gcn_norm: the sum of the in-edge weights
+        weighted_degree = torch.zeros(n, dtype=torch.float64).index_add_(
+            0, graph.edge_index[1], graph.edge_weight.to(torch.float64))
     num_train_global = int(graph.train_mask.sum())
 
     parts = []
@@ -121,6 +127,7 @@ def build_partitions(
         edge_index = torch.stack([local_src[e_a:e_b], local_dst[e_a:e_b]])
         row = send_ptr[p * p_count : (p + 1) * p_count + 1]
         send_index = [send_local[row[q] : row[q + 1]].clone() for q in range(p_count)]
+        held = torch.cat([nodes, ghosts])
         parts.append(
             GraphPartition(
                 part_id=p,
@@ -133,7 +140,7 @@ def build_partitions(
                 send_index=send_index,
                 edge_index=edge_index,
                 dst_ptr=_ptr(torch.bincount(local_dst[e_a:e_b], minlength=nodes.numel())),
-                in_degree=in_degree[torch.cat([nodes, ghosts])],
+                in_degree=in_degree[held],
                 x=graph.x[nodes],
                 y=graph.y[nodes],
                 train_mask=graph.train_mask[nodes],
@@ -141,6 +148,8 @@ def build_partitions(
                 test_mask=graph.test_mask[nodes],
                 interval_ptr=interval_ptr(nodes.numel(), interval_size),
                 num_train_global=num_train_global,
+                edge_weight=None if weight is None else weight[e_a:e_b].clone(),
+                weighted_in_degree=None if weighted_degree is None else weighted_degree[held],
             )
         )
     return parts

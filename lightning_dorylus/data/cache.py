@@ -11,11 +11,11 @@ Layout::
         └── ...
 
 ``graph_hash`` (:mod:`fingerprint`) is a sha256 over the raw bytes, dtypes and shapes of ``edge_index``,
-``x``, ``y`` and the three masks plus ``num_nodes``, so a changed graph gets a new directory (the old one is
-left in place). A directory, manifest included, is written under a temporary name and renamed into place
-when complete, so readers never see a half-written cache, and two processes racing to write it both end
-with the same content. Every read checks the file against the manifest (:mod:`integrity`); a damaged
-directory is rebuilt by :func:`partition_to_cache`, with a warning naming the file.
+``edge_weight``, ``x``, ``y`` and the three masks plus ``num_nodes``, so a changed graph gets a new
+directory (the old one is left in place). A directory, manifest included, is written under a temporary name
+and renamed into place when complete, so readers never see a half-written cache, and two processes racing to
+write it both end with the same content. Every read checks the file against the manifest (:mod:`integrity`);
+a damaged directory is rebuilt by :func:`partition_to_cache`, with a warning naming the file.
 
 Single graphs (e.g. synthetic ones) are stored as one ``.safetensors`` file by :func:`save_graph`.
 """
@@ -74,6 +74,8 @@ _PART_TENSORS = (
     "test_mask",
     "interval_ptr",
 )
+_PART_OPTIONAL_TENSORS = ("edge_weight", "weighted_in_degree")
+"""Written only when set (a weighted graph); an older file without them reads as unweighted."""
 _PART_INTS = ("part_id", "num_parts", "num_global_nodes", "num_train_global")
 
 
@@ -152,7 +154,7 @@ def partition_to_cache(
         "num_nodes": parts[0].num_global_nodes,
         "num_edges": sum(p.num_edges for p in parts),
         "num_features": parts[0].num_features,
-        "num_classes": max(int(p.y.max()) if p.n_local else -1 for p in parts) + 1,
+        "num_classes": _num_classes(parts),
         "num_train_global": parts[0].num_train_global,
         "edge_cut": sum(int((p.edge_index[0] >= p.n_local).sum()) for p in parts),  # edges with a ghost src
         "removed_edges": removed_edges(data.edge_index, parts[0].num_global_nodes),  # warned on cached runs
@@ -188,6 +190,13 @@ def _move_into_place(tmp: Path, target: Path, digest: str) -> None:
     except OSError:
         if cache_problem(target, digest) is not None:  # losing a race to an identical writer is fine
             raise
+
+
+def _num_classes(parts: list[GraphPartition]) -> int:
+    """``max(y) + 1`` over every partition's class labels; ``C`` for multi-label targets ``(n, C)``."""
+    if parts[0].multi_label:
+        return int(parts[0].y.size(1))
+    return max(int(p.y.max()) if p.n_local else -1 for p in parts) + 1
 
 
 def part_file(part_id: int) -> str:
@@ -261,6 +270,9 @@ def rebuild_hint(directory: Path) -> str:
 def save_partition(part: GraphPartition, path: Path) -> None:
     """Writes one partition as safetensors (``send_index`` flattened to ``send_index`` + ``send_ptr``)."""
     tensors = {name: getattr(part, name).contiguous().clone() for name in _PART_TENSORS}
+    for name in _PART_OPTIONAL_TENSORS:
+        if getattr(part, name) is not None:
+            tensors[name] = getattr(part, name).contiguous().clone()
     tensors["send_index"] = torch.cat([torch.zeros(0, dtype=torch.long), *part.send_index])
     sizes = torch.tensor([t.numel() for t in part.send_index], dtype=torch.long)
     tensors["send_ptr"] = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])

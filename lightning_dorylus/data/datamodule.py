@@ -42,6 +42,7 @@ from lightning_dorylus.data.validation import (
     check_world_size,
     ignored_attributes,
     is_integer,
+    is_multi_label,
     warn_ignored_attributes,
 )
 
@@ -104,8 +105,10 @@ class DorylusDataModule(LightningDataModule):
             size bound). Never the one in use, nor one used in the last hour (``data/prune.py``).
 
     The graph is checked here, in every process, before any graph server starts: edges in range, finite
-    features, labels ``>= 0`` (``-1``: unlabeled) and ``< num_classes``, masks selecting labeled vertices
-    only. Errors name the vertex and the fix.
+    features, ``edge_weight`` (one finite weight per edge; read by ``GCNConv``), labels ``>= 0`` (``-1``:
+    unlabeled) and ``< num_classes`` or multi-label targets ``(N, C)`` in ``[0, 1]``, masks (bool, or
+    vertex indices as ``index_to_mask`` takes them) selecting labeled vertices only. Errors name the
+    vertex and the fix.
     """
 
     def __init__(
@@ -215,7 +218,8 @@ class DorylusDataModule(LightningDataModule):
 
     @property
     def num_classes(self) -> int:
-        """Number of classes: the ``num_classes`` argument, else ``max(y) + 1``."""
+        """Number of classes: the ``num_classes`` argument, else ``max(y) + 1``; for multi-label targets
+        ``y`` of shape ``(N, C)``, ``C`` (the model's output width either way)."""
         if self._num_classes is not None:
             return self._num_classes
         if self.data is not None:
@@ -223,6 +227,8 @@ class DorylusDataModule(LightningDataModule):
                 raise ValueError(
                     "data.y is None: num_classes needs integer class labels (y), one per vertex"
                 )
+            if is_multi_label(self.data.y):
+                return int(self.data.y.size(1))
             return int(self.data.y.max()) + 1
         assert self.partition_dir is not None
         return int(read_meta(self.partition_dir)["num_classes"])

@@ -19,10 +19,11 @@ from torch_geometric.data import Data
 
 from lightning_dorylus.data.validation import MASK_NAMES, check_features
 
-FINGERPRINT_VERSION = 2
-"""Bumped whenever what the digest covers changes (it is the partition cache key: old caches are not read)."""
+FINGERPRINT_VERSION = 3
+"""Bumped whenever what the digest covers changes (it is the partition cache key: old caches are not read).
+3: ``edge_weight`` covered, and duplicate edges kept in the partitions (version 2 caches removed them)."""
 
-GRAPH_FIELDS = ("edge_index", "x", "y", *MASK_NAMES)
+GRAPH_FIELDS = ("edge_index", "edge_weight", "x", "y", *MASK_NAMES)
 _DIGEST_BYTES = 32  # sha256
 
 

@@ -33,18 +33,27 @@ class GraphPartition:
         send_index: Per partition ``p``, ``(k_p,)`` int64 LOCAL ids whose rows ``p`` holds as ghosts, in
             ``p``'s ghost-slot order for this owner; ``send_index[part_id]`` is empty.
         edge_index: ``(2, E_local)`` int64 ``[src, dst]`` in local ids; ``dst < n_local``, ``src`` may be a
-            ghost. Every global edge is stored once, by the partition owning its ``dst``; sorted by
-            ``(dst, src)``.
+            ghost. Every global edge is stored once, by the partition owning its ``dst``, sorted by ``dst``.
+            Duplicate edges are kept, one column per copy (PyG's layers count each copy), the copies next to
+            each other (as ``build_partitions`` stores them; the adjacency builds, which sum the copies of an
+            edge into one entry, take a whole-list sort otherwise).
         dst_ptr: ``(n_local + 1,)`` int64 CSR pointer of ``edge_index`` over ``dst``.
-        in_degree: ``(n_local + n_ghost,)`` int64 global in-degree (coalesced graph, no self loops).
+        in_degree: ``(n_local + n_ghost,)`` int64 global in-degree (self loops removed, every copy of a
+            duplicate edge counted).
         x: ``(n_local, F)`` float features.
-        y: ``(n_local,)`` int64 labels (``-1`` where the graph has none).
+        y: ``(n_local,)`` int64 class labels (``-1`` where the graph has none), or ``(n_local, C)`` float
+            multi-label targets in ``[0, 1]`` (trained with BCE-with-logits).
         train_mask: ``(n_local,)`` bool.
         val_mask: ``(n_local,)`` bool.
         test_mask: ``(n_local,)`` bool.
         interval_ptr: ``(num_intervals + 1,)`` int64 local-vertex offsets: interval ``i`` is local ids
             ``interval_ptr[i]:interval_ptr[i+1]``; its in-edges are ``edge_index[:, dst_ptr[a]:dst_ptr[b]]``.
         num_train_global: Number of training vertices in the whole graph (for an exact global mean loss).
+        edge_weight: ``(E_local,)`` float weight of each column of ``edge_index`` (PyG's ``edge_weight``,
+            read by ``GCNConv`` only, as PyG's), or ``None``: every edge weighs 1.
+        weighted_in_degree: ``(n_local + n_ghost,)`` float64 global sum of the in-edge weights of every
+            local and ghost vertex (self loops removed; the weighted ``in_degree``), set exactly when
+            ``edge_weight`` is; GCN's normalisation ``deg = weighted_in_degree + 1`` needs the ghosts' too.
     """
 
     part_id: int
@@ -65,6 +74,21 @@ class GraphPartition:
     test_mask: Tensor
     interval_ptr: Tensor
     num_train_global: int
+    edge_weight: Tensor | None = None
+    weighted_in_degree: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.edge_weight is None) != (self.weighted_in_degree is None):
+            raise ValueError(
+                "GraphPartition: edge_weight and weighted_in_degree go together (both None: unweighted); "
+                f"got edge_weight={_shape(self.edge_weight)}, weighted_in_degree="
+                f"{_shape(self.weighted_in_degree)}"
+            )
+
+    @property
+    def multi_label(self) -> bool:
+        """Whether ``y`` holds multi-label targets ``(n_local, C)`` rather than class labels."""
+        return self.y.dim() == 2
 
     @property
     def n_local(self) -> int:
@@ -138,3 +162,7 @@ class GraphPartition:
             f"num_features={self.num_features}, num_intervals={self.num_intervals}, "
             f"num_train_global={self.num_train_global}, device={self.x.device})"
         )
+
+
+def _shape(t: Tensor | None) -> str:
+    return "None" if t is None else f"a tensor of shape {tuple(t.shape)}"

@@ -53,29 +53,41 @@ class SelfLoopEdges:
 def gcn_adjacency(partition: GraphPartition, dtype: torch.dtype) -> GCNAdjacency:
     """Builds ``Â`` for the partition's rows with the GLOBAL degrees, so rows equal the full-graph ones.
 
-    PyG's ``gcn_norm`` adds self loops and weights edge ``j -> i`` by ``1 / sqrt(deg_j * deg_i)`` with
-    ``deg = in_degree + 1``; ghosts carry their global in-degree in ``partition.in_degree``.
+    PyG's ``gcn_norm`` adds self loops of weight 1 and weights edge ``j -> i`` by
+    ``w_ji / sqrt(deg_j * deg_i)`` with ``deg = Σ in-edge weights + 1`` (``w = 1`` and ``deg = in_degree + 1``
+    without ``edge_weight``; a degree of 0 gives 0, as its ``inf`` is masked there); ghosts carry their global
+    (weighted) in-degree in ``partition.in_degree`` / ``partition.weighted_in_degree``. Each copy of a
+    duplicate edge counts, in the degree and in the entry (the copies' weights summed).
     """
-    deg_inv_sqrt = (partition.in_degree.to(torch.float64) + 1.0).rsqrt()
+    if partition.edge_weight is not None:
+        if partition.weighted_in_degree is None:
+            raise ValueError("the partition has edge_weight but no weighted_in_degree (GCN's degrees)")
+        degree = partition.weighted_in_degree.to(torch.float64) + 1.0
+    else:
+        degree = partition.in_degree.to(torch.float64) + 1.0
+    deg_inv_sqrt = degree.rsqrt().masked_fill_(degree == 0, 0.0)
 
-    def weight(src: Tensor, dst: Tensor) -> Tensor:
-        return (deg_inv_sqrt.index_select(0, src) * deg_inv_sqrt.index_select(0, dst)).to(dtype)
+    def weight(src: Tensor, dst: Tensor, multiplicity: Tensor | None) -> Tensor:
+        value = deg_inv_sqrt.index_select(0, src) * deg_inv_sqrt.index_select(0, dst)
+        return (value if multiplicity is None else value * multiplicity).to(dtype)
 
     # gcn_norm replaces existing self loops by one of weight 1
-    return _adjacency(partition, weight, dtype, self_loops=True)
+    return _adjacency(partition, weight, dtype, self_loops=True, values=partition.edge_weight)
 
 
 def mean_adjacency(partition: GraphPartition, dtype: torch.dtype) -> GCNAdjacency:
     """GraphSAGE's mean aggregation as a matrix: row ``i`` holds ``1 / in_degree(i)`` per in-edge ``j -> i``.
 
     The partition holds every in-edge of its local vertices, so the degree is the global one and each row
-    equals the full graph's (PyG's ``SAGEConv(aggr="mean")`` over ``edge_index`` as given; no in-edges: 0).
+    equals the full graph's (PyG's ``SAGEConv(aggr="mean")`` over ``edge_index`` as given; no in-edges: 0):
+    a duplicate edge counts once per copy, and ``edge_weight`` is not read (PyG's ``SAGEConv`` takes none).
     """
     deg = torch.bincount(partition.edge_index[1], minlength=partition.n_local).to(torch.float64)
     inv_deg = 1.0 / deg.clamp_min(1.0)
 
-    def weight(src: Tensor, dst: Tensor) -> Tensor:
-        return inv_deg.index_select(0, dst).to(dtype)
+    def weight(src: Tensor, dst: Tensor, multiplicity: Tensor | None) -> Tensor:
+        value = inv_deg.index_select(0, dst)
+        return (value if multiplicity is None else value * multiplicity).to(dtype)
 
     return _adjacency(partition, weight, dtype, self_loops=False)
 
@@ -85,30 +97,61 @@ def mean_adjacency(partition: GraphPartition, dtype: torch.dtype) -> GCNAdjacenc
 #: the graph server's peak).
 BUILD_CHUNK = 1 << 18
 
-Weight = Callable[[Tensor, Tensor], Tensor]
+Weight = Callable[[Tensor, Tensor, Tensor | None], Tensor]
+"""``weight(src, dst, multiplicity)``: the entries ``src -> dst``'s values; ``multiplicity`` is the summed
+edge weight (or copy count) of each entry, ``None`` where every entry stands for one edge of weight 1."""
 
 
 def _adjacency(
-    partition: GraphPartition, weight: Weight, dtype: torch.dtype, self_loops: bool
+    partition: GraphPartition, weight: Weight, dtype: torch.dtype, self_loops: bool,
+    values: Tensor | None = None,
 ) -> GCNAdjacency:
     """``adj`` (rows: ``dst``) and ``adj_t`` (rows: ``src``) of the partition's in-edges, entry ``j -> i``
-    weighted ``weight(j, i)``; ``self_loops``: existing self loops dropped and one added per local vertex.
+    weighted ``weight(j, i, m_ji)``; ``self_loops``: existing self loops dropped and one added (``m = 1``)
+    per local vertex. ``values``: a multiplier per column of ``edge_index`` (``edge_weight``), else 1; the
+    copies of a duplicate edge become one entry, ``m`` their summed multipliers (their count).
 
     The edge list is sorted by ``dst`` (as partitions are built), so both matrices are written in place,
     a block of destination rows at a time: ``adj``'s rows are contiguous, and each ``adj_t`` row takes its
     entries block after block, i.e. in ascending ``dst``. The arrays equal :func:`_csr`'s (columns ascending
-    within a row), which remains the path for an edge list in any other order.
+    within a row), which remains the path for an edge list in any other order, or whose copies of an edge
+    are not next to each other.
     """
+    dst = partition.edge_index[1]
+    if dst.numel() > 1 and not bool((dst[1:] >= dst[:-1]).all()):
+        return _adjacency_by_sort(partition, weight, self_loops, values)
+    for copies in (False, True):  # first as if every edge came once (no pass to find copies)
+        built = _adjacency_in_place(partition, weight, dtype, self_loops, values, copies)
+        if built is not None:
+            return built
+    return _adjacency_by_sort(partition, weight, self_loops, values)  # copies apart in the list
+
+
+def _adjacency_in_place(
+    partition: GraphPartition, weight: Weight, dtype: torch.dtype, self_loops: bool, values: Tensor | None,
+    copies: bool,
+) -> GCNAdjacency | None:
+    """:func:`_adjacency` of an edge list sorted by ``dst``; ``None`` when an edge has copies and
+    ``copies`` is False (each column counted as an entry), or when ``copies`` is True but the copies of an
+    edge are not next to each other (entries counted per run of equal columns)."""
     n_local, n_total = partition.n_local, partition.n_local + partition.n_ghost
     src, dst = partition.edge_index
-    if dst.numel() > 1 and not bool((dst[1:] >= dst[:-1]).all()):
-        return _adjacency_by_sort(partition, weight, self_loops)
     in_edges = torch.bincount(dst, minlength=n_local)  # (n_local,) edges per destination row as stored
-    row_counts, col_counts = in_edges.clone(), torch.bincount(src, minlength=n_total)
+    if copies:
+        first = torch.ones(src.numel(), dtype=torch.bool, device=src.device)  # first copy of its edge
+        if src.numel() > 1:
+            torch.logical_or(src[1:] != src[:-1], dst[1:] != dst[:-1], out=first[1:])
+        counted = first & (src != dst) if self_loops else first
+        row_counts = torch.bincount(dst[counted], minlength=n_local)
+        col_counts = torch.bincount(src[counted], minlength=n_total)
+        del first, counted
+    else:
+        row_counts, col_counts = in_edges.clone(), torch.bincount(src, minlength=n_total)
+        if self_loops:
+            loops = (src == dst).nonzero().squeeze(1)
+            row_counts -= torch.bincount(dst[loops], minlength=n_local)
+            col_counts -= torch.bincount(src[loops], minlength=n_total)
     if self_loops:
-        loops = (src == dst).nonzero().squeeze(1)
-        row_counts -= torch.bincount(dst[loops], minlength=n_local)
-        col_counts -= torch.bincount(src[loops], minlength=n_total)
         row_counts += 1
         col_counts[:n_local] += 1
     nnz = int(row_counts.sum())
@@ -126,24 +169,38 @@ def _adjacency(
     for r0, r1 in itertools.pairwise(bounds):
         e0, e1 = int(edge_ptr[r0]), int(edge_ptr[r1])
         s, d = src[e0:e1], dst[e0:e1]
+        m = None if values is None else values[e0:e1].to(torch.float64)
+        if copies and m is None:
+            m = torch.ones(e1 - e0, dtype=torch.float64, device=device)
         if self_loops:
             keep = s != d
             if not bool(keep.all()):
-                s, d = s[keep], d[keep]
+                s, d, m = s[keep], d[keep], (None if m is None else m[keep])
             loop = torch.arange(r0, r1, device=device)
             s, d = torch.cat([s, loop]), torch.cat([d, loop])
+            if m is not None:
+                m = torch.cat([m, torch.ones(r1 - r0, dtype=torch.float64, device=device)])
         a, b = int(entry_ptr[r0]), int(entry_ptr[r1])
         # adj's rows r0:r1, columns ascending: the sorted (dst, src) keys are both indices
-        row, column = _split(torch.sort(d * n_total + s).values, n_total)
+        key, perm = torch.sort(d * n_total + s)
+        if copies:  # one entry per edge, the copies' multipliers summed
+            key, inverse = torch.unique_consecutive(key, return_inverse=True)
+            m = torch.zeros(key.numel(), dtype=torch.float64, device=device).index_add_(0, inverse, m[perm])
+        elif m is not None:
+            m = m[perm]
+        if key.numel() != b - a or (key.numel() > 1 and bool((key[1:] == key[:-1]).any())):
+            return None  # copies (not counted, or not next to each other)
+        row, column = _split(key, n_total)
         col[a:b] = column
-        value[a:b] = weight(column, row)
+        value[a:b] = weight(column, row, m)
         # their entries of adj_t, grouped by row (src), dst ascending: each row's run goes to its cursor
-        row, column = _split(torch.sort(s * n_local + d).values, n_local)
+        key, perm = torch.sort(column * n_local + row)
+        row, column = _split(key, n_local)
         rows, counts = torch.unique_consecutive(row, return_counts=True)
         start = cursor.index_select(0, rows) - (torch.cumsum(counts, 0) - counts)
         slot = torch.arange(row.numel(), device=device) + torch.repeat_interleave(start, counts)
         col_t.index_copy_(0, slot, column.to(index_dtype))
-        value_t.index_copy_(0, slot, weight(row, column))
+        value_t.index_copy_(0, slot, value[a:b][perm])  # entry j -> i holds the same value in both
         cursor.index_add_(0, rows, counts)
     return GCNAdjacency(adj=_sparse_csr(crow, col, value, (n_local, n_total)),
                         adj_t=_sparse_csr(crow_t, col_t, value_t, (n_total, n_local)))
@@ -155,15 +212,26 @@ def _split(key: Tensor, width: int) -> tuple[Tensor, Tensor]:
     return row, key - row * width
 
 
-def _adjacency_by_sort(partition: GraphPartition, weight: Weight, self_loops: bool) -> GCNAdjacency:
+def _adjacency_by_sort(
+    partition: GraphPartition, weight: Weight, self_loops: bool, values: Tensor | None = None
+) -> GCNAdjacency:
     """:func:`_adjacency` for an edge list in any order: whole-list sorts (several copies of it at once)."""
     n_local, n_total = partition.n_local, partition.n_local + partition.n_ghost
     src, dst = partition.edge_index
+    m = None if values is None else values.to(torch.float64)
     if self_loops:
         keep = src != dst
         loop = torch.arange(n_local, device=src.device)
         src, dst = torch.cat([src[keep], loop]), torch.cat([dst[keep], loop])
-    value = weight(src, dst)
+        if m is not None:
+            m = torch.cat([m[keep], torch.ones(n_local, dtype=torch.float64, device=src.device)])
+    key, inverse = torch.unique(dst * n_total + src, return_inverse=True)
+    if key.numel() != src.numel():  # duplicate edges: one entry each, their multipliers summed
+        ones = torch.ones(src.numel(), dtype=torch.float64, device=src.device)
+        m = torch.zeros(key.numel(), dtype=torch.float64, device=src.device).index_add_(
+            0, inverse, ones if m is None else m)
+        dst, src = _split(key, n_total)
+    value = weight(src, dst, m)
     return GCNAdjacency(
         adj=_csr(dst, src, value, (n_local, n_total)), adj_t=_csr(src, dst, value, (n_total, n_local))
     )
@@ -355,6 +423,18 @@ def self_loop_edges(partition: GraphPartition) -> SelfLoopEdges:
     return SelfLoopEdges(src=src, dst=dst, dst_ptr=dst_ptr)
 
 
+def warn_edge_weight_unread(partition: GraphPartition, layer: str) -> None:
+    """Warns, when the structure ``layer`` aggregates over is built, that a weighted partition's
+    ``edge_weight`` is not read: only ``GCNConv`` reads it, as in PyG, whose ``GATConv`` and ``SAGEConv``
+    take none (a PyG user would not pass it to them; here the partition carries it)."""
+    if partition.edge_weight is not None:
+        warnings.warn(
+            f"{layer} does not read data.edge_weight (PyG's {layer} takes none): it aggregates over the "
+            "edges unweighted, each copy of a duplicate edge counted; only GCNConv weights them",
+            stacklevel=3,
+        )
+
+
 @dataclass
 class GraphContext:
     """What a Dorylus layer needs about the graph in one forward: the partition and derived structures.
@@ -403,6 +483,7 @@ class GraphContext:
     def mean(self, dtype: torch.dtype) -> GCNAdjacency:
         """The mean-aggregation matrix (GraphSAGE) with values of ``dtype`` (built on first use)."""
         if dtype not in self._mean:
+            warn_edge_weight_unread(self.partition, "SAGEConv")
             self._mean[dtype] = mean_adjacency(self.partition, dtype)
         return self._mean[dtype]
 
@@ -435,6 +516,7 @@ class GraphContext:
     def self_loops(self) -> SelfLoopEdges:
         """The self-loop-augmented in-edge list (built on first use)."""
         if self._loops is None:
+            warn_edge_weight_unread(self.partition, "GATConv")
             self._loops = self_loop_edges(self.partition)
         return self._loops
 
@@ -498,6 +580,7 @@ class GraphCache:
             str(partition.edge_index.device),
             partition.interval_ptr.data_ptr(),
             partition.in_degree.data_ptr(),
+            None if partition.edge_weight is None else partition.edge_weight.data_ptr(),
         )
         cached = self._entries.get(key)
         if cached is None:

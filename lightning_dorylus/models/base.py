@@ -5,6 +5,29 @@
 servers is the full-graph mean loss, so after the strategy SUM-all-reduces weight gradients every replica
 holds exactly the single-process full-graph gradient. Metrics are global too: sums of correct predictions
 and counts are reduced over graph servers before dividing.
+
+Multi-label targets (``y`` of shape ``(N, C)``, 0/1 or in ``[0, 1]``, as ogbn-proteins' 112 labels or PPI's
+121) are recognised from the partition (``batch.multi_label``) and trained with BCE-with-logits, the loss
+of PyG's ``examples/ppi.py`` and ogbn-proteins examples (``BCEWithLogitsLoss()``: the mean over train
+vertices and labels); the model needs ``C`` outputs. Validation and test then log the micro-F1 of
+``logits > 0`` (PyG's ``ppi.py``: ``f1_score(y, out > 0, average="micro")``) as ``val_f1`` /
+``test_f1``, from true/false positive and false negative counts summed over graph servers (exact, unlike an
+average of per-server F1s); ``predict`` gives the 0/1 predictions ``(N, C)``. Example::
+
+    from lightning.pytorch import Trainer
+    from torch_geometric.data import Data
+    from lightning_dorylus import GCN, DorylusStrategy
+    from lightning_dorylus.data import DorylusDataModule
+
+    data = Data(x=x, edge_index=edge_index, y=labels_0_1,  # labels_0_1: (N, C)
+                train_mask=train_idx, val_mask=val_idx)    # bool masks or index tensors
+    datamodule = DorylusDataModule(data)
+    model = GCN(datamodule.num_features, 64, datamodule.num_classes)  # num_classes = C
+    trainer = Trainer(strategy=DorylusStrategy(), devices=2, max_epochs=100)
+    trainer.fit(model, datamodule)  # logs train_loss (BCE), val_f1
+
+ROC-AUC (ogbn-proteins' official metric) needs every vertex's scores in one place: take
+``trainer.predict`` of the logits in your own ``predict_step`` and score them on rank 0.
 """
 
 from __future__ import annotations
@@ -142,9 +165,42 @@ class NodeClassifier(LightningModule):
             )
         logits = self(graph)  # (n_local, num_classes)
         mask = batch.train_mask
-        loss = F.cross_entropy(logits[mask], batch.y[mask], reduction="sum") / batch.num_train_global
+        if batch.multi_label:  # BCEWithLogitsLoss(): the mean over train vertices and labels
+            target = self._multi_label_target(batch, logits)[mask]
+            loss = F.binary_cross_entropy_with_logits(logits[mask], target, reduction="sum")
+            loss = loss / (batch.num_train_global * target.size(1))
+        else:
+            loss = F.cross_entropy(logits[mask], batch.y[mask], reduction="sum") / batch.num_train_global
         self.log("train_loss", self._global_sum(loss.detach()), prog_bar=True, batch_size=1)
         return loss
+
+    def _multi_label_target(self, batch: GraphPartition, logits: Tensor) -> Tensor:
+        """``batch.y`` in the logits' dtype, after checking there is one output per label."""
+        if logits.dim() != 2 or logits.size(1) != batch.y.size(1):
+            raise ValueError(
+                f"{type(self).__name__} gives {tuple(logits.shape[1:])} outputs per vertex but y holds "
+                f"{batch.y.size(1)} multi-label targets per vertex: build the model with "
+                f"out_channels={batch.y.size(1)} (datamodule.num_classes)"
+            )
+        return batch.y.to(logits.dtype)
+
+    def micro_f1s(self, batch: GraphPartition, masks: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Global micro-F1 of ``logits > 0`` against multi-label ``y`` per named vertex mask, logged under
+        its name, from one forward pass: ``2 TP / (2 TP + FP + FN)``, the counts summed over graph servers
+        in one all-reduce (PyG's ``examples/ppi.py`` metric; 0 where the mask selects no vertex)."""
+        logits = self(self.graph(batch))
+        target = self._multi_label_target(batch, logits) > 0.5
+        pred = logits > 0
+        rows = []
+        for m in masks.values():
+            p, t = pred[m], target[m]
+            rows.append(torch.stack([(p & t).sum(), (p & ~t).sum(), (~p & t).sum()]))
+        counts = self._global_sum(torch.stack(rows).to(logits.dtype))  # (len(masks), 3)
+        scores = {}
+        for name, (tp, fp, fn) in zip(masks, counts.unbind()):
+            scores[name] = 2 * tp / (2 * tp + fp + fn).clamp_min(1)
+            self.log(name, scores[name], prog_bar=True, batch_size=1, sync_dist=True, reduce_fx="max")
+        return scores
 
     def accuracies(self, batch: GraphPartition, masks: dict[str, Tensor]) -> dict[str, Tensor]:
         """Global accuracy of each named vertex mask, logged under its name, from ONE forward pass.
@@ -173,17 +229,25 @@ class NodeClassifier(LightningModule):
 
     @override
     def validation_step(self, batch: GraphPartition, batch_idx: int) -> Tensor:
+        if batch.multi_label:
+            return self.micro_f1s(batch, {"val_f1": batch.val_mask})["val_f1"]
         return self.accuracies(batch, {"val_acc": batch.val_mask})["val_acc"]
 
     @override
     def test_step(self, batch: GraphPartition, batch_idx: int) -> Tensor:
+        if batch.multi_label:
+            return self.micro_f1s(batch, {"test_f1": batch.test_mask})["test_f1"]
         return self.accuracies(batch, {"test_acc": batch.test_mask})["test_acc"]
 
     @override
     def predict_step(self, batch: GraphPartition, batch_idx: int) -> Tensor:
         """Class predictions ``(n_local,)`` of this server's vertices, in ``batch.local_nodes`` order
-        (``DorylusStrategy`` gathers them into ``(num_global_nodes,)``, global order, on every rank)."""
-        return self(self.graph(batch)).argmax(dim=-1)
+        (``DorylusStrategy`` gathers them into ``(num_global_nodes,)``, global order, on every rank);
+        multi-label: the 0/1 predictions ``logits > 0``, ``(n_local, C)`` int64."""
+        logits = self(self.graph(batch))
+        if batch.multi_label:
+            return (logits > 0).long()
+        return logits.argmax(dim=-1)
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:

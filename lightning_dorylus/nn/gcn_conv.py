@@ -32,7 +32,9 @@ class GCNConv(DorylusLayer):
     * ``"auto"`` (default): ``weight_first`` when ``out_channels < in_channels`` (e.g. 128 -> 16: 8x less
       graph-server memory and SC traffic), else ``gather_first``.
 
-    ``Â`` is PyG's ``gcn_norm`` (self loops, symmetric normalisation with global degrees).
+    ``Â`` is PyG's ``gcn_norm`` (self loops of weight 1, symmetric normalisation with global degrees), with
+    the partition's ``edge_weight`` when the graph has one (``data.edge_weight``, as PyG's
+    ``GCNConv(x, edge_index, edge_weight)``); each copy of a duplicate edge counts, as in PyG.
 
     Args:
         in_channels: Input feature width.

@@ -28,6 +28,7 @@ PIECE = re.compile(r"# ((?:docs/examples|lightning_dorylus)/[\w/.]+\.py)\n")
 # the file a piece is cut from -> the test that runs it on 2 graph servers
 RUN_BY = {
     "docs/examples/own_gcn.py": "tests/dorylus/test_own_model_doc.py",
+    "docs/examples/multilabel.py": "tests/dorylus/test_pyg_data.py",
     "docs/examples/gin_ops.py": "tests/dorylus/test_user_ops.py",
     "docs/examples/gin_conv.py": "tests/dorylus/scripts/user_module_run.py",
     "lightning_dorylus/nn/sage_conv.py": "tests/dorylus/test_strategy.py",

@@ -134,12 +134,12 @@ def test_empty_val_mask_warns_that_val_acc_is_not_measured(tmp_path: Path) -> No
     assert metrics["val_acc"] == 0.0
 
 
-@pytest.mark.parametrize("field", ["edge_weight", "edge_attr"])
+@pytest.mark.parametrize("field", ["edge_attr"])
 def test_edge_attributes_are_reported_as_ignored(field: str, tmp_path: Path) -> None:
-    """Was: ``edge_weight`` (which PyG's GCNConv uses) and ``edge_attr`` dropped without a word."""
+    """Was: ``edge_attr`` dropped without a word (``edge_weight`` is used now: test_pyg_data.py)."""
     data = small_graph()
     setattr(data, field, torch.rand(data.edge_index.size(1)))
-    match = rf"data.{field} is ignored: the Dorylus layers .* aggregate over unweighted edges"
+    match = rf"data.{field} is ignored: no Dorylus layer .* reads edge features"
     with pytest.warns(UserWarning, match=match):
         datamodule = DorylusDataModule(data, cache_dir=tmp_path)
     assert getattr(data, field) is not None  # the caller's graph is not changed

@@ -165,12 +165,12 @@ def test_adjacency_built_in_row_blocks_equals_the_whole_list_sort(graph: Data, k
                 built = structure.gcn_adjacency(part, dtype)
                 deg = (part.in_degree.to(torch.float64) + 1.0).rsqrt()
                 sorted_ = structure._adjacency_by_sort(
-                    part, lambda s, d, deg=deg, dtype=dtype: (deg[s] * deg[d]).to(dtype), True)
+                    part, lambda s, d, m, deg=deg, dtype=dtype: _times(deg[s] * deg[d], m).to(dtype), True)
             else:
                 built = structure.mean_adjacency(part, dtype)
                 inv = 1.0 / torch.bincount(part.edge_index[1], minlength=part.n_local).double().clamp_min(1)
                 sorted_ = structure._adjacency_by_sort(
-                    part, lambda s, d, inv=inv, dtype=dtype: inv[d].to(dtype), False)
+                    part, lambda s, d, m, inv=inv, dtype=dtype: _times(inv[d], m).to(dtype), False)
             for got, expected in ((built.adj, sorted_.adj), (built.adj_t, sorted_.adj_t)):
                 assert got.shape == expected.shape
                 for name in ("crow_indices", "col_indices", "values"):
@@ -501,6 +501,11 @@ def test_pipelined_gat_functions_name_bad_arguments(graph: Data) -> None:
     with pytest.raises(ValueError, match="rows_op needs at least one interval"):
         rows_op(OpCall("gat.project.forward", InlineExecutor(), []), RowInput(source, "x"),
                 weight=torch.zeros(7, 6))
+
+
+def _times(value: torch.Tensor, multiplicity: torch.Tensor | None) -> torch.Tensor:
+    """An adjacency entry's value times its multiplicity (copies of an edge; ``None``: one each)."""
+    return value if multiplicity is None else value * multiplicity
 
 
 def _nodes(t: torch.Tensor) -> set:

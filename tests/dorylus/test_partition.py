@@ -188,25 +188,48 @@ def test_to_moves_every_tensor() -> None:
     assert moved.part_id == 1 and moved.n_local == part.n_local
 
 
-def test_self_loops_and_duplicates_are_removed_with_a_warning() -> None:
+def test_self_loops_are_removed_with_a_warning_and_duplicates_kept() -> None:
+    """Self loops go (the layers add their own); each copy of a duplicate edge stays, as PyG counts them,
+    next to its other copies, with its weight, and counted in the in-degrees."""
     data = random_graph()
     clean = data.edge_index
     data.edge_index = torch.cat([clean, clean[:, :4], torch.tensor([[3, 7], [3, 7]])], dim=1)
-    with pytest.warns(UserWarning, match="had 2 self loops and 4 duplicate edges; they were removed"):
+    data.edge_weight = torch.arange(data.edge_index.size(1), dtype=torch.float64)
+    data.edge_weight[-2:] = 1.0  # self loops of weight 1 may go
+    with pytest.warns(UserWarning, match=r"had 2 self loops; they were removed"):
         parts = partition_graph(data, 2)
-    assert global_edges(parts) == edge_set(clean)
+    kept = torch.cat([clean, clean[:, :4]], dim=1)
+    assert global_edges(parts) == edge_set(kept)
+    weights = {}
+    for part in parts:
+        ids = torch.cat([part.local_nodes, part.ghost_nodes])
+        src, dst = ids[part.edge_index[0]], part.local_nodes[part.edge_index[1]]
+        same = (src[1:] == src[:-1]) & (dst[1:] == dst[:-1])
+        assert int(same.sum()) == sum(int(((src == a) & (dst == b)).sum()) - 1
+                                      for a, b in set(zip(src.tolist(), dst.tolist()))), "copies adjacent"
+        for a, b, w in zip(src.tolist(), dst.tolist(), part.edge_weight.tolist()):
+            weights.setdefault((a, b), []).append(w)
+        degree = torch.bincount(kept[1], minlength=data.num_nodes)[ids]
+        assert torch.equal(part.in_degree, degree)
+        summed = torch.zeros(data.num_nodes, dtype=torch.float64).index_add_(
+            0, kept[1], data.edge_weight[:-2])
+        assert torch.equal(part.weighted_in_degree, summed[ids])
+    expected = {}
+    for (a, b), w in zip(kept.t().tolist(), data.edge_weight[:-2].tolist()):
+        expected.setdefault((a, b), []).append(w)
+    assert {k: sorted(v) for k, v in weights.items()} == {k: sorted(v) for k, v in expected.items()}
 
 
 def test_removed_edges_are_warned_about_on_cached_runs_too(tmp_path) -> None:
-    """The partitioning run stores the counts in meta.json; a run that reads the cache warns the same."""
+    """The partitioning run stores the count in meta.json; a run that reads the cache warns the same."""
     data = random_graph()
-    extra = [data.edge_index[:, :4], torch.tensor([[3, 7], [3, 7]])]  # 4 duplicates, 2 self loops
+    extra = [data.edge_index[:, :4], torch.tensor([[3, 7], [3, 7]])]  # 4 duplicates (kept), 2 self loops
     data.edge_index = torch.cat([data.edge_index, *extra], dim=1)
     for _ in ("partitions", "reads the cache"):
-        with pytest.warns(UserWarning, match="had 2 self loops and 4 duplicate edges; they were removed"):
+        with pytest.warns(UserWarning, match="had 2 self loops; they were removed"):
             target = partition_to_cache(data, 2, "contiguous", cache_dir=tmp_path)
     removed = json.loads((target / "meta.json").read_text())["removed_edges"]
-    assert removed == {"self_loops": 2, "duplicates": 4}
+    assert removed == {"self_loops": 2}
     clean = random_graph()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a clean graph: no warning on either run
@@ -249,7 +272,9 @@ def test_partitioners_are_deterministic() -> None:
         ("x_none", {}, r"data.x is None; expected node features of shape \(num_nodes=2708, F\)"),
         ("x_int", {}, r"x must be a floating point tensor, got dtype torch.int64"),
         ("mask_size", {}, r"val_mask has shape \(2700,\) but expected \(2708,\)"),
-        ("mask_dtype", {}, r"train_mask must be a bool tensor of shape \(2708,\), got dtype torch.int64"),
+        ("mask_dtype", {}, r"train_mask is an integer tensor of 2708 zeros and ones: it may be a 0/1 mask "
+                           r"or the vertex indices 0 and 1, so it is not guessed: "
+                           r".*index_to_mask\(index, size=2708\)"),
         ("y_float", {}, r"y must hold integer class labels, got dtype torch.float32"),
         ("none", {"num_parts": 3000}, r"num_parts \(3000\) is greater than the number of vertices \(2708\)"),
         ("none", {"num_parts": 0}, r"num_parts \(0\) must be an integer >= 1"),
