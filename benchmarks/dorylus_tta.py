@@ -1,6 +1,6 @@
-"""Time to a target validation accuracy: mini-batch, PyG full-graph, one GPU and Dorylus, on one generated graph.
+"""Time to a target validation accuracy: mini-batch, PyG full-graph, one GPU, Dorylus; one generated graph.
 
-    python benchmarks/dorylus_tta.py                                   # 100k vertices, 3 rounds (tens of minutes)
+    python benchmarks/dorylus_tta.py                                   # 100k vertices, 3 rounds (an hour)
     python benchmarks/dorylus_tta.py --nodes 3000 --target 0.5 --rounds 1 --max-epochs 6   # CI size
 
 The graph is :func:`lightning_dorylus.data.synthetic.powerlaw_graph`: a degree-corrected stochastic block
@@ -183,7 +183,7 @@ def symmetric_csr(edge_index, num_nodes: int):  # -> torch.Tensor (sparse CSR)
 
 
 def _install_cached_transpose() -> None:
-    """``GCNConv.message_and_aggregate`` for a sparse ``adj_t`` whose backward reuses ``adj_t`` (symmetric)."""
+    """``GCNConv.message_and_aggregate`` for a sparse ``adj_t``: its backward reuses ``adj_t`` (symmetric)."""
     import torch
     from torch_geometric.nn import GCNConv
 
@@ -439,7 +439,8 @@ def run_dorylus(args: argparse.Namespace) -> dict[str, Any]:
 def _command(args: argparse.Namespace, worker: str, result: Path, extra: list[str]) -> list[str]:
     forwarded = [f"--nodes={args.nodes}", f"--avg-degree={args.avg_degree}", f"--features={args.features}",
                  f"--classes={args.classes}", f"--hidden={args.hidden}", f"--seed={args.seed}",
-                 f"--target={args.target}", f"--max-epochs={args.max_epochs}", f"--cache-dir={args.cache_dir}",
+                 f"--target={args.target}", f"--max-epochs={args.max_epochs}",
+                 f"--cache-dir={args.cache_dir}",
                  f"--latency-ms={args.latency_ms}", f"--timeout={args.timeout}",
                  f"--servers={','.join(map(str, args.servers))}", f"--launched-at={time.time()}"]
     return [sys.executable, str(Path(__file__).resolve()), f"--worker={worker}", f"--result={result}",
@@ -473,7 +474,7 @@ def launch(args: argparse.Namespace, worker: str, workdir: Path, name: str, extr
 
 
 def run_config(args: argparse.Namespace, config: str, graph: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    """One run of ``config`` in fresh processes; for Dorylus the job's figures (slowest server, memory summed)."""
+    """One run of ``config`` in fresh processes; for Dorylus the job's (slowest server, memory summed)."""
     if config.startswith("pyg-"):
         _, adj, threads = config.split("-")
         (run,) = launch(args, "pyg", workdir, config, [f"--adj={adj}", f"--threads={threads[1:]}"])
@@ -532,9 +533,9 @@ def report(args: argparse.Namespace, graph: dict[str, Any], by_config: dict[str,
     sampler = "PyG NeighborLoader" if graph["neighbor_loader"] else (
         "torch re-implementation of NeighborLoader's recipe (pyg-lib / torch-sparse not installed)")
     print(f"graph: degree-corrected SBM, {graph['nodes']:,} vertices, {graph['edges']:,} directed edges, "
-          f"{args.features} features, {args.classes} classes; 2-layer GCN hidden {args.hidden}; target val acc "
-          f"{args.target}; {args.rounds} round(s), medians; mini-batch sampler: {sampler}; "
-          f"{os.cpu_count()} CPUs, load average per round {[round(v, 1) for v in (l[0] for l in loads)]}")
+          f"{args.features} features, {args.classes} classes; 2-layer GCN hidden {args.hidden}; "
+          f"target val acc {args.target}; {args.rounds} round(s), medians; mini-batch sampler: {sampler}; "
+          f"{os.cpu_count()} CPUs, load average per round {[round(load[0], 1) for load in loads]}")
     if not graph["gpu"]:
         print("gpu: skipped (no CUDA device here)")
     print(f"{'configuration':<18}{'epochs':>7}{'fit s':>9}{'launch s':>10}{'startup s':>10}{'s/epoch':>9}"
