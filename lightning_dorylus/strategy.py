@@ -75,6 +75,7 @@ from lightning_dorylus.model_checks import (
     num_labels,
 )
 from lightning_dorylus.nn import DorylusLayer, DorylusRuntime
+from lightning_dorylus.nn.base import ghost_staleness
 from lightning_dorylus.nn.norm import check_vertex_norms, convert_batchnorm, revert_batchnorm
 from lightning_dorylus.precision import check_precision
 from lightning_dorylus.predict import gather_vertex_rows
@@ -407,7 +408,7 @@ class DorylusStrategy(ParallelStrategy):
         if self._staleness and self.world_size > 1:
             if self._stale_group is None:  # its own group: stale P2P never interleaves with collectives
                 self._stale_group = dist.new_group(backend="gloo")
-            stale = StaleGhostExchange(self._staleness, self._stale_group, self._stale_reads)
+            stale = StaleGhostExchange(ghost_staleness(self._staleness), self._stale_group, self._stale_reads)
         executor: TensorOpExecutor = self._executor
         if self._intervals is not None or self._max_in_flight is not None:
             self._timed = TimedExecutor(self._executor, self._max_in_flight)
