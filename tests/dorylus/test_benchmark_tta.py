@@ -56,11 +56,12 @@ def test_summary_ratios_take_the_best_full_graph_form_and_medians_over_rounds() 
         return [{"fit_s": f, "launch_s": f + 1, "startup_s": 1.0, "peak_total_mib": 100.0} for f in fits]
 
     by_config = {"pyg-csr-t1": runs(4.0, 6.0, 5.0), "pyg-ei-t1": runs(8.0, 8.0, 8.0),
-                 "minibatch": runs(2.0, 1.0, 3.0), "d2-sync": runs(10.0, 10.0, 10.0),
+                 "minibatch-t1": runs(2.0, 1.0, 3.0), "minibatch-t2": runs(4.0, 4.0, 4.0),
+                 "d2-sync": runs(10.0, 10.0, 10.0),
                  "d2-s1": runs(12.0, 12.0, 12.0), "d2-sync-lat": runs(20.0, 20.0, 20.0),
                  "d2-s1-lat": runs(math.inf, math.inf, 15.0)}
     s = bench.summary(by_config)
-    assert s["best_full"] == "pyg-csr-t1"
+    assert s["best_full"] == "pyg-csr-t1" and s["best_minibatch"] == "minibatch-t1"
     assert s["minibatch_vs_fullgraph"] == pytest.approx(2.0 / 5.0)
     assert s["dorylus2_vs_pyg_full"] == pytest.approx(2.0)
     assert s["staleness1_vs_sync"] == pytest.approx(1.2)
@@ -78,6 +79,8 @@ def test_benchmark_ci_size_prints_the_summary_line_last(tmp_path: Path) -> None:
     assert SUMMARY.match(lines[-1]), lines[-1]
     table = next(i for i, line in enumerate(lines) if line.startswith("configuration"))
     assert [line.split()[0] for line in lines[table + 1 : -1]] == [
-        "pyg-csr-t1", "pyg-ei-t1", "minibatch", "d2-sync", "d2-sync-lat", "d2-s1", "d2-s1-lat"]
+        "pyg-csr-t1", "pyg-ei-t1", "minibatch-t1", "d2-sync", "d2-sync-lat", "d2-s1", "d2-s1-lat"]
     assert any("mini-batch sampler: " in line for line in lines[:table]), lines
-    assert (tmp_path / "runs.json").is_file()
+    saved = [sys.executable, str(SCRIPT), "--from-json", str(tmp_path / "runs.json")]
+    again = run_process(saved, timeout=120, cwd=REPO_ROOT).stdout.strip().splitlines()
+    assert again[-1] == lines[-1]  # the saved runs give the same report
