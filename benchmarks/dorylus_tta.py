@@ -394,10 +394,14 @@ def run_dorylus(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.manual_seed(args.seed)
     trace = Trace(args)
+    phases = {"imports_s": time.time() - args.launched_at}
 
     class ToTarget(pl.Callback):
         """Times training epochs (validation excluded) and stops every server once val_acc reaches the
         target (the logged val_acc is global, so all servers stop at the same epoch)."""
+
+        def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            phases["fit_start_s"] = time.time() - args.launched_at  # process group up, model broadcast
 
         def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             trace.start_epoch()
@@ -433,7 +437,7 @@ def run_dorylus(args: argparse.Namespace) -> dict[str, Any]:
         memory = peak_memory_mib()  # while the executor's workers are alive: the server + its workers
     finally:
         executor.close()
-    return {"rank": trainer.global_rank, **trace.result(), **memory}
+    return {"rank": trainer.global_rank, **trace.result(), **memory, "phases": phases}
 
 
 # --------------------------------------------------------------------------- launching
@@ -501,7 +505,9 @@ def run_config(args: argparse.Namespace, config: str, graph: dict[str, Any], wor
     startup = max(r["startup_s"] for r in runs)
     return {"epoch_s": epochs, "val_acc": runs[0]["val_acc"], "epochs_to_target": reached, "fit_s": fit,
             "startup_s": startup, "launch_s": startup + fit, "test_acc": float("nan"),
-            "peak_total_mib": sum(r["peak_total_mib"] for r in runs)}
+            "peak_total_mib": sum(r["peak_total_mib"] for r in runs),
+            "phases": {k: max(r.get("phases", {}).get(k, math.nan) for r in runs) for k in
+                       ("imports_s", "fit_start_s")}}
 
 
 # --------------------------------------------------------------------------- report
@@ -554,6 +560,15 @@ def report(args: argparse.Namespace, graph: dict[str, Any], by_config: dict[str,
         val = " ".join(f"{v:.2f}" for v in runs[0]["val_acc"])
         print(f"{config:<18}{'/'.join(str(e) for e in epochs):>7}{m['fit_s']:>9.2f}{m['launch_s']:>10.2f}"
               f"{m['startup_s']:>10.2f}{per_epoch:>9.3f}{test:>9}{m['peak_total_mib']:>10.0f}  {val}{best}")
+    for config, runs in by_config.items():  # where a Dorylus job's time before its first epoch goes
+        phased = [r["phases"] for r in runs if "phases" in r]
+        if phased:
+            imports = statistics.median(p["imports_s"] for p in phased)
+            fit_start = statistics.median(p["fit_start_s"] for p in phased)
+            first = statistics.median(r["startup_s"] for r in runs if "phases" in r)
+            print(f"startup {config}: process start -> imports done {imports:.2f} s -> fit start (process "
+                  f"group, executor, partition read and checked) {fit_start:.2f} s -> first epoch "
+                  f"{first:.2f} s (slowest server, median)")
     print(f"minibatch_vs_fullgraph={s['minibatch_vs_fullgraph']:.2f} "
           f"dorylus2_vs_pyg_full={s['dorylus2_vs_pyg_full']:.2f} "
           f"staleness1_vs_sync={s['staleness1_vs_sync']:.2f} "
