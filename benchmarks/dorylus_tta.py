@@ -659,17 +659,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             for config in round_order(configs, index):
                 run = run_config(args, config, graph, workdir)
                 by_config[config].append(run)
+                if args.json:  # after every run: a long benchmark cut short keeps what it measured
+                    write_json(Path(args.json), args, graph, loads, by_config, None)
                 print(f"round {index} {config}: {run['epochs_to_target']} epochs, fit {run['fit_s']:.2f} s, "
                       f"launch {run['launch_s']:.2f} s, load {os.getloadavg()[0]:.1f}", flush=True)
     s = report(args, graph, by_config, loads)
     if args.json:
-        out = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "result")},
-               "graph": graph, "loads": loads, "runs": by_config, "summary": s}
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.with_suffix(".tmp").write_text(json.dumps(out, indent=1))
-        path.with_suffix(".tmp").rename(path)
+        write_json(Path(args.json), args, graph, loads, by_config, s)
     return s
+
+
+def write_json(path: Path, args: argparse.Namespace, graph: dict[str, Any], loads: list[list[float]],
+               by_config: dict[str, list[dict[str, Any]]], summary_figures: dict[str, Any] | None) -> None:
+    """Every run so far (and the summary once there is one), written atomically."""
+    out = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "result")},
+           "graph": graph, "loads": loads, "runs": by_config, "summary": summary_figures}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1))
+    tmp.rename(path)
 
 
 if __name__ == "__main__":

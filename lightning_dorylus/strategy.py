@@ -134,8 +134,13 @@ class DorylusStrategy(ParallelStrategy):
             stay exact.
             ``S >= 1``: also bounded-stale SC/∇SC while training: ghost rows and ghost gradients may be up
             to ``S`` epochs old, so a graph server waits for a peer only when it is more than ``S`` epochs
-            behind; and a weight-first first layer sends the next epoch's requests during this epoch's last
-            wait, with the weights one update behind (see ``docs/dorylus.md``, "Bounded asynchrony").
+            behind; and, on one server from ``S = 1``, on several from ``S = 2`` (it takes one epoch of the
+            bound, ghosts then get ``S - 1``), a weight-first first layer sends the next epoch's requests
+            during this epoch's last wait, with the weights one update behind (see ``docs/dorylus.md``,
+            "Bounded asynchrony"). What it buys: it hides waiting for peers and round trips, not
+            compute. With the executors on the same cores and no round trip to hide there is nothing to
+            gain; the synchronous mode is the one to use then (measured time to a target accuracy:
+            ``docs/dorylus-value.md``, "Which should I use").
             Validation, test and checkpoints first drain the pipeline and then run synchronously;
             checkpoints also drop the requests sent ahead and the held ghost buffers.
         stale_reads: Which ghost rows/gradients a ``staleness >= 1`` read uses among those stamped
