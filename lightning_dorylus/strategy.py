@@ -140,10 +140,11 @@ class DorylusStrategy(ParallelStrategy):
             "Bounded asynchrony"). What it buys: it hides waiting for peers and round trips, not
             compute, and its first epoch builds the pipeline's per-interval blocks. Measured on 2 servers
             (100k vertices, GCN to val acc 0.85, ``benchmarks/dorylus_tta.py``): ``staleness=1`` needs the
-            synchronous 9 epochs; without a round trip it takes 1.08x the synchronous time to the target
-            and 17 % more memory (nothing to hide: keep ``None``); with a 20 ms round trip per request its
-            later epochs take 0.80x the synchronous ones but its first epoch 2x, 1.10x in all over 9
-            epochs (``docs/dorylus-value.md``, "Which should I use").
+            synchronous epochs (9 to 0.85); without a round trip it takes 1.08-1.31x the synchronous
+            time to the target and 17 % more memory (nothing to hide: keep ``None``); with a 20 ms round
+            trip per request its later epochs take 0.57-0.73x the synchronous ones but its first epoch
+            longer, 0.66-1.10x in all over 9-10 epochs on a loaded machine (``docs/dorylus-value.md``,
+            "Which should I use").
             Validation, test and checkpoints first drain the pipeline and then run synchronously;
             checkpoints also drop the requests sent ahead and the held ghost buffers.
         stale_reads: Which ghost rows/gradients a ``staleness >= 1`` read uses among those stamped
