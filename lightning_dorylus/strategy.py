@@ -77,6 +77,7 @@ from lightning_dorylus.model_checks import (
     num_labels,
 )
 from lightning_dorylus.nn import DorylusLayer, DorylusRuntime
+from lightning_dorylus.nn.base import ghost_staleness
 from lightning_dorylus.nn.norm import check_vertex_norms, convert_batchnorm, revert_batchnorm
 from lightning_dorylus.precision import check_precision
 from lightning_dorylus.predict import gather_vertex_rows
@@ -135,8 +136,17 @@ class DorylusStrategy(ParallelStrategy):
             stay exact.
             ``S >= 1``: also bounded-stale SC/∇SC while training: ghost rows and ghost gradients may be up
             to ``S`` epochs old, so a graph server waits for a peer only when it is more than ``S`` epochs
-            behind; and a weight-first first layer sends the next epoch's requests during this epoch's last
-            wait, with the weights one update behind (see ``docs/dorylus.md``, "Bounded asynchrony").
+            behind; and, on one server from ``S = 1``, on several from ``S = 2`` (it takes one epoch of the
+            bound, ghosts then get ``S - 1``), a weight-first first layer sends the next epoch's requests
+            during this epoch's last wait, with the weights one update behind (see ``docs/dorylus.md``,
+            "Bounded asynchrony"). What it buys: it hides waiting for peers and round trips, not
+            compute, and its first epoch builds the pipeline's per-interval blocks. Measured on 2 servers
+            (100k vertices, GCN to val acc 0.85, ``benchmarks/dorylus_tta.py``): ``staleness=1`` needs the
+            synchronous epochs (9 to 0.85); without a round trip it takes 1.08-1.31x the synchronous
+            time to the target and 17 % more memory (nothing to hide: keep ``None``); with a 20 ms round
+            trip per request its later epochs take 0.57-0.73x the synchronous ones but its first epoch
+            longer, 0.66-1.10x in all over 9-10 epochs on a loaded machine (``docs/dorylus-value.md``,
+            "Which should I use").
             Validation, test and checkpoints first drain the pipeline and then run synchronously;
             checkpoints also drop the requests sent ahead and the held ghost buffers.
         stale_reads: Which ghost rows/gradients a ``staleness >= 1`` read uses among those stamped
@@ -412,7 +422,7 @@ class DorylusStrategy(ParallelStrategy):
         if self._staleness and self.world_size > 1:
             if self._stale_group is None:  # its own group: stale P2P never interleaves with collectives
                 self._stale_group = dist.new_group(backend="gloo")
-            stale = StaleGhostExchange(self._staleness, self._stale_group, self._stale_reads)
+            stale = StaleGhostExchange(ghost_staleness(self._staleness), self._stale_group, self._stale_reads)
         executor: TensorOpExecutor = self._executor
         if self._intervals is not None or self._max_in_flight is not None:
             self._timed = TimedExecutor(self._executor, self._max_in_flight)

@@ -527,3 +527,19 @@ def _autograd_nodes(t: torch.Tensor) -> set[str]:
 def _row_inputs(t: torch.Tensor) -> list[RowInput]:
     """The row inputs made per interval of the ``TensorOp`` nodes ``t`` was computed through."""
     return [n.rows for n in _nodes(t) if type(n).__name__ == "TensorOpBackward" and n.rows is not None]
+
+
+def test_run_ahead_takes_one_epoch_of_the_bound_when_ghosts_are_stale() -> None:
+    """One server (no ghosts): the first layer runs ahead from ``S = 1``. Several servers: a ghost read
+    ``a`` epochs old was made from weights ``a`` updates older than the run-ahead's, so the run-ahead needs
+    ``S >= 2`` and the ghosts get ``S - 1`` (``S = 1``: stale ghosts only, no run-ahead)."""
+    from lightning_dorylus.nn.base import ghost_staleness, runs_ahead
+
+    assert [runs_ahead(s, stale_ghosts=False) for s in (None, 0, 1, 2)] == [False, False, True, True]
+    assert [runs_ahead(s, stale_ghosts=True) for s in (None, 0, 1, 2, 3)] == [False, False, False, True, True]
+    assert [ghost_staleness(s) for s in (1, 2, 3)] == [1, 1, 2]
+    one = DorylusRuntime(executor=RecordingExecutor(), exchange=GhostExchange(), staleness=1)
+    several = DorylusRuntime(executor=RecordingExecutor(), exchange=GhostExchange(), staleness=1,
+                             stale_exchange=object())  # type: ignore[arg-type]
+    assert one.runahead_for(training=True) is one.runahead and one.runahead_for(training=False) is None
+    assert several.runahead_for(training=True) is None
