@@ -284,8 +284,9 @@ class BambooStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         """Bamboo's supervisor for a plain ``python train.py`` (:func:`wiring.launcher`)."""
         processes = len(self.parallel_devices or [])
+        cuda = bool(self.parallel_devices) and self.parallel_devices[0].type == "cuda"
         self._launcher = wiring.launcher(self._env, self.cluster_environment, processes, self.num_nodes,
-                                         self._options)
+                                         self._options, cuda)
 
     @override
     def set_world_ranks(self) -> None:
