@@ -61,7 +61,8 @@ from lightning_bamboo._lightning.precision import with_pipeline_clipping
 from lightning_bamboo.checkpoint import sharded as ckpt
 from lightning_bamboo.contract import find_pipeline_body
 from lightning_bamboo.control import store as ms
-from lightning_bamboo.runtime.membership import LightningSide, record_exception
+from lightning_bamboo.runtime.lightning_side import LightningSide
+from lightning_bamboo.runtime.membership import record_exception
 from lightning_bamboo.runtime.parts import Options, assemble, resolve_recovery
 from lightning_bamboo.step.broadcast import broadcast_json
 

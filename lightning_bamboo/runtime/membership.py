@@ -27,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch.optim import Optimizer
 
 from lightning_bamboo._lightning import private as _private
 from lightning_bamboo.control import commit as commit_protocol
@@ -51,10 +48,10 @@ from lightning_bamboo.runtime.collective_commit import CollectiveCommit, report_
 from lightning_bamboo.runtime.cutter import FAILED_KINDS
 from lightning_bamboo.runtime.events import drain_with_checkpoint
 from lightning_bamboo.runtime.joins import Joins
+from lightning_bamboo.runtime.lightning_side import LightningSide
 from lightning_bamboo.runtime.rank_zero import RankZeroDuties
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
 
     from lightning_bamboo.notices.base import Notice
     from lightning_bamboo.runtime.events import Events
@@ -68,17 +65,6 @@ log = logging.getLogger(__name__)
 
 class Spare(RuntimeError):
     """This member has no stage in the new generation: it leaves (not an error of the training code)."""
-
-
-@dataclass(frozen=True)
-class LightningSide:
-    """What the runtime's parts need of Lightning, as callables the strategy passes (never the strategy)."""
-
-    module: Callable[[], pl.LightningModule]
-    optimizer: Callable[[], Optimizer]
-    schedulers: Callable[[], list[Any]]
-    device: Callable[[], torch.device]
-    ranks_changed: Callable[[], None]  # Lightning's rank-zero-only parts follow this member's rank
 
 
 class Membership:

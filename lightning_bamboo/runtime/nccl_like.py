@@ -111,6 +111,11 @@ class NcclLikeGroup(dist.ProcessGroup):
             self._pending.clear()
         with contextlib.suppress(Exception):  # the store may be what failed; the local rule still holds
             self._store.set(ABORTED_KEY, "1")
+        # and its resources go, as ncclCommAbort frees the communicator's: gloo's pending operations end
+        # (peers that have not aborted yet see a failure, which blocks them until their own abort), so no
+        # gloo thread is left waiting when the process exits
+        with contextlib.suppress(Exception):
+            self._gloo.abort()
 
     def shutdown(self) -> None:
         """``destroy_process_group``: refused where NCCL could block forever (see the module docstring)."""
@@ -125,6 +130,7 @@ class NcclLikeGroup(dist.ProcessGroup):
                 f"{NAME}: destroy_process_group on a group {why}; NCCL can block forever here: release a "
                 "failed generation by abort (torch.distributed.distributed_c10d._abort_process_group)"
             )
+        self._gloo.shutdown()  # a healthy group's gloo threads end before the process does
 
 
 def _wrap(name: str) -> Any:
