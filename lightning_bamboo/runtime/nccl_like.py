@@ -24,11 +24,15 @@ and never a replacement for it.
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 import threading
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from lightning_bamboo.runtime.cutter import socket_fds
 
 NAME = "nccl-like"
 ABORTED_KEY = "nccl_like/aborted"  # in each group's own store: some member aborted this group
@@ -80,7 +84,9 @@ class NcclLikeGroup(dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
         super().__init__(rank, size)
         self._store = store
+        before = socket_fds()
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._sockets = socket_fds() - before  # gloo's full mesh, connected while it was built
         self.aborted = threading.Event()
         self.lost = False
         self._lock = threading.Lock()
@@ -111,11 +117,18 @@ class NcclLikeGroup(dist.ProcessGroup):
             self._pending.clear()
         with contextlib.suppress(Exception):  # the store may be what failed; the local rule still holds
             self._store.set(ABORTED_KEY, "1")
-        # and its resources go, as ncclCommAbort frees the communicator's: gloo's pending operations end
-        # (peers that have not aborted yet see a failure, which blocks them until their own abort), so no
-        # gloo thread is left waiting when the process exits
-        with contextlib.suppress(Exception):
-            self._gloo.abort()
+        # and its connections go, as ncclCommAbort frees the communicator's: gloo's pending operations end
+        # (a peer that has not aborted yet sees a failure, which blocks it until its own abort), so no thread
+        # is left inside gloo when the process exits (gloo's own abort does not wake a pending receive)
+        for fd in self._sockets:
+            with contextlib.suppress(OSError):
+                sock = socket.socket(fileno=os.dup(fd))  # a duplicate: closing it leaves ``fd`` open
+                try:
+                    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):  # never a listener
+                        sock.shutdown(socket.SHUT_RDWR)
+                finally:
+                    sock.close()
+        self._sockets = set()
 
     def shutdown(self) -> None:
         """``destroy_process_group``: refused where NCCL could block forever (see the module docstring)."""
