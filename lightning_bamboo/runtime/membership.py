@@ -179,6 +179,7 @@ class Membership:
             world_size=self.world,
             **kwargs,
         )
+        self._release.began(owners.generation)
         self._lightning.ranks_changed()
 
     def formed(self, generation: int) -> None:

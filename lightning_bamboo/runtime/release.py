@@ -71,6 +71,9 @@ class Release:
         if self._watcher is not None:
             self._watcher.before_init()
 
+    def began(self, generation: int) -> None:
+        """``generation``'s default group exists; the rest of it is forming (gloo: watched once formed)."""
+
     def formed(self, generation: int) -> None:
         """``generation``'s groups exist: watch them."""
         if self._watcher is not None:
@@ -182,6 +185,11 @@ class AbortBackends(Release):
     def pg_timeout(self, timeout: timedelta | None) -> timedelta | None:
         """Twice the step deadline: the deadline and the launcher's generation decide, never this timeout."""
         return timeout * 2 if timeout is not None else None
+
+    def began(self, generation: int) -> None:
+        """Watched from its default group on: a peer lost while the generation forms (its groups, the layers
+        moved to it) blocks NCCL as any loss does, and only an abort ends that."""
+        self.formed(generation)
 
     @contextlib.contextmanager
     def attempt(self) -> Iterator[None]:
