@@ -175,12 +175,14 @@ def test_sigkill_during_validation(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@BACKENDS
 def test_two_pipelines_prepared_and_applied(
-    tmp_path: Path, elastic_reference: dict[str, torch.Tensor]
+    tmp_path: Path, elastic_reference: dict[str, torch.Tensor], backend: str
 ) -> None:
     """2 stages x 2 pipelines: member 3 dies once prepared (the step commits: all had prepared, or aborts:
     one had not — either way the survivors agree), later member 0 dies after applying its step."""
-    run_elastic(tmp_path, nproc=4, stages=2, fault="3:1:prepared,0:4:applied")
+    run_elastic(tmp_path, nproc=4, stages=2, fault="3:1:prepared,0:4:applied",
+                extra_args=("--backend", backend))
     record = launched(tmp_path)
     assert record.summary() == [("failover", [3]), ("failover", [0])]
     assert record.grids() == [[[0, 1], [2, 2]], [[1, 1], [2, 2]]]
