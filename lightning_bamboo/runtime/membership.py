@@ -1,9 +1,11 @@
 """The membership runtime: which generation this member is in, and what it does when the job's membership
 changes (failover, rejoin, fallback, drain, stop).
 
-A failure (a gloo error, or the generation changing while waiting) makes a member wait for the supervisor's
-next generation (:mod:`lightning_bamboo.launch` decides membership), destroy the old process group and form
-the new one: ``init_process_group`` on ``PrefixStore("gen{g}")``, layers moved peer to peer where the new
+A failure (a communication error, or the generation changing while waiting) makes a member wait for the
+supervisor's next generation (:mod:`lightning_bamboo.launch` decides membership), release the old process
+group as its backend needs (:mod:`lightning_bamboo.runtime.release`: gloo's sockets cut, NCCL's backends
+aborted from a watcher thread; a failed generation is never destroyed) and form the new one:
+``init_process_group`` on ``PrefixStore("gen{g}")``, layers moved peer to peer where the new
 ownership map needs them (:mod:`lightning_bamboo.runtime.reshard`; a promoted replica moves nothing), new
 groups, engine and replica (:class:`~lightning_bamboo.runtime.formation.Formation`). An aborted step is then
 *replayed* on the new layout with the same batch (every batch of the step, with ``accumulate_grad_batches``),
