@@ -376,7 +376,7 @@ class BambooStrategy(ParallelStrategy):
         _private.restore_loader_states(trainer.fit_loop)  # mid-epoch position, also after an early estimate
         if self._env is not None and self._env.joining and self._gen.owners is None:
             members = self._membership  # the job's step count comes with the joiner's progress
-            members.joins.join(trainer, members.begin, members.formed, members.skip)
+            self._session.step = members.joins.join(trainer, members.begin, members.formed, members.skip)
         elif not self._events.muted:
             self._session.step = trainer.global_step  # a resumed fit goes on counting (checkpoints, keys)
         self._formation.check_train_batches(trainer.train_dataloader)

@@ -104,7 +104,7 @@ class Membership:
         self.created_during_eval: list[torch.nn.Module] = []
         self.rank_zero = RankZeroDuties()  # rows and progress bar, when this member becomes rank 0
         self.drain_timer = DrainTimer()
-        self.joins = Joins(gen, formation, session, lightning, lambda: self.store)
+        self.joins = Joins(gen, formation, lambda: session.step, lightning, lambda: self.store)
 
     @property
     def member(self) -> int:
