@@ -61,7 +61,8 @@ from lightning_bamboo._lightning.precision import with_pipeline_clipping
 from lightning_bamboo.checkpoint import sharded as ckpt
 from lightning_bamboo.contract import find_pipeline_body
 from lightning_bamboo.control import store as ms
-from lightning_bamboo.runtime.membership import LightningSide, record_exception
+from lightning_bamboo.runtime.lightning_side import LightningSide
+from lightning_bamboo.runtime.membership import record_exception
 from lightning_bamboo.runtime.parts import Options, assemble, resolve_recovery
 from lightning_bamboo.step.broadcast import broadcast_json
 
@@ -284,8 +285,9 @@ class BambooStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         """Bamboo's supervisor for a plain ``python train.py`` (:func:`wiring.launcher`)."""
         processes = len(self.parallel_devices or [])
+        cuda = bool(self.parallel_devices) and self.parallel_devices[0].type == "cuda"
         self._launcher = wiring.launcher(self._env, self.cluster_environment, processes, self.num_nodes,
-                                         self._options)
+                                         self._options, cuda)
 
     @override
     def set_world_ranks(self) -> None:
@@ -374,7 +376,7 @@ class BambooStrategy(ParallelStrategy):
         _private.restore_loader_states(trainer.fit_loop)  # mid-epoch position, also after an early estimate
         if self._env is not None and self._env.joining and self._gen.owners is None:
             members = self._membership  # the job's step count comes with the joiner's progress
-            members.joins.join(trainer, members.begin, members.formed, members.skip)
+            self._session.step = members.joins.join(trainer, members.begin, members.formed, members.skip)
         elif not self._events.muted:
             self._session.step = trainer.global_step  # a resumed fit goes on counting (checkpoints, keys)
         self._formation.check_train_batches(trainer.train_dataloader)

@@ -19,13 +19,14 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.callbacks import Checkpoint, StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_bamboo._lightning import private as _private
 from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
+from lightning_bamboo.control import nccl_env
 from lightning_bamboo.control import store as ms
 from lightning_bamboo.control.drain import BambooDeparted
 from lightning_bamboo.runtime.data_order import in_written_order
@@ -90,6 +91,7 @@ def launcher(
     processes: int,
     num_nodes: int,
     options: Options,
+    cuda: bool = False,
 ) -> _Launcher | None:
     """What starts the processes: a plain ``python train.py`` with ``devices=N`` becomes the supervisor of
     N workers (:mod:`lightning_bamboo.runtime.launcher`); a worker of a Bamboo job launches nothing;
@@ -104,7 +106,8 @@ def launcher(
         return _private.SubprocessScriptLauncher(cluster, processes, num_nodes)
     preflight = functools.partial(checked_module, pipeline_attr=options.pipeline_attr,
                                   num_stages=options.num_stages, costs=options.layer_costs)
-    return SupervisorLauncher(processes, options.hang_timeout, preflight=preflight)
+    backend = options.process_group_backend or ("nccl" if cuda else "gloo")  # what enter() will choose
+    return SupervisorLauncher(processes, options.hang_timeout, preflight=preflight, backend=backend)
 
 
 def enter(
@@ -126,6 +129,7 @@ def enter(
     if env is None:
         set_world_ranks()
         check_world_size(members.nproc, options.num_stages)
+        warn_nccl_env(members.backend)
     base = connect(env, cluster, members.rank, members.nproc, timeout)
     entry = next_entry(base)
     if env is None and entry == 1 and members.nproc > 1:  # once per job, at its first entry point
@@ -146,7 +150,15 @@ def enter(
     # rank-zero-only parts (progress bar, logging) start on one member only
     members.rank = members.member
     set_world_ranks()
+    warn_nccl_env(members.backend)
     watch_sigterm(trainer, drain_on_sigterm)
+
+
+def warn_nccl_env(backend: str | None) -> None:
+    """On NCCL, warn (rank zero) naming the variables of :data:`~.control.nccl_env.NCCL_ENV` this worker
+    lacks: another launcher (torchrun, SLURM), or Bamboo's with ``BAMBOO_NCCL_ENV=0``."""
+    if nccl_env.uses_nccl(backend) and (names := nccl_env.missing()):
+        rank_zero_warn(nccl_env.warning(names))
 
 
 def set_rank_zero(rank: int) -> None:

@@ -68,6 +68,7 @@ class Supervisor(Coordinator):
         replace_delay: float = 0.0,
         stop_timeout: float = 30.0,
         preload: bool = True,
+        backend: str | None = None,
     ) -> None:
         if nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {nproc}")
@@ -93,7 +94,7 @@ class Supervisor(Coordinator):
         self.store_url = store_url
         super().__init__(ms.connect(store_url, self.job), log)
         self.local = LocalWorkers(command, self.store, hang_timeout, log, workers_on_machine=nproc,
-                                  preload=preload)
+                                  preload=preload, backend=backend)
         self.next_member = 0
         self._due: list[float] = []  # when the next replacements start
         self.returncode: int | None = None

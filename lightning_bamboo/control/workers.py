@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from lightning_bamboo.control import nccl_env
 from lightning_bamboo.control import store as ms
 from lightning_bamboo.control.preload import PreloadedProcess, Preloader
 
@@ -72,15 +73,18 @@ class LocalWorkers:
         log=print,
         workers_on_machine: int = 1,
         preload: bool = True,
+        backend: str | None = None,
     ) -> None:
         self.command = command
         self.store = store
         self.hang_timeout = hang_timeout
         self.log = log
         self.threads = thread_env(workers_on_machine)
+        # NCCL workers survive a lost peer only with these (control/nccl_env.py); the preload server too
+        self.nccl = nccl_env.for_workers(backend or nccl_env.workers_backend())
         self.preloader: Preloader | None = None
         if preload and os.environ.get(PRELOAD_ENV, "1") != "0":
-            self.preloader = Preloader({**os.environ, **self.threads}, log)
+            self.preloader = Preloader({**os.environ, **self.threads, **self.nccl}, log)
         self.workers: dict[int, _Worker] = {}
         self.hung: list[int] = []
         """Members SIGKILLed for a silent heartbeat, in order (the supervisor's record of the job)."""
@@ -92,7 +96,7 @@ class LocalWorkers:
         with self.lock:
             taken = {w.local_rank for w in self.workers.values() if w.proc.poll() is None}
             local_rank = min(set(range(len(taken) + 1)) - taken)
-            env = {**os.environ, **self.threads, **env, ms.ENV_LOCAL_RANK: str(local_rank)}
+            env = {**os.environ, **self.threads, **self.nccl, **env, ms.ENV_LOCAL_RANK: str(local_rank)}
             if self.preloader is not None:
                 proc = self.preloader.start(self.command, env)
             else:

@@ -28,7 +28,8 @@ from lightning_bamboo.control import store as ms
 
 log = logging.getLogger(__name__)
 
-_CUT_KINDS = ("failover", "fallback", "stop")
+FAILED_KINDS = ("failover", "fallback", "stop")  # generations that end the one before by a failure
+_CUT_KINDS = FAILED_KINDS
 
 
 def socket_fds() -> set[int]:
@@ -94,9 +95,13 @@ class GenerationCutter:
                 except Exception:  # the launcher is gone: the job is over
                     return
 
+    def armed(self) -> bool:
+        """Whether a formed generation is watched (lock held)."""
+        return bool(self._fds)
+
     def _check(self) -> None:
         with self._lock:
-            if not self._fds:
+            if not self.armed():
                 return
             current = ms.current_generation(self._store)
             if current <= self._generation:
@@ -104,11 +109,15 @@ class GenerationCutter:
             kind = ms.get_str(self._store, f"gen{current}/kind")
             if kind not in _CUT_KINDS:
                 return
-            log.warning(
-                "Bamboo member %d: generation %d superseded by a %s generation: closing its %d connections",
-                self._member, self._generation, kind, len(self._fds),
-            )
-            self._shutdown()
+            self.superseded(kind)
+
+    def superseded(self, kind: str) -> None:
+        """A ``kind`` generation ended the armed one (lock held): cut its connections."""
+        log.warning(
+            "Bamboo member %d: generation %d superseded by a %s generation: closing its %d connections",
+            self._member, self._generation, kind, len(self._fds),
+        )
+        self._shutdown()
 
     def cut_now(self) -> None:
         """Shut this member's connections of the armed generation down now, and disarm.

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from lightning_bamboo.runtime.events import Events
     from lightning_bamboo.runtime.formation import Formation
     from lightning_bamboo.runtime.generation import Generation
-    from lightning_bamboo.runtime.membership import LightningSide
+    from lightning_bamboo.runtime.lightning_side import LightningSide
     from lightning_bamboo.step.session import StepSession
 
 

@@ -23,17 +23,17 @@ if TYPE_CHECKING:
 
     from lightning_bamboo.runtime.formation import Formation
     from lightning_bamboo.runtime.generation import Generation
-    from lightning_bamboo.runtime.membership import LightningSide
-    from lightning_bamboo.step.session import StepSession
+    from lightning_bamboo.runtime.lightning_side import LightningSide
 
 
 class Joins:
-    """Joins of one member (see the module docstring); ``store`` returns the job's store once connected."""
+    """Joins of one member (see the module docstring); ``store`` returns the job's store once connected,
+    ``step`` the committed step count (it holds no step session: a joiner's step is :meth:`join`'s result)."""
 
-    def __init__(self, gen: Generation, formation: Formation, session: StepSession, lightning: LightningSide,
-                 store: Callable[[], dist.Store | None]) -> None:
-        self._gen, self._formation, self._session, self._lightning, self._store = (
-            gen, formation, session, lightning, store)
+    def __init__(self, gen: Generation, formation: Formation, step: Callable[[], int],
+                 lightning: LightningSide, store: Callable[[], dist.Store | None]) -> None:
+        self._gen, self._formation, self._step, self._lightning, self._store = (
+            gen, formation, step, lightning, store)
 
     def claim(self, step: int) -> bool:
         """Called by the member committing ``step``: adopt the launcher's join proposal after it, unless the
@@ -58,13 +58,14 @@ class Joins:
         if not joiners or not staying or self._gen.member != staying[0]:
             return
         trainer = self._lightning.module().trainer
-        snap = trainer_progress.snapshot(trainer, self._lightning.optimizer(), self._session.step)
+        snap = trainer_progress.snapshot(trainer, self._lightning.optimizer(), self._step())
         store.set(f"gen{new.generation}/progress", trainer_progress.to_json(snap))
 
     def join(self, trainer: pl.Trainer, begin: Callable[[OwnershipMap], None], formed: Callable[[int], None],
-             skip: Any) -> None:
+             skip: Any) -> int:
         """A joiner: register, wait for a generation listing this member, form it (``begin`` its process
-        group, ``formed`` when done), position the trainer and ``skip`` (its batch sampler) in the epoch."""
+        group, ``formed`` when done), position the trainer and ``skip`` (its batch sampler) in the epoch.
+        Returns the job's committed step count, where the joiner's step session starts."""
         store, member = self._store(), self._gen.member
         assert store is not None
         joining.register(store, member)
@@ -77,14 +78,15 @@ class Joins:
         progress = json.loads(store.get(f"gen{owners.generation}/progress"))
         trainer_progress.restore_optimizer(trainer, optimizer, progress)
         trainer_progress.restore_loop(trainer, progress)
-        self._session.step = int(progress["step"])
+        step = int(progress["step"])
         if skip is None:
             raise RuntimeError("Bamboo: the joiner's training DataLoader was not prepared to skip batches")
         skip.skip = int(progress["skip"])
         formed(owners.generation)
         print(
-            f"[bamboo] member {member} joined generation {owners.generation} at step {self._session.step} "
+            f"[bamboo] member {member} joined generation {owners.generation} at step {step} "
             f"(global step {progress['global_step']}, epoch {progress['epoch']}, batch {skip.skip}; "
             f"{time.monotonic() - start:.2f}s to form)\n{owners.format()}",
             flush=True,
         )
+        return step

@@ -62,9 +62,11 @@ class SupervisorLauncher(_private.Launcher):
     """
 
     def __init__(
-        self, nproc: int, hang_timeout: float = 5.0, preflight: Callable[[object], None] | None = None
+        self, nproc: int, hang_timeout: float = 5.0, preflight: Callable[[object], None] | None = None,
+        backend: str | None = None,
     ) -> None:
         self.nproc = nproc
+        self.backend = backend  # the workers' process-group backend (their environment follows it)
         self.hang_timeout = hang_timeout
         self.preflight = preflight
         self.supervisor: Supervisor | None = None
@@ -78,7 +80,8 @@ class SupervisorLauncher(_private.Launcher):
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if self.preflight is not None and args:  # fit/validate/test/predict(model, ...)
             self.preflight(args[0])
-        supervisor = Supervisor(script_command(), self.nproc, hang_timeout=self.hang_timeout)
+        supervisor = Supervisor(script_command(), self.nproc, hang_timeout=self.hang_timeout,
+                                backend=self.backend)
         self.supervisor = supervisor
         print(
             f"[bamboo.launch] this process supervises {self.nproc} workers (it trains nothing itself; the "

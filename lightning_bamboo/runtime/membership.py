@@ -1,9 +1,11 @@
 """The membership runtime: which generation this member is in, and what it does when the job's membership
 changes (failover, rejoin, fallback, drain, stop).
 
-A failure (a gloo error, or the generation changing while waiting) makes a member wait for the supervisor's
-next generation (:mod:`lightning_bamboo.launch` decides membership), destroy the old process group and form
-the new one: ``init_process_group`` on ``PrefixStore("gen{g}")``, layers moved peer to peer where the new
+A failure (a communication error, or the generation changing while waiting) makes a member wait for the
+supervisor's next generation (:mod:`lightning_bamboo.launch` decides membership), release the old process
+group as its backend needs (:mod:`lightning_bamboo.runtime.release`: gloo's sockets cut, NCCL's backends
+aborted from a watcher thread; a failed generation is never destroyed) and form the new one:
+``init_process_group`` on ``PrefixStore("gen{g}")``, layers moved peer to peer where the new
 ownership map needs them (:mod:`lightning_bamboo.runtime.reshard`; a promoted replica moves nothing), new
 groups, engine and replica (:class:`~lightning_bamboo.runtime.formation.Formation`). An aborted step is then
 *replayed* on the new layout with the same batch (every batch of the step, with ``accumulate_grad_batches``),
@@ -27,8 +29,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch.optim import Optimizer
 
 from lightning_bamboo._lightning import private as _private
 from lightning_bamboo.control import commit as commit_protocol
@@ -46,14 +45,15 @@ from lightning_bamboo.control import join as joining
 from lightning_bamboo.control import store as ms
 from lightning_bamboo.control.drain import DrainTimer
 from lightning_bamboo.layout.ownership import FallbackNeeded, OwnershipMap, initial
+from lightning_bamboo.runtime import release as releases
 from lightning_bamboo.runtime.collective_commit import CollectiveCommit, report_applied, settle
-from lightning_bamboo.runtime.cutter import GenerationCutter
+from lightning_bamboo.runtime.cutter import FAILED_KINDS
 from lightning_bamboo.runtime.events import drain_with_checkpoint
 from lightning_bamboo.runtime.joins import Joins
+from lightning_bamboo.runtime.lightning_side import LightningSide
 from lightning_bamboo.runtime.rank_zero import RankZeroDuties
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
 
     from lightning_bamboo.notices.base import Notice
     from lightning_bamboo.runtime.events import Events
@@ -67,17 +67,6 @@ log = logging.getLogger(__name__)
 
 class Spare(RuntimeError):
     """This member has no stage in the new generation: it leaves (not an error of the training code)."""
-
-
-@dataclass(frozen=True)
-class LightningSide:
-    """What the runtime's parts need of Lightning, as callables the strategy passes (never the strategy)."""
-
-    module: Callable[[], pl.LightningModule]
-    optimizer: Callable[[], Optimizer]
-    schedulers: Callable[[], list[Any]]
-    device: Callable[[], torch.device]
-    ranks_changed: Callable[[], None]  # Lightning's rank-zero-only parts follow this member's rank
 
 
 class Membership:
@@ -102,7 +91,7 @@ class Membership:
         self._events, self._lightning = events, lightning
         self._failure_wait, self._timeout = failure_wait, timeout
         self._heartbeat: ms.Heartbeat | None = None
-        self._cutter: GenerationCutter | None = None
+        self._release: releases.Release | None = None  # how this backend lets go of a generation
         self._generations: ms.GenerationWatch | None = None  # the boundary's look at the generation
         self._collective: CollectiveCommit | None = None  # the commit by all-reduce (a store across machines)
         self.failovers: list[tuple[OwnershipMap, OwnershipMap]] = []
@@ -115,7 +104,7 @@ class Membership:
         self.created_during_eval: list[torch.nn.Module] = []
         self.rank_zero = RankZeroDuties()  # rows and progress bar, when this member becomes rank 0
         self.drain_timer = DrainTimer()
-        self.joins = Joins(gen, formation, session, lightning, lambda: self.store)
+        self.joins = Joins(gen, formation, lambda: session.step, lightning, lambda: self.store)
 
     @property
     def member(self) -> int:
@@ -128,13 +117,17 @@ class Membership:
 
     def start(self, store: dist.Store, elastic: bool, heartbeat: float | None) -> None:
         """An entry point connected ``store``; the elastic one starts the heartbeat (every ``heartbeat``
-        seconds; ``None``: :func:`~lightning_bamboo.control.store.default_heartbeat`) and the cutter."""
+        seconds; ``None``: :func:`~lightning_bamboo.control.store.default_heartbeat`) and the watcher of
+        the backend's release (:mod:`~lightning_bamboo.runtime.release`)."""
         self.store, self.elastic = store, elastic
+        if self._release is not None:
+            self._release.stop()
+        self._release = releases.for_backend(self.backend, self.env if elastic else None,
+                                             self._lightning.device, self._timeout)
         if elastic:
             assert self.env is not None
             interval = heartbeat if heartbeat is not None else ms.default_heartbeat(store)
             self._heartbeat = ms.Heartbeat(self.env, interval)
-            self._cutter = GenerationCutter(self.env)
             self._generations = ms.GenerationWatch(store)
             if isinstance(store, ms.RoundTripStore):
                 env = self.env
@@ -168,18 +161,17 @@ class Membership:
         return owners
 
     def begin(self, owners: OwnershipMap) -> None:
-        """Destroy the last generation's process group and create ``owners``' (ranks follow it)."""
-        assert self.store is not None
-        if self._cutter is not None:
-            self._cutter.disarm()
+        """Release the last generation's process groups and create ``owners``' (ranks follow it): by the
+        backend's failed-generation release when a failure generation ended it, else by destroy."""
+        assert self.store is not None and self._release is not None
         if dist.is_initialized():
-            dist.destroy_process_group()
-        if self._cutter is not None:
-            self._cutter.before_init()
+            kind = ms.read_if_set(self.store, f"gen{owners.generation}/kind") if self.elastic else None
+            self._release.end(failed=kind is not None and kind.decode() in FAILED_KINDS)
+        self._release.before_init()
         self._gen.owners = owners
         self.rank, self.world = owners.rank_of(self.member), len(owners.members())
         device = self._lightning.device()
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        kwargs: dict[str, Any] = {"timeout": self._release.pg_timeout(self._timeout)}
         if device.type == "cuda":
             kwargs["device_id"] = device
         dist.init_process_group(
@@ -189,16 +181,20 @@ class Membership:
             world_size=self.world,
             **kwargs,
         )
+        self._release.began(owners.generation)
         self._lightning.ranks_changed()
 
     def formed(self, generation: int) -> None:
-        """Tell the supervisor this member formed ``generation`` (and arm the cutter on its sockets)."""
-        if self._cutter is not None:
-            self._cutter.arm(generation)
-        assert self.store is not None
+        """Tell the supervisor this member formed ``generation`` (and watch its groups)."""
+        assert self.store is not None and self._release is not None
+        self._release.formed(generation)
         self.store.add(f"gen{generation}/formed", 1)
 
     # ------------------------------------------------------------------ around a step (the session's Runtime)
+    def attempt(self) -> contextlib.AbstractContextManager[None]:
+        """Around one attempt of the retry loop: the backend's deadline backstop, where it has one."""
+        return self._release.attempt() if self._release is not None else contextlib.nullcontext()
+
     def vote(self, step: int, prepare: bool) -> str:
         """The commit's outcome of ``step``: prepare and wait for it (``prepare``), or settle it after an
         error. On a store across machines the members commit by all-reduce and settle a cut step from what
@@ -273,25 +269,12 @@ class Membership:
         return False
 
     def _abort_groups(self) -> None:
-        """Abort this member's process groups: peers blocked on it fail now instead of at their timeout.
-
-        Its connections are shut down first (:meth:`~.cutter.GenerationCutter.cut_now`): a peer waiting for a
-        message this member will not send now (the rest of a broadcast it abandoned) is failed by gloo only
-        when this side's sockets close, not by ``abort`` (measured: 20 s, the group's timeout, without it)."""
-        if not dist.is_initialized():
-            return
-        if self._cutter is not None:
-            self._cutter.cut_now()
-        try:
-            _private.abort_process_group()
-        except Exception as err:  # the groups are being thrown away either way
-            log.warning(
-                "Bamboo: aborting the process group failed (%s); peers may wait for their timeout", err
-            )
+        """Release the failed generation as its backend needs (:meth:`.release.Release.failed`: gloo's
+        sockets cut, NCCL's backends aborted, never destroyed) and drop what ran on it."""
+        assert self._release is not None
+        self._release.failed()
         self._gen.engine = None
         self._gen.view = None
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
     def next_generation(self, since: float | None = None) -> None:
         """Wait for the generation after this one and form it (or wait as a spare).
@@ -461,10 +444,9 @@ class Membership:
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
-        if self._cutter is not None:
-            self._cutter.disarm()
-            self._cutter.stop()
-            self._cutter = None
+        if self._release is not None:
+            self._release.stop()
+            self._release = None
         if self._generations is not None:
             self._generations.close()
             self._generations = None

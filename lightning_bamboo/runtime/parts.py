@@ -23,7 +23,8 @@ from lightning_bamboo.runtime.events import Events
 from lightning_bamboo.runtime.fallback import Fallback
 from lightning_bamboo.runtime.formation import Formation
 from lightning_bamboo.runtime.generation import Generation
-from lightning_bamboo.runtime.membership import LightningSide, Membership
+from lightning_bamboo.runtime.lightning_side import LightningSide
+from lightning_bamboo.runtime.membership import Membership
 from lightning_bamboo.step.session import StepSession
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
@@ -51,6 +52,7 @@ class Runtime(Protocol):
     """What the session asks of the membership runtime
     (:class:`~lightning_bamboo.runtime.membership.Membership`) around a step."""
 
+    def attempt(self) -> AbstractContextManager[None]: ...
     def generation_ended(self, err: BaseException) -> bool: ...
     def recover(self, since: float) -> None: ...
     def vote(self, step: int, prepare: bool) -> str: ...
@@ -96,7 +98,8 @@ class StepSession:
         while True:
             since = time.monotonic()
             try:
-                return attempt()
+                with runtime.attempt():  # the backend's deadline backstop (release.AbortBackends)
+                    return attempt()
             except Exception as err:
                 if not isinstance(err, Retry) and not runtime.generation_ended(err):
                     raise

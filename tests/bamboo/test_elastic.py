@@ -87,13 +87,23 @@ def launched(out: Path) -> Record:
     return Record.read(out / NAME)
 
 
+BACKENDS = pytest.mark.parametrize("backend", ["gloo", "nccl-like"])  # nccl-like: NCCL's failure rules on CPU
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_sigkill_last_stage_two_stages(tmp_path: Path, elastic_reference: dict[str, torch.Tensor]) -> None:
+@BACKENDS
+def test_sigkill_last_stage_two_stages(
+    tmp_path: Path, elastic_reference: dict[str, torch.Tensor], backend: str
+) -> None:
     """The last stage dies mid-step; stage 0 holds its replica and runs the whole model. The output says it
     once: Lightning's start-up lines come from member 0 only, and the survivor's gloo error is not printed
-    (the supervisor reports the failover)."""
-    log = run_elastic(tmp_path, nproc=2, stages=2, fault="1:2:forward")
+    (the supervisor reports the failover). On ``nccl-like`` nothing raises: the survivor's operation blocks
+    until its watcher aborts the generation's backends, and the failed generation is never destroyed."""
+    log = run_elastic(tmp_path, nproc=2, stages=2, fault="1:2:forward", extra_args=("--backend", backend))
+    if backend == "nccl-like":
+        assert "superseded by a failover generation: aborting its backends" in log, log[-3000:]
+        assert "NcclLikeDestroyRefused" not in log
     record = launched(tmp_path)
     assert record.summary() == [("failover", [1])] and record.grids() == [[[0, 0]]]
     assert log.count("GPU available:") == 1 and log.count("Tip:") <= 1
@@ -165,12 +175,14 @@ def test_sigkill_during_validation(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@BACKENDS
 def test_two_pipelines_prepared_and_applied(
-    tmp_path: Path, elastic_reference: dict[str, torch.Tensor]
+    tmp_path: Path, elastic_reference: dict[str, torch.Tensor], backend: str
 ) -> None:
     """2 stages x 2 pipelines: member 3 dies once prepared (the step commits: all had prepared, or aborts:
     one had not — either way the survivors agree), later member 0 dies after applying its step."""
-    run_elastic(tmp_path, nproc=4, stages=2, fault="3:1:prepared,0:4:applied")
+    run_elastic(tmp_path, nproc=4, stages=2, fault="3:1:prepared,0:4:applied",
+                extra_args=("--backend", backend))
     record = launched(tmp_path)
     assert record.summary() == [("failover", [3]), ("failover", [0])]
     assert record.grids() == [[[0, 1], [2, 2]], [[1, 1], [2, 2]]]

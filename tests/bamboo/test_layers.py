@@ -92,3 +92,80 @@ def test_every_strategy_attribute_the_package_reads_by_name_exists() -> None:
     assert read, "found no getattr(strategy, ...) in the package"
     missing = sorted(name for name in read if not hasattr(strategy, name))
     assert not missing, f"the package reads BambooStrategy attributes that do not exist: {missing}"
+
+
+def all_imports(path: Path) -> list[str]:
+    """Every module ``path`` names in an import, those under ``if TYPE_CHECKING:`` included; ``from a import
+    b`` names ``a.b`` when that is a module of the package, else ``a``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [f"{node.module}.{alias.name}" for alias in node.names]
+            found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+    return found
+
+
+def module_name(path: Path) -> str:
+    return ".".join(("lightning_bamboo", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(
+        ".__init__")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (types included). ``from a import b`` counts as an import
+    of ``a.b`` alone when that is a module; a module's own packages are never an edge (Python runs a
+    package's ``__init__`` before its modules, whichever imports which)."""
+    names = {module_name(p) for p in modules()}
+    graph: dict[str, set[str]] = {}
+    for path in modules():
+        name = module_name(path)
+        imported = all_imports(path)
+        edges = set()
+        for target in imported:
+            if target not in names or target == name or name.startswith(f"{target}."):
+                continue
+            if any(other.startswith(f"{target}.") and other in names for other in imported) and not any(
+                    f"{target}.{alias}" not in names for alias in _aliases(path, target)):
+                continue  # ``from a import b`` of modules only: the edges are to a.b
+            edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def _aliases(path: Path, module: str) -> list[str]:
+    """The names ``path`` imports ``from module``."""
+    return [alias.name for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.module == module for alias in node.names]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph`` (each found once, as the path that closes it)."""
+    found: list[list[str]] = []
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == "open":
+                found.append([*path[path.index(target):], target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def test_the_package_has_no_import_circle() -> None:
+    """No module of ``lightning_bamboo`` imports one that imports it back, directly or through others, not
+    even for type hints: each can be read and tested from the bottom up (the membership, fallback and joins
+    once imported each other; what they share of Lightning is its own module, ``runtime/lightning_side``)."""
+    assert cycles(import_graph()) == []
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

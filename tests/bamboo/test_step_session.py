@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,6 +21,9 @@ class FakeRuntime:
     def __init__(self, lost: tuple[type[BaseException], ...]) -> None:
         self.lost = lost
         self.recovered: list[float] = []
+
+    def attempt(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def generation_ended(self, err: BaseException) -> bool:
         return isinstance(err, self.lost)

@@ -120,6 +120,7 @@ def main() -> None:
     )
     parser.add_argument("--raise-at", default="", help="MEMBER:STEP: its loss raises there")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
+    parser.add_argument("--backend", default=None, help="BambooStrategy(process_group_backend=...)")
     parser.add_argument("--ledger", type=Path, default=None, help="a BambooLedger file")
     parser.add_argument("--step-times", type=Path, default=None, help="rank 0 appends 'step time' lines")
     parser.add_argument("--events", action="store_true", help="a BambooEventLog writing to <out>/events")
@@ -166,6 +167,7 @@ def main() -> None:
             num_microbatches=args.microbatches,
             **({"recovery": args.recovery} if args.recovery else {"redundancy": not args.no_redundancy}),
             timeout=20,
+            process_group_backend=args.backend,
             checkpoint_every_n_steps=args.checkpoint_every,
             checkpoint_dir=args.checkpoint_dir,
         )

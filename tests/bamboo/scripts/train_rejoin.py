@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--hold-at", type=int, default=-1)
     parser.add_argument("--tied", action="store_true", help="layer 4's weight IS layer 0's")
     parser.add_argument("--dropout", action="store_true", help="WithDropout's body (not with --tied)")
+    parser.add_argument("--backend", default=None, help="BambooStrategy(process_group_backend=...)")
     parser.add_argument("--recovery", choices=["replica", "replica+forward", "peers"], default=None,
                         help="BambooStrategy(recovery=...); default: the strategy's")
     args = parser.parse_args()
@@ -98,7 +99,8 @@ def main() -> None:
     strategy: BambooStrategy | str = "auto"
     if args.strategy == "elastic":
         strategy = BambooStrategy(
-            num_stages=args.stages, num_microbatches=args.microbatches, timeout=20, recovery=args.recovery
+            num_stages=args.stages, num_microbatches=args.microbatches, timeout=20, recovery=args.recovery,
+            process_group_backend=args.backend,
         )
     trainer = Trainer(
         accelerator="cpu",
