@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_bamboo.contract import check_replayed_loss
 from lightning_bamboo.control.commit import COMMIT, COMMIT_JOIN
+from lightning_bamboo.pipeline.buffers import StageBuffers, stage_modules, stage_sources
 from lightning_bamboo.pipeline.microbatch import batch_size_of, join_microbatches, split_microbatches
 from lightning_bamboo.pipeline.ties import uncounted_parameter_ids
 from lightning_bamboo.schedule import Action, ActionKind
@@ -69,8 +70,9 @@ class StepSession:
 
     def __init__(self, gen: Generation, formation: Formation, events: Events,
                  trainer: Callable[[], pl.Trainer], precision: Callable[[], Precision],
-                 device: Callable[[], torch.device]) -> None:
+                 device: Callable[[], torch.device], batch_norm: str = "broadcast") -> None:
         self._gen, self._formation, self._events = gen, formation, events
+        self.buffers = StageBuffers(batch_norm)  # one value of every buffer across the pipelines
         self._trainer, self._precision, self._device = trainer, precision, device
         self.step = 0  # committed steps: keys checkpoints, commits and random numbers
         self.in_step = 0  # the step Lightning's optimizer_step is in (a fallback re-runs the earlier ones)
@@ -301,8 +303,14 @@ class StepSession:
         earlier = [p.grad for p in params]  # accumulated by earlier batches (accumulate_grad_batches > 1)
         for p in params:
             p.grad = None
+        gen, formation = self._gen, self._formation
+        assert gen.owners is not None and gen.view is not None
+        stages = stage_modules(formation.layers, formation.stage_layers, gen.view.own_stages)
+        self.buffers.begin(stages, formation.global_microbatches)
         with self._precision().train_step_context():
             loss = engine.run_step(microbatches, step=self._forward_key_step(position))
+        self.buffers.finish(stages, dict(gen.view.stage_groups),
+                            stage_sources(gen.owners.pipelines, gen.owners.rank_of), gen.view.num_pipelines)
         self.stashed_grads = [p.grad for p in params]
         for p, grad in zip(params, earlier):
             p.grad = grad
