@@ -65,6 +65,7 @@ from lightning_bamboo.pipeline.buffers import batch_norm_split_warning, refuse_s
 from lightning_bamboo.runtime.membership import LightningSide, record_exception
 from lightning_bamboo.runtime.parts import Options, assemble, resolve_recovery
 from lightning_bamboo.step.broadcast import broadcast_json
+from lightning_bamboo.step.reduce import is_mean, sample_weighted_mean
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -504,8 +505,16 @@ class BambooStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        """A mean (``self.log(..., sync_dist=True)``) weights each pipeline by its samples, not its ranks
+        (:mod:`.step.reduce`); other reductions are Lightning's over every rank."""
         if self._membership.joining_setup or not isinstance(tensor, Tensor):
             return tensor
+        gen = self._gen
+        if group is None and is_mean(reduce_op) and dist.is_initialized() and gen.owners is not None \
+                and gen.view is not None:
+            share = self._formation.microbatch_share(gen.owners, gen.member)
+            weight = len(share) / self._formation.global_microbatches / gen.view.num_positions
+            return sample_weighted_mean(tensor, weight)
         return _private.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override

@@ -162,7 +162,7 @@ class StageBody(StageSequential):
 
     def _replayed_forward(self, input: Any) -> Any:
         if self.replayed_loss is not None:
-            return input
+            return ReplayedOutputs(self.owner, self.attr)
         assert self._predicted is not None
         inputs, outputs = self._predicted
         if _same(input, inputs):
@@ -173,6 +173,40 @@ class StageBody(StageSequential):
             "batch's pipeline_inputs(batch) and predict_step gets those outputs. Call the body on "
             "pipeline_inputs(batch) only, or run another input through trainer.strategy.full_forward(inputs)"
         )
+
+
+class ReplayedOutputs:
+    """What the body returns while a training/validation/test step is replayed: a stand-in that
+    ``pipeline_loss`` accepts (it answers the pipeline's loss) and that refuses every other use, naming what
+    to write instead. The outputs live on the pipeline's last stage, micro-batch by micro-batch; returning
+    the input (or anything tensor-like) would let ``accuracy(self.pipeline(x), y)`` compute garbage."""
+
+    def __init__(self, owner: str, attr: str) -> None:
+        object.__setattr__(self, "_message", (
+            f"{owner}.{attr}(...) was used for something other than {owner}.pipeline_loss(...) in a "
+            "training/validation/test step under BambooStrategy: the step method is replayed with the loss "
+            "the pipeline schedule computed, and the body's outputs exist only on the last stage, so here "
+            f"{attr}(...) stands for its outputs only as pipeline_loss's argument. For the outputs "
+            "themselves (accuracy, metrics) call lightning_bamboo.strategy.full_forward(self, "
+            "self.pipeline_inputs(batch)): the whole body's outputs on every rank of the pipeline, without "
+            "a graph, under any strategy (in validation_step/test_step; every rank runs them)"
+        ))
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(object.__getattribute__(self, "_message"))
+
+    def __getattr__(self, name: str) -> Any:
+        raise TypeError(object.__getattribute__(self, "_message"))
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        outputs = next(a for a in [*args, *(kwargs or {}).values()] if isinstance(a, ReplayedOutputs))
+        outputs._refuse()
+
+    __getitem__ = __iter__ = __len__ = __bool__ = __float__ = __array__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __matmul__ = __rmatmul__ = __neg__ = _refuse  # type: ignore[assignment]
+    __hash__ = object.__hash__
 
 
 def _batch_itself(batch: Any) -> Any:

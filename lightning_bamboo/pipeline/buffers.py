@@ -24,10 +24,11 @@ updates are undone with its other buffer changes):
 A job with one pipeline and one micro-batch has nothing to agree on and is left to BatchNorm itself (so it
 stays bit-equal to ``strategy="auto"``).
 
-The hooks are forward hooks on this member's own BatchNorm layers (registered and removed by this module,
-never an attribute of the user's layers): the pre-hook accumulates the input's shifted sums, the hook puts
-the running statistics back as they were before the forward. The replica's layers carry no hooks: the
-replica receives its successor's buffers after every step (:mod:`lightning_bamboo.pipeline.replica`).
+The hooks are forward hooks on this member's own BatchNorm layers (registered and removed by this module):
+the pre-hook accumulates the input's shifted sums and lends the forward copies of the running statistics to
+update, the hook gives the layer its own buffers back, unchanged (never written in place: the forward's graph
+may hold them). The replica's layers carry no hooks: the replica receives its successor's buffers after every
+step (:mod:`lightning_bamboo.pipeline.replica`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from lbd_common import codec
 
 BATCH_NORM_MODES = ("broadcast", "deferred")
 _BatchNorm = nn.modules.batchnorm._BatchNorm
+_RUNNING = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def check_batch_norm_mode(batch_norm: str) -> None:
@@ -160,7 +162,7 @@ class DeferredStatistics:
     def __init__(self) -> None:
         self._handles: dict[int, tuple[_BatchNorm, list[RemovableHandle]]] = {}
         self._sums: dict[int, _Sums] = {}
-        self._saved: dict[int, list[Tensor | None]] = {}
+        self._saved: dict[int, dict[str, Tensor]] = {}
         self.active = False
 
     def attach(self, layers: Iterable[_BatchNorm]) -> None:
@@ -195,21 +197,16 @@ class DeferredStatistics:
         if sums is None:
             sums = self._sums[id(layer)] = _Sums(layer.running_mean)
         sums.add(args[0])
-        self._saved[id(layer)] = [
-            None if b is None else b.detach().clone()
-            for b in (layer.running_mean, layer.running_var, layer.num_batches_tracked)
-        ]
+        # the forward updates throw-away copies: the buffers themselves are never written in place (the
+        # graph of this forward may hold them, and the step's snapshot refers to these very tensors)
+        originals = {name: getattr(layer, name) for name in _RUNNING if getattr(layer, name) is not None}
+        self._saved[id(layer)] = originals
+        for name, buffer in originals.items():
+            setattr(layer, name, buffer.detach().clone())
 
     def _after(self, layer: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        saved = self._saved.pop(id(layer), None)
-        if saved is None:
-            return
-        assert isinstance(layer, _BatchNorm)
-        with torch.no_grad():
-            buffers = (layer.running_mean, layer.running_var, layer.num_batches_tracked)
-            for buffer, value in zip(buffers, saved, strict=True):
-                if buffer is not None and value is not None:
-                    buffer.copy_(value)
+        for name, buffer in self._saved.pop(id(layer), {}).items():
+            setattr(layer, name, buffer)
 
 
 class StageBuffers:

@@ -26,7 +26,7 @@ def test_deferred_statistics_equal_the_whole_batchs_update(
     kind: type[nn.Module], shape: tuple[int, ...], momentum: float | None
 ) -> None:
     """4 micro-batches, 3 batches: the running statistics (and ``num_batches_tracked``) equal one BatchNorm
-    given each whole batch; every micro-batch is still normalized by its own statistics."""
+    given each whole batch; each micro-batch is still normalized by its own statistics and back-propagates."""
     whole = kind(3).double()
     whole.momentum = momentum
     deferred = copy.deepcopy(whole)
@@ -38,7 +38,9 @@ def test_deferred_statistics_equal_the_whole_batchs_update(
         rule.begin({0: [deferred]}, split=4)
         for part in x.chunk(4):
             own = copy.deepcopy(deferred)
-            torch.testing.assert_close(deferred(part), own(part), rtol=0, atol=0)
+            out = deferred(part)
+            torch.testing.assert_close(out, own(part), rtol=0, atol=0)
+            out.pow(2).sum().backward()  # the forward's graph is intact (no buffer it holds was rewritten)
         rule.finish({0: [deferred]}, {}, {}, num_pipelines=1)
     assert int(deferred.num_batches_tracked) == int(whole.num_batches_tracked) == 3
     torch.testing.assert_close(deferred.running_mean, whole.running_mean, rtol=1e-12, atol=1e-14)
@@ -85,4 +87,7 @@ def test_bad_mode_sync_batchnorm_and_the_warning() -> None:
     two = batch_norm_split_warning("Net", "pipeline", body, 1, 2, "broadcast")  # two pipelines, M = 1
     assert two is not None and "split into 2 micro-batches" in two and "pipeline.1" in two
     assert "batch_norm='deferred'" in two
-    assert batch_norm_split_warning("Net", "pipeline", nn.Sequential(nn.Linear(2, 2)), 4, 2, "deferred") is None
+    micro = batch_norm_split_warning("Net", "pipeline", body, 2, 1, "deferred")  # one pipeline, M = 2
+    assert micro is not None and "split into 2 micro-batches (num_microbatches=2 x 1 pipelines)" in micro
+    plain = nn.Sequential(nn.Linear(2, 2))
+    assert batch_norm_split_warning("Net", "pipeline", plain, 4, 2, "deferred") is None
