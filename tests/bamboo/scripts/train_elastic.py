@@ -67,8 +67,9 @@ class ValLosses(Callback):
 
 
 class RecordBuffers(Callback):
-    """After every training batch: this member's buffers (its stages' BatchNorm statistics) in
-    ``<out>/buffers/<who>_step<global step>.safetensors`` (written then renamed: the test reads them)."""
+    """After every training batch: this member's buffers (its stages' BatchNorm statistics) and the logged
+    ``train_loss`` (``logged/train_loss``) in ``<out>/buffers/<who>_step<global step>.safetensors`` (written
+    then renamed: the test reads them)."""
 
     def __init__(self, out: Path, who: str) -> None:
         self.folder, self.who = out / "buffers", who
@@ -77,6 +78,8 @@ class RecordBuffers(Callback):
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"{self.who}_step{trainer.global_step}.safetensors"
         tensors = {name: b.detach().clone().contiguous() for name, b in pl_module.named_buffers()}
+        if "train_loss" in trainer.callback_metrics:  # as logged (sync_dist=True: reduced over the job)
+            tensors["logged/train_loss"] = trainer.callback_metrics["train_loss"].detach().clone().reshape(1)
         save_file(tensors, str(path.with_suffix(".tmp")))
         path.with_suffix(".tmp").rename(path)
 
