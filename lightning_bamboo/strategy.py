@@ -572,7 +572,8 @@ def _evaluate(strategy: BambooStrategy, hook: str, args: tuple, kwargs: dict[str
     (:meth:`StepSession.evaluate`), then ``hook`` replayed with the loss."""
     module, plugin = strategy.lightning_module, strategy.precision_plugin
     assert module is not None
-    context = plugin.val_step_context() if hook == "validation_step" else plugin.test_step_context()
+    # a factory: a batch re-run after a lost peer enters a fresh context (a used one cannot be re-entered)
+    context = plugin.val_step_context if hook == "validation_step" else plugin.test_step_context
     loss, args, kwargs = strategy.session.evaluate(args, kwargs, context, hook.split("_")[0])
     seam = strategy._formation.seam
     assert seam is not None

@@ -166,10 +166,11 @@ class StepSession:
         runtime.committed(outcome, lost_since)
         return output
 
-    def evaluate(self, args: tuple, kwargs: dict[str, Any], context: Any,
+    def evaluate(self, args: tuple, kwargs: dict[str, Any], context: Callable[[], Any],
                  what: str) -> tuple[Tensor, tuple, dict]:
         """A validation/test batch forward through the pipeline: the loss and the agreed hook arguments. A
-        peer lost mid-batch: the next generation, and the batch again (evaluation changes no state)."""
+        peer lost mid-batch: the next generation, and the batch again (evaluation changes no state) in a
+        fresh ``context()`` (the precision's step context)."""
         runtime, agreed = self.runtime, []
         assert runtime is not None
 
@@ -178,7 +179,7 @@ class StepSession:
             assert self._gen.engine is not None
             batch, *agreed[:] = self.agreed_batch(args, kwargs)
             num = math.gcd(batch_size_of(batch), self._formation.num_microbatches)
-            with context:
+            with context():
                 return self._gen.engine.run_forward(split_microbatches(batch, num))
 
         def lost(err: BaseException, since: float) -> None:

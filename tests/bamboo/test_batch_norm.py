@@ -105,7 +105,7 @@ def test_deferred_statistics_are_the_global_batchs(tmp_path: Path, deferred: Pat
     _assert_pipelines_agree(deferred, STEPS)
     assert int(_buffers(deferred, "member0", STEPS)["pipeline.1.num_batches_tracked"]) == STEPS
     cmd = [sys.executable, str(SCRIPT), "--strategy", "auto", "--out", str(tmp_path), "--stages", "2",
-           "--steps", "1", "--variant", "batchnorm", "--record-buffers"]
+           "--steps", str(STEPS), "--variant", "batchnorm", "--record-buffers"]  # the same samples per step
     run_process(cmd, timeout=300, env=launch_env())
     one = _buffers(tmp_path, "reference", 1)
     ours = _buffers(deferred, "member0", 1)
