@@ -117,7 +117,7 @@ def test_deferred_statistics_are_the_global_batchs(tmp_path: Path, deferred: Pat
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("recovery", "fault", "grid"), [
-    ("replica", "0:3:forward", [[1, 1], [2, 3]]),  # rank 0 lost: its pipeline is one rank afterwards
+    ("replica", "0:4:forward", [[1, 1], [2, 3]]),  # rank 0 lost in training: its pipeline is one rank after
     ("replica+forward", "1:2:forward", [[0, 0], [2, 3]]),
     ("peers", "1:2:forward", [[0, 0], [2, 3]]),
 ], ids=["replica-rank0", "replica+forward", "peers"])
@@ -140,9 +140,11 @@ def test_a_stage_lost_keeps_the_uninterrupted_model(
                                            msg=lambda m, k=key, s=step: f"step {s} {k}: {m}")
 
 
-def _rejoin_run(out: Path, *extra: str, fault: str = "") -> dict[str, dict[str, Tensor]]:
-    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "4", *extra]
+def _rejoin_run(out: Path, launch: tuple[str, ...] = (), script: tuple[str, ...] = (),
+                fault: str = "") -> dict[str, dict[str, Tensor]]:
+    cmd = [sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "4", *launch]
     cmd += [str(REJOIN), "--out", str(out), "--stages", "2", "--steps", str(REJOIN_STEPS), "--batchnorm"]
+    cmd += script
     run_process(cmd, timeout=400, env=record_env(out, fault))
     finals = _finals(out)
     assert all(int(state.pop("global_step")) == REJOIN_STEPS for state in finals.values())
@@ -156,7 +158,7 @@ def test_a_whole_pipeline_lost_and_joined_again_keeps_the_uninterrupted_statisti
     two replacements form pipeline 1 again after step 4: the deferred running statistics (and everything
     else) equal the uninterrupted 2 x 2 run's, which no per-pipeline rule could give."""
     reference = _rejoin_run(tmp_path / "uninterrupted")
-    got = _rejoin_run(tmp_path / "lost", "--replace", "2", "--hold-at", "4", fault="2+3:1:forward")
+    got = _rejoin_run(tmp_path / "lost", ("--replace", "2"), ("--hold-at", "4"), fault="2+3:1:forward")
     record = Record.read(tmp_path / "lost" / NAME)
     assert record.history() == [("failover", [2, 3], []), ("rejoin", [], [4, 5])]
     assert any(k.startswith("own_buffer/") and "running_var" in k for s in got.values() for k in s)
