@@ -214,6 +214,8 @@ class StepSession:
             RuntimeError: before the strategy is set up (no stages yet).
         """
         view = self._gen.view
+        if self._formation.seam is not None:
+            inputs = self._formation.seam.real_inputs(inputs)  # a replayed step's pipeline_inputs(batch)
         if self._gen.engine is None or view is None:
             raise RuntimeError(
                 "BambooStrategy.full_forward needs the pipeline, which exists once fit/validate/test/predict "
@@ -223,7 +225,8 @@ class StepSession:
             src = view.rank_of_position(0)
             inputs = broadcast_batch(inputs, src, self._device(), group=view.pipeline_group)
         num = math.gcd(batch_size_of(inputs), self._formation.num_microbatches)
-        with self._precision().forward_context():
+        # also inside a replayed validation/test step: the body runs for real here
+        with _seam_of(self._formation).suspended(), self._precision().forward_context():
             return self._outputs(split_microbatches(inputs, num), lambda value: value)
 
     def _outputs(self, microbatches: list[Any], inputs_fn: Callable[[Any], Any] | None) -> Any:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 from typing_extensions import override
 
 from lightning_bamboo.models import GPT
+from lightning_bamboo.strategy import full_forward
 from tests.bamboo.pipe_mlp import PipeMLP
 
 
@@ -267,6 +269,9 @@ class WithBatchNorm(PipeMLP):
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self.pipeline_loss(self.pipeline(self.pipeline_inputs(batch)), batch)
         self.log("val_loss", loss, sync_dist=True)
+        # what the replayed body refuses (a metric on the outputs), written as its error says
+        outputs = full_forward(self, self.pipeline_inputs(batch))
+        self.log("val_full_mse", F.mse_loss(outputs, batch[1]), sync_dist=True)
         return loss
 
 

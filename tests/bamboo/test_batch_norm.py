@@ -95,6 +95,8 @@ def test_broadcast_rule_one_model_across_pipelines_and_in_the_checkpoint(tmp_pat
     finals = _finals(tmp_path)
     val = [state["val_losses"] for state in finals.values()]
     assert all(torch.equal(v, val[0]) for v in val)  # every member logged the same validation
+    for state in finals.values():  # a metric on full_forward's outputs in validation_step: the same model
+        torch.testing.assert_close(state["val_full_mse"], state["val_losses"], rtol=1e-12, atol=0)
 
 
 @pytest.mark.slow

@@ -60,10 +60,13 @@ class ValLosses(Callback):
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.full: list[float] = []
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking:
             self.losses.append(float(trainer.callback_metrics["val_loss"]))
+            if "val_full_mse" in trainer.callback_metrics:  # a metric on full_forward's outputs
+                self.full.append(float(trainer.callback_metrics["val_full_mse"]))
 
 
 class RecordBuffers(Callback):
@@ -283,6 +286,8 @@ def main() -> None:
     tensors["global_step"] = torch.tensor([trainer.global_step], dtype=torch.int64)
     if args.validate:
         tensors["val_losses"] = torch.tensor(val_losses.losses, dtype=torch.float64)
+        if val_losses.full:
+            tensors["val_full_mse"] = torch.tensor(val_losses.full, dtype=torch.float64)
     if isinstance(strategy, BambooStrategy):
         (args.out / f"failovers_{who}.json").write_text(
             json.dumps([[old.to_json(), new.to_json()] for old, new in strategy.failovers])
