@@ -14,8 +14,9 @@ Under Bamboo the strategy computes the loss with the pipeline schedule and then 
 method through the body it installed in the module's place
 (:class:`lightning_bamboo._lightning.seam.StageBody`): for
 the duration of that call ``pipeline_inputs`` returns the batch unchanged, the body returns a stand-in that
-only ``pipeline_loss`` accepts, and ``pipeline_loss`` returns the loss the schedule computed. So ``self.log(...)`` calls in the step run once per
-step on every rank, with the pipeline's loss, and nothing is recomputed.
+only ``pipeline_loss`` accepts, and ``pipeline_loss`` returns the loss the schedule computed. So
+``self.log(...)`` calls in the step run once per step on every rank, with the pipeline's loss, and nothing is
+recomputed.
 """
 
 from __future__ import annotations

@@ -134,8 +134,8 @@ class StageBody(StageSequential):
     def replaying(self, loss: Tensor) -> Iterator[None]:
         """Within the block the body returns a :class:`ReplayedOutputs`, ``pipeline_inputs`` the batch and
         ``pipeline_loss`` ``loss`` (the schedule's), so the user's step method logs the pipeline's loss and
-        computes nothing. The body still holds the stage's layers: ``self.parameters()`` in the step sees them (and
-        :func:`~lightning_bamboo.contract.check_replayed_loss` a term added from them)."""
+        computes nothing. The body still holds the stage's layers: ``self.parameters()`` in the step sees
+        them (and :func:`~lightning_bamboo.contract.check_replayed_loss` a term added from them)."""
         self.replayed_loss = loss
         try:
             yield
