@@ -13,9 +13,10 @@ The contract (the same class also trains under ``strategy="auto"``):
 Under Bamboo the strategy computes the loss with the pipeline schedule and then *replays* the user's step
 method through the body it installed in the module's place
 (:class:`lightning_bamboo._lightning.seam.StageBody`): for
-the duration of that call ``pipeline_inputs`` returns the batch unchanged, the body returns it unchanged and
-``pipeline_loss`` returns the loss the schedule computed. So ``self.log(...)`` calls in the step run once per
-step on every rank, with the pipeline's loss, and nothing is recomputed.
+the duration of that call ``pipeline_inputs`` returns the batch unchanged, the body returns a stand-in that
+only ``pipeline_loss`` accepts, and ``pipeline_loss`` returns the loss the schedule computed. So
+``self.log(...)`` calls in the step run once per step on every rank, with the pipeline's loss, and nothing is
+recomputed.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 REQUIRED_HOOKS = ("pipeline_inputs", "pipeline_loss")
@@ -135,28 +135,6 @@ def check_stage_split(
     parameter on every stage (:func:`check_stage_parameters`; a parameter tied across stages is one,
     :mod:`lightning_bamboo.pipeline.ties`)."""
     check_stage_parameters(module, attr, body, stages)
-
-
-def warn_batch_statistics(
-    module: LightningModule, attr: str, body: nn.Sequential, num_microbatches: int
-) -> None:
-    """Warn (rank 0) that BatchNorm layers normalize each micro-batch, not the batch, when ``M > 1``.
-
-    Not an error: training works and the replicas stay exact, but the losses and the running statistics
-    (updated once per micro-batch) differ from a single process's, which sees the whole batch at once.
-    """
-    if num_microbatches == 1:
-        return
-    batch_norm = nn.modules.batchnorm._BatchNorm
-    norms = [f"{attr}.{name}" for name, layer in body.named_modules() if isinstance(layer, batch_norm)]
-    if norms:
-        rank_zero_warn(
-            f"{type(module).__name__}.{attr} has BatchNorm layers ({', '.join(norms)}): "
-            f"with num_microbatches ({num_microbatches}) > 1 each normalizes every micro-batch by the "
-            "micro-batch's own statistics and updates its running statistics once per micro-batch, so "
-            "training differs from a single process on the whole batch. Use num_microbatches=1, or "
-            "a per-sample normalization (LayerNorm, GroupNorm)"
-        )
 
 
 def sub_sequential(

@@ -50,7 +50,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -61,10 +61,12 @@ from lightning_bamboo._lightning.precision import with_pipeline_clipping
 from lightning_bamboo.checkpoint import sharded as ckpt
 from lightning_bamboo.contract import find_pipeline_body
 from lightning_bamboo.control import store as ms
+from lightning_bamboo.pipeline.buffers import batch_norm_split_warning, refuse_sync_batchnorm
 from lightning_bamboo.runtime.lightning_side import LightningSide
 from lightning_bamboo.runtime.membership import record_exception
 from lightning_bamboo.runtime.parts import Options, assemble, resolve_recovery
 from lightning_bamboo.step.broadcast import broadcast_json
+from lightning_bamboo.step.reduce import is_mean, sample_weighted_mean
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -116,6 +118,12 @@ class BambooStrategy(ParallelStrategy):
         keyed_rng: ``True`` (default): every training forward draws dropout from generators keyed by (seed,
             step, pipeline, micro-batch, layer) (:mod:`.pipeline.keyed_rng`), so FR, a replay and a re-run
             draw what the first run drew; ``False``: each process's global generators.
+        batch_norm: how buffers (BatchNorm's running statistics, ``num_batches_tracked``, any user buffer)
+            stay one value across the pipelines (:mod:`.pipeline.buffers`): ``"broadcast"`` (default,
+            DDP's ``broadcast_buffers=True``): after every batch each stage's buffers are pipeline 0's;
+            ``"deferred"``: BatchNorm's running statistics are updated once per batch from the whole global
+            batch (every micro-batch of every pipeline), as one process on the whole batch and
+            ``SyncBatchNorm`` update them, and do not change when a pipeline is lost or joins.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for every
             Lightning ``ParallelStrategy`` (normally set by the Trainer).
     """
@@ -170,6 +178,7 @@ class BambooStrategy(ParallelStrategy):
         drain_on_sigterm: bool = True,
         keyed_rng: bool = True,
         recovery: Literal["replica", "replica+forward", "peers"] | None = None,
+        batch_norm: Literal["broadcast", "deferred"] = "broadcast",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -179,7 +188,7 @@ class BambooStrategy(ParallelStrategy):
         self._options = options = Options(  # checked here, before any process starts
             num_stages, num_microbatches, resolve_recovery(recovery, redundancy), replica_device,
             pipeline_attr, layer_costs, timeout, process_group_backend, heartbeat, hang_timeout, failure_wait,
-            checkpoint_every_n_steps, checkpoint_dir, keep_checkpoints, keyed_rng,
+            checkpoint_every_n_steps, checkpoint_dir, keep_checkpoints, keyed_rng, batch_norm,
         )
         self.drain_on_sigterm = drain_on_sigterm
         self.num_nodes = 1  # Lightning's connector sets it
@@ -330,6 +339,8 @@ class BambooStrategy(ParallelStrategy):
             self._setup_model_and_optimizer(trainer, module)
             return
         owners = members.generation_zero() if gen.owners is None else gen.owners
+        if fresh:
+            check_batch_norm(module, formation, self._layer_sync, self._options.batch_norm)
         members.begin(owners)
         optimizer = self.optimizers[0] if self.optimizers else None
         formation.form_at_setup(gen, self.store, module, fresh, optimizer, announce=self._entries == 1)
@@ -496,8 +507,16 @@ class BambooStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        """A mean (``self.log(..., sync_dist=True)``) weights each pipeline by its samples, not its ranks
+        (:mod:`.step.reduce`); other reductions are Lightning's over every rank."""
         if self._membership.joining_setup or not isinstance(tensor, Tensor):
             return tensor
+        gen = self._gen
+        if group is None and is_mean(reduce_op) and dist.is_initialized() and gen.owners is not None \
+                and gen.view is not None:
+            share = self._formation.microbatch_share(gen.owners, gen.member)
+            weight = len(share) / self._formation.global_microbatches / gen.view.num_positions
+            return sample_weighted_mean(tensor, weight)
         return _private.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override
@@ -537,12 +556,26 @@ ElasticBambooStrategy = BambooStrategy
 """The name the elastic runtime had before it became :class:`BambooStrategy` (kept for existing scripts)."""
 
 
+def check_batch_norm(module: pl.LightningModule, formation: Any, layer_sync: object, batch_norm: str) -> None:
+    """Refuse ``sync_batchnorm=True`` and SyncBatchNorm layers; warn (rank 0) when BatchNorm meets a split
+    batch (:mod:`.pipeline.buffers`)."""
+    body = torch.nn.ModuleDict({str(i): layer for i, layer in formation.layers.items()})
+    owner = type(module).__name__
+    refuse_sync_batchnorm(layer_sync, body, owner, formation.body_attr)
+    pipelines = formation.global_microbatches // formation.num_microbatches
+    message = batch_norm_split_warning(owner, formation.body_attr, body, formation.num_microbatches,
+                                       pipelines, batch_norm)
+    if message is not None:
+        rank_zero_warn(message)
+
+
 def _evaluate(strategy: BambooStrategy, hook: str, args: tuple, kwargs: dict[str, Any]) -> Any:
     """A validation/test step: the forward-only pipeline over the batch's micro-batches
     (:meth:`StepSession.evaluate`), then ``hook`` replayed with the loss."""
     module, plugin = strategy.lightning_module, strategy.precision_plugin
     assert module is not None
-    context = plugin.val_step_context() if hook == "validation_step" else plugin.test_step_context()
+    # a factory: a batch re-run after a lost peer enters a fresh context (a used one cannot be re-entered)
+    context = plugin.val_step_context if hook == "validation_step" else plugin.test_step_context
     loss, args, kwargs = strategy.session.evaluate(args, kwargs, context, hook.split("_")[0])
     seam = strategy._formation.seam
     assert seam is not None

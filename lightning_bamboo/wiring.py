@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.pytorch.callbacks import Checkpoint, StochasticWeightAveraging
+from lightning.pytorch.callbacks import Checkpoint, ModelSummary, StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
@@ -246,6 +246,14 @@ def check_setup(
                 "stage's parameters into that copy by position (it would fail with 'shape [32] doesn't "
                 "match [96, 32]' when averaging starts). Train without it, or average consolidated "
                 "checkpoints (lightning_bamboo.consolidate_checkpoint) after training"
+            )
+        if isinstance(callback, ModelSummary) and module.example_input_array is not None:
+            raise ValueError(
+                f"{type(module).__name__}.example_input_array with Lightning's model summary: the summary "
+                "runs it through the whole module on rank 0 alone, but under BambooStrategy each process "
+                "holds one pipeline stage (its layers' parameters are summarized without an example input). "
+                "Pass Trainer(enable_model_summary=False), or set example_input_array = None when training "
+                "with BambooStrategy"
             )
     if not module.automatic_optimization:
         raise TypeError(

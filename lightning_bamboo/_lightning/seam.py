@@ -7,9 +7,10 @@ state of that object, never a write into the module:
 
 * which layers this process holds (its stage; a generation changes the seam's children, not the module);
 * whether the user's step methods are being *replayed* with the loss the schedule computed
-  (:meth:`StageBody.replaying`): the body returns its input, ``pipeline_inputs`` returns the batch and
-  ``pipeline_loss`` returns that loss, so ``self.log(...)`` in ``training_step`` runs once with the
-  pipeline's loss and nothing is recomputed;
+  (:meth:`StageBody.replaying`): the body returns a stand-in only ``pipeline_loss`` accepts
+  (:class:`ReplayedOutputs`), ``pipeline_inputs`` returns the batch and ``pipeline_loss`` returns that
+  loss, so ``self.log(...)`` in ``training_step`` runs once with the pipeline's loss and nothing is
+  recomputed;
 * whether ``predict_step`` is being replayed with the pipeline's outputs (:meth:`StageBody.predicting`).
 
 The module's two pipeline hooks are wrapped in the same place and at the same time (:meth:`StageBody.attach`,
@@ -65,6 +66,8 @@ class StageBody(StageSequential):
         self.replayed_loss: Tensor | None = None
         self._predicted: tuple[Any, Any] | None = None
         self._saved_hooks: dict[str, Any] = {}
+        self._user_inputs: Callable[[Any], Any] | None = None  # the module's own pipeline_inputs
+        self._replayed_batch: Any = None  # what the replayed pipeline_inputs last returned (the batch)
         self.hold(layers, guarded=False)
 
     # ------------------------------------------------------------------ the layers it holds
@@ -109,9 +112,10 @@ class StageBody(StageSequential):
         if self._saved_hooks:
             return
         replayed: dict[str, Callable[..., Any]] = {
-            "pipeline_inputs": _batch_itself,
+            "pipeline_inputs": self._replayed_inputs,
             "pipeline_loss": self._replayed_loss,
         }
+        self._user_inputs = module.pipeline_inputs  # type: ignore[assignment]
         for hook in REQUIRED_HOOKS:
             self._saved_hooks[hook] = module.__dict__.get(hook)
             module.__dict__[hook] = _Hook(self, getattr(module, hook), replayed[hook])
@@ -128,15 +132,15 @@ class StageBody(StageSequential):
     # ------------------------------------------------------------------ replays
     @contextmanager
     def replaying(self, loss: Tensor) -> Iterator[None]:
-        """Within the block the body returns its input, ``pipeline_inputs`` the batch and ``pipeline_loss``
-        ``loss`` (the schedule's), so the user's step method logs the pipeline's loss and computes nothing.
-        The body still holds the stage's layers: ``self.parameters()`` in the step sees them (and
-        :func:`~lightning_bamboo.contract.check_replayed_loss` a term added from them)."""
+        """Within the block the body returns a :class:`ReplayedOutputs`, ``pipeline_inputs`` the batch and
+        ``pipeline_loss`` ``loss`` (the schedule's), so the user's step method logs the pipeline's loss and
+        computes nothing. The body still holds the stage's layers: ``self.parameters()`` in the step sees
+        them (and :func:`~lightning_bamboo.contract.check_replayed_loss` a term added from them)."""
         self.replayed_loss = loss
         try:
             yield
         finally:
-            self.replayed_loss = None
+            self.replayed_loss, self._replayed_batch = None, None
 
     @contextmanager
     def predicting(self, inputs: Any, outputs: Any) -> Iterator[None]:
@@ -148,6 +152,30 @@ class StageBody(StageSequential):
             yield
         finally:
             self._predicted = None
+
+    def _replayed_inputs(self, batch: Any) -> Any:
+        self._replayed_batch = batch
+        return batch
+
+    def real_inputs(self, inputs: Any) -> Any:
+        """``inputs`` as the body takes them: in a replayed step ``self.pipeline_inputs(batch)`` returned the
+        batch itself (nothing is recomputed there), so ``full_forward`` called with it gets the module's own
+        ``pipeline_inputs(batch)``."""
+        replayed = self.replayed_loss is not None and inputs is self._replayed_batch
+        if replayed and self._user_inputs is not None:
+            return self._user_inputs(inputs)
+        return inputs
+
+    @contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Within the block no replay is in force (the body and the hooks are the real ones): ``full_forward``
+        called from a replayed ``validation_step`` runs the whole body."""
+        saved = self.replayed_loss, self._predicted
+        self.replayed_loss, self._predicted = None, None
+        try:
+            yield
+        finally:
+            self.replayed_loss, self._predicted = saved
 
     def _replayed_loss(self, outputs: Any, batch: Any) -> Tensor:
         assert self.replayed_loss is not None
@@ -162,7 +190,7 @@ class StageBody(StageSequential):
 
     def _replayed_forward(self, input: Any) -> Any:
         if self.replayed_loss is not None:
-            return input
+            return ReplayedOutputs(self.owner, self.attr)
         assert self._predicted is not None
         inputs, outputs = self._predicted
         if _same(input, inputs):
@@ -175,8 +203,38 @@ class StageBody(StageSequential):
         )
 
 
-def _batch_itself(batch: Any) -> Any:
-    return batch
+class ReplayedOutputs:
+    """What the body returns while a training/validation/test step is replayed: a stand-in that
+    ``pipeline_loss`` accepts (it answers the pipeline's loss) and that refuses every other use, naming what
+    to write instead. The outputs live on the pipeline's last stage, micro-batch by micro-batch; returning
+    the input (or anything tensor-like) would let ``accuracy(self.pipeline(x), y)`` compute garbage."""
+
+    def __init__(self, owner: str, attr: str) -> None:
+        object.__setattr__(self, "_message", (
+            f"{owner}.{attr}(...) was used for something other than {owner}.pipeline_loss(...) in a "
+            "training/validation/test step under BambooStrategy: the step method is replayed with the loss "
+            "the pipeline schedule computed, and the body's outputs exist only on the last stage, so here "
+            f"{attr}(...) stands for its outputs only as pipeline_loss's argument. For the outputs "
+            "themselves (accuracy, metrics) call lightning_bamboo.strategy.full_forward(self, "
+            "self.pipeline_inputs(batch)): the whole body's outputs on every rank of the pipeline, without "
+            "a graph, under any strategy (in validation_step/test_step; every rank runs them)"
+        ))
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(object.__getattribute__(self, "_message"))
+
+    def __getattr__(self, name: str) -> Any:
+        raise TypeError(object.__getattribute__(self, "_message"))
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        outputs = next(a for a in [*args, *(kwargs or {}).values()] if isinstance(a, ReplayedOutputs))
+        outputs._refuse()
+
+    __getitem__ = __iter__ = __len__ = __bool__ = __float__ = __array__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __matmul__ = __rmatmul__ = __neg__ = _refuse  # type: ignore[assignment]
+    __hash__ = object.__hash__
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -25,13 +25,17 @@ from lightning_bamboo.simulate.plot import save_plot
 from lightning_bamboo.simulate.projection import PER, dollars, hours
 from lightning_bamboo.simulate.traces import TraceFormatError, parse_trace
 
-DEFAULT_TRACE = Path("data/spot-traces/aws-p3-trace.csv")
+CHECKOUT = Path(__file__).resolve().parents[2]
+"""The checkout this package is in: the defaults below are found from any working directory."""
+DEFAULT_TRACE = CHECKOUT / "data" / "spot-traces" / "aws-p3-trace.csv"
+SIM_ERROR_WARNING = 0.10
+"""Above this validation error the replay's projection is not trusted without a warning."""
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lightning_bamboo.advise", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--costs", type=Path, default=DEFAULT_COSTS,
+    p.add_argument("--costs", type=Path, default=CHECKOUT / DEFAULT_COSTS,
                    help="the job's measured costs: AdvisorProbe's file, or the live benchmark's "
                         f"({DEFAULT_COSTS}; written by {PRODUCER} [overrides])")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help=f"spot trace ({DEFAULT_TRACE})")
@@ -104,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         for system in advice.validation.live:
             print(f"  {system}: projected {advice.validation.predicted[system]:.3f} samples/s, measured "
                   f"{advice.validation.live[system]:.3f}, error {advice.validation.errors[system]:.3f}")
+    if advice.sim_error > SIM_ERROR_WARNING:
+        print(f"WARNING: the replay's validation error is {advice.sim_error:.1%} (above "
+              f"{SIM_ERROR_WARNING:.0%}): the projected values may rank the configurations wrongly; measure "
+              "the costs again on a quieter machine or with more steps (AdvisorProbe's validation window)")
     if args.plot is not None:
         print(plot(advice, args.plot, trace.name, trace.duration_s / compression))
     print(f"advice={advice.recommended.name} "

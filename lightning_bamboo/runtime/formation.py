@@ -30,7 +30,6 @@ from lightning_bamboo.contract import (
     check_stage_split,
     find_pipeline_body,
     sub_sequential,
-    warn_batch_statistics,
 )
 from lightning_bamboo.layout.ownership import OwnershipMap
 from lightning_bamboo.layout.plan import StageLayout, estimate_layer_costs
@@ -112,7 +111,6 @@ class Formation:
         self.body_attr = attr
         self.stage_layers = layout.stage_layers
         rank_zero_info(f"BambooStrategy layout:\n{layout.describe(costs=layer_costs(body, costs))}")
-        warn_batch_statistics(module, attr, body, self.num_microbatches)
         precision.convert_module(body)
         self.ties = find_ties(body)
         untie(body, self.ties)  # one copy per use, on every layout (lightning_bamboo.pipeline.ties)

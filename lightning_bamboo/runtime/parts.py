@@ -19,6 +19,7 @@ from lightning_bamboo.checkpoint import periodic
 from lightning_bamboo.checkpoint.stages import StageCheckpoints
 from lightning_bamboo.control import store as ms
 from lightning_bamboo.layout.ownership import RECOVERY_MODES
+from lightning_bamboo.pipeline.buffers import check_batch_norm_mode
 from lightning_bamboo.runtime.events import Events
 from lightning_bamboo.runtime.fallback import Fallback
 from lightning_bamboo.runtime.formation import Formation
@@ -59,8 +60,10 @@ class Options:
     checkpoint_dir: str | os.PathLike | None
     keep_checkpoints: int
     keyed_rng: bool
+    batch_norm: str = "broadcast"
 
     def __post_init__(self) -> None:
+        check_batch_norm_mode(self.batch_norm)
         check_options(self.num_stages, self.num_microbatches, self.recovery, self.replica_device,
                       self.keyed_rng)
         periodic.check_options(self.checkpoint_every_n_steps, self.checkpoint_dir, self.keep_checkpoints)
@@ -126,7 +129,7 @@ def assemble(
                           forward_redundancy=o.recovery == "replica+forward")
     gen = Generation(num_stages=o.num_stages)
     session = StepSession(gen, formation, events, trainer=lambda: lightning.module().trainer,
-                          precision=precision, device=lightning.device)
+                          precision=precision, device=lightning.device, batch_norm=o.batch_norm)
     formation.before_action = session.before_action
     fallback = Fallback(o.checkpoint_every_n_steps, o.checkpoint_dir, o.keep_checkpoints, formation, gen,
                         session, events, lightning)

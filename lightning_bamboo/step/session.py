@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_bamboo.contract import check_replayed_loss
 from lightning_bamboo.control.commit import COMMIT, COMMIT_JOIN
+from lightning_bamboo.pipeline.buffers import StageBuffers, stage_modules, stage_sources
 from lightning_bamboo.pipeline.microbatch import batch_size_of, join_microbatches, split_microbatches
 from lightning_bamboo.pipeline.ties import uncounted_parameter_ids
 from lightning_bamboo.schedule import Action, ActionKind
@@ -71,8 +72,9 @@ class StepSession:
 
     def __init__(self, gen: Generation, formation: Formation, events: Events,
                  trainer: Callable[[], pl.Trainer], precision: Callable[[], Precision],
-                 device: Callable[[], torch.device]) -> None:
+                 device: Callable[[], torch.device], batch_norm: str = "broadcast") -> None:
         self._gen, self._formation, self._events = gen, formation, events
+        self.buffers = StageBuffers(batch_norm)  # one value of every buffer across the pipelines
         self._trainer, self._precision, self._device = trainer, precision, device
         self.step = 0  # committed steps: keys checkpoints, commits and random numbers
         self.in_step = 0  # the step Lightning's optimizer_step is in (a fallback re-runs the earlier ones)
@@ -167,10 +169,11 @@ class StepSession:
         runtime.committed(outcome, lost_since)
         return output
 
-    def evaluate(self, args: tuple, kwargs: dict[str, Any], context: Any,
+    def evaluate(self, args: tuple, kwargs: dict[str, Any], context: Callable[[], Any],
                  what: str) -> tuple[Tensor, tuple, dict]:
         """A validation/test batch forward through the pipeline: the loss and the agreed hook arguments. A
-        peer lost mid-batch: the next generation, and the batch again (evaluation changes no state)."""
+        peer lost mid-batch: the next generation, and the batch again (evaluation changes no state) in a
+        fresh ``context()`` (the precision's step context)."""
         runtime, agreed = self.runtime, []
         assert runtime is not None
 
@@ -179,7 +182,7 @@ class StepSession:
             assert self._gen.engine is not None
             batch, *agreed[:] = self.agreed_batch(args, kwargs)
             num = math.gcd(batch_size_of(batch), self._formation.num_microbatches)
-            with context:
+            with context():
                 return self._gen.engine.run_forward(split_microbatches(batch, num))
 
         def lost(err: BaseException, since: float) -> None:
@@ -214,6 +217,8 @@ class StepSession:
             RuntimeError: before the strategy is set up (no stages yet).
         """
         view = self._gen.view
+        if self._formation.seam is not None:
+            inputs = self._formation.seam.real_inputs(inputs)  # a replayed step's pipeline_inputs(batch)
         if self._gen.engine is None or view is None:
             raise RuntimeError(
                 "BambooStrategy.full_forward needs the pipeline, which exists once fit/validate/test/predict "
@@ -223,7 +228,8 @@ class StepSession:
             src = view.rank_of_position(0)
             inputs = broadcast_batch(inputs, src, self._device(), group=view.pipeline_group)
         num = math.gcd(batch_size_of(inputs), self._formation.num_microbatches)
-        with self._precision().forward_context():
+        # also inside a replayed validation/test step: the body runs for real here
+        with _seam_of(self._formation).suspended(), self._precision().forward_context():
             return self._outputs(split_microbatches(inputs, num), lambda value: value)
 
     def _outputs(self, microbatches: list[Any], inputs_fn: Callable[[Any], Any] | None) -> Any:
@@ -304,8 +310,14 @@ class StepSession:
         earlier = [p.grad for p in params]  # accumulated by earlier batches (accumulate_grad_batches > 1)
         for p in params:
             p.grad = None
+        gen, formation = self._gen, self._formation
+        assert gen.owners is not None and gen.view is not None
+        stages = stage_modules(formation.layers, formation.stage_layers, gen.view.own_stages)
+        self.buffers.begin(stages, formation.global_microbatches)
         with self._precision().train_step_context():
             loss = engine.run_step(microbatches, step=self._forward_key_step(position))
+        self.buffers.finish(stages, dict(gen.view.stage_groups),
+                            stage_sources(gen.owners.pipelines, gen.owners.rank_of), gen.view.num_pipelines)
         self.stashed_grads = [p.grad for p in params]
         for p, grad in zip(params, earlier):
             p.grad = grad

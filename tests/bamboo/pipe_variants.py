@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 from typing_extensions import override
 
 from lightning_bamboo.models import GPT
+from lightning_bamboo.strategy import full_forward
 from tests.bamboo.pipe_mlp import PipeMLP
 
 
@@ -230,7 +232,51 @@ class TiedGPTNamed(TiedGPT):
         return [{"params": decayed, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}]
 
 
+class Residual(nn.Module):
+    """``x + body(x)``: a residual block as one layer of the pipeline body."""
+
+    def __init__(self, *layers: nn.Module) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.body(x)
+
+
+class WithBatchNorm(PipeMLP):
+    """A small BatchNorm network: L BN1d T [L BN1d T]+ D | unflatten BN2d flatten L T L, float64, dropout on.
+
+    ``BatchNorm1d`` layers (one inside a residual block) and a ``BatchNorm2d`` over the 8 features seen as 2
+    channels of 2 x 2, so both stages of a 2-stage split hold BatchNorm running statistics. Its validation
+    and training losses are logged with ``sync_dist=True``."""
+
+    def __init__(self, width: int = 8, dtype: str = "float64", **kwargs: object) -> None:
+        super().__init__(width=width, dtype=dtype, **kwargs)  # type: ignore[arg-type]
+        self.pipeline = nn.Sequential(
+            nn.Linear(width, width), nn.BatchNorm1d(width), nn.Tanh(),
+            Residual(nn.Linear(width, width), nn.BatchNorm1d(width), nn.Tanh()), nn.Dropout(0.2),
+            nn.Unflatten(1, (2, 2, width // 4)), nn.BatchNorm2d(2), nn.Flatten(),
+            nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1),
+        ).to(getattr(torch, dtype))
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self.pipeline_loss(self.pipeline(self.pipeline_inputs(batch)), batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self.pipeline_loss(self.pipeline(self.pipeline_inputs(batch)), batch)
+        self.log("val_loss", loss, sync_dist=True)
+        # what the replayed body refuses (a metric on the outputs), written as its error says
+        outputs = full_forward(self, self.pipeline_inputs(batch))
+        self.log("val_full_mse", F.mse_loss(outputs, batch[1]), sync_dist=True)
+        return loss
+
+
 VARIANTS: dict[str, type[LightningModule]] = {
+    "batchnorm": WithBatchNorm,
     "mlp": PipeMLP,
     "per-layer-lr": PerLayerLr,
     "head-lr": HeadLr,

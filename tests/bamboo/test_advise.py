@@ -411,3 +411,31 @@ def test_median_of_means_drops_a_one_off_stall_and_keeps_what_slows_every_run_of
     assert median_of_means([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], groups=3) == pytest.approx(4.5)  # 3+2+2
     with pytest.raises(ValueError, match="median_of_means: no values"):
         median_of_means([])
+
+
+def test_cli_warns_when_the_validation_error_is_above_ten_percent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The fixture's live Bamboo run measured at half its samples: the replay is 2x off, which is said before
+    the last line (the last line stays the advice)."""
+    raw = json.loads(FIXTURE.read_text())
+    live = raw["live"]["bamboo"]
+    live["samples"], live["samples_per_s"] = live["samples"] // 2, live["samples_per_s"] / 2
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps(raw))
+    assert main(["--costs", str(costs), "--trace", str(trace_file(tmp_path)), "--compression", "1",
+                 "--max-pipelines", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    warning = next(line for line in lines if "validation error is" in line)
+    assert warning.startswith("WARNING:") and "above 10%" in warning
+    assert lines[-1].startswith("advice=") and float(lines[-1].rsplit("=", 1)[1]) > 0.1
+    assert main(["--costs", str(FIXTURE), "--trace", str(trace_file(tmp_path)), "--compression", "1",
+                 "--max-pipelines", "2"]) == 0
+    assert "validation error is" not in capsys.readouterr().out  # 3.3 %: no warning
+
+
+def test_cli_finds_its_default_trace_and_costs_from_any_directory(tmp_path: Path) -> None:
+    """Run from outside the checkout: the defaults are found next to the package, not in the cwd."""
+    done = run_process([sys.executable, "-m", "lightning_bamboo.advise"], timeout=300, cwd=tmp_path)
+    assert done.stdout.splitlines()[-1].startswith("advice="), done.stdout[-2000:]
+    assert "aws-p3-trace" in done.stdout

@@ -24,6 +24,7 @@ from lightning_bamboo.wiring import check_precision
         ({"recovery": "mirror"}, r"recovery must be one of 'replica', 'replica\+forward', 'peers', got 'mir"),
         ({"recovery": "peers", "redundancy": True}, r"recovery=.peers. and redundancy=True disagree"),
         ({"heartbeat": 0}, r"heartbeat=0: expected seconds > 0, or None for the default"),
+        ({"batch_norm": "sync"}, r"batch_norm must be one of 'broadcast', 'deferred', got 'sync'"),
     ],
 )
 def test_bad_arguments(kwargs: dict, match: str) -> None:
@@ -102,3 +103,25 @@ def test_peers_with_one_pipeline_is_warned_at_start() -> None:
         warnings.simplefilter("error")
         peers.warn_if_unrecoverable(initial(2, range(4)))  # two pipelines: each is the other's peer
         replica.warn_if_unrecoverable(initial(2, range(2)))
+
+
+def test_sync_batchnorm_is_refused_naming_deferred_statistics() -> None:
+    """``Trainer(sync_batchnorm=True)`` reaches the strategy as Lightning's layer sync; setup refuses it (the
+    pipeline cannot normalize by the global batch) and names ``batch_norm='deferred'``, never ignores it."""
+    from types import SimpleNamespace
+
+    from lightning_bamboo.strategy import check_batch_norm
+    from tests.bamboo.pipe_mlp import PipeMLP
+
+    model = PipeMLP()
+    model.pipeline.insert(1, nn.BatchNorm1d(8).double())
+    formation = SimpleNamespace(layers=dict(enumerate(model.pipeline)), body_attr="pipeline",
+                                global_microbatches=2, num_microbatches=1)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=BambooStrategy(), sync_batchnorm=True,
+                      logger=False)
+    with pytest.raises(ValueError, match=r"Trainer\(sync_batchnorm=True\) with BambooStrategy \(PipeMLP\).*"
+                                         r"batch_norm='deferred'"):
+        check_batch_norm(model, formation, trainer.strategy._layer_sync, "broadcast")
+    with pytest.warns(UserWarning, match=r"PipeMLP.pipeline has BatchNorm layers \(pipeline.1\): the global "
+                                         r"batch is split into 2 micro-batches \(num_microbatches=1 x 2"):
+        check_batch_norm(model, formation, None, "broadcast")  # two pipelines with M = 1 warn too

@@ -14,7 +14,6 @@ from lightning_bamboo.contract import (
     check_stage_parameters,
     find_pipeline_body,
     sub_sequential,
-    warn_batch_statistics,
 )
 from tests.bamboo.pipe_mlp import PipeMLP, make_data
 
@@ -198,15 +197,6 @@ def test_stage_boundary_values() -> None:
                        r"cannot take across stages: got a dict holding Tensor, dict"):
         _model_input({"ids": output, "more": {"mask": output}})
 
-
-def test_batchnorm_with_microbatches_warns() -> None:
-    """BatchNorm normalizes each micro-batch by its own statistics: training differs from one process."""
-    model = PipeMLP()
-    model.pipeline.insert(1, nn.BatchNorm1d(8))
-    warn_batch_statistics(model, "pipeline", model.pipeline, 1)  # one micro-batch: the batch's statistics
-    with pytest.warns(UserWarning, match=r"PipeMLP.pipeline has BatchNorm layers \(pipeline.1\): with "
-                      r"num_microbatches \(2\) > 1 each normalizes every micro-batch"):
-        warn_batch_statistics(model, "pipeline", model.pipeline, 2)
 
 
 def test_training_step_must_return_the_pipeline_loss() -> None:

@@ -7,6 +7,9 @@ owns at the end, and ``<out>/failovers_member{m}.json`` (the ownership maps it w
 order: ``--shuffle``, ``--epochs``, ``--no-distributed-sampler`` set it up); it writes
 ``<out>/final_reference.safetensors`` in the same format.
 
+``--batch-norm MODE`` is ``BambooStrategy(batch_norm=MODE)``; ``--record-buffers`` writes each member's
+buffers after every training batch to ``<out>/buffers/member{m}_step{k}.safetensors`` (``reference_step{k}``
+under ``auto``).
 ``--order sequential`` trains the samples in the order ``make_data`` generates them (default ``permuted``: a
 fixed permutation of them, the order most exactness tests were written for).
 ``--save-ckpt PATH`` saves ``trainer.save_checkpoint(PATH)`` after ``fit`` (a Bamboo folder, or auto's file).
@@ -57,10 +60,31 @@ class ValLosses(Callback):
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.full: list[float] = []
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking:
             self.losses.append(float(trainer.callback_metrics["val_loss"]))
+            if "val_full_mse" in trainer.callback_metrics:  # a metric on full_forward's outputs
+                self.full.append(float(trainer.callback_metrics["val_full_mse"]))
+
+
+class RecordBuffers(Callback):
+    """After every training batch: this member's buffers (its stages' BatchNorm statistics) and the logged
+    ``train_loss`` (``logged/train_loss``) in ``<out>/buffers/<who>_step<global step>.safetensors`` (written
+    then renamed: the test reads them)."""
+
+    def __init__(self, out: Path, who: str) -> None:
+        self.folder, self.who = out / "buffers", who
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: object) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"{self.who}_step{trainer.global_step}.safetensors"
+        tensors = {name: b.detach().clone().contiguous() for name, b in pl_module.named_buffers()}
+        if "train_loss" in trainer.callback_metrics:  # as logged (sync_dist=True: reduced over the job)
+            tensors["logged/train_loss"] = trainer.callback_metrics["train_loss"].detach().clone().reshape(1)
+        save_file(tensors, str(path.with_suffix(".tmp")))
+        path.with_suffix(".tmp").rename(path)
 
 
 class StepTimes(Callback):
@@ -134,6 +158,9 @@ def main() -> None:
     parser.add_argument("--no-distributed-sampler", action="store_true", help="use_distributed_sampler=False")
     parser.add_argument("--epochs", type=int, default=1, help="the steps make this many epochs")
     parser.add_argument("--save-ckpt", type=Path, default=None, help="save_checkpoint after fit")
+    parser.add_argument("--batch-norm", choices=["broadcast", "deferred"], default="broadcast",
+                        help="BambooStrategy(batch_norm=...)")
+    parser.add_argument("--record-buffers", action="store_true", help="buffers after every batch")
     parser.add_argument("--order", choices=["permuted", "sequential"], default="permuted",
                         help="the dataset's sample order: a fixed permutation, or as generated")
     args = parser.parse_args()
@@ -170,6 +197,7 @@ def main() -> None:
             process_group_backend=args.backend,
             checkpoint_every_n_steps=args.checkpoint_every,
             checkpoint_dir=args.checkpoint_dir,
+            batch_norm=args.batch_norm,
         )
     else:
         strategy = "auto"
@@ -201,6 +229,9 @@ def main() -> None:
 
         callbacks.append(YoungDalyCheckpoint(args.young_daly, args.mtbf_s))
         args.resume = latest_checkpoint(args.young_daly / "ckpt") or args.resume
+    if args.record_buffers:
+        who = f"member{strategy.member}" if isinstance(strategy, BambooStrategy) else "reference"
+        callbacks.append(RecordBuffers(args.out, who))
     val_losses = ValLosses()
     logger: CSVLogger | bool = False
     if args.csv:
@@ -257,6 +288,8 @@ def main() -> None:
     tensors["global_step"] = torch.tensor([trainer.global_step], dtype=torch.int64)
     if args.validate:
         tensors["val_losses"] = torch.tensor(val_losses.losses, dtype=torch.float64)
+        if val_losses.full:
+            tensors["val_full_mse"] = torch.tensor(val_losses.full, dtype=torch.float64)
     if isinstance(strategy, BambooStrategy):
         (args.out / f"failovers_{who}.json").write_text(
             json.dumps([[old.to_json(), new.to_json()] for old, new in strategy.failovers])

@@ -31,7 +31,7 @@ from lightning_bamboo.control import join as joining
 from lightning_bamboo.strategy import BambooStrategy
 from lightning_bamboo.testing import PhaseFaults
 from tests.bamboo.pipe_mlp import PipeMLP, make_data
-from tests.bamboo.pipe_variants import WithDropout
+from tests.bamboo.pipe_variants import WithBatchNorm, WithDropout
 
 
 class IdMLP(PipeMLP):
@@ -50,6 +50,10 @@ class IdMLP(PipeMLP):
 
 class IdDropoutMLP(IdMLP, WithDropout):
     """``IdMLP`` with ``WithDropout``'s body (Dropout(0.5) after every Tanh)."""
+
+
+class IdBatchNormMLP(IdMLP, WithBatchNorm):
+    """``IdMLP`` with ``WithBatchNorm``'s body (BatchNorm1d/2d, a residual block, dropout)."""
 
 
 class HoldForJoin(Callback):
@@ -83,12 +87,15 @@ def main() -> None:
     parser.add_argument("--backend", default=None, help="BambooStrategy(process_group_backend=...)")
     parser.add_argument("--recovery", choices=["replica", "replica+forward", "peers"], default=None,
                         help="BambooStrategy(recovery=...); default: the strategy's")
+    parser.add_argument("--batchnorm", action="store_true",
+                        help="WithBatchNorm's body, BambooStrategy(batch_norm='deferred')")
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
 
     seed_everything(0)
-    model = (IdDropoutMLP if args.dropout else IdMLP)(pairs=3, optimizer="adam")
+    kind = IdBatchNormMLP if args.batchnorm else IdDropoutMLP if args.dropout else IdMLP
+    model = kind(pairs=3, optimizer="adam")
     if args.tied:
         model.pipeline[4].weight = model.pipeline[0].weight
     count = args.batches_per_epoch * args.batch_size
@@ -101,6 +108,7 @@ def main() -> None:
         strategy = BambooStrategy(
             num_stages=args.stages, num_microbatches=args.microbatches, timeout=20, recovery=args.recovery,
             process_group_backend=args.backend,
+            batch_norm="deferred" if args.batchnorm else "broadcast",
         )
     trainer = Trainer(
         accelerator="cpu",
@@ -118,6 +126,7 @@ def main() -> None:
     trainer.fit(model, train_dataloaders=train)
     params = list(model.named_parameters(remove_duplicate=False))  # a tied weight under each use's name
     tensors = {f"own/{name}": p.detach().clone() for name, p in params}
+    tensors.update({f"own_buffer/{name}": b.detach().clone() for name, b in model.named_buffers()})
     named_optimizer_state(model, trainer.optimizers[0])  # refuses a non-tensor state value
     for name, p in params:
         for key, value in trainer.optimizers[0].state.get(p, {}).items():
