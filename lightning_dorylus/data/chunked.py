@@ -134,10 +134,9 @@ class ChunkedGraph:
 
     def chunks(self) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
         """``(chunk index, [2, E_i] edges, [E_i] weights or None)``, each memory-mapped."""
-        weights = self.weight_files()
-        for i, path in enumerate(self.edge_files()):
+        for i, path in enumerate(self.edges):
             edges = self.load(f"edges[{i}]", path)
-            weight = None if weights is None else self.load(f"edge_weight[{i}]", weights[i])
+            weight = None if self.edge_weight is None else self.load(f"edge_weight[{i}]", self.edge_weight[i])
             yield i, edges, weight
 
     def labels(self) -> np.ndarray:

@@ -27,7 +27,9 @@ STREAM_PARTITIONERS = ("fennel", "hash", "range")
 
 SLACK = 0.05  # partitions may hold up to 5 % more than N / P vertices
 _GAMMA = 1.5
-_FIRST_BATCH, _MAX_BATCH = 1 << 12, 1 << 20
+_FIRST_BATCH, _MAX_BATCH = 1 << 8, 1 << 20
+_RESTREAM_BATCH = 1 << 23
+_SEEDS_PER_PART = 4  # vertices placed by hash before any has a placed neighbour
 _HASH_MULT = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -41,7 +43,7 @@ def hash_parts(vertices: np.ndarray, num_parts: int, seed: int) -> np.ndarray:
 
 
 def assign_vertices(
-    graph: ChunkedGraph, num_parts: int, method: str, seed: int = 0, restreams: int = 2
+    graph: ChunkedGraph, num_parts: int, method: str, seed: int = 0, restreams: int = 4
 ) -> np.ndarray:
     """``(N,)`` int32 partition of every vertex of ``graph`` by ``method`` (see the module docstring)."""
     n = graph.num_nodes
@@ -69,17 +71,30 @@ def _alpha(graph: ChunkedGraph, n: int, num_parts: int) -> float:
     return float(np.sqrt(num_parts) * edges / n**_GAMMA)
 
 
-def _batches(graph: ChunkedGraph):
+def _add_counts(counts: np.ndarray, keys: np.ndarray) -> None:
+    """``counts[k] += 1`` for every ``k`` in ``keys`` (repeats counted): ``bincount`` where the key space is
+    small against the batch, else sort and add each distinct key once (``np.add.at`` is ~0.5 us a key)."""
+    if counts.size <= 4 * keys.size:
+        counts += np.bincount(keys, minlength=counts.size).astype(counts.dtype)
+        return
+    keys.sort()
+    starts = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
+    counts[keys[starts]] += np.diff(np.append(starts, keys.size)).astype(counts.dtype)
+
+
+def _batches(graph: ChunkedGraph, first: int = _FIRST_BATCH):
     """``(src, dst)`` int64 batches without self loops, the first small and growing (Fennel needs some
-    placed vertices before its scores mean anything)."""
-    size = _FIRST_BATCH
+    placed vertices before its scores mean anything; restreaming passes start at full size)."""
+    size = first
     for _, edges, _ in graph.chunks():
-        for a in range(0, edges.shape[1], size):
+        a = 0
+        while a < edges.shape[1]:
             src = np.asarray(edges[0, a : a + size], dtype=np.int64)
             dst = np.asarray(edges[1, a : a + size], dtype=np.int64)
             keep = src != dst
             yield src[keep], dst[keep]
-            size = min(2 * size, _MAX_BATCH)
+            a += size
+            size = max(size, min(2 * size, _MAX_BATCH))
 
 
 def _fit(choice: np.ndarray, sizes: np.ndarray, cap: int) -> np.ndarray:
@@ -123,9 +138,15 @@ def _fennel(graph: ChunkedGraph, num_parts: int, seed: int, restreams: int) -> n
         score = counts - alpha * _GAMMA * np.sqrt(sizes.astype(np.float64))
         score[:, sizes >= cap] = -np.inf
         choice = np.argmax(score, axis=1).astype(np.int32)
-        alone = counts.sum(axis=1) == 0  # no placed neighbour yet: spread by hash, not all to the emptiest
-        choice[alone] = hash_parts(uniq[alone], num_parts, seed)
-        choice = _fit(choice, sizes, cap)
+        # No placed neighbour yet: wait for a later edge of the vertex (it has about avg_degree of them)
+        # rather than guess; only the very first few vertices are placed by hash, as seeds.
+        alone = counts.sum(axis=1) == 0
+        if not sizes.any():
+            seeds = np.flatnonzero(alone)[: _SEEDS_PER_PART * num_parts]
+            choice[seeds] = hash_parts(uniq[seeds], num_parts, seed)
+            alone[seeds] = False
+        placed = ~alone
+        uniq, choice = uniq[placed], _fit(choice[placed], sizes, cap)
         asg[uniq] = choice
         sizes += np.bincount(choice, minlength=num_parts)
     rest = np.flatnonzero(asg < 0)  # isolated vertices
@@ -141,9 +162,8 @@ def _restream(graph: ChunkedGraph, asg: np.ndarray, num_parts: int, alpha: float
     its best partition (ties: where it is), in eight vertex blocks so that the balance term sees the moves."""
     n = asg.size
     counts = np.zeros(n * num_parts, dtype=np.int32)
-    for src, dst in _batches(graph):
-        np.add.at(counts, src * num_parts + asg[dst], 1)
-        np.add.at(counts, dst * num_parts + asg[src], 1)
+    for src, dst in _batches(graph, first=_RESTREAM_BATCH):
+        _add_counts(counts, np.concatenate([src * num_parts + asg[dst], dst * num_parts + asg[src]]))
     counts2 = counts.reshape(n, num_parts)
     out = asg.copy()
     sizes = np.bincount(asg, minlength=num_parts).astype(np.int64)
