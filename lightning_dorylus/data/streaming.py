@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from lightning_dorylus.data.build import DEFAULT_INTERVAL_SIZE, interval_ptr
 from lightning_dorylus.data.cache import (
@@ -300,12 +300,13 @@ def _build_part(
     src = key % n
     dst = key // n
     del key
-    local_dst = np.searchsorted(nodes, dst)
+    edge_index = np.empty((2, src.size), dtype=np.int64)  # filled in place: no stacked copy
+    local_src, local_dst = edge_index[0], edge_index[1]
+    local_dst[:] = np.searchsorted(nodes, dst)
     del dst
     src_owner = asg[src]
     cross = src_owner != p
     ghost_key = _unique(src_owner[cross].astype(np.int64) * n + src[cross])
-    local_src = np.empty(src.size, dtype=np.int64)
     local_src[~cross] = np.searchsorted(nodes, src[~cross])
     cross_key = src_owner[cross].astype(np.int64) * n + src[cross]
     local_src[cross] = n_local + np.searchsorted(ghost_key, cross_key)
@@ -329,7 +330,7 @@ def _build_part(
         "ghost_nodes": torch.from_numpy(ghosts),
         "ghost_owner": torch.from_numpy(ghost_owner),
         "recv_ptr": torch.from_numpy(_ptr(np.bincount(ghost_owner, minlength=num_parts))),
-        "edge_index": torch.from_numpy(np.stack([local_src, local_dst])),
+        "edge_index": torch.from_numpy(edge_index),
         "dst_ptr": torch.from_numpy(_ptr(np.bincount(local_dst, minlength=n_local))),
         "in_degree": torch.from_numpy(np.concatenate([in_degree[nodes], in_degree[ghosts]])),
         "x": torch.from_numpy(np.ascontiguousarray(x)),
@@ -342,21 +343,49 @@ def _build_part(
         "send_ptr": torch.from_numpy(_ptr(np.bincount(send_holder, minlength=num_parts))),
     }
     num_edges, n_ghost = int(local_dst.size), int(ghosts.size)
-    del local_src, local_dst, x
+    del local_src, local_dst, edge_index, x
     ints = {"part_id": p, "num_parts": num_parts, "num_global_nodes": n, "num_train_global": num_train}
     metadata = {name: str(ints[name]) for name in _PART_INTS}
     metadata["format_version"] = str(FORMAT_VERSION)
     path = tmp / part_file(p)
-    save_file(tensors, str(path), metadata=metadata)
+    write_safetensors(tensors, path, metadata)
     meta["files"][path.name] = manifest_entry(path)
     del tensors
     if weight is not None:
         wpath = tmp / weight_file(p)
-        save_file({"edge_weight": torch.from_numpy(weight)}, str(wpath))
+        write_safetensors({"edge_weight": torch.from_numpy(weight)}, wpath, {})
         meta["files"][wpath.name] = manifest_entry(wpath)
         (tmp / f"w_{p}.bin").unlink()
     return {"n_local": int(n_local), "n_ghost": n_ghost, "edges": num_edges,
             "intervals": int(-(-n_local // interval_size))}
+
+
+_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.float64: "F64", torch.float32: "F32",
+           torch.float16: "F16", torch.bfloat16: "BF16", torch.bool: "BOOL", torch.uint8: "U8"}
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """Writes ``tensors`` as a safetensors file one tensor at a time (the same format ``save_file`` writes,
+    read by ``load_file``): ``save_file`` first copies every tensor into one bytes object, twice the
+    partition's size at the preparation's peak."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors pads it
+    with path.open("wb") as handle:
+        handle.write(len(encoded).to_bytes(8, "little"))
+        handle.write(encoded)
+        for name in sorted(tensors):
+            tensor = tensors[name].contiguous()
+            if tensor.numel():
+                handle.write(memoryview(tensor.view(torch.uint8).numpy()) if tensor.dtype != torch.bool
+                             else memoryview(tensor.numpy().view(np.uint8)))
 
 
 def load_edge_weight(directory: str | Path, part_id: int) -> torch.Tensor | None:
