@@ -221,7 +221,7 @@ def cache_problem(directory: Path, digest: str | None = None) -> str | None:
         if digest is not None and meta["graph_hash"] != digest:
             return f"{meta_path} belongs to another graph"
         files = meta["files"]
-        for k in range(meta["num_parts"]):
+        for k in meta.get("built_parts", range(meta["num_parts"])):  # one machine's subset, if streamed
             name = part_file(k)
             if name not in files:
                 return f"{meta_path} has no manifest entry for {name}"
@@ -293,6 +293,12 @@ def load_partition(directory: str | Path, part_id: int) -> GraphPartition:
     if not 0 <= part_id < meta["num_parts"]:
         raise ValueError(f"part_id ({part_id}) must lie in [0, {meta['num_parts']}) for {directory}")
     path = directory / part_file(part_id)
+    if path.name not in meta["files"]:
+        raise FileNotFoundError(
+            f"{directory} holds partitions {meta.get('built_parts')} of this machine, not partition "
+            f"{part_id}: "
+            "each machine prepares the partitions of its own graph servers (prepare_data on every node)"
+        )
     check_file(path, meta["files"][path.name], rebuild_hint(directory))
     fields, metadata = _read_safetensors(path)
     send_index, send_ptr = fields.pop("send_index"), fields.pop("send_ptr")

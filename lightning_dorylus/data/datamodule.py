@@ -30,8 +30,11 @@ from lightning_dorylus.data.cache import (
     partition_to_cache,
     read_meta,
 )
+from lightning_dorylus.data.chunked import ChunkedGraph
 from lightning_dorylus.data.fingerprint import check_same_graph, graph_fingerprint, graph_hash
 from lightning_dorylus.data.partition import GraphPartition
+from lightning_dorylus.data.stream_assign import STREAM_PARTITIONERS
+from lightning_dorylus.data.streaming import node_parts, prepare_streamed, streamed_name
 from lightning_dorylus.data.validation import (
     IGNORED_EDGE_FIELDS,
     check_cache_dir,
@@ -85,11 +88,14 @@ class DorylusDataModule(LightningDataModule):
         data: The graph: a PyG ``Data``; a one-graph ``InMemoryDataset`` (e.g. ``load_planetoid(...)``); a
             path to a graph ``.safetensors`` file (``cache.save_graph``); or a path to an existing partition
             directory (``meta.json`` + ``part_<k>.safetensors``), whose ``partitioner``, ``interval_size``
-            and ``seed`` then replace the arguments below. Pass a directory for big graphs: each process then
-            reads only its own partition instead of holding the whole graph.
+            and ``seed`` then replace the arguments below; or a :class:`ChunkedGraph` (``.npy`` chunk files
+            read memory-mapped, for graphs no machine holds): ``prepare_data`` then partitions it by
+            streaming (``partitioner="fennel"``, ``"hash"`` or ``"range"``), each machine building only its
+            own graph servers' partitions, with memory per vertex plus one chunk (``data/streaming.py``).
         num_parts: Number of partitions; ``None`` means ``trainer.world_size`` (one per process).
         partitioner: ``"metis"`` (default; falls back to ``"bfs"`` with a warning without pymetis),
-            ``"bfs"``, ``"contiguous"`` or ``"random"``.
+            ``"bfs"``, ``"contiguous"`` or ``"random"``; for a ``ChunkedGraph`` one of ``"fennel"``,
+            ``"hash"``, ``"range"``.
         interval_size: Vertices per interval, the unit of work sent to a tensor-op executor (``>= 1``).
         cache_dir: Root of the partition cache; ``None``: ``$XDG_CACHE_HOME/lightning_dorylus/partitions``.
         seed: Seed of the partitioner (METIS, random).
@@ -113,7 +119,7 @@ class DorylusDataModule(LightningDataModule):
 
     def __init__(
         self,
-        data: Data | InMemoryDataset | str | Path,
+        data: Data | InMemoryDataset | str | Path | ChunkedGraph,
         num_parts: int | None = None,
         partitioner: str = "metis",
         interval_size: int = DEFAULT_INTERVAL_SIZE,
@@ -129,7 +135,15 @@ class DorylusDataModule(LightningDataModule):
             raise TypeError(
                 f"transform must be a callable Data -> Data (e.g. NormalizeFeatures()), got {transform!r}"
             )
-        check_partitioner(partitioner)
+        if isinstance(data, ChunkedGraph):
+            if partitioner not in STREAM_PARTITIONERS:
+                raise ValueError(
+                    f"partitioner={partitioner!r} cannot partition a ChunkedGraph: METIS and BFS need the "
+                    f"whole graph in one process. Pass partitioner= one of {list(STREAM_PARTITIONERS)} "
+                    "(fennel: the lowest edge cut), or load a graph that fits into a torch_geometric Data"
+                )
+        else:
+            check_partitioner(partitioner)
         interval_size = check_interval_size(interval_size)
         if num_parts is not None and (not is_integer(num_parts) or num_parts < 1):
             raise ValueError(
@@ -150,11 +164,19 @@ class DorylusDataModule(LightningDataModule):
         self._cache_max_bytes = cache_max_bytes
         self.data: Data | None = None
         self.partition_dir: Path | None = None  # fixed when `data` is a partition directory
+        self.chunked: ChunkedGraph | None = None  # set when `data` is a ChunkedGraph (streamed preparation)
         self.partition: GraphPartition | None = None
         self._digest: str | None = None
         self._fingerprint: dict[str, str] | None = None  # per-field digests, compared across processes
 
-        if isinstance(data, (str, Path)):
+        if isinstance(data, ChunkedGraph):
+            if transform is not None:
+                raise ValueError(
+                    f"transform={transform!r} cannot apply to a ChunkedGraph (its files are read chunk by "
+                    "chunk, never as one Data): transform the arrays before saving them"
+                )
+            self.chunked = data
+        elif isinstance(data, (str, Path)):
             path = Path(data)
             if path.is_dir():
                 self._use_partition_dir(path)
@@ -175,7 +197,7 @@ class DorylusDataModule(LightningDataModule):
             self.data = data
         else:
             raise TypeError(
-                "data must be a torch_geometric Data, a one-graph InMemoryDataset or a path, "
+                "data must be a torch_geometric Data, a one-graph InMemoryDataset, a ChunkedGraph or a path, "
                 f"got {type(data).__name__}"
             )
         if transform is not None:
@@ -213,6 +235,8 @@ class DorylusDataModule(LightningDataModule):
         """Feature width of the graph."""
         if self.data is not None:
             return int(self.data.x.size(1))
+        if self.chunked is not None:
+            return self.chunked.num_features
         assert self.partition_dir is not None
         return int(read_meta(self.partition_dir)["num_features"])
 
@@ -230,6 +254,8 @@ class DorylusDataModule(LightningDataModule):
             if is_multi_label(self.data.y):
                 return int(self.data.y.size(1))
             return int(self.data.y.max()) + 1
+        if self.chunked is not None:
+            return int(self.chunked.labels().max()) + 1
         assert self.partition_dir is not None
         return int(read_meta(self.partition_dir)["num_classes"])
 
@@ -245,6 +271,11 @@ class DorylusDataModule(LightningDataModule):
         """The cache directory that holds (or will hold) this graph's partitioning."""
         if self.partition_dir is not None:
             return self.partition_dir
+        if self.chunked is not None:
+            return self.cache_dir / streamed_name(
+                self.graph_digest(), self.partitioner, self.resolved_num_parts(), self.interval_size,
+                self.seed, self._node_parts(),
+            )
         name = cache_name(
             self.graph_digest(), self.partitioner, self.resolved_num_parts(), self.interval_size, self.seed
         )
@@ -253,7 +284,9 @@ class DorylusDataModule(LightningDataModule):
     def graph_digest(self) -> str:
         """The input graph's :func:`graph_hash` (the cache key; computed once)."""
         if self._digest is None:
-            if self.data is None:
+            if self.chunked is not None:
+                self._digest = self.chunked.digest()
+            elif self.data is None:
                 assert self.partition_dir is not None
                 self._digest = str(read_meta(self.partition_dir)["graph_hash"])
             else:
@@ -267,10 +300,16 @@ class DorylusDataModule(LightningDataModule):
         its checksum; a damaged one rebuilt, with a warning). Lightning: local rank 0 of each node only."""
         if self.partition_dir is not None:
             return
-        assert self.data is not None
         num_parts = self.resolved_num_parts()
         if self.trainer is not None and num_parts != self.trainer.world_size:
             return  # setup raises on every process; raising here would leave the others at the barrier
+        if self.chunked is not None:
+            prepare_streamed(
+                self.chunked, num_parts, self.partitioner, self.interval_size, self.seed, self.cache_dir,
+                parts=self._node_parts(), digest=self.graph_digest(),
+            )
+            return
+        assert self.data is not None
         partition_to_cache(
             self.data,
             num_parts,
@@ -282,6 +321,13 @@ class DorylusDataModule(LightningDataModule):
             max_age_s=self._cache_max_age_s,
             max_bytes=self._cache_max_bytes,
         )
+
+    def _node_parts(self) -> list[int]:
+        """The partitions this machine's graph servers load (all of them without a Trainer)."""
+        num_parts = self.resolved_num_parts()
+        if self.trainer is None:
+            return list(range(num_parts))
+        return node_parts(self.trainer.node_rank, self.trainer.num_devices, num_parts)
 
     @override
     def setup(self, stage: str) -> None:
@@ -333,7 +379,7 @@ class DorylusDataModule(LightningDataModule):
         return repr(self)
 
     def __repr__(self) -> str:
-        source = self.data if self.data is not None else str(self.partition_dir)
+        source = next(s for s in (self.data, self.chunked, str(self.partition_dir)) if s is not None)
         loaded = f", partition={self.partition!r}" if self.partition is not None else ""
         return (
             f"{type(self).__name__}(data={source}, num_parts={self.num_parts}, "
