@@ -126,3 +126,16 @@ def make_network() -> Iterator[Callable[[int], Network]]:
             errors.append(str(exc))
     if errors:
         raise RuntimeError("; ".join(errors))
+
+
+@pytest.fixture(autouse=True)
+def process_environment_restored() -> Iterator[None]:
+    """Every test leaves ``os.environ`` as it found it. Code a test runs in this process may set variables for
+    its own children: Lightning's launchers set ``OMP_NUM_THREADS`` (``_set_num_threads_if_needed``) when a
+    ``fit`` runs here. Left set, the next launch's environment differs from the test zygote's in what a fork
+    cannot change, and every later launch starts a fresh interpreter (slower, and the zygote test fails)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
