@@ -139,3 +139,26 @@ def process_environment_restored() -> Iterator[None]:
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> Iterator[object]:
+    """A fixture shared by several tests (module, class, package or session scope) leaves the variables a
+    fork cannot change (:func:`~lightning_bamboo.control.preload.fixed_at_start`: thread counts, ``PYTHON*``)
+    as it found them. Such a fixture sets up before :func:`process_environment_restored` saves a test's
+    environment, so what it sets stays for the rest of the session: a module fixture that runs a ``fit`` here
+    (Lightning's launcher sets ``OMP_NUM_THREADS``) made every later launch a fresh interpreter and failed the
+    zygote test in CI. Function-scoped fixtures may set them on purpose (``monkeypatch``); the test's own
+    restore undoes those."""
+    if fixturedef.scope == "function":
+        return (yield)
+    from lightning_bamboo.control.preload import fixed_at_start
+
+    before = fixed_at_start(os.environ)
+    try:
+        return (yield)
+    finally:
+        for name in set(fixed_at_start(os.environ)) - set(before):
+            del os.environ[name]
+        os.environ.update(before)
+

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_bamboo.control.preload import PreloadedProcess, stands_in_for
-from tests.process import launch_env, start
+from lightning_bamboo.control.preload import PreloadedProcess, fixed_at_start, stands_in_for
+from tests.process import launch_env, start, zygote
 
 PROBE = """
 import json, os, signal, sys
@@ -39,6 +39,11 @@ def run(cmd: list[str], cwd: Path) -> tuple[subprocess.Popen[str] | PreloadedPro
 @pytest.mark.multiprocess  # starts the zygote (one per pytest session) if this session has none yet
 @pytest.mark.skipif(os.environ.get("TEST_ZYGOTE") == "0", reason="TEST_ZYGOTE=0: no zygote")
 def test_forked_script_and_module_behave_as_fresh_interpreters(tmp_path: Path) -> None:
+    server = zygote()
+    assert server is not None
+    now, then = fixed_at_start(launch_env()), fixed_at_start(server.env)
+    changed = {k: (then.get(k), now.get(k)) for k in set(now) | set(then) if now.get(k) != then.get(k)}
+    assert not changed, f"an earlier test or fixture left these set (at zygote start, now): {changed}"
     (tmp_path / "probe.py").write_text(PROBE)
     proc, seen, rest = run([sys.executable, str(tmp_path / "probe.py"), "a", "3"], cwd=tmp_path.parent)
     assert isinstance(proc, PreloadedProcess) and proc.returncode == 3
