@@ -309,6 +309,36 @@ def test_block_add_transposed_equals_the_compact_product_scattered(graph: Data) 
             next(b for b in blocks if not b.closes_group).add_transposed(got, x)
 
 
+@pytest.mark.parametrize("groups", [1, 3, 100])
+def test_interval_blocks_are_the_dense_adjacencys_rows_and_group_transposes(groups: int) -> None:
+    """Every row block is ``Â[a:b]`` and every group's compact transpose is ``Â[a0:b1][:, cols]ᵀ`` with
+    ``cols`` the columns the group reaches, on intervals that leave gaps and start past 0 (the ghost block of
+    ``column_blocks``): read off a dense matrix, whatever the build does, with CSR arrays in order."""
+    gen = torch.Generator().manual_seed(5)
+    n_rows, n_cols, nnz = 90, 130, 700
+    dense = torch.zeros(n_rows, n_cols, dtype=torch.float64)
+    rows = torch.randint(0, n_rows, (nnz,), generator=gen)
+    cols = torch.randint(0, n_cols, (nnz,), generator=gen)
+    dense[rows, cols] = torch.rand(nnz, generator=gen, dtype=torch.float64)
+    transposed = dense.t().contiguous().to_sparse_csr()
+    adjacency = structure.GCNAdjacency(adj=dense.to_sparse_csr(), adj_t=transposed)
+    intervals = [(3, 10), (10, 31), (40, 41), (41, 77), (80, 90)]  # gaps at 0-3, 31-40 and 77-80
+    blocks = structure.interval_blocks(adjacency, intervals, groups)
+    assert [b.rows for b in blocks] == intervals
+    for block in blocks:
+        a, b = block.rows
+        assert torch.equal(block.adj.to_dense(), dense[a:b])
+        if block.closes_group:
+            a0, b1 = block.group_rows
+            reached = dense[a0:b1].ne(0).any(0).nonzero().squeeze(1)
+            assert torch.equal(block.cols, reached)
+            assert torch.equal(block.adj_t.to_dense(), dense[a0:b1][:, reached].t())
+            crow, col = block.adj_t.crow_indices(), block.adj_t.col_indices()
+            assert all(bool((col[crow[i] : crow[i + 1]].diff() > 0).all()) for i in range(crow.numel() - 1))
+            assert torch.equal(block.adj_t_rows.to_dense()[reached], block.adj_t.to_dense())
+    assert sum(b.closes_group for b in blocks) == min(groups, len(intervals))
+
+
 def test_feature_dropout_draws_only_nonzeros_with_dense_dropout_distribution(graph: Data) -> None:
     [part] = partition_graph(graph, 1, interval_size=16)
     n = part.n_local
