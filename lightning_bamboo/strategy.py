@@ -39,6 +39,7 @@ import operator
 import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -60,16 +61,19 @@ from lightning_bamboo._lightning import private as _private
 from lightning_bamboo._lightning.precision import with_pipeline_clipping
 from lightning_bamboo.checkpoint import sharded as ckpt
 from lightning_bamboo.contract import find_pipeline_body
+from lightning_bamboo.control import crash
 from lightning_bamboo.control import store as ms
 from lightning_bamboo.pipeline.buffers import batch_norm_split_warning, refuse_sync_batchnorm
+from lightning_bamboo.runtime import generation_zero
 from lightning_bamboo.runtime.lightning_side import LightningSide
-from lightning_bamboo.runtime.membership import record_exception
 from lightning_bamboo.runtime.parts import Options, assemble, resolve_recovery
 from lightning_bamboo.step.broadcast import broadcast_json
 from lightning_bamboo.step.reduce import is_mean, sample_weighted_mean
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+    from lightning_bamboo.notices.base import Notice
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +156,11 @@ class BambooStrategy(ParallelStrategy):
     stage_index = _part("_gen.stage_index", "The first original stage this member holds.")
     elastic = _part("_membership.elastic", "Whether a lost worker is survived (a Bamboo supervisor runs it).")
     process_group_backend = _part("_membership.backend", "``gloo``, ``nccl``, ... (chosen at setup).")
-    failovers = _part("_membership.failovers", "(old map, new map) of every re-form in this fit.")
+    failovers = _part("_transitions.failovers", "(old map, new map) of every re-form in this fit.")
     session = _part("_session", "The step session (:class:`~lightning_bamboo.step.session.StepSession`).")
     full_forward = _part("_session.full_forward", "The whole body's output, collective over the pipeline.")
     set_forward_redundancy = _part("_session.set_forward_redundancy", "Switch ``FR`` at a step boundary.")
     emit = _part("_events.emit", "Fire Bamboo event ``name`` on the trainer's callbacks (:mod:`.events`).")
-    drain = _part("_membership.drain", "Take ``ranks`` out of training at this step boundary.")
 
     def __init__(
         self,
@@ -207,6 +210,7 @@ class BambooStrategy(ParallelStrategy):
         self._events, self._formation, self._gen, self._checkpoints = (
             parts.events, parts.formation, parts.gen, parts.checkpoints)
         self._session, self._fallback, self._membership = parts.session, parts.fallback, parts.membership
+        self._transitions = parts.transitions
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -338,7 +342,11 @@ class BambooStrategy(ParallelStrategy):
             members.joining_setup = True
             self._setup_model_and_optimizer(trainer, module)
             return
-        owners = members.generation_zero() if gen.owners is None else gen.owners
+        if gen.owners is None:
+            assert members.store is not None
+            owners = generation_zero.agree(members.store, formation, members.nproc, members.member)
+        else:
+            owners = gen.owners
         if fresh:
             check_batch_norm(module, formation, self._layer_sync, self._options.batch_norm)
         members.begin(owners)
@@ -430,10 +438,16 @@ class BambooStrategy(ParallelStrategy):
     ) -> Any:
         """A generation the last commit adopted, a checkpoint when due, then the two-phase step."""
         self._session.in_step = self._session.step
-        self._membership.join_at_boundary()
-        self._fallback.maybe_checkpoint(self._membership.member)
+        self._session.form(self._transitions.at_boundary())
+        self._fallback.maybe_checkpoint(self._membership.member, self._session.step)
         lightning_step = functools.partial(super().optimizer_step, optimizer, model=model, **kwargs)
         return self._session.two_phase(optimizer, closure, lightning_step)
+
+    def drain(self, ranks: list[int], checkpoint_dir: str | Path | None = None,
+              notices: dict[int, Notice] | None = None) -> None:
+        """Take ``ranks`` out of training at this step boundary (an announced departure, :mod:`.drain`):
+        under a supervisor the others re-form without them; without one, checkpoint and stop."""
+        self._session.form(self._transitions.drain(self._session.step, ranks, checkpoint_dir, notices))
 
     # ------------------------------------------------------------------ evaluation and prediction
     @override
@@ -446,7 +460,7 @@ class BambooStrategy(ParallelStrategy):
 
     @override
     def on_validation_end(self) -> None:
-        self._membership.evaluation_ended()
+        self._transitions.evaluation_ended()
         super().on_validation_end()
 
     @override
@@ -529,13 +543,13 @@ class BambooStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """Record ``exception`` in the store (unless a lost peer caused it): the job stops, no failover."""
         super().on_exception(exception)
-        record_exception(self._membership.store, self._membership.member, exception)
+        crash.record_exception(self._membership.store, self._membership.member, exception)
 
     @override
     def teardown(self) -> None:
         """Tell the supervisor this member is done (its heartbeat stops now), leave the process group."""
         self._fallback.finish()  # a write in flight finishes before the process exits
-        self._membership.finish()
+        self._membership.finish(self._session.step)
         wiring.destroy_process_group_at_exit()  # not now: trainer.save_checkpoint after fit is collective
         if self._formation.seam is not None and self.lightning_module is not None:
             self._formation.seam.detach(self.lightning_module)  # the user's hooks; the body keeps the stage

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 ENV_FAULT = "BAMBOO_FAULT"
-PHASES = ("forward", "exchange", "prepared", "commit", "applied", "validate")
+PHASES = ("forward", "exchange", "prepared", "commit", "applied", "validate", "form")
 
 
 @dataclass(frozen=True)

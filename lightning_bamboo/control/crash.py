@@ -22,6 +22,7 @@ job dies after a chain of failovers, each printing the same traceback. So a work
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import traceback
 from typing import Any
@@ -29,6 +30,8 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_bamboo.control import store as ms
+
+log = logging.getLogger(__name__)
 
 _MARKERS = (
     "gloo/transport",
@@ -104,3 +107,24 @@ def recorded(store: dist.Store, member: int) -> dict[str, Any] | None:
     if not store.check([_key(member)]):
         return None
     return dict(json.loads(ms.get_str(store, _key(member))))
+
+
+class Spare(RuntimeError):
+    """This member has no stage in the new generation: it leaves (not an error of the training code)."""
+
+
+def record_exception(store: dist.Store | None, member: int, exception: BaseException) -> None:
+    """``fit`` ends with ``exception``: unless a lost peer caused it, record it in the job's store, so the
+    supervisor stops the job with it instead of failing over."""
+    if store is None or isinstance(exception, (SystemExit, KeyboardInterrupt, Spare)):
+        return
+    if is_communication_error(exception):
+        return
+    try:
+        first = record(store, member, exception)
+        earlier = recorded(store, first) if first != member else None
+    except Exception as err:  # the supervisor is gone: nobody to tell
+        log.warning("Bamboo member %d: could not record its error in the store: %s", member, err)
+        return
+    if earlier is not None:  # every worker met the same error: its traceback once, not once per worker
+        report_once(exception, member, earlier)

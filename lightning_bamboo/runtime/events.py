@@ -34,14 +34,15 @@ EVENTS: dict[str, tuple[str, ...]] = {
 }
 """Event name -> its required payload keys (see ``lightning_bamboo.callbacks.BambooCallback``)."""
 
-OPTIONAL = ("seconds_lost", "pipeline_length", "step", "cause", "members", "microbatch")
+OPTIONAL = ("seconds_lost", "pipeline_length", "step", "cause", "members", "microbatch", "generation")
 """Payload keys any event may add: ``seconds_lost`` (wall seconds no counted step ran because of the event),
 ``pipeline_length`` (positions of this rank's pipeline after it), ``step`` (the global step training goes on
 from), ``cause`` (failover: ``"lost"`` for a dead peer, ``"drain"`` for an announced departure) and
 ``members`` (the member ids that left or joined). ``on_step_phase`` (elastic runtime only) marks the points
 of its two-phase step: ``forward`` (before each forward action, with its ``microbatch``), ``exchange``
 (schedule done, replica gradients not sent), ``prepared`` (prepared, outcome not read), ``commit`` (committed,
-nothing applied), ``applied`` (own stages and replica stepped) and ``validate`` (a validation batch)."""
+nothing applied), ``applied`` (own stages and replica stepped), ``validate`` (a validation batch) and
+``form`` (the next generation, with its ``generation`` number, has its process group, no layer moved yet)."""
 
 
 def fire(trainer: pl.Trainer, name: str, **payload: Any) -> int:

@@ -48,12 +48,11 @@ class Fallback:
         keep: int,
         formation: Formation,
         gen: Generation,
-        session: StepSession,
         events: Events,
         lightning: LightningSide,
     ) -> None:
         self._options = (every, directory, keep)
-        self._formation, self._gen, self._session, self._events = formation, gen, session, events
+        self._formation, self._gen, self._events = formation, gen, events
         self._lightning = lightning
         self.checkpointer: fb.PeriodicCheckpointer | None = None
         # steps since the last complete checkpoint: at most 2N-1 before the step in progress (one write in
@@ -71,15 +70,15 @@ class Fallback:
         fb.settings(self._lightning.optimizer(), schedulers)  # JSON-ready, or a clear error now
         self.checkpointer = fb.PeriodicCheckpointer(Path(directory) / job, every, keep, member)
 
-    def record(self, batch_idx: int, batch: Any) -> None:
-        """Keep the step's batch for a re-run after a fallback."""
+    def record(self, step: int, batch_idx: int, batch: Any) -> None:
+        """Keep step ``step``'s batch for a re-run after a fallback."""
         if self.checkpointer is not None:
-            self.ring.put(self._session.step, batch_idx, batch)
+            self.ring.put(step, batch_idx, batch)
 
-    def maybe_checkpoint(self, member: int, final: bool = False) -> None:
-        """Before a step that is a multiple of N (``final``: before the step the job stops at): the first
+    def maybe_checkpoint(self, member: int, step: int, final: bool = False) -> None:
+        """Before ``step`` when it is a multiple of N (``final``: the step the job stops at): the first
         pipeline's members write their stages' layers."""
-        checkpointer, owners, step = self.checkpointer, self._gen.owners, self._session.step
+        checkpointer, owners = self.checkpointer, self._gen.owners
         if checkpointer is None or owners is None or not checkpointer.due(step, final):
             return
         writers = first_pipeline_members(owners)
@@ -98,16 +97,17 @@ class Fallback:
         print(f"[bamboo] checkpoint step={step} member={member} blocking_s={blocking:.4f} bytes={size}",
               flush=True)
 
-    def fall_back(self, new: OwnershipMap, member: int, rank: int, store: dist.Store) -> None:
+    def fall_back(self, session: StepSession, new: OwnershipMap, member: int, rank: int,
+                  store: dist.Store) -> None:
         """Load the last complete checkpoint into ``new`` (whose process group is formed) and re-run the
-        steps since it, so the members are where they were before the loss."""
+        steps since it through ``session``, so the members are where they were before the loss."""
         if self.checkpointer is None:
             raise RuntimeError(
                 f"Bamboo: redundancy cannot cover the loss (generation {new.generation}):\n{new.format()}\n"
                 "and there is no checkpoint to fall back to: pass checkpoint_every_n_steps and "
                 "checkpoint_dir to BambooStrategy"
             )
-        session, lightning = self._session, self._lightning
+        lightning = self._lightning
         start = time.monotonic()
         target = session.step
         root = self.checkpointer.root
@@ -135,7 +135,8 @@ class Fallback:
             while session.step < target:
                 batch_idx, batch = self.ring.get(session.step)
                 # Lightning steps the schedulers after the step in progress returns; earlier ones are ours
-                self._rerun_step(batch, batch_idx, store, step_schedulers=session.step < session.in_step)
+                self._rerun_step(session, batch, batch_idx, store,
+                                 step_schedulers=session.step < session.in_step)
         finally:
             self._events.muted = False
         self.path = str(fb.folder(root, step))
@@ -145,13 +146,14 @@ class Fallback:
             flush=True,
         )
 
-    def _rerun_step(self, batch: Any, batch_idx: int, store: dist.Store, step_schedulers: bool) -> None:
+    def _rerun_step(self, session: StepSession, batch: Any, batch_idx: int, store: dist.Store,
+                    step_schedulers: bool) -> None:
         """One step of the fallback's re-run: schedule, replica exchange, commit, optimizer and scheduler.
 
         Lightning's hooks around a step (``training_step``, ``on_before_optimizer_step``, logging) are not
         called again: they ran when the step first ran.
         """
-        session, owners = self._session, self._gen.owners
+        owners = self._gen.owners
         assert owners is not None
         optimizer = self._lightning.optimizer()
         for p in self._gen.stage_params():
@@ -176,7 +178,7 @@ class Fallback:
                     module.lr_scheduler_step(config.scheduler, None)
         session.step += 1
 
-    def stop(self, store: dist.Store | None, is_global_zero: bool, timeout: float) -> None:
+    def stop(self, step: int, store: dist.Store | None, is_global_zero: bool, timeout: float) -> None:
         """The supervisor stops the job (it got SIGTERM, or a worker failed) with a ``stop`` generation.
 
         Every member is at the same committed step here: a step in flight was aborted or rolled forward as
@@ -188,21 +190,22 @@ class Fallback:
         """
         owners, member = self._gen.owners, self._gen.member
         assert owners is not None
-        self.maybe_checkpoint(member, final=True)
-        self._write_stop_checkpoint(member, store, is_global_zero, self._gen.stage_index, timeout)
-        print(f"[bamboo] member {member}: the job is stopping; leaving after step {self._session.step} "
+        self.maybe_checkpoint(member, step, final=True)
+        self._write_stop_checkpoint(step, member, store, is_global_zero, self._gen.stage_index, timeout)
+        print(f"[bamboo] member {member}: the job is stopping; leaving after step {step} "
               f"(generation {owners.generation})", flush=True)
-        self._events.emit("on_job_stop", member=member, step=self._session.step)
+        self._events.emit("on_job_stop", member=member, step=step)
         raise SIGTERMException(128 + signal.SIGTERM)
 
     def _write_stop_checkpoint(
-        self, member: int, store: dist.Store | None, is_global_zero: bool, stage_index: int, timeout: float
+        self, step: int, member: int, store: dist.Store | None, is_global_zero: bool, stage_index: int,
+        timeout: float,
     ) -> None:
         """Every member writes its part of ``<checkpoint_dir>/<job id>/stop-step=<k>.ckpt``, a Lightning
         checkpoint of the last committed step ``k`` (:mod:`lightning_bamboo.checkpoint.stop`), meeting the
         others through the store. Skipped without ``checkpoint_dir``, when a member's error stopped the job
         (its stages may be in no other member), or where the loop has no resumable state (said once)."""
-        checkpointer, owners, step = self.checkpointer, self._gen.owners, self._session.step
+        checkpointer, owners = self.checkpointer, self._gen.owners
         if checkpointer is None or owners is None or store is None:
             return
         members = owners.members()

@@ -27,13 +27,12 @@ if TYPE_CHECKING:
 
 
 class Joins:
-    """Joins of one member (see the module docstring); ``store`` returns the job's store once connected,
-    ``step`` the committed step count (it holds no step session: a joiner's step is :meth:`join`'s result)."""
+    """Joins of one member (see the module docstring); ``store`` returns the job's store once connected (it
+    holds no step session: a joiner's step is :meth:`join`'s result, the others' is passed in)."""
 
-    def __init__(self, gen: Generation, formation: Formation, step: Callable[[], int],
-                 lightning: LightningSide, store: Callable[[], dist.Store | None]) -> None:
-        self._gen, self._formation, self._step, self._lightning, self._store = (
-            gen, formation, step, lightning, store)
+    def __init__(self, gen: Generation, formation: Formation, lightning: LightningSide,
+                 store: Callable[[], dist.Store | None]) -> None:
+        self._gen, self._formation, self._lightning, self._store = gen, formation, lightning, store
 
     def claim(self, step: int) -> bool:
         """Called by the member committing ``step``: adopt the launcher's join proposal after it, unless the
@@ -49,8 +48,9 @@ class Joins:
             return False
         return joining.claim(store, owners.generation, step)
 
-    def send_progress(self, old: OwnershipMap, new: OwnershipMap) -> None:
-        """The lowest continuing member writes the trainer's progress for the members joining in ``new``."""
+    def send_progress(self, old: OwnershipMap, new: OwnershipMap, step: int) -> None:
+        """The lowest continuing member writes the trainer's progress (``step`` steps committed) for the
+        members joining in ``new``."""
         store = self._store()
         assert store is not None
         joiners = set(new.members()) - set(old.members())
@@ -58,7 +58,7 @@ class Joins:
         if not joiners or not staying or self._gen.member != staying[0]:
             return
         trainer = self._lightning.module().trainer
-        snap = trainer_progress.snapshot(trainer, self._lightning.optimizer(), self._step())
+        snap = trainer_progress.snapshot(trainer, self._lightning.optimizer(), step)
         store.set(f"gen{new.generation}/progress", trainer_progress.to_json(snap))
 
     def join(self, trainer: pl.Trainer, begin: Callable[[OwnershipMap], None], formed: Callable[[int], None],

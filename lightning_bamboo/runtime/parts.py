@@ -2,7 +2,7 @@
 
 Each part is an object with its own state and a small interface (see the strategy's module docstring); the
 strategy's hooks call them. They never hold the strategy: what they need of Lightning comes as callables
-(:class:`~lightning_bamboo.runtime.membership.LightningSide`).
+(:class:`~lightning_bamboo.runtime.lightning_side.LightningSide`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from lightning_bamboo.runtime.formation import Formation
 from lightning_bamboo.runtime.generation import Generation
 from lightning_bamboo.runtime.lightning_side import LightningSide
 from lightning_bamboo.runtime.membership import Membership
+from lightning_bamboo.runtime.transitions import Transitions
 from lightning_bamboo.step.session import StepSession
 
 
@@ -37,7 +38,8 @@ class Parts:
     checkpoints: StageCheckpoints  # Lightning's checkpoint hooks for this member's stages
     session: StepSession  # the step in progress: two-phase step, exchange, commit, the one retry loop
     fallback: Fallback  # periodic checkpoints and the fallback to them
-    membership: Membership  # generations, failover, joins, drains
+    membership: Membership  # generations: process groups, commits, what an error means
+    transitions: Transitions  # failover, rejoin, fallback, drain, stop: the re-forms the retry loop runs
 
 
 @dataclass(frozen=True)
@@ -120,8 +122,8 @@ def assemble(
     precision: Callable[[], Precision],
     replica_device: Callable[[], torch.device],
 ) -> Parts:
-    """Build the parts and link the two that call each other back (the formation asks the session before each
-    schedule action; the session asks the membership for the next generation when a peer is lost)."""
+    """Build the parts and link them: the formation asks the session before each schedule action; the
+    session's retry loop asks the membership and its transitions, which return (they hold no session)."""
     o = options
     events = Events(lambda: lightning.module() and lightning.module().trainer)
     formation = Formation(o.num_stages, o.num_microbatches, o.recovery != "peers", o.keyed_rng, o.timeout,
@@ -132,9 +134,10 @@ def assemble(
                           precision=precision, device=lightning.device, batch_norm=o.batch_norm)
     formation.before_action = session.before_action
     fallback = Fallback(o.checkpoint_every_n_steps, o.checkpoint_dir, o.keep_checkpoints, formation, gen,
-                        session, events, lightning)
-    membership = Membership(env, formation, gen, session, fallback, events, lightning, o.failure_wait,
-                            o.timeout)
+                        events, lightning)
+    membership = Membership(env, formation, gen, lightning, o.failure_wait, o.timeout)
     membership.backend = o.process_group_backend
-    session.runtime = membership
-    return Parts(events, formation, gen, StageCheckpoints(formation, gen), session, fallback, membership)
+    transitions = Transitions(membership, formation, gen, fallback, events, lightning)
+    session.members, session.transitions = membership, transitions
+    return Parts(events, formation, gen, StageCheckpoints(formation, gen), session, fallback, membership,
+                 transitions)

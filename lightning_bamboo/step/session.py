@@ -6,8 +6,9 @@ schedule's gradients held aside for Lightning's ``backward``, and the step's cli
 through the schedule (rank 0's batch agreed, this pipeline's share of it), exchanges replica gradients,
 agrees on clipping before the commit and applies it after, and undoes or replays the window when a lost
 peer cut the step (the two-phase commit itself is
-:class:`~lightning_bamboo.control.commit.StepCommit`; the retry loop around every step is the membership's,
-:meth:`lightning_bamboo.runtime.membership.Membership.retrying`).
+:class:`~lightning_bamboo.control.commit.StepCommit`). Around every step it runs the one retry loop
+(:meth:`StepSession.retrying`): the membership and its transitions decide what a lost peer means and return
+it (roll forward, a :class:`Reform` to run, an error to raise), and the loop acts on it.
 
 It reads the current :class:`~lightning_bamboo.runtime.generation.Generation` (the one object the membership
 re-forms in place) and the :class:`~lightning_bamboo.runtime.formation.Formation` (layers, shares); of
@@ -20,6 +21,7 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
 
     from lightning_bamboo._lightning.seam import StageBody
+    from lightning_bamboo.layout.ownership import OwnershipMap
     from lightning_bamboo.runtime.events import Events
     from lightning_bamboo.runtime.formation import Formation
     from lightning_bamboo.runtime.generation import Generation
@@ -49,17 +52,36 @@ T = TypeVar("T")
 _COMMITTED = (COMMIT, COMMIT_JOIN)
 
 
-class Runtime(Protocol):
-    """What the session asks of the membership runtime
-    (:class:`~lightning_bamboo.runtime.membership.Membership`) around a step."""
+@dataclass(frozen=True)
+class Reform:
+    """A pending re-form: what the retry loop runs before its next attempt when a lost peer cut one (or at a
+    step boundary, for a join or a drain). ``old`` is the generation it leaves, ``since``
+    (``time.monotonic()``) when training stopped counting (the event's ``seconds_lost``); ``evaluation``:
+    formed in training mode from inside validation or test; ``drain``: an announced departure's."""
+
+    old: OwnershipMap
+    since: float
+    evaluation: bool = False
+    drain: bool = False
+
+
+class Members(Protocol):
+    """What the retry loop asks of the membership
+    (:class:`~lightning_bamboo.runtime.membership.Membership`): it decides and returns."""
 
     def attempt(self) -> AbstractContextManager[None]: ...
-    def generation_ended(self, err: BaseException) -> bool: ...
-    def recover(self, since: float) -> None: ...
+    def generation_ended(self, err: BaseException, step: int) -> bool: ...
     def vote(self, step: int, prepare: bool) -> str: ...
+
+
+class Transitions(Protocol):
+    """What the retry loop asks when a generation ends
+    (:class:`~lightning_bamboo.runtime.transitions.Transitions`): the re-form to run, and running it."""
+
+    def aborted(self, session: StepSession, since: float) -> Reform: ...
+    def evaluation_cut(self, step: int, what: str, since: float) -> Reform: ...
+    def form(self, session: StepSession, reform: Reform) -> None: ...
     def committed(self, outcome: str, lost_since: float | None) -> None: ...
-    def stop_if_asked(self) -> None: ...
-    def reform_during_evaluation(self, since: float) -> None: ...
 
 
 class Retry(Exception):
@@ -83,48 +105,62 @@ class StepSession:
         self.window_buffers: list[tuple[Tensor, Tensor]] = []  # buffers as they were when the window began
         self.stashed_grads: list[Tensor | None] | None = None
         self.clip_plan: ClipPlan | None = None
-        self.runtime: Runtime | None = None  # the membership, once built (it holds this session)
+        self.members: Members | None = None  # the membership and its transitions, once built; they are
+        self.transitions: Transitions | None = None  # called and return (the session is passed, not held)
 
     # ------------------------------------------------------------------ the one retry loop
     def retrying(
-        self, attempt: Callable[[], T], lost: Callable[[BaseException, float], T | None] | None = None
+        self,
+        attempt: Callable[[], T],
+        lost: Callable[[BaseException, float], T | Reform] | None = None,
+        reform: Reform | None = None,
     ) -> T:
-        """Run ``attempt`` until it returns. When a lost peer cuts it (its error, or :class:`Retry`),
-        ``lost(err, since)`` forms the next generation (``since``: when the attempt began, the event's
-        ``seconds_lost``) and returns ``None`` to run the attempt again, or the value to return instead (a
-        step the others committed is rolled forward); by default the step is undone and the next generation
-        formed (:meth:`Runtime.recover`). Any other error is raised. Training, optimizer and evaluation steps
-        and the formation of a generation all run in it."""
-        runtime = self.runtime
-        assert runtime is not None
+        """Run ``attempt`` until it returns: the one retry loop. When a lost peer cuts it (its error, or
+        :class:`Retry`), ``lost(err, since)`` returns the :class:`Reform` to run before the attempt runs
+        again (``since``: when the attempt began), or the value to return instead (a step the others
+        committed is rolled forward); by default the step is undone (:meth:`Transitions.aborted`). A pending
+        re-form (``reform``, or one a loss made) runs first, inside the loop: a peer lost while it forms
+        ends that generation too, and the newest one is formed instead. Any other error is raised. Training,
+        optimizer and evaluation steps and the re-forms at step boundaries all run here."""
+        members, transitions = self.members, self.transitions
+        assert members is not None and transitions is not None
         while True:
             since = time.monotonic()
             try:
-                with runtime.attempt():  # the backend's deadline backstop (release.AbortBackends)
+                if reform is not None:
+                    with members.attempt():  # the backend's deadline backstop (release.AbortBackends)
+                        transitions.form(self, reform)
+                    reform = None
+                with members.attempt():
                     return attempt()
             except Exception as err:
-                if not isinstance(err, Retry) and not runtime.generation_ended(err):
+                if not isinstance(err, Retry) and not members.generation_ended(err, self.step):
                     raise
-                if lost is None:
-                    runtime.recover(since)
-                    continue
-                outcome = lost(err, since)
-                if outcome is not None:
+                if reform is not None:
+                    continue  # lost while forming: the same re-form, to the newest generation
+                outcome = transitions.aborted(self, since) if lost is None else lost(err, since)
+                if not isinstance(outcome, Reform):
                     return outcome
+                reform = outcome
+
+    def form(self, reform: Reform | None) -> None:
+        """Run ``reform`` (a join or a drain at a step boundary) in the retry loop; ``None``: nothing."""
+        if reform is not None:
+            self.retrying(lambda: None, reform=reform)
 
     # ------------------------------------------------------------------ the steps
     def train(self, module: pl.LightningModule, args: tuple, kwargs: dict[str, Any],
-              record: Callable[[int, Any], None]) -> Any:
+              record: Callable[[int, int, Any], None]) -> Any:
         """``training_step``: rank 0's batch, this pipeline's share through the schedule, the user's
         ``training_step`` replayed with the loss; a peer lost mid-schedule: the next generation, and the batch
-        again. ``record`` keeps the batch for a fallback's re-run."""
+        again. ``record(step, batch_idx, batch)`` keeps the batch for a fallback's re-run."""
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
 
         def attempt() -> Any:
             batch, call_args, call_kwargs = self.agreed_batch(args, kwargs)
             if self.window:
                 self.window[-1] = (batch_idx, batch)
-            record(batch_idx, batch)
+            record(self.step, batch_idx, batch)
             loss = self.run_schedule(self.share(batch))
             with _seam_of(self._formation).replaying(loss):
                 output = module.training_step(*call_args, **call_kwargs)
@@ -138,27 +174,26 @@ class StepSession:
         """The two-phase step: exchange replica gradients and agree on clipping, prepare, then commit (apply
         with ``lightning_step``, Lightning's optimizer step, and the replica's) or abort. A lost peer: the
         next generation and the step again, or a roll-forward when the others committed."""
-        runtime, result = self.runtime, []
-        assert runtime is not None
+        members, transitions, result = self.members, self.transitions, []
+        assert members is not None and transitions is not None
 
         def attempt() -> tuple[str, float | None]:
             result[:] = [closure()]
             self.phase("exchange")
             self.exchange(optimizer)
-            outcome = runtime.vote(self.step, True)
+            outcome = members.vote(self.step, True)
             self.phase("prepared")
             if outcome not in _COMMITTED:
                 raise Retry(outcome)  # a peer was lost while this member waited for the outcome
             return outcome, None
 
-        def lost(err: BaseException, since: float) -> tuple[str, float | None] | None:
-            outcome = err.args[0] if isinstance(err, Retry) else runtime.vote(self.step, False)
+        def lost(err: BaseException, since: float) -> tuple[str, float | None] | Reform:
+            outcome = err.args[0] if isinstance(err, Retry) else members.vote(self.step, False)
             if outcome in _COMMITTED:
                 return outcome, since  # the others committed: roll forward
-            # the batch in flight runs again in ``closure``; the window's earlier ones in ``recover``
+            # the batch in flight runs again in ``closure``; the window's earlier ones in the re-form
             self.window_done = max(self.window_done - 1, 0)
-            runtime.recover(since)
-            return None
+            return transitions.aborted(self, since)
 
         outcome, lost_since = self.retrying(attempt, lost)
         self.phase("commit")
@@ -166,7 +201,7 @@ class StepSession:
         self.update_replica()
         self.phase("applied")
         self.committed()
-        runtime.committed(outcome, lost_since)
+        transitions.committed(outcome, lost_since)
         return output
 
     def evaluate(self, args: tuple, kwargs: dict[str, Any], context: Callable[[], Any],
@@ -174,8 +209,8 @@ class StepSession:
         """A validation/test batch forward through the pipeline: the loss and the agreed hook arguments. A
         peer lost mid-batch: the next generation, and the batch again (evaluation changes no state) in a
         fresh ``context()`` (the precision's step context)."""
-        runtime, agreed = self.runtime, []
-        assert runtime is not None
+        transitions, agreed = self.transitions, []
+        assert transitions is not None
 
         def attempt() -> Tensor:
             self.phase("validate")
@@ -185,11 +220,8 @@ class StepSession:
             with context():
                 return self._gen.engine.run_forward(split_microbatches(batch, num))
 
-        def lost(err: BaseException, since: float) -> None:
-            runtime.stop_if_asked()
-            self._events.announce("on_evaluation_rerun", f"Bamboo: {what} batch interrupted by a lost peer; "
-                                  "re-running it", loop=what, step=self.step)
-            runtime.reform_during_evaluation(since)
+        def lost(err: BaseException, since: float) -> Reform:
+            return transitions.evaluation_cut(self.step, what, since)
 
         loss = self.retrying(attempt, lost)
         return loss, agreed[0], agreed[1]

@@ -95,8 +95,8 @@ def test_fire_rejects_bad_events() -> None:
     with pytest.raises(ValueError, match=re.escape("unknown Bamboo event 'on_boom'; expected one of")):
         fire(trainer, "on_boom")  # type: ignore[arg-type]
     message = ("event 'on_failover' needs payload keys ['old_map', 'new_map'] (optional ['seconds_lost', "
-               "'pipeline_length', 'step', 'cause', 'members', 'microbatch']); missing ['new_map'], "
-               "unexpected ['extra']")
+               "'pipeline_length', 'step', 'cause', 'members', 'microbatch', 'generation']); "
+               "missing ['new_map'], unexpected ['extra']")
     with pytest.raises(ValueError, match=re.escape(message)):
         fire(trainer, "on_failover", old_map={}, extra=1)  # type: ignore[arg-type]
 
