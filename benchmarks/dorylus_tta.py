@@ -23,9 +23,9 @@ stops at the first epoch after which the validation accuracy reaches ``--target`
 * ``gpu``: the best full-graph PyG form on one CUDA device (skipped where ``torch.cuda`` has none).
 * ``d<n>-<mode>[-lat]``: ``Trainer(strategy=DorylusStrategy(staleness=...))`` on ``n`` graph servers (one
   process each, launched the way ``torchrun`` would), ``mode`` ``sync`` (``staleness=None``) or ``s1``
-  (``staleness=1``), the ``local`` executor; ``-lat`` adds ``--latency-ms`` of round trip to every tensor-op
-  request (``dorylus_pipeline.make_delayed_executor``: the way a Lambda invocation would), the latency the
-  pipeline exists to hide.
+  (``staleness=1``; ``--modes`` adds others, ``s2`` for ``staleness=2``), the ``local`` executor; ``-lat``
+  adds ``--latency-ms`` of round trip to every tensor-op request (``dorylus_pipeline.make_delayed_executor``:
+  the way a Lambda invocation would), the latency the pipeline exists to hide.
 
 Each configuration runs in fresh processes; ``--rounds`` rounds run every configuration once, round ``r``
 starting with configuration ``r mod n`` (interleaved: the load of a shared machine drifts), and the
@@ -74,7 +74,7 @@ def configurations(args: argparse.Namespace) -> list[str]:
     if args.gpu:
         configs.append("gpu")
     for servers in args.servers:
-        for mode in ("sync", "s1"):
+        for mode in args.modes:
             configs.append(f"d{servers}-{mode}")
             if args.latency_ms > 0:
                 configs.append(f"d{servers}-{mode}-lat")
@@ -424,7 +424,7 @@ def run_dorylus(args: argparse.Namespace) -> dict[str, Any]:
     inner = LocalPoolExecutor(num_workers=args.executor_workers)
     executor = make_delayed_executor(inner, args.latency_ms / 1000.0) if args.latency else inner
     strategy = DorylusStrategy(executor=executor, timeout=timedelta(seconds=args.timeout),
-                               staleness={"sync": None, "s1": 1}[args.mode])
+                               staleness=None if args.mode == "sync" else int(args.mode[1:]))
     trainer = pl.Trainer(accelerator="cpu", devices=args.num_servers, strategy=strategy,
                          max_epochs=args.max_epochs, callbacks=[ToTarget()], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -576,6 +576,14 @@ def report(args: argparse.Namespace, graph: dict[str, Any], by_config: dict[str,
     return s
 
 
+def _modes(text: str) -> list[str]:
+    modes = text.split(",")
+    for mode in modes:
+        if mode != "sync" and not (mode[:1] == "s" and mode[1:].isdigit()):
+            raise argparse.ArgumentTypeError(f"a mode is sync or s<staleness> (s1, s2), got {mode!r}")
+    return modes
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -598,6 +606,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-epochs", type=int, default=60, help="a run that has not reached it stops here")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--servers", type=_int_list, default=[1, 2], help="Dorylus server counts")
+    parser.add_argument("--modes", type=_modes, default=["sync", "s1"],
+                        help="Dorylus modes: sync (staleness=None) and sS (staleness=S), comma-separated")
     parser.add_argument("--latency-ms", type=float, default=20.0,
                         help="round trip added to every request in the -lat configurations (0: none run)")
     parser.add_argument("--pyg-threads", type=_int_list, default=None,

@@ -139,14 +139,17 @@ class DorylusStrategy(ParallelStrategy):
             behind; and, on one server from ``S = 1``, on several from ``S = 2`` (it takes one epoch of the
             bound, ghosts then get ``S - 1``), a weight-first first layer sends the next epoch's requests
             during this epoch's last wait, with the weights one update behind (see ``docs/dorylus.md``,
-            "Bounded asynchrony"). What it buys: it hides waiting for peers and round trips, not
-            compute, and its first epoch builds the pipeline's per-interval blocks. Measured on 2 servers
-            (100k vertices, GCN to val acc 0.85, ``benchmarks/dorylus_tta.py``): ``staleness=1`` needs the
-            synchronous epochs (9 to 0.85); without a round trip it takes 1.08-1.31x the synchronous
-            time to the target and 17 % more memory (nothing to hide: keep ``None``); with a 20 ms round
-            trip per request its later epochs take 0.57-0.73x the synchronous ones but its first epoch
-            longer, 0.66-1.10x in all over 9-10 epochs on a loaded machine (``docs/dorylus-value.md``,
-            "Which should I use").
+            "Bounded asynchrony"). What it buys: it hides waiting, not compute, and its first epoch builds
+            the pipeline's per-interval blocks. On several servers ``S = 1`` hides waiting for a slower
+            peer's ghosts but none of the round trips (every layer still waits for its own last request);
+            ``S = 2`` runs ahead and hides part of them, at the price of weights one update behind. Measured
+            on 2 servers (100k vertices, GCN to val acc 0.85, ``benchmarks/dorylus_tta.py``, quiet 2-core
+            machine): ``staleness=1`` needs the synchronous 9 epochs and takes 1.22x the synchronous time
+            to the target without a round trip, 1.12x with 20 ms per request, 1.06x with 100 ms (its later
+            epochs as long as the synchronous ones), with 15 % more memory; ``staleness=2`` needs 10 epochs,
+            1.31x / 1.20x / 0.97x (later epochs 0.76x the synchronous at 100 ms). Keep ``None`` unless
+            round trips of 100 ms or more dominate a long run (``docs/dorylus-value.md``, "Which should I
+            use").
             Validation, test and checkpoints first drain the pipeline and then run synchronously;
             checkpoints also drop the requests sent ahead and the held ghost buffers.
         stale_reads: Which ghost rows/gradients a ``staleness >= 1`` read uses among those stamped
