@@ -149,7 +149,7 @@ def main() -> None:
                         help="2: 2 stages x 3 pipelines (a machine holds a whole pipeline); 3: 3 x 2 (a "
                              "machine holds stages of both pipelines, so recovery modes differ)")
     parser.add_argument("--recovery", choices=["replica", "replica+forward", "peers"], default=None,
-                        help="BambooStrategy(recovery=...) (default: the script's redundancy=True)")
+                        help="BambooStrategy(recovery=...) (default: the script's 'replica+forward')")
     parser.add_argument("--no-trace", action="store_true",
                         help="apply none of the segment's events: a failure-free run, whose full-layout step "
                              "is the median over all its steps (the step without the trace's noise)")

@@ -105,7 +105,7 @@ def main() -> None:
         name = f"launch{os.environ['BENCH_LAUNCH']}-rank{os.environ['LOCAL_RANK']}"
         batch = args.batch  # the same runtime: every rank loads the global batch, each pipeline its share
         strategy = BambooStrategy(
-            num_stages=args.stages, num_microbatches=args.microbatches, redundancy=False,
+            num_stages=args.stages, num_microbatches=args.microbatches, recovery="peers",
             timeout=float(cfg.strategy.timeout),
         )
         devices = world

@@ -99,7 +99,8 @@ class BambooStrategy(ParallelStrategy):
             data parallelism (with ``recovery="peers"``).
         num_microbatches: micro-batches per step and pipeline, >= 1, dividing each pipeline's share.
         recovery: ``"replica"`` (default), ``"replica+forward"`` (with the replica's forwards ``FR``) or
-            ``"peers"`` (no replica); docs/bamboo-elastic.md. ``redundancy=True/False``: the older spelling.
+            ``"peers"`` (no replica); docs/bamboo-elastic.md. ``redundancy=True/False``: the older spelling,
+            deprecated (``"replica+forward"`` / ``"peers"``).
         replica_device: ``"same"`` (default) as the stage, or ``"cpu"`` (Bamboo's lazy mode).
         pipeline_attr: the module's ``nn.Sequential`` body; ``None``: ``pipeline`` or the only one.
         layer_costs: relative cost of each layer of the body, to split it into stages; ``None``: estimated.

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if estimated:
         print(f"WARNING: {', '.join(estimated)} ESTIMATED from the FR time only (the replica's optimizer "
               "step and sync are not in it: the step without redundancy is priced too slow, against "
-              "checkpoint-restart and on-demand); measure it: the probe with redundancy=False")
+              "checkpoint-restart and on-demand); measure it: the probe with recovery='peers'")
     if costs.peers_failover_s is None and any(c.recovery == "peers" for c in advice.candidates):
         print("WARNING: recovery='peers' failovers PRICED AS THE REPLICA'S (costs.failover_s): these costs "
               "hold no measured peers failover (costs.peers_failover_s: state moved from a peer pipeline)")

@@ -133,7 +133,7 @@ def plain_step_estimate(step_s: float, stages: list[dict[str, float]]) -> float:
     so ``step - min over stages of fr_s``, but never below the busiest stage's own compute and all-reduce.
     Redundancy costs more than its FR time (the replica's optimizer step and sync, not in the engine's
     trace), so this is too slow, against checkpoint-restart (docs/bamboo-advise.md has the figures); a
-    probe run with ``redundancy=False`` measures the step instead."""
+    probe run with ``recovery="peers"`` measures the step instead."""
     saved = min(s["fr_s"] for s in stages)
     return max(step_s - saved, max(s["compute_s"] + s["allreduce_s"] for s in stages), 1e-9)
 
@@ -222,7 +222,7 @@ def build(run: Run, ranks: Sequence[RankReport], reference: Costs, reference_pat
         costs[other][run.layout] = plain_step_estimate(step_s, stages)
         sources[f"{other}[{run.layout}]"] = (
             "estimated: the measured redundant step less the smallest per-stage FR time (engine trace); "
-            "run the probe with redundancy=False to measure it")
+            "run the probe with recovery='peers' to measure it")
     costs["step_s"] = step_s
     sources["step_s"] = sources[f"{own}[{run.layout}]"]
     costs["step_s_by_shape"] = {}

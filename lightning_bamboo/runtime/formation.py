@@ -264,7 +264,7 @@ class Formation:
         """Say at start what ``recovery="peers"`` with one pipeline means: no peer holds a lost stage."""
         if not self.redundancy and len(owners.pipelines) == 1:
             rank_zero_warn(
-                "Bamboo recovery='peers' (redundancy=False) with one pipeline: no data-parallel peer holds "
+                "Bamboo recovery='peers' with one pipeline: no data-parallel peer holds "
                 "a copy of a lost stage, so a lost worker resumes from the last checkpoint "
                 "(checkpoint_every_n_steps) or ends the job; use recovery='replica' or more pipelines"
             )

@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 
 from lightning_bamboo.checkpoint import periodic
 from lightning_bamboo.checkpoint.stages import StageCheckpoints
@@ -78,23 +79,31 @@ class Options:
 
 
 def resolve_recovery(recovery: str | None, redundancy: bool | None) -> str:
-    """The recovery mode of the constructor's ``recovery`` and its older spelling ``redundancy``
-    (``True``: ``"replica+forward"``, what it always meant; ``False``: ``"peers"``); default ``"replica"``.
+    """The recovery mode of the constructor's ``recovery``; default ``"replica"``. ``redundancy``, its older
+    spelling (``True``: ``"replica+forward"``, what it always meant; ``False``: ``"peers"``), is still
+    accepted with a deprecation warning naming the replacement: one option, one spelling in the docs.
 
     Why "replica" by default: the replica's eager forwards are not used at a failover (the interrupted step
     is replayed), so they cost 9% of a step for nothing (docs/bamboo-benchmark.md, part (e)).
     """
     if recovery is not None and recovery not in RECOVERY_MODES:
         raise ValueError(f"recovery must be one of {', '.join(map(repr, RECOVERY_MODES))}, got {recovery!r}")
-    if redundancy is not None and not isinstance(redundancy, bool):
-        raise TypeError(f"redundancy must be True or False, got {redundancy!r}")
-    if recovery is None:
-        return "replica" if redundancy is None else ("replica+forward" if redundancy else "peers")
-    if redundancy is not None and redundancy != (recovery != "peers"):
+    if redundancy is None:
+        return "replica" if recovery is None else recovery
+    if not isinstance(redundancy, bool):
+        raise TypeError(f"redundancy must be True or False, got {redundancy!r}; it is deprecated: pass "
+                        "recovery='replica', 'replica+forward' or 'peers'")
+    meant = "replica+forward" if redundancy else "peers"
+    if recovery is not None and redundancy != (recovery != "peers"):
         why = "peers hold no replica" if recovery == "peers" else "this mode holds a replica"
         raise ValueError(f"recovery={recovery!r} and redundancy={redundancy!r} disagree: {why}; "
                          "pass recovery alone")
-    return recovery
+    rank_zero_deprecation(
+        f"BambooStrategy(redundancy={redundancy}) is deprecated: pass recovery={recovery or meant!r} instead "
+        "(the default, recovery='replica', keeps the replica without its forwards; docs/bamboo-elastic.md)",
+        stacklevel=7,  # the user's BambooStrategy(...) line
+    )
+    return recovery or meant
 
 
 def check_options(num_stages: int, num_microbatches: int, recovery: str, replica_device: str,
@@ -109,7 +118,7 @@ def check_options(num_stages: int, num_microbatches: int, recovery: str, replica
     if recovery != "peers" and num_stages < 2:
         raise ValueError(
             f"recovery={recovery!r} needs num_stages >= 2 (a stage replicates its successor), got "
-            f"num_stages ({num_stages}); pass recovery='peers' (or redundancy=False)"
+            f"num_stages ({num_stages}); pass recovery='peers'"
         )
     if not isinstance(keyed_rng, bool):
         raise TypeError(f"keyed_rng must be True or False, got {keyed_rng!r}")

@@ -299,13 +299,14 @@ WINDOW = PROBE_STEPS - BLOCK  # the validation blocks up to the last measured st
 def test_probe_on_the_gpt_recipe_writes_sane_costs_and_the_advisor_validates_against_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The GPT recipe (2 stages, redundancy on) with the probe, two ranks started as torchrun would; then the
-    advisor on its costs file and the shipped p3 trace. Measured steps, steps with the replica forwards
-    switched off and validation steps take turns step by step, so that all see the shared machine's load
-    alike; the window's last of 3 checkpoints is one step before its end."""
+    """The GPT recipe (2 stages, FR on: recovery="replica+forward") with the probe, two ranks started as
+    torchrun would; then the advisor on its costs file and the shipped p3 trace. Measured steps, steps with
+    the replica forwards switched off and validation steps take turns step by step, so that all see the
+    shared machine's load alike; the window's last of 3 checkpoints is one step before its end."""
     costs_path = tmp_path / "costs.json"
     out = tmp_path / "run"
     run_ranks([sys.executable, "-m", "recipes.train", "experiment=bamboo_gpt",
+               "strategy.recovery=replica+forward",
                f"trainer.max_steps={WARMUP + 2 * PROBE_STEPS + WINDOW + 2}", "trainer.limit_val_batches=0",
                "trainer.logger=false", "trainer.enable_checkpointing=false", f"hydra.run.dir={out}",
                "+trainer.callbacks.advisor._target_=lightning_bamboo.advise.AdvisorProbe",
@@ -382,7 +383,8 @@ def test_a_failover_ends_the_probe_and_training_goes_on(tmp_path: Path, fault_st
     the survivor, which trains on alone to the last step."""
     costs_path = tmp_path / "costs.json"
     out = run_process([sys.executable, "-m", "lightning_bamboo.launch", "--nproc", "2", "-m", "recipes.train",
-                       "experiment=bamboo_gpt_elastic", "trainer.max_steps=30", "trainer.logger=false",
+                       "experiment=bamboo_gpt_elastic", "strategy.recovery=replica+forward",
+                       "trainer.max_steps=30", "trainer.logger=false",
                        f"hydra.run.dir={tmp_path / 'run'}",
                        "+trainer.callbacks.advisor._target_=lightning_bamboo.advise.AdvisorProbe",
                        f"+trainer.callbacks.advisor.path={costs_path}", "+trainer.callbacks.advisor.steps=6",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from lightning.pytorch import Trainer
@@ -12,6 +15,8 @@ from lightning_bamboo import BambooStrategy
 from lightning_bamboo.pipeline.microbatch import split_microbatches
 from lightning_bamboo.runtime.formation import checked_body, layer_costs, plan_stages
 from lightning_bamboo.wiring import check_precision
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -96,7 +101,7 @@ def test_peers_with_one_pipeline_is_warned_at_start() -> None:
 
     cpu = torch.device("cpu")
     peers = Formation(2, 2, False, True, None, device=lambda: cpu, replica_device=lambda: cpu)
-    with pytest.warns(UserWarning, match=r"recovery='peers' \(redundancy=False\) with one pipeline"):
+    with pytest.warns(UserWarning, match=r"recovery='peers' with one pipeline"):
         peers.warn_if_unrecoverable(initial(2, range(2)))
     replica = Formation(2, 2, True, True, None, device=lambda: cpu, replica_device=lambda: cpu)
     with warnings.catch_warnings():
@@ -125,3 +130,24 @@ def test_sync_batchnorm_is_refused_naming_deferred_statistics() -> None:
     with pytest.warns(UserWarning, match=r"PipeMLP.pipeline has BatchNorm layers \(pipeline.1\): the global "
                                          r"batch is split into 2 micro-batches \(num_microbatches=1 x 2"):
         check_batch_norm(model, formation, None, "broadcast")  # two pipelines with M = 1 warn too
+
+
+
+@pytest.mark.parametrize(("redundancy", "mode"), [(True, "replica+forward"), (False, "peers")])
+def test_redundancy_is_deprecated_for_recovery(redundancy: bool, mode: str) -> None:
+    """``redundancy=`` still works, with a warning at the user's line naming ``recovery=`` and the value."""
+    with pytest.warns(DeprecationWarning, match=rf"redundancy={redundancy}\) is deprecated: pass "
+                                                rf"recovery='{re.escape(mode)}' instead") as caught:
+        strategy = BambooStrategy(num_stages=2, redundancy=redundancy)
+    assert strategy._options.recovery == mode
+    assert {w.filename for w in caught if "is deprecated" in str(w.message)} == {__file__}
+
+
+def test_the_recipes_spell_the_recovery_mode_one_way() -> None:
+    """The shipped strategy recipes set ``recovery`` (the documented default), never ``redundancy``."""
+    recipes = sorted((REPO_ROOT / "recipes" / "conf" / "strategy").glob("bamboo*.yaml"))
+    assert recipes
+    for recipe in recipes:
+        keys = [line.split(":")[0] for line in recipe.read_text().splitlines()
+                if line and not line.startswith(("#", " "))]
+        assert "redundancy" not in keys and "recovery" in keys, recipe

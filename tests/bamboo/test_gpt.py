@@ -190,10 +190,12 @@ def test_gpt_learns_under_the_default_strategy(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_bamboo_gpt_recipe_trains_two_cpu_stages(tmp_path: Path) -> None:
-    """``python -m recipes.train experiment=bamboo_gpt``: 2 processes, layout and schedule grid printed.
+    """``python -m recipes.train experiment=bamboo_gpt`` with FR on: 2 processes, layout and schedule grid
+    printed.
 
     Both ranks started together, as torchrun would (Lightning's popen launcher: ``test_readme.py``)."""
-    cmd = [sys.executable, "-m", "recipes.train", "experiment=bamboo_gpt", "trainer.max_steps=3",
+    cmd = [sys.executable, "-m", "recipes.train", "experiment=bamboo_gpt",
+           "strategy.recovery=replica+forward", "trainer.max_steps=3",
            "trainer.limit_val_batches=0", "+trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}"]
     output = run_ranks(cmd, 2, timeout=240).stdout
     # The stage layout: 4 layers [embedding, block, block, head], two per stage, each replicating the other.
@@ -212,7 +214,7 @@ def test_bamboo_gpt_recipe_trains_two_cpu_stages(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "overrides",
     [
-        pytest.param(["strategy.num_stages=1", "strategy.redundancy=false"], id="1-stage-x-2-pipelines"),
+        pytest.param(["strategy.num_stages=1", "strategy.recovery=peers"], id="1-stage-x-2-pipelines"),
         pytest.param([], id="2-stages"),
     ],
 )

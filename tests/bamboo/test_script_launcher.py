@@ -133,7 +133,7 @@ def test_outside_launcher_gets_fixed_ranks_and_a_plain_script_a_supervisor(
         outside.parallel_devices = [torch.device("cpu")] * 4
         outside._configure_launcher()
         assert outside.launcher is None
-    single = BambooStrategy(num_stages=1, redundancy=False, cluster_environment=LightningEnvironment())
+    single = BambooStrategy(num_stages=1, recovery="peers", cluster_environment=LightningEnvironment())
     monkeypatch.delenv("LOCAL_RANK")
     single.parallel_devices = [torch.device("cpu")]
     single._configure_launcher()

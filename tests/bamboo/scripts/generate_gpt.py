@@ -54,7 +54,7 @@ def main() -> None:
         devices = 1
     else:
         strategy = BambooStrategy(num_stages=args.stages, num_microbatches=args.microbatches,
-                                  redundancy=args.stages > 1, timeout=180)
+                                  recovery="replica+forward" if args.stages > 1 else "peers", timeout=180)
         devices = args.stages * args.pipelines
     train = DataLoader(TensorDataset(ids, targets), batch_size=batch_size, shuffle=False)
     greedy = TextSample(PROMPT, max_new_tokens=12, every_n_steps=1)

@@ -131,7 +131,8 @@ def main() -> None:
     parser.add_argument("--precision", default=None, help="Trainer(precision=...)")
     parser.add_argument("--no-redundancy", action="store_true")
     parser.add_argument("--recovery", choices=["replica", "replica+forward", "peers"], default=None,
-                        help="BambooStrategy(recovery=...); default: redundancy=not --no-redundancy")
+                        help="BambooStrategy(recovery=...); default: 'replica+forward' ('peers' with "
+                             "--no-redundancy)")
     parser.add_argument("--aws-endpoints", default="", help="comma-separated IMDS URL per member ('' = none)")
     parser.add_argument("--wait-notice", default="", help="MEMBER:STEP: that member waits for its notice")
     parser.add_argument("--checkpoint-every", type=int, default=None, help="fallback checkpoints")
@@ -192,7 +193,7 @@ def main() -> None:
         strategy: BambooStrategy | str = BambooStrategy(
             num_stages=args.stages,
             num_microbatches=args.microbatches,
-            **({"recovery": args.recovery} if args.recovery else {"redundancy": not args.no_redundancy}),
+            recovery=args.recovery or ("peers" if args.no_redundancy else "replica+forward"),
             timeout=20,
             process_group_backend=args.backend,
             checkpoint_every_n_steps=args.checkpoint_every,

@@ -87,7 +87,8 @@ def train(args: argparse.Namespace) -> None:
         accelerator="cpu",
         devices=2,
         strategy=BambooStrategy(
-            num_stages=args.stages, num_microbatches=2, redundancy=args.stages > 1, timeout=180
+            num_stages=args.stages, num_microbatches=2,
+            recovery="replica+forward" if args.stages > 1 else "peers", timeout=180
         ),
         max_epochs=args.epochs,
         max_steps=args.max_steps,

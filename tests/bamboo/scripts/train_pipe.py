@@ -189,7 +189,7 @@ def train(args: argparse.Namespace) -> None:
         strategy = BambooStrategy(
             num_stages=args.stages,
             num_microbatches=args.microbatches,
-            redundancy=not args.no_redundancy,
+            recovery="peers" if args.no_redundancy else "replica+forward",
             replica_device=args.replica_device,
             timeout=180,  # rendezvous + collectives: 4 ranks importing torch on 2 busy cores can take >60 s
         )
