@@ -193,10 +193,10 @@ def test_two_pipelines_prepared_and_applied(
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", [
     "gloo",
-    # A known bug, not yet fixed: under load the two survivors of the second loss sometimes both block in
-    # the first step's batch broadcast on the newest generation (nccl-like, 1 run in 3 with other jobs
-    # beside it; both had passed the length broadcast), until the attempt's deadline aborts them and the
-    # step fails. Seen in the fresh-clone suite and reproduced by running three of these jobs at once.
+    # A known bug, not yet fixed: under load the two survivors of the second loss sometimes both block on
+    # the newest generation (nccl-like, 1 run in 3 with other jobs beside it: in its re-form, or in the first
+    # batch broadcast after it), until the attempt's deadline aborts them and the step fails. Seen in the
+    # fresh-clone suite and reproduced by running three of these jobs at once.
     pytest.param("nccl-like", marks=pytest.mark.xfail(
         reason="known bug: a loss while a generation forms can deadlock the next one on nccl-like under load",
         strict=False)),
@@ -204,10 +204,10 @@ def test_two_pipelines_prepared_and_applied(
 def test_a_member_lost_while_the_next_generation_forms(
     tmp_path: Path, elastic_reference: dict[str, torch.Tensor], backend: str
 ) -> None:
-    """2 stages x 2 pipelines: member 3 dies in step 1's forward; while the survivors form generation 2
+    """2 stages x 2 pipelines: member 3 dies in step 1's forward; while the survivors form generation 1
     (its process group created, no layer moved yet) member 1 dies too. The re-form is cut like a step: the
-    survivors release generation 2 as their backend needs (on ``nccl-like`` nothing raises: the watcher
-    aborts) and form generation 3, each stage-0 member running its pipeline with its promoted replica; step 1
+    survivors release generation 1 as their backend needs (on ``nccl-like`` nothing raises: the watcher
+    aborts) and form generation 2, each stage-0 member running its pipeline with its promoted replica; step 1
     then runs once, and the final state equals the uninterrupted run's."""
     run_elastic(tmp_path, nproc=4, stages=2, fault="3:1:forward,1:1:form", extra_args=("--backend", backend))
     record = launched(tmp_path)
