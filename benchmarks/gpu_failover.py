@@ -27,7 +27,8 @@ the JSON, not in the line). On CPU (a) is ``skipped``.
     backend=<nccl|gloo|nccl-like> nccl_version=<v|none> exact=<true|false> failover_s=<s> step_s=<s>
     survivors_lost=<n> default_env_survivors_lost=<n|skipped>
 
-(one line). ``--out FILE`` writes the JSON with every run's details.
+(one line). ``--out FILE`` writes the JSON with every run's details; ``--keep-workdir`` keeps the runs'
+directory.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -221,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--kill-step", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="the JSON with every run's details")
+    parser.add_argument("--keep-workdir", action="store_true",
+                        help="keep the runs' directory (events, logs, final states); removed by default")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-host-ids", dest="host_ids", action="store_false", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -245,6 +249,18 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         base.update({"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"})
     tmp = Path(tempfile.mkdtemp(prefix="gpu_failover-"))
+    try:
+        return measure(args, tmp, base, cuda, torch.__version__)
+    finally:
+        if not args.keep_workdir:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def measure(args: argparse.Namespace, tmp: Path, base: dict[str, str], cuda: bool, torch_version: str) -> int:
+    """The reference and failover runs (and, on CUDA, the default-environment and multi-rank runs) in
+    ``tmp``; prints the summary line and writes ``args.out``."""
+    import torch
+
     runs: dict[str, Any] = {}
     runs["reference"] = run_job(tmp / "reference", args, kill=False, env=base, timeout=120)
     runs["failover"] = run_job(tmp / "failover", args, kill=True, env=base, timeout=120)
@@ -270,11 +286,11 @@ def main(argv: list[str] | None = None) -> int:
             runs["multi_rank_gpu"]["exact"], _ = compare(tmp / "multi_rank_gpu", tmp / "reference", rtol)
             runs["multi_rank_gpu"]["survivors_lost"] = survivors_lost(runs["multi_rank_gpu"])
     nccl = nccl_version() or "none"
-    summary = {"backend": args.backend, "device": args.device, "torch": torch.__version__,
+    summary = {"backend": args.backend, "device": args.device, "torch": torch_version,
                "nccl_version": nccl, "exact": exact, "max_rel_diff": worst, "rtol": rtol,
                "failover_s": failover_s, "step_s": step_s, "survivors_lost": lost,
                "default_env_survivors_lost": default_lost, "runs": runs,
-               "workdir": str(tmp), "load_average": os.getloadavg()}
+               "workdir": str(tmp) if args.keep_workdir else None, "load_average": os.getloadavg()}
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(summary, indent=2, default=str))

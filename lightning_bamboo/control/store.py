@@ -130,6 +130,27 @@ def current_generation(store: dist.Store) -> int:
     return int(value) if value is not None else -1
 
 
+class GenerationSuperseded(ConnectionError):
+    """A member waited for a key that a peer of ``generation`` was to write, and the launcher published a
+    later generation first: the peer was lost (a communication failure; the newest generation forms)."""
+
+
+def wait_for_key(store: dist.Store, key: str, generation: int, poll: float = 0.01) -> bytes:
+    """``key``'s value once a peer of ``generation`` has set it. A blocking ``get`` would wait for the
+    store's timeout (60 s) when that peer was lost, and hold the store's connection all the while (a
+    watcher thread sharing it could not write); this returns or raises :class:`GenerationSuperseded` as soon
+    as a generation after ``generation`` is published."""
+    while True:
+        value = read_if_set(store, key)
+        if value is not None:
+            return value
+        if current_generation(store) > generation:
+            raise GenerationSuperseded(
+                f"Bamboo: generation {generation} was superseded while waiting for {key!r} (a peer was lost)"
+            )
+        time.sleep(poll)
+
+
 class GenerationWatch:
     """Whether the job's generation is newer than a member's, read only when it may have changed.
 

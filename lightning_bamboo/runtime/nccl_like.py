@@ -115,8 +115,6 @@ class NcclLikeGroup(dist.ProcessGroup):
             for work in self._pending:
                 work.wake.set()
             self._pending.clear()
-        with contextlib.suppress(Exception):  # the store may be what failed; the local rule still holds
-            self._store.set(ABORTED_KEY, "1")
         # and its connections go, as ncclCommAbort frees the communicator's: gloo's pending operations end
         # (a peer that has not aborted yet sees a failure, which blocks it until its own abort), so no thread
         # is left inside gloo when the process exits (gloo's own abort does not wake a pending receive)
@@ -129,6 +127,14 @@ class NcclLikeGroup(dist.ProcessGroup):
                 finally:
                     sock.close()
         self._sockets = set()
+        # and the group's peers learn that it was aborted (what their destroy refuses). From a thread of its
+        # own: ncclCommAbort touches no store, and this one's connection may be held by the main thread's
+        # blocking wait (a peer's key that will never come), which an abort must not wait behind.
+        threading.Thread(target=self._say_aborted, name="nccl-like-aborted", daemon=True).start()
+
+    def _say_aborted(self) -> None:
+        with contextlib.suppress(Exception):  # the store may be what failed; the local rule still holds
+            self._store.set(ABORTED_KEY, "1")
 
     def shutdown(self) -> None:
         """``destroy_process_group``: refused where NCCL could block forever (see the module docstring)."""

@@ -14,8 +14,9 @@ needs:
   release it by abort: ``destroy_process_group`` can block forever. So a watcher thread aborts every backend
   of the generation in one group call (``_abort_process_group``: ``ncclGroupStart``/``End`` around the
   aborts, pytorch#119797) as soon as the launcher publishes a generation that ends it by a failure, or when
-  an attempt (a step, an evaluation batch, the forming of a generation) outlives its deadline (a backstop:
-  the strategy's ``timeout``; the process group itself gets twice that). The main thread's operation then
+  an attempt (a step, an evaluation batch, the forming of a generation) makes no progress in one generation
+  for longer than its deadline (a backstop: the strategy's ``timeout``; the process group itself gets twice
+  that). The main thread's operation then
   raises; it waits for the watcher's release to end, synchronises the device (a sticky CUDA error ends the
   worker, :class:`StickyDeviceError`), and the next generation forms under a new store prefix.
 """
@@ -130,9 +131,13 @@ class _Aborter(GenerationCutter):
         super().__init__(env)
 
     def arm(self, generation: int) -> None:
+        """Watch ``generation``; an attempt in progress counts its deadline from here: the deadline bounds
+        the time without progress in one generation, not the failovers an attempt went through."""
         with self._lock:
             self._generation, self._armed_generation = generation, True
             self.released.clear()
+            if self.attempt_since is not None:
+                self.attempt_since = time.monotonic()
 
     def disarm(self) -> None:
         with self._lock:

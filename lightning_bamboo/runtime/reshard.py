@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 
 from lbd_common import codec
 from lightning_bamboo.checkpoint.layers import LayerState, describe, gather, materialize
+from lightning_bamboo.control import store as ms
 from lightning_bamboo.layout.ownership import FallbackNeeded
 
 __all__ = ["LayerState", "Resharder", "gather", "install"]
@@ -97,7 +98,7 @@ class Resharder:
         """
         g = self.generation
         self.store.set(f"g{g}/holds/{self.me}", json.dumps(sorted(held)))
-        holds = {m: set(json.loads(self.store.get(f"g{g}/holds/{m}"))) for m in sorted(needs)}
+        holds = {m: set(json.loads(ms.wait_for_key(self.store, f"g{g}/holds/{m}", g))) for m in sorted(needs)}
         plan: list[tuple[int, int, int]] = []
         for member in sorted(needs):
             for layer in needs[member]:
@@ -116,7 +117,8 @@ class Resharder:
                 for tensor in tensors:
                     dist.send(tensor.contiguous().reshape(-1), self.rank_of(dst))
             elif dst == self.me:
-                desc = codec.parse_json(self.store.get(f"g{g}/desc/{layer}/{dst}"), "layer description")
+                desc = codec.parse_json(ms.wait_for_key(self.store, f"g{g}/desc/{layer}/{dst}", g),
+                                       "layer description")
                 out[layer] = self._receive(layer, src, desc)
         return out
 

@@ -191,16 +191,7 @@ def test_two_pipelines_prepared_and_applied(
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("backend", [
-    "gloo",
-    # A known bug, not yet fixed: under load the two survivors of the second loss sometimes both block on
-    # the newest generation (nccl-like, 1 run in 3 with other jobs beside it: in its re-form, or in the first
-    # batch broadcast after it), until the attempt's deadline aborts them and the step fails. Seen in the
-    # fresh-clone suite and reproduced by running three of these jobs at once.
-    pytest.param("nccl-like", marks=pytest.mark.xfail(
-        reason="known bug: a loss while a generation forms can deadlock the next one on nccl-like under load",
-        strict=False)),
-])
+@pytest.mark.parametrize("backend", ["gloo", "nccl-like"])
 def test_a_member_lost_while_the_next_generation_forms(
     tmp_path: Path, elastic_reference: dict[str, torch.Tensor], backend: str
 ) -> None:

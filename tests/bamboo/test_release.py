@@ -5,6 +5,7 @@ torch's world (never destroyed), and a planned change destroys it."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_bamboo.control import crash
 from lightning_bamboo.control import store as ms
 from lightning_bamboo.runtime import nccl_like
 from lightning_bamboo.runtime.release import AbortBackends
@@ -83,3 +85,39 @@ def test_an_attempt_past_its_deadline_is_aborted(job: tuple[ms.WorkerEnv, dist.S
         assert release.pg_timeout(timedelta(seconds=5)) == timedelta(seconds=10)
     finally:
         release.stop()
+
+
+def test_an_attempt_counts_its_deadline_from_the_generation_it_formed(
+    job: tuple[ms.WorkerEnv, dist.Store],
+) -> None:
+    """A step that went through a failover (its attempt began on the old generation) has its whole deadline
+    on the new one: a loss that took long to detect does not make the new generation abort at once."""
+    env, store = job
+    release = AbortBackends(env, cpu, deadline=1.0)
+    try:
+        formed(release, store, 0)
+        with release.attempt():
+            time.sleep(0.8)
+            release.end(failed=False)
+            formed(release, store, 1)  # 0.8 s into the attempt: its deadline counts from here
+            time.sleep(0.6)
+            assert dist.is_initialized()  # 1.4 s into the attempt, 0.6 s into generation 1
+            assert wait_until(lambda: not dist.is_initialized())  # and it still ends a stalled one
+    finally:
+        release.stop()
+
+
+def test_a_wait_for_a_lost_peers_key_ends_when_the_next_generation_is_published(
+    job: tuple[ms.WorkerEnv, dist.Store],
+) -> None:
+    """Forming waits for keys its peers write (the layers each holds); a peer lost before writing would make
+    a blocking ``get`` wait for the store's timeout (60 s) holding the connection. The wait returns the value
+    once written, and raises a communication error as soon as a later generation is published."""
+    _, store = job
+    store.set("g0/holds/1", "[1]")
+    assert ms.wait_for_key(store, "g0/holds/1", 0) == b"[1]"
+    threading.Timer(0.3, lambda: store.set("gen", "1")).start()
+    # not the store's timeout (DistStoreError after 60 s): the superseding generation, named
+    with pytest.raises(ms.GenerationSuperseded, match=r"generation 0 was superseded while waiting for 'g0"):
+        ms.wait_for_key(store, "g0/holds/2", 0)
+    assert crash.is_communication_error(ms.GenerationSuperseded("x"))
