@@ -161,3 +161,34 @@ def pin(pid: int, cores: set[int] | list[int]) -> None:
     for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
             os.sched_setaffinity(int(tid), set(cores))
+
+
+def provenance() -> dict[str, Any]:
+    """Where a result came from, for its JSON: the command, the date, this checkout's commit (``+dirty``
+    with uncommitted changes) and the machine (cores, memory, load): a committed result that a tool reads
+    by default must say what it measured, so a reader can tell when it is stale."""
+    import datetime
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    with open("/proc/meminfo") as meminfo:
+        total_kib = int(meminfo.readline().split()[1])
+    return {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit,
+        "machine": {"cores": os.cpu_count(), "memory_gib": round(total_kib / 2**20, 1),
+                    "load_average": os.getloadavg()},
+    }

@@ -30,7 +30,9 @@ them. Last line, exactly::
     vs_checkpoint_restart=<bamboo samples/s / checkpoint-restart samples/s> failover_s=<median s from kill to
     next completed step> step_s=<mean failure-free step s, 2x2>
 
-(one line). The JSON (``--out``) is what ``lightning_bamboo.simulate`` reads (schema: docs/bamboo-replay.md).
+(one line). ``--recovery`` picks Bamboo's mode (default: the strategy's, ``"replica"``). The JSON (``--out``)
+is what ``lightning_bamboo.simulate`` reads (schema: docs/bamboo-replay.md); it names the mode
+(``recovery``), the command, commit and machine it was measured on.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from typing import Any
 
 from lightning_bamboo.control import store as ms
 from lightning_bamboo.control.supervisor import Supervisor
+from lightning_bamboo.layout.ownership import RECOVERY_MODES
 from lightning_bamboo.simulate.traces import parse_trace
 
 try:  # imported as ``benchmarks.bamboo_preemption`` (the tests, bamboo_nodes.py: the checkout on sys.path)
@@ -70,6 +73,7 @@ REPO = Path(__file__).resolve().parents[1]
 TRACE = "data/spot-traces/aws-p3-trace.csv"
 WORKER = Path(__file__).with_name("preemption_worker.py")
 STAGES, WORKERS, BATCH, MICROBATCHES = 2, 4, 16, 4
+DEFAULT_RECOVERY = "replica"  # BambooStrategy's default (lightning_bamboo.runtime.parts.resolve_recovery)
 WARMUP_STEPS = 2  # the window starts when this step completes (preemption_worker.WARMUP_STEPS)
 FULL = {"segment_ms": (9_630_000, 10_650_000), "compression": 10.0}
 """p3 at 2.67-2.96 h: the fleet is 32, loses one node, regains it, twice (MTBF 510 s, the trace's mean is
@@ -220,11 +224,13 @@ def add_replacement(sup: Supervisor) -> int | None:
     return add() if callable(add) else None
 
 
-def run_bamboo(plan: Plan, run_dir: Path, overrides: list[str], rejoin: bool, log: Any) -> Live:
-    """The elastic job under its supervisor, preempted by ``plan`` (kills by PID, replacements)."""
+def run_bamboo(plan: Plan, run_dir: Path, overrides: list[str], rejoin: bool, log: Any,
+               recovery: str = DEFAULT_RECOVERY) -> Live:
+    """The elastic job under its supervisor (``BambooStrategy(recovery=recovery)``), preempted by ``plan``
+    (kills by PID, replacements)."""
     command = [
         sys.executable, str(WORKER), "--system", "bamboo", "--run-dir", str(run_dir), "--batch", str(BATCH),
-        "--microbatches", str(MICROBATCHES), "--stages", str(STAGES), *overrides,
+        "--microbatches", str(MICROBATCHES), "--stages", str(STAGES), "--recovery", recovery, *overrides,
     ]
     # the supervisor's workers inherit this environment: one thread each, this checkout's code first
     os.environ.update({k: v for k, v in worker_env().items() if k.endswith("_THREADS") or k == "PYTHONPATH"})
@@ -552,6 +558,8 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directory here")
     parser.add_argument("--remeasure", type=Path, default=None,
                         help="recompute the figures from a run directory kept with --keep (runs nothing)")
+    parser.add_argument("--recovery", choices=RECOVERY_MODES, default=DEFAULT_RECOVERY,
+                        help="Bamboo's BambooStrategy(recovery=...) (default: the strategy's default)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides (both systems), e.g. model.n_layer=4")
     args = parser.parse_args()
     # workers run in their own sessions: a SIGTERM unwinds through the ``finally`` blocks that kill them
@@ -577,11 +585,12 @@ def main() -> int:
         tmp = Path(tempfile.mkdtemp(prefix="bamboo_preemption_")) if args.keep is None else args.keep
         (tmp / "bamboo").mkdir(parents=True, exist_ok=True)
         (tmp / "cr").mkdir(parents=True, exist_ok=True)
-        bamboo = run_bamboo(plan, tmp / "bamboo", args.overrides, not args.no_rejoin, log)
+        bamboo = run_bamboo(plan, tmp / "bamboo", args.overrides, not args.no_rejoin, log, args.recovery)
         (tmp / "bamboo" / "supervisor.log").write_text(bamboo.log)
         crl = run_checkpoint_restart(plan, tmp / "cr", args.overrides, log, measure_after=not args.ci)
         kept = {"bamboo": vars(bamboo), "cr": vars(crl), "load_average": os.getloadavg(),
-                "benchmark_wall_s": time.time() - started}
+                "benchmark_wall_s": time.time() - started, "recovery": args.recovery,
+                "provenance": _harness.provenance()}
         (tmp / "live.json").write_text(json.dumps(kept))
     try:
         result = measure(plan, tmp, bamboo, crl, compression, segment, args.overrides)  # type: ignore[arg-type]
@@ -590,6 +599,10 @@ def main() -> int:
             shutil.rmtree(tmp, ignore_errors=True)  # a temporary run directory: --keep DIR keeps one
     result["load_average"] = kept.get("load_average", result["load_average"])
     result["benchmark_wall_s"] = kept.get("benchmark_wall_s")
+    # the mode Bamboo ran (what the replay prices by default), and the commit and machine it ran on
+    result["recovery"] = kept.get("recovery", "replica+forward")  # runs kept before it was recorded: FR
+    result["live"]["bamboo"]["recovery"] = result["recovery"]
+    result.update(kept.get("provenance") or _harness.provenance())
     live = result["live"]
     cr = live["checkpoint_restart"]
     print(f"bamboo: {live['bamboo']['samples']} samples in {plan.window_s:.1f} s "

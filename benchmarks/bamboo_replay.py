@@ -12,7 +12,8 @@ The trace is replayed at the benchmark's time compression (``compression`` in it
 benchmark second), the time scale at which the costs were measured and the model validated; ``--compression
 1`` replays it in real time (then the tiny benchmark model's seconds-long restarts are small against the
 trace's minutes between preemptions). The last line printed is exactly
-``vs_checkpoint_restart=<x> vs_on_demand_value=<y> sim_error=<e>``.
+``vs_checkpoint_restart=<x> vs_on_demand_value=<y> sim_error=<e>``. Bamboo is priced under the recovery mode
+the costs were measured under; ``--recovery MODE`` prices another (a warning names both).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from lightning_bamboo.layout.ownership import RECOVERY_MODES
 from lightning_bamboo.simulate import Prices, load_costs, parse_trace, replay, validate
 from lightning_bamboo.simulate.__main__ import report
 from lightning_bamboo.simulate.costs import PRODUCER
@@ -38,6 +40,8 @@ def main() -> int:
     parser.add_argument("--compression", type=float, default=None, help="default: the benchmark's")
     parser.add_argument("--spot", type=float, default=Prices.spot)
     parser.add_argument("--on-demand", type=float, default=Prices.on_demand)
+    parser.add_argument("--recovery", choices=RECOVERY_MODES, default=None,
+                        help="Bamboo's mode to price (default: the one the costs were measured under)")
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--allow-fixture", action="store_true", help="tests only: accept a labelled fixture")
     args = parser.parse_args()
@@ -57,16 +61,23 @@ def main() -> int:
             print(f"error: {args.costs} is a test fixture, not measured costs ({costs.raw['fixture']})",
                   file=sys.stderr)
             return 2
+    recovery = args.recovery or costs.recovery
+    if recovery != costs.recovery:
+        print(f"WARNING: {args.costs} was measured under recovery={costs.recovery!r}; pricing "
+              f"recovery={recovery!r} from that run's costs (that mode's step as the file measured it)")
     compression = args.compression if args.compression is not None else float(costs.raw["compression"])
     trace = parse_trace(args.trace)
     try:
-        comparison = replay(trace, costs, prices=Prices(args.spot, args.on_demand), compression=compression)
+        comparison = replay(trace, costs, prices=Prices(args.spot, args.on_demand), compression=compression,
+                            recovery=recovery)
         check = validate(costs)
     except KeyError as err:  # a cost the replay needs that this benchmark run did not measure
         print(f"error: {err.args[0]}", file=sys.stderr)
         return 2
     print(f"trace {trace.name}: {trace.duration_s / 3600:.2f} h, {trace.removal_groups()} preemption events, "
-          f"mean {trace.mean_nodes():.1f} nodes; replayed at compression {compression:g}; costs {args.costs}")
+          f"mean {trace.mean_nodes():.1f} nodes; replayed at compression {compression:g}; costs {args.costs} "
+          f"(measured under recovery={costs.recovery!r}, commit {costs.raw.get('commit', 'not recorded')}); "
+          f"Bamboo priced under recovery={recovery!r}")
     print("\n".join(report(comparison)))
     for system in check.live:
         print(f"validation {system}: predicted {check.predicted[system]:.3f} samples/s, live "

@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--mtbf-s", type=float, default=0.0, help="checkpoint_restart: the segment's MTBF")
+    parser.add_argument("--recovery", default=None, help="bamboo: BambooStrategy(recovery=...); default its")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. model.n_layer=4")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -95,7 +96,8 @@ def main() -> None:
         name = f"member{os.environ['BAMBOO_MEMBER']}"
         batch = args.batch  # every member loads the global batch and takes its pipeline's share
         strategy: Any = BambooStrategy(
-            num_stages=args.stages, num_microbatches=args.microbatches, timeout=float(cfg.strategy.timeout)
+            num_stages=args.stages, num_microbatches=args.microbatches, timeout=float(cfg.strategy.timeout),
+            recovery=args.recovery,
         )
         devices = 1
         callbacks: list[Callback] = []

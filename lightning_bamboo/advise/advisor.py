@@ -66,7 +66,7 @@ def measured_stages(costs: Costs) -> list[int]:
 
 def priced_recoveries(costs: Costs, stages: int) -> list[str]:
     """The recovery modes whose failure-free step the costs measured at ``stages`` stages
-    (``"replica+forward"`` always: the measured stage counts have it)."""
+    (the mode the costs were measured under always: the measured stage counts have it)."""
     return [mode for mode in RECOVERY_MODES if stages in _stage_counts(costs.recovery_steps(mode))]
 
 
@@ -98,7 +98,7 @@ def advise(
     for stages in stages_measured:
         comparison = replay(trace, costs, stages, prices, compression, max_pipelines=max_pipelines)
         for recovery in priced_recoveries(costs, stages):
-            bamboo = comparison.bamboo if recovery == "replica+forward" else replay_bamboo(
+            bamboo = comparison.bamboo if recovery == costs.recovery else replay_bamboo(
                 trace, costs, stages, prices.spot, recovery, compression=compression, cap=max_pipelines)
             checkpoints = bamboo.checkpoint_interval_s
             candidates.append(Candidate(f"bamboo:stages={stages}:recovery={recovery}", stages, bamboo,

@@ -169,19 +169,20 @@ def load_modes_reference(path: Path | None, option: str) -> tuple[dict[str, Any]
 
 def peers_failover(reference: Costs, modes: dict[str, Any], modes_path: str) -> tuple[float, str] | None:
     """A failover under ``recovery="peers"`` on the reference job, with its source: the reference's failover
-    (``"replica+forward"``, the mode the preemption benchmark runs) times the ratio of the two modes'
+    (under ``reference.recovery``, the mode the preemption benchmark ran) times the ratio of the two modes'
     failover medians that ``benchmarks/bamboo_modes.py`` measured on the same machines under the same
     segment. None when the modes file lacks either median."""
+    base = reference.recovery
     try:
-        medians = {m: float(modes["modes"][m]["failover_median_s"]) for m in ("peers", "replica+forward")}
+        medians = {m: float(modes["modes"][m]["failover_median_s"]) for m in ("peers", base)}
     except (KeyError, TypeError, ValueError):
         return None
     if not all(value > 0 for value in medians.values()):  # also false for nan
         return None
-    ratio = medians["peers"] / medians["replica+forward"]
+    ratio = medians["peers"] / medians[base]
     return reference.failover_s * ratio, (
-        f"reference: failover_s x {ratio:.3f}, the peers / replica+forward ratio of the failover medians "
-        f"({medians['peers']:.3f} / {medians['replica+forward']:.3f} s) measured by "
+        f"reference: failover_s x {ratio:.3f}, the peers / {base} ratio of the failover medians "
+        f"({medians['peers']:.3f} / {medians[base]:.3f} s) measured by "
         f"benchmarks/bamboo_modes.py ({modes_path})")
 
 

@@ -42,9 +42,13 @@ class Costs:
     relaunch_warmup_s_by_layout: dict[str, float] = field(default_factory=dict)
     failover_warmup_s: float = 0.0
     rejoin_warmup_s: float = 0.0
+    recovery: str = "replica+forward"
+    """The recovery mode Bamboo ran in the benchmark: ``step_s_by_layout``, ``step_s_by_shape`` and
+    ``failover_s`` are that mode's. A file that does not say was measured under ``"replica+forward"``
+    (the default before ``"replica"``)."""
     replica_step_s_by_layout: dict[str, float] = field(default_factory=dict)
-    """The failure-free step of ``recovery="replica"`` (the replica kept current, no ``FR``) per layout;
-    ``step_s_by_layout`` is ``"replica+forward"``'s and ``cr_step_s_by_layout`` the step without a replica,
+    """The failure-free step of ``recovery="replica"`` (the replica kept current, no ``FR``) per layout,
+    where the benchmark's own mode is another; ``cr_step_s_by_layout`` is the step without a replica,
     ``"peers"``'s. Empty: not measured (the mode is not priced)."""
     peers_failover_s: float | None = None
     """A failover under ``recovery="peers"`` (the lost stages' state fetched from a peer pipeline); None:
@@ -59,8 +63,10 @@ class Costs:
         if recovery not in RECOVERY_MODES:
             modes = ", ".join(map(repr, RECOVERY_MODES))
             raise ValueError(f"recovery must be one of {modes}, got {recovery!r}")
-        return {"replica+forward": self.step_s_by_layout, "replica": self.replica_step_s_by_layout,
-                "peers": self.cr_step_s_by_layout}[recovery]
+        steps = {"replica+forward": {}, "replica": self.replica_step_s_by_layout,
+                 "peers": self.cr_step_s_by_layout}
+        steps[self.recovery] = self.step_s_by_layout
+        return steps[recovery]
 
     def recovery_failover_s(self, recovery: str) -> float:
         """What a failover pauses the job under ``recovery``."""
@@ -128,6 +134,10 @@ def load_costs(path: str | Path) -> Costs:
         _layout(key, path)
         _seconds(value, f"costs.step_s_by_layout[{key!r}]", path)
     cr_layout = costs.get("checkpoint_restart_step_s_by_layout") or {}
+    recovery = data.get("recovery", "replica+forward")
+    if recovery not in RECOVERY_MODES:
+        raise ValueError(f"{path}: recovery must be one of {', '.join(map(repr, RECOVERY_MODES))}, got "
+                         f"{recovery!r}")
     return Costs(
         num_stages=int(_need(data, "num_stages", "", path)),
         max_pipelines=int(_need(data, "max_pipelines", "", path)),
@@ -141,6 +151,7 @@ def load_costs(path: str | Path) -> Costs:
         fallback_s=_seconds(costs.get("fallback_s"), "costs.fallback_s", path, allow_none=True),
         cr_step_s_by_layout={k: float(v) for k, v in cr_layout.items()},
         step_s_by_shape={k: float(v) for k, v in (costs.get("step_s_by_shape") or {}).items()},
+        recovery=recovery,
         replica_step_s_by_layout=_durations(costs, "replica_step_s_by_layout", path, required=False),
         peers_failover_s=_seconds(costs.get("peers_failover_s"), "costs.peers_failover_s", path,
                                   allow_none=True),

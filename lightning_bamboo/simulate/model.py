@@ -159,13 +159,13 @@ def shape_key(owners: OwnershipMap) -> str:
     return "+".join(str(n) for n in lengths)
 
 
-def map_rate(owners: OwnershipMap, costs: Costs, recovery: str = "replica+forward") -> float:
-    """Samples/s of the job laid out as ``owners`` under ``recovery``: the rate below for
-    ``"replica+forward"`` (the mode the live benchmark and the probe run), times the full layout's
-    measured speed-up of the mode over it at the same ``S x P`` (``Costs.recovery_steps``): a map with
-    fused positions is assumed to gain from dropping the replica's work what its full layout gains.
+def map_rate(owners: OwnershipMap, costs: Costs, recovery: str | None = None) -> float:
+    """Samples/s of the job laid out as ``owners`` under ``recovery`` (default: ``costs.recovery``): the rate
+    below for the mode the live benchmark ran (``costs.recovery``), times the full layout's measured speed-up
+    of ``recovery`` over it at the same ``S x P`` (``Costs.recovery_steps``): a map with fused positions is
+    assumed to gain from another mode what its full layout gains.
 
-    The ``"replica+forward"`` rate:
+    The benchmark's own mode's rate:
 
     The measured step time of its shape when the benchmark saw it (``step_s_by_layout``/``step_s_by_shape``).
     Otherwise a step waits for its slowest pipeline, the one with the fewest positions ``L`` (its members run
@@ -174,15 +174,22 @@ def map_rate(owners: OwnershipMap, costs: Costs, recovery: str = "replica+forwar
     :func:`rate`); if no ``L``-position layout was measured, ``S x P``'s rate times ``L / S`` (the busiest
     member runs ``S / L`` times the layers). Stated in docs/bamboo-replay.md.
     """
-    base = _replica_forward_rate(owners, costs)
-    if recovery == "replica+forward":
+    base = _measured_mode_rate(owners, costs)
+    if recovery is None or recovery == costs.recovery:
         return base
     stages, pipelines = owners.num_stages, len(owners.pipelines)
-    mode = rate(costs.recovery_steps(recovery), stages, pipelines, costs.samples_per_step)
+    steps = costs.recovery_steps(recovery)
+    if not steps:
+        raise KeyError(
+            f"the costs measured no failure-free step under recovery={recovery!r} (they were measured under "
+            f"recovery={costs.recovery!r}); measure it: python benchmarks/bamboo_preemption.py --recovery "
+            f"{recovery}"
+        )
+    mode = rate(steps, stages, pipelines, costs.samples_per_step)
     return base * mode / rate(costs.step_s_by_layout, stages, pipelines, costs.samples_per_step)
 
 
-def _replica_forward_rate(owners: OwnershipMap, costs: Costs) -> float:
+def _measured_mode_rate(owners: OwnershipMap, costs: Costs) -> float:
     key = shape_key(owners)
     if key in costs.step_s_by_shape:
         return costs.samples_per_step / costs.step_s_by_shape[key]
@@ -219,12 +226,13 @@ def simulate_bamboo(
     cap: int | None = None,
     checkpoint_interval_s: float | None = None,
     points: int = 400,
-    recovery: str = "replica+forward",
+    recovery: str | None = None,
 ) -> Result:
     """Bamboo as its runtime re-forms: the replay keeps the job's ownership map and changes it with the
-    runtime's own rules (:mod:`lightning_bamboo.layout.ownership`), under ``recovery``
-    (``BambooStrategy(recovery=...)``: its failure-free step, :func:`map_rate`; its failover cost,
-    ``Costs.recovery_failover_s``; under ``"peers"`` a stage is recovered only from another pipeline, so a
+    runtime's own rules (:mod:`lightning_bamboo.layout.ownership`), under ``recovery`` (default: the mode
+    the costs were measured under, ``costs.recovery``; ``BambooStrategy(recovery=...)``: its failure-free
+    step, :func:`map_rate`; its failover cost, ``Costs.recovery_failover_s``; under ``"peers"`` a stage is
+    recovered only from another pipeline, so a
     stage lost in every pipeline, or any loss of a one-pipeline job, falls back). A loss of a member costs
     ``failover_s``
     (:func:`~lightning_bamboo.layout.ownership.failover`: a replica takes over and the member before it runs
@@ -239,6 +247,7 @@ def simulate_bamboo(
     with the
     spares), pausing ``rejoin_s`` when the map changes; when the benchmark measured no rejoin (``rejoin_s``
     null: the runtime could not), new nodes stay spares. Nodes are members in join order."""
+    recovery = recovery or costs.recovery
     duration = trace.duration_s / compression
     result = Result("bamboo", duration, price=price, checkpoint_interval_s=checkpoint_interval_s)
     clock = _Clock(result, costs.checkpoint_s, checkpoint_interval_s, _ticks(duration, points))

@@ -50,9 +50,10 @@ def replay(
     on_demand_nodes: int | None = None,
     max_pipelines: int | None = None,
     points: int = 400,
-    recovery: str = "replica+forward",
+    recovery: str | None = None,
 ) -> Comparison:
-    """Replay ``trace`` (its times divided by ``compression``) against Bamboo (under ``recovery``),
+    """Replay ``trace`` (its times divided by ``compression``) against Bamboo (under ``recovery``; default:
+    the mode the costs were measured under, ``costs.recovery``),
     checkpoint-restart, on-demand.
 
     ``stages`` defaults to the benchmark's; ``on_demand_nodes`` to the trace's mean node count rounded to
@@ -71,7 +72,7 @@ def replay(
     return Comparison(bamboo, cr, od)
 
 
-def replay_bamboo(trace: Trace, costs: Costs, stages: int, price: float, recovery: str,
+def replay_bamboo(trace: Trace, costs: Costs, stages: int, price: float, recovery: str | None,
                   **kwargs: Any) -> Result:
     """Bamboo under ``recovery`` (:func:`~lightning_bamboo.simulate.model.simulate_bamboo`), checkpointing
     only if its replay has fallbacks (then at the Young/Daly interval of its fallback rate)."""
@@ -137,7 +138,7 @@ def validate(costs: Costs) -> Validation:
         interval = run.get("checkpoint_interval_s") or None
         if system == "bamboo":
             result = simulate_bamboo(trace, costs, stages, 1.0, cap=pipelines, checkpoint_interval_s=interval,
-                                     recovery=str(run.get("recovery", "replica+forward")))
+                                     recovery=str(run.get("recovery", costs.recovery)))
         else:
             result = simulate_checkpoint_restart(
                 trace, costs, stages, 1.0, cap=pipelines, checkpoint_interval_s=interval,

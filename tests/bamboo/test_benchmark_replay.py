@@ -62,3 +62,19 @@ def test_fixture_is_refused_unless_allowed_and_the_last_line_is_exact() -> None:
     last = proc.stdout.strip().splitlines()[-1]
     pattern = r"vs_checkpoint_restart=\d+\.\d\d vs_on_demand_value=\d+\.\d\d sim_error=0\.033"
     assert re.fullmatch(pattern, last)
+
+
+def test_pricing_another_mode_than_the_costs_measured_warns(tmp_path: Path) -> None:
+    data = json.loads(FIXTURE.read_text())
+    data["recovery"] = "replica+forward"
+    data["costs"]["replica_step_s_by_layout"] = {"2x2": 0.45, "2x1": 0.9}
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    same = run("--costs", str(tmp_path / "c.json"), "--allow-fixture")
+    assert same.returncode == 0, same.stderr
+    assert "WARNING: " not in same.stdout.replace("WARNING: fixture", "")
+    assert "priced under recovery='replica+forward'" in same.stdout
+    other = run("--costs", str(tmp_path / "c.json"), "--allow-fixture", "--recovery", "replica")
+    assert other.returncode == 0, other.stderr
+    assert (f"WARNING: {tmp_path / 'c.json'} was measured under recovery='replica+forward'; pricing "
+            "recovery='replica'") in other.stdout
+    assert other.stdout.splitlines()[-1] != same.stdout.splitlines()[-1]  # the replica's step priced

@@ -287,3 +287,28 @@ def test_peers_fall_back_where_only_a_replica_covers(tmp_path: Path) -> None:
             assert result.counts == {kind: 1}, (path.name, mode)
     with pytest.raises(ValueError, match="recovery must be one of 'replica', 'replica\\+forward', 'peers'"):
         costs.recovery_steps("none")
+
+
+def test_costs_measured_under_another_mode_price_that_mode_and_say_what_they_lack(tmp_path: Path) -> None:
+    """A costs file names the mode Bamboo ran (``recovery``): its ``step_s_by_layout`` is that mode's, the
+    replay prices it by default, and a mode the file did not measure is an error naming it and the command
+    that measures it (not a step silently borrowed from another mode)."""
+    data = json.loads(FIXTURE.read_text())
+    data["recovery"] = "replica"
+    path = tmp_path / "replica.json"
+    path.write_text(json.dumps(data))
+    costs = load_costs(path)
+    trace, fr = fixture_trace()  # the same numbers, read as replica+forward's (a file that does not say)
+    assert (costs.recovery, fr.recovery) == ("replica", "replica+forward")
+    assert costs.recovery_steps("replica") == fr.recovery_steps("replica+forward")
+    assert simulate_bamboo(trace, costs, 2, price=0.91, cap=2).samples == pytest.approx(
+        simulate_bamboo(trace, fr, 2, price=0.91, cap=2).samples)
+    with pytest.raises(KeyError, match=r"no failure-free step under recovery='replica\+forward' \(they were "
+                                        r"measured under recovery='replica'\); measure it: python benchmarks/"
+                                        r"bamboo_preemption.py --recovery replica\+forward"):
+        simulate_bamboo(trace, costs, 2, price=0.91, cap=2, recovery="replica+forward")
+    data["recovery"] = "fr"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"replica.json: recovery must be one of 'replica', "
+                                         r"'replica\+forward', 'peers', got 'fr'"):
+        load_costs(path)
