@@ -53,6 +53,10 @@ ENV_JOINING = "BAMBOO_JOINING"
 """``1`` for a worker the launcher started while the job runs (it joins instead of forming gen 0)."""
 ENV_LOCAL_RANK = "BAMBOO_LOCAL_RANK"
 """The worker's index among the running workers of its machine (its device: ``cuda:<local rank>``)."""
+ENV_ONE_MACHINE_COMMIT = "BAMBOO_ONE_MACHINE_COMMIT"
+"""``collective``: a job on one machine commits its steps by all-reduce as a job across machines does, instead
+of through its TCPStore. A measurement switch (``benchmarks/bamboo_ft_cost.py --one-machine-commit``): on one
+machine the store's commit measured faster (docs/bamboo-elastic.md, "The two-phase step")."""
 
 
 def connect(url: str, job: str, timeout: float = 60.0, request_timeout: float = 30.0) -> dist.Store:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -98,7 +99,10 @@ class Membership:
             interval = heartbeat if heartbeat is not None else ms.default_heartbeat(store)
             self._heartbeat = ms.Heartbeat(self.env, interval)
             self._generations = ms.GenerationWatch(store)
-            if isinstance(store, ms.RoundTripStore):
+            # across machines the commit is one all-reduce; on one machine, the store's (measured faster
+            # there: docs/bamboo-elastic.md, "The two-phase step"), unless a measurement asks otherwise
+            one_machine_collective = os.environ.get(ms.ENV_ONE_MACHINE_COMMIT) == "collective"
+            if isinstance(store, ms.RoundTripStore) or one_machine_collective:
                 env = self.env
                 self._collective = CollectiveCommit(store, lambda: ms.connect(env.store_url, env.job),
                                                     self._lightning.device)
