@@ -7,8 +7,10 @@
 The same pipeline job (4 workers: 2 stages x 2 pipelines of an MLP, ``BambooStrategy(recovery=...)``,
 ``--recovery``, default the strategy's ``"replica"``) runs three ways, interleaved round by round:
 
-* ``fixed``: Lightning's own launcher (``Trainer(devices=4)``): fixed ranks, no supervisor, no store after
-  the start, nothing to fail over to. The reference without fault tolerance's control plane.
+* ``fixed``: ``torchrun --standalone --nproc-per-node 4`` (``Trainer(devices=4)`` under torchrun): fixed
+  ranks, no Bamboo supervisor, no store traffic after the start, nothing fails over (a plain ``python
+  train.py`` would make its process Bamboo's supervisor). The reference without Bamboo's control plane;
+  torchrun's agent is its control process.
 * ``tcp``: ``python -m lightning_bamboo.launch --nproc 4``: one machine's supervisor and its TCPStore.
 * ``etcd``: ``python -m lightning_bamboo.launch --nnodes 1 --nproc-per-node 4 --rdzv-endpoint etcd://...``:
   the several-machine design (an agent, its node coordinator, the job's state in etcd) on one machine, the
@@ -112,9 +114,8 @@ def worker(args: argparse.Namespace) -> None:
 
     class Steps(Callback):
         def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-            # Lightning's launcher numbers its processes by LOCAL_RANK (the first process has none)
             self.name = (f"member{os.environ['BAMBOO_MEMBER']}" if elastic
-                         else f"rank{os.environ.get('LOCAL_RANK', '0')}")
+                         else f"rank{os.environ['LOCAL_RANK']}")  # torchrun's
             tmp = args.out / f".pid-{self.name}"
             tmp.write_text(json.dumps({"pid": os.getpid(), "store": os.environ.get("BAMBOO_STORE")}))
             tmp.rename(args.out / f"pid-{self.name}")
@@ -212,8 +213,9 @@ def command(config: str, out: Path, args: argparse.Namespace, etcd_port: int | N
     script = [str(Path(__file__).resolve()), "--worker", "--out", str(out), "--width", str(args.width),
               "--steps", str(args.warmup + args.window + 5), "--recovery", args.recovery]
     launch = [sys.executable, "-m", "lightning_bamboo.launch"]
-    if config == "fixed":
-        return [sys.executable, *script]
+    if config == "fixed":  # torchrun: fixed ranks (a plain ``python train.py`` would become a supervisor)
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                str(WORKERS), *script]
     if config == "tcp":
         return [*launch, "--nproc", str(WORKERS), "--no-preload", *script]
     return [*launch, "--nnodes", "1", "--nproc-per-node", str(WORKERS), "--rdzv-endpoint",
