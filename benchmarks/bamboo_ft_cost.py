@@ -91,12 +91,32 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     elastic = "BAMBOO_MEMBER" in os.environ
 
+    class DeviceWait(torch.autograd.Function):
+        """A device's share of a step with the host idle: the forward waits ``seconds``, the backward twice
+        that (what a GPU kernel's time is to the host's cores: nothing to run)."""
+
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
+            ctx.seconds = seconds
+            time.sleep(seconds)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+            time.sleep(2 * ctx.seconds)
+            return grad, None
+
+    class Wait(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return DeviceWait.apply(x, args.device_wait_ms / 1000)
+
     class Net(LightningModule):
         def __init__(self) -> None:
             super().__init__()
             layers: list[nn.Module] = []
             for _ in range(4):
                 layers += [nn.Linear(args.width, args.width), nn.Tanh()]
+                layers += [Wait()] if args.device_wait_ms > 0 else []
             layers.append(nn.Linear(args.width, 1))
             self.pipeline = nn.Sequential(*layers)
 
@@ -211,6 +231,7 @@ def store_port_of(out: Path, config: str, etcd_port: int | None) -> int | None:
 
 def command(config: str, out: Path, args: argparse.Namespace, etcd_port: int | None) -> list[str]:
     script = [str(Path(__file__).resolve()), "--worker", "--out", str(out), "--width", str(args.width),
+              "--device-wait-ms", str(args.device_wait_ms),
               "--steps", str(args.warmup + args.window + 5), "--recovery", args.recovery]
     launch = [sys.executable, "-m", "lightning_bamboo.launch"]
     if config == "fixed":  # torchrun: fixed ranks (a plain ``python train.py`` would become a supervisor)
@@ -284,7 +305,7 @@ def start_etcd(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
     return proc, client
 
 
-def summarize(runs: list[dict[str, Any]], width: int) -> dict[str, Any]:
+def summarize(runs: list[dict[str, Any]], width: int, device_wait_ms: float = 0.0) -> dict[str, Any]:
     """Medians over rounds per configuration, and the fault tolerance's figures (``etcd`` against
     ``fixed``; ``tcp`` beside it)."""
     by: dict[str, dict[str, float | None]] = {}
@@ -313,7 +334,8 @@ def summarize(runs: list[dict[str, Any]], width: int) -> dict[str, Any]:
     step = fixed["step_s"]
     how = {name: ("measured" if step is not None and 0.8 * t <= step <= 1.25 * t else "projected")
            for name, t in (("0.5s", 0.5), ("2s", 2.0))}
-    return {"width": width, "by_config": by, "figures": figures, "overheads_are": how}
+    return {"width": width, "device_wait_ms": device_wait_ms, "by_config": by, "figures": figures,
+            "overheads_are": how}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=15, help="committed steps before the first sample")
     parser.add_argument("--window", type=int, default=60, help="committed steps between the two samples")
     parser.add_argument("--width", type=int, default=64, help="the MLP's width (a wider one: a longer step)")
+    parser.add_argument("--device-wait-ms", type=float, default=0.0,
+                        help="a GPU-like step: each of the 4 blocks waits this long in its forward (twice in "
+                             "its backward) with the host's cores idle")
     parser.add_argument("--recovery", default="replica", help="BambooStrategy(recovery=...) of every run")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     parser.add_argument("--out", type=Path, default=None, help="the JSON with every run and sample")
@@ -345,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = tuple(c for c in CONFIGS if c in args.configs.split(","))
     if not configs or set(args.configs.split(",")) - set(CONFIGS):
         parser.error(f"--configs: a comma-separated subset of {','.join(CONFIGS)}, got {args.configs!r}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through the cleanup below
     workdir = Path(tempfile.mkdtemp(prefix="bamboo_ft_cost-"))
     etcd, etcd_port = start_etcd(workdir)
     runs: list[dict[str, Any]] = []
@@ -366,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     if configs != CONFIGS:
         return 0  # the runs are printed above; the figures need every configuration
-    summary = summarize(runs, args.width)
+    summary = summarize(runs, args.width, args.device_wait_ms)
     etcd_figures = summary["figures"]["etcd"]
     line = (f"ft_cpu_ms_per_step={etcd_figures['ft_cpu_ms_per_step']:.2f} "
             f"ft_requests_per_step={etcd_figures['ft_requests_per_step']:.2f} "
