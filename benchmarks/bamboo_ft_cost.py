@@ -232,7 +232,9 @@ def store_port_of(out: Path, config: str, etcd_port: int | None) -> int | None:
 def command(config: str, out: Path, args: argparse.Namespace, etcd_port: int | None) -> list[str]:
     script = [str(Path(__file__).resolve()), "--worker", "--out", str(out), "--width", str(args.width),
               "--device-wait-ms", str(args.device_wait_ms),
-              "--steps", str(args.warmup + args.window + 5), "--recovery", args.recovery]
+              # steps to spare for the ones committed while the first sample is taken
+              "--steps", str(args.warmup + args.window + max(10, args.window // 2)),
+              "--recovery", args.recovery]
     launch = [sys.executable, "-m", "lightning_bamboo.launch"]
     if config == "fixed":  # torchrun: fixed ranks (a plain ``python train.py`` would become a supervisor)
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -259,7 +261,7 @@ def run(config: str, out: Path, args: argparse.Namespace, etcd_port: int, etcd_p
         port = store_port_of(out, config, etcd_port)
         on_etcd = config == "etcd"
         first = sample(out, proc.pid, port, etcd_port if on_etcd else None, etcd_pid if on_etcd else None)
-        wait_for_step(out, proc, args.warmup + args.window, deadline)
+        wait_for_step(out, proc, first["step"] + args.window, deadline)  # the window from the sampled step
         last = sample(out, proc.pid, port, etcd_port if on_etcd else None, etcd_pid if on_etcd else None)
         proc.wait(max(deadline - time.monotonic(), 1.0))
     finally:
