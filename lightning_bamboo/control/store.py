@@ -143,16 +143,25 @@ def wait_for_key(store: dist.Store, key: str, generation: int, poll: float = 0.0
     """``key``'s value once a peer of ``generation`` has set it. A blocking ``get`` would wait for the
     store's timeout (60 s) when that peer was lost, and hold the store's connection all the while (a
     watcher thread sharing it could not write); this returns or raises :class:`GenerationSuperseded` as soon
-    as a generation after ``generation`` is published."""
-    while True:
-        value = read_if_set(store, key)
-        if value is not None:
-            return value
-        if current_generation(store) > generation:
-            raise GenerationSuperseded(
-                f"Bamboo: generation {generation} was superseded while waiting for {key!r} (a peer was lost)"
-            )
-        time.sleep(poll)
+    as a generation after ``generation`` is published. On a :class:`RoundTripStore` it sleeps on the watch
+    of ``key`` and ``gen`` and reads both in one request per wake; other stores are polled every ``poll``
+    seconds."""
+    keys = [key, "gen"]
+    watched = isinstance(store, RoundTripStore)
+    with store.watching(keys) if watched else contextlib.nullcontext() as sleep:  # type: ignore[attr-defined]
+        while True:
+            values = store.read_many(keys) if watched else {k: read_if_set(store, k) for k in keys}
+            if values[key] is not None:
+                return values[key]  # type: ignore[return-value]
+            if values["gen"] is not None and int(values["gen"]) > generation:
+                raise GenerationSuperseded(
+                    f"Bamboo: generation {generation} was superseded while waiting for {key!r} (a peer was "
+                    "lost)"
+                )
+            if sleep is not None:
+                sleep(60.0)  # woken by a put of either key, else after the watch's re-read interval
+            else:
+                time.sleep(poll)
 
 
 class GenerationWatch:

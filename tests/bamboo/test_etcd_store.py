@@ -288,6 +288,28 @@ def test_settling_a_cut_step_sleeps_on_the_watch_and_reads_once_per_wake(store: 
     late.join()
 
 
+def test_waiting_for_a_peers_key_sleeps_on_the_watch_and_reads_once_per_wake(store: EtcdStore) -> None:
+    """Forming waits for keys its peers write (:func:`~lightning_bamboo.control.store.wait_for_key`): on etcd
+    it sleeps on the watch of the key and the generation, one read of both per wake, and ends at the
+    key's put, or at a later generation's (the peer was lost)."""
+    store.set("gen", "3")
+    reads = []
+    read_many = store.read_many
+    store.read_many = lambda keys: reads.append(keys) or read_many(keys)  # type: ignore[method-assign]
+    late = threading.Timer(0.5, store.set, ("g3/holds/1", "[2]"))
+    late.start()
+    began = time.monotonic()
+    assert ms.wait_for_key(store, "g3/holds/1", 3) == b"[2]"
+    assert time.monotonic() - began >= 0.45
+    assert 2 <= len(reads) <= 4, len(reads)
+    late.join()
+    superseding = threading.Timer(0.3, store.set, ("gen", "4"))
+    superseding.start()
+    with pytest.raises(ms.GenerationSuperseded, match="generation 3 was superseded while waiting for 'g3/h"):
+        ms.wait_for_key(store, "g3/holds/2", 3)
+    superseding.join()
+
+
 def test_a_read_on_a_dropped_connection_is_sent_once_more(
     store: EtcdStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
