@@ -1,11 +1,11 @@
-"""``python -m lightning_bamboo.launch --nproc N script.py args``: start an elastic Bamboo job's supervisor
-(:class:`lightning_bamboo.control.supervisor.Supervisor`, which serves the store, starts and watches the
-workers and decides every membership change; see its module for what it does on a loss, a join or SIGTERM).
+"""``python -m lightning_bamboo.launch --nproc N script.py args``: start an elastic Bamboo job on this machine
+(:class:`lightning_bamboo.control.supervisor.Supervisor`: the agent of a one-machine job, which serves the
+store, starts and watches the workers and decides every membership change).
 
 Several machines: on each, ``python -m lightning_bamboo.launch --nnodes MIN:MAX --nproc-per-node K
 --rdzv-endpoint etcd://HOST:PORT --job-id ID script.py args`` starts that machine's agent
-(:mod:`lightning_bamboo.control.agent`: its K workers, its lease in the store; one agent, elected through
-the store, decides membership).
+(:mod:`lightning_bamboo.control.agent`, the same loop: its K workers, its lease in the store; one agent,
+elected through the store, decides membership; see that module for what happens on a loss, a join or SIGTERM).
 
 A script started this way is a worker (``Trainer(devices=1, strategy="bamboo")``); a plain ``python train.py``
 with ``Trainer(devices=N, strategy="bamboo")`` makes its own process this supervisor instead.
@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--replace",
         type=int,
         default=0,
-        help="start up to this many replacement workers, one after each loss (-1: no limit)",
+        help="start up to this many replacement workers, one after each loss of a worker of this machine "
+        "(-1: no limit)",
     )
     parser.add_argument(
         "--replace-delay",
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             args.nproc,
             args.store,
             args.hang_timeout,
-            replace=args.replace != 0,
+            replace=args.replace,
             replace_delay=args.replace_delay,
             stop_timeout=args.stop_timeout,
             preload=args.preload,
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConnectionError as err:  # the store named by --store cannot be reached
         print(f"python -m lightning_bamboo.launch: {err}", file=sys.stderr)
         return 2
-    return supervisor.run(replacements=args.replace)
+    return supervisor.run()
 
 
 def _nnodes(parser: argparse.ArgumentParser, text: str) -> tuple[int, int]:
@@ -132,7 +133,8 @@ def _agent(parser: argparse.ArgumentParser, args: argparse.Namespace, command: l
         agent = Agent(
             command, args.nproc_per_node, args.rdzv_endpoint, args.job_id, min_nodes, max_nodes,
             node_lease=args.node_lease, zone=args.zone, hang_timeout=args.hang_timeout,
-            rdzv_last_call=args.rdzv_last_call, stop_timeout=args.stop_timeout, preload=args.preload,
+            rdzv_last_call=args.rdzv_last_call, stop_timeout=args.stop_timeout, replace=args.replace,
+            replace_delay=args.replace_delay, preload=args.preload,
         )
     except ConnectionError as err:
         print(f"python -m lightning_bamboo.launch: {err}", file=sys.stderr)

@@ -3,10 +3,10 @@
 :class:`Coordinator` reads what happened (members lost, announced departures, joiners registered) and
 writes generation ``g+1``'s ownership map into the store (``ownership.failover``, a checkpoint fallback when
 redundancy cannot cover the loss, ``ownership.rejoin`` for joins); workers form the new generation
-themselves. It starts no process: on one machine the
-:class:`~lightning_bamboo.control.supervisor.Supervisor` is a coordinator that also watches its local workers;
-on several machines the agent elected coordinator (:mod:`lightning_bamboo.control.agent`) decides from the
-losses every agent reports into the store. Only one coordinator writes at a time, and a generation's map is
+themselves. It starts no process: the agent elected coordinator (:mod:`lightning_bamboo.control.agent`, one
+per machine, one machine included) decides from the exits every agent reports into the store
+(:class:`~lightning_bamboo.control.node_coordinator.CoordinatorRole`). Only one coordinator writes at a time,
+and a generation's map is
 written with ``compare_set`` (the first writer of ``gen{g}/map`` wins), so even a deposed coordinator that
 has not noticed yet cannot publish a second generation ``g``.
 """
@@ -35,13 +35,15 @@ class Superseded(RuntimeError):
 class Coordinator:
     """Decides every next generation from losses, departures and joins (see the module docstring).
 
-    Subclasses say how a lost member exited (:meth:`exit_codes`): the supervisor from its child processes,
-    the agents' coordinator from the exits reported into the store.
+    ``codes``: how each lost member exited, as the agents reported it (its exit code, negative for a signal,
+    ``None`` when it was lost with its machine); shared with the role that collects the reports, so that it
+    outlives a coordinator's term.
     """
 
-    def __init__(self, store: dist.Store, log=print) -> None:
+    def __init__(self, store: dist.Store, log=print, codes: dict[int, int | None] | None = None) -> None:
         self.store = store
         self.log = log
+        self.codes: dict[int, int | None] = {} if codes is None else codes
         self.finished: set[int] = set()
         self.lost: set[int] = set()
         self.departed: set[int] = set()
@@ -65,7 +67,12 @@ class Coordinator:
     def exit_codes(self, members: set[int]) -> dict[int, int | None]:
         """How each of ``members`` exited: its exit code, negative for a signal, ``None`` unknown (a lost
         machine)."""
-        raise NotImplementedError
+        return {m: self.codes.get(m) for m in members}
+
+    def revision(self) -> tuple[int, int, bool]:
+        """Changes to what this coordinator recorded (events, joins, the error): the agent writes its
+        record file when this changes."""
+        return len(self.events), len(self.joins), self.error is not None
 
     def _failure_in_code(self, lost: set[int]) -> dict[str, object] | None:
         """The error a lost member recorded before exiting non-zero (:mod:`lightning_bamboo.control.crash`),
@@ -79,7 +86,6 @@ class Coordinator:
             failure = crash.recorded(self.store, member)
             if failure is not None:
                 self.error = failure
-                self._recorded()
                 self.log(
                     f"[bamboo.launch] member {member} failed with {failure['type']}: {failure['message']} "
                     "(an error of the training code, not a preemption; its traceback is in the worker's "
@@ -219,11 +225,6 @@ class Coordinator:
             }
         )
         self._publish(new, kind)
-        self._recorded()
-
-    def _recorded(self) -> None:
-        """Called after each addition to :attr:`events`, :attr:`joins` or :attr:`error`: the supervisor
-        writes its record file (``BAMBOO_EVENTS``) then, so that a watcher sees a change when it happens."""
 
     def _stop_generation(self) -> set[int]:
         """Publish a ``stop`` generation (the current map, one generation on): every member leaves ``fit`` at
@@ -298,7 +299,6 @@ class Coordinator:
         entry = {**watch, "join_s": join_s}
         self.joins.append(entry)
         self._join_watch = None
-        self._recorded()
         self.log(
             f"[bamboo.launch] join members={entry['members']} step={step} generation={generation} "
             f"wait_s={entry['wait_s']:.3f} join_s={join_s:.3f} start_s={entry['start_s']:.2f}",

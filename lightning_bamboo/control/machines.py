@@ -14,8 +14,9 @@ Keys (under the job's prefix, next to those of :mod:`lightning_bamboo.control.st
 * ``rdzv/closed``: the rendezvous (JSON: the machines of generation 0 in placement order, the members of
   each, the member count); ``members/next``: the next free member id for machines that come later (joiners,
   ids taken with ``store.add``).
-* ``reports/count``, ``reports/{k}``: what agents saw happen to their workers (JSON: member, exit code), an
-  append-only log every coordinator reads from the start, so a coordinator that takes over knows it all.
+* ``reports/count``, ``reports/{k}``: what agents saw happen to their workers (JSON: machine, member, exit
+  code; or ``joining``: a worker started while the job runs), an append-only log every coordinator reads
+  from the start, so a coordinator that takes over knows it all.
 * ``job/end``: the job's exit code, written by the coordinator when the job is over (every agent then stops).
 * ``placement/risks``: JSON list of the single machines (or zones) whose loss the replicas cannot cover
   (:func:`fallback_risks`), written by the coordinator once generation 0 exists.
@@ -215,8 +216,17 @@ def fallback_risks(owners: OwnershipMap, domains: dict[str, list[int]], replicas
 
 def report(store: dist.Store, machine: int, member: int, code: int) -> None:
     """Append what happened to a local worker (``code``: its exit code, negative for a signal)."""
+    _append(store, {"machine": machine, "member": member, "code": code})
+
+
+def report_joining(store: dist.Store, machine: int, member: int) -> None:
+    """Append that a worker was started to join the running job (a replacement, a machine that came late)."""
+    _append(store, {"machine": machine, "member": member, "joining": True})
+
+
+def _append(store: dist.Store, entry: dict[str, object]) -> None:
     index = int(store.add("reports/count", 1)) - 1
-    store.set(f"reports/{index}", json.dumps({"machine": machine, "member": member, "code": code}))
+    store.set(f"reports/{index}", json.dumps(entry))
 
 
 class Reports:

@@ -2,10 +2,11 @@
 agent decides for the whole job, apart from watching its own machine.
 
 Held by every agent as a :class:`CoordinatorRole` whose :attr:`~CoordinatorRole.coordinator` is set while
-this agent holds the ``coordinator`` key: it closes the rendezvous, collects the exits the agents report and
-the machines whose lease expired or whose agent refuses connections (:class:`PeerWatch`), and has the
-:class:`~lightning_bamboo.control.coordinator.Coordinator` decide every next generation from them. What it
-learnt (exit codes, lost machines, joiners) outlives a term, as it did on the agent.
+this agent holds the ``coordinator`` key: it closes the rendezvous, collects what the agents report (exits,
+workers started to join) and the machines whose lease expired or whose agent refuses connections
+(:class:`PeerWatch`), and has the :class:`~lightning_bamboo.control.coordinator.Coordinator` decide every
+next generation from them. What it learnt (exit codes, lost machines) outlives a term. A job on one machine
+goes through the same role: its agent is elected at once and its workers' exits reach it as reports.
 """
 
 from __future__ import annotations
@@ -22,17 +23,6 @@ from lightning_bamboo.control import machines as mc
 from lightning_bamboo.control import store as ms
 from lightning_bamboo.control.coordinator import Coordinator
 from lightning_bamboo.control.workers import LocalWorkers
-
-
-class NodeCoordinator(Coordinator):
-    """The coordinator role of an agent: a :class:`Coordinator` fed by the store's reports and leases."""
-
-    def __init__(self, store, log, codes: dict[int, int | None]) -> None:
-        super().__init__(store, log)
-        self.codes = codes
-
-    def exit_codes(self, members: set[int]) -> dict[int, int | None]:
-        return {m: self.codes.get(m) for m in members}
 
 
 class PeerWatch:
@@ -153,11 +143,17 @@ class CoordinatorRole:
     ) -> None:
         self.store, self.machine, self.shape, self.peers, self.local = store, machine, shape, peers, local
         self.settle, self.stop_timeout, self.log, self.say = settle, stop_timeout, log, say
-        self.coordinator: NodeCoordinator | None = None
+        self.coordinator: Coordinator | None = None
+        self.decided: Coordinator | None = None
+        """The coordinator of this agent's latest term, kept after it is deposed (the agent's record)."""
         self.codes: dict[int, int | None] = {}
+        self.stopped: dict[str, object] | None = None
+        """How this coordinator stopped the job (:meth:`stop_job`): reason, exit code, members killed late
+        (``None`` until the agent knows)."""
         self._reports = mc.Reports(store)
-        self._joiner_machines: set[int] = set()
+        self._rendezvous: mc.Rendezvous | None = None
         self._risks_told = False
+        self._formed0 = False
         self._ending: tuple[int, float] | None = None
         self._min_reached_at: float | None = None
 
@@ -165,7 +161,7 @@ class CoordinatorRole:
     def become(self, holder: tuple[int, int] | None) -> None:
         """Take the role for the term of ``holder`` (read back after taking the key)."""
         term = holder[0] if holder else 0
-        self.coordinator = NodeCoordinator(self.store, self.log, self.codes)
+        self.coordinator = self.decided = Coordinator(self.store, self.log, self.codes)
         self._reports = mc.Reports(self.store)
         if term > 0:
             self.say(f"took over as the coordinator (term {term}): the previous one's machine is lost "
@@ -214,7 +210,7 @@ class CoordinatorRole:
         with coordinator.one_pass():
             return self._decide(coordinator)
 
-    def _decide(self, coordinator: NodeCoordinator) -> int | None:
+    def _decide(self, coordinator: Coordinator) -> int | None:
         if self._ending is not None:
             return self._end_when_stopped()
         self._tell_risks()
@@ -229,21 +225,48 @@ class CoordinatorRole:
                 else:  # a lease expired: others may expire up to a renewal period later
                     time.sleep(self.settle)  # losses that arrive together are handled together
                     self.peers.await_suspects()
+                    self.local.report(self.store, self.machine)  # this machine's among them
                 lost |= self._collect()
                 coordinator.lost |= lost
                 leaving |= coordinator._departures()
-            if coordinator._failure_in_code(lost) is not None:
-                coordinator._stop_generation()
-                self._ending = (1, time.monotonic() + self.stop_timeout)
+            failure = coordinator._failure_in_code(lost)
+            if failure is not None:
+                self.stop_job(f"member {failure['member']} failed", 1)
                 return None
             coordinator.departed |= leaving
             if not coordinator._reform(lost, [], leaving):
                 return self._end(1)
-        self._find_joiners()
         coordinator._advance_joins()
         if coordinator._job_done():
             return self._end(0)
+        if self._none_formed():
+            self.say("every worker exited before generation 0 formed")
+            return self._end(1)
         return None
+
+    def stop_job(self, reason: str, code: int) -> None:
+        """Stop every member at a step boundary: publish a ``stop`` generation (each member leaves ``fit`` at
+        its next boundary, all at the same committed step, after writing the final checkpoint when one is
+        configured); the job ends with ``code`` once they have exited, or ``stop_timeout`` seconds later
+        (each agent then SIGKILLs what is left of its workers by PID)."""
+        coordinator = self.coordinator
+        assert coordinator is not None
+        members = coordinator._stop_generation()
+        self.local.kill_all(set(self.local.live_members()) - members)  # no stage (spares): nothing to finish
+        self.stopped = {"reason": reason, "code": code, "killed": None}
+        self._ending = (code, time.monotonic() + self.stop_timeout)
+        self.say(f"{reason}: stopping the workers at the next step boundary (at most {self.stop_timeout:g}s)")
+
+    def _none_formed(self) -> bool:
+        """Every member of the rendezvous exited before generation 0 formed (a script that is no Bamboo
+        worker, or one that failed while starting): nothing will ever form it."""
+        if self._formed0 or self.store.check(["gen0/map"]):
+            self._formed0 = True
+            return False
+        members = {m for ms_ in self._closed().members.values() for m in ms_}
+        coordinator = self.coordinator
+        assert coordinator is not None
+        return members <= set(self.codes) | coordinator.finished
 
     def _collect(self) -> set[int]:
         """Members newly lost: reported exits (non-zero) and every member of a machine whose lease expired
@@ -252,7 +275,15 @@ class CoordinatorRole:
         assert coordinator is not None
         lost: set[int] = set()
         for entry in self._reports.new():
-            member, code = int(entry["member"]), int(entry["code"])
+            member = int(entry["member"])
+            if entry.get("joining"):  # started while the job runs: proposed to join once registered
+                with coordinator._lock:
+                    if member not in coordinator._pending_joins:
+                        coordinator._pending_joins.append(member)
+                    coordinator._added_at[member] = time.monotonic()
+                self.say(f"member {member} (machine {entry['machine']}) joins")
+                continue
+            code = int(entry["code"])
             if code == 0:
                 coordinator.finished.add(member)
             else:
@@ -294,23 +325,11 @@ class CoordinatorRole:
         with coordinator._lock:
             return placed | set(coordinator._pending_joins)
 
-    def _find_joiners(self) -> None:
-        """Members of machines that registered after the rendezvous: proposed to join once registered."""
-        coordinator = self.coordinator
-        assert coordinator is not None
-        rendezvous = mc.Rendezvous.from_json(self.store.get(mc.CLOSED))
-        for machine in range(self.peers.registered):
-            known = machine in rendezvous.members or machine in self._joiner_machines
-            if known or machine in self.peers.dead:
-                continue
-            members = mc.members_of(self.store, machine)
-            if members:
-                self._joiner_machines.add(machine)
-                with coordinator._lock:
-                    coordinator._pending_joins += [m for m in members if m not in coordinator._pending_joins]
-                    for member in members:
-                        coordinator._added_at[member] = time.monotonic()
-                self.say(f"machine {machine} joins with members {members}")
+    def _closed(self) -> mc.Rendezvous:
+        """The rendezvous (read once: it never changes after it closed)."""
+        if self._rendezvous is None:
+            self._rendezvous = mc.Rendezvous.from_json(self.store.get(mc.CLOSED))
+        return self._rendezvous
 
     def _tell_risks(self) -> None:
         """Once generation 0 has formed: which single machine (or zone) its redundancy cannot cover (the
@@ -322,7 +341,7 @@ class CoordinatorRole:
             return
         self._risks_told = True
         owners = ms.read_map(self.store, 0)
-        rendezvous = mc.Rendezvous.from_json(self.store.get(mc.CLOSED))
+        rendezvous = self._closed()
         domains = {f"machine {m}": rendezvous.members[m] for m in rendezvous.order}
         zones: dict[str, list[int]] = {}
         for machine in rendezvous.order:
@@ -344,9 +363,15 @@ class CoordinatorRole:
         self._collect()
         _, current = self.coordinator._current()
         members = set(current.members()) if current is not None else set()
-        if time.monotonic() > deadline or members <= set(self.codes) | self.coordinator.finished:
-            return self._end(code)
-        return None
+        running = members - set(self.codes) - self.coordinator.finished
+        if running and time.monotonic() <= deadline:
+            return None
+        if self.stopped is not None:
+            self.stopped["killed"] = sorted(running)
+            reason = self.stopped["reason"]
+            late = f"; members {sorted(running)} did not stop in {self.stop_timeout:g}s" if running else ""
+            self.say(f"job stopped ({reason}){late}; exit code {code}")
+        return self._end(code)
 
     def _end(self, code: int) -> int:
         self.store.compare_set(mc.END, "", str(code))

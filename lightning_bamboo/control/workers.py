@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from lightning_bamboo.control import machines as mc
 from lightning_bamboo.control import nccl_env
 from lightning_bamboo.control import store as ms
 from lightning_bamboo.control.preload import PreloadedProcess, Preloader
@@ -88,6 +89,11 @@ class LocalWorkers:
         self.workers: dict[int, _Worker] = {}
         self.hung: list[int] = []
         """Members SIGKILLed for a silent heartbeat, in order (the supervisor's record of the job)."""
+        self.lost: set[int] = set()
+        """Members whose process exited non-zero or was killed for a silent heartbeat."""
+        self.finished: set[int] = set()
+        """Members whose process exited 0."""
+        self._reported: set[int] = set()
         self.lock = threading.RLock()  # kill / start may come from another thread
 
     def start(self, member: int, env: Mapping[str, str]) -> int:
@@ -144,6 +150,19 @@ class LocalWorkers:
                 worker.proc.wait()
                 killed.append(worker.member)
         return killed
+
+    def report(self, store: dist.Store, machine: int) -> set[int]:
+        """Look at the workers (:meth:`check`) and append every exit not reported yet to the job's report log
+        (:func:`~lightning_bamboo.control.machines.report`), where the coordinator reads it; returns the
+        members newly lost. Called by the agent every pass, and by its coordinator after waiting for losses
+        that arrive together (so that those of this machine are among them)."""
+        newly = self.check(self.lost, self.finished, set())
+        self.lost |= newly
+        for member in sorted((self.lost | self.finished) - self._reported):
+            code = self.returncode(member)
+            mc.report(store, machine, member, 0 if code is None else code)
+            self._reported.add(member)
+        return newly
 
     def check(self, lost: set[int], finished: set[int], departed: set[int]) -> set[int]:
         """Newly lost members: exited non-zero, or heartbeat silent for ``hang_timeout`` (then SIGKILLed).

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 
-from lightning_bamboo.control.supervisor import fallback_map
+from lightning_bamboo.control.coordinator import fallback_map
 from lightning_bamboo.layout.ownership import FallbackNeeded, OwnershipMap, failover, initial, rejoin
 from lightning_bamboo.simulate.costs import Costs, rate
 from lightning_bamboo.simulate.traces import Event, Trace

@@ -4,7 +4,7 @@ store.
 No process group and no training: each member is a thread with its own connection to the job's store (an
 in-process ``HashStore``, or the launcher's ``TCPStore`` through ``elastic.store.connect``), and a member is
 lost between two store operations by a store that raises for it from then on (what everyone else sees of a
-SIGKILL). The supervisor's side is the real ``supervisor.Supervisor._reform`` where it matters. Every wait is
+SIGKILL). The supervisor's side is the real ``Coordinator._reform`` where it matters. Every wait is
 bounded: a member still waiting after ``TIMEOUT`` seconds fails the test (the generation is then bumped so
 that the thread ends).
 """
@@ -28,9 +28,10 @@ import torch.distributed as dist
 from lightning_bamboo.control import join as joining
 from lightning_bamboo.control import store as ms
 from lightning_bamboo.control.commit import ABORT, COMMIT, COMMIT_JOIN, StepCommit
+from lightning_bamboo.control.coordinator import Coordinator
 from lightning_bamboo.control.etcd_store import EtcdStore
-from lightning_bamboo.control.supervisor import Supervisor
 from lightning_bamboo.layout.ownership import initial, rejoin
+from tests.bamboo.served_store import ServedStore, serve_store
 
 TIMEOUT = 20.0
 """Seconds a member (or a wait of the test) may take before the test fails instead of hanging."""
@@ -376,33 +377,40 @@ def test_join_after_a_failover_was_decided_is_a_plain_commit(job: Job) -> None:
     assert joining.adopted_step(job.store, 0) is None
 
 
+@dataclass
+class Decider:
+    """The launcher's decision side (a ``Coordinator``) over the job's store, served here."""
+
+    coordinator: Coordinator
+    served: ServedStore
+
+    def job(self) -> Job:
+        return Job(lambda name: self.served.client(timeout=TIMEOUT), self.coordinator.store)
+
+
 @pytest.fixture
-def supervisor() -> Iterator[Supervisor]:
+def decider() -> Iterator[Decider]:
     """The launcher's decision side (its store, ``_reform``) over generation 0 = members 0 and 1 in one
     pipeline of two stages, with members 2 and 3 proposed to join as a second pipeline; no worker starts."""
-    sup = Supervisor(["false"], nproc=2, log=lambda *args, **kwargs: None)
+    served = serve_store()
+    sup = Coordinator(served.client(), log=lambda *args, **kwargs: None)
     sup.store.set("gen", "0")
     current = initial(2, range(2))
     sup._publish(current, "initial")
     proposal = rejoin(current, [2, 3])
     joining.propose(sup.store, 0, proposal)
     sup._proposal = (0, proposal, time.monotonic())
-    yield sup
-    del sup
-
-
-def supervisor_job(sup: Supervisor) -> Job:
-    return Job(lambda name: ms.connect(sup.store_url, sup.job, timeout=TIMEOUT), sup.store)
+    yield Decider(sup, served)
 
 
 def claim_in_generation_0(store: dist.Store, step: int) -> bool:
     return joining.claim(store, 0, step)
 
 
-def test_claimer_lost_before_deciding_the_supervisor_drops_the_join(supervisor: Supervisor) -> None:
+def test_claimer_lost_before_deciding_the_supervisor_drops_the_join(decider: Decider) -> None:
     """The member completing the count claims the join and dies before writing ``commit+join``: the members
     abort the step, so the supervisor must not publish the joined layout as adopted after it."""
-    job = supervisor_job(supervisor)
+    job, supervisor = decider.job(), decider.coordinator
     survivor = job.prepare("0", 0, 2, claim_join=claim_in_generation_0)
     wait_until("member 0 prepared", lambda: job.prepared(0) == 1)
     lost = job.prepare(
@@ -417,10 +425,10 @@ def test_claimer_lost_before_deciding_the_supervisor_drops_the_join(supervisor: 
     assert new.generation == 1 and new.members() == [0]
 
 
-def test_loss_after_a_committed_join_applies_to_the_joined_layout(supervisor: Supervisor) -> None:
+def test_loss_after_a_committed_join_applies_to_the_joined_layout(decider: Decider) -> None:
     """The members read ``commit+join``, then one is lost: the supervisor publishes the joined layout
     (adopted after the step) and the failover from it."""
-    job = supervisor_job(supervisor)
+    job, supervisor = decider.job(), decider.coordinator
     members = [job.prepare(str(i), 0, 2, claim_join=claim_in_generation_0) for i in range(2)]
     assert finish(job, members, 0) == {"0": COMMIT_JOIN, "1": COMMIT_JOIN}
     assert supervisor._reform({1}, [])

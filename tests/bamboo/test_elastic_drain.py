@@ -23,10 +23,11 @@ from safetensors.torch import load_file
 
 from lightning_bamboo.control import drain as departure
 from lightning_bamboo.control import store as ms
-from lightning_bamboo.control.supervisor import Supervisor
+from lightning_bamboo.control.coordinator import Coordinator
 from lightning_bamboo.layout.ownership import OwnershipMap, initial
 from tests.bamboo.fake_metadata import FakeMetadata
 from tests.bamboo.launch_record import NAME, Record, record_env
+from tests.bamboo.served_store import serve_store
 from tests.process import run_process
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_elastic.py"
@@ -104,11 +105,12 @@ def test_spot_notice_drains_member_with_no_step_lost(tmp_path: Path) -> None:
 def test_launcher_publishes_an_announced_departure_as_a_drain_generation() -> None:
     """The store protocol alone (no workers): announce -> the launcher's next map -> the leavers may go."""
     lines: list[str] = []
-    supervisor = Supervisor(["true"], nproc=4, log=lambda text, **_: lines.append(text))
+    served = serve_store()
+    supervisor = Coordinator(served.client(), log=lambda text, **_: lines.append(text))
     owners = initial(2, range(4))
     supervisor.store.set("gen0/map", owners.to_json())
     supervisor.store.set("gen", "0")
-    worker = ms.connect(supervisor.store_url, supervisor.job)
+    worker = served.client()
     assert supervisor._departures() == set()
     with pytest.raises(ValueError, match=re.escape("ranks [4] are not ranks of generation 0 (0..3)")):
         departure.announce(worker, owners, [4], step=5)
@@ -123,7 +125,7 @@ def test_launcher_publishes_an_announced_departure_as_a_drain_generation() -> No
     new = departure.wait_without(worker, 0, [1, 3], timeout=1)
     assert new == OwnershipMap(1, 2, {0: {0: 0, 1: 0}, 1: {0: 2, 1: 2}})
     assert ms.get_str(worker, "gen1/kind") == "drain"
-    (change,) = supervisor.record()["changes"]
+    (change,) = supervisor.events
     assert (change["kind"], change["left"], change["lost"], change["joined"]) == ("drain", [1, 3], [], [])
     assert OwnershipMap.from_json(change["new"]) == new
     assert supervisor._departures() == set()  # handled once

@@ -31,12 +31,13 @@ from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
 from lightning_bamboo.checkpoint import periodic as fb
 from lightning_bamboo.checkpoint.sharded import consolidate_checkpoint
 from lightning_bamboo.control import crash
-from lightning_bamboo.control.supervisor import Supervisor, _Worker
+from lightning_bamboo.control.coordinator import Coordinator
 from lightning_bamboo.notices.signals import SigtermNoticeSource
 from lightning_bamboo.strategy import BambooStrategy
 from lightning_bamboo.wiring import watch_sigterm
 from tests.bamboo.launch_record import NAME, Record, record_env, wait_record, worker_events
 from tests.bamboo.pipe_mlp import PipeMLP, make_data
+from tests.bamboo.served_store import serve_store
 from tests.bamboo.test_elastic import SCRIPT, STEPS, TOL, check_final
 from tests.process import REPO, run_process, start
 
@@ -346,13 +347,8 @@ def test_the_supervisor_stops_on_a_recorded_error_unless_a_worker_was_killed() -
     """A worker that exited 1 with a recorded error stops the job; lost together with one killed by a
     signal (a preemption), it is a failover as before."""
     lines: list[str] = []
-    supervisor = Supervisor(["true"], nproc=2, log=lambda text, **_: lines.append(text))
-    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
-    killed = subprocess.Popen(["sleep", "60"])
-    killed.kill()
-    for member, proc in enumerate((failed, killed)):
-        proc.wait(timeout=60)
-        supervisor.workers[member] = _Worker(member, proc)
+    served = serve_store()
+    supervisor = Coordinator(served.client(), log=lambda text, **_: lines.append(text), codes={0: 1, 1: -9})
     crash.record(supervisor.store, 0, ValueError("user bug"))
     assert supervisor._failure_in_code({0, 1}) is None  # member 1 was preempted: fail over
     assert supervisor.error is None and not lines

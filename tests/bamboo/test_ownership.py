@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from lightning_bamboo.control.supervisor import fallback_map
+from lightning_bamboo.control.coordinator import fallback_map
 from lightning_bamboo.layout.ownership import (
     FallbackNeeded,
     OwnershipMap,

@@ -29,7 +29,7 @@ def main() -> int:
     added = [supervisor.add_worker() for _ in range(args.add)]
     print(f"[driver] added members {added}; live {supervisor.live_members()}", flush=True)
     thread.join()
-    print(f"joins={json.dumps(supervisor.joins)}", flush=True)
+    print(f"joins={json.dumps(supervisor.record()['joins'])}", flush=True)
     return supervisor.returncode if supervisor.returncode is not None else 1
 
 
