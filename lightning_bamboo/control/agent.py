@@ -403,7 +403,7 @@ class Agent:
         end = ms.read_if_set(self.store, mc.END)
         if end is not None:
             code = int(end)
-            self.local.kill_all()
+            self.local.finish()
             self.say(f"job ended with exit code {code}")
             return code
         if self.store.check([f"node/{self.machine}/dead"]):

@@ -378,5 +378,5 @@ class CoordinatorRole:
         code = int(ms.get_str(self.store, mc.END))
         self.say(f"the job is over: exit code {code}")
         with contextlib.suppress(Exception):
-            self.local.kill_all()
+            self.local.finish()
         return code

@@ -151,6 +151,18 @@ class LocalWorkers:
                 killed.append(worker.member)
         return killed
 
+    def finish(self, grace: float = 5.0) -> list[int]:
+        """The job is over: let the workers whose training is over (``done/{member}``: a member that left,
+        writing its results) exit on their own for up to ``grace`` seconds, then SIGKILL (by PID) what is left
+        (spares, joiners never placed); returns the killed."""
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            finishing = [m for m in self.live_members() if self.store.check([f"done/{m}"])]
+            if not finishing:
+                break
+            time.sleep(0.05)
+        return self.kill_all()
+
     def report(self, store: dist.Store, machine: int) -> set[int]:
         """Look at the workers (:meth:`check`) and append every exit not reported yet to the job's report log
         (:func:`~lightning_bamboo.control.machines.report`), where the coordinator reads it; returns the
