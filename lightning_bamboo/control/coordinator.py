@@ -69,11 +69,6 @@ class Coordinator:
         machine)."""
         return {m: self.codes.get(m) for m in members}
 
-    def revision(self) -> tuple[int, int, bool]:
-        """Changes to what this coordinator recorded (events, joins, the error): the agent writes its
-        record file when this changes."""
-        return len(self.events), len(self.joins), self.error is not None
-
     def _failure_in_code(self, lost: set[int]) -> dict[str, object] | None:
         """The error a lost member recorded before exiting non-zero (:mod:`lightning_bamboo.control.crash`),
         when no member lost with it was killed by a signal (a preemption, or fenced for a silent heartbeat)

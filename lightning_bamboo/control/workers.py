@@ -168,7 +168,7 @@ class LocalWorkers:
         (:func:`~lightning_bamboo.control.machines.report`), where the coordinator reads it; returns the
         members newly lost. Called by the agent every pass, and by its coordinator after waiting for losses
         that arrive together (so that those of this machine are among them)."""
-        newly = self.check(self.lost, self.finished, set())
+        newly = self._check()
         self.lost |= newly
         for member in sorted((self.lost | self.finished) - self._reported):
             code = self.returncode(member)
@@ -176,26 +176,23 @@ class LocalWorkers:
             self._reported.add(member)
         return newly
 
-    def check(self, lost: set[int], finished: set[int], departed: set[int]) -> set[int]:
+    def _check(self) -> set[int]:
         """Newly lost members: exited non-zero, or heartbeat silent for ``hang_timeout`` (then SIGKILLed).
 
-        Members that exited 0 (and leavers that exited) are added to ``finished``; members already in
-        ``lost`` or ``finished`` are not looked at again.
+        Members that exited 0 are added to :attr:`finished`; members already in :attr:`lost` or
+        :attr:`finished` are not looked at again.
         """
         newly: set[int] = set()
         now = time.monotonic()
         with self.lock:
             workers = list(self.workers.items())
         for member, worker in workers:
-            if member in departed and member not in finished and worker.proc.poll() is not None:
-                finished.add(member)
-                self.log(f"[bamboo.launch] member {member} left (exit {worker.proc.returncode})", flush=True)
-            if member in lost or member in finished or member in departed:
+            if member in self.lost or member in self.finished:
                 continue
             code = worker.proc.poll()
             if code is not None:
                 if code == 0:
-                    finished.add(member)
+                    self.finished.add(member)
                 else:
                     self.log(f"[bamboo.launch] member {member} exited with {code}", flush=True)
                     newly.add(member)
