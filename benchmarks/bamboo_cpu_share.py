@@ -54,7 +54,7 @@ def kind_of(cmdline: str) -> str:
         return "agent"
     if "torch.distributed.run" in cmdline:
         return "torchrun"
-    if "train_elastic.py" in cmdline or "lightning_bamboo.control.preload" in cmdline:
+    if "train_elastic.py" in cmdline or "lbd_common.preload" in cmdline:
         return "trainer"  # a preload server forks the agents' workers: they keep its command line
     if "bamboo_nodes.py" in cmdline or "bamboo_cpu_share.py" in cmdline:
         return "bench"

@@ -251,7 +251,7 @@ def run(config: str, out: Path, args: argparse.Namespace, etcd_port: int, etcd_p
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_harness.free_port())}
     if args.one_machine_commit == "collective":
-        env["BAMBOO_ONE_MACHINE_COMMIT"] = "collective"  # lightning_bamboo.control.store's switch
+        env["BAMBOO_ONE_MACHINE_COMMIT"] = "collective"  # lightning_bamboo.protocol.store's switch
     deadline = time.monotonic() + args.timeout
     with (out / "log.txt").open("wb") as log:
         proc = subprocess.Popen(command(config, out, args, etcd_port), env=env, stdout=log,

@@ -55,7 +55,7 @@ from safetensors.torch import load_file  # noqa: E402
 from benchmarks._nodes_replay import Applied, failover_times, generations, replay_costs  # noqa: E402
 from benchmarks.bamboo_preemption import FULL, TRACE, make_plan  # noqa: E402
 from lightning_bamboo.control import machines as mc  # noqa: E402
-from lightning_bamboo.control import store as ms  # noqa: E402
+from lightning_bamboo.protocol import store as ms  # noqa: E402
 from lightning_bamboo.simulate.model import shape_key  # noqa: E402
 from tests.netns import Network  # noqa: E402
 from tests.process import launch_env, run_process  # noqa: E402

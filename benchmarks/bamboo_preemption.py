@@ -54,9 +54,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_bamboo.control import store as ms
 from lightning_bamboo.control.supervisor import Supervisor
 from lightning_bamboo.layout.ownership import RECOVERY_MODES
+from lightning_bamboo.protocol import store as ms
 from lightning_bamboo.simulate.traces import parse_trace
 
 try:  # imported as ``benchmarks.bamboo_preemption`` (the tests, bamboo_nodes.py: the checkout on sys.path)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from lightning_bamboo.control import preload
+from lbd_common import preload
 from lightning_bamboo.control.workers import LocalWorkers
 
 WORKER = """

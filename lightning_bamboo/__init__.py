@@ -22,11 +22,11 @@ if TYPE_CHECKING:
         BambooPrecision,
     )
     from lightning_bamboo.checkpoint.sharded import consolidate_checkpoint
-    from lightning_bamboo.control.drain import BambooDeparted
     from lightning_bamboo.layout.groups import BambooGroups
     from lightning_bamboo.pipeline.engine import PipelineEngine
     from lightning_bamboo.pipeline.microbatch import split_microbatches
     from lightning_bamboo.pipeline.replica import ReplicaSync
+    from lightning_bamboo.protocol.drain import BambooDeparted
     from lightning_bamboo.strategy import BambooStrategy, ElasticBambooStrategy
 
 _EXPORTS = {
@@ -34,7 +34,7 @@ _EXPORTS = {
     "BambooHalfPrecision": "lightning_bamboo._lightning.precision",
     "BambooMixedPrecision": "lightning_bamboo._lightning.precision",
     "BambooPrecision": "lightning_bamboo._lightning.precision",
-    "BambooDeparted": "lightning_bamboo.control.drain",
+    "BambooDeparted": "lightning_bamboo.protocol.drain",
     "BambooGroups": "lightning_bamboo.layout.groups",
     "BambooStrategy": "lightning_bamboo.strategy",
     "ElasticBambooStrategy": "lightning_bamboo.strategy",

@@ -241,7 +241,7 @@ class BambooNotices(Callback):
     gloo group, issued without waiting (``async_op``) and read at the following boundary, so a step never
     waits on it. When ranks are warned, every rank fires ``on_preemption_notice`` with the warned rank's
     notice, then calls the strategy's public ``drain(ranks)`` once: the elastic runtime's announced departure
-    (:mod:`lightning_bamboo.control.drain`), or, without a failover runtime,
+    (:mod:`lightning_bamboo.protocol.drain`), or, without a failover runtime,
     :func:`lightning_bamboo.runtime.events.drain_with_checkpoint` (checkpoint, then stop).
 
     Args:

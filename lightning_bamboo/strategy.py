@@ -12,11 +12,11 @@ One runtime, three ways to start it (the layout is always an
 How a step runs (the *two-phase step*): the pipeline schedule runs (forwards, backwards, gradient all-reduce
 over pipelines); every member sends its stages' gradients to the member holding their replica and receives its
 successor's; it then *prepares* in the store; when every member has prepared, the step is *committed*
-(:class:`lightning_bamboo.control.commit.StepCommit`) and every member applies the optimizer to its own stages
-and
-to its replica. A failure before the commit aborts the step everywhere (nobody has changed a parameter); after
-it, every survivor applies the step. Survivors therefore always agree on one state, before or after the step;
-what happens next (failover, rejoin, fallback, drain) is :mod:`lightning_bamboo.runtime.membership`.
+(:class:`lightning_bamboo.protocol.commit.StepCommit`) and every member applies the optimizer to its own
+stages and to its replica. A failure before the commit aborts the step everywhere (nobody has changed a
+parameter); after it, every survivor applies the step. Survivors therefore always agree on one state, before
+or after the step; what happens next (failover, rejoin, fallback, drain) is
+:mod:`lightning_bamboo.runtime.membership`.
 
 Data: every member loads the GLOBAL batch (the sampler is not sharded; ``batch_size`` is the global batch) and
 takes the share of its pipeline under the current layout, so the samples of a step do not depend on how many
@@ -61,9 +61,9 @@ from lightning_bamboo._lightning import private as _private
 from lightning_bamboo._lightning.precision import with_pipeline_clipping
 from lightning_bamboo.checkpoint import sharded as ckpt
 from lightning_bamboo.contract import find_pipeline_body
-from lightning_bamboo.control import crash
-from lightning_bamboo.control import store as ms
 from lightning_bamboo.pipeline.buffers import batch_norm_split_warning, refuse_sync_batchnorm
+from lightning_bamboo.protocol import crash
+from lightning_bamboo.protocol import store as ms
 from lightning_bamboo.runtime import generation_zero
 from lightning_bamboo.runtime.lightning_side import LightningSide
 from lightning_bamboo.runtime.parts import Options, assemble, resolve_recovery

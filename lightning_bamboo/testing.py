@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import Callback
 
-from lightning_bamboo.control.store import store_barrier
+from lightning_bamboo.protocol.store import store_barrier
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -26,9 +26,9 @@ from torch.utils.data import DataLoader
 
 from lightning_bamboo._lightning import private as _private
 from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
-from lightning_bamboo.control import nccl_env
-from lightning_bamboo.control import store as ms
-from lightning_bamboo.control.drain import BambooDeparted
+from lightning_bamboo.protocol import nccl_env
+from lightning_bamboo.protocol import store as ms
+from lightning_bamboo.protocol.drain import BambooDeparted
 from lightning_bamboo.runtime.data_order import in_written_order
 from lightning_bamboo.runtime.formation import checked_module
 from lightning_bamboo.runtime.launcher import SupervisorLauncher
@@ -155,7 +155,7 @@ def enter(
 
 
 def warn_nccl_env(backend: str | None) -> None:
-    """On NCCL, warn (rank zero) naming the variables of :data:`~.control.nccl_env.NCCL_ENV` this worker
+    """On NCCL, warn (rank zero) naming the variables of :data:`~.protocol.nccl_env.NCCL_ENV` this worker
     lacks: another launcher (torchrun, SLURM), or Bamboo's with ``BAMBOO_NCCL_ENV=0``."""
     if nccl_env.uses_nccl(backend) and (names := nccl_env.missing()):
         rank_zero_warn(nccl_env.warning(names))

@@ -144,7 +144,7 @@ def process_environment_restored() -> Iterator[None]:
 @pytest.hookimpl(wrapper=True)
 def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> Iterator[object]:
     """A fixture shared by several tests (module, class, package or session scope) leaves the variables a
-    fork cannot change (:func:`~lightning_bamboo.control.preload.fixed_at_start`: thread counts, ``PYTHON*``)
+    fork cannot change (:func:`~lbd_common.preload.fixed_at_start`: thread counts, ``PYTHON*``)
     as it found them. Such a fixture sets up before :func:`process_environment_restored` saves a test's
     environment, so what it sets stays for the rest of the session: a module fixture that runs a ``fit`` here
     (Lightning's launcher sets ``OMP_NUM_THREADS``) made every later launch a fresh interpreter and failed the
@@ -152,7 +152,7 @@ def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureR
     restore undoes those."""
     if fixturedef.scope == "function":
         return (yield)
-    from lightning_bamboo.control.preload import fixed_at_start
+    from lbd_common.preload import fixed_at_start
 
     before = fixed_at_start(os.environ)
     try:

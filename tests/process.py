@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._harness import free_port, kill_groups, rank_env, watch
-from lightning_bamboo.control.preload import ENDED_CPU_SECONDS, PreloadedProcess, PreloadServer, stands_in_for
+from lbd_common.preload import ENDED_CPU_SECONDS, PreloadedProcess, PreloadServer, stands_in_for
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data"  # the data the project carries (data/README.md)
@@ -85,7 +85,7 @@ FORKED_CPU_SECONDS = ENDED_CPU_SECONDS
 
 def zygote() -> PreloadServer | None:
     """The test zygote of this pytest process, started on first use (``TEST_ZYGOTE=0``: none): the product's
-    preload server (:mod:`lightning_bamboo.control.preload`) with :data:`ZYGOTE_MODULES`."""
+    preload server (:mod:`lbd_common.preload`) with :data:`ZYGOTE_MODULES`."""
     if os.environ.get("TEST_ZYGOTE", "1") == "0":
         return None
     if _ZYGOTE and _ZYGOTE[0].alive():

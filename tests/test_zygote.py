@@ -1,4 +1,4 @@
-"""The test zygote (the product's preload server, :mod:`lightning_bamboo.control.preload`, with the tests'
+"""The test zygote (the product's preload server, :mod:`lbd_common.preload`, with the tests'
 modules) stands in for a fresh interpreter: argv, ``__main__``, environment, directory, process group, output
 and exit status are those of ``python script.py`` / ``python -m module``."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_bamboo.control.preload import PreloadedProcess, fixed_at_start, stands_in_for
+from lbd_common.preload import PreloadedProcess, fixed_at_start, stands_in_for
 from tests.process import launch_env, start, zygote
 
 PROBE = """

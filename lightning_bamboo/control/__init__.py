@@ -1,4 +1,4 @@
-"""The processes and store protocols outside training (no Lightning): the job's store and etcd, the
-step commit, joins, drains and crashes as store protocols, the coordinator, supervisor, agents
-and their workers.
+"""The control plane (no Lightning): the agent of each machine, its workers, the election and leases of
+the machines, and the coordinator that decides every generation. What it exchanges with the workers
+through the store is :mod:`lightning_bamboo.protocol`.
 """

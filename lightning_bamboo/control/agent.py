@@ -29,7 +29,7 @@ single machine (or zone) would force a checkpoint fallback. It then decides ever
 workers' reported exits and from leases: a machine whose lease expired is lost with all its members, as ONE
 membership change. A worker started while the job runs (a replacement, the workers of a machine that came
 after the rendezvous) takes a fresh id and joins at a step boundary. A worker that exits with an error of the
-training code (:mod:`lightning_bamboo.control.crash`) stops the job (exit 1): a failover would only raise it
+training code (:mod:`lightning_bamboo.protocol.crash`) stops the job (exit 1): a failover would only raise it
 again. When every member of the current generation has finished, it writes the job's end and every agent
 exits with that code. The agent that coordinates writes the job's record (:meth:`Agent.record`) to
 ``BAMBOO_EVENTS`` when set.
@@ -50,10 +50,10 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 from lightning_bamboo.control import machines as mc
-from lightning_bamboo.control import store as ms
 from lightning_bamboo.control.coordinator import Superseded
 from lightning_bamboo.control.node_coordinator import CoordinatorRole, JobShape, PeerWatch
 from lightning_bamboo.control.workers import LocalWorkers, worker_env
+from lightning_bamboo.protocol import store as ms
 
 __all__ = ["FENCED", "Agent", "LeaseKeeper", "first_formed"]
 
@@ -130,7 +130,7 @@ class Agent:
         replace: replacement workers to start, one after each loss of a worker of this machine (-1: no limit).
         replace_delay: seconds after a loss before its replacement starts (a new spot machine's arrival).
         poll: seconds between two passes of the loop.
-        preload: fork the workers from a preload server (:mod:`lightning_bamboo.control.preload`).
+        preload: fork the workers from a preload server (:mod:`lbd_common.preload`).
         backend: the workers' process-group backend (their NCCL environment follows it).
     """
 

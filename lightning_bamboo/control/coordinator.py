@@ -20,12 +20,12 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from lightning_bamboo.control import commit as commit_protocol
-from lightning_bamboo.control import crash
-from lightning_bamboo.control import drain as departure
-from lightning_bamboo.control import join as joining
-from lightning_bamboo.control import store as ms
-from lightning_bamboo.layout.ownership import FallbackNeeded, OwnershipMap, failover, initial, rejoin
+from lightning_bamboo.layout.ownership import FallbackNeeded, OwnershipMap, failover, fallback, rejoin
+from lightning_bamboo.protocol import commit as commit_protocol
+from lightning_bamboo.protocol import crash
+from lightning_bamboo.protocol import drain as departure
+from lightning_bamboo.protocol import join as joining
+from lightning_bamboo.protocol import store as ms
 
 
 class Superseded(RuntimeError):
@@ -60,7 +60,7 @@ class Coordinator:
         self.joins: list[dict[str, object]] = []
         """One entry per completed join: members, step, generation, start_s, wait_s, join_s."""
         self.error: dict[str, object] | None = None
-        """The failure that stopped the job (:mod:`lightning_bamboo.control.crash`): member, type, message,
+        """The failure that stopped the job (:mod:`lightning_bamboo.protocol.crash`): member, type, message,
         traceback."""
 
     # ------------------------------------------------------------------ what happened
@@ -70,7 +70,7 @@ class Coordinator:
         return {m: self.codes.get(m) for m in members}
 
     def _failure_in_code(self, lost: set[int]) -> dict[str, object] | None:
-        """The error a lost member recorded before exiting non-zero (:mod:`lightning_bamboo.control.crash`),
+        """The error a lost member recorded before exiting non-zero (:mod:`lightning_bamboo.protocol.crash`),
         when no member lost with it was killed by a signal (a preemption, or fenced for a silent heartbeat)
         or lost with its machine: an error of the training code, which a failover would only raise again.
         ``None``: fail over."""
@@ -181,7 +181,7 @@ class Coordinator:
             if not survivors:
                 self.log(f"[bamboo.launch] {err}\nno worker left", flush=True)
                 return False
-            new = fallback_map(old, survivors)
+            new = fallback(old, survivors)
             kind = "fallback"
         left = f" left {sorted(leaving)}" if leaving else ""
         headline = f"{kind}: lost {sorted(lost)}{left} joined {joined}"
@@ -305,18 +305,3 @@ class Coordinator:
         _, current = self._current()
         return current is not None and bool(current.members()) and set(current.members()) <= self.finished
 
-
-def fallback_map(old: OwnershipMap, survivors: list[int]) -> OwnershipMap:
-    """One layout over the survivors after a loss redundancy cannot cover (they reload a checkpoint).
-
-    As many full pipelines as fit; with fewer survivors than stages, one pipeline whose members own
-    consecutive runs of stages (a member runs its run fused).
-    """
-    members = sorted(survivors)
-    if len(members) >= old.num_stages:
-        fresh = initial(old.num_stages, members)
-        return OwnershipMap(old.generation + 1, old.num_stages, fresh.pipelines, fresh.spares)
-    owners: dict[int, int] = {}
-    for stage in range(old.num_stages):
-        owners[stage] = members[stage * len(members) // old.num_stages]
-    return OwnershipMap(old.generation + 1, old.num_stages, {0: owners}, ())

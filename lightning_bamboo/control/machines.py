@@ -1,7 +1,7 @@
 """The machines of a multi-machine elastic Bamboo job, as the store sees them (pure over a store; the
 processes are :mod:`lightning_bamboo.control.agent`).
 
-Keys (under the job's prefix, next to those of :mod:`lightning_bamboo.control.store`):
+Keys (under the job's prefix, next to those of :mod:`lightning_bamboo.protocol.store`):
 
 * ``nodes/count``: machines registered so far; a machine's index is its arrival order (``store.add``).
 * ``node/{i}``: its description (JSON: workers, zone, host, agent PID, the agent's liveness address);
@@ -38,8 +38,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_bamboo.control import store as ms
 from lightning_bamboo.layout.ownership import FallbackNeeded, OwnershipMap, failover
+from lightning_bamboo.protocol import store as ms
 
 RENEWALS_PER_LEASE = 6
 """An agent renews its machine's lease this many times per lease (every ``lease / RENEWALS_PER_LEASE`` s,

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from lightning_bamboo.control import machines as mc
-from lightning_bamboo.control import store as ms
 from lightning_bamboo.control.coordinator import Coordinator
 from lightning_bamboo.control.workers import LocalWorkers
+from lightning_bamboo.protocol import store as ms
 
 
 class PeerWatch:

@@ -18,9 +18,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lightning_bamboo.control.agent import Agent, first_formed
-from lightning_bamboo.control.coordinator import fallback_map
 
-__all__ = ["Supervisor", "fallback_map", "first_formed"]
+__all__ = ["Supervisor", "first_formed"]
 
 
 class Supervisor(Agent):

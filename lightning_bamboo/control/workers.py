@@ -5,7 +5,7 @@ Used by the one-machine :class:`~lightning_bamboo.control.supervisor.Supervisor`
 :class:`~lightning_bamboo.control.coordinator.Coordinator`'s job). A worker that exits non-zero (SIGKILL
 included) is lost; a worker whose heartbeat (``hb/{member}`` in the store) stops for ``hang_timeout`` seconds
 (SIGSTOP, a deadlock) is SIGKILLed by PID and lost. Workers are forked from a preload server that has imported
-torch and Lightning once (:mod:`lightning_bamboo.control.preload`) unless ``preload=False`` or
+torch and Lightning once (:mod:`lbd_common.preload`) unless ``preload=False`` or
 ``BAMBOO_PRELOAD=0``; each is exactly what ``python train.py`` would be, in its own session.
 """
 
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from lbd_common.preload import PreloadedProcess, Preloader
 from lightning_bamboo.control import machines as mc
-from lightning_bamboo.control import nccl_env
-from lightning_bamboo.control import store as ms
-from lightning_bamboo.control.preload import PreloadedProcess, Preloader
+from lightning_bamboo.protocol import nccl_env
+from lightning_bamboo.protocol import store as ms
 
 PRELOAD_ENV = "BAMBOO_PRELOAD"
 """``BAMBOO_PRELOAD=0``: start every worker as a fresh interpreter (as ``--no-preload`` does)."""
@@ -81,7 +81,7 @@ class LocalWorkers:
         self.hang_timeout = hang_timeout
         self.log = log
         self.threads = thread_env(workers_on_machine)
-        # NCCL workers survive a lost peer only with these (control/nccl_env.py); the preload server too
+        # NCCL workers survive a lost peer only with these (protocol/nccl_env.py); the preload server too
         self.nccl = nccl_env.for_workers(backend or nccl_env.workers_backend())
         self.preloader: Preloader | None = None
         if preload and os.environ.get(PRELOAD_ENV, "1") != "0":
@@ -225,8 +225,8 @@ class LocalWorkers:
 
 
 def worker_env(store_url: str, job: str, member: int, nproc: int, joining: bool) -> dict[str, str]:
-    """What a worker is told through its environment (read back by :class:`~.store.WorkerEnv`; the local
-    rank is added by :meth:`LocalWorkers.start`)."""
+    """What a worker is told through its environment (read back by
+    :class:`~lightning_bamboo.protocol.store.WorkerEnv`; :meth:`LocalWorkers.start` adds the local rank)."""
     return {
         ms.ENV_JOINING: "1" if joining else "0",
         ms.ENV_STORE: store_url,

@@ -279,3 +279,19 @@ def rejoin(old: OwnershipMap, new: Iterable[int], max_pipelines: int | None = No
         pipelines[next_id] = {s: waiting.pop(0) for s in range(old.num_stages)}
         next_id += 1
     return OwnershipMap(old.generation + 1, old.num_stages, pipelines, tuple(waiting))
+
+
+def fallback(old: OwnershipMap, survivors: list[int]) -> OwnershipMap:
+    """One layout over the survivors after a loss redundancy cannot cover (they reload a checkpoint).
+
+    As many full pipelines as fit; with fewer survivors than stages, one pipeline whose members own
+    consecutive runs of stages (a member runs its run fused).
+    """
+    members = sorted(survivors)
+    if len(members) >= old.num_stages:
+        fresh = initial(old.num_stages, members)
+        return OwnershipMap(old.generation + 1, old.num_stages, fresh.pipelines, fresh.spares)
+    owners: dict[int, int] = {}
+    for stage in range(old.num_stages):
+        owners[stage] = members[stage * len(members) // old.num_stages]
+    return OwnershipMap(old.generation + 1, old.num_stages, {0: owners}, ())

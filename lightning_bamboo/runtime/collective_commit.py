@@ -2,7 +2,7 @@
 only when a loss cuts the step.
 
 Why: on etcd every request is a network round trip, and the store's two-phase commit
-(:class:`~lightning_bamboo.control.commit.StepCommit`: a vote, the last voter's decision, a read after the
+(:class:`~lightning_bamboo.protocol.commit.StepCommit`: a vote, the last voter's decision, a read after the
 wake) put about three of them on every step's critical path. A failure-free step of the six-member
 multi-machine benchmark took 0.18 s where the same pipeline without fault tolerance took 0.055 s
 (``docs/bamboo-elastic.md``, "The commit on etcd").
@@ -48,10 +48,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from lightning_bamboo.control import crash
-from lightning_bamboo.control import join as joining
-from lightning_bamboo.control import store as ms
-from lightning_bamboo.control.commit import ABORT, COMMIT, decide
+from lightning_bamboo.protocol import crash
+from lightning_bamboo.protocol import join as joining
+from lightning_bamboo.protocol import store as ms
+from lightning_bamboo.protocol.commit import ABORT, COMMIT, decide
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def settle(store: dist.Store, generation: int, members: list[int], step: int, wa
     Waits for the reports of the members still in the job (the newest generation's members and spares; one
     whose error is recorded is not waited for, it stopped the job), at most ``wait_s`` seconds, after which
     the reports present decide (a member silent that long is stuck; the warning names it). On a
-    :class:`~lightning_bamboo.control.store.RoundTripStore` it sleeps on the watch of the reports and the
+    :class:`~lightning_bamboo.protocol.store.RoundTripStore` it sleeps on the watch of the reports and the
     generation and reads them in one request per wake (every settling member polling every member's key
     would be a burst of requests on etcd at the moment the failover needs it); other stores are polled every
     ``poll_s`` seconds.

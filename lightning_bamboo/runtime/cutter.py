@@ -24,7 +24,7 @@ import os
 import socket
 import threading
 
-from lightning_bamboo.control import store as ms
+from lightning_bamboo.protocol import store as ms
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class GenerationCutter:
 
     def _run(self) -> None:
         """Check the generation every ``interval``; on a store across machines (etcd), when it is written or
-        at the watch's re-read interval (:data:`~lightning_bamboo.control.etcd_watch.REREAD_S`; each check
+        at the watch's re-read interval (:data:`~lightning_bamboo.protocol.etcd_watch.REREAD_S`; each check
         is a round trip there, and six members checking every 50 ms were a third of the job's reads)."""
         watched = isinstance(self._store, ms.RoundTripStore)
         with self._store.watching(["gen"]) if watched else contextlib.nullcontext() as sleep:

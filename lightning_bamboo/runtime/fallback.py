@@ -18,11 +18,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_bamboo.checkpoint import periodic as fb
 from lightning_bamboo.checkpoint import sharded as ckpt
 from lightning_bamboo.checkpoint import stop as stop_checkpoint
-from lightning_bamboo.control import commit as commit_protocol
-from lightning_bamboo.control import crash
-from lightning_bamboo.control import store as ms
 from lightning_bamboo.layout.ownership import OwnershipMap
 from lightning_bamboo.pipeline.ties import aliases
+from lightning_bamboo.protocol import commit as commit_protocol
+from lightning_bamboo.protocol import crash
+from lightning_bamboo.protocol import store as ms
 from lightning_bamboo.runtime.reshard import gather
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning_bamboo.control import store as ms
 from lightning_bamboo.layout.ownership import OwnershipMap, initial
+from lightning_bamboo.protocol import store as ms
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -1,5 +1,5 @@
 """A worker joining a running job, as a part of the membership runtime: the committing member adopts the
-supervisor's proposal (:func:`lightning_bamboo.control.join.claim`), the lowest continuing member writes the
+supervisor's proposal (:func:`lightning_bamboo.protocol.join.claim`), the lowest continuing member writes the
 trainer's progress for the joiners, and a joiner registers, waits for a generation listing it, forms it and
 positions its trainer (:mod:`lightning_bamboo.step.progress`).
 """
@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from lightning_bamboo.control import join as joining
-from lightning_bamboo.control import store as ms
 from lightning_bamboo.layout.ownership import OwnershipMap
+from lightning_bamboo.protocol import join as joining
+from lightning_bamboo.protocol import store as ms
 from lightning_bamboo.step import progress as trainer_progress
 
 if TYPE_CHECKING:

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from lightning_bamboo.control import commit as commit_protocol
-from lightning_bamboo.control import crash
-from lightning_bamboo.control import join as joining
-from lightning_bamboo.control import store as ms
-from lightning_bamboo.control.drain import DrainTimer
+from lightning_bamboo.protocol import commit as commit_protocol
+from lightning_bamboo.protocol import crash
+from lightning_bamboo.protocol import join as joining
+from lightning_bamboo.protocol import store as ms
+from lightning_bamboo.protocol.drain import DrainTimer
 from lightning_bamboo.runtime import release as releases
 from lightning_bamboo.runtime.collective_commit import CollectiveCommit, report_applied, settle
 from lightning_bamboo.runtime.cutter import FAILED_KINDS
@@ -87,7 +87,7 @@ class Membership:
 
     def start(self, store: dist.Store, elastic: bool, heartbeat: float | None) -> None:
         """An entry point connected ``store``; the elastic one starts the heartbeat (every ``heartbeat``
-        seconds; ``None``: :func:`~lightning_bamboo.control.store.default_heartbeat`) and the watcher of
+        seconds; ``None``: :func:`~lightning_bamboo.protocol.store.default_heartbeat`) and the watcher of
         the backend's release (:mod:`~lightning_bamboo.runtime.release`)."""
         self.store, self.elastic = store, elastic
         if self._release is not None:
@@ -147,7 +147,7 @@ class Membership:
         """The commit's outcome of ``step``: prepare and wait for it (``prepare``), or settle it after an
         error. On a store across machines the members commit by all-reduce and settle a cut step from what
         each survivor applied (:mod:`~lightning_bamboo.runtime.collective_commit`); else, and for a step
-        that adopts a join, through the store (:class:`~lightning_bamboo.control.commit.StepCommit`: abort
+        that adopts a join, through the store (:class:`~lightning_bamboo.protocol.commit.StepCommit`: abort
         unless decided). A job with fixed membership has no one to wait for."""
         owners = self._gen.owners
         if prepare and not self.elastic:

@@ -18,9 +18,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 
 from lightning_bamboo.checkpoint import periodic
 from lightning_bamboo.checkpoint.stages import StageCheckpoints
-from lightning_bamboo.control import store as ms
 from lightning_bamboo.layout.ownership import RECOVERY_MODES
 from lightning_bamboo.pipeline.buffers import check_batch_norm_mode
+from lightning_bamboo.protocol import store as ms
 from lightning_bamboo.runtime.events import Events
 from lightning_bamboo.runtime.fallback import Fallback
 from lightning_bamboo.runtime.formation import Formation

@@ -4,7 +4,7 @@ Lightning's loggers and progress bar act on global rank 0 only. In an elastic jo
 member that had it is lost or drained, and two of its duties would silently stop there:
 
 * **The logged rows.** Lightning logs a step's row after the step's ``on_train_batch_end``; the step commits
-  earlier (:mod:`lightning_bamboo.control.commit`). A rank 0 lost between the commit of step ``k`` and its
+  earlier (:mod:`lightning_bamboo.protocol.commit`). A rank 0 lost between the commit of step ``k`` and its
   row leaves step ``k`` committed (the survivors roll it forward) but never logged: the new rank 0 trained
   that batch as another rank, whose loggers do nothing. So rank 0 records in the job's store the last step
   whose row its loggers got (at the next batch's start, the first hook after Lightning logged), every member

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_bamboo._lightning import private as _private
-from lightning_bamboo.control import store as ms
+from lightning_bamboo.protocol import store as ms
 from lightning_bamboo.runtime import nccl_like
 from lightning_bamboo.runtime.cutter import GenerationCutter
 

@@ -23,8 +23,8 @@ from torch.optim import Optimizer
 
 from lbd_common import codec
 from lightning_bamboo.checkpoint.layers import LayerState, describe, gather, materialize
-from lightning_bamboo.control import store as ms
 from lightning_bamboo.layout.ownership import FallbackNeeded
+from lightning_bamboo.protocol import store as ms
 
 __all__ = ["LayerState", "Resharder", "gather", "install"]
 """``LayerState`` and ``gather`` live in :mod:`lightning_bamboo.checkpoint.layers`; named here too for the

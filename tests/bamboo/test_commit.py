@@ -25,12 +25,12 @@ from typing import TypeVar
 import pytest
 import torch.distributed as dist
 
-from lightning_bamboo.control import join as joining
-from lightning_bamboo.control import store as ms
-from lightning_bamboo.control.commit import ABORT, COMMIT, COMMIT_JOIN, StepCommit
 from lightning_bamboo.control.coordinator import Coordinator
-from lightning_bamboo.control.etcd_store import EtcdStore
 from lightning_bamboo.layout.ownership import initial, rejoin
+from lightning_bamboo.protocol import join as joining
+from lightning_bamboo.protocol import store as ms
+from lightning_bamboo.protocol.commit import ABORT, COMMIT, COMMIT_JOIN, StepCommit
+from lightning_bamboo.protocol.etcd_store import EtcdStore
 from tests.bamboo.served_store import ServedStore, serve_store
 
 TIMEOUT = 20.0

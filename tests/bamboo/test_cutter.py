@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from lightning_bamboo.control import store as ms
+from lightning_bamboo.protocol import store as ms
 from lightning_bamboo.runtime.cutter import GenerationCutter
 from tests.process import REPO, launch_env, run_ranks
 

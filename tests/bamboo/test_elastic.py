@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lightning_bamboo.control import store as ms
+from lightning_bamboo.protocol import store as ms
 from tests.bamboo.launch_record import NAME, Record, record_env, worker_events
 from tests.bamboo.module_writes import assert_no_writes
 from tests.process import run_process

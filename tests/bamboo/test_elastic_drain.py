@@ -21,10 +21,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lightning_bamboo.control import drain as departure
-from lightning_bamboo.control import store as ms
 from lightning_bamboo.control.coordinator import Coordinator
 from lightning_bamboo.layout.ownership import OwnershipMap, initial
+from lightning_bamboo.protocol import drain as departure
+from lightning_bamboo.protocol import store as ms
 from tests.bamboo.fake_metadata import FakeMetadata
 from tests.bamboo.launch_record import NAME, Record, record_env
 from tests.bamboo.served_store import serve_store

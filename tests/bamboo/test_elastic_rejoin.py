@@ -313,9 +313,9 @@ def test_join_claim_and_failover_first_writer_wins() -> None:
 
     import torch.distributed as dist
 
-    from lightning_bamboo.control import join as joining
-    from lightning_bamboo.control.commit import COMMIT_JOIN, decide
     from lightning_bamboo.layout.ownership import initial, rejoin
+    from lightning_bamboo.protocol import join as joining
+    from lightning_bamboo.protocol.commit import COMMIT_JOIN, decide
 
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=5))

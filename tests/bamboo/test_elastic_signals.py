@@ -30,9 +30,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_bamboo.callbacks import BambooMetrics, BambooNotices
 from lightning_bamboo.checkpoint import periodic as fb
 from lightning_bamboo.checkpoint.sharded import consolidate_checkpoint
-from lightning_bamboo.control import crash
 from lightning_bamboo.control.coordinator import Coordinator
 from lightning_bamboo.notices.signals import SigtermNoticeSource
+from lightning_bamboo.protocol import crash
 from lightning_bamboo.strategy import BambooStrategy
 from lightning_bamboo.wiring import watch_sigterm
 from tests.bamboo.launch_record import NAME, Record, record_env, wait_record, worker_events

@@ -12,10 +12,10 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from lightning_bamboo.control import etcd_watch
-from lightning_bamboo.control import store as ms
-from lightning_bamboo.control.etcd_store import EtcdStore
-from lightning_bamboo.control.etcd_watch import PutWatch
+from lightning_bamboo.protocol import etcd_watch
+from lightning_bamboo.protocol import store as ms
+from lightning_bamboo.protocol.etcd_store import EtcdStore
+from lightning_bamboo.protocol.etcd_watch import PutWatch
 
 pytestmark = pytest.mark.services
 
@@ -245,7 +245,7 @@ def test_the_boundary_reads_the_generation_only_after_a_put_of_it(
 def test_the_committing_member_asks_for_a_join_only_when_one_is_proposed(store: EtcdStore) -> None:
     """The vote reads the join proposal's key: while it is absent the member that commits does not look for a
     proposal (a round trip every member's outcome waited for); once it is there, it does."""
-    from lightning_bamboo.control.commit import COMMIT, COMMIT_JOIN, StepCommit
+    from lightning_bamboo.protocol.commit import COMMIT, COMMIT_JOIN, StepCommit
 
     asked: list[int] = []
 
@@ -266,8 +266,8 @@ def test_settling_a_cut_step_sleeps_on_the_watch_and_reads_once_per_wake(store: 
     """A member settling a step a loss cut (:func:`~lightning_bamboo.runtime.collective_commit.settle`) waits
     for a survivor's late report on the watch stream, one read of every key per wake: polling every member's
     key every 10 ms would be a burst of requests on etcd at the moment the failover needs it."""
-    from lightning_bamboo.control.commit import COMMIT
     from lightning_bamboo.layout.ownership import failover, initial
+    from lightning_bamboo.protocol.commit import COMMIT
     from lightning_bamboo.runtime.collective_commit import report_applied, settle
 
     zero = initial(2, [0, 1, 2, 3])
@@ -289,7 +289,7 @@ def test_settling_a_cut_step_sleeps_on_the_watch_and_reads_once_per_wake(store: 
 
 
 def test_waiting_for_a_peers_key_sleeps_on_the_watch_and_reads_once_per_wake(store: EtcdStore) -> None:
-    """Forming waits for keys its peers write (:func:`~lightning_bamboo.control.store.wait_for_key`): on etcd
+    """Forming waits for keys its peers write (:func:`~lightning_bamboo.protocol.store.wait_for_key`): on etcd
     it sleeps on the watch of the key and the generation, one read of both per wake, and ends at the
     key's put, or at a later generation's (the peer was lost)."""
     store.set("gen", "3")

@@ -14,15 +14,16 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lightning_bamboo"
 FLOORS = {  # bottom (0) to top; a top-level module or folder not named here is on the top floor
     "contract": 0, "layout": 0,
     "_lightning": 1,
-    "control": 2,
-    "schedule": 3,
-    "pipeline": 4,
-    "step": 5,
-    "checkpoint": 6,
-    "runtime": 7,
+    "protocol": 2,
+    "control": 3,
+    "schedule": 4,
+    "pipeline": 5,
+    "step": 6,
+    "checkpoint": 7,
+    "runtime": 8,
 }
 TOP = max(FLOORS.values()) + 1
-WITHOUT_LIGHTNING = ("layout", "control", "schedule")
+WITHOUT_LIGHTNING = ("layout", "protocol", "control", "schedule")
 
 
 def floor(module: str) -> int:

@@ -13,11 +13,11 @@ import torch.distributed as dist
 import yaml
 
 from lightning_bamboo.control import machines as mc
-from lightning_bamboo.control import store as ms
 from lightning_bamboo.control.agent import Agent
 from lightning_bamboo.control.coordinator import Coordinator, Superseded
 from lightning_bamboo.launch import build_parser, main
 from lightning_bamboo.layout.ownership import failover, initial
+from lightning_bamboo.protocol import store as ms
 from lightning_bamboo.strategy import BambooStrategy
 
 

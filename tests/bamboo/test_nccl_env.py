@@ -1,4 +1,4 @@
-"""The workers' environment on NCCL (``lightning_bamboo/control/nccl_env.py``): the supervisor's and the
+"""The workers' environment on NCCL (``lightning_bamboo/protocol/nccl_env.py``): the supervisor's and the
 agents' workers get the variables only when the backend is NCCL, a user's own value wins, and a worker on
 NCCL that lacks them (another launcher) warns naming them. Also which release each backend gets
 (``lightning_bamboo/runtime/release.py``)."""
@@ -12,8 +12,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from lightning_bamboo.control import nccl_env
 from lightning_bamboo.control.workers import LocalWorkers
+from lightning_bamboo.protocol import nccl_env
 from lightning_bamboo.runtime import release
 from lightning_bamboo.wiring import warn_nccl_env
 

@@ -23,9 +23,9 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_bamboo.control import machines as mc
-from lightning_bamboo.control import store as ms
 from lightning_bamboo.control.agent import FENCED
 from lightning_bamboo.layout.ownership import OwnershipMap
+from lightning_bamboo.protocol import store as ms
 from tests.bamboo.launch_record import worker_events
 from tests.bamboo.test_elastic import SCRIPT, TOL
 from tests.netns import Host, Network, pid_alive

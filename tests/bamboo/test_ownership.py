@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from lightning_bamboo.control.coordinator import fallback_map
 from lightning_bamboo.layout.ownership import (
     FallbackNeeded,
     OwnershipMap,
     failover,
+    fallback,
     initial,
     rebalanced,
     rejoin,
@@ -136,9 +136,9 @@ def test_rejoin_splits_fused_stages_then_adds_pipelines() -> None:
     assert capped.pipelines == {0: {0: 0, 1: 7, 2: 2}} and capped.spares == (8, 9, 10)
 
 
-def test_fallback_map_with_fewer_members_than_stages() -> None:
+def test_fallback_with_fewer_members_than_stages() -> None:
     assert (
-        grid(fallback_map(initial(3, range(3)), [2]))
+        grid(fallback(initial(3, range(3)), [2]))
         == "gen 1  stage0  stage1  stage2\npipe0  m2      m2      m2"
     )
 

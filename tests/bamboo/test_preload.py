@@ -1,5 +1,5 @@
 """Workers started by :class:`~lightning_bamboo.control.workers.LocalWorkers` through the preload server
-(:mod:`lightning_bamboo.control.preload`) are what ``python train.py`` would be: argv, ``__main__``, the
+(:mod:`lbd_common.preload`) are what ``python train.py`` would be: argv, ``__main__``, the
 supervisor's environment plus the worker's (``BAMBOO_*``, ``OMP_NUM_THREADS``), their own session, their exit
 status, SIGKILL by PID; without a server they start as fresh interpreters."""
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from lightning_bamboo.control import store as ms
-from lightning_bamboo.control.preload import PreloadedProcess, Preloader
+from lbd_common.preload import PreloadedProcess, Preloader
 from lightning_bamboo.control.workers import LocalWorkers, worker_env
+from lightning_bamboo.protocol import store as ms
 
 # writes what a fresh interpreter would see to argv[1], then exits with argv[2] or ("wait") sleeps
 PROBE = """

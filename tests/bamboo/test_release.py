@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_bamboo.control import crash
-from lightning_bamboo.control import store as ms
+from lightning_bamboo.protocol import crash
+from lightning_bamboo.protocol import store as ms
 from lightning_bamboo.runtime import nccl_like
 from lightning_bamboo.runtime.release import AbortBackends
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_bamboo.control import store as ms
 from lightning_bamboo.control.agent import first_formed
+from lightning_bamboo.protocol import store as ms
 from lightning_bamboo.runtime.launcher import SupervisorLauncher, script_command
 from tests.bamboo.launch_record import NAME, Record, record_env, wait_record
 from tests.process import REPO, launch_env

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_bamboo.control import store as ms
+from lightning_bamboo.protocol import store as ms
 from lightning_bamboo.runtime.cutter import GenerationCutter
 
 WORLD = 3

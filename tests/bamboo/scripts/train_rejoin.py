@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_bamboo.checkpoint.sharded import named_optimizer_state
-from lightning_bamboo.control import join as joining
+from lightning_bamboo.protocol import join as joining
 from lightning_bamboo.strategy import BambooStrategy
 from lightning_bamboo.testing import PhaseFaults
 from tests.bamboo.pipe_mlp import PipeMLP, make_data

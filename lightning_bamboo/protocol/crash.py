@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_bamboo.control import store as ms
+from lightning_bamboo.protocol import store as ms
 
 log = logging.getLogger(__name__)
 

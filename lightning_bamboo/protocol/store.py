@@ -2,21 +2,21 @@
 
 The store lives outside every training process (a ``TCPStore`` served by the launcher for one machine, an
 etcd server for several; see :mod:`lightning_bamboo.control.supervisor` and
-:mod:`lightning_bamboo.control.etcd_store`), so losing any rank, rank 0 included, loses nothing of it. Keys
+:mod:`lightning_bamboo.protocol.etcd_store`), so losing any rank, rank 0 included, loses nothing of it. Keys
 (all under the job's prefix):
 
 * ``gen``: the current generation number; ``gen{g}/map``: its :class:`OwnershipMap` as JSON (written by
   the launcher, which is the only one to decide membership); ``gen{g}/formed``: members that formed it.
 * ``hb/{member}``: a heartbeat counter, written by a thread of every worker (a hung process stops writing).
 * ``g{g}/prep/{step}`` and ``g{g}/outcome/{step}``: the two-phase commit of a training step
-  (:class:`lightning_bamboo.control.commit.StepCommit`); across machines the step commits by all-reduce and
+  (:class:`lightning_bamboo.protocol.commit.StepCommit`); across machines the step commits by all-reduce and
   ``g{g}/applied/{member}`` (steps a member applied when it left the generation) settles a step a loss cut
   (:mod:`lightning_bamboo.runtime.collective_commit`).
 * ``config/num_stages``: the pipeline length the workers were started with (the launcher needs it).
 * ``config/global_microbatches``: :data:`GLOBAL_MICROBATCHES`.
 * ``config/replicas``: :data:`REPLICAS`.
 * ``join/{member}``, ``gen{g}/join``, ``gen{g}/next``, ``gen{g}/progress``: a worker joining the running job
-  (:mod:`lightning_bamboo.control.join`).
+  (:mod:`lightning_bamboo.protocol.join`).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def connect(url: str, job: str, timeout: float = 60.0, request_timeout: float = 
             parsed.hostname, parsed.port, is_master=False, timeout=timedelta(seconds=timeout)
         )
     elif parsed.scheme == "etcd":
-        from lightning_bamboo.control.etcd_store import EtcdStore
+        from lightning_bamboo.protocol.etcd_store import EtcdStore
 
         if parsed.hostname is None or parsed.port is None:
             raise ValueError(f"{ENV_STORE} must look like etcd://host:port, got {url!r}")
@@ -95,7 +95,7 @@ def get_str(store: dist.Store, key: str) -> str:
 
 @runtime_checkable
 class RoundTripStore(Protocol):
-    """A store across machines (:class:`~lightning_bamboo.control.etcd_store.EtcdStore`) where every request
+    """A store across machines (:class:`~lightning_bamboo.protocol.etcd_store.EtcdStore`) where every request
     is a network round trip, and what it offers so that the per-step paths poll nothing: a key :meth:`read`
     in one request (several keys: :meth:`read_many`), a step's preparation as one :meth:`vote_and_read` each
     (the outcome and the generation read with it), and sleeps :meth:`watching` keys, woken when one of them
@@ -116,7 +116,7 @@ class RoundTripStore(Protocol):
 
 def one_pass(store: dist.Store) -> contextlib.AbstractContextManager[None]:
     """A block of a polling loop that reads many keys: on etcd, the keys the previous pass read are fetched
-    in one transaction (:meth:`~lightning_bamboo.control.etcd_store.EtcdStore.tick`); a local store reads as
+    in one transaction (:meth:`~lightning_bamboo.protocol.etcd_store.EtcdStore.tick`); a local store reads as
     before (each read is a local round trip there)."""
     tick = getattr(store, "tick", None)
     return tick() if callable(tick) else contextlib.nullcontext()
@@ -192,7 +192,7 @@ class WatchedKey:
     after a read is counted by the watch, so no write is missed, only seen at most that much later."""
 
     def __init__(self, store: dist.Store, key: str) -> None:
-        from lightning_bamboo.control.etcd_watch import REREAD_S
+        from lightning_bamboo.protocol.etcd_watch import REREAD_S
 
         self._store, self._key = store, key
         self._reread_s = REREAD_S

@@ -7,7 +7,7 @@ and a join must never race a failover (both would be generation ``g+1``). So:
 1. The joiner starts, builds its model and registers: ``join/{member}`` (:func:`register`).
 2. The launcher (the only one deciding membership) writes the proposed next map into ``gen{g}/join``
    (:func:`propose`); it does not touch ``gen`` yet, so nobody changes anything.
-3. The member that commits a step (the last to prepare, :class:`lightning_bamboo.control.commit.StepCommit`)
+3. The member that commits a step (the last to prepare, :class:`lightning_bamboo.protocol.commit.StepCommit`)
    claims ``gen{g}/next = "join@{step}"`` with ``compare_set`` (:func:`claim`) and writes the outcome
    ``commit+join``: every member reads it, applies the step and forms the proposal at the start of the next
    step. The launcher, on a loss, claims ``gen{g}/next = "failover"`` (:func:`close`): first writer wins, so
@@ -24,9 +24,9 @@ import time
 
 import torch.distributed as dist
 
-from lightning_bamboo.control import store as ms
-from lightning_bamboo.control.commit import ABORT, COMMIT_JOIN, decide
 from lightning_bamboo.layout.ownership import OwnershipMap
+from lightning_bamboo.protocol import store as ms
+from lightning_bamboo.protocol.commit import ABORT, COMMIT_JOIN, decide
 
 FAILOVER = "failover"
 

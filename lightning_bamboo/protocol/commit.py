@@ -9,12 +9,12 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from lightning_bamboo.control.store import RoundTripStore, current_generation, get_str
+from lightning_bamboo.protocol.store import RoundTripStore, current_generation, get_str
 
 COMMIT = "commit"
 COMMIT_JOIN = "commit+join"
 """The step commits and the members adopt the join proposal after it
-(:mod:`lightning_bamboo.control.join`)."""
+(:mod:`lightning_bamboo.protocol.join`)."""
 ABORT = "abort"
 
 
@@ -25,7 +25,7 @@ def outcome_key(generation: int, step: int) -> str:
 def decide(store: dist.Store, generation: int, step: int, proposal: str) -> str:
     """Write ``proposal`` as the outcome of ``step`` in ``generation`` unless one exists; return the one that
     holds. Anyone may call it (the supervisor settles a step with ``abort`` before acting on a join claimed
-    at it, :func:`lightning_bamboo.control.join.close`): the first writer wins."""
+    at it, :func:`lightning_bamboo.protocol.join.close`): the first writer wins."""
     return store.compare_set(outcome_key(generation, step), "", proposal).decode()
 
 

@@ -2,11 +2,11 @@
 
 Why: every worker is ``python train.py``, and a fresh interpreter spends ~7 CPU-seconds importing torch and
 Lightning before it trains; a replacement or joining worker pays them again while the job waits for it. The
-server (``python -m lightning_bamboo.control.preload SOCKET [MODULE ...]``, a separate process: its starter,
-the supervisor or an agent, imports no torch for it) imports the modules once; :func:`start_process` then
-asks it to fork a process for ``python script.py ...`` or ``python -m module ...``. The forked process takes
-the caller's argv, environment, working directory, standard files and session (or process group), runs the
-script as ``__main__`` (``runpy``, as the interpreter does) and exits as a fresh interpreter would. Commands
+server (``python -m lbd_common.preload SOCKET [MODULE ...]``, a separate process: its starter, a Bamboo agent
+or a test session, imports no torch for it) imports the modules once; :func:`start_process` then asks it to
+fork a process for ``python script.py ...`` or ``python -m module ...``. The forked process takes the caller's
+argv, environment, working directory, standard files and session (or process group), runs the script as
+``__main__`` (``runpy``, as the interpreter does) and exits as a fresh interpreter would. Commands
 it cannot stand in for exactly (:func:`stands_in_for`: other interpreter flags, other ``PYTHON*`` or
 thread-count variables, which are read when the interpreter and the libraries load) start a fresh
 interpreter, as does every command when the server cannot start or has died.
@@ -86,10 +86,9 @@ def stands_in_for(argv: Sequence[str], env: Mapping[str, str], server_env: Mappi
 def serve(path: str, modules: Sequence[str]) -> Request | None:
     """Import ``modules``, listen on ``path`` and fork per request; returns only in a forked process (its
     request)."""
-    # ``-m lightning_bamboo.control.preload`` imported this package to locate the server; a fresh interpreter
-    # has not imported it (``import lightning_bamboo`` registers the "bamboo" strategy with Lightning, which
-    # must happen in the worker): forget it, the running code keeps its globals
-    package = __spec__.name.split(".")[0] if __spec__ is not None else "lightning_bamboo"
+    # ``-m lbd_common.preload`` imported its package to locate the server; a fresh interpreter has not: forget
+    # it (the running code keeps its globals), so that a worker imports exactly what ``python train.py`` would
+    package = __spec__.name.split(".")[0] if __spec__ is not None else "lbd_common"
     for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
         del sys.modules[name]
     for module in modules:

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from lightning_bamboo.control import store as ms
 from lightning_bamboo.layout.ownership import OwnershipMap
+from lightning_bamboo.protocol import store as ms
 
 
 class BambooDeparted(SystemExit):

@@ -3,7 +3,7 @@
 Spoken through etcd's v3 HTTP/JSON gateway with ``etcd3gw`` (no gRPC or protobuf pin). Every operation the
 job and ``init_process_group`` need maps onto one etcd request or a short compare-and-swap loop:
 ``set`` = put; ``get``/``wait`` = a read, then, while the key is absent, sleeping until the process's one
-watch stream on the job's keys reports its put (:class:`~lightning_bamboo.control.etcd_watch.PutWatch`;
+watch stream on the job's keys reports its put (:class:`~lightning_bamboo.protocol.etcd_watch.PutWatch`;
 polling made the step's commit hundreds of reads a second across machines);
 ``compare_set`` = one transaction; ``add`` = a transaction comparing the value read (so concurrent adders
 never lose an increment), except ``add(key, 0)``, a read. :meth:`EtcdStore.vote` counts a key's voters in one
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_bamboo.control.etcd_watch import PutWatch, prefix_end
+from lightning_bamboo.protocol.etcd_watch import PutWatch, prefix_end
 
 _Op = dict[str, Any]
 """One compare or request of an etcd transaction, as the JSON gateway takes it."""
@@ -280,7 +280,7 @@ class EtcdStore(dist.Store):
         """Within the block, ``sleep(seconds)`` returns when one of ``keys`` was put since the block began
         or the last ``sleep`` (or after ``seconds``, at most the watch's re-read interval), ``True`` when one
         was: a caller reads the keys it waits on, then sleeps, and reads again. What waits on two keys at
-        once uses it (a step's outcome, or the next generation: :class:`~lightning_bamboo.control.commit.
+        once uses it (a step's outcome, or the next generation: :class:`~lightning_bamboo.protocol.commit.
         StepCommit`)."""
         with self._puts.registered([self._key(key).encode() for key in keys]) as sleep:
             yield sleep
