@@ -144,10 +144,13 @@ class DorylusStrategy(ParallelStrategy):
             peer's ghosts but none of the round trips (every layer still waits for its own last request);
             ``S = 2`` runs ahead and hides part of them, at the price of weights one update behind. Measured
             on 2 servers (100k vertices, GCN to val acc 0.85, ``benchmarks/dorylus_tta.py``, quiet 2-core
-            machine): ``staleness=1`` needs the synchronous 9 epochs and takes 1.22x the synchronous time
-            to the target without a round trip, 1.12x with 20 ms per request, 1.06x with 100 ms (its later
-            epochs as long as the synchronous ones), with 15 % more memory; ``staleness=2`` needs 10 epochs,
-            1.31x / 1.20x / 0.97x (later epochs 0.76x the synchronous at 100 ms). Keep ``None`` unless
+            machine): ``staleness=1`` needs the synchronous 9 epochs and takes 1.02x the synchronous time
+            to the target without a round trip and 1.01x with 20 ms per request (its later epochs about as
+            long as the synchronous ones, its first epoch 0.2-0.4 s longer: it builds the per-interval
+            blocks; ``benchmarks/results/dorylus_block_build.json``), with 13 % more memory;
+            ``staleness=2`` needs 10 epochs: 1.31x / 1.20x / 0.97x with 0 / 20 / 100 ms (measured with the
+            slower block build that also lengthened its first epoch; later epochs 0.76x the synchronous at
+            100 ms). Keep ``None`` unless
             round trips of 100 ms or more dominate a long run (``docs/dorylus-value.md``, "Which should I
             use").
             Validation, test and checkpoints first drain the pipeline and then run synchronously;

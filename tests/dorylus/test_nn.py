@@ -309,11 +309,15 @@ def test_block_add_transposed_equals_the_compact_product_scattered(graph: Data) 
             next(b for b in blocks if not b.closes_group).add_transposed(got, x)
 
 
+@pytest.mark.parametrize("own_group", [False, True])
 @pytest.mark.parametrize("groups", [1, 3, 100])
-def test_interval_blocks_are_the_dense_adjacencys_rows_and_group_transposes(groups: int) -> None:
+def test_interval_blocks_are_the_dense_adjacencys_rows_and_group_transposes(
+    groups: int, own_group: bool,
+) -> None:
     """Every row block is ``Â[a:b]`` and every group's compact transpose is ``Â[a0:b1][:, cols]ᵀ`` with
-    ``cols`` the columns the group reaches, on intervals that leave gaps and start past 0 (the ghost block of
-    ``column_blocks``): read off a dense matrix, whatever the build does, with CSR arrays in order."""
+    ``cols`` the columns the group reaches, on intervals that leave gaps and start past 0, and with the last
+    block in a group of its own (``own_group``: the ghost block of ``column_blocks``, built in the same pass):
+    read off a dense matrix, whatever the build does, with CSR arrays in order."""
     gen = torch.Generator().manual_seed(5)
     n_rows, n_cols, nnz = 90, 130, 700
     dense = torch.zeros(n_rows, n_cols, dtype=torch.float64)
@@ -323,7 +327,11 @@ def test_interval_blocks_are_the_dense_adjacencys_rows_and_group_transposes(grou
     transposed = dense.t().contiguous().to_sparse_csr()
     adjacency = structure.GCNAdjacency(adj=dense.to_sparse_csr(), adj_t=transposed)
     intervals = [(3, 10), (10, 31), (40, 41), (41, 77), (80, 90)]  # gaps at 0-3, 31-40 and 77-80
-    blocks = structure.interval_blocks(adjacency, intervals, groups)
+    if own_group:
+        blocks = structure.interval_blocks(adjacency, intervals[:-1], groups, own_group=intervals[-1])
+        assert blocks[-1].group_rows == intervals[-1] and blocks[-1].closes_group
+    else:
+        blocks = structure.interval_blocks(adjacency, intervals, groups)
     assert [b.rows for b in blocks] == intervals
     for block in blocks:
         a, b = block.rows
@@ -336,7 +344,8 @@ def test_interval_blocks_are_the_dense_adjacencys_rows_and_group_transposes(grou
             crow, col = block.adj_t.crow_indices(), block.adj_t.col_indices()
             assert all(bool((col[crow[i] : crow[i + 1]].diff() > 0).all()) for i in range(crow.numel() - 1))
             assert torch.equal(block.adj_t_rows.to_dense()[reached], block.adj_t.to_dense())
-    assert sum(b.closes_group for b in blocks) == min(groups, len(intervals))
+    runs = len(structure._group_ends(4, groups)) + 1 if own_group else min(groups, 5)  # 4 in 3 runs: 2 runs
+    assert sum(b.closes_group for b in blocks) == runs
 
 
 def test_feature_dropout_draws_only_nonzeros_with_dense_dropout_distribution(graph: Data) -> None:
