@@ -155,7 +155,7 @@ def _adjacency_in_place(
         row_counts += 1
         col_counts[:n_local] += 1
     nnz = int(row_counts.sum())
-    index_dtype = torch.int32 if max(n_local, n_total, nnz) < 2**31 - 1 else torch.long
+    index_dtype = _index_dtype(n_local, n_total, nnz)
     crow, crow_t = _offsets(row_counts, index_dtype), _offsets(col_counts, index_dtype)
     device = src.device
     col = torch.empty(nnz, dtype=index_dtype, device=device)
@@ -237,6 +237,12 @@ def _adjacency_by_sort(
     )
 
 
+def _index_dtype(*sizes: int) -> torch.dtype:
+    """int32 when every index and count of a sparse matrix (``sizes``) fits it (``torch.sparse.mm`` takes
+    int32 CSR on CPU and CUDA: half the resident size of the index arrays), else int64."""
+    return torch.int32 if max(sizes) < 2**31 - 1 else torch.long
+
+
 def _offsets(counts: Tensor, dtype: torch.dtype) -> Tensor:
     """``(k,)`` counts -> ``(k + 1,)`` offsets with a leading zero (a CSR row pointer)."""
     out = torch.zeros(counts.numel() + 1, dtype=dtype, device=counts.device)
@@ -257,7 +263,7 @@ def _csr(row: Tensor, col: Tensor, value: Tensor, size: tuple[int, int]) -> Tens
     CSR on CPU and CUDA): half the resident size of the two adjacencies' column arrays.
     """
     order = torch.argsort(row * size[1] + col)
-    index_dtype = torch.int32 if max(*size, row.numel()) < 2**31 - 1 else torch.long
+    index_dtype = _index_dtype(*size, row.numel())
     crow = _offsets(torch.bincount(row, minlength=size[0]), index_dtype)
     return _sparse_csr(crow, col[order].to(index_dtype), value[order], size)
 
@@ -387,7 +393,7 @@ def _group_transposes(adj_t: Tensor, group_rows: list[tuple[int, int]]) -> list[
     label = by_column[col]
     order = torch.argsort(label, stable=True)  # each group's entries keep adj_t's order
     bounds = [0, *torch.cumsum(torch.bincount(label, minlength=n_groups + 1), 0).tolist()]
-    key_dtype = torch.int32 if (n_groups + 1) * n_rows < 2**31 - 1 else torch.long  # a third of the time
+    key_dtype = _index_dtype((n_groups + 1) * n_rows)  # int32 keys: a third of an int64 count's time
     row = torch.repeat_interleave(torch.arange(n_rows, dtype=key_dtype, device=col.device),
                                   (crow[1:] - crow[:-1]).long())
     per_row = torch.bincount(label.to(key_dtype) * n_rows + row, minlength=(n_groups + 1) * n_rows)
@@ -396,9 +402,10 @@ def _group_transposes(adj_t: Tensor, group_rows: list[tuple[int, int]]) -> list[
     out = []
     for k, (a0, b1) in enumerate(group_rows):
         lo, hi = bounds[k + 1], bounds[k + 2]  # label 0 first: the entries outside every group
-        cols = per_row[k + 1].nonzero().squeeze(1)
-        index_dtype = torch.int32 if max(cols.numel(), b1 - a0, hi - lo) < 2**31 - 1 else torch.long
-        out.append((_sparse_csr(_offsets(per_row[k + 1][cols], index_dtype),
+        reached = per_row[k + 1]
+        cols = reached.nonzero().squeeze(1)
+        index_dtype = _index_dtype(cols.numel(), b1 - a0, hi - lo)
+        out.append((_sparse_csr(_offsets(reached[cols], index_dtype),
                                 (picked_col[lo:hi] - a0).to(index_dtype), picked_value[lo:hi],
                                 (cols.numel(), b1 - a0)), cols))
     return out
@@ -409,7 +416,7 @@ def _row_block(crow: Tensor, col: Tensor, value: Tensor, a: int, b: int, n_total
     column and value arrays (columns already ascending within each row; no copy where the index type is
     already :func:`_csr`'s), no sort."""
     e0, e1 = int(crow[a]), int(crow[b])
-    index_dtype = torch.int32 if max(b - a, n_total, e1 - e0) < 2**31 - 1 else torch.long
+    index_dtype = _index_dtype(b - a, n_total, e1 - e0)
     return _sparse_csr((crow[a : b + 1] - e0).to(index_dtype), col[e0:e1].to(index_dtype), value[e0:e1],
                        (b - a, n_total))
 
