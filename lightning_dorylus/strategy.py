@@ -131,28 +131,25 @@ class DorylusStrategy(ParallelStrategy):
             variable (``OPENBLAS_NUM_THREADS``...) the user set keeps that count.
         staleness: ``None`` (default): synchronous: each GCN/GraphSAGE layer's GA in one whole-partition
             product (no per-interval copies of the adjacency), every request of a layer in flight at once;
-            exactly the single-process computation. ``0``: the same engine with GA per interval, so the graph
-            server's GA of one interval overlaps the executor's AV of others (forward and backward); values
-            stay exact.
+            exactly the single-process computation. ``0``: the same engine with GA per interval from epoch 1
+            on, so the graph server's GA of one interval overlaps the executor's AV of others (forward and
+            backward); values stay exact. Epoch 0 gathers whole while a background thread builds the
+            per-interval blocks: built in the foreground they lengthened it by about a third.
             ``S >= 1``: also bounded-stale SC/∇SC while training: ghost rows and ghost gradients may be up
             to ``S`` epochs old, so a graph server waits for a peer only when it is more than ``S`` epochs
             behind; and, on one server from ``S = 1``, on several from ``S = 2`` (it takes one epoch of the
             bound, ghosts then get ``S - 1``), a weight-first first layer sends the next epoch's requests
             during this epoch's last wait, with the weights one update behind (see ``docs/dorylus.md``,
-            "Bounded asynchrony"). What it buys: it hides waiting, not compute, and its first epoch builds
-            the pipeline's per-interval blocks. On several servers ``S = 1`` hides waiting for a slower
-            peer's ghosts but none of the round trips (every layer still waits for its own last request);
-            ``S = 2`` runs ahead and hides part of them, at the price of weights one update behind. Measured
-            on 2 servers (100k vertices, GCN to val acc 0.85, ``benchmarks/dorylus_tta.py``, quiet 2-core
-            machine): ``staleness=1`` needs the synchronous 9 epochs and takes 1.02x the synchronous time
-            to the target without a round trip and 1.01x with 20 ms per request (its later epochs about as
-            long as the synchronous ones, its first epoch 0.2-0.4 s longer: it builds the per-interval
-            blocks; ``benchmarks/results/dorylus_block_build.json``), with 13 % more memory;
-            ``staleness=2`` needs 10 epochs: 1.31x / 1.20x / 0.97x with 0 / 20 / 100 ms (measured with the
-            slower block build that also lengthened its first epoch; later epochs 0.76x the synchronous at
-            100 ms). Keep ``None`` unless
-            round trips of 100 ms or more dominate a long run (``docs/dorylus-value.md``, "Which should I
-            use").
+            "Bounded asynchrony"). What it buys: it hides waiting, not compute: a server does not wait
+            for a slower peer's ghosts, and the executors' work overlaps the server's GA. It costs the
+            per-interval blocks' memory (13-16 % more on 2 servers). Where the executors share the
+            servers' cores (the ``local`` pool) there is little waiting to hide. Measured on 2 servers of
+            a 2-core machine (100k vertices, GCN to val acc 0.85, 4 interleaved runs of
+            ``benchmarks/dorylus_tta.py``): ``staleness=1`` needs the synchronous 9 epochs and takes 1.07x
+            the synchronous time to the target without a round trip and 0.96x with 20 ms per request
+            (``benchmarks/results/dorylus_first_epoch.json``). ``staleness=2`` needs one more epoch and
+            pays only with round trips of 100 ms or more. Keep ``None`` unless waiting (round trips,
+            uneven servers) dominates a long run (``docs/dorylus-value.md``, "Which should I use").
             Validation, test and checkpoints first drain the pipeline and then run synchronously;
             checkpoints also drop the requests sent ahead and the held ghost buffers.
         stale_reads: Which ghost rows/gradients a ``staleness >= 1`` read uses among those stamped
@@ -435,7 +432,8 @@ class DorylusStrategy(ParallelStrategy):
             executor = self._timed
             self._set_num_intervals(None if self._intervals == "auto" else self._intervals)  # type: ignore[arg-type]
         runtime = DorylusRuntime(
-            executor=executor, exchange=self._exchange, staleness=self._staleness, stale_exchange=stale
+            executor=executor, exchange=self._exchange, staleness=self._staleness, stale_exchange=stale,
+            build_ahead=self._intervals != "auto",
         )
         self._runtime = runtime
         for index, layer in enumerate(layers):

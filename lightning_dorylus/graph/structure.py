@@ -12,6 +12,7 @@ import itertools
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -498,6 +499,7 @@ class GraphContext:
         default_factory=dict, repr=False)
     _column_blocks: dict[tuple[torch.dtype, bool], list[AdjacencyBlock]] = field(
         default_factory=dict, repr=False)
+    _building: dict[tuple, Future[list[AdjacencyBlock]]] = field(default_factory=dict, repr=False)
     _intervals: list[tuple[int, int]] | None = field(default=None, repr=False)
     num_intervals: int | None = None  # None: the partition's own interval_ptr; k: k even intervals (autotune)
     _nonzeros: tuple[tuple, tuple[Tensor, Tensor] | None] | None = field(default=None, repr=False)
@@ -536,29 +538,63 @@ class GraphContext:
         return self._mean[dtype]
 
     def blocks(self, kind: str, dtype: torch.dtype, per_interval: bool = True) -> list[AdjacencyBlock]:
-        """Row blocks of the ``"gcn"`` or ``"mean"`` adjacency (built on first use): one per interval
-        (:func:`interval_blocks`), or ``per_interval=False`` one :func:`whole_block` (no copy)."""
+        """Row blocks of the ``"gcn"`` or ``"mean"`` adjacency (built on first use, or taken from
+        :meth:`build_ahead`): one per interval (:func:`interval_blocks`), or ``per_interval=False`` one
+        :func:`whole_block` (no copy)."""
         key = (kind, dtype, per_interval)
         if key not in self._blocks:
             if kind not in ("gcn", "mean"):
                 raise ValueError(f"kind={kind!r}: expected 'gcn' or 'mean'")
             adjacency = self.gcn(dtype) if kind == "gcn" else self.mean(dtype)
-            self._blocks[key] = (interval_blocks(adjacency, self.intervals) if per_interval
+            built = self._building.pop(("rows", kind, dtype), None) if per_interval else None
+            self._blocks[key] = (built.result() if built is not None
+                                 else interval_blocks(adjacency, self.intervals) if per_interval
                                  else [whole_block(adjacency)])
         return self._blocks[key]
 
     def column_blocks(self, dtype: torch.dtype, per_interval: bool = True) -> list[AdjacencyBlock]:
         """Column blocks of the GCN adjacency: one per interval, then the ghost block
-        (:func:`column_blocks`); or ``per_interval=False`` one :func:`whole_block` of ``Âᵀ``, whose
-        transposed sum is ``Â [local; ghost]`` (no copy)."""
+        (:func:`column_blocks`; built on first use, or taken from :meth:`build_ahead`); or
+        ``per_interval=False`` one :func:`whole_block` of ``Âᵀ``, whose transposed sum is ``Â [local; ghost]``
+        (no copy)."""
         key = (dtype, per_interval)
         if key not in self._column_blocks:
             adjacency = self.gcn(dtype)
+            built = self._building.pop(("columns", "gcn", dtype), None) if per_interval else None
             self._column_blocks[key] = (
-                column_blocks(adjacency, self.intervals) if per_interval
+                built.result() if built is not None
+                else column_blocks(adjacency, self.intervals) if per_interval
                 else [whole_block(GCNAdjacency(adj=adjacency.adj_t, adj_t=adjacency.adj))]
             )
         return self._column_blocks[key]
+
+    def build_ahead(self, blocks: str, kind: str, dtype: torch.dtype) -> None:
+        """Starts building the per-interval ``blocks`` (``"rows"``: :meth:`blocks` of ``kind``;
+        ``"columns"``: :meth:`column_blocks`, ``kind`` ``"gcn"``) on a background thread, unless they are
+        built or being built; the next per-interval :meth:`blocks` / :meth:`column_blocks` takes them,
+        waiting for the thread if it is not done.
+
+        Why: a pipelined mode's first epoch runs its GA at the synchronous granularity (nothing to overlap
+        the build with otherwise), and the build -- a re-layout of every adjacency entry, about a third of
+        that epoch -- runs beside it, mostly inside torch kernels that release the GIL, while the server
+        waits on its requests and ghost rows. The adjacency itself is built here, in the calling thread."""
+        if blocks not in ("rows", "columns"):
+            raise ValueError(f"blocks={blocks!r}: expected 'rows' or 'columns'")
+        key = (blocks, kind, dtype)
+        done = ((kind, dtype, True) in self._blocks if blocks == "rows"
+                else (dtype, True) in self._column_blocks)
+        if key in self._building or done:
+            return
+        if blocks == "rows":
+            if kind not in ("gcn", "mean"):
+                raise ValueError(f"kind={kind!r}: expected 'gcn' or 'mean'")
+            adjacency = self.gcn(dtype) if kind == "gcn" else self.mean(dtype)
+            build: Callable[[GCNAdjacency, list[tuple[int, int]]], list[AdjacencyBlock]] = interval_blocks
+        else:
+            adjacency, build = self.gcn(dtype), column_blocks
+        pool = ThreadPoolExecutor(1, thread_name_prefix="dorylus-blocks")
+        self._building[key] = pool.submit(build, adjacency, list(self.intervals))
+        pool.shutdown(wait=False)  # the thread ends with its one build
 
     @property
     def self_loops(self) -> SelfLoopEdges:
@@ -576,6 +612,7 @@ class GraphContext:
             self.num_intervals, self._intervals = num_intervals, None
             self._blocks.clear()
             self._column_blocks.clear()
+            self._building.clear()  # blocks of the old intervals: a build under way is left to finish unread
 
     @property
     def intervals(self) -> list[tuple[int, int]]:

@@ -402,8 +402,8 @@ def test_pipelined_gather_apply_equals_layer_by_layer(graph: Data, layer: str) -
     conv = {"gcn": lambda: GCNConv(F_IN, 5, order="gather_first"), "sage": lambda: SAGEConv(F_IN, 5),
             "gcn_weight_first": lambda: GCNConv(F_IN, 5, order="weight_first")}[layer]().double()
     piped = copy.deepcopy(conv)
-    executor = RecordingExecutor()
-    piped.attach(DorylusRuntime(executor=executor, exchange=GhostExchange(), staleness=0))
+    executor = RecordingExecutor()  # epoch 1: epoch 0 gathers whole (test_a_pipelined_first_epoch_...)
+    piped.attach(DorylusRuntime(executor=executor, exchange=GhostExchange(), staleness=0, epoch=1))
     results = []
     for module in (conv, piped):
         x = graph.x[part.local_nodes].clone().requires_grad_()
@@ -421,6 +421,74 @@ def test_pipelined_gather_apply_equals_layer_by_layer(graph: Data, layer: str) -
     op = "sage.update" if layer == "sage" else "apply_vertex"
     expected = [(f"{op}.forward", i) for i in range(4)] + [(f"{op}.backward", i) for i in range(4)]
     assert executor.calls == expected
+
+
+@pytest.mark.parametrize("order", ["gather_first", "weight_first"])
+@pytest.mark.parametrize("build_ahead", [True, False])
+def test_a_pipelined_first_epoch_gathers_whole_while_its_blocks_are_built_beside_it(
+    graph: Data, order: str, build_ahead: bool
+) -> None:
+    """Epoch 0 of a pipelined mode runs GA in one product (no per-interval block used) and builds the
+    per-interval blocks on a background thread (unless ``build_ahead=False``: ``intervals="auto"`` re-cuts
+    them); epoch 1 takes those blocks, equal array for array to a foreground build, and gives the same
+    values and gradients up to the order of the sums. Requests go out per interval in both epochs."""
+    [part] = partition_graph(graph, 1, interval_size=16)
+    ctx = GraphCache().context(part)
+    torch.manual_seed(0)
+    conv = GCNConv(F_IN, 5, order=order).double()
+    executor = RecordingExecutor()
+    runtime = DorylusRuntime(executor=executor, exchange=GhostExchange(), staleness=0,
+                             build_ahead=build_ahead)
+    conv.attach(runtime)
+    kind = "rows" if order == "gather_first" else "columns"
+    results = []
+    for epoch in (0, 1):
+        runtime.epoch = epoch
+        x = graph.x[part.local_nodes].clone().requires_grad_()
+        out = conv(x, ctx)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad, [p.grad.clone() for p in conv.parameters()]))
+        conv.zero_grad()
+        built = set(ctx._blocks) | set(ctx._column_blocks)
+        if epoch == 0:
+            assert built == ({("gcn", torch.float64, False)} if kind == "rows" else {(torch.float64, False)})
+            assert set(ctx._building) == ({(kind, "gcn", torch.float64)} if build_ahead else set())
+        else:
+            assert ("gcn", torch.float64, True) in built or (torch.float64, True) in built
+            assert not ctx._building  # taken (or, without build_ahead, built now)
+    assert executor.calls[:4] == [("apply_vertex.forward", i) for i in range(4)]
+    assert executor.calls[8:12] == executor.calls[:4]  # epoch 1: per interval as well
+    (out0, gx0, gp0), (out1, gx1, gp1) = results
+    torch.testing.assert_close(out1, out0)
+    torch.testing.assert_close(gx1, gx0)
+    for a, b in zip(gp1, gp0):
+        torch.testing.assert_close(a, b)
+    adjacency = ctx.gcn(torch.float64)
+    foreground = (structure.interval_blocks(adjacency, ctx.intervals) if kind == "rows"
+                  else structure.column_blocks(adjacency, ctx.intervals))
+    taken = ctx.blocks("gcn", torch.float64) if kind == "rows" else ctx.column_blocks(torch.float64)
+    for mine, theirs in zip(taken, foreground, strict=True):
+        assert mine.rows == theirs.rows and mine.group_rows == theirs.group_rows
+        for name in ("adj", "adj_t", "adj_t_rows"):
+            a, b = getattr(mine, name), getattr(theirs, name)
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a.to_dense(), b.to_dense())
+
+
+def test_build_ahead_names_bad_arguments_and_a_re_cut_drops_a_pending_build(graph: Data) -> None:
+    [part] = partition_graph(graph, 1, interval_size=16)
+    ctx = GraphCache().context(part)
+    with pytest.raises(ValueError, match=r"blocks='diagonal': expected 'rows' or 'columns'"):
+        ctx.build_ahead("diagonal", "gcn", torch.float64)
+    with pytest.raises(ValueError, match=r"kind='sum': expected 'gcn' or 'mean'"):
+        ctx.build_ahead("rows", "sum", torch.float64)
+    ctx.build_ahead("rows", "mean", torch.float64)
+    ctx.build_ahead("rows", "mean", torch.float64)  # already under way: not started twice
+    assert list(ctx._building) == [("rows", "mean", torch.float64)]
+    ctx.set_num_intervals(2)  # blocks of the old intervals: never taken
+    assert not ctx._building
+    assert [b.rows for b in ctx.blocks("mean", torch.float64)] == ctx.intervals == [(0, 30), (30, 60)]
 
 
 @pytest.mark.parametrize("concat", [True, False])
