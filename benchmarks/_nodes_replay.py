@@ -13,7 +13,7 @@ costs, each measured as the preemption benchmark measures it on one machine:
   :data:`WARMUP_SPANS` intervals. A mean, not a median: the replay turns it into samples per second, and
   the occasional slow step inside a generation (a replacement starting on the same cores, a collection) is
   part of what the generation trained. The median left those out, and the replay over-predicted every
-  mode by 8-10 % (docs/bamboo-elastic.md, "The replay's step: a mean");
+  mode by 8-10 % (benchmarks/results/bamboo-elastic-history.md, "The replay's step: a mean");
 * ``failover_s``: a machine lost to the first step a later generation committed (``bamboo_nodes.py``'s own
   figure); ``failover_warmup_s``: the excess of a failover generation's first intervals over its steady step;
 * ``rejoin_delay_s``: a replacement machine started to the last step the job committed without it (its

@@ -11,9 +11,10 @@ of process spent is divided by the steps committed meanwhile.
 
 Why CPU and not only the step: on a machine where these processes share few cores the step is set by the
 CPU the whole job spends per step, so the wall-clock overhead moves with whatever else runs, by as much as
-any piece of the fault tolerance (``docs/bamboo-elastic.md``, "What the rest of the overhead is"). CPU
-seconds per step are what each process costs, whatever the machine does meanwhile; on machines with cores to
-spare for the agents and etcd only the trainers' own share is on the step's critical path.
+any piece of the fault tolerance (``benchmarks/results/bamboo-elastic-history.md``, "What the rest of the
+overhead is"). CPU seconds per step are what each process costs, whatever the machine does meanwhile; on
+machines with cores to spare for the agents and etcd only the trainers' own share is on the step's critical
+path.
 
 Kinds: ``trainer`` (the training processes, started by the agents' preload servers or by torchrun),
 ``agent`` (``lightning_bamboo.launch``), ``torchrun``, ``etcd``, ``bench`` (this benchmark and

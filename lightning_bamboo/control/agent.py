@@ -262,8 +262,9 @@ class Agent:
     # ------------------------------------------------------------------ the record of the job
     def record(self) -> dict[str, object]:
         """What happened to the job so far, as this agent knows it, as JSON data (the ``BAMBOO_EVENTS``
-        file, docs/bamboo-elastic.md): ``changes`` (every generation change this agent decided as the
-        coordinator: kind, lost, left, joined, old and new map), ``joins`` (completed joins with their cost),
+        file, docs/bamboo-elastic-reference.md): ``changes`` (every generation change this agent decided as
+        the coordinator: kind, lost, left, joined, old and new map), ``joins`` (completed joins with their
+        cost),
         ``hung`` (members killed for a silent heartbeat), ``error`` (the error of the training code that
         stopped the job), ``stop`` (reason, exit code, members killed for not stopping in time: ``None`` until
         known), ``exits`` (each worker's exit code, negative for a signal, ``None`` while it runs),

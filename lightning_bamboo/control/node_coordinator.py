@@ -42,8 +42,8 @@ class PeerWatch:
         """Read the number of machines registered and every live machine's lease counter (once per tick,
         before the election). The coordinator's decisions in the same tick use this count (:attr:`registered`)
         rather than reading it again: on etcd a re-read in a tick is a round trip of its own, and the
-        coordinator's two were about a quarter of its requests (docs/bamboo-elastic.md, "Where the CPU
-        goes"). A machine registering meanwhile is seen at the next tick."""
+        coordinator's two were about a quarter of its requests (benchmarks/results/bamboo-elastic-history.md,
+        "Where the CPU goes"). A machine registering meanwhile is seen at the next tick."""
         self.registered = mc.count(self.store)
         self.leases.observe([m for m in range(self.registered) if m not in self.dead])
 

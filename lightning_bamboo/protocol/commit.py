@@ -45,7 +45,7 @@ class StepCommit:
 
     On a :class:`RoundTripStore` (etcd, across machines) a member prepares with one vote and waits on a watch:
     polling there cost about 230 reads and 25 transactions per step with 6 members, and the step took 11x
-    the step without fault tolerance (``docs/bamboo-elastic.md``).
+    the step without fault tolerance (``benchmarks/results/bamboo-elastic-history.md``).
     """
 
     def __init__(self, store: dist.Store, generation: int, size: int) -> None:

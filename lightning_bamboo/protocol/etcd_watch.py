@@ -27,7 +27,8 @@ REREAD_S = 2.0
 
 Only a broken stream waits this long; a put wakes the waiter at once. Each member holds two such waiters for
 its whole life (its cutter's and its step boundary's watch on ``gen``): at 0.5 s, their re-reads alone were
-about 4 requests per step of a failure-free six-member job (``docs/bamboo-elastic.md``)."""
+about 4 requests per step of a failure-free six-member job (``docs/bamboo-elastic-reference.md``,
+"The job's store on etcd")."""
 
 
 def prefix_end(prefix: bytes) -> bytes:

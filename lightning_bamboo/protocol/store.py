@@ -56,7 +56,7 @@ ENV_LOCAL_RANK = "BAMBOO_LOCAL_RANK"
 ENV_ONE_MACHINE_COMMIT = "BAMBOO_ONE_MACHINE_COMMIT"
 """``collective``: a job on one machine commits its steps by all-reduce as a job across machines does, instead
 of through its TCPStore. A measurement switch (``benchmarks/bamboo_ft_cost.py --one-machine-commit``): on one
-machine the store's commit measured faster (docs/bamboo-elastic.md, "The two-phase step")."""
+machine the store's commit measured faster (docs/bamboo-elastic-reference.md, "The two-phase step")."""
 
 
 def connect(url: str, job: str, timeout: float = 60.0, request_timeout: float = 30.0) -> dist.Store:
@@ -276,7 +276,7 @@ class Heartbeat:
     A SIGSTOPped (or otherwise frozen) process stops bumping; the launcher notices after its hang timeout
     (it only looks for a change of the value). Each beat is one write of this thread's own count: ``add``
     is a read and a compare-and-swap on etcd, two round trips, and six members beating every 0.25 s made
-    about a third of a failure-free job's requests there (``docs/bamboo-elastic.md``, "Detection").
+    about a third of a failure-free job's requests there (``docs/bamboo-elastic-reference.md``, "Detection").
     """
 
     def __init__(self, env: WorkerEnv, interval: float) -> None:

@@ -5,7 +5,7 @@ Why: on etcd every request is a network round trip, and the store's two-phase co
 (:class:`~lightning_bamboo.protocol.commit.StepCommit`: a vote, the last voter's decision, a read after the
 wake) put about three of them on every step's critical path. A failure-free step of the six-member
 multi-machine benchmark took 0.18 s where the same pipeline without fault tolerance took 0.055 s
-(``docs/bamboo-elastic.md``, "The commit on etcd").
+(``docs/bamboo-elastic-reference.md``, "The two-phase step").
 
 The rule is the store commit's: a step commits when every member prepared (its gradients, and its replica's,
 are where the step needs them), and every survivor of a loss ends on the same side of the step. Here:
@@ -34,7 +34,7 @@ Settling costs a failover a few requests (a report; the others' read in one requ
 sees one written); the failure-free step costs one small all-reduce. On one machine the store is local (a
 ``TCPStore``: a round trip of well under a millisecond), and the store commit stays
 (:meth:`Membership.vote`): it measured no slower there, and faster under load, where an all-reduce needs
-every worker scheduled at once (docs/bamboo-elastic.md, "The two-phase step").
+every worker scheduled at once (docs/bamboo-elastic-reference.md, "The two-phase step").
 """
 
 from __future__ import annotations

@@ -100,7 +100,8 @@ class Membership:
             self._heartbeat = ms.Heartbeat(self.env, interval)
             self._generations = ms.GenerationWatch(store)
             # across machines the commit is one all-reduce; on one machine, the store's (measured faster
-            # there: docs/bamboo-elastic.md, "The two-phase step"), unless a measurement asks otherwise
+            # there: docs/bamboo-elastic-reference.md, "The two-phase step"), unless a measurement asks
+            # otherwise
             one_machine_collective = os.environ.get(ms.ENV_ONE_MACHINE_COMMIT) == "collective"
             if isinstance(store, ms.RoundTripStore) or one_machine_collective:
                 env = self.env

@@ -1,5 +1,5 @@
-"""The supervisor's JSON record of a job (``BAMBOO_EVENTS``, docs/bamboo-elastic.md), read by the tests
-instead of the lines and grids it prints."""
+"""The supervisor's JSON record of a job (``BAMBOO_EVENTS``, docs/bamboo-elastic-reference.md), read by the
+tests instead of the lines and grids it prints."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ STEPS = 6
 CLIP = 0.05  # small enough that every step of the model clips
 # One re-run: a member can still die on a gloo "connection reset" raised outside the failure handling while a
 # second kill is in flight (seen once, in a full-suite run of test_sigkill_middle_stage; open, see
-# docs/bamboo-elastic.md).
+# docs/bamboo-elastic-reference.md, "Known race").
 pytestmark = pytest.mark.flaky(reruns=1)
 
 
