@@ -7,7 +7,7 @@
 # Each configuration's whole output goes to $OUT/<name>.log (the device tool brings $OUT back); this prints
 # the last line of each. pymetis travels as a wheel in .whl/ (see /work/.library/device/README.md); the
 # device's own torch, Lightning and PyG are used. Nothing here is a test: the figures go to
-# docs/dorylus-benchmark.md with the machine that gave them.
+# docs/dorylus-pipeline-benchmark.md with the machine that gave them.
 set -u
 for arg in "$@"; do case $arg in *=*) export "${arg?}" ;; *) phase=$arg ;; esac; done
 out=${OUT:-/tmp/device-out}
