@@ -9,7 +9,8 @@ Default: GCN and GAT on Cora, 2 graph servers, 5 seeds. Targets (issue 11): GCN 
 (published 81.5 / 83.0). ``--pyg`` also trains PyG's own ``examples/gat.py`` (:mod:`benchmarks.pyg_gat`) on
 the same seeds and graph, and the last line adds ``pyg_gat_mean=<y> gap=<x - y>``: GAT is within 0.5 points of
 PyG over 10 seeds (issue 32). ``--strategy auto`` runs one process (equal to the graph servers' results, seed
-for seed: tests/dorylus/test_strategy.py), the cheap way to sweep seeds. Recorded figures: docs/dorylus.md.
+for seed: tests/dorylus/test_strategy.py), the cheap way to sweep seeds. Recorded figures:
+docs/dorylus-accuracy.md.
 The unit test trains seed 0 only (tests/dorylus/test_cora_accuracy.py): a mean over seeds is a statistic.
 
     python benchmarks/cora_accuracy.py [--seeds 5] [--out DIR]     (about 4 min on a quiet 2-core machine)

@@ -14,7 +14,7 @@ not capped (Lambda's 1,000 per region), the executor's workers are (``--executor
 worker cores divided among the servers, so every worker core runs one, as concurrent Lambdas would). The
 servers start with ``OMP_WAIT_POLICY=PASSIVE`` (``--omp-wait-policy``): several servers share the server
 cores, and OpenMP threads that spin between a server's many small operations take the cores the other
-servers need (on 16 cores, 2 servers: 3.8 -> 2.4 server CPU-s per epoch; docs/dorylus-benchmark.md).
+servers need (on 16 cores, 2 servers: 3.8 -> 2.4 server CPU-s per epoch; docs/dorylus-pipeline-benchmark.md).
 
 Where the tensor work runs (the pipeline's premise): on AWS the executors' tensor ops run on Lambda's CPUs,
 not the graph servers'; here the executor workers are processes on the same machine. So by default the
@@ -493,7 +493,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"start the graph servers (and so their executor workers) with GLIBC_TUNABLES="
                              f"{HUGE_PAGES_TUNABLE}: glibc asks for transparent huge pages on the buffers it "
                              "maps, which the strategy's mmap_threshold makes every buffer of 1 MiB or more "
-                             "(docs/dorylus-benchmark.md)")
+                             "(docs/dorylus-pipeline-benchmark.md, 'Huge pages')")
     parser.add_argument("--profile", action="store_true",
                         help="also print, per configuration and server, the seconds blocked on the executor")
     parser.add_argument("--worker", choices=["prepare", "server"], help=argparse.SUPPRESS)

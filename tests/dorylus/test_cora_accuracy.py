@@ -4,8 +4,8 @@ One 2-process job (``scripts/cora_run.py --model gcn,gat --seeds 1``) runs ``exp
 as ``python -m recipes.train`` does (``NormalizeFeatures``, PyG's example hyper-parameters, 200 epochs, the
 test accuracy of the best validation epoch through ``ModelCheckpoint`` + ``trainer.test(ckpt_path="best")``)
 for seed 0 of each model, tensor ops on the inline executor. Seed 0 reaches GCN 81.6 %, GAT 81.4 %
-(docs/dorylus.md); the bar of 80.0 % proves learning on real data with margin. The published-accuracy claim
-(mean of 5 seeds >= 80.5 / 82.0) is a statistic, measured by ``python benchmarks/cora_accuracy.py``.
+(docs/dorylus-accuracy.md); the bar of 80.0 % proves learning on real data with margin. The published-accuracy
+claim (mean of 5 seeds >= 80.5 / 82.0) is a statistic, measured by ``python benchmarks/cora_accuracy.py``.
 """
 
 from __future__ import annotations

@@ -187,8 +187,8 @@ def test_gat_masks_are_independent_draws_at_the_keep_rate() -> None:
     """GAT's four dropout sites on a Cora-sized graph (p = 0.6, 30 epochs) draw what ``F.dropout`` draws:
     every entry kept with probability 0.4, independently of the other heads of its edge, of the previous
     epoch, and of the other sites; an edge's kept heads are Binomial(8, 0.4). Issue 32 asked whether the
-    hashed masks explain GAT's gap to PyG on CiteSeer: they do not (docs/dorylus.md, "GAT against PyG"), and a
-    change to the hash that correlates heads, epochs or layers fails here."""
+    hashed masks explain GAT's gap to PyG on CiteSeer: they do not (docs/dorylus-accuracy.md, "GAT against
+    PyG"), and a change to the hash that correlates heads, epochs or layers fails here."""
     p, keep, n, epochs = 0.6, 0.4, 2708, 30
     gen = torch.Generator().manual_seed(0)
     src, dst = torch.randint(0, n, (2, 10_556), generator=gen)
