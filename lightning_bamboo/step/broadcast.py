@@ -1,5 +1,6 @@
-"""Broadcasts (and an all-gather) that never pickle: small plain values as JSON bytes, and batches as JSON
-header + raw bytes, both in the one codec of every boundary (:mod:`lbd_common.codec`).
+"""Broadcasts (and an all-gather) that never pickle: small plain values as JSON bytes (the one implementation
+both strategies share, :mod:`lbd_common.broadcast`), and batches as JSON header + raw bytes, both in the one
+codec of every boundary (:mod:`lbd_common.codec`).
 
 Lightning broadcasts checkpoint directories and log paths through ``Strategy.broadcast``. DDP does that with
 ``broadcast_object_list``, which pickles; here only JSON-representable values are accepted, so nothing that
@@ -9,81 +10,37 @@ crosses a process boundary is ever unpickled.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lbd_common import broadcast as common
 from lbd_common import codec
 
-_PATH_KEY = "__bamboo_path__"
+_CALLER = "BambooStrategy.broadcast"
+"""What a refused value's ``TypeError`` names."""
 
 
 def _encode(obj: Any) -> Any:
-    if isinstance(obj, Path):
-        return {_PATH_KEY: str(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [_encode(item) for item in obj]
-    if isinstance(obj, dict):
-        if not all(isinstance(key, str) for key in obj):
-            raise TypeError(
-                f"BambooStrategy.broadcast supports dicts with str keys only, got keys {list(obj)}"
-            )
-        return {key: _encode(value) for key, value in obj.items()}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(
-        f"BambooStrategy.broadcast sends JSON values only (None, bool, int, float, str, Path, lists and "
-        f"dicts of them) so nothing is unpickled; got {type(obj).__name__}"
-    )
+    """``obj`` as a JSON value (paths marked); ``TypeError`` for what only pickle could carry."""
+    return common.encode_json(obj, _CALLER)
 
 
-def _decode(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        if set(obj) == {_PATH_KEY}:
-            return Path(obj[_PATH_KEY])
-        return {key: _decode(value) for key, value in obj.items()}
-    if isinstance(obj, list):
-        return [_decode(item) for item in obj]
-    return obj
+_decode = common.decode_json
 
 
 def broadcast_json(obj: Any, src: int, device: torch.device, group: Any = None) -> Any:
-    """Broadcast ``obj`` from global rank ``src`` to every rank of ``group`` (collective)."""
-    rank = dist.get_rank()
-    payload = codec.json_bytes(_encode(obj), "broadcast") if rank == src else b""
-    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    dist.broadcast(length, src, group=group)
-    size = codec.check_header_length(int(length.item()), f"broadcast from rank {src}")
-    if rank == src:
-        buffer = codec.bytes_tensor(payload, device)
-    else:
-        buffer = torch.empty(size, dtype=torch.uint8, device=device)
-    dist.broadcast(buffer, src, group=group)
-    return _decode(codec.parse_json(buffer, f"broadcast from rank {src}"))
+    """Broadcast ``obj`` from global rank ``src`` to every rank of ``group`` (collective;
+    :func:`lbd_common.broadcast.broadcast_json`)."""
+    return common.broadcast_json(obj, src, device, group, caller=_CALLER)
 
 
 def all_gather_json(obj: Any, device: torch.device, group: Any = None) -> list[Any]:
-    """Every rank's ``obj`` (a JSON value) on every rank of ``group``, in rank order (collective): each as
-    JSON bytes in a ``uint8`` tensor padded to the longest."""
-    world = dist.get_world_size(group)
-    payload = codec.json_bytes(_encode(obj), "all-gather")
-    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    lengths = [torch.empty_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length, group=group)
-    sizes = [
-        codec.check_header_length(int(n.item()), f"all-gather from rank {r}") for r, n in enumerate(lengths)
-    ]
-    buffer = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
-    buffer[: len(payload)] = codec.bytes_tensor(payload, device)
-    buffers = [torch.empty_like(buffer) for _ in range(world)]
-    dist.all_gather(buffers, buffer, group=group)
-    return [
-        _decode(codec.parse_json(b[:n], f"all-gather from rank {r}"))
-        for r, (b, n) in enumerate(zip(buffers, sizes))
-    ]
+    """Every rank's ``obj`` (a JSON value) on every rank of ``group``, in rank order (collective;
+    :func:`lbd_common.broadcast.all_gather_json`)."""
+    return common.all_gather_json(obj, device, group, caller=_CALLER)
 
 
 # ---------------------------------------------------------------------------------------------- batches
