@@ -15,13 +15,19 @@ import torch
 from torch import nn
 
 from lbd_common import codec
+from lbd_common.broadcast import encode_object
 from lightning_bamboo.checkpoint.layers import describe, gather, materialize
 from lightning_bamboo.pipeline.replica import follow_schema, hyperparameter_schema
 from lightning_bamboo.pipeline.transfers import BoundaryLayout
 from lightning_bamboo.step.broadcast import _describe, _encode, _rebuild, _specs
 from lightning_dorylus.predict import _check_headers, _header
-from lightning_dorylus.strategy import _encode_broadcast_header
 from tests.process import REPO, run_ranks
+
+
+def broadcast_header(obj: object) -> bytes:
+    """What ``DorylusStrategy.broadcast``'s source sends first (``b""``: every rank raises)."""
+    return encode_object(obj, "DorylusStrategy.broadcast")
+
 
 Pair = namedtuple("Pair", ["x", "mask"])
 
@@ -203,11 +209,11 @@ def test_replica_schema_names_tensor_settings_by_the_codec_and_refuses_others() 
 
 
 def test_dorylus_broadcast_and_prediction_headers_use_the_allow_list() -> None:
-    assert json.loads(_encode_broadcast_header(torch.zeros((), dtype=torch.bfloat16))) == {
+    assert json.loads(broadcast_header(torch.zeros((), dtype=torch.bfloat16))) == {
         "kind": "tensor", "dtype": "bfloat16", "shape": []
     }
-    assert _encode_broadcast_header(torch.zeros(2, dtype=torch.complex64)) == b""  # every rank raises
-    assert _encode_broadcast_header(float("nan")) != b""  # a NaN metric is a JSON value here
+    assert broadcast_header(torch.zeros(2, dtype=torch.complex64)) == b""  # every rank raises
+    assert broadcast_header(float("nan")) != b""  # a NaN metric is a JSON value here
     rows = torch.zeros(3, 2, dtype=torch.complex64)
     with pytest.raises(ValueError, match=r"predict_step on graph server 0 returned a tensor of shape \(3"):
         _check_headers(_header(rows, 3)[None], [3])

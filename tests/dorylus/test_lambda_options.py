@@ -32,7 +32,7 @@ def no_aws_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 def _started(strategy: DorylusStrategy) -> TensorOpExecutor:
     """The executor as ``DorylusStrategy`` builds it from ``executor`` + ``executor_options``, started
     (which creates the boto3 clients; nothing is invoked)."""
-    executor = build_executor(strategy._executor_spec, **strategy._executor_options)
+    executor = build_executor(strategy.options.executor, **strategy.options.executor_options)
     executor.start()
     return executor
 

@@ -23,13 +23,13 @@ def test_registered(name: str, init_params: dict) -> None:
     assert entry["init_params"] == init_params
     strategy = StrategyRegistry.get(name)
     assert isinstance(strategy, DorylusStrategy)
-    assert strategy._executor_spec == init_params["executor"]
+    assert strategy.options.executor == init_params["executor"]
 
 
 def test_trainer_resolves_strategy_name() -> None:
     trainer = Trainer(strategy="dorylus", accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, DorylusStrategy)
-    assert trainer.strategy._executor_spec == "local"
+    assert trainer.strategy.options.executor == "local"
     assert trainer.world_size == 2
 
 

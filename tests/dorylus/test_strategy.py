@@ -22,11 +22,17 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from safetensors.torch import load_file
 
+from lbd_common.broadcast import encode_object
 from lightning_dorylus import GCN, DorylusStrategy
 from lightning_dorylus.data import partition_graph
-from lightning_dorylus.strategy import _encode_broadcast_header
 from tests.dorylus.scripts.exact_run import INTERVAL_SIZE, loader, make_graph, make_model, train
 from tests.dorylus.scripts.launch import SCRIPTS, run_script
+
+
+def broadcast_header(obj: object) -> bytes:
+    """What ``DorylusStrategy.broadcast``'s source sends first (``b""``: every rank raises)."""
+    return encode_object(obj, "DorylusStrategy.broadcast")
+
 
 EPOCHS = 5
 
@@ -147,17 +153,17 @@ def test_graph_servers_match_single_process(
 
 
 def test_broadcast_header_refuses_what_json_cannot_carry() -> None:
-    assert json.loads(_encode_broadcast_header(Path("/a/b"))) == {"kind": "path", "value": "/a/b"}
-    assert json.loads(_encode_broadcast_header(torch.zeros(2, 3, dtype=torch.float64))) == {
+    assert json.loads(broadcast_header(Path("/a/b"))) == {"kind": "path", "value": "/a/b"}
+    assert json.loads(broadcast_header(torch.zeros(2, 3, dtype=torch.float64))) == {
         "kind": "tensor",
         "dtype": "float64",
         "shape": [2, 3],
     }
-    assert json.loads(_encode_broadcast_header({"a": [1, None]})) == {
+    assert json.loads(broadcast_header({"a": [1, None]})) == {
         "kind": "json",
         "value": {"a": [1, None]},
     }
-    assert _encode_broadcast_header(object()) == b""
+    assert broadcast_header(object()) == b""
 
 
 def test_mmap_threshold_returns_freed_buffers_to_the_os() -> None:

@@ -24,6 +24,7 @@ from torch_geometric.nn import norm as pyg_norm
 from lightning_dorylus import GCN, DorylusStrategy
 from lightning_dorylus.data import partition_graph
 from lightning_dorylus.dropout_check import TorchDropoutCheck, torch_dropout_message
+from lightning_dorylus.loss_share import resolve_loss_reduction, train_share
 from lightning_dorylus.nn.norm import GraphBatchNorm, check_vertex_norms, convert_batchnorm, revert_batchnorm
 from lightning_dorylus.predict import gather_vertex_rows
 from tests.dorylus.scripts.exact_run import INTERVAL_SIZE, NUM_CLASSES, make_graph
@@ -173,14 +174,13 @@ def test_gathered_rows_are_in_global_order_in_one_process() -> None:
 
 def test_train_share_and_a_server_without_train_vertices() -> None:
     parts = partition_graph(make_graph(), 2, partitioner="metis", interval_size=INTERVAL_SIZE)
-    strategy = DorylusStrategy(executor="inline")
-    shares = [strategy._train_share(p) for p in parts]
+    shares = [train_share(p, 0) for p in parts]
     assert sum(shares) == pytest.approx(1.0) and all(0 < s < 1 for s in shares)
     parts[0].train_mask[:] = False
     match = (r"graph server 0 owns no train vertex, so a mean over its train vertices is 0 / 0 .* set "
              r"loss_reduction='sum' \(as NodeClassifier\)")
     with pytest.raises(ValueError, match=match):
-        strategy._train_share(parts[0])
+        train_share(parts[0], 0)
 
 
 def test_loss_reduction_comes_from_the_module_or_the_strategy() -> None:
@@ -188,8 +188,7 @@ def test_loss_reduction_comes_from_the_module_or_the_strategy() -> None:
     assert gcn.dorylus_loss_reduction == "sum"
 
     def resolved(strategy: DorylusStrategy, module: LightningModule) -> str:
-        strategy._lightning_module = module  # what connect() sets
-        return strategy._resolve_loss_reduction()
+        return resolve_loss_reduction(module, strategy.options.loss_reduction)
 
     plain = LightningModule()
     assert resolved(DorylusStrategy(executor="inline"), plain) == "mean"

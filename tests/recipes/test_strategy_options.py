@@ -64,9 +64,10 @@ def test_every_option_is_overridden_without_plus(name: str, tmp_path: Path) -> N
                  "strategy.num_threads=1", "strategy.start_method=spawn"]
     strategy = build_strategy(compose_recipe(EXPERIMENT[name], tmp_path, overrides).strategy)
     assert isinstance(strategy, DorylusStrategy)
-    assert strategy._staleness == 1
-    assert strategy._num_threads == 1
-    assert strategy._start_method == "spawn"
-    assert strategy._stale_reads == "oldest"
-    assert (strategy._intervals, strategy._max_in_flight) == (4, 8)
-    assert strategy._loss_reduction_arg == "sum" and strategy._mmap_threshold is None
+    options = strategy.options
+    assert options.staleness == 1
+    assert options.num_threads == 1
+    assert options.start_method == "spawn" and strategy._start_method == "spawn"  # DDPStrategy's launcher
+    assert options.stale_reads == "oldest"
+    assert (options.intervals, options.max_in_flight) == (4, 8)
+    assert options.loss_reduction == "sum" and options.mmap_threshold is None

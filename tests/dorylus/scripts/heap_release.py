@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from lightning_dorylus.strategy import set_mmap_threshold
+from lightning_dorylus.memory import set_mmap_threshold
 
 
 def rss_mib() -> float:
