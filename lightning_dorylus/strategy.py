@@ -122,16 +122,10 @@ class DorylusStrategy(DDPStrategy):
         max_in_flight: int | None = None,
         loss_reduction: LossReduction | None = None,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method)
         self._options = DorylusOptions(
             executor=executor, executor_options=executor_options or {}, start_method=start_method,
             mmap_threshold=mmap_threshold, num_threads=num_threads, staleness=staleness,
