@@ -20,7 +20,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_dorylus import DorylusStrategy
+from lightning_dorylus import DorylusStrategy, lost_server
 from lightning_dorylus import _lightning as _private
 from lightning_dorylus.data import partition_graph
 from tests.dorylus.scripts.exact_run import INTERVAL_SIZE, loader, make_graph, make_model
@@ -44,7 +44,8 @@ def test_flat_bucket_round_trip() -> None:
 def test_process_group_helpers_in_a_one_process_group(tmp_path: Path) -> None:
     """``distributed_is_initialized`` tells whether a group exists; ``sync_module_states`` gives every replica
     rank 0's parameters and buffers (a no-op on one rank); ``destroy_dist_connection`` ends the group (what
-    the strategy registers at exit)."""
+    the strategy registers at exit). Also the group's store, which ``lost_server`` reads through torch's
+    private ``_get_default_store``."""
     if dist.is_initialized():
         pytest.skip("a process group is already open in this process")
     assert _private.distributed_is_initialized() is False
@@ -56,6 +57,8 @@ def test_process_group_helpers_in_a_one_process_group(tmp_path: Path) -> None:
         before = {k: v.clone() for k, v in module.state_dict().items()}
         _private.sync_module_states(module)
         assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+        # torch's private accessor lost_server reads (it falls back to the backend's error without it)
+        assert lost_server.process_group_store() is not None
     finally:
         _private.destroy_dist_connection()
     assert _private.distributed_is_initialized() is False
