@@ -40,7 +40,7 @@ class DorylusOptions:
             leaves the allocator alone. A C library without ``mallopt`` logs a warning. Such buffers are
             faulted in 4 KiB at a time: ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` in the environment that
             starts training backs them with huge pages (synchronous server CPU -15 % on the 1M-vertex
-            benchmark, same peak memory; docs/dorylus-benchmark.md).
+            benchmark, same peak memory; docs/dorylus-pipeline-benchmark.md, "Huge pages").
         num_threads: BLAS/OpenMP (and torch intra-op) threads of each graph server; ``None``: the
             environment's ``OMP_NUM_THREADS`` if set, else available cores / graph servers on this machine
             (``lightning_dorylus.threads``); with ``staleness`` set, less the threads of the ``local``
@@ -57,7 +57,7 @@ class DorylusOptions:
             to ``S`` epochs old, so a graph server waits for a peer only when it is more than ``S`` epochs
             behind; and, on one server from ``S = 1``, on several from ``S = 2`` (it takes one epoch of the
             bound, ghosts then get ``S - 1``), a weight-first first layer sends the next epoch's requests
-            during this epoch's last wait, with the weights one update behind (see ``docs/dorylus.md``,
+            during this epoch's last wait, with the weights one update behind (see ``docs/dorylus-engine.md``,
             "Bounded asynchrony"). What it buys: it hides waiting, not compute: a server does not wait
             for a slower peer's ghosts, and the executors' work overlaps the server's GA. It costs the
             per-interval blocks' memory (13-16 % more on 2 servers). Where the executors share the
