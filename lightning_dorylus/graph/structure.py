@@ -537,15 +537,21 @@ class GraphContext:
             self._mean[dtype] = mean_adjacency(self.partition, dtype)
         return self._mean[dtype]
 
+    def _adjacency(self, kind: str, dtype: torch.dtype) -> GCNAdjacency:
+        """The ``"gcn"`` or ``"mean"`` adjacency of ``dtype`` (a ValueError naming ``kind`` otherwise)."""
+        if kind == "gcn":
+            return self.gcn(dtype)
+        if kind == "mean":
+            return self.mean(dtype)
+        raise ValueError(f"kind={kind!r}: expected 'gcn' or 'mean'")
+
     def blocks(self, kind: str, dtype: torch.dtype, per_interval: bool = True) -> list[AdjacencyBlock]:
         """Row blocks of the ``"gcn"`` or ``"mean"`` adjacency (built on first use, or taken from
         :meth:`build_ahead`): one per interval (:func:`interval_blocks`), or ``per_interval=False`` one
         :func:`whole_block` (no copy)."""
         key = (kind, dtype, per_interval)
         if key not in self._blocks:
-            if kind not in ("gcn", "mean"):
-                raise ValueError(f"kind={kind!r}: expected 'gcn' or 'mean'")
-            adjacency = self.gcn(dtype) if kind == "gcn" else self.mean(dtype)
+            adjacency = self._adjacency(kind, dtype)
             built = self._building.pop(("rows", kind, dtype), None) if per_interval else None
             self._blocks[key] = (built.result() if built is not None
                                  else interval_blocks(adjacency, self.intervals) if per_interval
@@ -586,9 +592,7 @@ class GraphContext:
         if key in self._building or done:
             return
         if blocks == "rows":
-            if kind not in ("gcn", "mean"):
-                raise ValueError(f"kind={kind!r}: expected 'gcn' or 'mean'")
-            adjacency = self.gcn(dtype) if kind == "gcn" else self.mean(dtype)
+            adjacency = self._adjacency(kind, dtype)
             build: Callable[[GCNAdjacency, list[tuple[int, int]]], list[AdjacencyBlock]] = interval_blocks
         else:
             adjacency, build = self.gcn(dtype), column_blocks
