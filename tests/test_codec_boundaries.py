@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from lbd_common import codec
-from lbd_common.broadcast import encode_object
+from lbd_common.broadcast import encode_json, encode_object
 from lightning_bamboo.checkpoint.layers import describe, gather, materialize
 from lightning_bamboo.pipeline.replica import follow_schema, hyperparameter_schema
 from lightning_bamboo.pipeline.transfers import BoundaryLayout
-from lightning_bamboo.step.broadcast import _describe, _encode, _rebuild, _specs
+from lightning_bamboo.step.broadcast import _describe, _rebuild, _specs
 from lightning_dorylus.predict import _check_headers, _header
 from tests.process import REPO, run_ranks
 
@@ -72,7 +72,7 @@ def assert_same_batch(got: Any, expected: Any) -> None:
 def _over_the_wire(batch: Any) -> tuple[Any, torch.Tensor]:
     """What broadcast_batch's source sends: the JSON tree (as broadcast_json encodes it) and the buffer."""
     tensors: list[torch.Tensor] = []
-    tree = json.loads(codec.json_bytes(_encode(_describe(batch, tensors))))
+    tree = json.loads(codec.json_bytes(encode_json(_describe(batch, tensors), "BambooStrategy.broadcast")))
     return tree, codec.pack(tensors)
 
 

@@ -23,14 +23,6 @@ _CALLER = "BambooStrategy.broadcast"
 """What a refused value's ``TypeError`` names."""
 
 
-def _encode(obj: Any) -> Any:
-    """``obj`` as a JSON value (paths marked); ``TypeError`` for what only pickle could carry."""
-    return common.encode_json(obj, _CALLER)
-
-
-_decode = common.decode_json
-
-
 def broadcast_json(obj: Any, src: int, device: torch.device, group: Any = None) -> Any:
     """Broadcast ``obj`` from global rank ``src`` to every rank of ``group`` (collective;
     :func:`lbd_common.broadcast.broadcast_json`)."""

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lbd_common.broadcast import decode_json, encode_json
 from lightning_bamboo.pipeline.p2p import HEADER_LEN, decode_header, encode_header
-from lightning_bamboo.step.broadcast import _decode, _encode
 
 
 @pytest.mark.parametrize(
@@ -32,12 +32,12 @@ def test_header_rejects_unsupported() -> None:
 
 def test_broadcast_encoding_round_trip() -> None:
     value = {"dir": Path("/tmp/ckpt"), "n": 3, "x": 0.5, "ok": True, "none": None, "names": ["a", "b"]}
-    assert _decode(_encode(value)) == value
+    assert decode_json(encode_json(value, "BambooStrategy.broadcast")) == value
 
 
 def test_broadcast_refuses_objects_that_would_need_pickle() -> None:
     with pytest.raises(TypeError, match=r"JSON values only .* got object"):
-        _encode(object())
+        encode_json(object(), "BambooStrategy.broadcast")
 
 
 def test_batch_header_and_bytes_round_trip() -> None:
